@@ -1,0 +1,5 @@
+import sys
+
+from dflashkit.cli import main
+
+sys.exit(main())

@@ -1,0 +1,208 @@
+"""The drafter's configuration: one plain dataclass, and its mapping to the exported ``config.json``.
+
+Design choices:
+- The drafter's hidden size, vocabulary, RoPE settings and head layout default to the target's: the drafter
+  reads the target's embeddings and lm_head, so hidden size and vocabulary must match; matching RoPE means a
+  block at position p is rotated exactly as the target rotates p.
+- ``target_layer_ids`` name decoder layers; the feature of layer i is that layer's output
+  (Hugging Face ``hidden_states[i + 1]``). Defaults follow the reference: evenly spaced from layer 1 to L-3.
+- The exported config is a Qwen3 config (``model_type: "qwen3"``) plus the DFlash fields; the DFlash fields live
+  both at top level and under ``dflash_config``, because vLLM, SGLang and the reference read them from either.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def default_target_layer_ids(num_target_layers: int, n: int) -> list[int]:
+    """Evenly spaced taps from layer 1 to L-3 (one tap: the middle layer), as the serving engines expect."""
+    if n < 1:
+        raise ValueError(f"the number of target layers to tap must be >= 1, got {n}")
+    if n == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    return [round(start + j * (end - start) / (n - 1)) for j in range(n)]
+
+
+def _rope_parameters(hf_config: Any) -> dict:
+    """The target's RoPE settings in transformers-5 form ({"rope_type", "rope_theta", ...})."""
+    params = getattr(hf_config, "rope_parameters", None)
+    if isinstance(params, dict) and params:
+        # hybrid configs (Gemma 3) keep one dict per layer type; the drafter follows the full-attention one
+        if "full_attention" in params and isinstance(params["full_attention"], dict):
+            params = params["full_attention"]
+        return dict(params)
+    theta = getattr(hf_config, "rope_theta", None) or 10000.0
+    scaling = getattr(hf_config, "rope_scaling", None)
+    out = dict(scaling) if isinstance(scaling, dict) else {}
+    out.setdefault("rope_type", out.pop("type", "default"))
+    out["rope_theta"] = float(theta)
+    return out
+
+
+@dataclass
+class DrafterConfig:
+    hidden_size: int  # = the target's hidden size (the drafter reads its embeddings and lm_head)
+    num_target_layers: int  # decoder layers of the target, used for the default taps and checks
+    vocab_size: int  # the target's embedding rows (logits come from the target's lm_head)
+    intermediate_size: int = 0  # SwiGLU width; 0 -> the target's
+    num_hidden_layers: int = 5  # drafter decoder layers
+    num_attention_heads: int = 0  # 0 -> the target's
+    num_key_value_heads: int = 0  # GQA groups; 0 -> the target's
+    head_dim: int = 0  # 0 -> the target's head_dim, else hidden_size // num_attention_heads
+    rms_norm_eps: float = 1e-6  # every RMSNorm of the drafter
+    max_position_embeddings: int = 32768  # longest position the RoPE tables are meant for
+    rope_parameters: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})  # the target's RoPE
+    target_layer_ids: list[int] = field(default_factory=list)  # taps; empty -> default_target_layer_ids
+    block_size: int = 16  # tokens per drafted block: the anchor plus block_size-1 predictions
+    mask_token_id: int | None = None  # id of the MASK filler in the block; must match training and serving
+    layer_types: list[str] = field(default_factory=list)  # per drafter layer; empty -> all "full_attention"
+    sliding_window: int | None = None  # window of the sliding_attention layers (keys a query may see)
+    input_embedding_scale: float = 1.0  # the target scales its embeddings by this (Gemma: sqrt(hidden))
+    attention_bias: bool = False  # bias in q/k/v/o projections (Qwen3: none)
+    hidden_act: str = "silu"  # SwiGLU activation
+    initializer_range: float = 0.02  # std of the random init of linear layers
+
+    def __post_init__(self):
+        if not self.target_layer_ids:
+            self.target_layer_ids = default_target_layer_ids(self.num_target_layers, self.num_hidden_layers)
+        self.target_layer_ids = [int(i) for i in self.target_layer_ids]
+        bad = [i for i in self.target_layer_ids if not 0 <= i < self.num_target_layers]
+        if bad:
+            raise ValueError(
+                f"target_layer_ids {self.target_layer_ids}: {bad} outside the target's layers "
+                f"0..{self.num_target_layers - 1}; pick ids in that range (layer i's output is hidden_states[i+1])")
+        if not self.layer_types:
+            self.layer_types = ["full_attention"] * self.num_hidden_layers
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries but num_hidden_layers is "
+                             f"{self.num_hidden_layers}; give one type per drafter layer")
+        unknown = set(self.layer_types) - set(LAYER_TYPES)
+        if unknown:
+            raise ValueError(f"layer_types: unknown {sorted(unknown)}; use {LAYER_TYPES}")
+        if "sliding_attention" in self.layer_types and not self.sliding_window:
+            raise ValueError("layer_types has sliding_attention layers but sliding_window is not set")
+        if self.mask_token_id is not None and not 0 <= int(self.mask_token_id) < self.vocab_size:
+            raise ValueError(f"mask_token_id {self.mask_token_id} is outside the target's vocabulary "
+                             f"(0..{self.vocab_size - 1}); pick an id the embedding has a row for")
+        if self.block_size < 2:
+            raise ValueError(f"block_size must be >= 2 (anchor + at least one draft), got {self.block_size}")
+
+    @property
+    def num_taps(self) -> int:
+        return len(self.target_layer_ids)
+
+    @classmethod
+    def for_target(cls, target_config: Any, num_hidden_layers: int = 5, block_size: int = 16,
+                   target_layer_ids: list[int] | None = None, mask_token_id: int | None = None,
+                   layer_types: list[str] | None = None, sliding_window: int | None = None,
+                   input_embedding_scale: float = 1.0, **overrides) -> "DrafterConfig":
+        """A drafter sized like the target's layers (the published DFlash drafters are)."""
+        tc = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+        heads = tc.num_attention_heads
+        kw = dict(
+            hidden_size=tc.hidden_size, num_target_layers=tc.num_hidden_layers, vocab_size=tc.vocab_size,
+            intermediate_size=getattr(tc, "intermediate_size", None) or 4 * tc.hidden_size,
+            num_hidden_layers=num_hidden_layers, num_attention_heads=heads,
+            num_key_value_heads=getattr(tc, "num_key_value_heads", None) or heads,
+            head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // heads,
+            rms_norm_eps=getattr(tc, "rms_norm_eps", 1e-6),
+            max_position_embeddings=getattr(tc, "max_position_embeddings", 32768),
+            rope_parameters=_rope_parameters(tc), target_layer_ids=list(target_layer_ids or []),
+            block_size=block_size, mask_token_id=mask_token_id, layer_types=list(layer_types or []),
+            sliding_window=sliding_window, input_embedding_scale=float(input_embedding_scale))
+        kw.update(overrides)
+        return cls(**kw)
+
+    def resolved(self) -> "DrafterConfig":
+        """Fill the 0 = "like the target" fields (only meaningful when built without for_target)."""
+        c = dataclasses.replace(self)
+        c.num_attention_heads = c.num_attention_heads or max(1, c.hidden_size // 64)
+        c.num_key_value_heads = c.num_key_value_heads or c.num_attention_heads
+        c.head_dim = c.head_dim or c.hidden_size // c.num_attention_heads
+        c.intermediate_size = c.intermediate_size or 4 * c.hidden_size
+        return c
+
+    # ---------------------------------------------------------------- config.json
+    def to_json_dict(self) -> dict:
+        """The exported config.json: Qwen3 fields + DFlash fields (top level and dflash_config)."""
+        c = self.resolved()
+        rope = dict(c.rope_parameters)
+        legacy_scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+        legacy_scaling = None if legacy_scaling.get("rope_type", "default") == "default" else legacy_scaling
+        sliding = "sliding_attention" in c.layer_types
+        return {
+            "architectures": ["DFlashDraftModel"],
+            "model_type": "qwen3",
+            "auto_map": {"AutoModel": "modeling_dflash.DFlashDraftModel"},
+            "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
+            "num_hidden_layers": c.num_hidden_layers, "num_attention_heads": c.num_attention_heads,
+            "num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim,
+            "hidden_act": c.hidden_act, "rms_norm_eps": c.rms_norm_eps, "attention_bias": c.attention_bias,
+            "attention_dropout": 0.0, "initializer_range": c.initializer_range,
+            "max_position_embeddings": c.max_position_embeddings, "vocab_size": c.vocab_size,
+            "tie_word_embeddings": False, "use_cache": True,
+            "rope_parameters": rope, "rope_theta": rope.get("rope_theta", 10000.0), "rope_scaling": legacy_scaling,
+            "layer_types": list(c.layer_types), "use_sliding_window": sliding,
+            "sliding_window": c.sliding_window, "max_window_layers": c.num_hidden_layers,
+            "block_size": c.block_size, "num_target_layers": c.num_target_layers,
+            "target_layer_ids": list(c.target_layer_ids), "mask_token_id": c.mask_token_id,
+            "input_embedding_scale": c.input_embedding_scale,
+            "dflash_config": {"mask_token_id": c.mask_token_id, "target_layer_ids": list(c.target_layer_ids),
+                              "block_size": c.block_size},
+            "torch_dtype": "bfloat16", "dtype": "bfloat16",
+        }
+
+    @classmethod
+    def from_json_dict(cls, d: dict, source: str = "config.json") -> "DrafterConfig":
+        """Read our export or a reference-format drafter config (DFlash fields top level or in dflash_config)."""
+        dflash = d.get("dflash_config") or {}
+
+        def pick(name, default=None):
+            return dflash.get(name, d.get(name, default))
+
+        missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+                   if k not in d]
+        if missing:
+            raise ValueError(f"{source}: missing field(s) {missing}; is this a DFlash drafter config.json?")
+        if "num_target_layers" not in d and not pick("target_layer_ids"):
+            raise ValueError(f"{source}: needs num_target_layers or dflash_config.target_layer_ids")
+        rope = d.get("rope_parameters")
+        if not isinstance(rope, dict) or "rope_theta" not in rope:
+            scaling = d.get("rope_scaling") if isinstance(d.get("rope_scaling"), dict) else {}
+            rope = {**scaling, "rope_theta": float(d.get("rope_theta", 10000.0))}
+            rope["rope_type"] = rope.pop("type", rope.get("rope_type", "default"))
+        ids = list(pick("target_layer_ids") or [])
+        num_target_layers = int(d.get("num_target_layers") or (max(ids) + 4))
+        layer_types = list(d.get("layer_types") or [])
+        sliding = d.get("sliding_window") if ("sliding_attention" in layer_types) else None
+        try:
+            return cls(
+                hidden_size=d["hidden_size"], num_target_layers=num_target_layers, vocab_size=d["vocab_size"],
+                intermediate_size=d.get("intermediate_size", 0), num_hidden_layers=d["num_hidden_layers"],
+                num_attention_heads=d["num_attention_heads"],
+                num_key_value_heads=d.get("num_key_value_heads") or d["num_attention_heads"],
+                head_dim=d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"],
+                rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+                max_position_embeddings=d.get("max_position_embeddings", 32768), rope_parameters=rope,
+                target_layer_ids=ids, block_size=int(pick("block_size", 16)),
+                mask_token_id=pick("mask_token_id"), layer_types=layer_types, sliding_window=sliding,
+                input_embedding_scale=float(pick("input_embedding_scale", 1.0)),
+                attention_bias=bool(d.get("attention_bias", False)), hidden_act=d.get("hidden_act", "silu"),
+                initializer_range=d.get("initializer_range", 0.02))
+        except ValueError as e:
+            raise ValueError(f"{source}: {e}") from None
+
+    def to_hf(self):
+        """A transformers Qwen3Config carrying the DFlash fields (what DFlashDraftModel is built from)."""
+        from transformers import Qwen3Config
+
+        d = self.to_json_dict()
+        for k in ("architectures", "model_type", "torch_dtype", "dtype", "rope_theta", "rope_scaling"):
+            d.pop(k)
+        return Qwen3Config(**d)

@@ -1,0 +1,120 @@
+"""The export is compatible with the reference implementation (PyPI `dflash`, its own code): both directions."""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from transformers import DynamicCache, LlamaConfig, Qwen3Config
+
+from dflashkit.drafter import DrafterConfig, build_drafter, load_drafter, save_drafter
+from tests.conftest import rel_err
+
+ref = pytest.importorskip("dflash.model", reason="the reference package `dflash` is installed by `make test`")
+
+TARGET = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=10, num_attention_heads=4,
+                     num_key_value_heads=2, vocab_size=320, rope_theta=5e5)
+LAYOUTS = {
+    "full": dict(num_hidden_layers=3),
+    "mixed": dict(num_hidden_layers=3, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                  sliding_window=5),
+}
+
+
+def _inputs(cfg, ctx=7, start=0):
+    q = cfg.block_size
+    return dict(position_ids=torch.arange(start, start + ctx + q)[None],
+                noise_embedding=torch.randn(1, q, cfg.hidden_size),
+                target_hidden=torch.randn(1, ctx, cfg.num_taps * cfg.hidden_size))
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_export_loads_into_reference_with_same_outputs(tmp_path, layout):
+    cfg = DrafterConfig.for_target(TARGET, block_size=6, mask_token_id=319, **LAYOUTS[layout])
+    ours = build_drafter(cfg).eval()
+    save_drafter(ours, tmp_path / "d")
+    theirs = ref.DFlashDraftModel.from_pretrained(str(tmp_path / "d"), dtype=torch.float32).eval()
+    assert theirs.target_layer_ids == cfg.target_layer_ids
+    assert theirs.block_size == 6 and theirs.mask_token_id == 319
+    with torch.no_grad():
+        for ctx in (3, 11):  # context shorter and longer than the sliding window
+            x = _inputs(cfg, ctx=ctx)
+            assert rel_err(ours(**x), theirs(**x)) <= 1e-5
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_cached_decoding_matches_reference(tmp_path, layout):
+    """Two rounds with a DynamicCache cropped like the reference's decode loop."""
+    cfg = DrafterConfig.for_target(TARGET, block_size=4, mask_token_id=319, **LAYOUTS[layout])
+    ours = build_drafter(cfg).eval()
+    save_drafter(ours, tmp_path / "d")
+    theirs = ref.DFlashDraftModel.from_pretrained(str(tmp_path / "d"), dtype=torch.float32).eval()
+    caches = [DynamicCache(), DynamicCache()]
+    start = 0
+    with torch.no_grad():
+        for ctx in (5, 3):
+            x = _inputs(cfg, ctx=ctx, start=start)
+            outs = [m(**x, past_key_values=c, use_cache=True) for m, c in zip((ours, theirs), caches)]
+            assert rel_err(*outs) <= 1e-5
+            start += ctx
+            for c in caches:  # keep only the context (negative crop works on transformers 5.17 and 5.24)
+                c.crop(start - c.get_seq_length())
+
+
+def test_reference_saved_drafter_loads_into_dflashkit(tmp_path):
+    hf = Qwen3Config(hidden_size=64, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=1, head_dim=16, vocab_size=320, num_target_layers=12,
+                     dflash_config={"target_layer_ids": [1, 4, 8], "mask_token_id": 7, "block_size": 8})
+    theirs = ref.DFlashDraftModel(hf).eval()
+    theirs.save_pretrained(str(tmp_path / "r"))
+    ours = load_drafter(tmp_path / "r")
+    assert ours.target_layer_ids == [1, 4, 8] and ours.mask_token_id == 7 and ours.block_size == 8
+    x = _inputs(ours.dflash, ctx=9)
+    with torch.no_grad():
+        assert rel_err(ours(**x), theirs(**x)) <= 1e-5
+
+
+def test_export_loads_with_automodel_without_dflashkit(tmp_path):
+    cfg = DrafterConfig.for_target(TARGET, block_size=4, mask_token_id=319, **LAYOUTS["mixed"])
+    ours = build_drafter(cfg).eval()
+    save_drafter(ours, tmp_path / "d")
+    x = _inputs(cfg, ctx=6)
+    from safetensors.torch import save_file
+    save_file({k: v.contiguous() for k, v in x.items()}, str(tmp_path / "x.safetensors"))
+    with torch.no_grad():
+        expected = ours(**x)
+    # A child interpreter in which importing dflashkit or dflash fails, as on a machine without them.
+    code = textwrap.dedent(f"""
+        import sys, importlib.abc
+        class Block(importlib.abc.MetaPathFinder):
+            def find_spec(self, name, path=None, target=None):
+                if name.split('.')[0] in ('dflashkit', 'dflash'):
+                    raise ImportError('blocked: ' + name)
+        sys.meta_path.insert(0, Block())
+        import torch
+        from safetensors.torch import load_file, save_file
+        from transformers import AutoModel
+        m = AutoModel.from_pretrained({str(tmp_path / 'd')!r}, trust_remote_code=True, dtype=torch.float32).eval()
+        assert type(m).__name__ == 'DFlashDraftModel', type(m)
+        x = load_file({str(tmp_path / 'x.safetensors')!r})
+        with torch.no_grad():
+            save_file({{'y': m(**x).contiguous()}}, {str(tmp_path / 'y.safetensors')!r})
+    """)
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=tmp_path)
+    from safetensors.torch import load_file
+    assert rel_err(load_file(str(tmp_path / "y.safetensors"))["y"], expected) <= 1e-6
+
+
+def test_config_json_has_serving_fields(tmp_path):
+    cfg = DrafterConfig.for_target(TARGET, block_size=16, mask_token_id=5, **LAYOUTS["mixed"])
+    save_drafter(build_drafter(cfg), tmp_path / "d")
+    data = json.loads((tmp_path / "d" / "config.json").read_text())
+    assert data["architectures"] == ["DFlashDraftModel"] and data["model_type"] == "qwen3"
+    assert data["dflash_config"] == {"mask_token_id": 5, "target_layer_ids": cfg.target_layer_ids, "block_size": 16}
+    assert data["rope_parameters"]["rope_theta"] == 5e5 and data["rope_theta"] == 5e5
+    assert data["vocab_size"] == 320 and data["num_target_layers"] == 10
+    assert data["layer_types"] == LAYOUTS["mixed"]["layer_types"] and data["sliding_window"] == 5
+    module, cls = data["auto_map"]["AutoModel"].split(".")
+    assert (tmp_path / "d" / f"{module}.py").is_file() and cls == "DFlashDraftModel"
