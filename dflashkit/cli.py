@@ -34,7 +34,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dflashkit: unknown command {name!r}; commands: {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
     module = importlib.import_module(COMMANDS[name][0])
-    return int(module.main(rest) or 0)
+    try:
+        return int(module.main(rest) or 0)
+    except (ValueError, FileNotFoundError) as e:  # bad input: one clear line, no traceback
+        print(f"dflashkit {name}: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -60,12 +60,17 @@ def sliding_mask(q_len: int, k_len: int, window: int, device) -> torch.Tensor:
     return ((kj <= qi) & (qi - kj < window))[None, None]
 
 
+_FLEX = []  # the compiled flex_attention, built on first use (eager flex_attention is a slow reference path)
+
+
 def attend(q, k, v, mask, scale):
     """SDPA with a bool/float mask, or flex_attention with a BlockMask (CUDA training)."""
     if type(mask).__name__ == "BlockMask":
-        from torch.nn.attention.flex_attention import flex_attention
+        if not _FLEX:
+            from torch.nn.attention.flex_attention import flex_attention
 
-        return flex_attention(q, k, v, block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+            _FLEX.append(torch.compile(flex_attention, dynamic=False) if q.is_cuda else flex_attention)
+        return _FLEX[0](q, k, v, block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
     if q.shape[1] != k.shape[1]:
         rep = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
