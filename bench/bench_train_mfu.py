@@ -70,6 +70,8 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--layers", type=int, default=5)
     ap.add_argument("--checkpointing", action="store_true")
+    ap.add_argument("--chunk-tokens", type=int, default=2048, help="lm_head/loss rows alive at once")
+    ap.add_argument("--compile", action="store_true", help="torch.compile each drafter layer")
     ap.add_argument("--out", default="bench_train_mfu.json")
     args = ap.parse_args(argv)
     dev = torch.device("cuda")
@@ -80,6 +82,9 @@ def main(argv=None):
                         rope_parameters={"rope_type": "default", "rope_theta": 1e6})
     model = build_drafter(cfg, dtype=torch.bfloat16).to(dev).train()
     model.gradient_checkpointing = args.checkpointing
+    if args.compile:
+        for layer in model.layers:
+            layer.compile(dynamic=False)
     embed = torch.randn(args.vocab, 4096, device=dev, dtype=torch.bfloat16) * 0.02
     lm_head = torch.randn(args.vocab, 4096, device=dev, dtype=torch.bfloat16) * 0.02
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
@@ -105,7 +110,7 @@ def main(argv=None):
         noise = torch.nn.functional.embedding(block_ids.reshape(1, -1), embed)
         hidden = model(position_ids=pos, attention_mask=mask, noise_embedding=noise, target_hidden=feats)
         h = hidden.reshape(anchors.numel(), B, -1)[:, 1:]
-        out = block_loss(h, lm_head, labels, valid, variant="ce")
+        out = block_loss(h, lm_head, labels, valid, variant="ce", chunk_tokens=args.chunk_tokens)
         (out.loss_sum / loss_denominator(valid, "ce", 7.0)).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
