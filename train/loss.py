@@ -38,10 +38,10 @@ import torch.nn.functional as F
 VARIANTS = ("ce", "dpace", "kl")
 
 
-def position_decay(block_size: int, gamma: float, device=None) -> torch.Tensor:
-    """exp(-(k-1)/gamma) for k = 1..B-1 (fp32, [B-1])."""
-    k = torch.arange(1, block_size, dtype=torch.float32, device=device)
-    return torch.exp(-(k - 1) / float(gamma))
+def position_decay(block_size: int, gamma: float, device=None, dtype=torch.float32) -> torch.Tensor:
+    """exp(-(k-1)/gamma) for k = 1..B-1 ([B-1], computed in fp64)."""
+    k = torch.arange(1, block_size, dtype=torch.float64, device=device)
+    return torch.exp(-(k - 1) / float(gamma)).to(dtype)
 
 
 def dpace_weights(ce: torch.Tensor, valid: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -79,21 +79,22 @@ class _ChunkedBlockLoss(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, labels, valid, teacher, variant, gamma, alpha, kl_weight, chunk):
         n_blocks, p, h = hidden.shape
         need_grad = ctx.needs_input_grad[0]
-        grad = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if need_grad else None
-        decay = position_decay(p + 1, gamma, hidden.device)
-        loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        acc = torch.promote_types(hidden.dtype, torch.float32)  # fp32 logits (fp64 when the inputs are)
+        grad = torch.zeros(hidden.shape, dtype=acc, device=hidden.device) if need_grad else None
+        decay = position_decay(p + 1, gamma, hidden.device, acc)
+        loss_sum = torch.zeros((), dtype=acc, device=hidden.device)
         ce_sum = torch.zeros_like(loss_sum)
-        correct = torch.zeros(p, dtype=torch.float32, device=hidden.device)
+        correct = torch.zeros(p, dtype=acc, device=hidden.device)
         counted = torch.zeros_like(correct)
         tau_sum = torch.zeros_like(loss_sum)
         w_mat = weight
         for s in range(0, n_blocks, chunk):
             e = min(n_blocks, s + chunk)
             hs = hidden[s:e].reshape(-1, h).to(w_mat.dtype)
-            logits = F.linear(hs, w_mat, bias).float().view(e - s, p, -1)
+            logits = F.linear(hs, w_mat, bias).to(acc).view(e - s, p, -1)
             logp = torch.log_softmax(logits, dim=-1)
             lab = labels[s:e]
-            val = valid[s:e].to(torch.float32)
+            val = valid[s:e].to(acc)
             ce = -logp.gather(-1, lab.unsqueeze(-1)).squeeze(-1) * val
             if variant == "dpace":
                 w = dpace_weights(ce, val, alpha)
@@ -102,7 +103,7 @@ class _ChunkedBlockLoss(torch.autograd.Function):
             per_pos = ce
             teacher_p = None
             if variant == "kl":
-                t_logits = F.linear(teacher[s:e].reshape(-1, h).to(w_mat.dtype), w_mat, bias).float()
+                t_logits = F.linear(teacher[s:e].reshape(-1, h).to(w_mat.dtype), w_mat, bias).to(acc)
                 t_logp = torch.log_softmax(t_logits, dim=-1).view(e - s, p, -1)
                 teacher_p = t_logp.exp()
                 kl = (teacher_p * (t_logp - logp)).sum(-1) * val
@@ -125,7 +126,7 @@ class _ChunkedBlockLoss(torch.autograd.Function):
                     hard = 1.0
                 g.scatter_add_(-1, lab.unsqueeze(-1), torch.full_like(w.unsqueeze(-1), -hard))
                 g.mul_(w.unsqueeze(-1))
-                grad[s:e] = (g.view(-1, g.shape[-1]).to(w_mat.dtype) @ w_mat).float().view(e - s, p, h)
+                grad[s:e] = (g.view(-1, g.shape[-1]).to(w_mat.dtype) @ w_mat).to(acc).view(e - s, p, h)
                 del g
         ctx.save_for_backward(grad if need_grad else torch.zeros(0))
         ctx.hidden_dtype = hidden.dtype

@@ -1,0 +1,106 @@
+"""Draft trees for one verification round.
+
+Design choices:
+- A DFlash drafter scores every block position in one pass, independently of the tokens chosen before it, so the
+  candidates at depth d are the top-k tokens of draft position d whatever their parent is.
+- The tree grows best-first by cumulative draft log-probability until it holds `budget` nodes (root included).
+  Scores only fall along a path and across ranks, so a lazy frontier (after taking a node, offer its next-ranked
+  sibling and its first child) takes nodes in exactly best-first order, and every parent precedes its children.
+- Node 0 is the root, the last accepted token; its depth is 0 and it sits at position `prefix length + depth`.
+- A chain of B - 1 drafts is the tree with parents [-1, 0, 1, ...]; top-1 trees are chains.
+- The ancestor mask (node i sees node j iff j is i or an ancestor of i) is built by pointer jumping on the
+  device, one step per level, so it needs no host round trip.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class DraftTree:
+    tokens: list[int]  # token of each node; node 0 is the root (last accepted token)
+    parents: list[int]  # parent node index; parents[0] == -1 and parents[i] < i
+    depths: list[int]  # distance from the root; the node's position is prefix length + depth
+    scores: list[float]  # cumulative draft log-probability of the path to the node (root: 0)
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.tokens)
+
+    @classmethod
+    def chain(cls, root_token: int, draft_tokens: list[int], scores: list[float] | None = None) -> "DraftTree":
+        n = len(draft_tokens)
+        return cls(tokens=[root_token, *draft_tokens], parents=list(range(-1, n)), depths=list(range(n + 1)),
+                   scores=[0.0, *(scores or [0.0] * n)])
+
+    def is_chain(self) -> bool:
+        return self.parents == list(range(-1, self.num_nodes - 1))
+
+    def tensors(self, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(tokens, parents, depths) as LongTensors on `device`."""
+        return (torch.tensor(self.tokens, dtype=torch.long, device=device),
+                torch.tensor(self.parents, dtype=torch.long, device=device),
+                torch.tensor(self.depths, dtype=torch.long, device=device))
+
+
+def build_tree(root_token: int, draft_logits: torch.Tensor, budget: int, top_k: int) -> DraftTree:
+    """Best-first tree over draft positions 1..D.
+
+    draft_logits [D, V]: the drafter's logits for depths 1..D. budget: total nodes including the root (>= 1).
+    top_k: children considered per node (the top-k tokens of that depth's position).
+    """
+    if budget < 1 or top_k < 1:
+        raise ValueError(f"tree budget and top_k must be >= 1, got budget={budget}, top_k={top_k}")
+    max_depth = draft_logits.shape[0]
+    k = min(top_k, draft_logits.shape[-1])
+    log_probs = torch.log_softmax(draft_logits.float(), dim=-1)
+    top_scores, top_tokens = log_probs.topk(k, dim=-1)
+    top_scores, top_tokens = top_scores.cpu().tolist(), top_tokens.cpu().tolist()
+
+    tree = DraftTree(tokens=[root_token], parents=[-1], depths=[0], scores=[0.0])
+    frontier: list[tuple[float, int, int, int, int]] = []  # (-score, tiebreak, parent, depth, rank)
+    counter = 0
+
+    def offer(parent: int, depth: int, rank: int) -> None:
+        nonlocal counter
+        if depth <= max_depth and rank < k:
+            score = tree.scores[parent] + top_scores[depth - 1][rank]
+            heapq.heappush(frontier, (-score, counter, parent, depth, rank))
+            counter += 1
+
+    offer(0, 1, 0)
+    while frontier and tree.num_nodes < budget:
+        neg_score, _, parent, depth, rank = heapq.heappop(frontier)
+        node = tree.num_nodes
+        tree.tokens.append(top_tokens[depth - 1][rank])
+        tree.parents.append(parent)
+        tree.depths.append(depth)
+        tree.scores.append(-neg_score)
+        offer(parent, depth, rank + 1)
+        offer(node, depth + 1, 0)
+    return tree
+
+
+def ancestor_mask(parents: torch.Tensor, max_depth: int | None = None) -> torch.Tensor:
+    """Bool [..., N, N]: mask[i, j] is True iff node j is node i or one of its ancestors.
+
+    parents: LongTensor [..., N] with -1 at roots. max_depth bounds the pointer-jumping steps (default N - 1).
+    """
+    n = parents.shape[-1]
+    steps = n - 1 if max_depth is None else max_depth
+    eye = torch.eye(n, dtype=torch.bool, device=parents.device).expand(*parents.shape[:-1], n, n)
+    mask = eye.clone()
+    current = parents.clone()
+    for _ in range(steps):
+        valid = current >= 0
+        if max_depth is None and not bool(valid.any()):  # host check only when no bound was given
+            break
+        hit = torch.nn.functional.one_hot(current.clamp_min(0), n).bool() & valid.unsqueeze(-1)
+        mask |= hit
+        parent_of_current = torch.gather(parents, -1, current.clamp_min(0))
+        current = torch.where(valid, parent_of_current, current)
+    return mask

@@ -1,0 +1,273 @@
+"""``dflashkit extract``: chat data -> the target's layer features, as verifiable, resumable shards.
+
+CPU (testbed, a few samples):
+    python -m dflashkit.extract --target testbed:smollm2 --data builtin:sharegpt --limit 64 --out runs/shards
+One GPU:
+    dflashkit extract --target /models/Qwen3-8B --data chats.jsonl --out runs/q3 --max-length 4096 --codec fp8
+Several GPUs (each rank takes every world_size-th sample and writes its own shards; rank 0 merges the manifest):
+    accelerate launch --num_processes 8 -m dflashkit.extract --target /models/Qwen3-8B --data chats.jsonl --out runs/q3
+A run killed at any point continues with the same command plus --resume.
+
+Design choices:
+- Samples are ordered by their index in the data. Rank r takes the indices i with i % world_size == r, in windows
+  of --bucket-window samples; each window is sorted by length and cut into batches of at most --batch-tokens
+  padded tokens (length bucketing). The plan depends only on the data and these flags, so a resumed run re-plans
+  the same batches and skips those whose samples a shard already holds.
+- Features are captured by ``capture.LayerCapture`` (hooks, early exit) and packed to real tokens only before
+  they leave the device; ``writer.ShardWriter`` writes shards on a background thread.
+- Tokenizing (chat template rendering) can run in worker processes (--tokenize-workers), one window ahead of
+  the forward passes.
+- Bad records are skipped and counted by reason (--on-bad skip) or stop the run naming file:line (--on-bad fail).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from .chat import SKIP_REASONS, BadSample, ChatConfig, TemplateError, chat_template_hash, tokenizer_hash
+from .shards import CODECS, MANIFEST, SCHEMA_VERSION, update_totals, write_manifest
+from .writer import ShardWriteError, ShardWriter, merge_manifests, prepare_resume
+from . import batching
+
+# manifest fields a resumed run must agree on (dotted paths)
+RESUME_FIELDS = ("target.config_hash", "target.weights_hash", "tokenizer_hash", "chat_template_hash",
+                 "template_kwargs", "target_layer_ids", "codec", "store_last_hidden", "data", "args.max_length",
+                 "args.overlong", "args.limit", "args.split", "args.bucket_window", "world_size")
+
+
+def parse_size(text: str) -> int:
+    """'512MB' / '2GB' / '64KB' (powers of 1024) or a plain byte count -> bytes."""
+    t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}.get(t[-1:], 1)
+    try:
+        value = float(t[:-1] if mult > 1 else t) * mult
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"size {text!r}: use a number of bytes or e.g. 512MB, 2GB") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"size {text!r} must be positive")
+    return int(value)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dflashkit extract", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = p.add_argument_group("target")
+    g.add_argument("--target", required=True, help="HF model dir, .gguf file, or testbed:smollm2")
+    g.add_argument("--layer-ids", default=None, help="comma-separated target_layer_ids (layer i's output)")
+    g.add_argument("--num-taps", type=int, default=5, help="without --layer-ids: this many evenly spaced layers")
+    g.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None,
+                   help="target dtype (default: bfloat16 on GPU, float32 on CPU)")
+    g.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: this rank's GPU if any)")
+    g.add_argument("--device-map", default=None, help="e.g. auto: spread a large target over this machine's GPUs "
+                                                      "(one process only)")
+    g.add_argument("--trust-remote-code", action="store_true", help="run the target's own modeling code")
+    g = p.add_argument_group("data")
+    g.add_argument("--data", action="append", required=True,
+                   help="jsonl/json/parquet file, directory, saved datasets dir, or builtin:sharegpt|mtbench|"
+                        "humaneval; repeat for several (indices continue)")
+    g.add_argument("--split", default=None, help="split of a saved DatasetDict (default: train)")
+    g.add_argument("--limit", type=int, default=None, help="only the first N records")
+    g.add_argument("--chat-template", default=None, help="Jinja file replacing the tokenizer's chat template")
+    g.add_argument("--chat-template-kwargs", default="{}", help='JSON, e.g. \'{"enable_thinking": false}\'')
+    g.add_argument("--max-length", type=int, default=None, help="longest sample in tokens")
+    g.add_argument("--overlong", choices=("truncate", "drop"), default="truncate", help="over --max-length")
+    g.add_argument("--on-bad", choices=("skip", "fail"), default="skip",
+                   help="a bad record: skip and count it, or stop naming file:line")
+    g = p.add_argument_group("batching and storage")
+    g.add_argument("--out", required=True, help="output directory (shards + manifest.json)")
+    g.add_argument("--batch-tokens", type=int, default=16384, help="padded tokens per forward batch")
+    g.add_argument("--max-batch-size", type=int, default=64, help="samples per forward batch")
+    g.add_argument("--bucket-window", type=int, default=4096, help="samples sorted by length together")
+    g.add_argument("--tokenize-workers", type=int, default=0, help="processes rendering + tokenizing (0: inline)")
+    g.add_argument("--shard-size", type=parse_size, default=parse_size("512MB"), help="bytes per shard, e.g. 1GB")
+    g.add_argument("--codec", choices=CODECS, default="bf16", help="feature storage: bf16, or fp8 e4m3 + scale")
+    g.add_argument("--store-last-hidden", action="store_true", help="also store the final-norm output")
+    g.add_argument("--resume", action="store_true", help="continue a killed run in --out")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def _dist():
+    """(rank, world_size, local_rank); joins the process group when launched with several processes."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return 0, 1, 0
+    import datetime
+
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend, timeout=datetime.timedelta(hours=6))
+    return dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def _barrier(world: int):
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
+def _get(d: dict, dotted: str):
+    for part in dotted.split("."):
+        d = d.get(part) if isinstance(d, dict) else None
+    return d
+
+
+def _check_resume(old: dict, new: dict, out: Path) -> None:
+    for field in RESUME_FIELDS:
+        if _get(old, field) != _get(new, field):
+            raise ValueError(f"--resume: {out} was extracted with {field}={_get(old, field)!r}, this run has "
+                             f"{_get(new, field)!r}; resume with the original settings or write to a new --out")
+
+
+def _summary(manifest: dict, out: Path, seconds: float) -> str:
+    t = manifest["totals"]
+    skipped = ", ".join(f"{k} {v}" for k, v in sorted(manifest["skipped"].items()) if v) or "none"
+    notes = ", ".join(f"{k} {v}" for k, v in sorted(manifest.get("notes", {}).items()) if v) or "none"
+    return (f"extract: {t['samples']} samples, {t['tokens']} tokens ({t['loss_tokens']} supervised), "
+            f"{t['shards']} shards, {t['bytes'] / 2**20:.1f} MiB, {t['bytes_per_token'] or 0:.0f} bytes/token "
+            f"({manifest['codec']}), {t['tokens'] / max(seconds, 1e-9):.0f} tokens/s\n"
+            f"  skipped: {skipped}\n  notes: {notes}\n  written to {out}")
+
+
+def run(args) -> dict:
+    from .capture import LayerCapture, check_layer_ids
+    from .chat import check_template
+    from .sources import describe_sources
+    from .target import load_target
+
+    rank, world, local_rank = _dist()
+    out = Path(args.out)
+    if args.device:
+        device = args.device
+    else:
+        device = f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
+    dtype = getattr(torch, args.dtype or ("bfloat16" if str(device).startswith("cuda") else "float32"))
+    if args.device_map and world > 1:
+        raise ValueError("--device-map spreads one target over the GPUs of one process; with several processes "
+                         "each rank loads its own copy on its GPU: drop --device-map or launch one process")
+    template_kwargs = json.loads(args.chat_template_kwargs)
+    chat_template = Path(args.chat_template).read_text() if args.chat_template else None
+    cfg = ChatConfig(max_length=args.max_length, overlong=args.overlong, template_kwargs=template_kwargs,
+                     chat_template=chat_template)
+    if not args.resume and out.exists() and ((out / MANIFEST).exists() or any(out.glob("shard-*.safetensors"))
+                                             or any(out.glob("manifest.rank*.json"))):
+        raise ValueError(f"{out} already holds an extraction: add --resume to continue it, or pick another --out")
+
+    target = load_target(args.target, dtype=dtype, device=device, device_map=args.device_map,
+                         trust_remote_code=args.trust_remote_code)
+    # default taps: evenly spaced (DESIGN.md); a target too shallow for that many distinct taps gets fewer
+    layer_ids = ([int(x) for x in args.layer_ids.split(",")] if args.layer_ids
+                 else sorted(set(target.default_layer_ids(args.num_taps))))
+    layer_ids = check_layer_ids(layer_ids, target.num_layers)
+    tok = target.tokenizer
+    if cfg.chat_template or getattr(tok, "chat_template", None):
+        check_template(tok, cfg)  # fails here, before any work, when assistant spans cannot be marked
+    manifest = {
+        "schema_version": SCHEMA_VERSION, "format": "dflashkit-shards", "complete": False,
+        "target": target.identity(), "family": target.family, "tokenizer_hash": tokenizer_hash(tok),
+        "chat_template_hash": chat_template_hash(tok, cfg), "template_kwargs": template_kwargs,
+        "target_layer_ids": layer_ids, "num_target_layers": target.num_layers, "hidden_size": target.hidden_size,
+        "vocab_size": target.vocab_size, "feature_dim": len(layer_ids) * target.hidden_size, "codec": args.codec,
+        "store_last_hidden": bool(args.store_last_hidden), "dtype": str(dtype).removeprefix("torch."),
+        "data": describe_sources(args.data), "world_size": world,
+        "args": {"max_length": args.max_length, "overlong": args.overlong, "on_bad": args.on_bad,
+                 "limit": args.limit, "split": args.split, "batch_tokens": args.batch_tokens,
+                 "max_batch_size": args.max_batch_size, "bucket_window": args.bucket_window,
+                 "shard_size": args.shard_size},
+        "skipped": {}, "notes": {}, "shards": []}
+    done: set[int] = set()
+    if args.resume:
+        old = prepare_resume(out, rank, world)
+        if old is not None:
+            _check_resume(old, manifest, out)
+            manifest["shards"] = old["shards"]
+            done = {i for s in old["shards"] for i in s["sample_indices"]}
+
+    writer = ShardWriter(out, manifest, rank=rank, world_size=world, shard_bytes=args.shard_size)
+    skipped = {r: 0 for r in SKIP_REASONS}
+    notes = {"dropped_leading_assistant_turns": 0, "truncated": 0}
+    started = time.time()
+    total = batching.count_rank_records(args.data, args.split, args.limit, rank, world)
+    bar = None
+    if rank == 0 and not args.no_progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=total * world if total is not None else None, unit="sample", dynamic_ncols=True,
+                   desc="extract", initial=len(done) * world)
+    tokens_done = 0
+    try:
+        with LayerCapture(target, layer_ids, store_last_hidden=args.store_last_hidden) as capture:
+            for window in batching.encoded_windows(args, tok, cfg, rank, world):
+                for bad in window.bad:
+                    if args.on_bad == "fail":
+                        raise BadSample(bad.reason, bad.detail, bad.where)
+                    skipped[bad.reason] += 1
+                for s in window.samples:
+                    notes["dropped_leading_assistant_turns"] += s.dropped_leading_turns
+                    notes["truncated"] += int(s.truncated)
+                counts = {"skipped": dict(skipped), "notes": dict(notes)}
+                for batch in batching.plan_batches(window.samples, args.batch_tokens, args.max_batch_size):
+                    todo = [s for s in batch if s.index not in done]
+                    if todo:
+                        ids, attn = batching.pad_batch(todo, device)
+                        hidden, last_hidden = capture(ids, attn)
+                        keep = attn.bool()
+                        writer.add_batch([s.index for s in todo], [len(s.input_ids) for s in todo],
+                                         [t for s in todo for t in s.input_ids],
+                                         [m for s in todo for m in s.loss_mask], hidden[keep],
+                                         last_hidden[keep] if last_hidden is not None else None,
+                                         where=[s.where for s in todo], counts=counts)
+                        tokens_done += int(keep.sum())
+                    if bar is not None:
+                        bar.update(len(batch) * world)
+                        bar.set_postfix_str(f"{tokens_done * world / max(time.time() - started, 1e-9):,.0f} tok/s")
+        manifest = writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+    manifest.update(skipped=skipped, notes=notes, complete=True)
+    update_totals(manifest)
+    write_manifest(writer.manifest_path, manifest)
+    _barrier(world)
+    if world > 1:
+        if rank == 0:
+            manifest = merge_manifests(out, world, manifest)
+        _barrier(world)
+        manifest = json.loads((out / MANIFEST).read_text())
+    if rank == 0:
+        print(_summary(manifest, out, time.time() - started), file=sys.stderr)
+    return manifest
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    if hasattr(signal, "SIGXFSZ"):  # a file-size limit then fails the write with EFBIG, reported cleanly
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    try:
+        run(args)
+    except BadSample as e:
+        print(f"dflashkit extract: error: {e}\n  fix the record, or pass --on-bad skip to skip and count such "
+              "records", file=sys.stderr)
+        return 1
+    except (ValueError, FileNotFoundError, TemplateError, ShardWriteError) as e:
+        print(f"dflashkit extract: error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,134 @@
+"""Capture the outputs of chosen target decoder layers (``target_layer_ids``) with forward hooks.
+
+Design choices:
+
+- Layer ``i``'s feature is that layer's output, Hugging Face ``hidden_states[i + 1]`` (DESIGN.md). For the
+  last layer, transformers replaces ``hidden_states[L]`` with the final-norm output, and the reference reads
+  it from there, so layer ``L - 1`` is read from the final norm here too: every id gives exactly the tensor
+  that ``output_hidden_states=True`` would, without keeping all ``L + 1`` states.
+- The forward stops right after the deepest thing needed: a hook raises a private exception that
+  ``LayerCapture`` catches. Later layers, the final norm (unless needed) and the lm_head never run.
+  ``store_last_hidden=True`` adds the final-norm output (for distillation losses) and stops there.
+- Position ids come from the attention mask (``cumsum - 1``), so a left-padded row sees the same positions,
+  and yields the same features, as the sample alone; right padding leaves them ``0..T-1`` as usual.
+- Decoder layers return a tensor in transformers 5 and a tuple in older or remote code: the first element
+  is the hidden state.
+- Features are ``[b, T, K*H]`` in the given id order (the drafter's ``fc`` expects that order);
+  ``real_tokens`` drops padding per sample, whichever side it is on.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class _StopForward(Exception):
+    """Raised by a hook once everything asked for is captured; never leaves this module."""
+
+
+def check_layer_ids(target_layer_ids, num_layers: int) -> list[int]:
+    """The ids as a list of ints, each a decoder layer of the target, no repeats; ValueError otherwise."""
+    ids = [int(i) for i in target_layer_ids]
+    if not ids:
+        raise ValueError("target_layer_ids is empty; name at least one decoder layer, e.g. the default "
+                         "default_target_layer_ids(num_layers, n)")
+    bad = [i for i in ids if not 0 <= i < num_layers]
+    if bad:
+        raise ValueError(f"target_layer_ids {ids}: {bad} outside 0..{num_layers - 1} (the target has {num_layers} "
+                         f"decoder layers; id i is layer i's output, HF hidden_states[i + 1]); use ids in that range")
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"target_layer_ids {ids} repeats a layer; give each layer once")
+    return ids
+
+
+def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Position ids that count only real tokens (0 at each row's first real token; padding gets 0)."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+
+
+def _hidden_of(output) -> torch.Tensor:
+    return output[0] if isinstance(output, (tuple, list)) else output
+
+
+class LayerCapture:
+    """Hooks on a target's decoder layers for repeated captures; use as a context manager.
+
+        with LayerCapture(target, [1, 9, 17]) as capture:
+            for batch in batches:
+                hidden, last_hidden = capture(batch["input_ids"], batch["attention_mask"])
+    """
+
+    def __init__(self, target, target_layer_ids, store_last_hidden: bool = False):
+        self.target = target
+        self.layer_ids = check_layer_ids(target_layer_ids, target.num_layers)
+        self.store_last_hidden = store_last_hidden  # also return the final-norm output
+        last = target.num_layers - 1
+        self._use_norm = store_last_hidden or last in self.layer_ids
+        self._stop_at = None if self._use_norm else max(self.layer_ids)  # else the final norm stops it
+        self._outputs: dict[int | str, torch.Tensor] = {}
+        self._handles = []
+
+    def _layer_hook(self, layer_id: int):
+        def hook(module: nn.Module, args, output):
+            self._outputs[layer_id] = _hidden_of(output)
+            if layer_id == self._stop_at:
+                raise _StopForward
+
+        return hook
+
+    def _norm_hook(self, module: nn.Module, args, output):
+        self._outputs["norm"] = _hidden_of(output)
+        raise _StopForward
+
+    def __enter__(self) -> "LayerCapture":
+        last = self.target.num_layers - 1
+        for i in self.layer_ids:
+            if i != last:
+                self._handles.append(self.target.layers[i].register_forward_hook(self._layer_hook(i)))
+        if self._use_norm:
+            self._handles.append(self.target.final_norm.register_forward_hook(self._norm_hook))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._outputs.clear()
+
+    @torch.inference_mode()
+    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None):
+        """(hidden [b, T, K*H], last_hidden [b, T, H] or None) for a batch; padded positions hold junk."""
+        if not self._handles:
+            raise RuntimeError("LayerCapture is used outside its `with` block")
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        self._outputs.clear()
+        try:
+            self.target.model(input_ids=input_ids, attention_mask=attention_mask,
+                              position_ids=positions_from_mask(attention_mask), use_cache=False)
+        except _StopForward:
+            pass
+        else:
+            raise RuntimeError("the target's forward finished without reaching the hooked modules; "
+                               "its layers are not called as Target.layers / Target.final_norm")
+        last = self.target.num_layers - 1
+        out_device = input_ids.device
+        parts = [self._outputs["norm" if i == last else i].to(out_device) for i in self.layer_ids]
+        hidden = torch.cat(parts, dim=-1)
+        last_hidden = self._outputs["norm"].to(out_device) if self.store_last_hidden else None
+        self._outputs.clear()
+        return hidden, last_hidden
+
+
+def capture_features(target, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, target_layer_ids,
+                     store_last_hidden: bool = False):
+    """One batch: (hidden [b, T, K*H], last_hidden [b, T, H] or None). See LayerCapture for many batches."""
+    with LayerCapture(target, target_layer_ids, store_last_hidden) as capture:
+        return capture(input_ids, attention_mask)
+
+
+def real_tokens(x: torch.Tensor, attention_mask: torch.Tensor) -> list[torch.Tensor]:
+    """Per sample, the rows of `x` [b, T, ...] at real (mask 1) positions, in order: padding on either side."""
+    keep = attention_mask.bool().to(x.device)
+    return [x[b][keep[b]] for b in range(x.shape[0])]

@@ -1,0 +1,361 @@
+"""Chat records -> token ids and a loss mask over the assistant's tokens.
+
+Design choices:
+- Four record formats: OpenAI ``messages`` [{role, content}], ShareGPT ``conversations`` [{from, value}],
+  ``prompt``/``response`` (one exchange, optional ``system``), and plain ``text`` (every token supervised).
+- Conversations are rendered with the target tokenizer's own chat template. Assistant spans are found by
+  rendering prefixes, never by per-family patterns: for assistant turn i we render messages[:i], the same with
+  the generation prompt, and the conversation ending at turn i. The supervised part of a turn is what the target
+  itself would generate after the generation prompt, up to and including the end-of-turn token (the last special
+  token of the turn). ChatML (SmolLM2), Llama 3, Qwen3 with thinking on and off, Gemma all take this one path.
+- Some templates render a turn differently once later turns follow it (Qwen3 drops the reasoning of earlier
+  turns, and its thinking-off generation prompt differs from the history header). Such a turn is located in
+  the full rendering by its header (the part of the generation prompt the history shares) and the end-of-turn
+  token found above.
+- Tokens are produced segment by segment (context, supervised, context, ...) with add_special_tokens=False:
+  the split the target sees when it is prompted and then generates. Every supervised segment is checked:
+  its tokens decode back to exactly its text, it ends with the end-of-turn token, and it contains the visible
+  answer. ``check_template`` runs this on a probe conversation before any work, so a template that cannot mark
+  assistant spans fails at once with a clear error.
+- Leading assistant turns (ShareGPT splits long chats, so many pieces start with the model) have no prompt:
+  they are dropped and counted, the rest of the conversation is kept.
+- Bad records raise ``BadSample(reason, detail)``; the caller counts them by reason or fails (``--on-bad``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+
+# ShareGPT / OpenAI role names -> template roles
+ROLE_ALIASES = {"user": "user", "human": "user", "system": "system", "assistant": "assistant", "gpt": "assistant",
+                "chatgpt": "assistant", "bing": "assistant", "bard": "assistant", "model": "assistant"}
+# every reason a sample can be skipped for; the manifest counts skips under these names
+SKIP_REASONS = ("malformed_json", "not_utf8", "unknown_format", "unknown_role", "empty_content",
+                "no_assistant_turn", "too_long", "template_error")
+PROBE_CONVERSATION = [{"role": "user", "content": "What is 2+2?"},
+                      {"role": "assistant", "content": "2+2 is 4."},
+                      {"role": "user", "content": "And 3+3?\n"},
+                      {"role": "assistant", "content": "It is 6.\nAnything else?"}]
+
+
+class BadSample(Exception):
+    """One record that cannot become a sample; ``reason`` is one of SKIP_REASONS."""
+
+    def __init__(self, reason: str, detail: str, where: str = ""):
+        assert reason in SKIP_REASONS, reason
+        super().__init__(detail)
+        self.reason, self.detail, self.where = reason, detail, where
+
+    def __str__(self) -> str:
+        return f"{self.where + ': ' if self.where else ''}{self.reason}: {self.detail}"
+
+
+class TemplateError(ValueError):
+    """The chat template cannot mark assistant spans (fatal from check_template; one record's from encode_record)."""
+
+
+class NoChatTemplate(TemplateError):
+    """The tokenizer has no chat template and none was given."""
+
+
+@dataclass
+class ChatConfig:
+    max_length: int | None = None  # longest sample in tokens; None: no limit
+    overlong: str = "truncate"  # what to do with a longer sample: "truncate" it to max_length, or "drop" it
+    template_kwargs: dict = field(default_factory=dict)  # extra template variables, e.g. {"enable_thinking": False}
+    chat_template: str | None = None  # a Jinja template replacing the tokenizer's own; None: the tokenizer's
+
+    def __post_init__(self):
+        if self.overlong not in ("truncate", "drop"):
+            raise ValueError(f"overlong must be 'truncate' or 'drop', got {self.overlong!r}")
+        if self.max_length is not None and self.max_length < 2:
+            raise ValueError(f"max_length must be >= 2 tokens, got {self.max_length}")
+
+
+@dataclass
+class EncodedSample:
+    input_ids: list[int]  # token ids of the rendered conversation
+    loss_mask: list[bool]  # True on the tokens the drafter learns (assistant turns incl. end-of-turn)
+    truncated: bool = False  # cut to max_length
+    dropped_leading_turns: int = 0  # assistant turns before the first user turn, removed
+
+
+# ---------------------------------------------------------------- records -> messages
+
+
+def _check_utf8(text: str, what: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise BadSample("not_utf8", f"{what} holds bytes that are not UTF-8 ({e.reason} at character {e.start})")
+    return text
+
+
+def _content(value, what: str) -> str:
+    if isinstance(value, list):  # OpenAI content parts
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in value):
+            raise BadSample("unknown_format", f"{what}: only text content parts are supported")
+        value = "".join(p["text"] for p in value)
+    if value is None or (isinstance(value, str) and not value.strip()):
+        raise BadSample("empty_content", f"{what} is empty")
+    if not isinstance(value, str):
+        raise BadSample("unknown_format", f"{what} must be a string, got {type(value).__name__}")
+    return _check_utf8(value, what)
+
+
+def _message(raw, role_key: str, text_key: str, k: int) -> dict:
+    if not isinstance(raw, dict) or role_key not in raw:
+        raise BadSample("unknown_format", f"message {k} has no {role_key!r} field")
+    role = ROLE_ALIASES.get(str(raw[role_key]).lower())
+    if role is None:
+        raise BadSample("unknown_role", f"message {k} has role {raw[role_key]!r}; known roles: "
+                                        f"{', '.join(sorted(ROLE_ALIASES))}")
+    msg = {"role": role, "content": _content(raw.get(text_key), f"message {k} ({role}) content")}
+    if role == "assistant" and isinstance(raw.get("reasoning_content"), str):
+        msg["reasoning_content"] = _check_utf8(raw["reasoning_content"], f"message {k} reasoning_content")
+    return msg
+
+
+def normalize_record(record) -> tuple[str, object, int]:
+    """A record -> ("chat", messages, dropped_leading_turns) or ("text", text, 0). Raises BadSample."""
+    if not isinstance(record, dict):
+        raise BadSample("unknown_format", f"expected a JSON object, got {type(record).__name__}")
+    if "messages" in record or "conversations" in record:
+        key, role_key, text_key = (("messages", "role", "content") if "messages" in record
+                                   else ("conversations", "from", "value"))
+        raw = record[key]
+        if not isinstance(raw, list):
+            raise BadSample("unknown_format", f"field {key!r} must be a list of messages")
+        messages = [_message(m, role_key, text_key, k) for k, m in enumerate(raw)]
+    elif "prompt" in record and ("response" in record or "completion" in record):
+        messages = [{"role": "system", "content": _content(record["system"], "system")}] if record.get("system") else []
+        messages.append({"role": "user", "content": _content(record["prompt"], "prompt")})
+        answer = record["response"] if "response" in record else record["completion"]
+        messages.append({"role": "assistant", "content": _content(answer, "response")})
+    elif "text" in record:
+        return "text", _content(record["text"], "text"), 0
+    else:
+        raise BadSample("unknown_format", "no 'messages', 'conversations', 'prompt'/'response' or 'text' field "
+                                          f"(fields: {', '.join(sorted(map(str, record))[:8])})")
+    n_system = 0
+    while n_system < len(messages) and messages[n_system]["role"] == "system":
+        n_system += 1
+    first = n_system
+    while first < len(messages) and messages[first]["role"] == "assistant":
+        first += 1
+    messages = messages[:n_system] + messages[first:]
+    if not any(m["role"] == "assistant" for m in messages):
+        raise BadSample("no_assistant_turn", "the conversation has no assistant turn after a user turn")
+    return "chat", messages, first - n_system
+
+
+# ---------------------------------------------------------------- template rendering and spans
+
+
+def _render(tokenizer, messages, cfg: ChatConfig, add_generation_prompt: bool = False) -> str:
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                             chat_template=cfg.chat_template, **cfg.template_kwargs)
+    except TemplateError:
+        raise
+    except Exception as e:  # jinja errors and raise_exception() of the template
+        if "chat_template is not set" in str(e) or "no chat template" in str(e).lower():
+            raise NoChatTemplate(f"the tokenizer has no chat template: pass --chat-template FILE (a Jinja "
+                                f"template) or give records as plain 'text'") from None
+        raise BadSample("template_error", f"the chat template refused the conversation: {e}") from None
+
+
+def special_tokens(tokenizer) -> list[str]:
+    """Text of every special token (end-of-turn candidates), longest first."""
+    out = set(getattr(tokenizer, "all_special_tokens", []) or [])
+    for tok in (getattr(tokenizer, "added_tokens_decoder", {}) or {}).values():
+        if getattr(tok, "special", False):
+            out.add(str(tok.content if hasattr(tok, "content") else tok))
+    return sorted((t for t in out if t), key=lambda t: (-len(t), t))
+
+
+def _last_special(text: str, specials: list[str]) -> tuple[int, str] | None:
+    """(position, token) of the special token that starts last in text (longest wins a tie)."""
+    best = None
+    for s in specials:  # longest first, so a strict '>' keeps the longest at equal positions
+        pos = text.rfind(s)
+        if pos >= 0 and (best is None or pos > best[0]):
+            best = (pos, s)
+    return best
+
+
+def _shared_header(prompt_tail: str, rest: str, specials: list[str]) -> str:
+    """The part of the generation prompt that the turn's header in the history shares, cut at a boundary."""
+    if rest.startswith(prompt_tail):
+        return prompt_tail
+    n = 0
+    while n < min(len(prompt_tail), len(rest)) and prompt_tail[n] == rest[n]:
+        n += 1
+    common = prompt_tail[:n]
+    cut = common.rfind("\n") + 1
+    for s in specials:
+        pos = common.rfind(s)
+        if pos >= 0:
+            cut = max(cut, pos + len(s))
+    if cut == 0:
+        raise TemplateError(f"cannot find the assistant header in the history (generation prompt {prompt_tail!r})")
+    return common[:cut]
+
+
+def assistant_spans(tokenizer, messages: list[dict], cfg: ChatConfig,
+                    specials: list[str] | None = None) -> tuple[str, list[tuple[int, int]]]:
+    """The rendered conversation and the (start, end) character span of each supervised assistant turn."""
+    specials = special_tokens(tokenizer) if specials is None else specials
+    full = _render(tokenizer, messages, cfg)
+    spans: list[tuple[int, int]] = []
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        before = _render(tokenizer, messages[:i], cfg)
+        prompt = _render(tokenizer, messages[:i], cfg, add_generation_prompt=True)
+        alone = _render(tokenizer, messages[: i + 1], cfg)
+        if not (full.startswith(before) and prompt.startswith(before) and alone.startswith(prompt)):
+            raise TemplateError(f"turn {i} does not render as a continuation of the generation prompt before it "
+                                "(prefix renderings disagree, e.g. reasoning under a thinking-off template)")
+        found = _last_special(alone[len(prompt):], specials)
+        if found is None:
+            raise TemplateError(f"no end-of-turn special token after assistant turn {i}: the template "
+                                f"renders it as {alone[len(prompt):][-80:]!r}")
+        eot_pos, eot = found
+        supervised = alone[len(prompt): len(prompt) + eot_pos + len(eot)]
+        if full.startswith(prompt + supervised):  # the turn renders the same with later turns present
+            start = len(prompt)
+            end = start + len(supervised)
+        else:  # e.g. Qwen3: earlier turns lose their reasoning / the thinking-off header
+            start = len(before) + len(_shared_header(prompt[len(before):], full[len(before):], specials))
+            k = full.find(eot, start)
+            if k < 0:
+                raise TemplateError(f"end-of-turn token {eot!r} of assistant turn {i} not found in the conversation")
+            end = k + len(eot)
+        if spans and start < spans[-1][1]:
+            raise TemplateError(f"assistant turn {i} overlaps the previous one in the rendering")
+        spans.append((start, end))
+    return full, spans
+
+
+# ---------------------------------------------------------------- encoding
+
+
+def _encode(tokenizer, texts: list[str]) -> list[list[int]]:
+    if not texts:
+        return []
+    return tokenizer(texts, add_special_tokens=False)["input_ids"]
+
+
+def _decode(tokenizer, ids: list[int]) -> str:
+    return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
+def _visible_answer(message: dict) -> str:
+    return message["content"].split("</think>")[-1].strip()
+
+
+def encode_chat(tokenizer, messages: list[dict], cfg: ChatConfig, specials: list[str] | None = None):
+    """Messages -> (input_ids, loss_mask). Raises BadSample("template_error") when a check fails."""
+    specials = special_tokens(tokenizer) if specials is None else specials
+    full, spans = assistant_spans(tokenizer, messages, cfg, specials)
+    pieces, flags, pos = [], [], 0
+    for start, end in spans:
+        if start > pos:
+            pieces.append(full[pos:start]), flags.append(False)
+        pieces.append(full[start:end]), flags.append(True)
+        pos = end
+    if pos < len(full):
+        pieces.append(full[pos:]), flags.append(False)
+    assistants = [m for m in messages if m["role"] == "assistant"]
+    ids, mask = [], []
+    for k, (text, supervised, toks) in enumerate(zip(pieces, flags, _encode(tokenizer, pieces))):
+        if supervised:
+            turn = sum(flags[:k])
+            if _decode(tokenizer, toks) != text:
+                raise BadSample("template_error", f"assistant turn {turn}: its tokens do not decode back to its text")
+            if _visible_answer(assistants[turn]) not in text:
+                raise BadSample("template_error", f"assistant turn {turn}: its text was not found in the span "
+                                                  f"the template marks ({text[:60]!r}...)")
+        ids.extend(toks)
+        mask.extend([supervised] * len(toks))
+    return ids, mask
+
+
+def encode_record(record, tokenizer, cfg: ChatConfig, specials: list[str] | None = None) -> EncodedSample:
+    """One record -> EncodedSample. Raises BadSample (counted or fatal per --on-bad) or TemplateError (fatal)."""
+    kind, payload, dropped = normalize_record(record)
+    if kind == "text":
+        ids = tokenizer(payload, add_special_tokens=True)["input_ids"]
+        mask = [True] * len(ids)
+    else:
+        try:
+            ids, mask = encode_chat(tokenizer, payload, cfg, specials)
+        except NoChatTemplate:
+            raise
+        except TemplateError as e:
+            raise BadSample("template_error", str(e)) from None
+    truncated = False
+    if cfg.max_length is not None and len(ids) > cfg.max_length:
+        if cfg.overlong == "drop":
+            raise BadSample("too_long", f"{len(ids)} tokens > --max-length {cfg.max_length} (--overlong drop)")
+        ids, mask, truncated = ids[: cfg.max_length], mask[: cfg.max_length], True
+        if not any(mask[1:]):
+            raise BadSample("too_long", f"no assistant token within the first {cfg.max_length} tokens")
+    if not any(mask[1:]):
+        raise BadSample("no_assistant_turn", "no supervised token after the first position")
+    return EncodedSample(ids, mask, truncated, dropped)
+
+
+def check_template(tokenizer, cfg: ChatConfig) -> str:
+    """Fail before any work when the template cannot mark assistant spans; returns the end-of-turn token."""
+    specials = special_tokens(tokenizer)
+    try:
+        ids, mask = encode_chat(tokenizer, PROBE_CONVERSATION, cfg, specials)
+    except NoChatTemplate:
+        raise
+    except (BadSample, TemplateError) as e:
+        detail = e.detail if isinstance(e, BadSample) else str(e)
+        raise TemplateError(f"the chat template cannot mark assistant spans on a probe conversation: {detail}; "
+                            "pass --chat-template FILE with a template that renders each turn as a continuation")
+    runs, prev = [], False
+    for k, m in enumerate(mask):
+        if m and not prev:
+            runs.append([k, k + 1])
+        elif m:
+            runs[-1][1] = k + 1
+        prev = m
+    if len(runs) != 2:
+        raise TemplateError(f"the chat template marks {len(runs)} assistant spans on a two-turn probe conversation")
+    return end_of_turn_token(tokenizer, cfg, specials)
+
+
+def end_of_turn_token(tokenizer, cfg: ChatConfig, specials: list[str] | None = None) -> str:
+    """The special token that closes an assistant turn under this template (the generation stop token)."""
+    specials = special_tokens(tokenizer) if specials is None else specials
+    prompt = _render(tokenizer, PROBE_CONVERSATION[:1], cfg, add_generation_prompt=True)
+    alone = _render(tokenizer, PROBE_CONVERSATION[:2], cfg)
+    found = _last_special(alone[len(prompt):], specials)
+    if found is None:
+        raise TemplateError("the chat template closes an assistant turn with no special token")
+    return found[1]
+
+
+def _sha256(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def tokenizer_hash(tokenizer) -> str:
+    """sha256 of the vocabulary (token -> id) and the special tokens: equal hashes mean equal token ids."""
+    payload = {"vocab": sorted(tokenizer.get_vocab().items()), "special": special_tokens(tokenizer)}
+    return _sha256(json.dumps(payload, ensure_ascii=False))
+
+
+def chat_template_hash(tokenizer, cfg: ChatConfig | None = None) -> str | None:
+    """sha256 of the chat template in use (None: no template)."""
+    template = (cfg.chat_template if cfg and cfg.chat_template else None) or getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):
+        template = json.dumps(template, sort_keys=True)
+    return _sha256(template) if template else None

@@ -1,0 +1,256 @@
+"""Feature shards on disk: the format, the codec, the manifest, and a memory-mapped reader.
+
+Design choices:
+- A shard is one safetensors file holding many samples concatenated on the token axis: ``hidden`` [N, K*H],
+  ``input_ids`` int32 [N], ``loss_mask`` bool [N], ``offsets`` int64 [S+1], ``sample_index`` int64 [S] (each
+  sample's stable index in the data), optionally ``last_hidden`` [N, H]. Never pickle.
+- Codecs: ``bf16`` (2 bytes per value, relative error <= 2^-8) and ``fp8`` (e4m3 with one float32 scale per token
+  = max|x| / 448, so the largest value of each token maps to the top of the e4m3 range; 1 byte per value + 4 per
+  token). fp8 error bound, per element: |x' - x| <= 0.067 |x| + 2.2e-6 max|x_token| (e4m3 rounding: 2^-4
+  relative, or half its subnormal step, 2^-10 times the scale; then the bf16 output rounding, 2^-8).
+- Shards are written by ``writer.ShardWriter`` (atomic, on a background thread); the manifest is rewritten
+  atomically after every shard and lists only complete shards.
+- The reader memory-maps each shard (parsing the safetensors header itself) and copies out one sample.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import os
+import struct
+from pathlib import Path
+
+import numpy as np
+import torch
+
+SCHEMA_VERSION = 1
+CODECS = ("bf16", "fp8")
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+FP8_REL_ERR, FP8_ABS_ERR = 0.067, 2.2e-6  # the bound stated above (times max|x| of the token for the abs part)
+MANIFEST = "manifest.json"
+_NP = {"BF16": np.uint16, "F8_E4M3": np.uint8, "F32": np.float32, "I32": np.int32, "I64": np.int64, "BOOL": np.bool_}
+_TORCH_VIEW = {"BF16": torch.bfloat16, "F8_E4M3": torch.float8_e4m3fn}
+
+
+# ---------------------------------------------------------------- codec
+
+
+def encode_features(x: torch.Tensor, codec: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """[N, D] features -> (stored values, per-token float32 scale or None)."""
+    if codec == "bf16":
+        return x.to(torch.bfloat16).contiguous(), None
+    if codec != "fp8":
+        raise ValueError(f"unknown codec {codec!r}; choose one of {CODECS}")
+    xf = x.float()
+    scale = (xf.abs().amax(dim=-1) / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+    q = (xf / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.contiguous(), scale.contiguous()
+
+
+def decode_features(values: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """Stored values (+ scale) -> bf16 features."""
+    if scale is None:
+        return values.to(torch.bfloat16)
+    return (values.float() * scale.float()[:, None]).to(torch.bfloat16)
+
+
+def bytes_per_token(codec: str, feature_dim: int) -> int:
+    """Bytes one token's features take on disk (ids, mask and offsets add 5 more)."""
+    return 2 * feature_dim if codec == "bf16" else feature_dim + 4
+
+
+# ---------------------------------------------------------------- atomic files
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Write bytes under a temporary name, fsync, rename over ``path``, fsync the directory."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
+def write_manifest(path: Path, manifest: dict) -> None:
+    atomic_write(path, (json.dumps(manifest, indent=1) + "\n").encode())
+
+
+def read_manifest(path) -> dict:
+    """The manifest of a shard directory (or a manifest file)."""
+    path = Path(path)
+    file = path / MANIFEST if path.is_dir() else path
+    if not file.exists():
+        parts = sorted(path.glob("manifest.rank*.json")) if path.is_dir() else []
+        hint = ("only per-rank manifests are there: the extraction did not finish; run it again with --resume"
+                if parts else "not a dflashkit shard directory (run `dflashkit extract` to make one)")
+        raise FileNotFoundError(f"{file} not found: {hint}")
+    try:
+        manifest = json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{file}: not valid JSON ({e}); the file is damaged") from None
+    if manifest.get("schema_version") != SCHEMA_VERSION:
+        raise ValueError(f"{file}: schema_version {manifest.get('schema_version')!r}, this dflashkit reads "
+                         f"{SCHEMA_VERSION}; re-extract with this version")
+    return manifest
+
+
+def shard_name(rank: int, seq: int) -> str:
+    return f"shard-r{rank:03d}-{seq:06d}.safetensors"
+
+
+def rank_manifest_name(rank: int, world_size: int) -> str:
+    return MANIFEST if world_size == 1 else f"manifest.rank{rank}.json"
+
+
+def update_totals(manifest: dict) -> None:
+    shards = manifest["shards"]
+    tokens = sum(s["tokens"] for s in shards)
+    nbytes = sum(s["bytes"] for s in shards)
+    manifest["totals"] = {"shards": len(shards), "samples": sum(s["samples"] for s in shards), "tokens": tokens,
+                          "loss_tokens": sum(s["loss_tokens"] for s in shards), "bytes": nbytes,
+                          "bytes_per_token": round(nbytes / tokens, 2) if tokens else None}
+
+
+# ---------------------------------------------------------------- reader
+
+
+def read_shard_header(path) -> tuple[dict, int, dict]:
+    """(tensor table {name: (dtype, shape, start, end)} with absolute offsets, file size, metadata)."""
+    path = Path(path)
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ValueError(f"{path}: {size} bytes, too short for a safetensors file (truncated)")
+        (n,) = struct.unpack("<Q", head)
+        if n > min(size - 8, 100 << 20):
+            raise ValueError(f"{path}: header length {n} does not fit the file ({size} bytes): damaged or truncated")
+        try:
+            header = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{path}: unreadable safetensors header ({e}): damaged") from None
+    meta = header.pop("__metadata__", {}) or {}
+    table = {}
+    for name, info in header.items():
+        start, end = (8 + n + o for o in info["data_offsets"])
+        if info["dtype"] not in _NP or end > size or start > end:
+            raise ValueError(f"{path}: tensor {name!r} ({info['dtype']}, bytes {start}..{end}) does not fit the "
+                             f"file ({size} bytes): truncated or damaged")
+        table[name] = (info["dtype"], tuple(info["shape"]), start, end)
+    return table, size, meta
+
+
+class _MappedShard:
+    """One shard file, memory-mapped; tensors are numpy views into the map."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.table, _, self.meta = read_shard_header(path)
+        self._mm = None
+
+    def array(self, name: str) -> np.ndarray:
+        if self._mm is None:
+            self._mm = np.memmap(self.path, dtype=np.uint8, mode="r")
+        dtype, shape, start, end = self.table[name]
+        return self._mm[start:end].view(_NP[dtype]).reshape(shape)
+
+    def tensor(self, name: str, lo: int | None = None, hi: int | None = None) -> torch.Tensor:
+        """Rows lo:hi of a tensor, copied out of the map."""
+        t = torch.from_numpy(np.array(self.array(name)[lo:hi], copy=True))
+        view = _TORCH_VIEW.get(self.table[name][0])
+        return t.view(view) if view is not None else t
+
+    def __getstate__(self):  # DataLoader workers reopen the map instead of pickling it
+        return {**self.__dict__, "_mm": None}
+
+
+class ShardDataset(torch.utils.data.Dataset):
+    """Samples of a shard directory: ``ds[i]`` -> dict(input_ids, loss_mask, hidden[, last_hidden], sample_index).
+
+    Reads only the requested sample's bytes (memory-mapped). ``hidden`` is bf16 [T, K*H] (fp8 decoded).
+    A directory whose extraction has not finished is refused unless ``allow_incomplete``.
+    """
+
+    def __init__(self, path, allow_incomplete: bool = False):
+        self.dir = Path(path)
+        self.manifest = read_manifest(self.dir)
+        if not self.manifest.get("complete", False) and not allow_incomplete:
+            raise ValueError(f"{self.dir}: the extraction has not finished (manifest complete=false); finish it "
+                             "with `dflashkit extract ... --resume`, or pass allow_incomplete=True")
+        self.shards, self.lengths, self.sample_indices, self._starts, self._offsets = [], [], [], [], []
+        for entry in self.manifest["shards"]:
+            path = self.dir / entry["file"]
+            if not path.exists():
+                raise FileNotFoundError(f"{path} is listed in {self.dir / MANIFEST} but missing; "
+                                        f"run `dflashkit verify {self.dir}`")
+            shard = _MappedShard(path)
+            offsets = shard.array("offsets").astype(np.int64)
+            if len(offsets) != entry["samples"] + 1:
+                raise ValueError(f"{path}: {len(offsets) - 1} samples, the manifest says {entry['samples']}; "
+                                 f"run `dflashkit verify {self.dir}`")
+            self._starts.append(len(self.lengths))
+            self.shards.append(shard)
+            self._offsets.append(offsets)
+            self.lengths += np.diff(offsets).tolist()
+            self.sample_indices += shard.array("sample_index").tolist()
+        self.has_last_hidden = bool(self.shards) and "last_hidden" in self.shards[0].table
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __getitem__(self, i: int) -> dict:
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"sample {i} of {len(self)}")
+        i %= len(self)
+        s = bisect.bisect_right(self._starts, i) - 1
+        shard, local = self.shards[s], i - self._starts[s]
+        lo, hi = int(self._offsets[s][local]), int(self._offsets[s][local + 1])
+        out = {"input_ids": shard.tensor("input_ids", lo, hi).long(),
+               "loss_mask": shard.tensor("loss_mask", lo, hi).bool(),
+               "sample_index": self.sample_indices[i]}
+        for key in ("hidden", "last_hidden"):
+            if key in shard.table:
+                scale = shard.tensor(f"{key}_scale", lo, hi) if f"{key}_scale" in shard.table else None
+                out[key] = decode_features(shard.tensor(key, lo, hi), scale)
+        return out
+
+
+def check_manifest_matches(manifest: dict, drafter_config, target_identity: dict | None = None) -> None:
+    """Raise ValueError naming the field where shards and a drafter config (and target) disagree."""
+    def get(obj, key):
+        return obj.get(key) if isinstance(obj, dict) else getattr(obj, key, None)
+
+    checks = [("target_layer_ids", lambda v: [int(x) for x in v]), ("hidden_size", int),
+              ("num_target_layers", int), ("vocab_size", int)]
+    for key, norm in checks:
+        mine, theirs = get(drafter_config, key), manifest.get(key)
+        if mine is None or theirs is None:
+            continue
+        if norm(mine) != norm(theirs):
+            raise ValueError(f"{key}: the shards were extracted with {key}={theirs} but the drafter config has "
+                             f"{key}={mine}; re-extract with matching settings or build the drafter with "
+                             f"{key}={theirs}")
+    for key in ("config_hash", "weights_hash", "tokenizer_hash"):
+        mine = (target_identity or {}).get(key)
+        theirs = manifest.get(key) if key == "tokenizer_hash" else manifest.get("target", {}).get(key)
+        if mine and theirs and mine != theirs:
+            where = key if key == "tokenizer_hash" else f"target.{key}"
+            raise ValueError(f"{where}: the shards come from a different target ({theirs[:12]}... vs this "
+                             f"target's {mine[:12]}..., extracted from {manifest.get('target', {}).get('path')}); "
+                             "train with the target the shards were extracted from, or re-extract")

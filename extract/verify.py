@@ -1,0 +1,151 @@
+"""``dflashkit verify DIR``: check a shard directory before training on it.
+
+    python -m dflashkit.extract.verify runs/smollm2-shards
+    dflashkit verify runs/smollm2-shards
+
+Checks, per shard listed in manifest.json: the file exists, its size and sha256 match the manifest (catches
+truncation and flipped bytes), the safetensors header fits the file, every tensor has the shape and dtype the
+format requires (offsets [S+1] from 0 to N, ids/mask [N], hidden [N, K*H], scales [N] for fp8), the sample
+indices equal the manifest's, token ids lie inside the vocabulary, and features hold no NaN/Inf. Across shards:
+no sample appears twice, the totals add up, and files the manifest does not list are reported.
+Exit code 0 when everything holds, 1 with each failing shard named otherwise.
+
+Design choice: the checks read shards through the same header parser as the reader, chunk by chunk, so a
+100 GB dataset is verified in bounded memory; sha256 is computed on the raw bytes, before any parsing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .shards import MANIFEST, _MappedShard, decode_features, read_manifest, read_shard_header
+
+_CHUNK = 1 << 16  # tokens per NaN/Inf check step
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def check_shard(path: Path, entry: dict, manifest: dict) -> list[str]:
+    """Problems of one shard (empty list: fine)."""
+    if not path.exists():
+        return ["missing"]
+    size = path.stat().st_size
+    if size != entry.get("bytes", size):
+        return [f"size {size} bytes, the manifest says {entry['bytes']} (truncated or replaced)"]
+    if _sha256(path) != entry["sha256"]:
+        return ["sha256 differs from the manifest (the file was changed or damaged: a flipped byte?)"]
+    try:
+        read_shard_header(path)
+        shard = _MappedShard(path)
+    except ValueError as e:
+        return [str(e)]
+    problems = []
+    table = shard.table
+    n, s = entry["tokens"], entry["samples"]
+    dim = len(manifest["target_layer_ids"]) * manifest["hidden_size"]
+    codec_dtype = {"bf16": "BF16", "fp8": "F8_E4M3"}[manifest["codec"]]
+    want = {"input_ids": ("I32", (n,)), "loss_mask": ("BOOL", (n,)), "offsets": ("I64", (s + 1,)),
+            "sample_index": ("I64", (s,)), "hidden": (codec_dtype, (n, dim))}
+    if manifest["codec"] == "fp8":
+        want["hidden_scale"] = ("F32", (n,))
+    if manifest.get("store_last_hidden"):
+        want["last_hidden"] = (codec_dtype, (n, manifest["hidden_size"]))
+        if manifest["codec"] == "fp8":
+            want["last_hidden_scale"] = ("F32", (n,))
+    for name, (dtype, shape) in want.items():
+        if name not in table:
+            problems.append(f"tensor {name!r} missing")
+        elif table[name][:2] != (dtype, shape):
+            problems.append(f"tensor {name!r} is {table[name][0]}{list(table[name][1])}, expected {dtype}{list(shape)}")
+    if problems:
+        return problems
+    offsets = shard.array("offsets")
+    if offsets[0] != 0 or offsets[-1] != n or (np.diff(offsets) <= 0).any():
+        problems.append(f"offsets do not run from 0 to {n} in increasing steps")
+    if shard.array("sample_index").tolist() != entry["sample_indices"]:
+        problems.append("sample indices differ from the manifest's")
+    ids = shard.array("input_ids")
+    vocab = manifest.get("vocab_size")
+    if len(ids) and (ids.min() < 0 or (vocab and ids.max() >= vocab)):
+        problems.append(f"token ids outside the vocabulary [0, {vocab})")
+    if int(shard.array("loss_mask").sum()) != entry.get("loss_tokens", int(shard.array("loss_mask").sum())):
+        problems.append("loss-mask count differs from the manifest's")
+    for key in ("hidden", "last_hidden"):
+        if key not in want:
+            continue
+        for lo in range(0, n, _CHUNK):
+            hi = min(n, lo + _CHUNK)
+            scale = shard.tensor(f"{key}_scale", lo, hi) if f"{key}_scale" in table else None
+            values = decode_features(shard.tensor(key, lo, hi), scale)
+            bad = ~torch.isfinite(values).all(-1)
+            if scale is not None:
+                bad |= ~torch.isfinite(scale)
+            if bool(bad.any()):
+                tok = lo + int(bad.nonzero()[0, 0])
+                k = int(np.searchsorted(offsets, tok, side="right")) - 1
+                problems.append(f"{key} holds NaN/Inf (first at token {tok}, sample {entry['sample_indices'][k]})")
+                break
+    return problems
+
+
+def verify_dataset(path) -> tuple[list[str], list[str]]:
+    """(errors, notes) for a shard directory; errors name the shard."""
+    path = Path(path)
+    try:
+        manifest = read_manifest(path)
+    except (FileNotFoundError, ValueError) as e:
+        return [str(e)], []
+    errors, notes, seen = [], [], {}
+    for entry in manifest.get("shards", []):
+        for problem in check_shard(path / entry["file"], entry, manifest):
+            errors.append(f"{path / entry['file']}: {problem}")
+        for i in entry.get("sample_indices", []):
+            if i in seen:
+                errors.append(f"{path / entry['file']}: sample {i} also in {seen[i]}")
+            seen[i] = entry["file"]
+    totals = manifest.get("totals", {})
+    if totals.get("samples") not in (None, len(seen)) or totals.get("shards") not in (None, len(manifest["shards"])):
+        errors.append(f"{path / MANIFEST}: totals {totals} do not add up over the listed shards")
+    listed = {e["file"] for e in manifest.get("shards", [])}
+    extra = sorted(p.name for p in path.glob("shard-*.safetensors") if p.name not in listed)
+    if extra:
+        notes.append(f"{len(extra)} shard file(s) not in the manifest (left by a killed run; --resume removes "
+                     f"them): {', '.join(extra[:5])}")
+    if not manifest.get("complete", False):
+        notes.append("the extraction has not finished (complete=false): resume it with --resume")
+    return errors, notes
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="dflashkit verify", description=__doc__.split("\n\n")[0])
+    parser.add_argument("dir", help="a shard directory written by `dflashkit extract`")
+    args = parser.parse_args(argv)
+    errors, notes = verify_dataset(args.dir)
+    for note in notes:
+        print(f"note: {note}")
+    for error in errors:
+        print(f"FAIL {error}", file=sys.stderr)
+    if errors:
+        print(f"verify: {len(errors)} problem(s) in {args.dir}", file=sys.stderr)
+        return 1
+    m = read_manifest(args.dir)
+    t = m.get("totals", {})
+    print(f"verify: OK {args.dir}: {t.get('shards')} shards, {t.get('samples')} samples, {t.get('tokens')} tokens, "
+          f"codec {m['codec']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,110 @@
+"""Speculative decoding engine on a tiny random target (CPU, fp32, greedy).
+
+The target has a 6-token vocabulary, so a random drafter is accepted often enough that rounds of every length
+from 1 to the block size occur (asserted), which makes round-by-round comparisons meaningful.
+"""
+
+import time
+
+import pytest
+import torch
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+from dflashkit.drafter import DrafterConfig, build_drafter, save_drafter
+from dflashkit.eval.engine import DecodeConfig, SpeculativeDecoder
+
+VOCAB, BLOCK, NEW = 6, 4, 30
+
+
+def tiny_target_config(**overrides):
+    fields = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.3)
+    return LlamaConfig(**{**fields, **overrides})
+
+
+@pytest.fixture(scope="module")
+def pair():
+    torch.manual_seed(0)
+    config = tiny_target_config()
+    target = LlamaForCausalLM(config).eval()
+    drafter = build_drafter(DrafterConfig.for_target(config, num_hidden_layers=1, block_size=BLOCK,
+                                                     mask_token_id=VOCAB - 1)).eval()
+    return target, drafter
+
+
+def prompts(n=10, length=8):
+    return [torch.randint(0, VOCAB, (length,), generator=torch.Generator().manual_seed(s)).tolist()
+            for s in range(n)]
+
+
+def run(target, drafter, **config):
+    decoder = SpeculativeDecoder(target, drafter, DecodeConfig(max_new_tokens=NEW, **config))
+    try:
+        return [decoder.generate(p) for p in prompts()], [decoder.generate_autoregressive(p) for p in prompts()]
+    finally:
+        decoder.close()
+
+
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+def test_greedy_speculative_equals_autoregressive(pair, mode):
+    spec, ar = run(*pair, mode=mode, tree_budget=12, tree_top_k=3)
+    for s, a in zip(spec, ar):
+        assert s.tokens == a.tokens and len(s.tokens) == NEW
+        assert sum(s.acceptance_lengths) == NEW - 1  # the first token comes from the prefill
+    lengths = {n for s in spec for n in s.acceptance_lengths}
+    assert 1 in lengths and BLOCK in lengths  # rejections and fully accepted blocks both happened
+
+
+def test_chain_tau_equals_reference_round_by_round(pair, tmp_path, monkeypatch):
+    ref = pytest.importorskip("dflash.model", reason="the reference package `dflash` is not installed")
+    monkeypatch.setattr(ref, "_cuda_time", time.perf_counter)  # the reference times with CUDA syncs
+    target, drafter = pair
+    save_drafter(drafter, tmp_path / "drafter")
+    theirs = ref.DFlashDraftModel.from_pretrained(str(tmp_path / "drafter"), dtype=torch.float32).eval()
+    spec, _ = run(target, drafter)
+    assert target.config._attn_implementation == "sdpa"  # close() gave it back
+    seen = set()
+    for prompt, ours in zip(prompts(), spec):
+        stats = ref.dflash_generate(theirs, target, torch.tensor([prompt]), NEW, None, return_stats=True)
+        assert ours.acceptance_lengths == stats.acceptance_lengths
+        assert ours.tokens == stats.output_ids[0, len(prompt):].tolist()
+        seen.update(ours.acceptance_lengths)
+    assert seen == set(range(1, BLOCK + 1))
+
+
+def test_top1_tree_gives_the_chain_rounds(pair):
+    chain, _ = run(*pair, mode="chain")
+    tree, _ = run(*pair, mode="tree", tree_budget=BLOCK, tree_top_k=1)
+    for c, t in zip(chain, tree):
+        assert c.acceptance_lengths == t.acceptance_lengths and c.tokens == t.tokens
+        assert t.nodes_per_round == c.nodes_per_round and max(t.nodes_per_round) == BLOCK
+
+
+def test_tree_tau_at_least_chain_tau(pair):
+    chain, _ = run(*pair, mode="chain")
+    tree, _ = run(*pair, mode="tree", tree_budget=16, tree_top_k=3)
+    tau = [sum(n for r in runs for n in r.acceptance_lengths) / sum(len(r.acceptance_lengths) for r in runs)
+           for runs in (chain, tree)]
+    assert tau[1] >= tau[0] and tau[1] > 1.0, tau
+    assert max(n for r in tree for n in r.nodes_per_round) == 16
+
+
+def test_compacted_cache_equals_autoregressive_cache(pair):
+    """After tree rounds (non-contiguous accepted paths), the kept K/V = a plain forward over the same tokens."""
+    target, drafter = pair
+    decoder = SpeculativeDecoder(target, drafter, DecodeConfig(mode="tree", max_new_tokens=NEW, tree_budget=12,
+                                                               tree_top_k=3))
+    prompt = prompts()[3]
+    result = decoder.generate(prompt)
+    cache = decoder.verifier.cache
+    decoder.close()
+    sequence = prompt + result.tokens[:-1]  # the last token is the next anchor, not yet in the cache
+    assert cache.length == len(sequence)
+    reference = DynamicCache()
+    with torch.no_grad():
+        target(torch.tensor([sequence]), past_key_values=reference, use_cache=True)
+    for layer in range(target.config.num_hidden_layers):
+        keys = reference.layers[layer].keys
+        values = reference.layers[layer].values
+        assert (cache.keys[layer][:, :, :cache.length] - keys).abs().max() < 1e-5
+        assert (cache.values[layer][:, :, :cache.length] - values).abs().max() < 1e-5

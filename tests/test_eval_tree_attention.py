@@ -1,0 +1,131 @@
+"""Tree attention: the PyTorch twin against a per-node loop, the Triton kernel against the twin (interpreter),
+and the attention function plugged into a real transformers target against plain per-path forwards."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from dflashkit.eval.tree import ancestor_mask, build_tree
+from dflashkit.eval.tree_attention import tree_attention_reference
+from dflashkit.eval.verifier import TargetVerifier
+
+
+def _case(seed=0, b=2, hkv=2, group=3, n=7, d=24, slots=80, prefixes=(33, 50)):
+    g = torch.Generator().manual_seed(seed)
+    tree = build_tree(3, torch.randn(5, 11, generator=g), n, 3)
+    parents = torch.tensor(tree.parents)
+    prefix = torch.tensor(prefixes)
+    positions = prefix[:, None] + torch.tensor(tree.depths)[None]
+    q = torch.randn(b, hkv * group, n, d, generator=g)
+    k = torch.randn(b, hkv, slots, d, generator=g)
+    v = torch.randn(b, hkv, slots, d, generator=g)
+    return q, k, v, prefix, ancestor_mask(parents).unsqueeze(0), positions, parents
+
+
+def _per_node_loop(q, k, v, prefix, parents, positions, scale, window, softcap):
+    """Independent oracle: for each node, gather its keys explicitly and run a softmax."""
+    b, h, n, d = q.shape
+    group = h // k.shape[1]
+    out = torch.zeros(b, n, h, d)
+    for bi in range(b):
+        p = int(prefix[bi])
+        for i in range(n):
+            chain, node = [], i
+            while node >= 0:
+                chain.append(node)
+                node = int(parents[node])
+            slots = list(range(p)) + [p + j for j in sorted(chain)]
+            key_pos = list(range(p)) + [int(positions[bi, j]) for j in sorted(chain)]
+            if window:
+                keep = [s for s, kp in zip(slots, key_pos) if int(positions[bi, i]) - kp < window]
+                slots = keep
+            for head in range(h):
+                kk, vv = k[bi, head // group, slots], v[bi, head // group, slots]
+                scores = kk @ q[bi, head, i] * scale
+                if softcap:
+                    scores = softcap * torch.tanh(scores / softcap)
+                out[bi, i, head] = torch.softmax(scores, 0) @ vv
+    return out
+
+
+@pytest.mark.parametrize("window,softcap", [(None, None), (20, None), (None, 5.0), (45, 3.0)])
+def test_twin_matches_per_node_loop(window, softcap):
+    q, k, v, prefix, mask, positions, parents = _case()
+    ours = tree_attention_reference(q, k, v, prefix, mask, positions, 0.3, window, softcap)
+    oracle = _per_node_loop(q, k, v, prefix, parents, positions, 0.3, window, softcap)
+    assert (ours - oracle).abs().max() < 1e-5
+
+
+KERNEL_SCRIPT = textwrap.dedent("""
+    import json, sys, torch
+    import numpy
+    if tuple(int(x) for x in numpy.__version__.split(".")[:2]) >= (2, 4):
+        # the interpreter turns 1-element arrays into loop bounds with int(), which numpy >= 2.4 refuses
+        import triton.runtime.interpreter as interp
+        original = interp._patch_lang_tensor
+        def patched(tensor, scope):
+            original(tensor, scope)
+            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+        interp._patch_lang_tensor = patched
+    sys.path.insert(0, sys.argv[1])
+    from test_eval_tree_attention import _case
+    from dflashkit.eval.tree_attention import tree_attention_reference
+    from dflashkit.eval.tree_attention_triton import tree_attention_triton
+    errors = []
+    cases = [(None, None, None), (None, None, 1), (None, None, 3), (20, None, None), (None, 5.0, 2), (45, 3.0, None)]
+    for window, softcap, splits in cases:
+        q, k, v, prefix, mask, positions, _ = _case(seed=len(errors))
+        ref = tree_attention_reference(q, k, v, prefix, mask, positions, 0.3, window, softcap)
+        out = tree_attention_triton(q, k, v, prefix, mask, positions, 0.3, window, softcap,
+                                    block_m=16, block_n=16, num_splits=splits)
+        errors.append((out - ref).abs().max().item())
+    q, k, v, prefix, mask, positions, _ = _case(seed=9, prefixes=(0, 5))  # no prefix at all, and a short one
+    ref = tree_attention_reference(q, k, v, prefix, mask, positions, 0.3)
+    errors.append((tree_attention_triton(q, k, v, prefix, mask, positions, 0.3, block_m=16, block_n=16)
+                   - ref).abs().max().item())
+    print(json.dumps(errors))
+""")
+
+
+@pytest.mark.slow
+def test_triton_kernel_matches_twin_in_interpreter():
+    pytest.importorskip("triton", reason="triton is not installed")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    run = subprocess.run([sys.executable, "-c", KERNEL_SCRIPT, os.path.dirname(__file__)], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    errors = json.loads(run.stdout.strip().splitlines()[-1])
+    assert len(errors) == 7 and max(errors) < 1e-5, errors
+
+
+def test_tree_forward_matches_plain_forward_of_each_path():
+    """Logits of every node = the plain model's logits after prefix + the path to that node."""
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    model = LlamaForCausalLM(config).eval()
+    prompt = torch.randint(0, 50, (9,))
+    tree = build_tree(int(prompt[-1]), torch.randn(4, 50), budget=12, top_k=3)
+    verifier = TargetVerifier(model, [0, 1], max_len=64, backend="torch")
+    _, prefix_features = verifier.forward(prompt[:-1])
+    verifier.commit(list(range(8)))
+    tokens, parents, depths = tree.tensors("cpu")
+    logits, features = verifier.forward(tokens, parents, depths)
+    verifier.close()
+    with torch.no_grad():
+        for node in range(tree.num_nodes):
+            path, x = [], node
+            while x >= 0:
+                path.append(tree.tokens[x])
+                x = tree.parents[x]
+            ids = torch.cat([prompt[:-1], torch.tensor(path[::-1])]).unsqueeze(0)
+            out = model(ids, output_hidden_states=True)
+            assert (out.logits[0, -1] - logits[node]).abs().max() < 1e-5
+            expected = torch.cat([out.hidden_states[1][0, -1], out.hidden_states[2][0, -1]])
+            assert (expected - features[node]).abs().max() < 1e-5

@@ -1,0 +1,153 @@
+"""`dflashkit extract` end to end on a tiny random Llama with the testbed's real tokenizer: stored features equal
+Hugging Face's hidden_states[i + 1] of each sample alone; bad records are counted or fail per --on-bad; wrong
+settings fail before any work; bytes per token per codec."""
+
+import functools
+import json
+
+import pytest
+import torch
+from test_extract_chat import smollm2_tokenizer
+
+from dflashkit.extract.__main__ import main
+from dflashkit.extract.chat import ChatConfig, encode_record
+from dflashkit.extract.shards import FP8_ABS_ERR, FP8_REL_ERR, ShardDataset, read_manifest
+from dflashkit.extract.verify import verify_dataset
+
+LAYERS = [0, 2, 3]
+
+
+def save_tiny_chat_target(out_dir, seed=0):
+    """A 4-layer Llama (hidden 32) over the full SmolLM2 vocabulary, saved with the testbed tokenizer."""
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    config = tf.LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=2048,
+                            tie_word_embeddings=True)
+    tf.LlamaForCausalLM(config).save_pretrained(out_dir)
+    smollm2_tokenizer().save_pretrained(out_dir)
+    return str(out_dir)
+
+
+def chat_records(n, seed=0):
+    """Conversations of varied length (1-3 exchanges, 1-40 words a turn)."""
+    g = torch.Generator().manual_seed(seed)
+    words = ["alpha", "beta", "gamma", "delta", "echo", "fox", "golf", "hotel", "india", "kilo", "lima", "mike"]
+
+    def text():
+        return " ".join(words[int(i)] for i in torch.randint(0, len(words), (int(torch.randint(1, 40, (1,), generator=g)),), generator=g))
+
+    out = []
+    for _ in range(n):
+        msgs = []
+        for _ in range(int(torch.randint(1, 4, (1,), generator=g))):
+            msgs += [{"role": "user", "content": text()}, {"role": "assistant", "content": text()}]
+        out.append({"messages": msgs})
+    return out
+
+
+def write_jsonl(path, records, bad_lines=()):
+    """records as JSON lines; bad_lines: {line number (1-based): raw text} inserted as they are."""
+    lines, it = [], iter(records)
+    total = len(records) + len(bad_lines)
+    for k in range(1, total + 1):
+        lines.append(dict(bad_lines)[k] if k in dict(bad_lines) else json.dumps(next(it)))
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return save_tiny_chat_target(tmp_path_factory.mktemp("tiny") / "target")
+
+
+@functools.lru_cache(maxsize=2)
+def _hf_model(target_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+
+
+def reference_features(target_dir, input_ids, layer_ids):
+    """hidden_states[i + 1] of one sample alone, concatenated, and the last (final-norm) state: plain HF."""
+    model = _hf_model(target_dir)
+    with torch.no_grad():
+        hs = model(input_ids=input_ids[None], output_hidden_states=True).hidden_states
+    return torch.cat([hs[i + 1][0] for i in layer_ids], -1), hs[-1][0]
+
+
+BAD = {3: '{"messages": [broken', 6: json.dumps({"messages": [{"role": "user", "content": "no answer"}]}),
+       9: json.dumps({"messages": [{"role": "robot", "content": "x"}, {"role": "assistant", "content": "y"}]})}
+
+
+def test_extract_stores_each_samples_own_hidden_states(tiny, tmp_path):
+    records = chat_records(9)
+    data = write_jsonl(tmp_path / "d.jsonl", records, BAD.items())
+    out = tmp_path / "out"
+    rc = main(["--target", tiny, "--data", data, "--out", str(out), "--layer-ids", ",".join(map(str, LAYERS)),
+               "--batch-tokens", "400", "--bucket-window", "5", "--shard-size", "20KB", "--store-last-hidden",
+               "--no-progress"])
+    assert rc == 0
+    m = read_manifest(out)
+    assert m["complete"] and m["target_layer_ids"] == LAYERS and m["hidden_size"] == 32
+    assert {k: v for k, v in m["skipped"].items() if v} == {"malformed_json": 1, "no_assistant_turn": 1,
+                                                           "unknown_role": 1}
+    assert len(m["shards"]) >= 2 and verify_dataset(out) == ([], [])
+    ds = ShardDataset(out)
+    good = [k - 1 for k in range(1, 13) if k not in BAD]  # stable indices of the good records
+    assert sorted(ds.sample_indices) == good
+    tok, cfg = smollm2_tokenizer(), ChatConfig()
+    for k in range(len(ds)):
+        s = ds[k]
+        record = records[good.index(s["sample_index"])]
+        want = encode_record(record, tok, cfg)
+        assert s["input_ids"].tolist() == want.input_ids and s["loss_mask"].tolist() == want.loss_mask
+        hidden, last = reference_features(tiny, s["input_ids"], LAYERS)
+        torch.testing.assert_close(s["hidden"].float(), hidden, rtol=2 ** -7, atol=1e-5)
+        torch.testing.assert_close(s["last_hidden"].float(), last, rtol=2 ** -7, atol=1e-5)
+
+
+def test_fp8_codec_bytes_per_token_and_error(tiny, tmp_path):
+    data = write_jsonl(tmp_path / "d.jsonl", chat_records(4))
+    sizes = {}
+    for codec in ("bf16", "fp8"):
+        out = tmp_path / codec
+        assert main(["--target", tiny, "--data", data, "--out", str(out), "--layer-ids", "0,2,3", "--codec", codec,
+                     "--no-progress"]) == 0
+        m = read_manifest(out)
+        sizes[codec] = m["totals"]["bytes_per_token"]
+    ds = ShardDataset(tmp_path / "fp8")
+    for k in range(len(ds)):
+        s = ds[k]
+        ref, _ = reference_features(tiny, s["input_ids"], LAYERS)
+        amax = ref.abs().amax(-1, keepdim=True)
+        assert ((s["hidden"].float() - ref).abs() <= 1.01 * (FP8_REL_ERR * ref.abs() + FP8_ABS_ERR * amax) + 1e-6).all()
+    # 3 taps x hidden 32: bf16 2 bytes a value, fp8 1 byte + a 4-byte scale; + ids (4) + mask (1) + header share
+    assert 197 <= sizes["bf16"] < 260 and 101 <= sizes["fp8"] < 160
+
+
+def test_on_bad_fail_names_file_and_line(tiny, tmp_path, capsys):
+    data = write_jsonl(tmp_path / "d.jsonl", chat_records(9), BAD.items())
+    rc = main(["--target", tiny, "--data", data, "--out", str(tmp_path / "out"), "--on-bad", "fail", "--no-progress"])
+    assert rc == 1
+    err = capsys.readouterr().err
+    assert f"{data}:3: malformed_json" in err and "--on-bad skip" in err
+
+
+def test_wrong_settings_fail_before_any_work(tiny, tmp_path, capsys):
+    data = write_jsonl(tmp_path / "d.jsonl", chat_records(2))
+    out = tmp_path / "out"
+    assert main(["--target", tiny, "--data", data, "--out", str(out), "--layer-ids", "1,4", "--no-progress"]) == 1
+    assert "outside 0..3" in capsys.readouterr().err and not list(out.glob("*"))
+    assert main(["--target", tiny, "--data", data, "--out", str(out), "--no-progress", "--layer-ids", "1,2"]) == 0
+    assert main(["--target", tiny, "--data", data, "--out", str(out), "--no-progress", "--layer-ids", "1,2"]) == 1
+    assert "--resume" in capsys.readouterr().err
+    assert main(["--target", tiny, "--data", data, "--out", str(out), "--no-progress", "--layer-ids", "1,2",
+                 "--codec", "fp8", "--resume"]) == 1
+    assert "codec='bf16'" in capsys.readouterr().err
+    plain = tmp_path / "plain.jinja"
+    plain.write_text("{% for m in messages %}{{ m['content'] }}\n{% endfor %}")
+    assert main(["--target", tiny, "--data", data, "--out", str(tmp_path / "o2"), "--chat-template", str(plain),
+                 "--no-progress"]) == 1
+    assert "cannot mark assistant spans" in capsys.readouterr().err

@@ -1,0 +1,173 @@
+"""Shards: codec error bounds, writer -> reader round trip, one sample read without the rest, `verify` on
+damaged shards, manifest checks against a drafter config."""
+
+import json
+
+import pytest
+import torch
+
+from dflashkit.extract.shards import (FP8_ABS_ERR, FP8_REL_ERR, ShardDataset, bytes_per_token,
+                                      check_manifest_matches, decode_features, encode_features, read_manifest)
+from dflashkit.extract.verify import main as verify_main
+from dflashkit.extract.verify import verify_dataset
+from dflashkit.extract.writer import ShardWriteError, ShardWriter
+
+K, H = 3, 16
+
+
+def _manifest(codec="bf16", last=False):
+    return {"schema_version": 1, "complete": False, "target": {"path": "t", "config_hash": "c" * 64,
+                                                               "weights_hash": "w" * 64},
+            "tokenizer_hash": "k" * 64, "target_layer_ids": [0, 2, 3], "num_target_layers": 4, "hidden_size": H,
+            "vocab_size": 100, "codec": codec, "store_last_hidden": last, "skipped": {}, "shards": []}
+
+
+def _samples(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        t = int(torch.randint(2, 9, (1,), generator=g))
+        out.append({"index": 10 * i + 3, "ids": torch.randint(0, 100, (t,), generator=g),
+                    "mask": torch.rand(t, generator=g) > 0.5,
+                    "hidden": torch.randn(t, K * H, generator=g) * 10 ** torch.randn(t, 1, generator=g),
+                    "last": torch.randn(t, H, generator=g)})
+    return out
+
+
+def _write(tmp_path, samples, codec="bf16", last=False, shard_bytes=2000, batch=3):
+    w = ShardWriter(tmp_path, _manifest(codec, last), shard_bytes=shard_bytes)
+    for b in range(0, len(samples), batch):
+        part = samples[b: b + batch]
+        w.add_batch([s["index"] for s in part], [len(s["ids"]) for s in part], torch.cat([s["ids"] for s in part]),
+                    torch.cat([s["mask"] for s in part]), torch.cat([s["hidden"] for s in part]),
+                    torch.cat([s["last"] for s in part]) if last else None)
+    m = w.close()
+    m["complete"] = True
+    (tmp_path / "manifest.json").write_text(json.dumps(m))
+    return m
+
+
+def test_fp8_and_bf16_round_trip_within_the_stated_bounds():
+    g = torch.Generator().manual_seed(1)
+    # heavy-tailed values, per-token magnitudes over 12 decades, an all-zero token and tiny values
+    x = torch.randn(512, 256, generator=g) * torch.exp(2 * torch.randn(512, 256, generator=g))
+    x = x * 10 ** (3 * torch.randn(512, 1, generator=g))
+    x[0] = 0
+    x[1, :8] = 1e-30
+    amax = x.abs().amax(-1, keepdim=True)
+    values, scale = encode_features(x, "fp8")
+    assert values.dtype == torch.float8_e4m3fn and scale.shape == (512,)
+    err = (decode_features(values, scale).float() - x).abs()
+    assert (err <= FP8_REL_ERR * x.abs() + FP8_ABS_ERR * amax).all()
+    rel = (err.norm() / x.norm()).item()
+    assert 0.005 < rel < 0.04  # a real fp8 rounding happened, and it is small
+    values, scale = encode_features(x, "bf16")
+    assert scale is None and ((decode_features(values, None).float() - x).abs() <= 2 ** -8 * x.abs()).all()
+    assert bytes_per_token("bf16", 5 * 4096) == 40960 and bytes_per_token("fp8", 5 * 4096) == 20484
+
+
+@pytest.mark.parametrize("codec", ["bf16", "fp8"])
+def test_writer_reader_round_trip(tmp_path, codec):
+    samples = _samples(11)
+    m = _write(tmp_path, samples, codec=codec, last=True, shard_bytes=600)
+    assert len(m["shards"]) >= 3 and all(s["samples"] % 3 == 0 for s in m["shards"][:-1])  # whole batches
+    assert [i for s in m["shards"] for i in s["sample_indices"]] == [s["index"] for s in samples]
+    ds = ShardDataset(tmp_path)
+    assert len(ds) == 11 and ds.lengths == [len(s["ids"]) for s in samples]
+    for k, s in enumerate(samples):
+        got = ds[k]
+        assert got["sample_index"] == s["index"]
+        assert torch.equal(got["input_ids"], s["ids"]) and torch.equal(got["loss_mask"], s["mask"])
+        assert got["hidden"].dtype == torch.bfloat16 and got["hidden"].shape == (len(s["ids"]), K * H)
+        for key, ref in (("hidden", s["hidden"]), ("last_hidden", s["last"])):
+            want = decode_features(*encode_features(ref, codec))
+            assert torch.equal(got[key], want)
+    assert read_manifest(tmp_path)["totals"]["samples"] == 11
+    assert verify_dataset(tmp_path) == ([], [])
+
+
+def test_reader_touches_only_the_requested_sample(tmp_path):
+    samples = _samples(6)
+    m = _write(tmp_path, samples, shard_bytes=10**9, batch=6)  # one shard
+    ds = ShardDataset(tmp_path)
+    from dflashkit.extract.shards import read_shard_header
+
+    table, _, _ = read_shard_header(tmp_path / m["shards"][0]["file"])
+    _, _, start, end = table["hidden"]
+    first_bytes = len(samples[0]["ids"]) * K * H * 2
+    with open(tmp_path / m["shards"][0]["file"], "r+b") as f:  # scribble over every other sample's features
+        f.seek(start + first_bytes)
+        f.write(b"\xff" * (end - start - first_bytes))
+    fresh = ShardDataset(tmp_path)
+    assert torch.equal(fresh[0]["hidden"], ds[0]["hidden"]) and torch.isfinite(fresh[0]["hidden"]).all()
+    assert torch.isnan(fresh[1]["hidden"]).all()
+
+
+def test_verify_names_a_truncated_and_a_flipped_shard(tmp_path, capsys):
+    m = _write(tmp_path, _samples(9), codec="fp8", shard_bytes=300)
+    assert verify_main([str(tmp_path)]) == 0
+    first, second = (tmp_path / s["file"] for s in m["shards"][:2])
+    data = first.read_bytes()
+    first.write_bytes(data[: len(data) // 2])
+    raw = bytearray(second.read_bytes())
+    raw[len(raw) - 7] ^= 0x01
+    second.write_bytes(bytes(raw))
+    capsys.readouterr()
+    assert verify_main([str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert f"{first}: size" in err and "truncated" in err
+    assert f"{second}: sha256 differs" in err
+    third = tmp_path / m["shards"][2]["file"]
+    assert str(third) not in err
+
+
+def test_verify_catches_nan_shape_and_duplicate_even_with_matching_hashes(tmp_path):
+    import hashlib
+
+    import safetensors.torch
+
+    m = _write(tmp_path, _samples(6), batch=6, shard_bytes=10**9)
+    path = tmp_path / m["shards"][0]["file"]
+    tensors = safetensors.torch.load_file(path)
+    tensors["hidden"][2, 5] = float("nan")
+    data = safetensors.torch.save(tensors)
+    path.write_bytes(data)
+    m["shards"][0].update(bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
+    m["shards"].append(dict(m["shards"][0]))  # the same shard listed twice: every sample twice
+    m["totals"]["shards"] = 2
+    (tmp_path / "manifest.json").write_text(json.dumps(m))
+    errors, _ = verify_dataset(tmp_path)
+    assert any("NaN/Inf" in e and f"sample {m['shards'][0]['sample_indices'][0]}" in e for e in errors)
+    assert any("also in" in e for e in errors)
+
+
+def test_writer_refuses_nan_features_naming_the_sample(tmp_path):
+    s = _samples(2)
+    s[1]["hidden"][0, 0] = float("inf")
+    w = ShardWriter(tmp_path, _manifest())
+    w.add_batch([7, 8], [len(x["ids"]) for x in s], torch.cat([x["ids"] for x in s]),
+                torch.cat([x["mask"] for x in s]), torch.cat([x["hidden"] for x in s]), where=["a:1", "a:2"])
+    with pytest.raises(ShardWriteError, match=r"sample 8 \(a:2\)"):
+        w.close()
+    assert not list(tmp_path.glob("shard-*"))
+
+
+def test_manifest_check_names_the_field_that_disagrees(tmp_path):
+    from dflashkit.drafter import DrafterConfig
+
+    m = _manifest()
+    ok = DrafterConfig(hidden_size=H, num_target_layers=4, vocab_size=100, target_layer_ids=[0, 2, 3],
+                       num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                       intermediate_size=32)
+    check_manifest_matches(m, ok, {"config_hash": "c" * 64, "weights_hash": "w" * 64})
+    for field, value in (("target_layer_ids", [0, 1, 3]), ("hidden_size", 32), ("vocab_size", 101)):
+        bad = dict(ok.__dict__, **{field: value})
+        with pytest.raises(ValueError, match=f"^{field}:"):
+            check_manifest_matches(m, bad)
+    with pytest.raises(ValueError, match="^target.weights_hash:"):
+        check_manifest_matches(m, ok, {"config_hash": "c" * 64, "weights_hash": "x" * 64})
+    with pytest.raises(ValueError, match="^tokenizer_hash:"):
+        check_manifest_matches(m, ok, {"tokenizer_hash": "z" * 64})
+    (tmp_path / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(ValueError, match="--resume"):
+        ShardDataset(tmp_path)  # complete=false

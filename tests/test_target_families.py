@@ -1,0 +1,245 @@
+"""Target loading for every supported family: tiny random targets built from configs in code, saved to a
+directory and loaded back the way a user would (`load_target(dir)`), checked against Hugging Face's own outputs.
+
+The tiny-target builders here (`TINY_FAMILIES`, `save_tiny_target`) are also used by tests/test_capture_*.py.
+"""
+
+from pathlib import Path
+
+import pytest
+import torch
+import transformers as tf
+
+from dflashkit.extract.target import FAMILIES, load_target, load_target_head
+
+_BASE = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
+_LINEAR = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16)
+_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+_QWEN_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=14)
+_QWEN_MM_IDS = dict(image_token_id=296, video_token_id=297, vision_start_token_id=298, vision_end_token_id=299)
+
+
+def _config(family: str):
+    """A tiny config of `family` (4 layers, hidden 64, vocab 300); multimodal ones with a 1-layer vision tower."""
+    if family == "llama":
+        return tf.LlamaConfig(**_BASE, tie_word_embeddings=True)  # tied, as SmolLM2
+    if family == "qwen2":
+        return tf.Qwen2Config(**{k: v for k, v in _BASE.items() if k != "head_dim"})
+    if family == "qwen3":
+        return tf.Qwen3Config(**_BASE)
+    if family == "qwen3_moe":
+        return tf.Qwen3MoeConfig(**_BASE, **_MOE)
+    if family == "gemma3_text":
+        return tf.Gemma3TextConfig(**_BASE, sliding_window=4,
+                                   layer_types=["sliding_attention"] * 3 + ["full_attention"])
+    if family == "gemma3":
+        vision = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, image_size=28, patch_size=14)
+        return tf.Gemma3Config(text_config=dict(model_type="gemma3_text", **_BASE, sliding_window=4),
+                               vision_config=vision, mm_tokens_per_image=4, image_token_index=299,
+                               boi_token_index=297, eoi_token_index=298)
+    if family == "qwen3_5_text":
+        return tf.Qwen3_5TextConfig(**_BASE, **_LINEAR)
+    if family == "qwen3_5":
+        return tf.Qwen3_5Config(text_config=dict(**_BASE, **_LINEAR), vision_config=_QWEN_VISION, **_QWEN_MM_IDS)
+    if family == "qwen3_5_moe":
+        text = dict(**_BASE, **_LINEAR, **_MOE, shared_expert_intermediate_size=32)
+        return tf.Qwen3_5MoeConfig(text_config=text, vision_config=_QWEN_VISION, **_QWEN_MM_IDS)
+    if family == "qwen3_next":
+        return tf.Qwen3NextConfig(**_BASE, **_LINEAR, **_MOE, shared_expert_intermediate_size=32)
+    if family == "gpt_oss":
+        return tf.GptOssConfig(**_BASE, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
+                               rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    raise KeyError(family)
+
+
+TINY_FAMILIES = ["llama", "qwen2", "qwen3", "qwen3_moe", "gemma3_text", "gemma3", "qwen3_5_text", "qwen3_5",
+                 "qwen3_5_moe", "qwen3_next", "gpt_oss"]
+EXPECTED_FAMILY = {"gemma3_text": "gemma3", "gemma3": "gemma3", "qwen3_5_text": "qwen3_5", "qwen3_5": "qwen3_5",
+                   "qwen3_5_moe": "qwen3_5_moe"}
+
+
+def tiny_tokenizer(num_words: int = 240):
+    """A word-level tokenizer of `num_words` + 4 special tokens (fewer than the tiny targets' 300 rows)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    specials = ["<unk>", "<pad>", "<|im_start|>", "<|im_end|>"]
+    vocab = {tok: i for i, tok in enumerate(specials + [f"w{i}" for i in range(num_words)])}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return tf.PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", pad_token="<pad>",
+                                      eos_token="<|im_end|>")
+
+
+def save_tiny_target(family: str, out_dir: Path, seed: int = 0) -> Path:
+    """Random tiny target of `family` saved like a downloaded checkpoint (config, safetensors, tokenizer).
+
+    Norm weights get noise so that a wrong norm formula (w vs 1 + w) cannot pass unnoticed."""
+    torch.manual_seed(seed)
+    config = _config(family)
+    multimodal = family in ("gemma3", "qwen3_5", "qwen3_5_moe")
+    auto = tf.AutoModelForImageTextToText if multimodal else tf.AutoModelForCausalLM
+    model = auto.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 1 and "norm" in name:
+                p.add_(0.3 * torch.randn_like(p))
+    model.save_pretrained(out_dir)
+    tiny_tokenizer().save_pretrained(out_dir)
+    return Path(out_dir)
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("targets")
+    return {f: save_tiny_target(f, root / f) for f in TINY_FAMILIES}
+
+
+def _batch():
+    ids = torch.randint(4, 244, (2, 9))
+    mask = torch.ones_like(ids)
+    mask[1, 6:] = 0  # right padding in row 1
+    return ids, mask
+
+
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_load_target_finds_the_parts_hf_uses(family, tiny_dirs):
+    target = load_target(tiny_dirs[family])
+    assert target.family == EXPECTED_FAMILY.get(family, family)
+    assert (target.num_layers, target.hidden_size, target.vocab_size) == (4, 64, 300)
+    assert not target.model.training
+    ids, mask = _batch()
+    last_layer_out = {}
+    handle = target.layers[-1].register_forward_hook(
+        lambda m, a, out: last_layer_out.setdefault("x", out[0] if isinstance(out, tuple) else out))
+    with torch.no_grad():
+        out = target.model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+    handle.remove()
+    hs = out.hidden_states
+    assert len(hs) == 5
+    # embedding (with its scale) is what the first layer sees
+    assert torch.equal(target.embed(ids), hs[0])
+    assert target.embedding_scale == (8.0 if family.startswith("gemma3") else 1.0)
+    # final norm turns the last layer's output into HF's last hidden state; lm_head gives the logits
+    assert torch.equal(target.final_norm(last_layer_out["x"]), hs[-1])
+    assert torch.allclose(target.lm_head(hs[-1]), out.logits, atol=1e-6, rtol=0)
+
+
+def test_tied_lm_head_shares_the_embedding(tiny_dirs):
+    tied, untied = load_target(tiny_dirs["llama"]), load_target(tiny_dirs["qwen3"])
+    assert tied.lm_head.weight.data_ptr() == tied.embed_tokens.weight.data_ptr()
+    assert untied.lm_head.weight.data_ptr() != untied.embed_tokens.weight.data_ptr()
+
+
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_load_target_head_equals_the_full_model(family, tiny_dirs, monkeypatch):
+    target = load_target(tiny_dirs[family])
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("load_target_head built a full model")
+
+    monkeypatch.setattr(tf.AutoModelForCausalLM, "from_pretrained", refuse)
+    monkeypatch.setattr(tf.AutoModelForCausalLM, "from_config", refuse)
+    head = load_target_head(tiny_dirs[family])
+    ids = torch.randint(0, 300, (2, 7))
+    x = torch.randn(2, 7, 64)
+    assert type(head.final_norm) is type(target.final_norm)
+    assert torch.equal(head.embed(ids), target.embed(ids))
+    with torch.no_grad():
+        assert torch.equal(head.final_norm(x), target.final_norm(x))
+        assert torch.equal(head.lm_head(x), target.lm_head(x))
+    assert (head.vocab_size, head.hidden_size, head.embedding_scale) == (300, 64, target.embedding_scale)
+    assert head.identity() == target.identity()
+    assert not any(p.requires_grad for p in head.parameters())
+
+
+def test_load_target_head_reads_sharded_checkpoints(tmp_path):
+    model = tf.AutoModelForCausalLM.from_config(_config("qwen3"))
+    model.save_pretrained(tmp_path, max_shard_size="100KB")
+    tiny_tokenizer().save_pretrained(tmp_path)
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    head = load_target_head(tmp_path, dtype=torch.bfloat16)
+    assert head.lm_head.weight.dtype == torch.bfloat16
+    assert torch.equal(head.lm_head.weight, model.lm_head.weight.detach().bfloat16())
+    assert torch.equal(head.embed_tokens.weight, model.model.embed_tokens.weight.detach().bfloat16())
+
+
+def test_identity_hashes(tiny_dirs, tmp_path):
+    target = load_target(tiny_dirs["qwen3"])
+    ident = target.identity()
+    assert ident["path"] == str(tiny_dirs["qwen3"].resolve())
+    assert ident == load_target(tiny_dirs["qwen3"], dtype=torch.bfloat16).identity()  # load dtype changes nothing
+    # the same model saved in bf16: same config, other weights; a changed config field: other config hash
+    target.model.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    target.tokenizer.save_pretrained(tmp_path / "bf16")
+    other = load_target(tmp_path / "bf16").identity()
+    assert other["config_hash"] == ident["config_hash"] and other["weights_hash"] != ident["weights_hash"]
+    config = (tmp_path / "bf16" / "config.json").read_text().replace('"rms_norm_eps": 1e-06', '"rms_norm_eps": 1e-05')
+    (tmp_path / "bf16" / "config.json").write_text(config)
+    assert load_target(tmp_path / "bf16").identity()["config_hash"] != ident["config_hash"]
+
+
+def test_default_layer_ids_follow_the_reference():
+    from dflash.model import build_target_layer_ids
+
+    from dflashkit.extract.target import Target
+
+    for num_layers, n in [(30, 5), (36, 5), (28, 3), (48, 1)]:
+        stub = Target(*([None] * 7), layers=[None] * num_layers, embed_tokens=None, embedding_scale=1.0,
+                      final_norm=None, lm_head=None)
+        assert stub.default_layer_ids(n) == build_target_layer_ids(num_layers, n)
+
+
+def test_unsupported_architecture_names_it(tmp_path):
+    config = tf.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=300)
+    tf.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"model_type 'gpt2' is not supported.*llama, qwen2"):
+        load_target(tmp_path)
+    with pytest.raises(ValueError, match="gpt2"):
+        load_target_head(tmp_path)
+
+
+def test_bad_specs_say_what_is_accepted(tmp_path):
+    with pytest.raises(ValueError, match="not an existing directory or .gguf file"):
+        load_target(tmp_path / "missing")
+    with pytest.raises(ValueError, match="no config.json"):
+        load_target(tmp_path)
+    with pytest.raises(ValueError, match="unknown testbed.*testbed:smollm2"):
+        load_target("testbed:nope")
+
+
+def test_pickled_weights_are_refused(tmp_path):
+    model = tf.AutoModelForCausalLM.from_config(_config("qwen3"))
+    model.save_pretrained(tmp_path)
+    (tmp_path / "model.safetensors").unlink()
+    tiny_tokenizer().save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="only safetensors are read"):
+        load_target(tmp_path)
+
+
+def test_families_cover_the_supported_model_types():
+    for model_type in ["llama", "qwen2", "qwen3", "qwen3_moe", "gemma3", "gemma3_text", "qwen3_5", "qwen3_5_text",
+                       "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next", "gpt_oss"]:
+        assert model_type in FAMILIES
+
+
+def test_cache_kwargs_follow_the_forward_signature(tiny_dirs):
+    from dflashkit.extract.target import cache_kwargs
+
+    class OldStyle(torch.nn.Module):
+        def forward(self, input_ids, past_key_values=None):
+            return input_ids
+
+    class NewStyle(torch.nn.Module):
+        def forward(self, input_ids, cache=None):
+            return input_ids
+
+    assert cache_kwargs(OldStyle(), "c") == {"past_key_values": "c"}
+    assert cache_kwargs(NewStyle(), "c") == {"cache": "c"}
+    # the installed transformers: the kwarg it names is the one its forward declares
+    import inspect
+
+    model = load_target(tiny_dirs["qwen3"]).model
+    (name,) = cache_kwargs(model, None)
+    assert name in inspect.signature(type(model).forward).parameters

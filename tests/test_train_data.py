@@ -1,0 +1,135 @@
+"""Packing, split and order of training data; also home of the tiny target + shards the trainer tests use."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflashkit.train.data import (epoch_order, pack_blocks, rank_slots, split_indices, steps_per_epoch)
+
+LAYER_IDS = [0, 2]
+
+
+# --------------------------------------------------------------------------- shared builders (imported by the
+# other tests/test_train_*.py files)
+def make_tiny_target(path: Path, vocab: int = 96, hidden: int = 32, layers: int = 4, seed: int = 0) -> Path:
+    """A random Llama target saved as safetensors (no tokenizer: tests pass mask_token_id)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      tie_word_embeddings=False)
+    model = LlamaForCausalLM(cfg).eval()
+    model.save_pretrained(path, safe_serialization=True)
+    return Path(path)
+
+
+def make_shards(path: Path, target_dir: Path, num_samples: int = 12, lengths=(24, 40), seed: int = 0,
+                last_hidden: bool = True, repeat_first: bool = False, shard_size: int = 1 << 14) -> Path:
+    """Features of random token sequences through the tiny target, written with the real shard writer.
+
+    loss_mask: a short "prompt" (False) then the "answer" (True). repeat_first: every sample = sample 0.
+    """
+    from transformers import AutoModelForCausalLM
+
+    from dflashkit.extract.shards import SCHEMA_VERSION, update_totals, write_manifest
+    from dflashkit.extract.target import identity_of
+    from dflashkit.extract.writer import ShardWriter
+
+    target = AutoModelForCausalLM.from_pretrained(target_dir).eval()
+    cfg = target.config
+    manifest = {"schema_version": SCHEMA_VERSION, "format": "dflashkit-shards", "complete": False,
+                "target": identity_of(Path(target_dir), str(target_dir)), "target_layer_ids": LAYER_IDS,
+                "num_target_layers": cfg.num_hidden_layers, "hidden_size": cfg.hidden_size,
+                "vocab_size": cfg.vocab_size, "feature_dim": len(LAYER_IDS) * cfg.hidden_size, "codec": "bf16",
+                "store_last_hidden": last_hidden, "skipped": {}, "notes": {}, "shards": []}
+    writer = ShardWriter(path, manifest, shard_bytes=shard_size)
+    g = torch.Generator().manual_seed(seed)
+    first = None
+    for i in range(num_samples):
+        n = int(torch.randint(lengths[0], lengths[1] + 1, (1,), generator=g))
+        ids = torch.randint(0, cfg.vocab_size - 1, (n,), generator=g)  # the last id stays free for MASK
+        mask = torch.zeros(n, dtype=torch.bool)
+        mask[int(torch.randint(2, 6, (1,), generator=g)):] = True
+        if repeat_first:
+            first = first or (ids, mask)
+            ids, mask = first
+        with torch.no_grad():
+            hs = target(ids[None], output_hidden_states=True).hidden_states
+        hidden = torch.cat([hs[i + 1][0] for i in LAYER_IDS], dim=-1)
+        writer.add_batch([i], [len(ids)], ids.tolist(), mask.tolist(), hidden, hs[-1][0] if last_hidden else None)
+    manifest = writer.close()
+    manifest["complete"] = True
+    update_totals(manifest)
+    write_manifest(Path(path) / "manifest.json", manifest)
+    return Path(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory):
+    """(target dir, shard dir) shared by the trainer tests."""
+    root = tmp_path_factory.mktemp("tiny")
+    target = make_tiny_target(root / "target")
+    return target, make_shards(root / "shards", target)
+
+
+# --------------------------------------------------------------------------- tests of train/data.py
+def test_pack_blocks_layout():
+    ids = torch.arange(100, 110)
+    mask = torch.tensor([0, 0, 1, 1, 1, 1, 0, 1, 1, 1], dtype=torch.bool)
+    hidden = torch.randn(10, 6)
+    p = pack_blocks(ids, mask, hidden, torch.tensor([2, 8]), block_size=4, mask_token_id=7)
+    assert p.block_ids.tolist() == [[102, 7, 7, 7, 108, 7, 7, 7]]
+    assert p.position_ids.tolist() == [list(range(10)) + [2, 3, 4, 5, 8, 9, 10, 11]]
+    assert p.labels.tolist() == [[103, 104, 105], [109, 0, 0]]
+    # anchor 2: labels at 3,4,5 all in the loss mask; anchor 8: 9 valid, 10/11 past the end
+    assert p.valid.tolist() == [[True, True, True], [True, False, False]]
+    assert p.teacher_index.tolist() == [[2, 3, 4], [8, 9, 9]]
+    assert p.target_hidden.shape == (1, 10, 6)
+    masked = pack_blocks(ids, mask, hidden, torch.tensor([4]), 4, 7)
+    assert masked.valid.tolist() == [[True, False, True]]  # label at 6 is outside the loss mask
+    empty = pack_blocks(ids, torch.zeros(10, dtype=torch.bool), hidden, torch.zeros(0, dtype=torch.long), 4, 7)
+    assert empty.anchors.tolist() == [0] and not empty.valid.any()
+
+
+def test_split_is_fixed_and_disjoint():
+    tr, ev = split_indices(50, 5, seed=1)
+    assert len(ev) == 5 and not set(tr) & set(ev) and sorted(tr + ev) == list(range(50))
+    assert split_indices(50, 5, seed=1) == (tr, ev) and split_indices(50, 5, seed=2)[1] != ev
+    with pytest.raises(ValueError, match="eval_samples"):
+        split_indices(5, 5, seed=0)
+
+
+@pytest.mark.parametrize("world,accum", [(1, 1), (2, 1), (2, 3), (3, 2)])
+def test_rank_slots_cover_each_sample_once(world, accum):
+    order = epoch_order(list(range(17)), seed=0, epoch=2)
+    assert sorted(order) == list(range(17))
+    per_rank = [rank_slots(order, 0, world, accum, r) for r in range(world)]
+    steps = steps_per_epoch(17, world, accum)
+    assert all(len(s) == steps * accum for s in per_rank)  # every rank runs the same number of passes
+    real = [i for s in per_rank for i, pad in s if not pad]
+    assert sorted(real) == list(range(17))
+    # the single-process order with accum' = world*accum visits the same samples step by step
+    single = rank_slots(order, 0, 1, world * accum, 0)
+    for step in range(steps):
+        multi = {i for s in per_rank for i, pad in s[step * accum:(step + 1) * accum] if not pad}
+        one = {i for i, pad in single[step * world * accum:(step + 1) * world * accum] if not pad}
+        assert multi == one
+    # resuming mid-epoch continues with the same slots
+    resumed = rank_slots(order, world * accum, world, accum, 0)
+    assert resumed == per_rank[0][accum:]
+    with pytest.raises(ValueError, match="multiple"):
+        rank_slots(order, 1, 2, 2, 0)
+
+
+def test_builders_write_readable_shards(tiny_run):
+    from dflashkit.extract.shards import ShardDataset
+
+    _, shards = tiny_run
+    ds = ShardDataset(shards)
+    assert len(ds) == 12 and ds.has_last_hidden
+    s = ds[3]
+    assert s["hidden"].shape == (len(s["input_ids"]), 64) and s["last_hidden"].shape[1] == 32
+    assert json.loads((shards / "manifest.json").read_text())["complete"]

@@ -1,0 +1,59 @@
+"""Train a DFlash drafter on feature shards.
+
+CPU (a short testbed run):
+    python -m dflashkit.train --recipe recipes/smollm2-135m-cpu.yaml shards=data/smollm2-shards
+
+One GPU:
+    python -m dflashkit.train --recipe recipes/smollm2-135m.yaml shards=data/smollm2-shards
+
+Several GPUs of one host (DDP; FSDP and DeepSpeed ZeRO-2/3 with the other accelerate configs in recipes/):
+    accelerate launch --config_file recipes/accelerate/ddp.yaml --num_processes 8 \\
+        -m dflashkit.train --recipe recipes/qwen3-8b.yaml shards=data/qwen3-8b-shards
+    accelerate launch --config_file recipes/accelerate/zero2.yaml --num_processes 8 \\
+        -m dflashkit.train --recipe recipes/qwen3-8b.yaml shards=data/qwen3-8b-shards
+
+Fine-tune a published drafter on your own domain, resume, export:
+    python -m dflashkit.train --recipe recipes/qwen3-8b.yaml shards=my-shards --init-from z-lab-drafter/ lr=1e-4
+    python -m dflashkit.train --recipe recipes/qwen3-8b.yaml shards=my-shards --resume auto   # the default
+    python -m dflashkit.train.export runs/qwen3-8b/checkpoints/step-00012000 drafters/qwen3-8b
+
+Every field of train/config.py:TrainConfig can be set in the recipe or as key=value after it
+(``lr=3e-4 loss=dpace epochs=2``); the flags below are shorthands for the common ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from .config import load_config
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="dflashkit train", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--recipe", help="recipe YAML (recipes/NAME.yaml)")
+    ap.add_argument("--shards", help="feature shard directory (= shards=DIR)")
+    ap.add_argument("--output-dir", help="run directory for checkpoints, metrics and the export (= output_dir=DIR)")
+    ap.add_argument("--init-from", help="start from this drafter directory (= init_from=DIR)")
+    ap.add_argument("--resume", help="'auto' (default), 'none', or a checkpoint directory (= resume=...)")
+    ap.add_argument("--loss", choices=["ce", "dpace", "kl"], help="training objective (= loss=...)")
+    ap.add_argument("overrides", nargs="*", metavar="key=value", help="any TrainConfig field")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    overrides = list(args.overrides)
+    for flag in ("shards", "output_dir", "init_from", "resume", "loss"):
+        value = getattr(args, flag)
+        if value is not None:
+            overrides.append(f"{flag}={value}")
+    cfg = load_config(args.recipe, overrides)
+    from .trainer import train
+
+    train(cfg)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

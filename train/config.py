@@ -1,0 +1,144 @@
+"""The training configuration: one dataclass, filled from a recipe YAML and ``key=value`` overrides.
+
+Design choices:
+- A recipe is a flat YAML mapping whose keys are the fields below (unknown keys are an error that names the
+  key and the recipe file), so a recipe can be read next to this file.
+- Overrides on the command line use the same names (``lr=3e-4 loss=dpace``); values are parsed as YAML
+  (numbers, booleans, lists ``[1,2]``, ``null``).
+- Training length is set in epochs. ``max_steps`` exists for smoke runs and benchmarks; when it stops a run
+  before the last epoch the trainer says so at start and in the run summary (never silently).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+
+LOSSES = ("ce", "dpace", "kl")
+
+
+@dataclass
+class TrainConfig:
+    # --- data
+    shards: str = ""  # directory of feature shards (manifest.json + *.safetensors) from `dflashkit extract`
+    target: str = ""  # target for the embedding / final norm / lm_head; empty -> the manifest's target.path
+    max_length: int = 3072  # tokens per training sequence; longer samples keep their first max_length tokens
+    eval_samples: int = 64  # held-out samples (fixed by seed) for eval loss, accuracy and tau_sim
+    eval_anchors: int = 32  # fixed anchors per held-out sample
+    num_workers: int = 2  # DataLoader workers that read shards and pack blocks
+    verify_shards: bool = True  # check every shard's size, sha256, layout and finiteness before training
+    # --- drafter
+    init_from: str = ""  # drafter export dir to start from (fine-tuning a published drafter); empty -> new
+    num_hidden_layers: int = 5  # drafter decoder layers (new drafters only)
+    block_size: int = 16  # tokens per block: the anchor + block_size-1 predictions
+    target_layer_ids: list = field(default_factory=list)  # empty -> the shards' layer ids
+    mask_token_id: int | None = None  # None -> the manifest's, else the tokenizer's mask token / a spare row
+    layer_types: list = field(default_factory=list)  # per drafter layer; empty -> all full_attention
+    sliding_window: int | None = None  # window of sliding_attention layers
+    drafter: dict = field(default_factory=dict)  # extra DrafterConfig fields, e.g. {intermediate_size: 4096}
+    # --- objective
+    loss: str = "ce"  # "ce" | "dpace" | "kl" (train/loss.py documents each)
+    gamma: float = 7.0  # position decay exp(-(k-1)/gamma) of ce and kl
+    dpace_alpha: float = 0.5  # D-PACE confidence smoothing (paper Eq. 7)
+    kl_weight: float = 0.5  # kl: share of KL(target || draft) in the per-position loss (rest is CE)
+    num_anchors: int = 512  # blocks drawn per sequence (fewer when the sequence has fewer candidates)
+    loss_chunk_tokens: int = 2048  # logit rows alive at once in the chunked lm_head + loss
+    # --- optimisation
+    epochs: int = 6  # passes over the training split
+    max_steps: int = 0  # 0 -> the epochs decide; > 0 stops after that many optimizer steps (announced)
+    lr: float = 6e-4  # peak learning rate
+    min_lr_ratio: float = 0.0  # cosine floor as a fraction of lr
+    warmup_ratio: float = 0.04  # fraction of all steps with linear warmup
+    weight_decay: float = 0.0  # AdamW decoupled weight decay (norm weights are never decayed)
+    adam_betas: list = field(default_factory=lambda: [0.9, 0.95])  # AdamW betas
+    adam_eps: float = 1e-8  # AdamW epsilon
+    max_grad_norm: float = 1.0  # gradient clipping (0 disables)
+    grad_accum: int = 1  # micro-batches (sequences) per rank per optimizer step
+    mixed_precision: str = "bf16"  # "bf16" (autocast, fp32 master weights) or "no"
+    seed: int = 0  # model init, split, data order and anchors
+    gradient_checkpointing: bool = False  # recompute drafter layers in backward (long sequences)
+    compile: bool = False  # torch.compile the drafter (CUDA; fuses flex_attention)
+    attention: str = "auto"  # block mask backend: "auto" (flex on CUDA, dense on CPU), "flex", "dense"
+    # --- checkpoints and export
+    output_dir: str = "runs/drafter"  # checkpoints/, export/, logs
+    save_every: int = 1000  # optimizer steps between checkpoints (0: only at the end)
+    keep_last: int = 3  # checkpoints kept (older ones are deleted)
+    resume: str = "auto"  # "auto" (latest complete checkpoint in output_dir), "none", or a checkpoint dir
+    export_dir: str = ""  # where the final drafter is exported; empty -> output_dir/export
+    # --- tracking
+    log_every: int = 10  # optimizer steps between metric logs
+    eval_every: int = 500  # optimizer steps between held-out evaluations (0: only at the end)
+    wandb: bool = True  # log to Weights & Biases (offline mode when WANDB_API_KEY is not set)
+    wandb_project: str = "dflashkit"  # W&B project
+    run_name: str = ""  # W&B / TensorBoard run name; empty -> the output dir's name
+    tensorboard: bool = False  # also write TensorBoard event files under output_dir/tb
+    progress: bool = True  # console progress bar (loss, tau_sim, tokens/s)
+
+    def __post_init__(self):
+        if self.loss not in LOSSES:
+            raise ValueError(f"loss: {self.loss!r} is not one of {LOSSES}")
+        if self.mixed_precision not in ("bf16", "no"):
+            raise ValueError(f"mixed_precision: {self.mixed_precision!r}; use 'bf16' or 'no'")
+        if self.attention not in ("auto", "flex", "dense"):
+            raise ValueError(f"attention: {self.attention!r}; use 'auto', 'flex' or 'dense'")
+        for name in ("epochs", "grad_accum", "num_anchors", "block_size", "keep_last", "loss_chunk_tokens"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0.0 <= self.warmup_ratio < 1.0:
+            raise ValueError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def parse_override(item: str) -> tuple[str, object]:
+    import yaml
+
+    if "=" not in item:
+        raise ValueError(f"override {item!r}: expected key=value (e.g. lr=3e-4)")
+    key, raw = item.split("=", 1)
+    key = key.strip().lstrip("-").replace("-", "_")
+    value = yaml.safe_load(raw) if raw.strip() else ""
+    return key, value
+
+
+def load_config(recipe: str | None = None, overrides: list[str] | tuple = (), **kwargs) -> TrainConfig:
+    """Recipe YAML, then ``key=value`` overrides, then keyword arguments (tests)."""
+    import yaml
+
+    values: dict = {}
+    known = {f.name for f in dataclasses.fields(TrainConfig)}
+    if recipe:
+        path = Path(recipe)
+        if not path.is_file():
+            raise FileNotFoundError(f"recipe {recipe}: no such file (see recipes/*.yaml)")
+        data = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"{recipe}: a recipe is a mapping of TrainConfig fields")
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"{recipe}: unknown field(s) {unknown}; the fields are listed in train/config.py")
+        values.update(data)
+    for item in overrides:
+        key, value = parse_override(item)
+        if key not in known:
+            raise ValueError(f"override {item!r}: unknown field {key!r}; the fields are listed in train/config.py")
+        values[key] = value
+    values.update(kwargs)
+    # YAML reads 6e-4 as a string; coerce scalar fields to their declared types
+    for f in dataclasses.fields(TrainConfig):
+        v = values.get(f.name)
+        if v is None or f.name not in values:
+            continue
+        kind = str(f.type)
+        try:
+            if kind == "str" and isinstance(v, bool):  # YAML 1.1 reads an unquoted no / yes as a boolean
+                values[f.name] = "no" if v is False else "yes"
+            elif kind == "float":
+                values[f.name] = float(v)
+            elif kind == "int":
+                values[f.name] = int(v)
+        except (TypeError, ValueError):
+            raise ValueError(f"{f.name}: {v!r} is not a {kind}") from None
+    return TrainConfig(**values)

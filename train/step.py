@@ -1,0 +1,115 @@
+"""One drafter pass over the packed blocks of a sequence, and the held-out evaluation built on it.
+
+Design choices:
+- The block ids are embedded with the target's embedding (times its embedding scale) and every block of the
+  sequence goes through the drafter in one forward with the packed block mask (train/block_mask.py). Only
+  draft positions 1..B-1 reach the lm_head; position 0 (the anchor) predicts nothing.
+- Held-out metrics always use the ``ce`` objective, whatever the training loss, so runs with different loss
+  variants are compared on the same number. Anchors are fixed per sample (train/anchors.eval_anchors), so
+  the same checkpoint gives the same numbers on every run.
+- ``evaluate`` works with or without an Accelerator: every rank runs the same number of passes (padding
+  passes count zero), which ZeRO-3 and FSDP need, and the sums are reduced across ranks.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .block_mask import build_block_masks
+from .data import BlockSource, PackedBlocks, block_loader
+from .loss import BlockLossOutput, block_loss, loss_denominator
+
+
+def mask_backend(attention: str, device: torch.device, compiled: bool) -> str:
+    """"dense" (SDPA bool mask) or "flex" (BlockMask; only worth it when the drafter is compiled on CUDA)."""
+    if attention != "auto":
+        return attention
+    return "flex" if (device.type == "cuda" and compiled) else "dense"
+
+
+def forward_blocks(model, head, batch: PackedBlocks, *, block_size: int, layer_types: list[str],
+                   sliding_window: int | None, backend: str = "dense", variant: str = "ce", gamma: float = 7.0,
+                   dpace_alpha: float = 0.5, kl_weight: float = 0.5,
+                   chunk_tokens: int = 2048) -> BlockLossOutput:
+    """The un-normalised block loss (and metrics) of one packed sequence."""
+    n = batch.anchors.numel()
+    mask = build_block_masks(batch.anchors, batch.ctx_len, block_size, layer_types, sliding_window, backend)
+    noise = head.embed(batch.block_ids)
+    hidden = model(position_ids=batch.position_ids, attention_mask=mask, noise_embedding=noise,
+                   target_hidden=batch.target_hidden)
+    hidden = hidden.view(n, block_size, -1)[:, 1:]
+    teacher = None
+    if variant == "kl":
+        teacher = batch.last_hidden[batch.teacher_index]  # stored after the target's final norm
+    return block_loss(hidden, head.lm_head.weight, batch.labels, batch.valid, variant=variant, gamma=gamma,
+                      dpace_alpha=dpace_alpha, kl_weight=kl_weight, teacher_hidden=teacher,
+                      lm_head_bias=head.lm_head.bias, chunk_tokens=chunk_tokens)
+
+
+class MetricSums:
+    """Additive sums of one or more passes; ``reduce`` sums them across ranks, ``metrics`` divides."""
+
+    def __init__(self, positions: int, device):
+        self.t = torch.zeros(6 + 2 * positions, dtype=torch.float64, device=device)
+        self.p = positions
+
+    def add(self, out: BlockLossOutput, denom: torch.Tensor, scale: float, tokens: int) -> None:
+        if scale == 0.0:
+            return
+        p = self.p
+        vals = [out.loss_sum.detach(), denom, out.ce_sum, out.tau_sum, float(out.blocks), float(tokens)]
+        self.t[:6] += torch.stack([torch.as_tensor(v, dtype=torch.float64, device=self.t.device) for v in vals])
+        self.t[6:6 + p] += out.correct.to(self.t)
+        self.t[6 + p:] += out.counted.to(self.t)
+
+    def reduce(self, accelerator) -> "MetricSums":
+        if accelerator is not None and accelerator.num_processes > 1:
+            self.t = accelerator.reduce(self.t, reduction="sum")
+        return self
+
+    @property
+    def tokens(self) -> float:
+        return float(self.t[5])
+
+    def metrics(self, prefix: str) -> dict:
+        t, p = self.t.tolist(), self.p
+        loss, denom, ce, tau, blocks = t[:5]
+        counted = t[6 + p:]
+        correct = t[6:6 + p]
+        out = {f"{prefix}/loss": loss / denom if denom else float("nan"),
+               f"{prefix}/ce": ce / sum(counted) if sum(counted) else float("nan"),
+               f"{prefix}/tau_sim": tau / blocks if blocks else float("nan"),
+               f"{prefix}/acc": sum(correct) / sum(counted) if sum(counted) else float("nan")}
+        for k in range(p):
+            out[f"{prefix}/acc_{k + 1}"] = correct[k] / counted[k] if counted[k] else float("nan")
+        return out
+
+
+@torch.no_grad()
+def evaluate(model, head, dataset, indices: list[int], *, block_size: int, layer_types: list[str],
+             sliding_window: int | None, mask_token_id: int, num_anchors: int, seed: int, gamma: float = 7.0,
+             max_length: int | None = None, backend: str = "dense", chunk_tokens: int = 2048,
+             accelerator=None, device=None) -> dict:
+    """Held-out loss (ce objective), per-position accuracy and tau_sim at fixed anchors."""
+    world = accelerator.num_processes if accelerator is not None else 1
+    rank = accelerator.process_index if accelerator is not None else 0
+    device = device or (accelerator.device if accelerator is not None else torch.device("cpu"))
+    per_rank = math.ceil(len(indices) / world) if indices else 0
+    slots = [(indices[i * world + rank], False) if i * world + rank < len(indices) else (indices[0], True)
+             for i in range(per_rank)]
+    source = BlockSource(dataset, slots, block_size=block_size, mask_token_id=mask_token_id,
+                         num_anchors=num_anchors, seed=seed, epoch=0, max_length=max_length,
+                         use_last_hidden=False, fixed_anchors=True)
+    was_training = model.training
+    model.eval()
+    sums = MetricSums(block_size - 1, device)
+    for batch in block_loader(source):
+        batch = batch.to(device)
+        out = forward_blocks(model, head, batch, block_size=block_size, layer_types=layer_types,
+                             sliding_window=sliding_window, backend=backend, variant="ce", gamma=gamma,
+                             chunk_tokens=chunk_tokens)
+        sums.add(out, loss_denominator(batch.valid, "ce", gamma), batch.scale, batch.ctx_len)
+    model.train(was_training)
+    return sums.reduce(accelerator).metrics("eval")

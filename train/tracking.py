@@ -1,0 +1,88 @@
+"""Where training metrics go: a JSON-lines file always, Weights & Biases and TensorBoard when asked.
+
+Design choices:
+- Only the main process logs. ``metrics.jsonl`` in the output dir is the record every other view is built from
+  (tests compare loss trajectories with it; RESULTS tables are read from it).
+- wandb and tensorboard are imported lazily; wandb runs in offline mode when no ``WANDB_API_KEY`` is set (the
+  run can be synced later with ``wandb sync``), and a missing package is an error that names the setting to
+  turn off.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+
+class Tracker:
+    def __init__(self, output_dir: str | os.PathLike, config: dict, *, enabled: bool, wandb: bool,
+                 wandb_project: str, run_name: str, tensorboard: bool, resume_step: int = 0):
+        self.enabled = enabled
+        self.wandb_run = None
+        self.tb = None
+        if not enabled:
+            return
+        self.dir = Path(output_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.file = open(self.dir / "metrics.jsonl", "a")
+        name = run_name or self.dir.resolve().name
+        if wandb:
+            try:
+                import wandb as wb
+            except ImportError:
+                raise RuntimeError("wandb is not installed: `pip install wandb` or set wandb=false") from None
+            mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
+            os.environ.setdefault("WANDB_SILENT", "true")
+            self.wandb_run = wb.init(project=wandb_project, name=name, config=config, dir=str(self.dir),
+                                     mode=mode, id=self._wandb_id(name), resume="allow")
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise RuntimeError("tensorboard is not installed: `pip install tensorboard` or set "
+                                   "tensorboard=false") from None
+            self.tb = SummaryWriter(str(self.dir / "tb"), purge_step=resume_step or None)
+
+    def _wandb_id(self, name: str) -> str:
+        """One W&B run per output dir, so a resumed run continues the same curves."""
+        f = self.dir / "wandb-run-id"
+        if f.is_file():
+            return f.read_text().strip()
+        import uuid
+
+        run_id = f"{name[:40]}-{uuid.uuid4().hex[:8]}".replace("/", "-")
+        f.write_text(run_id)
+        return run_id
+
+    def log(self, metrics: dict, step: int) -> None:
+        if not self.enabled:
+            return
+        row = {"step": int(step), **{k: (float(v) if isinstance(v, (int, float)) else v) for k, v in metrics.items()}}
+        self.file.write(json.dumps(row) + "\n")
+        self.file.flush()
+        if self.wandb_run is not None:
+            self.wandb_run.log(metrics, step=int(step))
+        if self.tb is not None:
+            for k, v in metrics.items():
+                if isinstance(v, (int, float)):
+                    self.tb.add_scalar(k, v, int(step))
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        self.file.close()
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+        if self.tb is not None:
+            self.tb.close()
+
+
+def read_metrics(output_dir: str | os.PathLike) -> list[dict]:
+    """The rows of metrics.jsonl; after a resume the latest row of each (step, kind) wins."""
+    path = Path(output_dir) / "metrics.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    latest: dict = {}
+    for r in rows:
+        latest[(r["step"], tuple(sorted(r)))] = r
+    return sorted(latest.values(), key=lambda r: r["step"])

@@ -1,0 +1,290 @@
+"""The training loop: shards + the target's embedding/norm/lm_head + a drafter -> checkpoints -> an export.
+
+Reads top to bottom: setup (accelerate, shards, target head, drafter, checks), optimizer and schedule,
+resume, the loop (one optimizer step = G micro-batches per rank), evaluation, checkpoints, export.
+
+Design choices:
+- accelerate drives the backend (single process, DDP, FSDP, DeepSpeed ZeRO-2/3, chosen by the accelerate
+  config passed to ``accelerate launch``) and bf16 autocast; only the drafter and its optimizer are prepared.
+  The target head stays outside: frozen, replicated on every rank, never sharded, never checkpointed.
+- Normalisation is global: before a step's forwards, every rank adds up the loss denominators of its G
+  micro-batches (known from the anchors alone) and these are summed across ranks. Each micro-batch then
+  back-propagates ``loss_sum * W * G / global_denominator`` (accelerate divides by G, DDP/ZeRO average over W),
+  so the update equals the single-process one on the same samples.
+- The learning rate is a pure function of the step (linear warmup, then cosine to ``min_lr_ratio``), set
+  on the optimizer before each step: resuming needs only the step number.
+- ``max_steps`` shorter than the epochs is announced at start and recorded in summary.json.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+
+from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .config import TrainConfig
+from .data import BlockSource, block_loader, epoch_order, rank_slots, split_indices, steps_per_epoch
+from .loss import loss_denominator
+from .step import MetricSums, evaluate, forward_blocks, mask_backend
+from .tracking import Tracker
+
+
+def lr_at(step: int, total_steps: int, warmup_steps: int, min_lr_ratio: float) -> float:
+    """Multiplier on the peak lr for optimizer step ``step`` (0-based)."""
+    if warmup_steps > 0 and step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+def resolve_mask_token(cfg: TrainConfig, manifest: dict, head) -> int:
+    if cfg.mask_token_id is not None:
+        return int(cfg.mask_token_id)
+    if manifest.get("mask_token_id") is not None:
+        return int(manifest["mask_token_id"])
+    from transformers import AutoTokenizer
+
+    from dflashkit.extract.target import resolve_mask_token_id
+
+    tokenizer = AutoTokenizer.from_pretrained(head.model_dir)
+    return resolve_mask_token_id(tokenizer, head.config)
+
+
+def build_model(cfg: TrainConfig, manifest: dict, head):
+    """A new drafter sized for the target, or the one in ``init_from``; returns (model, DrafterConfig)."""
+    from dflashkit.drafter import DrafterConfig, build_drafter, load_drafter
+
+    if cfg.init_from:
+        model = load_drafter(cfg.init_from)
+        if cfg.mask_token_id is not None and model.dflash.mask_token_id != cfg.mask_token_id:
+            raise ValueError(f"mask_token_id={cfg.mask_token_id} but the drafter in {cfg.init_from} was trained with "
+                             f"{model.dflash.mask_token_id}; drop mask_token_id to keep the drafter's")
+        return model.train(), model.dflash
+    dcfg = DrafterConfig.for_target(
+        head.config, num_hidden_layers=cfg.num_hidden_layers, block_size=cfg.block_size,
+        target_layer_ids=list(cfg.target_layer_ids or manifest.get("target_layer_ids") or []),
+        mask_token_id=resolve_mask_token(cfg, manifest, head), layer_types=list(cfg.layer_types),
+        sliding_window=cfg.sliding_window, input_embedding_scale=float(head.embedding_scale), **cfg.drafter)
+    return build_drafter(dcfg).train(), dcfg
+
+
+def make_accelerator(cfg: TrainConfig):
+    """An Accelerator for the launch environment. On a machine without CUDA, accelerate forms a process group
+    only when told: cpu=True for plain data parallelism (gloo), or the gloo backend named for DeepSpeed."""
+    import os
+
+    from accelerate import Accelerator
+    from accelerate.utils import InitProcessGroupKwargs
+
+    kw = dict(mixed_precision=cfg.mixed_precision, gradient_accumulation_steps=cfg.grad_accum)
+    if not torch.cuda.is_available():
+        if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+            kw["kwargs_handlers"] = [InitProcessGroupKwargs(backend="gloo")]
+        else:
+            kw["cpu"] = True
+    return Accelerator(**kw)
+
+
+def _configure_deepspeed(accelerator, cfg: TrainConfig) -> None:
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    if plugin is None:
+        return
+    c = plugin.deepspeed_config
+    c["train_micro_batch_size_per_gpu"] = 1
+    c["gradient_accumulation_steps"] = cfg.grad_accum
+    c["train_batch_size"] = accelerator.num_processes * cfg.grad_accum
+    c["gradient_clipping"] = cfg.max_grad_norm
+    c.setdefault("zero_allow_untested_optimizer", True)
+
+
+def verify_shards(shard_dir: str, rank: int, world: int) -> None:
+    """Refuse to train on damaged shards: each rank checks every world-th shard (size, sha256, layout, NaN)."""
+    from dflashkit.extract.shards import read_manifest
+    from dflashkit.extract.verify import check_shard
+
+    manifest = read_manifest(shard_dir)
+    problems = []
+    for entry in manifest["shards"][rank::world]:
+        problems += [f"{Path(shard_dir) / entry['file']}: {p}"
+                     for p in check_shard(Path(shard_dir) / entry["file"], entry, manifest)]
+    if problems:
+        raise ValueError("refusing to train on damaged shards:\n  " + "\n  ".join(problems) +
+                         f"\nre-extract them (`dflashkit verify {shard_dir}` lists every problem)")
+
+
+def target_identity(head) -> dict:
+    """What to compare with the manifest's target: the config always; the weight files only for an HF
+    directory (a GGUF target is converted per dtype, so its converted files differ between dtypes)."""
+    ident = head.identity()
+    if str(head.path).startswith("testbed:") or str(head.path).endswith(".gguf"):
+        ident.pop("weights_hash", None)
+    return ident
+
+
+def _param_groups(model, weight_decay: float) -> list[dict]:
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        (no_decay if p.ndim < 2 else decay).append(p)  # norms are never decayed
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def train(cfg: TrainConfig) -> dict:
+    from accelerate.utils import set_seed
+
+    from dflashkit.extract.shards import ShardDataset, check_manifest_matches
+    from dflashkit.extract.target import load_target_head
+
+    # --- setup --------------------------------------------------------------------------------------------
+    accelerator = make_accelerator(cfg)
+    _configure_deepspeed(accelerator, cfg)
+    say = accelerator.print
+    world, rank, G = accelerator.num_processes, accelerator.process_index, cfg.grad_accum
+    out_dir = Path(cfg.output_dir)
+    set_seed(cfg.seed)
+    if cfg.verify_shards:
+        verify_shards(cfg.shards, rank, world)
+    dataset = ShardDataset(cfg.shards)
+    manifest = dataset.manifest
+    head_spec = cfg.target or manifest["target"]["path"]
+    compute_dtype = torch.bfloat16 if cfg.mixed_precision == "bf16" else torch.float32
+    head = load_target_head(head_spec, dtype=compute_dtype, device=accelerator.device)
+    model, dcfg = build_model(cfg, manifest, head)
+    check_manifest_matches(manifest, dcfg, target_identity(head))
+    if cfg.loss == "kl" and not dataset.has_last_hidden:
+        raise ValueError(f"loss=kl needs last_hidden in the shards of {cfg.shards}; re-extract them with "
+                         f"--store-last-hidden, or use loss=ce")
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing = True
+    train_idx, eval_idx = split_indices(len(dataset), cfg.eval_samples, cfg.seed)
+    spe = steps_per_epoch(len(train_idx), world, G)
+    planned = cfg.epochs * spe
+    total_steps = min(planned, cfg.max_steps) if cfg.max_steps else planned
+    warmup = int(round(cfg.warmup_ratio * total_steps))
+    say(f"dflashkit train: {len(train_idx)} training / {len(eval_idx)} held-out samples, {world} process(es) x "
+        f"{G} micro-batches = {world * G} sequences per step, {spe} steps per epoch, {cfg.epochs} epochs = "
+        f"{planned} steps")
+    if total_steps < planned:
+        say(f"NOTE: max_steps={cfg.max_steps} stops training after {total_steps} of {planned} steps "
+            f"({total_steps / spe:.2f} of {cfg.epochs} epochs)")
+
+    # --- optimizer, backend -------------------------------------------------------------------------------
+    optimizer = torch.optim.AdamW(_param_groups(model, cfg.weight_decay), lr=cfg.lr,
+                                  betas=tuple(cfg.adam_betas), eps=cfg.adam_eps)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    if cfg.compile:
+        model.compile()
+    backend = mask_backend(cfg.attention, accelerator.device, cfg.compile)
+    common = dict(block_size=dcfg.block_size, layer_types=dcfg.layer_types, sliding_window=dcfg.sliding_window,
+                  backend=backend, chunk_tokens=cfg.loss_chunk_tokens)
+
+    # --- resume -------------------------------------------------------------------------------------------
+    step, epoch, done = 0, 0, 0
+    ckpt = None
+    if cfg.resume == "auto":
+        ckpt = latest_checkpoint(out_dir, warn=say)
+    elif cfg.resume not in ("none", ""):
+        ckpt = Path(cfg.resume)
+    if ckpt is not None:
+        state = load_checkpoint(ckpt, accelerator, model, optimizer)
+        step, epoch, done = state["step"], state["epoch"], state["epoch_samples_done"]
+        say(f"resumed from {ckpt} (step {step}, epoch {epoch}, {done} samples into the epoch)")
+    tracker = Tracker(out_dir, cfg.to_dict(), enabled=accelerator.is_main_process, wandb=cfg.wandb,
+                      wandb_project=cfg.wandb_project, run_name=cfg.run_name, tensorboard=cfg.tensorboard,
+                      resume_step=step)
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=total_steps, initial=step, disable=not (accelerator.is_main_process and cfg.progress),
+               dynamic_ncols=True)
+    last_eval: dict = {}
+
+    def trainer_state() -> dict:
+        return {"step": step, "epoch": epoch, "epoch_samples_done": done, "samples_per_step": world * G,
+                "config": cfg.to_dict(), "drafter_config": dcfg.to_json_dict()}
+
+    def run_eval() -> dict:
+        if not eval_idx:
+            return {}
+        return evaluate(model, head, dataset, eval_idx, mask_token_id=dcfg.mask_token_id,
+                        num_anchors=cfg.eval_anchors, seed=cfg.seed, gamma=cfg.gamma, max_length=cfg.max_length,
+                        accelerator=accelerator, **common)
+
+    # --- loop ---------------------------------------------------------------------------------------------
+    model.train()
+    sums, t0, saved_at = MetricSums(dcfg.block_size - 1, accelerator.device), time.perf_counter(), -1
+    while step < total_steps and epoch < cfg.epochs:
+        slots = rank_slots(epoch_order(train_idx, cfg.seed, epoch), done, world, G, rank)
+        source = BlockSource(dataset, slots, block_size=dcfg.block_size, mask_token_id=dcfg.mask_token_id,
+                             num_anchors=cfg.num_anchors, seed=cfg.seed, epoch=epoch, max_length=cfg.max_length,
+                             use_last_hidden=cfg.loss == "kl")
+        loader = block_loader(source, num_workers=cfg.num_workers, pin_memory=accelerator.device.type == "cuda")
+        for _ in range(len(slots) // G):
+            if step >= total_steps:
+                break
+            micro = [next(loader).to(accelerator.device, non_blocking=True) for _ in range(G)]
+            factor = lr_at(step, total_steps, warmup, cfg.min_lr_ratio)
+            for group in optimizer.param_groups:
+                group["lr"] = cfg.lr * factor
+            denoms = [loss_denominator(m.valid, cfg.loss, cfg.gamma) * m.scale for m in micro]
+            global_denom = accelerator.reduce(torch.stack(denoms).sum().to(accelerator.device), reduction="sum")
+            grad_norm = None
+            for m, d in zip(micro, denoms):
+                with accelerator.accumulate(model):
+                    out = forward_blocks(model, head, m, variant=cfg.loss, gamma=cfg.gamma,
+                                         dpace_alpha=cfg.dpace_alpha, kl_weight=cfg.kl_weight, **common)
+                    weight = m.scale * world * G / global_denom.clamp_min(1e-12)
+                    accelerator.backward(out.loss_sum * weight)
+                    if accelerator.sync_gradients:
+                        if cfg.max_grad_norm > 0:
+                            grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+                        optimizer.step()
+                        optimizer.zero_grad(set_to_none=True)
+                sums.add(out, d, m.scale, m.ctx_len)
+            step += 1
+            done += world * G
+            bar.update(1)
+            # --- metrics, evaluation, checkpoints ----------------------------------------------------------
+            if step % cfg.log_every == 0 or step == total_steps:
+                metrics = sums.reduce(accelerator).metrics("train")
+                dt = max(time.perf_counter() - t0, 1e-9)
+                metrics.update({"lr": cfg.lr * factor, "epoch": epoch + done / len(train_idx),
+                                "tokens_per_s": sums.tokens / dt})
+                if grad_norm is None and hasattr(model, "get_global_grad_norm"):
+                    grad_norm = model.get_global_grad_norm()
+                if grad_norm is not None:
+                    metrics["grad_norm"] = float(grad_norm)
+                tracker.log(metrics, step)
+                bar.set_postfix(loss=f"{metrics['train/loss']:.3f}", tau_sim=f"{last_eval.get('eval/tau_sim', float('nan')):.2f}",
+                                tok_s=f"{metrics['tokens_per_s']:.0f}")
+                sums, t0 = MetricSums(dcfg.block_size - 1, accelerator.device), time.perf_counter()
+            if cfg.eval_every and step % cfg.eval_every == 0 and step < total_steps:
+                last_eval = run_eval()
+                tracker.log(last_eval, step)
+            if done >= len(train_idx):
+                epoch, done = epoch + 1, 0
+            if cfg.save_every and step % cfg.save_every == 0:
+                save_checkpoint(accelerator, model, optimizer, trainer_state(), out_dir, cfg.keep_last)
+                saved_at = step
+    bar.close()
+
+    # --- final evaluation, checkpoint and export ----------------------------------------------------------
+    last_eval = run_eval()
+    tracker.log(last_eval, step)
+    final = save_checkpoint(accelerator, model, optimizer, trainer_state(), out_dir, cfg.keep_last) \
+        if saved_at != step else out_dir / "checkpoints" / f"step-{step:08d}"
+    export_dir = Path(cfg.export_dir or out_dir / "export")
+    if accelerator.is_main_process:
+        from .export import export_checkpoint
+
+        export_checkpoint(final, export_dir)
+    summary = {"step": step, "planned_steps": planned, "stopped_by_max_steps": total_steps < planned,
+               "epochs_completed": epoch, "checkpoint": str(final), "export_dir": str(export_dir), **last_eval}
+    if accelerator.is_main_process:
+        (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        say(json.dumps(summary))
+    tracker.close()
+    accelerator.wait_for_everyone()
+    return summary
