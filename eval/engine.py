@@ -195,7 +195,7 @@ class SpeculativeDecoder:
             _sync(self.device)
             t1 = time.perf_counter()
             tokens, parents, depths = tree.tensors("cpu")
-            logits, features = self.verifier.forward(tokens, parents, depths)
+            logits, features = self.verifier.forward(tokens, parents, depths, max_depth=max(tree.depths))
             path, bonus = self._accept(tree, logits, draft_probs)
             produced = min(len(path), max_length - start - 1)
             new_tokens = ([tree.tokens[i] for i in path[1:]] + [bonus])[:produced]

@@ -95,7 +95,7 @@ class HybridChainVerifier:
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, parents: torch.Tensor | None = None,
-                depths: torch.Tensor | None = None, last_logits_only: bool = False):
+                depths: torch.Tensor | None = None, last_logits_only: bool = False, max_depth: int | None = None):
         n = tokens.shape[-1]
         if parents is not None and parents.tolist() != list(range(-1, n - 1)):
             raise ValueError(TREE_REFUSAL)

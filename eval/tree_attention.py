@@ -58,10 +58,12 @@ def dense_visibility(prefix_lens: torch.Tensor, node_mask: torch.Tensor, node_po
 
 
 def tree_attention_reference(query, key, value, prefix_lens, node_mask, node_positions, scale: float,
-                             sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+                             sliding_window: int | None = None, softcap: float | None = None,
+                             max_prefix_len: int | None = None) -> torch.Tensor:
     """The plain-PyTorch twin (CPU path and test oracle). Shapes as in the module docstring."""
     b, h, n, _ = query.shape
-    num_keys = min(key.shape[2], int(prefix_lens.max()) + n)
+    max_prefix_len = int(prefix_lens.max()) if max_prefix_len is None else max_prefix_len
+    num_keys = min(key.shape[2], max_prefix_len + n)
     key, value = key[:, :, :num_keys], value[:, :, :num_keys]
     group = h // key.shape[1]
     visible = dense_visibility(prefix_lens, node_mask, node_positions, num_keys, sliding_window).unsqueeze(1)
@@ -98,4 +100,4 @@ def tree_attention(query, key, value, prefix_lens, node_mask, node_positions, sc
         return tree_attention_triton(query, key, value, prefix_lens, node_mask, node_positions, scale,
                                      sliding_window, softcap, max_prefix_len)
     return tree_attention_reference(query, key, value, prefix_lens, node_mask, node_positions, scale,
-                                    sliding_window, softcap)
+                                    sliding_window, softcap, max_prefix_len)

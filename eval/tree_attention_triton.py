@@ -13,28 +13,33 @@ import triton.language as tl
 
 
 @triton.jit
-def _softmax_update(s, visible, m_i, l_i, acc, v, softcap, qk_scale,
-                    HAS_SOFTCAP: tl.constexpr):
+def _attend(q, k, v, visible, m_i, l_i, acc, qk_scale, softcap, HAS_SOFTCAP: tl.constexpr, MASKED: tl.constexpr,
+            PRECISION: tl.constexpr):
+    """One K/V tile of online softmax. k: [BLOCK_N, BLOCK_D]; visible: [BLOCK_M, BLOCK_N] (used when MASKED)."""
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
     if HAS_SOFTCAP:
-        x = s * (qk_scale / 1.4426950408889634) / softcap  # natural-log units, then tanh via exp
+        x = s * (qk_scale / 1.4426950408889634) / softcap  # natural-log units, then tanh written with exp
         s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)) * 1.4426950408889634
     else:
         s = s * qk_scale
-    s = tl.where(visible, s, float("-inf"))
+    if MASKED:
+        s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.exp2(s - m_safe[:, None])
     alpha = tl.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return m_new, l_i, acc
+
 
 @triton.jit
 def _partial_kernel(Q, K, V, NodeMask, NodePos, PrefixLens, Opart, Mpart, Lpart,
                     sq_b, sq_h, sq_n, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sm_b, sm_i, sp_b,
                     qk_scale, softcap, window, num_kv_heads, group, num_nodes, num_parts, num_splits, split_len,
                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+                    BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                    PRECISION: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_bh = tl.program_id(2)
@@ -56,27 +61,40 @@ def _partial_kernel(Q, K, V, NodeMask, NodePos, PrefixLens, Opart, Mpart, Lpart,
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    if pid_s < num_splits:  # a chunk of the prefix: every node sees every key
+    offs_t = tl.arange(0, BLOCK_N)
+    if pid_s < num_splits:  # a chunk of the prefix: every node sees every key (rows past the end are dropped)
         start = pid_s * split_len
         end = tl.minimum(start + split_len, prefix)
-        for k0 in range(start, end, BLOCK_N):
-            offs_n = k0 + tl.arange(0, BLOCK_N)
+        full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
+        for k0 in range(start, full_end, BLOCK_N):  # whole tiles: no key mask
+            offs_n = k0 + offs_t
+            k = tl.load(k_base + offs_n[:, None] * sk_s + offs_d[None, :], mask=d_ok[None, :], other=0.0)
+            v = tl.load(v_base + offs_n[:, None] * sv_s + offs_d[None, :], mask=d_ok[None, :], other=0.0)
+            if HAS_WINDOW:
+                visible = (qpos[:, None] - offs_n[None, :]) < window
+                m_i, l_i, acc = _attend(q, k, v, visible, m_i, l_i, acc, qk_scale, softcap, HAS_SOFTCAP, True,
+                                        PRECISION)
+            else:
+                m_i, l_i, acc = _attend(q, k, v, None, m_i, l_i, acc, qk_scale, softcap, HAS_SOFTCAP, False,
+                                        PRECISION)
+        if full_end < end:  # the last, partial tile
+            offs_n = full_end + offs_t
             n_ok = offs_n < end
-            k = tl.load(k_base + offs_n[None, :] * sk_s + offs_d[:, None], mask=n_ok[None, :] & d_ok[:, None],
+            k = tl.load(k_base + offs_n[:, None] * sk_s + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :],
                         other=0.0)
             v = tl.load(v_base + offs_n[:, None] * sv_s + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :],
                         other=0.0)
-            visible = n_ok[None, :] & row_ok[:, None]
+            visible = n_ok[None, :]
             if HAS_WINDOW:
                 visible = visible & ((qpos[:, None] - offs_n[None, :]) < window)
-            m_i, l_i, acc = _softmax_update(tl.dot(q, k), visible, m_i, l_i, acc, v, softcap, qk_scale,
-                                            HAS_SOFTCAP)
+            m_i, l_i, acc = _attend(q, k, v, visible, m_i, l_i, acc, qk_scale, softcap, HAS_SOFTCAP, True,
+                                    PRECISION)
     else:  # the nodes of this round, under the ancestor mask
         for j0 in range(0, num_nodes, BLOCK_N):
-            offs_j = j0 + tl.arange(0, BLOCK_N)
+            offs_j = j0 + offs_t
             j_ok = offs_j < num_nodes
             slots = prefix + offs_j
-            k = tl.load(k_base + slots[None, :] * sk_s + offs_d[:, None], mask=j_ok[None, :] & d_ok[:, None],
+            k = tl.load(k_base + slots[:, None] * sk_s + offs_d[None, :], mask=j_ok[:, None] & d_ok[None, :],
                         other=0.0)
             v = tl.load(v_base + slots[:, None] * sv_s + offs_d[None, :], mask=j_ok[:, None] & d_ok[None, :],
                         other=0.0)
@@ -86,12 +104,13 @@ def _partial_kernel(Q, K, V, NodeMask, NodePos, PrefixLens, Opart, Mpart, Lpart,
             if HAS_WINDOW:
                 kpos = tl.load(NodePos + b * sp_b + offs_j, mask=j_ok, other=0)
                 visible = visible & ((qpos[:, None] - kpos[None, :]) < window)
-            m_i, l_i, acc = _softmax_update(tl.dot(q, k), visible, m_i, l_i, acc, v, softcap, qk_scale,
-                                            HAS_SOFTCAP)
+            m_i, l_i, acc = _attend(q, k, v, visible, m_i, l_i, acc, qk_scale, softcap, HAS_SOFTCAP, True,
+                                    PRECISION)
     part = (pid_bh * num_parts + pid_s) * num_rows
     tl.store(Mpart + part + rows, m_i, mask=row_ok)
     tl.store(Lpart + part + rows, l_i, mask=row_ok)
     tl.store(Opart + (part + rows[:, None]) * BLOCK_D + offs_d[None, :], acc, mask=row_ok[:, None])
+
 
 @triton.jit
 def _combine_kernel(Opart, Mpart, Lpart, Out, so_b, so_n, so_h,
@@ -131,21 +150,64 @@ def _num_sms(device: torch.device) -> int:
     return 4
 
 
+# (head_dim, dtype, wide) -> (block_m, block_n, num_warps, num_stages) that compiled within shared memory
+_WORKING_CONFIGS: dict[tuple, tuple[int, int, int, int]] = {}
+
+
+def _default_config(block_d: int, element_size: int, rows: int) -> tuple[int, int, int, int]:
+    wide = block_d * element_size > 256  # d 256 in bf16, d 128 in fp32: smaller tiles, no pipelining
+    block_m = 64 if rows <= 64 or wide else 128
+    block_n = 32 if wide else 64
+    return block_m, block_n, 8 if block_m * block_d >= 128 * 128 else 4, 1 if wide else 3
+
+
+def _smaller(config: tuple[int, int, int, int]) -> tuple[int, int, int, int] | None:
+    block_m, block_n, warps, stages = config
+    if stages > 1:
+        return block_m, block_n, warps, 1
+    if block_n > 16:
+        return block_m, block_n // 2, warps, stages
+    if block_m > 16:
+        return block_m // 2, block_n, 4, stages
+    return None
+
+
 def tree_attention_triton(query, key, value, prefix_lens, node_mask, node_positions, scale: float,
                           sliding_window: int | None = None, softcap: float | None = None,
                           max_prefix_len: int | None = None, block_m: int | None = None, block_n: int | None = None,
-                          num_splits: int | None = None) -> torch.Tensor:
-    """The Triton kernel. max_prefix_len (host int) avoids a device sync; block sizes and splits are tunables."""
+                          num_splits: int | None = None, num_warps: int | None = None,
+                          num_stages: int | None = None) -> torch.Tensor:
+    """The Triton kernel. max_prefix_len (host int) avoids a device sync; block sizes, warps, stages and splits
+    are tunables (defaults by head size; a configuration that does not fit shared memory is shrunk)."""
     b, h, n, d = query.shape
-    hkv = key.shape[1]
-    group = h // hkv
     if key.stride(-1) != 1 or value.stride(-1) != 1 or query.stride(-1) != 1:
         raise ValueError("tree attention needs the head dimension contiguous in query, key and value")
     if max_prefix_len is None:
         max_prefix_len = int(prefix_lens.max())
     block_d = max(16, triton.next_power_of_2(d))
-    block_m = block_m or (64 if group * n <= 64 or block_d > 128 else 128)
-    block_n = block_n or (32 if block_d > 128 else 64)
+    rows = h // key.shape[1] * n
+    cache_key = (d, query.dtype, rows > 64)
+    default = _WORKING_CONFIGS.get(cache_key) or _default_config(block_d, query.element_size(), rows)
+    config = (block_m or default[0], block_n or default[1], num_warps or default[2], num_stages or default[3])
+    while True:
+        try:
+            out = _launch(query, key, value, prefix_lens, node_mask, node_positions, scale, sliding_window, softcap,
+                          max_prefix_len, num_splits, block_d, *config)
+        except triton.runtime.errors.OutOfResources:
+            config = _smaller(config)
+            if config is None:
+                raise
+            continue
+        if not any((block_m, block_n, num_warps, num_stages)):
+            _WORKING_CONFIGS[cache_key] = config
+        return out
+
+
+def _launch(query, key, value, prefix_lens, node_mask, node_positions, scale, sliding_window, softcap,
+            max_prefix_len, num_splits, block_d, block_m, block_n, num_warps, num_stages):
+    b, h, n, d = query.shape
+    hkv = key.shape[1]
+    group = h // hkv
     num_rows = group * n
     row_tiles = triton.cdiv(num_rows, block_m)
     if num_splits is None:  # enough programs to fill the machine twice, no chunk shorter than a tile
@@ -165,7 +227,6 @@ def tree_attention_triton(query, key, value, prefix_lens, node_mask, node_positi
     o_part = torch.empty(b * hkv * num_parts * num_rows * block_d, device=query.device, dtype=torch.float32)
     out = torch.empty(b, n, h, d, device=query.device, dtype=query.dtype)
     qk_scale = scale * 1.4426950408889634  # exp2 units
-    big = block_m * block_d >= 128 * 128
     _partial_kernel[(row_tiles, num_parts, b * hkv)](
         query, key, value, node_mask, node_positions, prefix_lens, o_part, m_part, l_part,
         query.stride(0), query.stride(1), query.stride(2), key.stride(0), key.stride(1), key.stride(2),
@@ -173,10 +234,8 @@ def tree_attention_triton(query, key, value, prefix_lens, node_mask, node_positi
         node_positions.stride(0), qk_scale, float(softcap or 1.0), int(sliding_window or 0), hkv, group, n,
         num_parts, num_splits, split_len, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
         HAS_WINDOW=bool(sliding_window), HAS_SOFTCAP=softcap is not None,
-        num_warps=8 if big else 4, num_stages=2 if block_d > 128 else 3)
+        PRECISION="ieee" if query.dtype == torch.float32 else "tf32", num_warps=num_warps, num_stages=num_stages)
     _combine_kernel[(row_tiles, b * hkv)](
         o_part, m_part, l_part, out, out.stride(0), out.stride(1), out.stride(2), hkv, group, n, num_parts,
         HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=block_m, num_warps=4)
     return out
-
-

@@ -182,7 +182,8 @@ class TargetVerifier:
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, parents: torch.Tensor | None = None,
-                depths: torch.Tensor | None = None, last_logits_only: bool = False):
+                depths: torch.Tensor | None = None, last_logits_only: bool = False, max_depth: int | None = None):
+        """max_depth: the tree's depth, when depths live on the GPU (saves a device sync; CUDA-graph safe)."""
         n = tokens.shape[-1]
         prefix = self.cache.length
         if parents is None:
@@ -190,7 +191,8 @@ class TargetVerifier:
         else:
             from .tree import ancestor_mask
 
-            node_mask = ancestor_mask(parents.to(self.device), max_depth=int(depths.max())).unsqueeze(0)
+            max_depth = int(depths.max()) if max_depth is None else max_depth
+            node_mask = ancestor_mask(parents.to(self.device), max_depth=max_depth).unsqueeze(0)
         positions = (depths.to(self.device) + prefix).view(1, n)
         _ACTIVE.append(_Step(self.cache, prefix, node_mask, positions, self.backend))
         try:

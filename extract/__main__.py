@@ -106,6 +106,8 @@ def _dist():
 
     if not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend, timeout=datetime.timedelta(hours=6))
     return dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0"))
 
@@ -130,13 +132,13 @@ def _check_resume(old: dict, new: dict, out: Path) -> None:
                              f"{_get(new, field)!r}; resume with the original settings or write to a new --out")
 
 
-def _summary(manifest: dict, out: Path, seconds: float) -> str:
+def _summary(manifest: dict, out: Path, seconds: float, tokens_this_run: int) -> str:
     t = manifest["totals"]
     skipped = ", ".join(f"{k} {v}" for k, v in sorted(manifest["skipped"].items()) if v) or "none"
     notes = ", ".join(f"{k} {v}" for k, v in sorted(manifest.get("notes", {}).items()) if v) or "none"
     return (f"extract: {t['samples']} samples, {t['tokens']} tokens ({t['loss_tokens']} supervised), "
             f"{t['shards']} shards, {t['bytes'] / 2**20:.1f} MiB, {t['bytes_per_token'] or 0:.0f} bytes/token "
-            f"({manifest['codec']}), {t['tokens'] / max(seconds, 1e-9):.0f} tokens/s\n"
+            f"({manifest['codec']}), {tokens_this_run / max(seconds, 1e-9):.0f} tokens/s in this run\n"
             f"  skipped: {skipped}\n  notes: {notes}\n  written to {out}")
 
 
@@ -156,7 +158,11 @@ def run(args) -> dict:
     if args.device_map and world > 1:
         raise ValueError("--device-map spreads one target over the GPUs of one process; with several processes "
                          "each rank loads its own copy on its GPU: drop --device-map or launch one process")
-    template_kwargs = json.loads(args.chat_template_kwargs)
+    try:
+        template_kwargs = json.loads(args.chat_template_kwargs)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--chat-template-kwargs {args.chat_template_kwargs!r} is not JSON ({e}); "
+                         """write e.g. '{"enable_thinking": false}'""") from None
     chat_template = Path(args.chat_template).read_text() if args.chat_template else None
     cfg = ChatConfig(max_length=args.max_length, overlong=args.overlong, template_kwargs=template_kwargs,
                      chat_template=chat_template)
@@ -249,7 +255,7 @@ def run(args) -> dict:
         _barrier(world)
         manifest = json.loads((out / MANIFEST).read_text())
     if rank == 0:
-        print(_summary(manifest, out, time.time() - started), file=sys.stderr)
+        print(_summary(manifest, out, time.time() - started, tokens_done * world), file=sys.stderr)
     return manifest
 
 

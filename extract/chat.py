@@ -33,7 +33,7 @@ ROLE_ALIASES = {"user": "user", "human": "user", "system": "system", "assistant"
                 "chatgpt": "assistant", "bing": "assistant", "bard": "assistant", "model": "assistant"}
 # every reason a sample can be skipped for; the manifest counts skips under these names
 SKIP_REASONS = ("malformed_json", "not_utf8", "unknown_format", "unknown_role", "empty_content",
-                "no_assistant_turn", "too_long", "template_error")
+                "no_assistant_turn", "no_user_turn", "too_long", "template_error")
 PROBE_CONVERSATION = [{"role": "user", "content": "What is 2+2?"},
                       {"role": "assistant", "content": "2+2 is 4."},
                       {"role": "user", "content": "And 3+3?\n"},
@@ -118,7 +118,7 @@ def _message(raw, role_key: str, text_key: str, k: int) -> dict:
     return msg
 
 
-def normalize_record(record) -> tuple[str, object, int]:
+def normalize_record(record, require_assistant: bool = True) -> tuple[str, object, int]:
     """A record -> ("chat", messages, dropped_leading_turns) or ("text", text, 0). Raises BadSample."""
     if not isinstance(record, dict):
         raise BadSample("unknown_format", f"expected a JSON object, got {type(record).__name__}")
@@ -146,7 +146,7 @@ def normalize_record(record) -> tuple[str, object, int]:
     while first < len(messages) and messages[first]["role"] == "assistant":
         first += 1
     messages = messages[:n_system] + messages[first:]
-    if not any(m["role"] == "assistant" for m in messages):
+    if require_assistant and not any(m["role"] == "assistant" for m in messages):
         raise BadSample("no_assistant_turn", "the conversation has no assistant turn after a user turn")
     return "chat", messages, first - n_system
 
@@ -154,7 +154,8 @@ def normalize_record(record) -> tuple[str, object, int]:
 # ---------------------------------------------------------------- template rendering and spans
 
 
-def _render(tokenizer, messages, cfg: ChatConfig, add_generation_prompt: bool = False) -> str:
+def render(tokenizer, messages, cfg: ChatConfig, add_generation_prompt: bool = False) -> str:
+    """The chat template's text for messages (BadSample when the template refuses them)."""
     try:
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
                                              chat_template=cfg.chat_template, **cfg.template_kwargs)
@@ -208,14 +209,14 @@ def assistant_spans(tokenizer, messages: list[dict], cfg: ChatConfig,
                     specials: list[str] | None = None) -> tuple[str, list[tuple[int, int]]]:
     """The rendered conversation and the (start, end) character span of each supervised assistant turn."""
     specials = special_tokens(tokenizer) if specials is None else specials
-    full = _render(tokenizer, messages, cfg)
+    full = render(tokenizer, messages, cfg)
     spans: list[tuple[int, int]] = []
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        before = _render(tokenizer, messages[:i], cfg)
-        prompt = _render(tokenizer, messages[:i], cfg, add_generation_prompt=True)
-        alone = _render(tokenizer, messages[: i + 1], cfg)
+        before = render(tokenizer, messages[:i], cfg)
+        prompt = render(tokenizer, messages[:i], cfg, add_generation_prompt=True)
+        alone = render(tokenizer, messages[: i + 1], cfg)
         if not (full.startswith(before) and prompt.startswith(before) and alone.startswith(prompt)):
             raise TemplateError(f"turn {i} does not render as a continuation of the generation prompt before it "
                                 "(prefix renderings disagree, e.g. reasoning under a thinking-off template)")
@@ -335,8 +336,8 @@ def check_template(tokenizer, cfg: ChatConfig) -> str:
 def end_of_turn_token(tokenizer, cfg: ChatConfig, specials: list[str] | None = None) -> str:
     """The special token that closes an assistant turn under this template (the generation stop token)."""
     specials = special_tokens(tokenizer) if specials is None else specials
-    prompt = _render(tokenizer, PROBE_CONVERSATION[:1], cfg, add_generation_prompt=True)
-    alone = _render(tokenizer, PROBE_CONVERSATION[:2], cfg)
+    prompt = render(tokenizer, PROBE_CONVERSATION[:1], cfg, add_generation_prompt=True)
+    alone = render(tokenizer, PROBE_CONVERSATION[:2], cfg)
     found = _last_special(alone[len(prompt):], specials)
     if found is None:
         raise TemplateError("the chat template closes an assistant turn with no special token")

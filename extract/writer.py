@@ -94,15 +94,14 @@ class ShardWriter:
         return self.manifest
 
     def abort(self) -> None:
-        """Stop the thread without writing what is pending (after an error elsewhere)."""
-        self.pending.clear()
+        """After an error elsewhere: keep the complete batches handed over (as a shard), stop the thread, raise
+        nothing (the caller's error is the one to report)."""
         if self._thread.is_alive():
-            self._error = self._error or KeyboardInterrupt()
             self._queue.put(None)
             self._thread.join()
 
     def _raise_if_failed(self):
-        if self._error is not None and not isinstance(self._error, KeyboardInterrupt):
+        if self._error is not None:
             raise self._error
 
     # -- thread side

@@ -22,6 +22,15 @@ def tiny_target_config(**overrides):
     return LlamaConfig(**{**fields, **overrides})
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models gain nothing from threads, and lose a lot to them on a shared machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def pair():
     torch.manual_seed(0)

@@ -104,6 +104,21 @@ def test_triton_kernel_matches_twin_in_interpreter():
     assert len(errors) == 7 and max(errors) < 1e-5, errors
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_triton_kernel_matches_twin_on_cuda():
+    pytest.importorskip("triton", reason="triton is not installed")
+    from dflashkit.eval.tree_attention_triton import tree_attention_triton
+
+    for dtype, tolerance in ((torch.float32, 2e-3), (torch.bfloat16, 3e-2)):  # fp32 dots run in tf32
+        for window, softcap in ((None, None), (20, None), (None, 5.0)):
+            q, k, v, prefix, mask, positions, _ = (t.cuda() for t in _case(d=64, prefixes=(300, 41), slots=320))
+            q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+            ref = tree_attention_reference(q.float(), k.float(), v.float(), prefix, mask, positions, 0.3, window,
+                                           softcap)
+            out = tree_attention_triton(q, k, v, prefix, mask, positions, 0.3, window, softcap)
+            assert (out.float() - ref).abs().max() < tolerance
+
+
 def test_tree_forward_matches_plain_forward_of_each_path():
     """Logits of every node = the plain model's logits after prefix + the path to that node."""
     torch.manual_seed(0)

@@ -33,6 +33,13 @@ def _cmd(target, data, out, *extra):
             *FLAGS, *extra]
 
 
+def _shards_listed(out):
+    try:
+        return len(json.loads((out / "manifest.json").read_text())["shards"])
+    except (FileNotFoundError, json.JSONDecodeError):
+        return 0
+
+
 def _by_index(out):
     ds = ShardDataset(out)
     return {ds[k]["sample_index"]: ds[k] for k in range(len(ds))}
@@ -56,29 +63,34 @@ def assert_same_dataset(out, ref, exact=True):
 
 @pytest.mark.slow
 def test_sigkill_at_random_points_then_resume_equals_an_uninterrupted_run(tiny, tmp_path):
-    data = write_jsonl(tmp_path / "d.jsonl", chat_records(48, seed=1), [(5, "{broken")])
+    data = write_jsonl(tmp_path / "d.jsonl", chat_records(96, seed=1), [(5, "{broken")])
     ref = tmp_path / "ref"
     assert main(["--target", tiny, "--data", data, "--out", str(ref), *FLAGS]) == 0
     out = tmp_path / "out"
     rng = random.Random(7)
-    kills, finished = 0, False
+    kills, finished, progress = 0, False, []
     while not finished:
         proc = subprocess.Popen(_cmd(tiny, data, out, "--resume"), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        if kills < 10:
-            while proc.poll() is None and not (out / "manifest.json").exists() and not list(out.glob(".*tmp")):
-                time.sleep(0.02)  # the first shard is being written: work has started
-            time.sleep(rng.uniform(0, 2.0))
+        if kills < 10:  # wait for this run's first new shard, then kill at a random moment after it
+            before = _shards_listed(out)
+            while proc.poll() is None and _shards_listed(out) == before:
+                time.sleep(0.01)
+            time.sleep(rng.uniform(0, 0.3))
         if proc.poll() is None and kills < 10:
             proc.send_signal(signal.SIGKILL)
             proc.wait()
             kills += 1
             if (out / "manifest.json").exists():  # what a killed run leaves is always consistent
                 assert verify_dataset(out)[0] == []
+                progress.append(len(json.loads((out / "manifest.json").read_text())["shards"]))
         else:
             _, err = proc.communicate()
             assert proc.returncode == 0, err.decode()[-2000:]
             finished = True
     assert kills == 10
+    total = len(read_manifest(ref)["shards"])
+    assert len({p for p in progress if 0 < p < total}) >= 5, (progress, total)  # killed all along the work
+    print(f"kills after shards {progress} of {total}")
     assert_same_dataset(out, ref)
     assert not list(out.glob(".*tmp"))
 
@@ -105,6 +117,9 @@ def test_disk_full_during_a_shard_write_then_resume(tiny, tmp_path):
     assert not list(out.glob(".*tmp")) and verify_dataset(out)[0] == []
     assert main(["--target", tiny, "--data", data, "--out", str(out), *FLAGS, "--resume"]) == 0
     assert_same_dataset(out, ref)
+    shards = read_manifest(out)["shards"]
+    assert main(["--target", tiny, "--data", data, "--out", str(out), *FLAGS, "--resume"]) == 0  # nothing left
+    assert read_manifest(out)["shards"] == shards
 
 
 @pytest.mark.slow

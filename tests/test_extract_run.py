@@ -3,6 +3,7 @@ Hugging Face's hidden_states[i + 1] of each sample alone; bad records are counte
 settings fail before any work; bytes per token per codec."""
 
 import functools
+import hashlib
 import json
 
 import pytest
@@ -17,14 +18,14 @@ from dflashkit.extract.verify import verify_dataset
 LAYERS = [0, 2, 3]
 
 
-def save_tiny_chat_target(out_dir, seed=0):
+def save_tiny_chat_target(out_dir, seed=0, initializer_range=0.02):
     """A 4-layer Llama (hidden 32) over the full SmolLM2 vocabulary, saved with the testbed tokenizer."""
     import transformers as tf
 
     torch.manual_seed(seed)
     config = tf.LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
                             num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=2048,
-                            tie_word_embeddings=True)
+                            tie_word_embeddings=True, initializer_range=initializer_range)
     tf.LlamaForCausalLM(config).save_pretrained(out_dir)
     smollm2_tokenizer().save_pretrained(out_dir)
     return str(out_dir)
@@ -151,3 +152,33 @@ def test_wrong_settings_fail_before_any_work(tiny, tmp_path, capsys):
     assert main(["--target", tiny, "--data", data, "--out", str(tmp_path / "o2"), "--chat-template", str(plain),
                  "--no-progress"]) == 1
     assert "cannot mark assistant spans" in capsys.readouterr().err
+
+
+def test_template_flags_workers_dtype_and_progress(tiny, tmp_path, capsys):
+    from test_extract_chat import QWEN3, supervised_runs
+
+    records = chat_records(6, seed=3)
+    data = write_jsonl(tmp_path / "d.jsonl", records)
+    template = tmp_path / "qwen3.jinja"
+    template.write_text(QWEN3)
+    flags = ["--target", tiny, "--data", data, "--layer-ids", "1,3", "--chat-template", str(template),
+             "--chat-template-kwargs", '{"enable_thinking": false}', "--bucket-window", "4"]
+    assert main([*flags, "--out", str(tmp_path / "a"), "--no-progress"]) == 0
+    # two tokenizing processes and a bfloat16 target give the same samples (features up to bf16 rounding)
+    assert main([*flags, "--out", str(tmp_path / "b"), "--tokenize-workers", "2", "--dtype", "bfloat16"]) == 0
+    err = capsys.readouterr().err
+    assert "tok/s" in err and "extract: 6 samples" in err and "bytes/token (bf16)" in err
+    a, b = ShardDataset(tmp_path / "a"), ShardDataset(tmp_path / "b")
+    assert a.manifest["template_kwargs"] == {"enable_thinking": False}
+    assert a.manifest["chat_template_hash"] == hashlib.sha256(QWEN3.encode()).hexdigest()
+    assert a.manifest["dtype"] == "float32" and b.manifest["dtype"] == "bfloat16"
+    tok, cfg = smollm2_tokenizer(), ChatConfig(chat_template=QWEN3, template_kwargs={"enable_thinking": False})
+    by_index = {b[k]["sample_index"]: b[k] for k in range(len(b))}
+    for k in range(len(a)):
+        s, t = a[k], by_index[a[k]["sample_index"]]
+        want = encode_record(records[s["sample_index"]], tok, cfg)
+        assert s["input_ids"].tolist() == want.input_ids == t["input_ids"].tolist()
+        answers = [m["content"] + "<|im_end|>" for m in records[s["sample_index"]]["messages"]
+                   if m["role"] == "assistant"]
+        assert supervised_runs(tok, want) == answers
+        torch.testing.assert_close(t["hidden"].float(), s["hidden"].float(), rtol=0.05, atol=0.05)

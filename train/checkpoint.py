@@ -100,11 +100,31 @@ def _unwrapped(model):
     return model.module if hasattr(model, "module") else model
 
 
+def _link_deepspeed_optimizer_state(engine, create: bool = False) -> None:
+    """DeepSpeed links each parameter to its slice of the flat AdamW state lazily, at the first step. For a
+    resume before any step, create zero AdamW state and link it now, so the full state can be written in."""
+    zero = engine.optimizer
+    base = zero.optimizer
+    if create:
+        flat = [p for g in base.param_groups for p in g["params"]]
+        for attr in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat"):  # ZeRO-1/2, ZeRO-3
+            flat += list(getattr(zero, attr, None) or [])
+        for p in flat:
+            if not base.state.get(p):
+                base.state[p] = {"step": torch.zeros((), dtype=torch.float32),
+                                 "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+    if hasattr(zero, "_hp_optimizer_states_linked"):  # it may have been linked while the state was empty
+        zero._hp_optimizer_states_linked = False
+    if hasattr(zero, "_lazy_init_hp_params_optimizer_state"):  # ZeRO-1/2; ZeRO-3 reads the flat state directly
+        zero._lazy_init_hp_params_optimizer_state()
+
+
 def full_state(model, optimizer) -> tuple[dict, dict, dict]:
     """(model fp32 tensors, optimizer tensors, optimizer JSON) as full tensors; every rank must call it."""
     if _is_deepspeed(model):
         from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
+        _link_deepspeed_optimizer_state(model)
         weights, opt = {}, {}
         for name, p in model.module.named_parameters():
             weights[name] = safe_get_full_fp32_param(p).detach().float().cpu()
@@ -143,9 +163,18 @@ def load_full_state(model, optimizer, weights: dict, opt: dict, opt_json: dict) 
     if _is_deepspeed(model):
         from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
+        _link_deepspeed_optimizer_state(model, create=True)
+        import deepspeed
+
         step = None
         for name, p in model.module.named_parameters():
             safe_set_full_fp32_param(p, weights[name].to(p.device))
+            # the working (bf16) copy is refreshed from the fp32 master only at the next step: set it too
+            if hasattr(p, "ds_id"):  # ZeRO-3: partitioned
+                with deepspeed.zero.GatheredParameters([p], modifier_rank=0):
+                    p.data.copy_(weights[name].to(p.dtype))
+            else:
+                p.data.copy_(weights[name].to(p.dtype))
             for key in ("exp_avg", "exp_avg_sq"):
                 if f"state.{name}.{key}" in opt:
                     safe_set_full_optimizer_state(p, opt[f"state.{name}.{key}"].to(p.device), key)

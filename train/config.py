@@ -58,7 +58,7 @@ class TrainConfig:
     mixed_precision: str = "bf16"  # "bf16" (autocast, fp32 master weights) or "no"
     seed: int = 0  # model init, split, data order and anchors
     gradient_checkpointing: bool = False  # recompute drafter layers in backward (long sequences)
-    compile: bool = False  # torch.compile the drafter (CUDA; fuses flex_attention)
+    compile: bool = False  # torch.compile each drafter layer (CUDA: ~20% faster steps, BENCHMARKS.md)
     attention: str = "auto"  # block mask backend: "auto" (flex on CUDA, dense on CPU), "flex", "dense"
     # --- checkpoints and export
     output_dir: str = "runs/drafter"  # checkpoints/, export/, logs

@@ -22,11 +22,12 @@ from .data import BlockSource, PackedBlocks, block_loader
 from .loss import BlockLossOutput, block_loss, loss_denominator
 
 
-def mask_backend(attention: str, device: torch.device, compiled: bool) -> str:
-    """"dense" (SDPA bool mask) or "flex" (BlockMask; only worth it when the drafter is compiled on CUDA)."""
+def mask_backend(attention: str, device: torch.device) -> str:
+    """"dense" (SDPA bool mask; the CPU path) or "flex" (BlockMask; on CUDA the drafter runs a compiled
+    flex_attention that skips fully masked tiles)."""
     if attention != "auto":
         return attention
-    return "flex" if (device.type == "cuda" and compiled) else "dense"
+    return "flex" if device.type == "cuda" else "dense"
 
 
 def forward_blocks(model, head, batch: PackedBlocks, *, block_size: int, layer_types: list[str],
@@ -80,7 +81,8 @@ class MetricSums:
         correct = t[6:6 + p]
         out = {f"{prefix}/loss": loss / denom if denom else float("nan"),
                f"{prefix}/ce": ce / sum(counted) if sum(counted) else float("nan"),
-               f"{prefix}/tau_sim": tau / blocks if blocks else float("nan"),
+               # tau_sim is the held-out figure (DESIGN.md); on training blocks the same count is train/tau
+               f"{prefix}/{'tau_sim' if prefix == 'eval' else 'tau'}": tau / blocks if blocks else float("nan"),
                f"{prefix}/acc": sum(correct) / sum(counted) if sum(counted) else float("nan")}
         for k in range(p):
             out[f"{prefix}/acc_{k + 1}"] = correct[k] / counted[k] if counted[k] else float("nan")

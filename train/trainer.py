@@ -117,11 +117,18 @@ def verify_shards(shard_dir: str, rank: int, world: int) -> None:
 
 
 def target_identity(head) -> dict:
-    """What to compare with the manifest's target: the config always; the weight files only for an HF
-    directory (a GGUF target is converted per dtype, so its converted files differ between dtypes)."""
+    """What to compare with the manifest's target: the config; the weight files for an HF directory (a GGUF
+    target is converted per dtype, so its converted files differ between dtypes); the tokenizer when the
+    target directory has one."""
     ident = head.identity()
     if str(head.path).startswith("testbed:") or str(head.path).endswith(".gguf"):
         ident.pop("weights_hash", None)
+    if any((Path(head.model_dir) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+        from transformers import AutoTokenizer
+
+        from dflashkit.extract.chat import tokenizer_hash
+
+        ident["tokenizer_hash"] = tokenizer_hash(AutoTokenizer.from_pretrained(head.model_dir))
     return ident
 
 
@@ -164,7 +171,9 @@ def train(cfg: TrainConfig) -> dict:
     planned = cfg.epochs * spe
     total_steps = min(planned, cfg.max_steps) if cfg.max_steps else planned
     warmup = int(round(cfg.warmup_ratio * total_steps))
-    say(f"dflashkit train: {len(train_idx)} training / {len(eval_idx)} held-out samples, {world} process(es) x "
+    backend_name = str(accelerator.distributed_type).split(".")[-1]
+    say(f"dflashkit train ({backend_name}, {accelerator.device.type}): {len(train_idx)} training / {len(eval_idx)} "
+        f"held-out samples, {world} process(es) x "
         f"{G} micro-batches = {world * G} sequences per step, {spe} steps per epoch, {cfg.epochs} epochs = "
         f"{planned} steps")
     if total_steps < planned:
@@ -175,9 +184,14 @@ def train(cfg: TrainConfig) -> dict:
     optimizer = torch.optim.AdamW(_param_groups(model, cfg.weight_decay), lr=cfg.lr,
                                   betas=tuple(cfg.adam_betas), eps=cfg.adam_eps)
     model, optimizer = accelerator.prepare(model, optimizer)
-    if cfg.compile:
-        model.compile()
-    backend = mask_backend(cfg.attention, accelerator.device, cfg.compile)
+    if cfg.compile:  # per decoder layer: the fastest form measured (BENCHMARKS.md), shapes left dynamic
+        import torch._dynamo as dynamo
+
+        dynamo.config.cache_size_limit = max(dynamo.config.cache_size_limit, 64)
+        for layer in accelerator.unwrap_model(model).layers:
+            layer.compile()
+    backend = mask_backend(cfg.attention, accelerator.device)
+    say(f"attention mask: {backend}{' (compiled drafter layers)' if cfg.compile else ''}")
     common = dict(block_size=dcfg.block_size, layer_types=dcfg.layer_types, sliding_window=dcfg.sliding_window,
                   backend=backend, chunk_tokens=cfg.loss_chunk_tokens)
 

@@ -1,0 +1,110 @@
+"""Verification step vs autoregressive step of a target, in the same harness (CUDA).
+
+    python bench/bench_verify_step.py --target random:qwen3-1b --prefix 1024 --nodes 16 32 64 128 --out verify.json
+    python bench/bench_verify_step.py --target random:smollm2-135m --out verify_testbed_shape.json
+    python bench/bench_verify_step.py --target /root/testbed/smollm2-bf16 --out verify_testbed.json
+
+The target runs through dflashkit's TargetVerifier (its own KV cache, tree attention). After a prefill of
+--prefix tokens, one forward over a best-first tree of N nodes (N = 1 is the AR step) is timed twice: eagerly
+(Python and launch overhead included, as a plain decode loop sees it) and as a replayed CUDA graph (the GPU's
+own time). verify/AR = time(N nodes) / time(1 node). Random-weight presets have the shapes of real models;
+timing does not depend on the weights. Prints a table and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+PRESETS = {
+    # ~1B parameters in the decoder (plus embeddings): Qwen3 attention shapes (16 q heads, 8 kv heads, d 128)
+    "random:qwen3-1b": ("Qwen3Config", dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=20,
+                                            num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                                            vocab_size=151936, tie_word_embeddings=False)),
+    # the testbed's architecture (SmolLM2-135M: Llama, 30 layers, hidden 576, 9/3 heads, d 64)
+    "random:smollm2-135m": ("LlamaConfig", dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                                                num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+                                                vocab_size=49152, tie_word_embeddings=True)),
+}
+
+
+def load_model(spec: str, dtype):
+    import transformers
+
+    if spec in PRESETS:
+        name, fields = PRESETS[spec]
+        config = getattr(transformers, name)(**fields, max_position_embeddings=65536)
+        with torch.device("cuda"):
+            model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    else:
+        model = transformers.AutoModelForCausalLM.from_pretrained(spec, dtype=dtype).cuda()
+    return model.eval()
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--target", default="random:qwen3-1b", help=f"{', '.join(PRESETS)} or an HF model dir")
+    parser.add_argument("--prefix", type=int, nargs="+", default=[1024])
+    parser.add_argument("--nodes", type=int, nargs="+", default=[16, 32, 64, 128])
+    parser.add_argument("--backend", default="auto", choices=["auto", "triton", "torch"])
+    parser.add_argument("--out", default="bench_verify_step.json")
+    args = parser.parse_args(argv)
+    from triton.testing import do_bench
+
+    from dflashkit.drafter import default_target_layer_ids
+    from dflashkit.eval.tree import build_tree
+    from dflashkit.eval.verifier import TargetVerifier
+
+    model = load_model(args.target, torch.bfloat16)
+    layers = model.config.num_hidden_layers
+    rows = []
+    print(f"target {args.target} ({sum(p.numel() for p in model.parameters()) / 1e9:.2f}B params), "
+          f"backend {args.backend}")
+    print(f"{'prefix':>6} {'nodes':>5} | {'eager ms':>8} {'graph ms':>8} | {'eager/AR':>8} {'graph/AR':>8}")
+    for prefix in args.prefix:
+        verifier = TargetVerifier(model, default_target_layer_ids(layers, 5), max_len=prefix + max(args.nodes) + 8,
+                                  backend=args.backend)
+        prompt = torch.randint(0, model.config.vocab_size, (prefix,), device="cuda")
+        verifier.forward(prompt, last_logits_only=True)
+        verifier.commit(list(range(prefix)))
+        base = {}
+        for n in [1, *args.nodes]:
+            tree = build_tree(0, torch.randn(15, 1000), budget=n, top_k=8)
+            tokens, parents, depths = (t.cuda() for t in tree.tensors("cpu"))
+            depth = max(tree.depths)
+            step = lambda: verifier.forward(tokens, parents, depths, max_depth=depth)  # noqa: E731 (no commit)
+            for _ in range(3):
+                step()
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(20):
+                step()
+            torch.cuda.synchronize()
+            eager = (time.perf_counter() - start) / 20 * 1e3
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                step()
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                step()
+            replay = do_bench(graph.replay, warmup=10, rep=100)
+            if n == 1:
+                base = {"eager": eager, "graph": replay}
+            row = {"target": args.target, "prefix": prefix, "nodes": n, "eager_ms": eager, "graph_ms": replay,
+                   "eager_over_ar": eager / base["eager"], "graph_over_ar": replay / base["graph"]}
+            rows.append(row)
+            print(f"{prefix:6d} {n:5d} | {eager:8.3f} {replay:8.3f} | {row['eager_over_ar']:8.2f} "
+                  f"{row['graph_over_ar']:8.2f}")
+        verifier.close()
+    with open(args.out, "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=2)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

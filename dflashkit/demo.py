@@ -1,0 +1,140 @@
+"""`dflashkit demo`: the whole pipeline on the SmolLM2-135M-Instruct testbed, one stage after another.
+
+    make demo                                   # CPU, --scale small: about a quarter of an hour on 2 cores
+    dflashkit demo --device cuda --scale full   # one GPU: a few thousand conversations, a useful drafter
+
+Stages (each writes into the run directory; a finished stage leaves ``stages/<name>.json`` with its command
+and wall time, and running the demo again resumes after the last finished stage):
+
+    regenerate  ShareGPT prompts answered by the target itself       -> regen.jsonl
+    extract     target-layer features of those conversations          -> shards/
+    train       the drafter, exported at the end                       -> train/ , drafter/
+    eval-chain  live speculative decoding on MT-bench, chain          -> eval-chain/report.md
+    eval-tree   the same prompts with tree verification               -> eval-tree/report.md
+
+Every stage is the same command a user runs by hand (printed before it runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import time
+from pathlib import Path
+
+TARGET = "testbed:smollm2"
+MASK_TOKEN_ID = 16  # SmolLM2's reserved <empty_output>: its tokenizer has no mask token and no spare rows
+RECIPES = Path(__file__).resolve().parent.parent / "recipes"
+
+# What each scale runs. small: the CPU check of `make demo`; full: the GPU testbed run of RESULTS.md.
+SCALES = {
+    "small": dict(train_prompts=160, regen_new_tokens=96, max_length=512, eval_prompts=6, eval_new_tokens=64,
+                  recipe="smollm2-135m-cpu.yaml", train_overrides=[], tree_budget=32, batch_size=16,
+                  eval_datasets=["builtin:mtbench"]),
+    "full": dict(train_prompts=4000, regen_new_tokens=512, max_length=2048, eval_prompts=0, eval_new_tokens=256,
+                 recipe="smollm2-135m.yaml", train_overrides=[], tree_budget=64, batch_size=128,
+                 eval_datasets=["builtin:mtbench", "builtin:humaneval"]),
+}
+
+
+def stage_commands(run: Path, scale: dict, device: str, loss: str | None) -> list[tuple[str, list[str]]]:
+    dev = ["--device", device]
+    dtype = ["--dtype", "float32" if device == "cpu" else "bfloat16"]
+    train_args = ["--recipe", str(RECIPES / scale["recipe"]), "--shards", str(run / "shards"),
+                  "--output-dir", str(run / "train"), f"export_dir={run / 'drafter'}",
+                  f"mask_token_id={MASK_TOKEN_ID}", f"max_length={scale['max_length']}",
+                  f"target={TARGET}", *scale["train_overrides"]]
+    if loss:
+        train_args += ["--loss", loss]
+    if device == "cpu":
+        train_args += ["mixed_precision=no"]
+    eval_common = ["--target", TARGET, "--drafter", str(run / "drafter"), "--dataset", *scale["eval_datasets"],
+                   "--max-new-tokens", str(scale["eval_new_tokens"]), *dev, *dtype]
+    if scale["eval_prompts"]:
+        eval_common += ["--num-prompts", str(scale["eval_prompts"])]
+    else:
+        eval_common += ["--num-prompts", "100000"]
+    return [
+        ("regenerate", ["regenerate", "--target", TARGET, "--data", "builtin:sharegpt", "--limit",
+                        str(scale["train_prompts"]), "--out", str(run / "regen.jsonl"), "--resume",
+                        "--max-new-tokens", str(scale["regen_new_tokens"]), "--batch-size", str(scale["batch_size"]),
+                        "--max-prompt-length", str(scale["max_length"] // 2), *dev, *dtype]),
+        ("extract", ["extract", "--target", TARGET, "--data", str(run / "regen.jsonl"), "--out", str(run / "shards"),
+                     "--num-taps", "5", "--max-length", str(scale["max_length"]), "--resume", *dev, *dtype]),
+        ("train", ["train", *train_args]),
+        ("eval-chain", ["eval", *eval_common, "--mode", "chain", "--out", str(run / "eval-chain")]),
+        ("eval-tree", ["eval", *eval_common, "--mode", "tree", "--tree-budget", str(scale["tree_budget"]),
+                       "--out", str(run / "eval-tree")]),
+    ]
+
+
+def summary(run: Path) -> str:
+    reports = {}
+    for mode in ("chain", "tree"):
+        f = run / f"eval-{mode}" / "report.json"
+        if f.is_file():
+            reports[mode] = json.loads(f.read_text())
+    if not reports:
+        return "no evaluation report yet"
+    lines = ["| mode | τ | rounds | speedup | verify ÷ AR step | per-position acceptance (k = 1, 2, 3, ...) |",
+             "|---|---|---|---|---|---|"]
+    for mode, rep in reports.items():
+        o = rep["overall"]
+        per_pos = " ".join(f"{p:.2f}" for p in o.get("per_position_acceptance", [])[:8])
+        lines.append(f"| {mode} | {o['tau']:.2f} | {o.get('rounds', '-')} | {_num(o.get('speedup'))} "
+                     f"| {_num(o.get('verify_over_ar_step'))} | {per_pos} |")
+    lines.append("")
+    for mode in reports:
+        d = run / f"eval-{mode}"
+        plots = ", ".join(sorted(p.name for p in d.glob("*.png")))
+        lines.append(f"{mode}: {d / 'report.md'}  (plots: {plots})")
+    return "\n".join(lines)
+
+
+def _num(x) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="dflashkit demo", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--run-dir", default="runs/demo", help="where every stage writes (default runs/demo)")
+    ap.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    ap.add_argument("--scale", choices=sorted(SCALES), default="small", help="small: CPU check; full: GPU run")
+    ap.add_argument("--loss", choices=["ce", "dpace", "kl"], default=None, help="training objective (recipe default)")
+    ap.add_argument("--restart", action="store_true", help="forget finished stages and run all again")
+    args = ap.parse_args(argv)
+
+    from dflashkit.cli import main as dflashkit
+
+    run = Path(args.run_dir)
+    stages_dir = run / "stages"
+    stages_dir.mkdir(parents=True, exist_ok=True)
+    if args.restart:
+        for f in stages_dir.glob("*.json"):
+            f.unlink()
+    timings = {}
+    for name, cmd in stage_commands(run, SCALES[args.scale], args.device, args.loss):
+        done = stages_dir / f"{name}.json"
+        if done.is_file():
+            timings[name] = json.loads(done.read_text())["seconds"]
+            print(f"[demo] {name}: done already ({timings[name]:.0f} s), skipping")
+            continue
+        print(f"\n[demo] {name}: dflashkit {shlex.join(cmd)}", flush=True)
+        start = time.perf_counter()
+        rc = dflashkit(cmd)
+        if rc:
+            print(f"[demo] stage {name} failed (exit {rc}); fix the cause and run the demo again: "
+                  f"finished stages are kept", file=sys.stderr)
+            return rc
+        timings[name] = time.perf_counter() - start
+        done.write_text(json.dumps({"command": ["dflashkit", *cmd], "seconds": timings[name]}, indent=1) + "\n")
+    print("\n[demo] stage wall times: " + ", ".join(f"{k} {v:.0f} s" for k, v in timings.items()))
+    print(summary(run))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,73 @@
+"""Evaluation prompts: the opening user turn of each record, rendered with the target's chat template.
+
+Design choices:
+- Records come from dflashkit.extract.sources (builtin:mtbench, builtin:humaneval, builtin:sharegpt, .jsonl /
+  .json / .parquet files), so eval and extraction read data the same way.
+- A prompt is everything up to and including the first user turn (system turns before it kept); answers in
+  the record are dropped: the target writes its own. MT-bench contributes its first turn.
+- Records with only "text" (or "prompt") are used as a single user turn.
+- The chat template is applied with add_generation_prompt=True; a tokenizer without one gets the raw text.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ROLES = {"user": "user", "human": "user", "system": "system", "assistant": "assistant", "gpt": "assistant",
+         "model": "assistant"}
+
+
+@dataclass
+class Prompt:
+    dataset: str  # the --dataset spec it came from
+    id: str  # record id (or file:line)
+    messages: list[dict]  # the conversation up to the first user turn
+    input_ids: list[int]  # rendered and tokenized
+
+
+def opening_turns(record: dict, where: str) -> list[dict]:
+    """System turns and the first user turn of a record."""
+    if "messages" in record or "conversations" in record:
+        raw = record.get("messages", record.get("conversations"))
+        role_key, text_key = ("role", "content") if "messages" in record else ("from", "value")
+        messages = []
+        for message in raw if isinstance(raw, list) else []:
+            role = ROLES.get(str(message.get(role_key, "")).lower())
+            if role in ("system", "user"):  # assistant turns before the first user turn are skipped
+                messages.append({"role": role, "content": str(message.get(text_key, ""))})
+                if role == "user":
+                    return messages
+        field = "messages" if "messages" in record else "conversations"
+        raise ValueError(f"{where}: the record has no user turn in its {field!r}")
+    for key in ("prompt", "text", "question"):
+        if isinstance(record.get(key), str):
+            return [{"role": "user", "content": record[key]}]
+    raise ValueError(f"{where}: no 'messages', 'conversations', 'prompt' or 'text' field to take a prompt from")
+
+
+def render(tokenizer, messages: list[dict]) -> list[int]:
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return tokenizer("\n\n".join(m["content"] for m in messages))["input_ids"]
+
+
+def load_prompts(spec: str, tokenizer, num_prompts: int | None = None, max_prompt_tokens: int | None = None
+                 ) -> list[Prompt]:
+    """The first num_prompts usable prompts of a dataset spec (bad records are skipped)."""
+    from dflashkit.extract.sources import iter_records
+
+    prompts = []
+    for item in iter_records(spec):
+        if num_prompts is not None and len(prompts) >= num_prompts:
+            break
+        if item.record is None:
+            continue
+        messages = opening_turns(item.record, item.where)
+        ids = render(tokenizer, messages)
+        if max_prompt_tokens is not None:
+            ids = ids[-max_prompt_tokens:]
+        prompts.append(Prompt(spec, str(item.record.get("id", item.where)), messages, ids))
+    if not prompts:
+        raise ValueError(f"{spec}: no usable prompt found")
+    return prompts

@@ -1,0 +1,197 @@
+"""Metrics of an evaluation run, and the files that hold them: report.json, report.md, PNG plots.
+
+Design choices:
+- Names follow DESIGN.md: tau = mean over verification rounds of tokens produced (accepted drafts + bonus);
+  per-position acceptance = fraction of rounds whose draft position k was accepted; speedup = AR wall time /
+  speculative wall time over the same prompts in the same harness (prefill included in both).
+- verify_over_ar_step = mean target forward of a speculative round / mean autoregressive step: the cost of
+  checking N nodes instead of one token, independent of Python overhead elsewhere.
+- The lossless check compares speculative and autoregressive tokens per prompt (greedy runs): match rate and
+  the first divergence; in fp32 they must be equal, in bf16 a late divergence is expected.
+- matplotlib is imported only when plots are written, with the Agg backend (no display needed).
+- `compare_reports` reads several report.json files and writes one side-by-side table (and a tau plot).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .engine import GenerationResult
+
+
+def _mean(values) -> float:
+    values = list(values)
+    return sum(values) / len(values) if values else 0.0
+
+
+def summarize(spec: list[GenerationResult], ar: list[GenerationResult] | None, block_size: int,
+              greedy: bool) -> dict:
+    """Numbers for one dataset (or all of them): spec and ar are per-prompt results in the same order."""
+    lengths = [n for r in spec for n in r.acceptance_lengths]
+    accepted = [n for r in spec for n in r.accepted_drafts]
+    rounds = len(lengths)
+    histogram = {str(k): sum(1 for n in lengths if n == k) for k in range(1, max(lengths, default=1) + 1)}
+    spec_tokens = sum(len(r.tokens) for r in spec)
+    spec_wall = sum(r.prefill_s + r.decode_s for r in spec)
+    out = {
+        "prompts": len(spec),
+        "tau": _mean(lengths),
+        "rounds": rounds,
+        "acceptance_histogram": histogram,
+        "per_position_acceptance": [_mean(a >= k for a in accepted) for k in range(1, block_size)],
+        "mean_nodes_per_round": _mean(n for r in spec for n in r.nodes_per_round),
+        "new_tokens": spec_tokens,
+        "spec_tokens_per_s": spec_tokens / spec_wall if spec_wall else 0.0,
+        "spec_decode_tokens_per_s": sum(len(r.tokens) - 1 for r in spec) / max(sum(r.decode_s for r in spec), 1e-12),
+        "draft_ms_per_round": 1e3 * sum(r.draft_s for r in spec) / max(rounds, 1),
+        "verify_ms_per_round": 1e3 * sum(r.verify_s for r in spec) / max(rounds, 1),
+    }
+    if ar:
+        ar_tokens = sum(len(r.tokens) for r in ar)
+        ar_wall = sum(r.prefill_s + r.decode_s for r in ar)
+        ar_steps = sum(len(r.tokens) - 1 for r in ar)
+        ar_step_ms = 1e3 * sum(r.decode_s for r in ar) / max(ar_steps, 1)
+        out.update({
+            "ar_tokens_per_s": ar_tokens / ar_wall if ar_wall else 0.0,
+            "ar_step_ms": ar_step_ms,
+            "speedup": ar_wall / spec_wall if spec_wall else 0.0,
+            "verify_over_ar_step": out["verify_ms_per_round"] / ar_step_ms if ar_step_ms else 0.0,
+        })
+        if greedy:
+            divergences = [next((i for i, (a, b) in enumerate(zip(s.tokens, a.tokens)) if a != b),
+                                None if len(s.tokens) == len(a.tokens) else min(len(s.tokens), len(a.tokens)))
+                           for s, a in zip(spec, ar)]
+            first = [d for d in divergences if d is not None]
+            out["lossless"] = {"match_rate": _mean(d is None for d in divergences),
+                               "first_divergence": min(first) if first else None,
+                               "divergence_per_prompt": divergences}
+    return out
+
+
+def _table(rows: list[list], header: list[str]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(_fmt(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _fmt(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.3f}"
+    return "—" if value is None else str(value)
+
+
+SUMMARY_FIELDS = [("tau", "τ"), ("rounds", "rounds"), ("mean_nodes_per_round", "nodes/round"),
+                  ("spec_tokens_per_s", "spec tok/s"), ("ar_tokens_per_s", "AR tok/s"), ("speedup", "speedup"),
+                  ("verify_ms_per_round", "verify ms"), ("ar_step_ms", "AR step ms"),
+                  ("verify_over_ar_step", "verify/AR step")]
+
+
+def render_markdown(report: dict) -> str:
+    args = report["args"]
+    parts = [f"# Acceptance report: {args.get('mode')} mode",
+             f"target `{report['target'].get('path')}`, drafter `{report['drafter'].get('path')}`, "
+             f"temperature {args.get('temperature')}, block size {report['block_size']}, "
+             f"{args.get('max_new_tokens')} new tokens per prompt, device {report['versions'].get('device')}", ""]
+    names = list(report["datasets"]) + ["all"]
+    rows = [[name] + [(report["datasets"].get(name) or report["overall"]).get(f) for f, _ in SUMMARY_FIELDS]
+            for name in names]
+    parts += ["## Summary", _table(rows, ["dataset"] + [h for _, h in SUMMARY_FIELDS]), ""]
+    overall = report["overall"]
+    parts += ["## Accepted length per round (histogram)",
+              _table([[k, v] for k, v in overall["acceptance_histogram"].items()], ["tokens", "rounds"]), "",
+              "## Per-position acceptance",
+              _table([[k + 1, v] for k, v in enumerate(overall["per_position_acceptance"])],
+                     ["draft position", "accepted"]), ""]
+    if "lossless" in overall:
+        lossless = overall["lossless"]
+        parts += ["## Lossless check (greedy: speculative vs autoregressive tokens)",
+                  f"match rate {lossless['match_rate']:.3f}, first divergence at token "
+                  f"{_fmt(lossless['first_divergence'])}", ""]
+    return "\n".join(parts)
+
+
+def write_plots(report: dict, out_dir: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    overall, written = report["overall"], []
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    histogram = overall["acceptance_histogram"]
+    ax.bar([int(k) for k in histogram], list(histogram.values()))
+    ax.set(xlabel="tokens produced per round", ylabel="rounds", title=f"τ = {overall['tau']:.2f}")
+    written.append(_save(fig, out_dir / "acceptance_histogram.png"))
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    for name, numbers in report["datasets"].items():
+        curve = numbers["per_position_acceptance"]
+        ax.plot(range(1, len(curve) + 1), curve, marker="o", label=name)
+    ax.set(xlabel="draft position", ylabel="fraction of rounds accepted", ylim=(0, 1.02))
+    ax.legend(fontsize=7)
+    written.append(_save(fig, out_dir / "per_position_acceptance.png"))
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    ax.bar(list(report["datasets"]), [d["tau"] for d in report["datasets"].values()])
+    ax.set(ylabel="τ", title="τ per dataset")
+    written.append(_save(fig, out_dir / "tau_per_dataset.png"))
+    return written
+
+
+def _save(fig, path: Path) -> str:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return path.name
+
+
+def write_report(report: dict, out_dir: str | Path, plots: bool = True) -> Path:
+    """report.json, report.md and the plots in out_dir."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if plots:
+        report["plots"] = write_plots(report, out)
+    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / "report.md").write_text(render_markdown(report) + "\n")
+    return out
+
+
+def read_report(path: str | Path) -> dict:
+    path = Path(path)
+    file = path / "report.json" if path.is_dir() else path
+    if not file.exists():
+        raise ValueError(f"{file}: no report.json here; give directories written by `dflashkit eval --out DIR`")
+    return json.loads(file.read_text())
+
+
+def compare_reports(paths: list[str], out_dir: str | Path | None = None) -> str:
+    """A markdown table of several reports side by side (and tau_compare.png in out_dir)."""
+    reports = [read_report(p) for p in paths]
+    datasets = sorted({name for r in reports for name in r["datasets"]})
+    header = ["report", "mode", "budget"] + [f"τ {d}" for d in datasets] + ["τ all", "speedup", "verify/AR step"]
+    rows = []
+    for path, r in zip(paths, reports):
+        rows.append([path, r["args"].get("mode"), r["args"].get("tree_budget") if r["args"].get("mode") == "tree"
+                     else r["block_size"]] + [r["datasets"].get(d, {}).get("tau") for d in datasets]
+                    + [r["overall"]["tau"], r["overall"].get("speedup"), r["overall"].get("verify_over_ar_step")])
+    text = "# Comparison\n\n" + _table(rows, header) + "\n"
+    if out_dir is not None:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "compare.md").write_text(text)
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 3.2))
+        width = 0.8 / len(reports)
+        for i, (path, r) in enumerate(zip(paths, reports)):
+            ax.bar([j + i * width for j in range(len(datasets))],
+                   [r["datasets"].get(d, {}).get("tau", 0.0) for d in datasets], width, label=Path(path).name)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(datasets))], datasets)
+        ax.set(ylabel="τ")
+        ax.legend(fontsize=7)
+        _save(fig, out / "tau_compare.png")
+    return text

@@ -1,0 +1,217 @@
+"""Serving benchmark: sweep concurrency against an OpenAI-compatible server (vLLM, SGLang) and read its tau.
+
+Design choices:
+- Requests are streamed chat completions (`stream: true`, usage requested), so time to first token is the time
+  to the first chunk carrying text, and output tokens come from the usage block (or, without one, the count of
+  content chunks). Each level sends the same prompts with `concurrency` requests in flight.
+- Per level: successes and failures (HTTP errors, timeouts, broken streams; the first few messages kept),
+  aggregate output tok/s (all tokens / wall time of the level), per-request tok/s (tokens / time after the
+  first token), TTFT and latency percentiles.
+- tau comes from the server's Prometheus /metrics where it exposes one, read before and after each level:
+  vLLM's counters give tau = 1 + delta(accepted tokens) / delta(drafts) for exactly this level's requests;
+  SGLang's gauge `sglang:spec_accept_length` (a recent average) is read after the level.
+- Only the standard library talks HTTP (urllib), so this runs where nothing else is installed.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+VLLM_DRAFTS = "vllm:spec_decode_num_drafts_total"
+VLLM_ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
+VLLM_DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens_total"
+SGLANG_ACCEPT_LENGTH = "sglang:spec_accept_length"
+
+
+@dataclass
+class RequestResult:
+    ok: bool  # a complete stream with at least one token
+    output_tokens: int = 0  # from usage, else the number of content chunks
+    ttft_s: float | None = None  # time to the first chunk with text
+    latency_s: float = 0.0  # time to the end of the stream
+    error: str | None = None  # why it failed
+
+
+def parse_prometheus(text: str) -> dict[str, float]:
+    """Metric name -> value summed over its label sets (text exposition format); gauges of averages
+    (sglang:spec_accept_length, one per rank) are averaged instead."""
+    sums: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        if "{" in line:
+            name, rest = line[:line.index("{")], line[line.rindex("}") + 1:]
+        else:
+            name, _, rest = line.partition(" ")
+        try:
+            value = float(rest.split()[0])
+        except (ValueError, IndexError):
+            continue
+        sums[name] = sums.get(name, 0.0) + value
+        counts[name] = counts.get(name, 0) + 1
+    if SGLANG_ACCEPT_LENGTH in sums:
+        sums[SGLANG_ACCEPT_LENGTH] /= counts[SGLANG_ACCEPT_LENGTH]
+    return sums
+
+
+def read_metrics(base_url: str, timeout: float = 10.0) -> dict[str, float] | None:
+    try:
+        with urllib.request.urlopen(base_url.rstrip("/") + "/metrics", timeout=timeout) as response:
+            return parse_prometheus(response.read().decode("utf-8", "replace"))
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
+
+
+def tau_from_metrics(before: dict | None, after: dict | None) -> tuple[float | None, str | None]:
+    """(tau, where it came from) or (None, None) when the server exposes no speculative metrics."""
+    if before and after and VLLM_DRAFTS in after:
+        drafts = after[VLLM_DRAFTS] - before.get(VLLM_DRAFTS, 0.0)
+        if drafts > 0:
+            return 1.0 + (after.get(VLLM_ACCEPTED, 0.0) - before.get(VLLM_ACCEPTED, 0.0)) / drafts, VLLM_ACCEPTED
+    if after and SGLANG_ACCEPT_LENGTH in after:
+        return after[SGLANG_ACCEPT_LENGTH], SGLANG_ACCEPT_LENGTH
+    return None, None
+
+
+def list_models(base_url: str, timeout: float = 10.0) -> list[str]:
+    with urllib.request.urlopen(base_url.rstrip("/") + "/v1/models", timeout=timeout) as response:
+        return [m["id"] for m in json.loads(response.read())["data"]]
+
+
+def stream_chat(base_url: str, model: str, messages: list[dict], max_tokens: int, temperature: float,
+                timeout: float) -> RequestResult:
+    body = json.dumps({"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": temperature,
+                       "stream": True, "stream_options": {"include_usage": True}}).encode()
+    request = urllib.request.Request(base_url.rstrip("/") + "/v1/chat/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+    start = time.perf_counter()
+    result = RequestResult(ok=False)
+    chunks, usage_tokens = 0, None
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            for raw in response:
+                line = raw.decode("utf-8", "replace").strip()
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                event = json.loads(data)
+                if event.get("usage"):
+                    usage_tokens = event["usage"].get("completion_tokens")
+                for choice in event.get("choices", []):
+                    if (choice.get("delta") or {}).get("content"):
+                        chunks += 1
+                        if result.ttft_s is None:
+                            result.ttft_s = time.perf_counter() - start
+    except urllib.error.HTTPError as error:
+        result.error = f"HTTP {error.code}: {error.read()[:200].decode('utf-8', 'replace')}"
+    except (urllib.error.URLError, OSError, ValueError) as error:
+        result.error = f"{type(error).__name__}: {error}"
+    result.latency_s = time.perf_counter() - start
+    result.output_tokens = usage_tokens if usage_tokens is not None else chunks
+    if result.error is None:
+        result.ok = result.output_tokens > 0
+        if not result.ok:
+            result.error = "the stream carried no tokens"
+    return result
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
+
+
+def run_level(base_url: str, model: str, conversations: list[list[dict]], concurrency: int, max_tokens: int,
+              temperature: float, timeout: float) -> dict:
+    before = read_metrics(base_url)
+    start = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+        results = list(pool.map(lambda m: stream_chat(base_url, model, m, max_tokens, temperature, timeout),
+                                conversations))
+    wall = time.perf_counter() - start
+    tau, tau_source = tau_from_metrics(before, read_metrics(base_url))
+    good = [r for r in results if r.ok]
+    ttfts = [r.ttft_s for r in good if r.ttft_s is not None]
+    per_request = [(r.output_tokens - 1) / (r.latency_s - r.ttft_s) for r in good
+                   if r.ttft_s is not None and r.output_tokens > 1 and r.latency_s > r.ttft_s]
+    return {
+        "concurrency": concurrency, "requests": len(results), "successes": len(good),
+        "failures": len(results) - len(good), "errors": [r.error for r in results if not r.ok][:5],
+        "wall_s": wall, "output_tokens": sum(r.output_tokens for r in good),
+        "aggregate_tokens_per_s": sum(r.output_tokens for r in good) / wall if wall else 0.0,
+        "per_request_tokens_per_s": statistics.mean(per_request) if per_request else None,
+        "ttft_mean_s": statistics.mean(ttfts) if ttfts else None, "ttft_p50_s": _percentile(ttfts, 0.5),
+        "ttft_p99_s": _percentile(ttfts, 0.99),
+        "latency_mean_s": statistics.mean(r.latency_s for r in good) if good else None,
+        "tau": tau, "tau_source": tau_source,
+    }
+
+
+def sweep(base_url: str, conversations: list[list[dict]], levels: list[int], max_tokens: int,
+          temperature: float = 0.0, model: str | None = None, timeout: float = 300.0, progress=None) -> dict:
+    model = model or list_models(base_url)[0]
+    out = {"server": base_url, "model": model, "max_tokens": max_tokens, "temperature": temperature,
+           "prompts": len(conversations), "levels": []}
+    for level in levels:
+        out["levels"].append(run_level(base_url, model, conversations, level, max_tokens, temperature, timeout))
+        if progress is not None:
+            progress(out["levels"][-1])
+    return out
+
+
+def render_markdown(result: dict) -> str:
+    header = ["concurrency", "ok", "failed", "aggregate tok/s", "per-request tok/s", "TTFT p50 s", "TTFT p99 s",
+              "τ"]
+    lines = [f"# Serving sweep: {result['model']} at {result['server']}",
+             f"{result['prompts']} prompts per level, max_tokens {result['max_tokens']}, "
+             f"temperature {result['temperature']}", "",
+             "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for level in result["levels"]:
+        cells = [level["concurrency"], level["successes"], level["failures"], level["aggregate_tokens_per_s"],
+                 level["per_request_tokens_per_s"], level["ttft_p50_s"], level["ttft_p99_s"], level["tau"]]
+        lines.append("| " + " | ".join("—" if c is None else f"{c:.3f}" if isinstance(c, float) else str(c)
+                                       for c in cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def run_sweep(args) -> dict:
+    """`dflashkit eval --server URL`: prompts from --dataset, results in --out (serving.json, serving.md)."""
+    from dflashkit.extract.sources import iter_records
+
+    from .prompts import opening_turns
+
+    conversations = []
+    for spec in args.dataset:
+        taken = 0
+        for item in iter_records(spec):
+            if taken >= args.num_prompts:
+                break
+            if item.record is not None:
+                conversations.append(opening_turns(item.record, item.where))
+                taken += 1
+    result = sweep(args.server, conversations, args.concurrency, args.max_new_tokens, args.temperature,
+                   args.model, args.timeout,
+                   progress=lambda level: print(f"concurrency {level['concurrency']}: {level['successes']} ok, "
+                                                f"{level['failures']} failed, "
+                                                f"{level['aggregate_tokens_per_s']:.1f} tok/s, tau {level['tau']}"))
+    result["created"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "serving.json").write_text(json.dumps(result, indent=2) + "\n")
+        (out / "serving.md").write_text(render_markdown(result))
+    print(render_markdown(result))
+    return result
+

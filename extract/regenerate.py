@@ -1,0 +1,330 @@
+"""``dflashkit regenerate``: rewrite every assistant turn with the target's own answer.
+
+A drafter learns to predict what the target says; answers written by another model teach it the wrong thing.
+
+CPU (testbed, a few prompts):
+    python -m dflashkit.extract.regenerate --target testbed:smollm2 --data builtin:mtbench --limit 4 \\
+        --max-new-tokens 64 --out runs/mtbench-smollm2.jsonl
+One GPU, sampled:
+    dflashkit regenerate --target /models/Qwen3-8B --data chats.jsonl --out regen.jsonl --temperature 0.6 --top-p 0.95
+A running vLLM / SGLang server (OpenAI-compatible), 32 requests in flight:
+    dflashkit regenerate --server http://localhost:8000/v1 --model Qwen/Qwen3-8B --data chats.jsonl --out regen.jsonl \\
+        --concurrency 32
+Then extract from the output: ``dflashkit extract --data regen.jsonl ...``.
+
+Design choices:
+- System and user turns are kept; every user turn gets the target's answer to the conversation so far (its own
+  earlier answers included), so multi-turn data and prompt-only data (MT-bench) are treated alike.
+- Hugging Face generation runs conversations in batches (left padding), turn by turn, greedy or sampled; it
+  stops at the template's end-of-turn token and the tokenizer's eos. A server gets one request per turn, several
+  conversations in flight; its ``reasoning_content`` (thinking models) is kept as a ``<think>`` block.
+- Output is JSONL in the input's order: {"index", "source", "messages"} plus how it was generated. A run killed
+  at any point continues with --resume: finished conversations are skipped, a cut last line is dropped.
+  Greedy output is the same either way; sampled output is seeded per conversation (--seed + index) on a server,
+  per batch with Hugging Face.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from .chat import BadSample, ChatConfig, end_of_turn_token, normalize_record, render
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dflashkit regenerate", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = p.add_argument_group("generator (one of)")
+    g.add_argument("--target", help="HF model dir, .gguf file, or testbed:smollm2 (Hugging Face generation)")
+    g.add_argument("--server", help="base URL of an OpenAI-compatible server, e.g. http://localhost:8000/v1")
+    g.add_argument("--model", help="model name to send to the server")
+    g.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY", ""), help="bearer token for the server")
+    g = p.add_argument_group("data")
+    g.add_argument("--data", action="append", required=True, help="as for `dflashkit extract`; repeatable")
+    g.add_argument("--split", default=None, help="split of a saved DatasetDict")
+    g.add_argument("--limit", type=int, default=None, help="only the first N records")
+    g.add_argument("--out", required=True, help="output JSONL")
+    g.add_argument("--resume", action="store_true", help="continue a killed run into the same --out")
+    g.add_argument("--on-bad", choices=("skip", "fail"), default="skip", help="a bad record: skip it, or stop")
+    g = p.add_argument_group("generation")
+    g.add_argument("--max-new-tokens", type=int, default=1024, help="longest answer per turn")
+    g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    g.add_argument("--top-k", type=int, default=0, help="0: no top-k")
+    g.add_argument("--seed", type=int, default=0, help="sampling seed")
+    g.add_argument("--chat-template-kwargs", default="{}", help='JSON, e.g. \'{"enable_thinking": false}\'')
+    g.add_argument("--max-prompt-length", type=int, default=None, help="skip a turn whose prompt is longer")
+    g.add_argument("--batch-size", type=int, default=16, help="conversations per HF generate call")
+    g.add_argument("--concurrency", type=int, default=16, help="server requests in flight")
+    g.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None)
+    g.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    g.add_argument("--no-progress", action="store_true")
+    return p
+
+
+# ---------------------------------------------------------------- output file
+
+
+def done_indices(out: Path) -> set[int]:
+    """Indices already in the output; a cut last line (run killed while writing) is removed."""
+    if not out.exists():
+        return set()
+    data = out.read_bytes()
+    keep = data.rfind(b"\n") + 1
+    if keep < len(data):
+        with open(out, "r+b") as f:
+            f.truncate(keep)
+    return {json.loads(line)["index"] for line in data[:keep].splitlines() if line.strip()}
+
+
+# ---------------------------------------------------------------- generators
+
+
+class HFGenerator:
+    """Batched Hugging Face generation, turn by turn."""
+
+    def __init__(self, args, template_kwargs: dict):
+        from .target import load_target
+
+        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        dtype = getattr(torch, args.dtype or ("bfloat16" if device.startswith("cuda") else "float32"))
+        self.target = load_target(args.target, dtype=dtype, device=device)
+        self.tok = self.target.tokenizer
+        self.cfg = ChatConfig(template_kwargs=template_kwargs)
+        eot = end_of_turn_token(self.tok, self.cfg)
+        self.stop_ids = sorted({i for i in (self.tok.convert_tokens_to_ids(eot), self.tok.eos_token_id)
+                                if i is not None})
+        self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.stop_ids[0]
+        self.args, self.device = args, device
+        self.name = self.target.path
+
+    def answer(self, histories: list[list[dict]], seed: int) -> list[str | BadSample]:
+        """The target's next assistant turn for each history (a BadSample where the prompt cannot be made)."""
+        a = self.args
+        out: list[str | BadSample] = []
+        prompts = []
+        for h in histories:
+            try:
+                prompt = self.tok(render(self.tok, h, self.cfg, add_generation_prompt=True),
+                                  add_special_tokens=False)["input_ids"]
+                if a.max_prompt_length is not None and len(prompt) > a.max_prompt_length:
+                    raise BadSample("too_long", f"a prompt of {len(prompt)} tokens > --max-prompt-length "
+                                                f"{a.max_prompt_length}")
+                out.append("")
+            except BadSample as e:
+                prompt = None
+                out.append(e)
+            prompts.append(prompt)
+        live = [k for k, p in enumerate(prompts) if p is not None]
+        if not live:
+            return out
+        width = max(len(prompts[k]) for k in live)
+        ids = torch.full((len(live), width), self.pad_id, dtype=torch.long)
+        attn = torch.zeros_like(ids)
+        for row, k in enumerate(live):  # left padding: every prompt ends where generation starts
+            ids[row, width - len(prompts[k]):] = torch.tensor(prompts[k])
+            attn[row, width - len(prompts[k]):] = 1
+        sample = a.temperature > 0
+        kwargs = dict(do_sample=sample, temperature=a.temperature if sample else None,
+                      top_p=a.top_p if sample else None, top_k=(a.top_k or None) if sample else None)
+        torch.manual_seed(seed)
+        with torch.inference_mode():
+            gen = self.target.model.generate(input_ids=ids.to(self.device), attention_mask=attn.to(self.device),
+                                             max_new_tokens=a.max_new_tokens, eos_token_id=self.stop_ids,
+                                             pad_token_id=self.pad_id, **{k: v for k, v in kwargs.items()
+                                                                           if v is not None or k == "do_sample"})
+        for row, k in enumerate(live):
+            new = gen[row, width:].tolist()
+            cut = next((j for j, t in enumerate(new) if t in self.stop_ids), len(new))
+            out[k] = self.tok.decode(new[:cut], skip_special_tokens=True)
+        return out
+
+
+class ServerGenerator:
+    """One chat-completions request per turn to an OpenAI-compatible server (vLLM, SGLang, ...)."""
+
+    def __init__(self, args, template_kwargs: dict):
+        if not args.model:
+            raise ValueError("--server needs --model (the name the server serves the target under)")
+        self.url = args.server.rstrip("/") + "/chat/completions"
+        self.args, self.template_kwargs, self.name = args, template_kwargs, f"{args.server} {args.model}"
+
+    def _post(self, body: dict) -> dict:
+        headers = {"Content-Type": "application/json"}
+        if self.args.api_key:
+            headers["Authorization"] = f"Bearer {self.args.api_key}"
+        last = None
+        for attempt in range(4):
+            req = urllib.request.Request(self.url, data=json.dumps(body).encode(), headers=headers)
+            try:
+                with urllib.request.urlopen(req, timeout=600) as r:
+                    return json.loads(r.read())
+            except urllib.error.HTTPError as e:
+                last = f"HTTP {e.code}: {e.read()[:300].decode(errors='replace')}"
+                if e.code < 500 and e.code != 429:
+                    break
+            except (urllib.error.URLError, TimeoutError, ConnectionError) as e:
+                last = str(e)
+            time.sleep(2 ** attempt)
+        raise ValueError(f"{self.url}: {last}; check --server and --model (run again with --resume)")
+
+    def answer_one(self, history: list[dict], seed: int) -> str:
+        a = self.args
+        body = {"model": a.model, "messages": history, "max_tokens": a.max_new_tokens, "temperature": a.temperature,
+                "top_p": a.top_p, "seed": seed}
+        if a.top_k:
+            body["top_k"] = a.top_k
+        if self.template_kwargs:
+            body["chat_template_kwargs"] = self.template_kwargs
+        msg = self._post(body)["choices"][0]["message"]
+        content = msg.get("content") or ""
+        reasoning = msg.get("reasoning_content") or msg.get("reasoning")
+        return f"<think>\n{reasoning.strip()}\n</think>\n\n{content.lstrip()}" if reasoning else content
+
+
+# ---------------------------------------------------------------- conversations
+
+
+def _prompt_turns(record) -> list[dict]:
+    kind, messages, _ = normalize_record(record, require_assistant=False)
+    if kind != "chat" or not any(m["role"] == "user" for m in messages):
+        raise BadSample("no_user_turn", "regeneration needs a conversation with a user turn")
+    return [m for m in messages if m["role"] != "assistant"]
+
+
+def _regenerate_chunk(gen, chunk: list[tuple[int, list[dict]]], seed: int) -> list[list[dict] | BadSample]:
+    """Answer every user turn of each conversation (a BadSample for one that cannot be answered)."""
+    if isinstance(gen, ServerGenerator):
+        def one(idx_turns):
+            index, turns = idx_turns
+            history = []
+            for k, m in enumerate(turns):
+                history.append(m)
+                if m["role"] == "user":
+                    history.append({"role": "assistant", "content": gen.answer_one(history, seed + index)})
+            return history
+
+        def guarded(idx_turns):
+            try:
+                return one(idx_turns)
+            except BadSample as e:
+                return e
+
+        with ThreadPoolExecutor(gen.args.concurrency) as pool:
+            return list(pool.map(guarded, chunk))
+    histories: list = [[] for _ in chunk]
+    pos = [0] * len(chunk)
+    while True:
+        asking = []
+        for c, (_, turns) in enumerate(chunk):
+            if isinstance(histories[c], BadSample):
+                continue
+            while pos[c] < len(turns) and turns[pos[c]]["role"] != "user":
+                histories[c].append(turns[pos[c]])
+                pos[c] += 1
+            if pos[c] < len(turns):
+                histories[c].append(turns[pos[c]])
+                pos[c] += 1
+                asking.append(c)
+        if not asking:
+            return histories
+        answers = gen.answer([histories[c] for c in asking], seed + chunk[asking[0]][0])
+        for c, text in zip(asking, answers):
+            if isinstance(text, BadSample):
+                histories[c] = text
+            else:
+                histories[c].append({"role": "assistant", "content": text})
+
+
+def run(args) -> dict:
+    from .sources import iter_records
+
+    if bool(args.target) == bool(args.server):
+        raise ValueError("give either --target (Hugging Face generation) or --server (an OpenAI-compatible URL)")
+    out = Path(args.out)
+    if out.exists() and out.stat().st_size and not args.resume:
+        raise ValueError(f"{out} exists: add --resume to continue it, or pick another --out")
+    done = done_indices(out) if args.resume else set()
+    template_kwargs = json.loads(args.chat_template_kwargs)
+    gen = ServerGenerator(args, template_kwargs) if args.server else HFGenerator(args, template_kwargs)
+    meta = {"generator": gen.name, "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
+            "max_new_tokens": args.max_new_tokens, "chat_template_kwargs": template_kwargs}
+    chunk_size = args.concurrency * 4 if args.server else args.batch_size
+    counts = {"written": 0, "already_done": len(done), "skipped": {}}
+    bar = None
+    if not args.no_progress:
+        from tqdm import tqdm
+
+        bar = tqdm(unit="conversation", desc="regenerate", dynamic_ncols=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def skip(reason, where, detail):
+        if args.on_bad == "fail":
+            raise BadSample(reason, detail, where)
+        counts["skipped"][reason] = counts["skipped"].get(reason, 0) + 1
+
+    with open(out, "a", encoding="utf-8") as f:
+        chunk: list[tuple[int, list[dict], str]] = []
+
+        def flush():
+            results = _regenerate_chunk(gen, [(i, t) for i, t, _ in chunk], args.seed)
+            for (index, _, where), messages in zip(chunk, results):
+                if isinstance(messages, BadSample):
+                    skip(messages.reason, where, messages.detail)
+                    continue
+                f.write(json.dumps({"index": index, "source": where, "messages": messages, "meta": meta},
+                                   ensure_ascii=False) + "\n")
+                counts["written"] += 1
+            f.flush()
+            os.fsync(f.fileno())
+            if bar is not None:
+                bar.update(len(chunk))
+            chunk.clear()
+
+        for item in iter_records(args.data, args.split):
+            if args.limit is not None and item.index >= args.limit:
+                break
+            if item.index in done:
+                continue
+            try:
+                if item.bad is not None:
+                    raise BadSample(*item.bad)
+                chunk.append((item.index, _prompt_turns(item.record), item.where))
+            except BadSample as e:
+                skip(e.reason, item.where, e.detail)
+            if len(chunk) >= chunk_size:
+                flush()
+        if chunk:
+            flush()
+    if bar is not None:
+        bar.close()
+    print(f"regenerate: {counts['written']} conversations written ({counts['already_done']} already there), "
+          f"skipped {counts['skipped'] or 'none'}, to {out}", file=sys.stderr)
+    return counts
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        run(args)
+    except BadSample as e:
+        print(f"dflashkit regenerate: error: {e}\n  fix the record, or pass --on-bad skip", file=sys.stderr)
+        return 1
+    except (ValueError, FileNotFoundError) as e:
+        print(f"dflashkit regenerate: error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

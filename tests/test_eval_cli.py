@@ -1,0 +1,86 @@
+"""`dflashkit eval` end to end: a tiny random Llama saved with the testbed's tokenizer, a random drafter export,
+the built-in MT-bench and HumanEval prompts; then `--compare` of a chain and a tree report."""
+
+import json
+
+import pytest
+import torch
+import transformers as tf
+
+from dflashkit.drafter import DrafterConfig, build_drafter, save_drafter
+from dflashkit.eval.__main__ import main
+from dflashkit.eval.prompts import load_prompts
+from tests.test_eval_engine import one_thread  # noqa: F401 (fixture)
+
+NEW = 6
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    from dflashkit.extract.target import resolve_target_dir
+
+    root = tmp_path_factory.mktemp("eval_cli")
+    tokenizer = tf.AutoTokenizer.from_pretrained(resolve_target_dir("testbed:smollm2")[0])
+    torch.manual_seed(0)
+    config = tf.LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=2048,
+                            tie_word_embeddings=True)
+    tf.LlamaForCausalLM(config).save_pretrained(root / "target")
+    tokenizer.save_pretrained(root / "target")
+    drafter = build_drafter(DrafterConfig.for_target(config, num_hidden_layers=1, block_size=4, mask_token_id=0))
+    save_drafter(drafter, root / "drafter")
+    return root, tokenizer
+
+
+def _run(root, out, *extra):
+    return main(["--target", str(root / "target"), "--drafter", str(root / "drafter"), "--dataset",
+                 "builtin:mtbench", "builtin:humaneval", "--num-prompts", "2", "--max-new-tokens", str(NEW),
+                 "--no-stop", "--out", str(out), *extra])
+
+
+def test_eval_writes_a_complete_report_and_compares(pair, tmp_path, capsys):
+    root, tokenizer = pair
+    assert _run(root, tmp_path / "chain") == 0
+    assert _run(root, tmp_path / "tree", "--mode", "tree", "--tree-budget", "6", "--tree-top-k", "2") == 0
+    report = json.loads((tmp_path / "chain" / "report.json").read_text())
+    assert set(report["datasets"]) == {"builtin:mtbench", "builtin:humaneval"}
+    overall = report["overall"]
+    assert overall["prompts"] == 4 and overall["new_tokens"] == 4 * NEW
+    histogram = {int(k): v for k, v in overall["acceptance_histogram"].items()}
+    assert sum(histogram.values()) == overall["rounds"]
+    assert sum(k * v for k, v in histogram.items()) == 4 * (NEW - 1)  # every token after the prefill's
+    assert overall["tau"] == pytest.approx(4 * (NEW - 1) / overall["rounds"])
+    assert len(overall["per_position_acceptance"]) == 3 == report["block_size"] - 1
+    assert overall["lossless"]["match_rate"] == 1.0 and overall["lossless"]["first_divergence"] is None
+    assert overall["speedup"] > 0 and overall["verify_over_ar_step"] > 0
+    assert report["drafter"]["block_size"] == 4 and report["target"]["config_hash"]
+    assert report["args"]["mode"] == "chain" and report["versions"]["transformers"] == tf.__version__
+    for name in ("report.md", "acceptance_histogram.png", "per_position_acceptance.png", "tau_per_dataset.png"):
+        assert (tmp_path / "chain" / name).stat().st_size > 0
+    tree = json.loads((tmp_path / "tree" / "report.json").read_text())
+    assert 1 < tree["overall"]["mean_nodes_per_round"] <= 6 and tree["overall"]["lossless"]["match_rate"] == 1.0
+
+    capsys.readouterr()
+    assert main(["--compare", str(tmp_path / "chain"), str(tmp_path / "tree"), "--out", str(tmp_path / "cmp")]) == 0
+    table = capsys.readouterr().out
+    assert "| chain |" in table and "| tree |" in table and f"{overall['tau']:.3f}" in table
+    assert (tmp_path / "cmp" / "tau_compare.png").exists()
+
+
+def test_prompts_are_the_first_user_turn_in_the_chat_template(pair):
+    _, tokenizer = pair
+    prompts = load_prompts("builtin:mtbench", tokenizer, num_prompts=2)
+    assert len(prompts) == 2 and [m["role"] for m in prompts[0].messages] == ["user"]
+    expected = tokenizer.apply_chat_template(prompts[0].messages, tokenize=False, add_generation_prompt=True)
+    assert prompts[0].input_ids == tokenizer(expected, add_special_tokens=False)["input_ids"]
+    assert tokenizer.decode(prompts[0].input_ids).endswith("<|im_start|>assistant\n")
+
+
+def test_mismatched_drafter_is_refused(pair, tmp_path):
+    root, _ = pair
+    other = tf.LlamaConfig(vocab_size=1000, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                           num_attention_heads=4, num_key_value_heads=2)
+    save_drafter(build_drafter(DrafterConfig.for_target(other, num_hidden_layers=1, mask_token_id=0)),
+                 tmp_path / "bad")
+    with pytest.raises(SystemExit, match="vocab_size 1000 != target's 49152"):
+        main(["--target", str(root / "target"), "--drafter", str(tmp_path / "bad"), "--out", str(tmp_path / "o")])

@@ -1,0 +1,152 @@
+"""`dflashkit regenerate`: batched greedy answers equal a plain argmax loop per conversation, turn by turn;
+resume after a cut line; an OpenAI-compatible server (a fake one here) gets one request per turn."""
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import torch
+from test_extract_chat import smollm2_tokenizer
+from test_extract_run import _hf_model, save_tiny_chat_target
+
+from dflashkit.extract.__main__ import main as extract_main
+from dflashkit.extract.regenerate import main
+from dflashkit.extract.shards import read_manifest
+
+RECORDS = [
+    {"conversations": [{"from": "human", "value": "alpha beta"}, {"from": "gpt", "value": "old answer"},
+                       {"from": "human", "value": "gamma"}, {"from": "gpt", "value": "old again"}]},
+    {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "delta echo fox"}]},
+    {"prompt": "golf", "response": "old"},
+    {"text": "no conversation here"},
+    {"messages": [{"role": "user", "content": "hotel india kilo lima mike"}]},
+]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    # large random weights: answers vary from token to token instead of repeating one
+    return save_tiny_chat_target(tmp_path_factory.mktemp("tiny") / "target", initializer_range=0.5)
+
+
+def _jsonl(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+def greedy_reference(target_dir, messages, max_new):
+    """Argmax decoding of one conversation alone, no generate(), stopping at <|im_end|>."""
+    tok, model = smollm2_tokenizer(), _hf_model(target_dir)
+    ids = tok(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+              add_special_tokens=False)["input_ids"]
+    stop = {tok.convert_tokens_to_ids("<|im_end|>"), tok.eos_token_id}
+    new = []
+    with torch.no_grad():
+        for _ in range(max_new):
+            t = int(model(input_ids=torch.tensor([ids + new])).logits[0, -1].argmax())
+            if t in stop:
+                break
+            new.append(t)
+    return tok.decode(new, skip_special_tokens=True)
+
+
+def test_greedy_answers_equal_an_argmax_loop_turn_by_turn(tiny, tmp_path):
+    data = _jsonl(tmp_path / "in.jsonl", RECORDS)
+    out = tmp_path / "out.jsonl"
+    assert main(["--target", tiny, "--data", data, "--out", str(out), "--max-new-tokens", "6", "--batch-size", "3",
+                 "--no-progress"]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["index"] for r in rows] == [0, 1, 2, 4]  # the plain-text record has no user turn: skipped
+    for row in rows:
+        msgs = row["messages"]
+        assert "old" not in json.dumps(msgs)
+        users = [m for m in msgs if m["role"] == "user"]
+        assert [m["role"] for m in msgs if m["role"] != "system"] == ["user", "assistant"] * len(users)
+        for k, m in enumerate(msgs):  # each answer is the target's greedy answer to everything before it
+            if m["role"] == "assistant":
+                assert m["content"] == greedy_reference(tiny, msgs[:k], 6)
+    # the regenerated file is extraction input as it is
+    assert extract_main(["--target", tiny, "--data", str(out), "--out", str(tmp_path / "shards"), "--layer-ids",
+                         "1,2", "--no-progress"]) == 0
+    m = read_manifest(tmp_path / "shards")
+    assert m["totals"]["samples"] + sum(m["skipped"].values()) == 4
+
+
+def test_resume_drops_a_cut_line_and_completes(tiny, tmp_path):
+    data = _jsonl(tmp_path / "in.jsonl", RECORDS)
+    flags = ["--target", tiny, "--data", data, "--max-new-tokens", "4", "--batch-size", "2", "--no-progress"]
+    full = tmp_path / "full.jsonl"
+    assert main([*flags, "--out", str(full)]) == 0
+    part = tmp_path / "part.jsonl"
+    assert main([*flags, "--out", str(part), "--limit", "2"]) == 0
+    with open(part, "a") as f:
+        f.write('{"index": 2, "source": "cut by a ki')  # the run died mid-line
+    assert main([*flags, "--out", str(part)]) == 1  # an existing output needs --resume
+    assert main([*flags, "--out", str(part), "--resume"]) == 0
+    assert part.read_text() == full.read_text()
+
+
+class _FakeServer(BaseHTTPRequestHandler):
+    bodies = []
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        type(self).bodies.append((self.path, body))
+        last = body["messages"][-1]["content"]
+        msg = {"role": "assistant", "content": f"answer to {last}"}
+        if body["model"] == "thinker":
+            msg["reasoning_content"] = "thinking hard"
+        reply = json.dumps({"choices": [{"message": msg}]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(reply)))
+        self.end_headers()
+        self.wfile.write(reply)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture()
+def server():
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _FakeServer)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    _FakeServer.bodies.clear()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}/v1"
+    httpd.shutdown()
+
+
+def test_server_gets_one_request_per_turn(server, tmp_path):
+    data = _jsonl(tmp_path / "in.jsonl", RECORDS)
+    out = tmp_path / "out.jsonl"
+    assert main(["--server", server, "--model", "m", "--data", data, "--out", str(out), "--temperature", "0.7",
+                 "--top-p", "0.9", "--max-new-tokens", "33", "--concurrency", "3", "--seed", "5",
+                 "--chat-template-kwargs", '{"enable_thinking": false}', "--no-progress"]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["index"] for r in rows] == [0, 1, 2, 4]
+    assert rows[0]["messages"] == [{"role": "user", "content": "alpha beta"},
+                                   {"role": "assistant", "content": "answer to alpha beta"},
+                                   {"role": "user", "content": "gamma"},
+                                   {"role": "assistant", "content": "answer to gamma"}]
+    assert len(_FakeServer.bodies) == 5
+    path, body = _FakeServer.bodies[0]
+    assert path == "/v1/chat/completions"
+    assert {k: body[k] for k in ("model", "temperature", "top_p", "max_tokens", "chat_template_kwargs")} == \
+        {"model": "m", "temperature": 0.7, "top_p": 0.9, "max_tokens": 33,
+         "chat_template_kwargs": {"enable_thinking": False}}
+    second_turn = [b for _, b in _FakeServer.bodies if b["messages"][-1]["content"] == "gamma"][0]
+    assert second_turn["messages"][1] == {"role": "assistant", "content": "answer to alpha beta"}
+    think = tmp_path / "think.jsonl"
+    assert main(["--server", server, "--model", "thinker", "--data", data, "--out", str(think), "--limit", "1",
+                 "--no-progress"]) == 0
+    answer = json.loads(think.read_text())["messages"][1]["content"]
+    assert answer == "<think>\nthinking hard\n</think>\n\nanswer to alpha beta"
+
+
+def test_unreachable_server_fails_with_the_url(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("time.sleep", lambda s: None)
+    data = _jsonl(tmp_path / "in.jsonl", RECORDS[:1])
+    assert main(["--server", "http://127.0.0.1:9/v1", "--model", "m", "--data", data, "--out",
+                 str(tmp_path / "o.jsonl"), "--no-progress"]) == 1
+    assert "http://127.0.0.1:9/v1/chat/completions" in capsys.readouterr().err

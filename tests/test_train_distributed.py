@@ -1,0 +1,75 @@
+"""A few steps under `accelerate launch` with 2 processes (gloo, CPU) give the single-process loss: DDP and
+DeepSpeed ZeRO-2, each launched with the accelerate config file the recipes ship."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dflashkit.train.tracking import read_metrics
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_train_data import tiny_run  # noqa: E402,F401  (fixture)
+
+ROOT = Path(__file__).resolve().parents[1]
+ACCELERATE = Path(sys.executable).with_name("accelerate")
+
+
+def common(shards, out, **kw):
+    d = dict(shards=str(shards), output_dir=str(out), mask_token_id=95, num_hidden_layers=2, block_size=4,
+             num_anchors=8, eval_samples=2, eval_anchors=4, epochs=1, mixed_precision="no", wandb=False,
+             save_every=0, log_every=1, eval_every=0, num_workers=0, progress=False, max_steps=3,
+             drafter={"intermediate_size": 64})
+    d.update(kw)
+    return [f"{k}={json.dumps(v) if isinstance(v, (dict, bool)) else v}" for k, v in d.items()]
+
+
+def run(cmd):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return p.stdout + p.stderr
+
+
+def metrics(out):
+    rows = read_metrics(out)
+    return {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}, rows[-1]
+
+
+@pytest.fixture(scope="module")
+def single(tiny_run, tmp_path_factory):
+    """The reference: one process, grad_accum 4 = 2 processes x grad_accum 2."""
+    _, shards = tiny_run
+    out = tmp_path_factory.mktemp("single") / "run"
+    run([sys.executable, "-m", "dflashkit.train", *common(shards, out, grad_accum=4)])
+    return (*metrics(out), out)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", ["ddp", "zero2"])
+def test_two_processes_give_the_single_process_loss(config, single, tiny_run, tmp_path):
+    if config == "zero2":
+        pytest.importorskip("deepspeed", reason="DeepSpeed is not installed: the ZeRO-2 run cannot be launched")
+    _, shards = tiny_run
+    out = tmp_path / config
+    log = run([str(ACCELERATE), "launch", "--config_file", str(ROOT / "recipes" / "accelerate" / f"{config}.yaml"),
+               "--num_processes", "2", "-m", "dflashkit.train", *common(shards, out, grad_accum=2)])
+    expected = "DEEPSPEED" if config == "zero2" else "MULTI_CPU"
+    assert f"dflashkit train ({expected}, cpu)" in log and "2 process(es) x 2 micro-batches" in log
+    losses, final = metrics(out)
+    ref_losses, ref_final, ref_out = single
+    assert sorted(losses) == sorted(ref_losses) == [1, 2, 3]
+    for step, loss in losses.items():
+        assert loss == pytest.approx(ref_losses[step], rel=1e-5), step
+    assert final["eval/loss"] == pytest.approx(ref_final["eval/loss"], rel=1e-5)
+    # the checkpoint of the sharded run holds the same full weights as the single-process one
+    from safetensors.torch import load_file
+
+    a = load_file(str(out / "checkpoints" / "step-00000003" / "model.safetensors"))
+    b = load_file(str(ref_out / "checkpoints" / "step-00000003" / "model.safetensors"))
+    assert sorted(a) == sorted(b)
+    for k in a:
+        assert (a[k] - b[k]).abs().max().item() < 1e-5, k
