@@ -89,8 +89,8 @@ def tune(do_bench) -> list[dict]:
     print("tuning (batch 8, 64 nodes): prefix block_m block_n warps stages splits -> ms")
     for prefix in (1024, 8192, 32768):
         q, k, v, prefix_lens, mask, positions, _ = make_case(8, prefix, 64)
-        for block_m, block_n, warps, stages in ((128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2),
-                                                (64, 64, 4, 3), (64, 128, 4, 2), (128, 32, 4, 3)):
+        mask, positions, prefix_lens = mask.to(torch.uint8), positions.to(torch.int32), prefix_lens.to(torch.int32)
+        for block_m, block_n, warps, stages in ((128, 32, 4, 3), (128, 64, 8, 3), (128, 64, 8, 2), (64, 64, 4, 3)):
             for splits in (None, 1, 4, 16):
                 try:
                     ms = do_bench(lambda: tree_attention_triton(

@@ -1,6 +1,8 @@
 """Acceptance evaluation: live speculative decoding (chain and tree), tree attention, reports, serving sweeps.
 
-`python -m dflashkit.eval --help` (or `dflashkit eval`) is the command; the modules are:
-acceptance (the acceptance rule), tree (draft trees), tree_attention (kernel and twin), verifier (the target with
-its own KV cache), engine (the round loop), report, serving, prompts.
+`dflashkit eval` (or `python -m dflashkit.eval`) is the command. Modules, one concept each:
+acceptance (the acceptance rule, greedy and sampled), tree (draft trees and ancestor masks), tree_attention
+(the PyTorch twin and the dispatch), tree_attention_triton (the Triton kernel), verifier (the target with its
+own KV cache, plugged in through transformers' attention registry), hybrid (chain verification for targets with
+recurrent layers), engine (the round loop and the autoregressive baseline), prompts, report, serving.
 """

@@ -43,6 +43,7 @@ def dense_visibility(prefix_lens: torch.Tensor, node_mask: torch.Tensor, node_po
                      num_keys: int, sliding_window: int | None = None) -> torch.Tensor:
     """Bool [b, N, S]: which key slot each node sees (prefix, then its ancestors and itself)."""
     b, n = node_positions.shape
+    node_mask = node_mask.bool()
     slot = torch.arange(num_keys, device=node_positions.device).view(1, 1, -1)
     prefix = prefix_lens.view(b, 1, 1).to(slot.device)
     in_prefix = slot < prefix

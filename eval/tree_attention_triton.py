@@ -150,15 +150,16 @@ def _num_sms(device: torch.device) -> int:
     return 4
 
 
+MIN_SPLIT = 256  # keys per prefix split at least: more splits cost more partials to write and merge
 # (head_dim, dtype, wide) -> (block_m, block_n, num_warps, num_stages) that compiled within shared memory
 _WORKING_CONFIGS: dict[tuple, tuple[int, int, int, int]] = {}
 
 
 def _default_config(block_d: int, element_size: int, rows: int) -> tuple[int, int, int, int]:
     wide = block_d * element_size > 256  # d 256 in bf16, d 128 in fp32: smaller tiles, no pipelining
-    block_m = 64 if rows <= 64 or wide else 128
-    block_n = 32 if wide else 64
-    return block_m, block_n, 8 if block_m * block_d >= 128 * 128 else 4, 1 if wide else 3
+    if wide:
+        return 64, 32, 4, 1
+    return (64, 64, 4, 3) if rows <= 64 else (128, 32, 4, 3)
 
 
 def _smaller(config: tuple[int, int, int, int]) -> tuple[int, int, int, int] | None:
@@ -210,14 +211,14 @@ def _launch(query, key, value, prefix_lens, node_mask, node_positions, scale, sl
     group = h // hkv
     num_rows = group * n
     row_tiles = triton.cdiv(num_rows, block_m)
-    if num_splits is None:  # enough programs to fill the machine twice, no chunk shorter than a tile
-        wanted = triton.cdiv(2 * _num_sms(query.device), b * hkv * row_tiles)
-        num_splits = max(1, min(wanted, triton.cdiv(max_prefix_len, block_n))) if max_prefix_len > 0 else 0
+    if num_splits is None:  # about four programs per multiprocessor, no chunk shorter than MIN_SPLIT keys
+        wanted = triton.cdiv(4 * _num_sms(query.device), b * hkv * row_tiles)
+        num_splits = max(1, min(wanted, triton.cdiv(max_prefix_len, MIN_SPLIT))) if max_prefix_len > 0 else 0
     split_len = triton.cdiv(triton.cdiv(max(max_prefix_len, 1), max(num_splits, 1)), block_n) * block_n
     num_splits = triton.cdiv(max_prefix_len, split_len) if max_prefix_len > 0 else 0
     num_parts = num_splits + 1
 
-    node_mask = node_mask.to(torch.uint8).expand(b, n, n)
+    node_mask = node_mask.to(torch.uint8).expand(b, n, n)  # no copy when the caller passes uint8 already
     if node_mask.stride(-1) != 1:
         node_mask = node_mask.contiguous()
     prefix_lens = prefix_lens.to(device=query.device, dtype=torch.int32).contiguous()

@@ -71,10 +71,13 @@ class KVCache:
 
 @dataclass
 class _Step:
+    """What every layer's attention needs during one forward, built once per forward."""
     cache: KVCache
     prefix_len: int  # committed tokens before this forward
-    node_mask: torch.Tensor | None  # bool [1, N, N]; None = causal chain
-    node_positions: torch.Tensor  # [1, N] absolute positions
+    causal_prefill: bool  # no prefix and a plain chain: SDPA's causal path
+    node_mask: torch.Tensor  # [1, N, N] ancestor mask (uint8 on CUDA for the kernel, bool on CPU)
+    node_positions: torch.Tensor  # [1, N] absolute positions (int32 on CUDA)
+    prefix_lens: torch.Tensor  # [1] = prefix_len
     backend: str  # tree attention backend: auto, triton, torch
 
 
@@ -94,17 +97,14 @@ def tree_attention_function(module: nn.Module, query, key, value, attention_mask
     keys, values = step.cache.write(module.layer_idx, key, value)
     scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
     window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
-    n = query.shape[2]
-    if step.node_mask is None and step.prefix_len == 0 and not window and softcap is None:
+    if step.causal_prefill and not window and softcap is None:
         out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scale,
                                              enable_gqa=query.shape[1] != key.shape[1])
         return out.transpose(1, 2), None
-    mask = step.node_mask
-    if mask is None:
-        mask = torch.ones(n, n, dtype=torch.bool, device=query.device).tril_().unsqueeze(0)
-    prefix = torch.full((query.shape[0],), step.prefix_len, dtype=torch.long, device=query.device)
-    out = tree_attention(query, keys, values, prefix, mask, step.node_positions.expand(query.shape[0], -1),
-                         scale, window, softcap, max_prefix_len=step.prefix_len, backend=step.backend)
+    b = query.shape[0]
+    out = tree_attention(query, keys, values, step.prefix_lens.expand(b), step.node_mask,
+                         step.node_positions.expand(b, -1), scale, window, softcap, max_prefix_len=step.prefix_len,
+                         backend=step.backend)
     return out, None
 
 
@@ -184,17 +184,24 @@ class TargetVerifier:
     def forward(self, tokens: torch.Tensor, parents: torch.Tensor | None = None,
                 depths: torch.Tensor | None = None, last_logits_only: bool = False, max_depth: int | None = None):
         """max_depth: the tree's depth, when depths live on the GPU (saves a device sync; CUDA-graph safe)."""
+        from .tree import ancestor_mask
+
         n = tokens.shape[-1]
         prefix = self.cache.length
-        if parents is None:
-            node_mask, depths = None, torch.arange(n, device=self.device)
+        if parents is None:  # a causal chain
+            depths = torch.arange(n, device=self.device)
+            node_mask = torch.ones(n, n, dtype=torch.bool, device=self.device).tril_()
         else:
-            from .tree import ancestor_mask
-
             max_depth = int(depths.max()) if max_depth is None else max_depth
-            node_mask = ancestor_mask(parents.to(self.device), max_depth=max_depth).unsqueeze(0)
+            node_mask = ancestor_mask(parents.to(self.device), max_depth=max_depth)
         positions = (depths.to(self.device) + prefix).view(1, n)
-        _ACTIVE.append(_Step(self.cache, prefix, node_mask, positions, self.backend))
+        on_gpu = self.device.type == "cuda"
+        step = _Step(self.cache, prefix, parents is None and prefix == 0,
+                     node_mask.unsqueeze(0).to(torch.uint8 if on_gpu else torch.bool),
+                     positions.to(torch.int32 if on_gpu else torch.long),
+                     torch.full((1,), prefix, dtype=torch.int32 if on_gpu else torch.long, device=self.device),
+                     self.backend)
+        _ACTIVE.append(step)
         try:
             out = self.model(input_ids=tokens.view(1, n).to(self.device), position_ids=positions, use_cache=False,
                              logits_to_keep=1 if last_logits_only else 0)

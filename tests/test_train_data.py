@@ -13,13 +13,14 @@ LAYER_IDS = [0, 2]
 
 # --------------------------------------------------------------------------- shared builders (imported by the
 # other tests/test_train_*.py files)
-def make_tiny_target(path: Path, vocab: int = 96, hidden: int = 32, layers: int = 4, seed: int = 0) -> Path:
+def make_tiny_target(path: Path, vocab: int = 96, hidden: int = 32, layers: int = 4, seed: int = 0,
+                     heads: int = 4) -> Path:
     """A random Llama target saved as safetensors (no tokenizer: tests pass mask_token_id)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      num_attention_heads=heads, num_key_value_heads=2, max_position_embeddings=256,
                       tie_word_embeddings=False)
     model = LlamaForCausalLM(cfg).eval()
     model.save_pretrained(path, safe_serialization=True)

@@ -60,7 +60,7 @@ def test_trainer_compiled_bf16_on_cuda(tmp_path, capsys):
     from dflashkit.train.tracking import read_metrics
     from dflashkit.train.trainer import train
 
-    target = make_tiny_target(tmp_path / "target")
+    target = make_tiny_target(tmp_path / "target", heads=2)  # head_dim 16: the least compiled flex_attention takes
     shards = make_shards(tmp_path / "shards", target, num_samples=20, lengths=(60, 140))
     kw = dict(shards=str(shards), output_dir=str(tmp_path / "run"), mask_token_id=95, num_hidden_layers=2,
               block_size=8, num_anchors=16, eval_samples=2, eval_anchors=8, epochs=2, grad_accum=2,

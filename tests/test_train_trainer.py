@@ -18,7 +18,7 @@ from dflashkit.train.tracking import read_metrics
 from dflashkit.train.trainer import lr_at, train
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_train_data import make_shards, make_tiny_target, tiny_run  # noqa: E402,F401  (tiny_run: fixture)
+from test_train_data import make_shards, tiny_run  # noqa: E402,F401  (tiny_run: fixture)
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 
@@ -267,7 +267,8 @@ def test_nan_features_are_refused(tiny_run, tmp_path):
     entry["sha256"] = hashlib.sha256(bytes(data)).hexdigest()  # a NaN written at extraction, not a damaged file
     write_manifest(copy / "manifest.json", manifest)
     first = entry["sample_indices"][0]
-    with pytest.raises(ValueError, match=rf"{entry['file']}: hidden holds NaN/Inf \(first at token 0, sample {first}\)"):
+    message = rf"{entry['file']}: hidden holds NaN/Inf \(first at token 0, sample {first}\)"
+    with pytest.raises(ValueError, match=message):
         train(load_config(None, [], **tiny_overrides(copy, tmp_path / "a")))
     # without the up-front check, the sample is refused when it is read
     with pytest.raises(ValueError, match=r"sample \d+: NaN or Inf in the stored features \(field hidden\)"):
@@ -291,3 +292,15 @@ def test_init_from_a_drafter_directory(tiny_run, tmp_path):
     with pytest.raises(ValueError, match="was trained with 95"):
         train(load_config(None, [], **tiny_overrides(shards, tmp_path / "bad", init_from=str(first / "export"),
                                                      mask_token_id=7)))
+
+
+def test_cli_reports_bad_input_without_a_traceback(tmp_path, capsys):
+    from dflashkit.train.__main__ import main
+    from dflashkit.train.export import main as export_main
+
+    assert main(["--recipe", str(RECIPES / "smollm2-135m-cpu.yaml")]) == 2
+    assert "dflashkit train: error: shards: no shard directory given" in capsys.readouterr().err
+    assert main([f"--shards={tmp_path}", "lr=fast"]) == 2
+    assert "dflashkit train: error: lr: 'fast' is not a float" in capsys.readouterr().err
+    assert export_main([str(tmp_path), str(tmp_path / "out")]) == 2
+    assert "neither a checkpoint" in capsys.readouterr().err

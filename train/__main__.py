@@ -24,6 +24,7 @@ Every field of train/config.py:TrainConfig can be set in the recipe or as key=va
 from __future__ import annotations
 
 import argparse
+import sys
 
 from .config import load_config
 
@@ -48,10 +49,13 @@ def main(argv: list[str] | None = None) -> int:
         value = getattr(args, flag)
         if value is not None:
             overrides.append(f"{flag}={value}")
-    cfg = load_config(args.recipe, overrides)
     from .trainer import train
 
-    train(cfg)
+    try:
+        train(load_config(args.recipe, overrides))
+    except (ValueError, FileNotFoundError) as e:  # bad input: the message names the field or file and the fix
+        print(f"dflashkit train: error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

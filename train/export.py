@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -66,7 +67,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("out_dir", help="where to write the drafter directory")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="weight dtype of the export")
     args = ap.parse_args(argv)
-    out = export_checkpoint(args.checkpoint, args.out_dir, DTYPES[args.dtype])
+    try:
+        out = export_checkpoint(args.checkpoint, args.out_dir, DTYPES[args.dtype])
+    except (ValueError, FileNotFoundError) as e:
+        print(f"dflashkit export: error: {e}", file=sys.stderr)
+        return 2
     print(f"exported {resolve_checkpoint(args.checkpoint)} -> {out}")
     return 0
 

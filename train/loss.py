@@ -12,8 +12,9 @@ loss_mask[a+k] holds. Three objectives, chosen by one flag (``variant``):
   loss = sum_j w_j CE_j (Eq. 9). Invalid labels get q~ = 1 (they neither break nor earn credit). Normalised by
   the number of blocks with at least one valid label, as the paper's author asked in sgl-project/SpecForge
   issue #828 (dividing by sum(w) would cancel the credit mass).
-- ``kl``: soft labels. The target's distribution for token a+k is lm_head(last_hidden[a+k-1]) (``last_hidden``
-  stored by extraction, passed through the target's final norm when it was stored before it). Per position
+- ``kl``: soft labels. The target's distribution for token a+k is lm_head(last_hidden[a+k-1]), where
+  ``last_hidden`` is the target's final-norm output that extraction stores (extract/capture.py), so only the
+  lm_head is applied here. Per position
   (1 - kl_weight) * CE_k + kl_weight * KL(p_target || q_draft), with the ``ce`` decay weights and normaliser.
 
 Design choices:

@@ -146,6 +146,8 @@ def train(cfg: TrainConfig) -> dict:
     from dflashkit.extract.target import load_target_head
 
     # --- setup --------------------------------------------------------------------------------------------
+    if not cfg.shards:
+        raise ValueError("shards: no shard directory given; pass shards=DIR (a directory `dflashkit extract` wrote)")
     accelerator = make_accelerator(cfg)
     _configure_deepspeed(accelerator, cfg)
     say = accelerator.print
@@ -228,7 +230,8 @@ def train(cfg: TrainConfig) -> dict:
 
     # --- loop ---------------------------------------------------------------------------------------------
     model.train()
-    sums, t0, saved_at = MetricSums(dcfg.block_size - 1, accelerator.device), time.perf_counter(), -1
+    sums, t0 = MetricSums(dcfg.block_size - 1, accelerator.device), time.perf_counter()
+    saved_at = step if ckpt is not None else -1  # the step whose checkpoint is on disk
     while step < total_steps and epoch < cfg.epochs:
         slots = rank_slots(epoch_order(train_idx, cfg.seed, epoch), done, world, G, rank)
         source = BlockSource(dataset, slots, block_size=dcfg.block_size, mask_token_id=dcfg.mask_token_id,
@@ -271,7 +274,8 @@ def train(cfg: TrainConfig) -> dict:
                 if grad_norm is not None:
                     metrics["grad_norm"] = float(grad_norm)
                 tracker.log(metrics, step)
-                bar.set_postfix(loss=f"{metrics['train/loss']:.3f}", tau_sim=f"{last_eval.get('eval/tau_sim', float('nan')):.2f}",
+                bar.set_postfix(loss=f"{metrics['train/loss']:.3f}",
+                                tau_sim=f"{last_eval.get('eval/tau_sim', float('nan')):.2f}",
                                 tok_s=f"{metrics['tokens_per_s']:.0f}")
                 sums, t0 = MetricSums(dcfg.block_size - 1, accelerator.device), time.perf_counter()
             if cfg.eval_every and step % cfg.eval_every == 0 and step < total_steps:
