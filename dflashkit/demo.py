@@ -30,10 +30,10 @@ RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 
 # What each scale runs. small: the CPU check of `make demo`; full: the GPU testbed run of RESULTS.md.
 SCALES = {
-    "small": dict(train_prompts=160, regen_new_tokens=96, max_length=512, eval_prompts=6, eval_new_tokens=64,
+    "small": dict(train_prompts=96, regen_new_tokens=96, max_turns=1, max_length=512, eval_prompts=6, eval_new_tokens=64,
                   recipe="smollm2-135m-cpu.yaml", train_overrides=[], tree_budget=32, batch_size=16,
                   eval_datasets=["builtin:mtbench"]),
-    "full": dict(train_prompts=4000, regen_new_tokens=512, max_length=2048, eval_prompts=0, eval_new_tokens=256,
+    "full": dict(train_prompts=4000, regen_new_tokens=512, max_turns=4, max_length=2048, eval_prompts=0, eval_new_tokens=256,
                  recipe="smollm2-135m.yaml", train_overrides=[], tree_budget=64, batch_size=128,
                  eval_datasets=["builtin:mtbench", "builtin:humaneval"]),
 }
@@ -60,7 +60,8 @@ def stage_commands(run: Path, scale: dict, device: str, loss: str | None) -> lis
         ("regenerate", ["regenerate", "--target", TARGET, "--data", "builtin:sharegpt", "--limit",
                         str(scale["train_prompts"]), "--out", str(run / "regen.jsonl"), "--resume",
                         "--max-new-tokens", str(scale["regen_new_tokens"]), "--batch-size", str(scale["batch_size"]),
-                        "--max-prompt-length", str(scale["max_length"] // 2), *dev, *dtype]),
+                        "--max-prompt-length", str(scale["max_length"] // 2), "--max-turns", str(scale["max_turns"]),
+                        *dev, *dtype]),
         ("extract", ["extract", "--target", TARGET, "--data", str(run / "regen.jsonl"), "--out", str(run / "shards"),
                      "--num-taps", "5", "--max-length", str(scale["max_length"]), "--resume", *dev, *dtype]),
         ("train", ["train", *train_args]),

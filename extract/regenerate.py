@@ -64,6 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0, help="sampling seed")
     g.add_argument("--chat-template-kwargs", default="{}", help='JSON, e.g. \'{"enable_thinking": false}\'')
     g.add_argument("--max-prompt-length", type=int, default=None, help="skip a turn whose prompt is longer")
+    g.add_argument("--max-turns", type=int, default=None,
+                   help="answer only the first N user turns of each conversation (later turns are dropped)")
     g.add_argument("--batch-size", type=int, default=16, help="conversations per HF generate call")
     g.add_argument("--concurrency", type=int, default=16, help="server requests in flight")
     g.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None)
@@ -195,11 +197,16 @@ class ServerGenerator:
 # ---------------------------------------------------------------- conversations
 
 
-def _prompt_turns(record) -> list[dict]:
+def _prompt_turns(record, max_turns: int | None = None) -> list[dict]:
     kind, messages, _ = normalize_record(record, require_assistant=False)
     if kind != "chat" or not any(m["role"] == "user" for m in messages):
         raise BadSample("no_user_turn", "regeneration needs a conversation with a user turn")
-    return [m for m in messages if m["role"] != "assistant"]
+    turns = [m for m in messages if m["role"] != "assistant"]
+    if max_turns is not None:
+        users = [k for k, m in enumerate(turns) if m["role"] == "user"]
+        if len(users) > max_turns:
+            turns = turns[: users[max_turns]]
+    return turns
 
 
 def _regenerate_chunk(gen, chunk: list[tuple[int, list[dict]]], seed: int) -> list[list[dict] | BadSample]:
@@ -299,7 +306,7 @@ def run(args) -> dict:
             try:
                 if item.bad is not None:
                     raise BadSample(*item.bad)
-                chunk.append((item.index, _prompt_turns(item.record), item.where))
+                chunk.append((item.index, _prompt_turns(item.record, args.max_turns), item.where))
             except BadSample as e:
                 skip(e.reason, item.where, e.detail)
             if len(chunk) >= chunk_size:

@@ -12,6 +12,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from dflashkit.drafter import DrafterConfig, build_drafter, save_drafter
 from dflashkit.eval.engine import DecodeConfig, SpeculativeDecoder
+from dflashkit.extract.target import cache_kwargs
 
 VOCAB, BLOCK, NEW = 6, 4, 30
 
@@ -111,7 +112,7 @@ def test_compacted_cache_equals_autoregressive_cache(pair):
     assert cache.length == len(sequence)
     reference = DynamicCache()
     with torch.no_grad():
-        target(torch.tensor([sequence]), past_key_values=reference, use_cache=True)
+        target(torch.tensor([sequence]), use_cache=True, **cache_kwargs(target, reference))
     for layer in range(target.config.num_hidden_layers):
         keys = reference.layers[layer].keys
         values = reference.layers[layer].values

@@ -14,6 +14,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from dflashkit.eval.tree import ancestor_mask, build_tree
 from dflashkit.eval.tree_attention import tree_attention_reference
 from dflashkit.eval.verifier import TargetVerifier
+from tests.test_eval_engine import one_thread  # noqa: F401 (fixture: tiny models run faster on one thread)
 
 
 def _case(seed=0, b=2, hkv=2, group=3, n=7, d=24, slots=80, prefixes=(33, 50)):
@@ -73,7 +74,8 @@ KERNEL_SCRIPT = textwrap.dedent("""
             original(tensor, scope)
             scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
         interp._patch_lang_tensor = patched
-    sys.path.insert(0, sys.argv[1])
+    import os
+    sys.path[:0] = [sys.argv[1], os.path.dirname(sys.argv[1])]
     from test_eval_tree_attention import _case
     from dflashkit.eval.tree_attention import tree_attention_reference
     from dflashkit.eval.tree_attention_triton import tree_attention_triton

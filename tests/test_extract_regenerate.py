@@ -93,6 +93,7 @@ class _FakeServer(BaseHTTPRequestHandler):
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         type(self).bodies.append((self.path, body))
+        type(self).auth = self.headers.get("Authorization")
         last = body["messages"][-1]["content"]
         msg = {"role": "assistant", "content": f"answer to {last}"}
         if body["model"] == "thinker":
@@ -139,7 +140,8 @@ def test_server_gets_one_request_per_turn(server, tmp_path):
     assert second_turn["messages"][1] == {"role": "assistant", "content": "answer to alpha beta"}
     think = tmp_path / "think.jsonl"
     assert main(["--server", server, "--model", "thinker", "--data", data, "--out", str(think), "--limit", "1",
-                 "--no-progress"]) == 0
+                 "--api-key", "sk-test", "--no-progress"]) == 0
+    assert _FakeServer.auth == "Bearer sk-test"
     answer = json.loads(think.read_text())["messages"][1]["content"]
     assert answer == "<think>\nthinking hard\n</think>\n\nanswer to alpha beta"
 
@@ -150,3 +152,36 @@ def test_unreachable_server_fails_with_the_url(tmp_path, capsys, monkeypatch):
     assert main(["--server", "http://127.0.0.1:9/v1", "--model", "m", "--data", data, "--out",
                  str(tmp_path / "o.jsonl"), "--no-progress"]) == 1
     assert "http://127.0.0.1:9/v1/chat/completions" in capsys.readouterr().err
+
+
+def test_sampling_is_seeded_and_limits_apply(tiny, tmp_path, capsys):
+    data = _jsonl(tmp_path / "in.jsonl", RECORDS)
+    flags = ["--target", tiny, "--data", data, "--max-new-tokens", "6", "--no-progress", "--device", "cpu"]
+    runs = []
+    for name, extra in (("a", ["--seed", "3"]), ("b", ["--seed", "3"]), ("c", ["--seed", "4"])):
+        out = tmp_path / f"{name}.jsonl"
+        assert main([*flags, "--out", str(out), "--temperature", "1.5", "--top-k", "50", "--top-p", "0.95",
+                     *extra]) == 0
+        runs.append(out.read_text())
+    assert runs[0] == runs[1] != runs[2]  # same seed, same answers; another seed, others
+    greedy = tmp_path / "g.jsonl"
+    assert main([*flags, "--out", str(greedy), "--dtype", "bfloat16"]) == 0
+    assert greedy.read_text() != runs[0]
+    # prompts (with SmolLM2's default system prompt): record 0 turn 1: 32 tokens, turn 2: longer; 1: 20; 2: 32; 4: 39
+    short = tmp_path / "short.jsonl"
+    assert main([*flags, "--out", str(short), "--max-prompt-length", "35"]) == 0
+    assert [json.loads(line)["index"] for line in short.read_text().splitlines()] == [1, 2]
+    assert "'too_long': 2" in capsys.readouterr().err
+    assert main([*flags, "--out", str(tmp_path / "f.jsonl"), "--on-bad", "fail"]) == 1
+    assert f"{data}:4: no_user_turn" in capsys.readouterr().err
+
+
+def test_max_turns_answers_only_the_first_user_turns(server, tmp_path):
+    data = _jsonl(tmp_path / "in.jsonl", RECORDS[:1])
+    out = tmp_path / "out.jsonl"
+    assert main(["--server", server, "--model", "m", "--data", data, "--out", str(out), "--max-turns", "1",
+                 "--no-progress"]) == 0
+    row = json.loads(out.read_text())
+    assert row["messages"] == [{"role": "user", "content": "alpha beta"},
+                               {"role": "assistant", "content": "answer to alpha beta"}]
+    assert len(_FakeServer.bodies) == 1

@@ -163,7 +163,8 @@ def test_template_flags_workers_dtype_and_progress(tiny, tmp_path, capsys):
     template.write_text(QWEN3)
     flags = ["--target", tiny, "--data", data, "--layer-ids", "1,3", "--chat-template", str(template),
              "--chat-template-kwargs", '{"enable_thinking": false}', "--bucket-window", "4"]
-    assert main([*flags, "--out", str(tmp_path / "a"), "--no-progress"]) == 0
+    assert main([*flags, "--out", str(tmp_path / "a"), "--no-progress", "--device-map", "cpu",
+                 "--trust-remote-code"]) == 0
     # two tokenizing processes and a bfloat16 target give the same samples (features up to bf16 rounding)
     assert main([*flags, "--out", str(tmp_path / "b"), "--tokenize-workers", "2", "--dtype", "bfloat16"]) == 0
     err = capsys.readouterr().err

@@ -156,7 +156,7 @@ def block_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch
     if variant not in VARIANTS:
         raise ValueError(f"loss variant must be one of {VARIANTS}, got {variant!r}")
     if variant == "kl" and teacher_hidden is None:
-        raise ValueError("loss variant 'kl' needs last_hidden in the shards (extract with --last-hidden)")
+        raise ValueError("loss variant 'kl' needs last_hidden in the shards (extract with --store-last-hidden)")
     if not 0.0 <= kl_weight <= 1.0:
         raise ValueError(f"kl_weight must be in [0, 1], got {kl_weight}")
     n_blocks, p, _ = hidden.shape
