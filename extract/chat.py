@@ -163,8 +163,8 @@ def render(tokenizer, messages, cfg: ChatConfig, add_generation_prompt: bool = F
         raise
     except Exception as e:  # jinja errors and raise_exception() of the template
         if "chat_template is not set" in str(e) or "no chat template" in str(e).lower():
-            raise NoChatTemplate(f"the tokenizer has no chat template: pass --chat-template FILE (a Jinja "
-                                f"template) or give records as plain 'text'") from None
+            raise NoChatTemplate("the tokenizer has no chat template: pass --chat-template FILE (a Jinja "
+                                "template) or give records as plain 'text'") from None
         raise BadSample("template_error", f"the chat template refused the conversation: {e}") from None
 
 

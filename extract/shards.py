@@ -16,6 +16,7 @@ Design choices:
 from __future__ import annotations
 
 import bisect
+import hashlib
 import json
 import os
 import struct
@@ -63,7 +64,17 @@ def bytes_per_token(codec: str, feature_dim: int) -> int:
 # ---------------------------------------------------------------- atomic files
 
 
-def _fsync_dir(path: Path) -> None:
+def sha256_file(path: Path, block: int = 1 << 24) -> str:
+    """sha256 of a file, read in blocks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(block), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename inside ``path`` durable."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -84,7 +95,7 @@ def atomic_write(path: Path, data: bytes) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 def write_manifest(path: Path, manifest: dict) -> None:

@@ -17,24 +17,15 @@ Design choice: the checks read shards through the same header parser as the read
 from __future__ import annotations
 
 import argparse
-import hashlib
 import sys
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from .shards import MANIFEST, _MappedShard, decode_features, read_manifest, read_shard_header
+from .shards import MANIFEST, _MappedShard, decode_features, read_manifest, read_shard_header, sha256_file
 
 _CHUNK = 1 << 16  # tokens per NaN/Inf check step
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 24), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def check_shard(path: Path, entry: dict, manifest: dict) -> list[str]:
@@ -44,7 +35,7 @@ def check_shard(path: Path, entry: dict, manifest: dict) -> list[str]:
     size = path.stat().st_size
     if size != entry.get("bytes", size):
         return [f"size {size} bytes, the manifest says {entry['bytes']} (truncated or replaced)"]
-    if _sha256(path) != entry["sha256"]:
+    if sha256_file(path) != entry["sha256"]:
         return ["sha256 differs from the manifest (the file was changed or damaged: a flipped byte?)"]
     try:
         read_shard_header(path)

@@ -22,7 +22,6 @@ Design choices:
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
@@ -34,20 +33,14 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from dflashkit.extract.shards import fsync_dir, sha256_file
+
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 FORMAT = "dflashkit-train-checkpoint-v1"
 
 
 def checkpoints_root(output_dir: str | os.PathLike) -> Path:
     return Path(output_dir) / "checkpoints"
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def verify_checkpoint(path: str | os.PathLike, hashes: bool = True) -> str | None:
@@ -68,7 +61,7 @@ def verify_checkpoint(path: str | os.PathLike, hashes: bool = True) -> str | Non
             return f"{name} is missing"
         if f.stat().st_size != info["bytes"]:
             return f"{name} has {f.stat().st_size} bytes, checkpoint.json says {info['bytes']}"
-        if hashes and _sha256(f) != info["sha256"]:
+        if hashes and sha256_file(f) != info["sha256"]:
             return f"{name} does not match its sha256 in checkpoint.json (corrupted)"
     return None
 
@@ -242,14 +235,6 @@ def set_rng_state(tensors: dict, info: dict) -> None:
 
 
 # --------------------------------------------------------------------------- save / load
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def save_checkpoint(accelerator, model, optimizer, trainer_state: dict, output_dir: str | os.PathLike,
                     keep_last: int) -> Path:
     """Write step ``trainer_state['step']`` atomically; collective (every rank calls it)."""
@@ -279,17 +264,17 @@ def save_checkpoint(accelerator, model, optimizer, trainer_state: dict, output_d
         for f in sorted(tmp.iterdir()):
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
-            files[f.name] = {"bytes": f.stat().st_size, "sha256": _sha256(f)}
+            files[f.name] = {"bytes": f.stat().st_size, "sha256": sha256_file(f)}
         meta = {"format": FORMAT, "step": step, "files": files}
         with open(tmp / "checkpoint.json", "w") as fh:
             fh.write(json.dumps(meta, indent=1))
             fh.flush()
             os.fsync(fh.fileno())
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         if final.exists():  # a re-run of the same step replaces the old copy
             shutil.rmtree(final)
         tmp.rename(final)
-        _fsync_dir(root)
+        fsync_dir(root)
         complete = [p for p in list_checkpoints(output_dir) if verify_checkpoint(p, hashes=False) is None]
         for old in complete[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
