@@ -39,31 +39,35 @@ SCALES = {
 }
 
 
-def stage_commands(run: Path, scale: dict, device: str, loss: str | None) -> list[tuple[str, list[str]]]:
+def stage_commands(run: Path, scale: dict, device: str, loss: str | None, target: str = TARGET,
+                   train_data: str = "builtin:sharegpt", eval_data: list[str] | None = None
+                   ) -> list[tuple[str, list[str]]]:
     dev = ["--device", device]
     dtype = ["--dtype", "float32" if device == "cpu" else "bfloat16"]
     train_args = ["--recipe", str(RECIPES / scale["recipe"]), "--shards", str(run / "shards"),
                   "--output-dir", str(run / "train"), f"export_dir={run / 'drafter'}",
                   f"mask_token_id={MASK_TOKEN_ID}", f"max_length={scale['max_length']}",
-                  f"target={TARGET}", *scale["train_overrides"]]
+                  f"target={target}", *scale["train_overrides"]]
     if loss:
         train_args += ["--loss", loss]
     if device == "cpu":
         train_args += ["mixed_precision=no"]
-    eval_common = ["--target", TARGET, "--drafter", str(run / "drafter"), "--dataset", *scale["eval_datasets"],
+    eval_common = ["--target", target, "--drafter", str(run / "drafter"), "--dataset",
+                   *(eval_data or scale["eval_datasets"]),
                    "--max-new-tokens", str(scale["eval_new_tokens"]), *dev, *dtype]
     if scale["eval_prompts"]:
         eval_common += ["--num-prompts", str(scale["eval_prompts"])]
     else:
         eval_common += ["--num-prompts", "100000"]
     return [
-        ("regenerate", ["regenerate", "--target", TARGET, "--data", "builtin:sharegpt", "--limit",
+        ("regenerate", ["regenerate", "--target", target, "--data", train_data, "--limit",
                         str(scale["train_prompts"]), "--out", str(run / "regen.jsonl"), "--resume",
                         "--max-new-tokens", str(scale["regen_new_tokens"]), "--batch-size", str(scale["batch_size"]),
                         "--max-prompt-length", str(scale["max_length"] // 2), "--max-turns", str(scale["max_turns"]),
                         *dev, *dtype]),
-        ("extract", ["extract", "--target", TARGET, "--data", str(run / "regen.jsonl"), "--out", str(run / "shards"),
-                     "--num-taps", "5", "--max-length", str(scale["max_length"]), "--resume", *dev, *dtype]),
+        ("extract", ["extract", "--target", target, "--data", str(run / "regen.jsonl"), "--out", str(run / "shards"),
+                     "--num-taps", "5", "--max-length", str(scale["max_length"]), "--resume", *dev, *dtype,
+                     *(["--store-last-hidden"] if loss == "kl" else [])]),
         ("train", ["train", *train_args]),
         ("eval-chain", ["eval", *eval_common, "--mode", "chain", "--out", str(run / "eval-chain")]),
         ("eval-tree", ["eval", *eval_common, "--mode", "tree", "--tree-budget", str(scale["tree_budget"]),
@@ -103,7 +107,11 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--run-dir", default="runs/demo", help="where every stage writes (default runs/demo)")
     ap.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    ap.add_argument("--target", default=TARGET,
+                    help="the testbed as installed (default testbed:smollm2) or a converted copy of it")
     ap.add_argument("--scale", choices=sorted(SCALES), default="small", help="small: CPU check; full: GPU run")
+    ap.add_argument("--train-data", default="builtin:sharegpt", help="prompts to regenerate (default ShareGPT)")
+    ap.add_argument("--eval-data", nargs="+", help="evaluation datasets (default: MT-bench; full adds HumanEval)")
     ap.add_argument("--loss", choices=["ce", "dpace", "kl"], default=None, help="training objective (recipe default)")
     ap.add_argument("--restart", action="store_true", help="forget finished stages and run all again")
     args = ap.parse_args(argv)
@@ -117,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
         for f in stages_dir.glob("*.json"):
             f.unlink()
     timings = {}
-    for name, cmd in stage_commands(run, SCALES[args.scale], args.device, args.loss):
+    for name, cmd in stage_commands(run, SCALES[args.scale], args.device, args.loss, args.target,
+                                     args.train_data, args.eval_data):
         done = stages_dir / f"{name}.json"
         if done.is_file():
             timings[name] = json.loads(done.read_text())["seconds"]
