@@ -53,8 +53,6 @@ def build_parser() -> argparse.ArgumentParser:
     other.add_argument("--server", help="OpenAI-compatible server URL to sweep (vLLM, SGLang)")
     other.add_argument("--model", default=None, help="--server: model name (default: the server's first)")
     other.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
-    other.add_argument("--tokenizer", default=None, help="--server: tokenizer dir or spec for prompts "
-                       "(default: send chat messages)")
     other.add_argument("--timeout", type=float, default=300.0, help="--server: seconds per request")
     return p
 
