@@ -54,9 +54,7 @@ def save_drafter(model: DFlashDraftModel, out_dir: str | os.PathLike, dtype: tor
                  for k, v in model.state_dict().items() if not k.startswith("rotary_emb.")}
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         cfg = config.to_json_dict()
-        if dtype is not None or state:
-            name = str(next(iter(state.values())).dtype).replace("torch.", "")
-            cfg["torch_dtype"] = cfg["dtype"] = name
+        cfg["torch_dtype"] = cfg["dtype"] = str(state["fc.weight"].dtype).replace("torch.", "")
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
         shutil.copyfile(MODELING_FILE, tmp / "modeling_dflash.py")
         for f in tmp.iterdir():
