@@ -25,7 +25,8 @@ class TinyServer:
         drafter = build_drafter(DrafterConfig.for_target(config, num_hidden_layers=1, block_size=4,
                                                          mask_token_id=VOCAB - 1))
         self.decoder = SpeculativeDecoder(LlamaForCausalLM(config).eval(), drafter, DecodeConfig())
-        self.lock = threading.Lock()
+        self.lock = threading.Lock()  # one generation at a time: the decoder is not thread-safe
+        self.count_lock = threading.Lock()  # separate, so that a waiting request still counts as in flight
         self.results = []  # GenerationResult per successful request, in completion order
         self.in_flight = self.max_in_flight = 0
         self.counters = {"drafts": 0, "draft_tokens": 0, "accepted": 0}
@@ -75,13 +76,13 @@ def make_handler(server: TinyServer):
             text = request["messages"][-1]["content"]
             if "FAIL" in text:
                 return self._send(400, json.dumps({"error": "refused by the test server"}))
-            with server.lock:
+            with server.count_lock:
                 server.in_flight += 1
                 server.max_in_flight = max(server.max_in_flight, server.in_flight)
             try:
                 tokens = server.generate(text, request["max_tokens"])
             finally:
-                with server.lock:
+                with server.count_lock:
                     server.in_flight -= 1
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
