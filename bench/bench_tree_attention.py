@@ -152,6 +152,8 @@ def main(argv=None):
             flex_text = f"{t_flex:8.3f}" if isinstance(t_flex, float) else "  failed"
             print(f"{batch:5d} {prefix:6d} {nodes:5d} | {t_ours:8.3f} {t_sdpa:8.3f} {flex_text} | "
                   f"{row['speedup_vs_sdpa']:6.2f} {row['kv_gb_per_s']:7.0f} {err:8.1e}")
+            with open(args.out, "w") as f:  # after every row: a run cut short keeps what it measured
+                json.dump(result, f, indent=2)
     if args.tune:
         result["tuning"] = tune(do_bench)
     with open(args.out, "w") as f:

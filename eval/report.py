@@ -26,8 +26,13 @@ def _mean(values) -> float:
 
 
 def summarize(spec: list[GenerationResult], ar: list[GenerationResult] | None, block_size: int,
-              greedy: bool) -> dict:
-    """Numbers for one dataset (or all of them): spec and ar are per-prompt results in the same order."""
+              greedy: bool, paired: list[GenerationResult] | None = None) -> dict:
+    """Numbers for one dataset (or all of them): spec and ar are per-prompt results in the same order.
+
+    ar may cover only the first prompts (``--baseline-prompts``): speedup and the lossless check then compare
+    those prompts with their own speculative runs (``paired``, default the first len(ar) of spec); tau and
+    acceptance use every prompt.
+    """
     lengths = [n for r in spec for n in r.acceptance_lengths]
     accepted = [n for r in spec for n in r.accepted_drafts]
     rounds = len(lengths)
@@ -48,6 +53,9 @@ def summarize(spec: list[GenerationResult], ar: list[GenerationResult] | None, b
         "verify_ms_per_round": 1e3 * sum(r.verify_s for r in spec) / max(rounds, 1),
     }
     if ar:
+        paired = spec[:len(ar)] if paired is None else paired
+        assert len(paired) == len(ar), "each baseline run needs its speculative run"
+        paired_wall = sum(r.prefill_s + r.decode_s for r in paired)
         ar_tokens = sum(len(r.tokens) for r in ar)
         ar_wall = sum(r.prefill_s + r.decode_s for r in ar)
         ar_steps = sum(len(r.tokens) - 1 for r in ar)
@@ -55,13 +63,14 @@ def summarize(spec: list[GenerationResult], ar: list[GenerationResult] | None, b
         out.update({
             "ar_tokens_per_s": ar_tokens / ar_wall if ar_wall else 0.0,
             "ar_step_ms": ar_step_ms,
-            "speedup": ar_wall / spec_wall if spec_wall else 0.0,
+            "baseline_prompts": len(ar),
+            "speedup": ar_wall / paired_wall if paired_wall else 0.0,
             "verify_over_ar_step": out["verify_ms_per_round"] / ar_step_ms if ar_step_ms else 0.0,
         })
         if greedy:
             divergences = [next((i for i, (a, b) in enumerate(zip(s.tokens, a.tokens)) if a != b),
                                 None if len(s.tokens) == len(a.tokens) else min(len(s.tokens), len(a.tokens)))
-                           for s, a in zip(spec, ar)]
+                           for s, a in zip(paired, ar)]
             first = [d for d in divergences if d is not None]
             out["lossless"] = {"match_rate": _mean(d is None for d in divergences),
                                "first_divergence": min(first) if first else None,
@@ -84,7 +93,7 @@ def _fmt(value) -> str:
 SUMMARY_FIELDS = [("tau", "τ"), ("rounds", "rounds"), ("mean_nodes_per_round", "nodes/round"),
                   ("spec_tokens_per_s", "spec tok/s"), ("ar_tokens_per_s", "AR tok/s"), ("speedup", "speedup"),
                   ("verify_ms_per_round", "verify ms"), ("ar_step_ms", "AR step ms"),
-                  ("verify_over_ar_step", "verify/AR step")]
+                  ("verify_over_ar_step", "verify/AR step"), ("baseline_prompts", "AR baseline prompts")]
 
 
 def render_markdown(report: dict) -> str:

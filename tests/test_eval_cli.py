@@ -67,6 +67,24 @@ def test_eval_writes_a_complete_report_and_compares(pair, tmp_path, capsys):
     assert (tmp_path / "cmp" / "tau_compare.png").exists()
 
 
+def test_baseline_on_the_first_prompts_only(pair, tmp_path):
+    root, _ = pair
+    full = json.loads((_run(root, tmp_path / "all") == 0 and tmp_path / "all" / "report.json").read_text())
+    assert _run(root, tmp_path / "one", "--baseline-prompts", "1") == 0
+    part = json.loads((tmp_path / "one" / "report.json").read_text())
+    # tau covers every prompt: the same rounds as the run with a baseline for all of them
+    assert part["overall"]["rounds"] == full["overall"]["rounds"] and part["overall"]["prompts"] == 4
+    assert part["overall"]["baseline_prompts"] == 2  # the first prompt of each of the two datasets
+    assert part["datasets"]["builtin:mtbench"]["baseline_prompts"] == 1
+    assert part["overall"]["lossless"]["divergence_per_prompt"] == [None, None]
+    assert part["overall"]["speedup"] > 0
+    assert _run(root, tmp_path / "none", "--baseline-prompts", "0") == 0
+    none = json.loads((tmp_path / "none" / "report.json").read_text())
+    assert "speedup" not in none["overall"] and "lossless" not in none["overall"]
+    assert none["overall"]["rounds"] == full["overall"]["rounds"]
+    assert "AR baseline prompts" in (tmp_path / "one" / "report.md").read_text()
+
+
 def test_prompts_are_the_first_user_turn_in_the_chat_template(pair):
     _, tokenizer = pair
     prompts = load_prompts("builtin:mtbench", tokenizer, num_prompts=2)
