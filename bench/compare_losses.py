@@ -5,16 +5,19 @@
     python bench/compare_losses.py --shards runs/x/shards --target /root/testbed/smollm2-bf16 \
         --out runs/loss-compare --recipe recipes/smollm2-135m.yaml --device cuda --eval-prompts 80
 
-The shards need ``last_hidden`` (``dflashkit extract --store-last-hidden``) for ``kl``. For each objective it
-trains a drafter (the recipe plus the given key=value overrides, only ``loss`` differs), reads the held-out
-τ_sim of the run's summary, then measures live τ with ``dflashkit eval`` (chain) on MT-bench. Prints a
-markdown table and writes ``compare.json``.
+The shards need ``last_hidden`` (``dflashkit extract --store-last-hidden``) for ``kl``. For each objective and
+each ``--seeds`` value it trains a drafter (the recipe plus the given key=value overrides; only ``loss`` differs
+within a seed, and the seed sets init, held-out split, data order and anchors), reads the held-out τ_sim of
+the run's summary, then measures live τ with ``dflashkit eval`` (chain, no AR baseline) on ``--eval-data``
+(default MT-bench). Prints a markdown table (mean and spread over seeds, and each objective's wins over ce
+seed by seed) and writes ``compare.json``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from pathlib import Path
 
 from dflashkit.cli import main as dflashkit
@@ -30,35 +33,63 @@ def main(argv=None):
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--eval-prompts", type=int, default=6)
     ap.add_argument("--eval-new-tokens", type=int, default=64)
+    ap.add_argument("--eval-data", nargs="+", default=["builtin:mtbench"])
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0])
     ap.add_argument("overrides", nargs="*", metavar="key=value")
     args = ap.parse_args(argv)
     out = Path(args.out)
-    rows = {}
-    for loss in args.losses:
-        run = out / loss
-        rc = dflashkit(["train", "--recipe", args.recipe, "--shards", args.shards, "--output-dir", str(run / "train"),
-                        "--loss", loss, f"export_dir={run / 'drafter'}", f"target={args.target}", "wandb=false",
-                        *(["mixed_precision=no"] if args.device == "cpu" else []), *args.overrides])
-        if rc:
-            raise SystemExit(f"training with loss={loss} failed (exit {rc})")
-        summary = json.loads((run / "train" / "summary.json").read_text())
-        rc = dflashkit(["eval", "--target", args.target, "--drafter", str(run / "drafter"), "--dataset",
-                        "builtin:mtbench", "--num-prompts", str(args.eval_prompts), "--max-new-tokens",
-                        str(args.eval_new_tokens), "--device", args.device, "--mode", "chain",
-                        "--out", str(run / "eval-chain")])
-        if rc:
-            raise SystemExit(f"eval of loss={loss} failed (exit {rc})")
-        report = json.loads((run / "eval-chain" / "report.json").read_text())
-        rows[loss] = {"tau_sim": summary.get("eval/tau_sim"), "eval_ce": summary.get("eval/ce"),
-                      "eval_acc": summary.get("eval/acc"), "steps": summary.get("step"),
-                      "tau_live_chain": report["overall"]["tau"]}
-    (out / "compare.json").write_text(json.dumps({"args": vars(args), "results": rows}, indent=2) + "\n")
-    print("| loss | steps | held-out CE | held-out acc | τ_sim | live τ (chain, MT-bench) |")
-    print("|---|---|---|---|---|---|")
-    for loss, r in rows.items():
-        print(f"| {loss} | {r['steps']} | {r['eval_ce']:.3f} | {r['eval_acc']:.3f} | {r['tau_sim']:.3f} "
-              f"| {r['tau_live_chain']:.3f} |")
+    runs = []
+    for seed in args.seeds:
+        for loss in args.losses:
+            run = out / f"{loss}-seed{seed}"
+            if not (run / "eval-chain" / "report.json").is_file():  # finished runs are kept: rerun resumes
+                train_and_eval(args, loss, seed, run)
+            summary = json.loads((run / "train" / "summary.json").read_text())
+            report = json.loads((run / "eval-chain" / "report.json").read_text())
+            runs.append({"loss": loss, "seed": seed, "tau_sim": summary.get("eval/tau_sim"),
+                         "eval_ce": summary.get("eval/ce"), "eval_acc": summary.get("eval/acc"),
+                         "steps": summary.get("step"), "tau_live_chain": report["overall"]["tau"],
+                         "rounds": report["overall"]["rounds"]})
+    (out / "compare.json").write_text(json.dumps({"args": vars(args), "runs": runs}, indent=2) + "\n")
+    print(table(runs, args.losses))
 
+
+def train_and_eval(args, loss: str, seed: int, run: Path) -> None:
+    rc = dflashkit(["train", "--recipe", args.recipe, "--shards", args.shards, "--output-dir", str(run / "train"),
+                    "--loss", loss, f"export_dir={run / 'drafter'}", f"target={args.target}", "wandb=false",
+                    f"seed={seed}", *(["mixed_precision=no"] if args.device == "cpu" else []), *args.overrides])
+    if rc:
+        raise SystemExit(f"training with loss={loss} seed={seed} failed (exit {rc})")
+    rc = dflashkit(["eval", "--target", args.target, "--drafter", str(run / "drafter"), "--dataset",
+                    *args.eval_data, "--num-prompts", str(args.eval_prompts), "--max-new-tokens",
+                    str(args.eval_new_tokens), "--device", args.device, "--mode", "chain", "--baseline-prompts", "0",
+                    "--out", str(run / "eval-chain")])
+    if rc:
+        raise SystemExit(f"eval of loss={loss} seed={seed} failed (exit {rc})")
+
+
+def table(runs: list[dict], losses: list[str]) -> str:
+    """Mean (min–max) over seeds per objective, and in how many seeds it beat ce on each acceptance measure."""
+    def spread(values):
+        return f"{statistics.mean(values):.3f} ({min(values):.3f}–{max(values):.3f})"
+
+    by = {(r["loss"], r["seed"]): r for r in runs}
+    seeds = sorted({r["seed"] for r in runs})
+    lines = ["| loss | seeds | steps | held-out CE | held-out acc | τ_sim | live τ (chain) | beats ce: τ_sim, live τ |",
+             "|---|---|---|---|---|---|---|---|"]
+    for loss in losses:
+        rs = [by[(loss, s)] for s in seeds if (loss, s) in by]
+        if not rs:
+            continue
+        wins = "—"
+        if loss != "ce" and all(("ce", s) in by for s in seeds):
+            w_sim = sum(by[(loss, s)]["tau_sim"] > by[("ce", s)]["tau_sim"] for s in seeds)
+            w_live = sum(by[(loss, s)]["tau_live_chain"] > by[("ce", s)]["tau_live_chain"] for s in seeds)
+            wins = f"{w_sim}/{len(seeds)}, {w_live}/{len(seeds)}"
+        lines.append(f"| {loss} | {len(rs)} | {rs[0]['steps']} | {spread([r['eval_ce'] for r in rs])} "
+                     f"| {spread([r['eval_acc'] for r in rs])} | {spread([r['tau_sim'] for r in rs])} "
+                     f"| {spread([r['tau_live_chain'] for r in rs])} | {wins} |")
+    return "\n".join(lines)
 
 if __name__ == "__main__":
     main()

@@ -1,5 +1,6 @@
-"""A few steps under `accelerate launch` with 2 processes (gloo, CPU) give the single-process loss: DDP and
-DeepSpeed ZeRO-2, each launched with the accelerate config file the recipes ship."""
+"""A few steps under `accelerate launch` with 2 processes (gloo, CPU) give the single-process loss: DDP,
+DeepSpeed ZeRO-2 and ZeRO-3, each launched with the accelerate config file the recipes ship; the FSDP config,
+which accelerate runs as plain data parallelism without GPUs, says so and gives the same loss."""
 
 import json
 import os
@@ -49,16 +50,17 @@ def single(tiny_run, tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config", ["ddp", "zero2"])
+@pytest.mark.parametrize("config", ["ddp", "zero2", "fsdp", "zero3"])
 def test_two_processes_give_the_single_process_loss(config, single, tiny_run, tmp_path):
-    if config == "zero2":
-        pytest.importorskip("deepspeed", reason="DeepSpeed is not installed: the ZeRO-2 run cannot be launched")
+    if config.startswith("zero"):
+        pytest.importorskip("deepspeed", reason="DeepSpeed is not installed: the ZeRO run cannot be launched")
     _, shards = tiny_run
     out = tmp_path / config
     log = run([str(ACCELERATE), "launch", "--config_file", str(ROOT / "recipes" / "accelerate" / f"{config}.yaml"),
                "--num_processes", "2", "-m", "dflashkit.train", *common(shards, out, grad_accum=2)])
-    expected = "DEEPSPEED" if config == "zero2" else "MULTI_CPU"
+    expected = {"ddp": "MULTI_CPU", "zero2": "DEEPSPEED", "zero3": "DEEPSPEED", "fsdp": "MULTI_CPU"}[config]
     assert f"dflashkit train ({expected}, cpu)" in log and "2 process(es) x 2 micro-batches" in log
+    assert ("asks for FSDP, but accelerate runs it as MULTI_CPU" in log) == (config == "fsdp")
     losses, final = metrics(out)
     ref_losses, ref_final, ref_out = single
     assert sorted(losses) == sorted(ref_losses) == [1, 2, 3]

@@ -19,6 +19,7 @@ Design choices:
 from __future__ import annotations
 
 import json
+import os
 import math
 import time
 from pathlib import Path
@@ -75,8 +76,6 @@ def build_model(cfg: TrainConfig, manifest: dict, head):
 def make_accelerator(cfg: TrainConfig):
     """An Accelerator for the launch environment. On a machine without CUDA, accelerate forms a process group
     only when told: cpu=True for plain data parallelism (gloo), or the gloo backend named for DeepSpeed."""
-    import os
-
     from accelerate import Accelerator
     from accelerate.utils import InitProcessGroupKwargs
 
@@ -174,6 +173,9 @@ def train(cfg: TrainConfig) -> dict:
     total_steps = min(planned, cfg.max_steps) if cfg.max_steps else planned
     warmup = int(round(cfg.warmup_ratio * total_steps))
     backend_name = str(accelerator.distributed_type).split(".")[-1]
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and backend_name != "FSDP":
+        say(f"note: the accelerate config asks for FSDP, but accelerate runs it as {backend_name} on "
+            f"{accelerator.device.type} (it shards only on GPUs): every process holds the whole drafter")
     say(f"dflashkit train ({backend_name}, {accelerator.device.type}): {len(train_idx)} training / {len(eval_idx)} "
         f"held-out samples, {world} process(es) x "
         f"{G} micro-batches = {world * G} sequences per step, {spe} steps per epoch, {cfg.epochs} epochs = "
