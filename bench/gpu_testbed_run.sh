@@ -44,7 +44,7 @@ fi
 stage regenerate 420 "${dk[@]}" regenerate --target "$T" --data "$D/sharegpt.jsonl" --limit "$PROMPTS" --out "$R/regen.jsonl" \
   --resume --max-new-tokens "$NEW" --batch-size 512 --max-prompt-length 512 --max-turns 1 --device "$DEVICE" --dtype "$DTYPE"
 stage extract 420 "${dk[@]}" extract --target "$T" --data "$R/regen.jsonl" --out "$R/shards" --num-taps 5 --max-length 1024 \
-  --resume --device "$DEVICE" --dtype "$DTYPE"
+  --resume --device "$DEVICE" --dtype "$DTYPE" $([ "$LOSS" = kl ] && echo --store-last-hidden)
 stage train 600 "${dk[@]}" train --recipe recipes/smollm2-135m.yaml --shards "$R/shards" --output-dir "$R/train-$LOSS" \
   --loss "$LOSS" "export_dir=$R/drafter-$LOSS" mask_token_id=16 max_length=1024 "target=$T" wandb=false \
   "epochs=$EPOCHS" eval_samples=${EVAL_SAMPLES:-64} ${TRAIN_EXTRA:-}

@@ -28,14 +28,15 @@ TARGET = "testbed:smollm2"
 MASK_TOKEN_ID = 16  # SmolLM2's reserved <empty_output>: its tokenizer has no mask token and no spare rows
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 
-# What each scale runs. small: the CPU check of `make demo`; full: the GPU testbed run of RESULTS.md.
+# What each scale runs. small: the CPU check of `make demo`; full: one GPU (not run yet: see RESULTS.md).
 SCALES = {
     "small": dict(train_prompts=96, regen_new_tokens=96, max_turns=1, max_length=512, eval_prompts=6, eval_new_tokens=64,
                   recipe="smollm2-135m-cpu.yaml", train_overrides=[], tree_budget=32, batch_size=16,
-                  eval_datasets=["builtin:mtbench"]),
-    "full": dict(train_prompts=4000, regen_new_tokens=512, max_turns=4, max_length=2048, eval_prompts=0, eval_new_tokens=256,
-                 recipe="smollm2-135m.yaml", train_overrides=[], tree_budget=64, batch_size=128,
-                 eval_datasets=["builtin:mtbench", "builtin:humaneval"]),
+                  eval_datasets=["builtin:mtbench"], baseline_prompts=None),
+    # the settings of bench/gpu_testbed_run.sh, in one process: eval of all 244 prompts, AR baseline on 10 each
+    "full": dict(train_prompts=6144, regen_new_tokens=384, max_turns=1, max_length=1024, eval_prompts=0,
+                 eval_new_tokens=256, recipe="smollm2-135m.yaml", train_overrides=["epochs=3"], tree_budget=64,
+                 batch_size=512, eval_datasets=["builtin:mtbench", "builtin:humaneval"], baseline_prompts=10),
 }
 
 
@@ -55,6 +56,8 @@ def stage_commands(run: Path, scale: dict, device: str, loss: str | None, target
     eval_common = ["--target", target, "--drafter", str(run / "drafter"), "--dataset",
                    *(eval_data or scale["eval_datasets"]),
                    "--max-new-tokens", str(scale["eval_new_tokens"]), *dev, *dtype]
+    if scale["baseline_prompts"] is not None:
+        eval_common += ["--baseline-prompts", str(scale["baseline_prompts"])]
     if scale["eval_prompts"]:
         eval_common += ["--num-prompts", str(scale["eval_prompts"])]
     else:
