@@ -1,7 +1,7 @@
 """Compare the training objectives (ce, dpace, kl) on the same shards with the same steps and seed.
 
     python bench/compare_losses.py --shards runs/x/shards --target testbed:smollm2 --out runs/loss-compare \
-        --recipe recipes/smollm2-135m-cpu.yaml epochs=4              # CPU, minutes
+        --recipe recipes/smollm2-135m-cpu.yaml --seeds 0,1,2 epochs=3 num_anchors=24    # CPU, about an hour
     python bench/compare_losses.py --shards runs/x/shards --target /root/testbed/smollm2-bf16 \
         --out runs/loss-compare --recipe recipes/smollm2-135m.yaml --device cuda --eval-prompts 80
 
@@ -34,7 +34,8 @@ def main(argv=None):
     ap.add_argument("--eval-prompts", type=int, default=6)
     ap.add_argument("--eval-new-tokens", type=int, default=64)
     ap.add_argument("--eval-data", nargs="+", default=["builtin:mtbench"])
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0])
+    ap.add_argument("--seeds", type=lambda text: [int(x) for x in text.split(",")], default=[0],
+                    help="comma-separated seeds, e.g. 0,1,2 (a list, so that key=value overrides may follow)")
     ap.add_argument("overrides", nargs="*", metavar="key=value")
     args = ap.parse_args(argv)
     out = Path(args.out)

@@ -38,7 +38,7 @@ class TrainConfig:
     sliding_window: int | None = None  # window of sliding_attention layers
     drafter: dict = field(default_factory=dict)  # extra DrafterConfig fields, e.g. {intermediate_size: 4096}
     # --- objective
-    loss: str = "ce"  # "ce" | "dpace" | "kl" (train/loss.py documents each)
+    loss: str = "dpace"  # "ce" | "dpace" | "kl" (train/loss.py documents each; dpace won the comparison in RESULTS.md)
     gamma: float = 7.0  # position decay exp(-(k-1)/gamma) of ce and kl
     dpace_alpha: float = 0.5  # D-PACE confidence smoothing (paper Eq. 7)
     kl_weight: float = 0.5  # kl: share of KL(target || draft) in the per-position loss (rest is CE)

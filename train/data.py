@@ -139,7 +139,7 @@ class BlockSource(torch.utils.data.Dataset):
         last = s.get("last_hidden") if self.use_last_hidden else None
         if self.use_last_hidden and last is None:
             raise ValueError(f"sample {index} has no last_hidden: the kl loss needs shards extracted with "
-                             f"last_hidden; re-extract or use loss=ce")
+                             f"last_hidden; re-extract, or use loss=dpace (the default) or ce")
         if self.max_length and ids.numel() > self.max_length:
             ids, mask, hidden = ids[: self.max_length], mask[: self.max_length], hidden[: self.max_length]
             last = None if last is None else last[: self.max_length]

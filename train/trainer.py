@@ -164,7 +164,7 @@ def train(cfg: TrainConfig) -> dict:
     check_manifest_matches(manifest, dcfg, target_identity(head))
     if cfg.loss == "kl" and not dataset.has_last_hidden:
         raise ValueError(f"loss=kl needs last_hidden in the shards of {cfg.shards}; re-extract them with "
-                         f"--store-last-hidden, or use loss=ce")
+                         f"--store-last-hidden, or use loss=dpace (the default) or ce")
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing = True
     train_idx, eval_idx = split_indices(len(dataset), cfg.eval_samples, cfg.seed)
