@@ -69,7 +69,8 @@ def test_eval_writes_a_complete_report_and_compares(pair, tmp_path, capsys):
 
 def test_baseline_on_the_first_prompts_only(pair, tmp_path):
     root, _ = pair
-    full = json.loads((_run(root, tmp_path / "all") == 0 and tmp_path / "all" / "report.json").read_text())
+    assert _run(root, tmp_path / "all") == 0
+    full = json.loads((tmp_path / "all" / "report.json").read_text())
     assert _run(root, tmp_path / "one", "--baseline-prompts", "1") == 0
     part = json.loads((tmp_path / "one" / "report.json").read_text())
     # tau covers every prompt: the same rounds as the run with a baseline for all of them
