@@ -82,8 +82,23 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def atomic_write(path: Path, data: bytes) -> None:
-    """Write bytes under a temporary name, fsync, rename over ``path``, fsync the directory."""
+def pause_point(name: str) -> None:
+    """Fault-injection hook for the crash tests: when ``DFLASHKIT_TEST_PAUSE_AT`` equals ``name``, write ``name`` to
+    the file ``DFLASHKIT_TEST_PAUSE_FILE`` and sleep until killed. A test can then SIGKILL the process at an exact
+    point of its work instead of after a random delay. Does nothing when the variable is unset."""
+    if os.environ.get("DFLASHKIT_TEST_PAUSE_AT") != name:
+        return
+    import time
+
+    Path(os.environ["DFLASHKIT_TEST_PAUSE_FILE"]).write_text(name)
+    while True:
+        time.sleep(60)
+
+
+def atomic_write(path: Path, data: bytes, pause_name: str | None = None) -> None:
+    """Write bytes under a temporary name, fsync, rename over ``path``, fsync the directory.
+
+    ``pause_name``: a ``pause_point`` between the fsync and the rename (crash tests)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
     try:
@@ -91,6 +106,8 @@ def atomic_write(path: Path, data: bytes) -> None:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+        if pause_name:
+            pause_point(pause_name)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)

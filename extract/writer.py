@@ -25,8 +25,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .shards import (MANIFEST, SCHEMA_VERSION, atomic_write, decode_features, encode_features, rank_manifest_name,
-                     shard_name, update_totals, write_manifest)
+from .shards import (MANIFEST, SCHEMA_VERSION, atomic_write, decode_features, encode_features, pause_point,
+                     rank_manifest_name, shard_name, update_totals, write_manifest)
 
 
 class ShardWriteError(RuntimeError):
@@ -53,7 +53,6 @@ class ShardWriter:
         self.seq = 1 + max((s["seq"] for s in mine), default=-1)
         self.pending: list[dict] = []
         self.pending_bytes = 0
-        self.bytes_written = 0
         self._error: BaseException | None = None
         self._queue: queue.Queue = queue.Queue(maxsize=queue_batches)
         self._thread = threading.Thread(target=self._run, name="dflashkit-shard-writer", daemon=True)
@@ -156,7 +155,8 @@ class ShardWriter:
         data = safetensors.torch.save(tensors, metadata={"format": "dflashkit-shard", "codec": self.codec,
                                                          "schema_version": str(SCHEMA_VERSION)})
         try:
-            atomic_write(self.dir / name, data)
+            atomic_write(self.dir / name, data, pause_name=f"shard-{self.seq}-written")
+            pause_point(f"shard-{self.seq}-renamed")
         except OSError as e:
             raise ShardWriteError(
                 f"could not write shard {self.dir / name} ({len(data)} bytes): {e.strerror or e} "
@@ -166,10 +166,10 @@ class ShardWriter:
             "file": name, "rank": self.rank, "seq": self.seq, "samples": len(lengths), "tokens": int(sum(lengths)),
             "loss_tokens": int(tensors["loss_mask"].sum()), "bytes": len(data),
             "sha256": hashlib.sha256(data).hexdigest(), "sample_indices": tensors["sample_index"].tolist()})
-        self.seq += 1
-        self.bytes_written += len(data)
         update_totals(self.manifest)
         write_manifest(self.manifest_path, self.manifest)
+        pause_point(f"shard-{self.seq}-listed")
+        self.seq += 1
 
 
 def prepare_resume(out_dir, rank: int, world_size: int) -> dict | None:

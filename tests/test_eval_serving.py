@@ -29,6 +29,11 @@ class TinyServer:
         self.count_lock = threading.Lock()  # separate, so that a waiting request still counts as in flight
         self.results = []  # GenerationResult per successful request, in completion order
         self.in_flight = self.max_in_flight = 0
+        # From the 5th counted request on (the level with 3 in flight), the first one to arrive waits until a second is
+        # in flight before generating: the overlap is then certain when the client really overlaps requests, and
+        # the wait times out (and the test fails) when it does not. No outcome depends on thread timing.
+        self.requests = 0
+        self.overlap_seen = threading.Event()
         self.counters = {"drafts": 0, "draft_tokens": 0, "accepted": 0}
 
     def generate(self, text: str, max_tokens: int):
@@ -77,8 +82,14 @@ def make_handler(server: TinyServer):
             if "FAIL" in text:
                 return self._send(400, json.dumps({"error": "refused by the test server"}))
             with server.count_lock:
+                server.requests += 1
+                gated = server.requests > 4  # 4 requests (FAIL is refused above) per level
                 server.in_flight += 1
                 server.max_in_flight = max(server.max_in_flight, server.in_flight)
+                if gated and server.in_flight > 1:
+                    server.overlap_seen.set()
+            if gated:
+                server.overlap_seen.wait(timeout=120)
             try:
                 tokens = server.generate(text, request["max_tokens"])
             finally:

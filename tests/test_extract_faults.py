@@ -3,16 +3,15 @@ two ranks (gloo) writing one dataset. Each ends with exactly the samples of an u
 
 import json
 import os
-import random
 import resource
 import signal
 import socket
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
+from tests.conftest import run_until_paused
 from test_extract_run import chat_records, save_tiny_chat_target, write_jsonl
 
 from dflashkit.extract.__main__ import main
@@ -62,35 +61,30 @@ def assert_same_dataset(out, ref, exact=True):
 
 
 @pytest.mark.slow
-def test_sigkill_at_random_points_then_resume_equals_an_uninterrupted_run(tiny, tmp_path):
+def test_sigkill_at_ten_points_then_resume_equals_an_uninterrupted_run(tiny, tmp_path):
     data = write_jsonl(tmp_path / "d.jsonl", chat_records(96, seed=1), [(5, "{broken")])
     ref = tmp_path / "ref"
     assert main(["--target", tiny, "--data", data, "--out", str(ref), *FLAGS]) == 0
-    out = tmp_path / "out"
-    rng = random.Random(7)
-    kills, finished, progress = 0, False, []
-    while not finished:
-        proc = subprocess.Popen(_cmd(tiny, data, out, "--resume"), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        if kills < 10:  # wait for this run's first new shard, then kill at a random moment after it
-            before = _shards_listed(out)
-            while proc.poll() is None and _shards_listed(out) == before:
-                time.sleep(0.01)
-            time.sleep(rng.uniform(0, 0.3))
-        if proc.poll() is None and kills < 10:
-            proc.send_signal(signal.SIGKILL)
-            proc.wait()
-            kills += 1
-            if (out / "manifest.json").exists():  # what a killed run leaves is always consistent
-                assert verify_dataset(out)[0] == []
-                progress.append(len(json.loads((out / "manifest.json").read_text())["shards"]))
-        else:
-            _, err = proc.communicate()
-            assert proc.returncode == 0, err.decode()[-2000:]
-            finished = True
-    assert kills == 10
     total = len(read_manifest(ref)["shards"])
-    assert len({p for p in progress if 0 < p < total}) >= 5, (progress, total)  # killed all along the work
-    print(f"kills after shards {progress} of {total}")
+    assert total >= 12, total
+    # ten kills at ten distinct points, spread over the run: shard `seq` written to its temporary name but not
+    # renamed, renamed but not listed in the manifest, or listed; each run resumes the one before.
+    stages = ["written", "renamed", "listed"]
+    points = [(round(1 + k * (total - 3) / 9), stages[k % 3]) for k in range(10)]
+    assert len(set(points)) == 10
+    out, pause_file = tmp_path / "out", tmp_path / "paused"
+    for seq, stage in points:
+        proc = run_until_paused(_cmd(tiny, data, out, "--resume"), f"shard-{seq}-{stage}", pause_file)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        assert verify_dataset(out)[0] == []  # what a killed run leaves is always consistent
+        listed = _shards_listed(out)
+        assert listed == (seq + 1 if stage == "listed" else seq), (seq, stage, listed)
+        if stage != "written":  # the renamed shard is on disk; only a listed one survives the resume
+            assert (out / read_manifest(ref)["shards"][seq]["file"]).exists()
+        assert (stage == "written") == any(out.glob(".*tmp"))
+    proc = subprocess.run(_cmd(tiny, data, out, "--resume"), capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
     assert_same_dataset(out, ref)
     assert not list(out.glob(".*tmp"))
 

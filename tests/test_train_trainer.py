@@ -6,11 +6,11 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
+from tests.conftest import run_until_paused
 
 from dflashkit.train.checkpoint import list_checkpoints, verify_checkpoint
 from dflashkit.train.config import load_config
@@ -58,14 +58,9 @@ def test_sigkill_and_resume_match_an_uninterrupted_run(tiny_run, tmp_path, capsy
 
     killed = tmp_path / "killed"
     argv = as_argv(tiny_overrides(shards, killed, epochs=4))
-    proc = subprocess.Popen([sys.executable, "-m", "dflashkit.train", *argv], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    deadline = time.time() + 240
-    while time.time() < deadline and proc.poll() is None:
-        if any(verify_checkpoint(p, hashes=False) is None for p in list_checkpoints(killed)):
-            break
-        time.sleep(0.01)
-    assert proc.poll() is None, f"the run ended before it could be killed: {proc.stderr.read().decode()[-2000:]}"
+    # the test-only pause hook holds the run right after its step-10 checkpoint; killed there, deterministically
+    proc = run_until_paused([sys.executable, "-m", "dflashkit.train", *argv], "checkpoint-10-saved",
+                            tmp_path / "paused")
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     assert not (killed / "summary.json").exists()

@@ -33,7 +33,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from dflashkit.extract.shards import fsync_dir, sha256_file
+from dflashkit.extract.shards import fsync_dir, pause_point, sha256_file
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 FORMAT = "dflashkit-train-checkpoint-v1"
@@ -278,6 +278,7 @@ def save_checkpoint(accelerator, model, optimizer, trainer_state: dict, output_d
         complete = [p for p in list_checkpoints(output_dir) if verify_checkpoint(p, hashes=False) is None]
         for old in complete[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
+        pause_point(f"checkpoint-{step}-saved")
     accelerator.wait_for_everyone()
     return final
 
