@@ -26,9 +26,9 @@ from pathlib import Path
 
 import torch
 
-from dflashkit.extract.capture import LayerCapture, real_tokens
+from dflashkit.target.capture import LayerCapture, real_tokens
 from dflashkit.extract.shards import bytes_per_token
-from dflashkit.extract.target import Target, find_decoder, load_target
+from dflashkit.target.loading import Target, find_decoder, load_target
 from dflashkit.extract.writer import ShardWriter
 
 

@@ -118,7 +118,7 @@ def run_eval(args) -> dict:
     from tqdm import tqdm
 
     from dflashkit.drafter import load_drafter
-    from dflashkit.extract.target import load_target
+    from dflashkit.target.loading import load_target
 
     from .engine import DecodeConfig, SpeculativeDecoder
     from .prompts import load_prompts

@@ -22,7 +22,7 @@ TREE_REFUSAL = ("tree verification is not supported for hybrid targets (linear-a
 
 
 def _cache_kwargs(model: nn.Module, cache) -> dict:
-    from dflashkit.extract.target import cache_kwargs
+    from dflashkit.target.loading import cache_kwargs
 
     return cache_kwargs(model, cache)
 

@@ -116,7 +116,7 @@ def register_tree_attention() -> None:
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The text decoder's layer list (layer i's output is Hugging Face hidden_states[i + 1])."""
-    from dflashkit.extract.target import find_decoder
+    from dflashkit.target.loading import find_decoder
 
     return find_decoder(model).layers
 

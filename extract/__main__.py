@@ -143,10 +143,10 @@ def _summary(manifest: dict, out: Path, seconds: float, tokens_this_run: int) ->
 
 
 def run(args) -> dict:
-    from .capture import LayerCapture, check_layer_ids
+    from dflashkit.target.capture import LayerCapture, check_layer_ids
     from .chat import check_template
     from .sources import describe_sources
-    from .target import load_target
+    from dflashkit.target.loading import load_target
 
     rank, world, local_rank = _dist()
     out = Path(args.out)

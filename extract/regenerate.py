@@ -96,7 +96,7 @@ class HFGenerator:
     """Batched Hugging Face generation, turn by turn."""
 
     def __init__(self, args, template_kwargs: dict):
-        from .target import load_target
+        from dflashkit.target.loading import load_target
 
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
         dtype = getattr(torch, args.dtype or ("bfloat16" if device.startswith("cuda") else "float32"))

@@ -5,9 +5,9 @@ import pytest
 import torch
 from test_target_families import TINY_FAMILIES, save_tiny_target
 
-from dflashkit.extract.capture import (LayerCapture, capture_features, check_layer_ids, positions_from_mask,
+from dflashkit.target.capture import (LayerCapture, capture_features, check_layer_ids, positions_from_mask,
                                        real_tokens)
-from dflashkit.extract.target import load_target
+from dflashkit.target.loading import load_target
 
 LENGTHS = [9, 6, 3]
 

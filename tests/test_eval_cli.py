@@ -17,7 +17,7 @@ NEW = 6
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    from dflashkit.extract.target import resolve_target_dir
+    from dflashkit.target.loading import resolve_target_dir
 
     root = tmp_path_factory.mktemp("eval_cli")
     tokenizer = tf.AutoTokenizer.from_pretrained(resolve_target_dir("testbed:smollm2")[0])

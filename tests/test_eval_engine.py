@@ -12,7 +12,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from dflashkit.drafter import DrafterConfig, build_drafter, save_drafter
 from dflashkit.eval.engine import DecodeConfig, SpeculativeDecoder
-from dflashkit.extract.target import cache_kwargs
+from dflashkit.target.loading import cache_kwargs
 
 VOCAB, BLOCK, NEW = 6, 4, 30
 

@@ -84,7 +84,7 @@ def smollm2_tokenizer():
     """The testbed's tokenizer (ChatML template), from the cached conversion of the packaged GGUF."""
     from transformers import AutoTokenizer
 
-    from dflashkit.extract.target import resolve_target_dir
+    from dflashkit.target.loading import resolve_target_dir
 
     model_dir, _ = resolve_target_dir("testbed:smollm2")
     return AutoTokenizer.from_pretrained(model_dir)

@@ -10,7 +10,7 @@ import pytest
 import torch
 import transformers as tf
 
-from dflashkit.extract.target import FAMILIES, load_target, load_target_head
+from dflashkit.target.loading import FAMILIES, load_target, load_target_head
 
 _BASE = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
@@ -183,7 +183,7 @@ def test_identity_hashes(tiny_dirs, tmp_path):
 def test_default_layer_ids_follow_the_reference():
     from dflash.model import build_target_layer_ids
 
-    from dflashkit.extract.target import Target
+    from dflashkit.target.loading import Target
 
     for num_layers, n in [(30, 5), (36, 5), (28, 3), (48, 1)]:
         stub = Target(*([None] * 7), layers=[None] * num_layers, embed_tokens=None, embedding_scale=1.0,
@@ -225,7 +225,7 @@ def test_families_cover_the_supported_model_types():
 
 
 def test_cache_kwargs_follow_the_forward_signature(tiny_dirs):
-    from dflashkit.extract.target import cache_kwargs
+    from dflashkit.target.loading import cache_kwargs
 
     class OldStyle(torch.nn.Module):
         def forward(self, input_ids, past_key_values=None):

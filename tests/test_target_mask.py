@@ -5,7 +5,7 @@ import pytest
 import transformers as tf
 from test_target_families import tiny_tokenizer
 
-from dflashkit.extract.target import resolve_mask_token_id
+from dflashkit.target.loading import resolve_mask_token_id
 
 
 @pytest.fixture

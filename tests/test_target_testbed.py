@@ -7,8 +7,8 @@ The first run converts the GGUF (about half a minute); later runs reuse the cach
 import pytest
 import torch
 
-from dflashkit.extract.capture import capture_features
-from dflashkit.extract.target import TESTBEDS, cache_root, gguf_cache_dir, load_target, load_target_head, resolve_target_dir
+from dflashkit.target.capture import capture_features
+from dflashkit.target.loading import TESTBEDS, cache_root, gguf_cache_dir, load_target, load_target_head, resolve_target_dir
 
 pytestmark = pytest.mark.slow
 

@@ -36,7 +36,7 @@ def make_shards(path: Path, target_dir: Path, num_samples: int = 12, lengths=(24
     from transformers import AutoModelForCausalLM
 
     from dflashkit.extract.shards import SCHEMA_VERSION, update_totals, write_manifest
-    from dflashkit.extract.target import identity_of
+    from dflashkit.target.loading import identity_of
     from dflashkit.extract.writer import ShardWriter
 
     target = AutoModelForCausalLM.from_pretrained(target_dir).eval()

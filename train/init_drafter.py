@@ -15,7 +15,7 @@ import json
 import torch
 
 from dflashkit.drafter import DrafterConfig, build_drafter, save_drafter
-from dflashkit.extract.target import load_target_head, resolve_mask_token_id
+from dflashkit.target.loading import load_target_head, resolve_mask_token_id
 
 
 def parse_layer_types(text: str | None, num_layers: int) -> list[str] | None:

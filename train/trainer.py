@@ -49,7 +49,7 @@ def resolve_mask_token(cfg: TrainConfig, manifest: dict, head) -> int:
         return int(manifest["mask_token_id"])
     from transformers import AutoTokenizer
 
-    from dflashkit.extract.target import resolve_mask_token_id
+    from dflashkit.target.loading import resolve_mask_token_id
 
     tokenizer = AutoTokenizer.from_pretrained(head.model_dir)
     return resolve_mask_token_id(tokenizer, head.config)
@@ -142,7 +142,7 @@ def train(cfg: TrainConfig) -> dict:
     from accelerate.utils import set_seed
 
     from dflashkit.extract.shards import ShardDataset, check_manifest_matches
-    from dflashkit.extract.target import load_target_head
+    from dflashkit.target.loading import load_target_head
 
     # --- setup --------------------------------------------------------------------------------------------
     if not cfg.shards:

@@ -186,7 +186,7 @@ def family_of(model_dir: Path) -> Family:
         raise ValueError(
             f"{Path(model_dir) / 'config.json'}: model_type {model_type!r} is not supported. dflashkit knows "
             f"where the decoder layers, input embedding (and its scale), final norm and lm_head are for: "
-            f"{', '.join(FAMILIES)}. A new family needs a FAMILIES entry in extract/target.py (its final-norm "
+            f"{', '.join(FAMILIES)}. A new family needs a FAMILIES entry in target/loading.py (its final-norm "
             "class and embedding scale) and its tests.")
     return FAMILIES[model_type]
 
@@ -281,7 +281,7 @@ def find_decoder(model: nn.Module) -> nn.Module:
             return module
     raise ValueError(f"{type(model).__name__}: found no text decoder with `layers`, `embed_tokens` and `norm` at "
                      f"{' or '.join('model.' + p for p in _DECODER_PATHS)}; this architecture needs its own "
-                     "FAMILIES entry and layout in extract/target.py")
+                     "FAMILIES entry and layout in target/loading.py")
 
 
 def load_target(spec: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
