@@ -1,12 +1,18 @@
 """The `dflashkit` command: dispatches each subcommand to the module that implements it.
 
     dflashkit <command> [args...]      (each also runs as `python -m <module>`)
+
+Exit status, the same for every command (dflashkit/errors.py): 0 done, 2 a user error (one line that names the
+file or field and the fix), 1 a failure (with its traceback).
 """
 
 from __future__ import annotations
 
 import importlib
 import sys
+from typing import Callable
+
+from dflashkit.errors import USER_ERRORS
 
 # subcommand -> (module with a `main(argv)`, one-line help)
 COMMANDS = {
@@ -41,10 +47,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dflashkit: unknown command {name!r}; commands: {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
     module = importlib.import_module(COMMANDS[name][0])
+    return run_main(f"dflashkit {name}", module.main, rest)
+
+
+def run_main(prog: str, main: Callable[[list[str] | None], int | None], argv: list[str] | None = None) -> int:
+    """Run a command's ``main(argv)``: the one place where a user error becomes one line and exit status 2.
+    Other exceptions propagate (traceback, exit status 1). Each ``python -m dflashkit.X`` ends with
+    ``sys.exit(run_main("dflashkit X", main))``."""
     try:
-        return int(module.main(rest) or 0)
-    except (ValueError, FileNotFoundError) as e:  # bad input: one clear line, no traceback
-        print(f"dflashkit {name}: error: {e}", file=sys.stderr)
+        return int(main(argv) or 0)
+    except USER_ERRORS as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
 
 

@@ -411,22 +411,16 @@ def cache_kwargs(model: nn.Module, cache) -> dict:
 
 def resolve_mask_token_id(tokenizer, config, explicit: int | None = None) -> int:
     """The block's MASK id: `explicit`, else the tokenizer's mask token, else the first embedding row past the
-    tokenizer's vocabulary (those rows exist when config.vocab_size > len(tokenizer)), else ValueError."""
+    tokenizer's vocabulary (those rows exist when config.vocab_size > len(tokenizer)), else ValueError.
+    `tokenizer` is only read when `explicit` is None. The range check is DrafterConfig's (every id ends there)."""
+    if explicit is not None:
+        return int(explicit)
+    if getattr(tokenizer, "mask_token_id", None) is not None:
+        return int(tokenizer.mask_token_id)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     vocab_size = int(text.vocab_size)
-
-    def checked(token_id: int, source: str) -> int:
-        if not 0 <= int(token_id) < vocab_size:
-            raise ValueError(f"mask_token_id={token_id} ({source}) is outside the target's embedding rows "
-                             f"[0, {vocab_size}) (config vocab_size); pass --mask-token-id with an id in that range")
-        return int(token_id)
-
-    if explicit is not None:
-        return checked(explicit, "given explicitly")
-    if getattr(tokenizer, "mask_token_id", None) is not None:
-        return checked(tokenizer.mask_token_id, "the tokenizer's mask_token")
     if vocab_size > len(tokenizer):
         return len(tokenizer)
     raise ValueError(f"no mask_token_id: the tokenizer has no mask token and all {vocab_size} embedding rows "
-                     "(config vocab_size) are tokenizer tokens; pass --mask-token-id ID with an unused or reserved "
-                     "token id of the target")
+                     "(config vocab_size) are tokenizer tokens; pass --mask-token-id ID (mask_token_id=ID in a "
+                     "recipe) with an unused or reserved token id of the target")

@@ -5,6 +5,7 @@ import pytest
 import transformers as tf
 from test_target_families import tiny_tokenizer
 
+from dflashkit.drafter import DrafterConfig
 from dflashkit.target.loading import resolve_mask_token_id
 
 
@@ -13,14 +14,15 @@ def tokenizer():
     return tiny_tokenizer(num_words=240)  # 244 tokens
 
 
-def test_explicit_id_wins_and_is_range_checked(tokenizer):
-    config = tf.Qwen3Config(vocab_size=300)
+def test_explicit_id_wins_and_the_drafter_config_range_checks_it(tokenizer):
+    config = tf.Qwen3Config(vocab_size=300, num_hidden_layers=4)
     tokenizer.add_special_tokens({"mask_token": "<mask>"})
-    assert resolve_mask_token_id(tokenizer, config, explicit=7) == 7
+    assert resolve_mask_token_id(None, config, explicit=7) == 7  # an explicit id needs no tokenizer
     assert resolve_mask_token_id(tokenizer, config, explicit=299) == 299
-    for bad in (300, -1):
-        with pytest.raises(ValueError, match=rf"mask_token_id={bad} .*\[0, 300\).*--mask-token-id"):
-            resolve_mask_token_id(tokenizer, config, explicit=bad)
+    assert DrafterConfig.for_target(config, mask_token_id=299).mask_token_id == 299
+    for bad in (300, -1):  # the one range check: every resolved id ends in a DrafterConfig
+        with pytest.raises(ValueError, match=rf"mask_token_id {bad} is outside the target's vocabulary \(0..299\)"):
+            DrafterConfig.for_target(config, mask_token_id=resolve_mask_token_id(tokenizer, config, explicit=bad))
 
 
 def test_tokenizer_mask_token_comes_next(tokenizer):

@@ -13,11 +13,5 @@ from .loss import block_loss, dpace_weights, loss_denominator, position_decay
 
 __all__ = ["TrainConfig", "anchor_candidates", "block_loss", "block_mask_mod", "build_block_masks",
            "dense_block_mask", "dpace_weights", "eval_anchors", "flex_block_mask", "load_config",
-           "loss_denominator", "position_decay", "sample_anchors", "train"]
+           "loss_denominator", "position_decay", "sample_anchors"]
 
-
-def train(cfg: TrainConfig) -> dict:
-    """Run training (see train/trainer.py); returns the run summary."""
-    from .trainer import train as _train
-
-    return _train(cfg)

@@ -33,7 +33,7 @@ class TrainConfig:
     num_hidden_layers: int = 5  # drafter decoder layers (new drafters only)
     block_size: int = 16  # tokens per block: the anchor + block_size-1 predictions
     target_layer_ids: list = field(default_factory=list)  # empty -> the shards' layer ids
-    mask_token_id: int | None = None  # None -> the manifest's, else the tokenizer's mask token / a spare row
+    mask_token_id: int | None = None  # None -> the tokenizer's mask token, else a spare embedding row
     layer_types: list = field(default_factory=list)  # per drafter layer; empty -> all full_attention
     sliding_window: int | None = None  # window of sliding_attention layers
     drafter: dict = field(default_factory=dict)  # extra DrafterConfig fields, e.g. {intermediate_size: 4096}

@@ -1,59 +1,64 @@
 """`dflashkit init-drafter`: write a randomly initialised drafter export for a target.
 
 Lets a user see and check the config (taps, block size, mask token, layer layout) before any training, and
-gives tests and benchmarks a drafter in the exact export format.
+gives tests and benchmarks a drafter in the exact export format. It takes the road of training: a recipe and
+``key=value`` overrides become a TrainConfig (train/config.py), and the trainer's model builder makes the drafter,
+so the drafter written here is the one `dflashkit train` would start from.
 
-    dflashkit init-drafter --target testbed:smollm2 --out runs/drafter0 --num-layers 3 --block-size 16
-    python -m dflashkit.train.init_drafter --target /models/Qwen3-8B --out drafter0 --target-layer-ids 1 9 17 25 33
+    dflashkit init-drafter --target testbed:smollm2 --out runs/drafter0 --num-layers 3 --block-size 16 \\
+        --mask-token-id 16
+    dflashkit init-drafter --target /models/Qwen3-8B --out drafter0 --recipe recipes/qwen3-8b.yaml
+    python -m dflashkit.train.init_drafter --target /models/Qwen3-8B --out drafter0 target_layer_ids=[1,9,17,25,33]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import torch
 
-from dflashkit.drafter import DrafterConfig, build_drafter, save_drafter
-from dflashkit.target.loading import load_target_head, resolve_mask_token_id
+from dflashkit.errors import UserError
+
+from .config import TrainConfig, load_config
+
+LAYER_TYPE_NAMES = {"full": "full_attention", "sliding": "sliding_attention",
+                    "full_attention": "full_attention", "sliding_attention": "sliding_attention"}
 
 
 def parse_layer_types(text: str | None, num_layers: int) -> list[str] | None:
     """'full' / 'sliding' / a comma list like 'sliding,sliding,full' -> layer_types."""
     if not text:
         return None
-    names = {"full": "full_attention", "sliding": "sliding_attention",
-             "full_attention": "full_attention", "sliding_attention": "sliding_attention"}
     parts = [p.strip() for p in text.split(",")]
-    bad = [p for p in parts if p not in names]
+    bad = [p for p in parts if p not in LAYER_TYPE_NAMES]
     if bad:
-        raise SystemExit(f"--layer-types: unknown {bad}; use full, sliding or a comma list of them")
+        raise UserError(f"--layer-types: unknown {bad}; use full, sliding or a comma list of them")
     if len(parts) == 1:
         parts = parts * num_layers
     if len(parts) != num_layers:
-        raise SystemExit(f"--layer-types has {len(parts)} entries for --num-layers {num_layers}")
-    return [names[p] for p in parts]
+        raise UserError(f"--layer-types has {len(parts)} entries for {num_layers} drafter layers; give one per layer "
+                        f"or a single type for all")
+    return [LAYER_TYPE_NAMES[p] for p in parts]
 
 
-def drafter_config_for(target: str, num_layers: int = 5, block_size: int = 16,
-                       target_layer_ids: list[int] | None = None, mask_token_id: int | None = None,
-                       layer_types: list[str] | None = None, sliding_window: int | None = None,
-                       trust_remote_code: bool = False) -> DrafterConfig:
-    """A DrafterConfig sized for `target`, with the mask token resolved as DESIGN.md says."""
-    from transformers import AutoTokenizer
+def init_drafter(cfg: TrainConfig, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16):
+    """Build a new drafter for ``cfg.target`` as training does (seeded by ``cfg.seed``) and export it to
+    ``out_dir``; returns (export path, DrafterConfig)."""
+    from dflashkit.drafter import save_drafter
+    from dflashkit.target.loading import load_target_head
 
-    head = load_target_head(target, trust_remote_code=trust_remote_code)
-    tokenizer = AutoTokenizer.from_pretrained(head.model_dir, trust_remote_code=trust_remote_code)
-    mask = resolve_mask_token_id(tokenizer, head.config, mask_token_id)
-    if target_layer_ids:
-        n = head.config.num_hidden_layers
-        bad = [i for i in target_layer_ids if not 0 <= i < n]
-        if bad:
-            raise ValueError(f"--target-layer-ids {target_layer_ids}: {bad} outside the target's decoder layers "
-                             f"0..{n - 1} (layer i's output is hidden_states[i+1]); pick ids in that range")
-    return DrafterConfig.for_target(head.config, num_hidden_layers=num_layers, block_size=block_size,
-                                    target_layer_ids=target_layer_ids, mask_token_id=mask, layer_types=layer_types,
-                                    sliding_window=sliding_window, input_embedding_scale=head.embedding_scale)
+    from .trainer import build_model
+
+    if not cfg.target:
+        raise UserError("target: no target given; pass --target (an HF model dir, a .gguf file or testbed:smollm2)")
+    if cfg.init_from:
+        raise UserError(f"init_from={cfg.init_from}: init-drafter writes a new drafter; drop init_from")
+    torch.manual_seed(cfg.seed)
+    head = load_target_head(cfg.target)
+    model, dcfg = build_model(cfg, {}, head)
+    return save_drafter(model, out_dir, dtype=dtype), dcfg
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,22 +66,25 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", required=True, help="HF model dir, .gguf file or testbed:smollm2")
     ap.add_argument("--out", required=True, help="export directory to write")
-    ap.add_argument("--num-layers", type=int, default=5, help="drafter decoder layers (default 5)")
-    ap.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16)")
+    ap.add_argument("--recipe", help="a training recipe (recipes/NAME.yaml): its drafter fields are used")
+    ap.add_argument("--num-layers", type=int, help="drafter decoder layers (= num_hidden_layers; default 5)")
+    ap.add_argument("--block-size", type=int, help="tokens per block (= block_size; default 16)")
     ap.add_argument("--target-layer-ids", type=int, nargs="+", help="decoder layers to tap (default: evenly spaced)")
     ap.add_argument("--mask-token-id", type=int, help="MASK id (default: tokenizer's mask token or a spare row)")
     ap.add_argument("--layer-types", help="full, sliding, or a comma list per layer (default full)")
     ap.add_argument("--sliding-window", type=int, help="window of sliding layers")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, help="init seed (= seed; default 0)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
-    ap.add_argument("--trust-remote-code", action="store_true", help="allow the target's own modeling code")
+    ap.add_argument("overrides", nargs="*", metavar="key=value", help="any TrainConfig field (train/config.py)")
     args = ap.parse_args(argv)
-    torch.manual_seed(args.seed)
-    cfg = drafter_config_for(args.target, args.num_layers, args.block_size, args.target_layer_ids,
-                             args.mask_token_id, parse_layer_types(args.layer_types, args.num_layers),
-                             args.sliding_window, args.trust_remote_code)
-    out = save_drafter(build_drafter(cfg), args.out, dtype=getattr(torch, args.dtype))
-    summary = {k: v for k, v in cfg.to_json_dict().items()
+    flags = {"target": args.target, "num_hidden_layers": args.num_layers, "block_size": args.block_size,
+             "target_layer_ids": args.target_layer_ids, "mask_token_id": args.mask_token_id,
+             "sliding_window": args.sliding_window, "seed": args.seed}
+    cfg = load_config(args.recipe, args.overrides, **{k: v for k, v in flags.items() if v is not None})
+    if args.layer_types:
+        cfg.layer_types = parse_layer_types(args.layer_types, cfg.num_hidden_layers)
+    out, dcfg = init_drafter(cfg, args.out, dtype=getattr(torch, args.dtype))
+    summary = {k: v for k, v in dcfg.to_json_dict().items()
                if k in ("hidden_size", "num_hidden_layers", "block_size", "target_layer_ids", "mask_token_id",
                         "layer_types", "sliding_window", "vocab_size", "input_embedding_scale")}
     print(f"wrote {out}\n{json.dumps(summary, indent=1)}")
@@ -84,4 +92,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    import sys
+
+    from dflashkit.cli import run_main
+
+    sys.exit(run_main("dflashkit init-drafter", main))

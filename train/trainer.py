@@ -42,17 +42,14 @@ def lr_at(step: int, total_steps: int, warmup_steps: int, min_lr_ratio: float) -
     return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 
-def resolve_mask_token(cfg: TrainConfig, manifest: dict, head) -> int:
-    if cfg.mask_token_id is not None:
-        return int(cfg.mask_token_id)
-    if manifest.get("mask_token_id") is not None:
-        return int(manifest["mask_token_id"])
+def resolve_mask_token(cfg: TrainConfig, head) -> int:
+    """cfg.mask_token_id, else the tokenizer's mask token or a spare row (the one resolver, target/loading.py)."""
     from transformers import AutoTokenizer
 
     from dflashkit.target.loading import resolve_mask_token_id
 
-    tokenizer = AutoTokenizer.from_pretrained(head.model_dir)
-    return resolve_mask_token_id(tokenizer, head.config)
+    tokenizer = None if cfg.mask_token_id is not None else AutoTokenizer.from_pretrained(head.model_dir)
+    return resolve_mask_token_id(tokenizer, head.config, cfg.mask_token_id)
 
 
 def build_model(cfg: TrainConfig, manifest: dict, head):
@@ -68,7 +65,7 @@ def build_model(cfg: TrainConfig, manifest: dict, head):
     dcfg = DrafterConfig.for_target(
         head.config, num_hidden_layers=cfg.num_hidden_layers, block_size=cfg.block_size,
         target_layer_ids=list(cfg.target_layer_ids or manifest.get("target_layer_ids") or []),
-        mask_token_id=resolve_mask_token(cfg, manifest, head), layer_types=list(cfg.layer_types),
+        mask_token_id=resolve_mask_token(cfg, head), layer_types=list(cfg.layer_types),
         sliding_window=cfg.sliding_window, input_embedding_scale=float(head.embedding_scale), **cfg.drafter)
     return build_drafter(dcfg).train(), dcfg
 
