@@ -20,6 +20,8 @@ import platform
 import sys
 import time
 
+from dflashkit.errors import UserError
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dflashkit eval", description=__doc__.split("\n")[0],
@@ -101,7 +103,7 @@ def check_pair(target, drafter, drafter_path: str) -> None:
     if max(drafter.target_layer_ids) >= target.num_layers:
         problems.append(f"target_layer_ids {drafter.target_layer_ids} exceed the target's {target.num_layers} layers")
     if problems:
-        raise SystemExit(f"{drafter_path}/config.json does not fit target {target.path}: " + "; ".join(problems)
+        raise UserError(f"{drafter_path}/config.json does not fit target {target.path}: " + "; ".join(problems)
                          + ". Train or export the drafter for this target.")
 
 
@@ -125,7 +127,7 @@ def run_eval(args) -> dict:
     from .report import summarize, write_report
 
     if not (args.target and args.drafter and args.out):
-        raise SystemExit("dflashkit eval needs --target, --drafter and --out (or --compare / --server)")
+        raise UserError("dflashkit eval needs --target, --drafter and --out (or --compare / --server)")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     target = load_target(args.target, dtype=dtype, device=device, device_map=args.device_map)
@@ -187,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         run_sweep(args)
         return 0
     if args.baseline_prompts is not None and args.baseline_prompts < 0:
-        raise SystemExit(f"--baseline-prompts must be 0 or more, got {args.baseline_prompts}")
+        raise UserError(f"--baseline-prompts must be 0 or more, got {args.baseline_prompts}")
     report = run_eval(args)
     overall = report["overall"]
     speed = (f"speedup {overall['speedup']:.2f}x; verify/AR step {overall['verify_over_ar_step']:.2f}"
@@ -197,4 +199,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from dflashkit.cli import run_main
+
+    sys.exit(run_main("dflashkit eval", main))

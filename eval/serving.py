@@ -26,7 +26,6 @@ from pathlib import Path
 
 VLLM_DRAFTS = "vllm:spec_decode_num_drafts_total"
 VLLM_ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
-VLLM_DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens_total"
 SGLANG_ACCEPT_LENGTH = "sglang:spec_accept_length"
 
 

@@ -268,12 +268,17 @@ def main(argv=None) -> int:
     except BadSample as e:
         print(f"dflashkit extract: error: {e}\n  fix the record, or pass --on-bad skip to skip and count such "
               "records", file=sys.stderr)
-        return 1
-    except (ValueError, FileNotFoundError, TemplateError, ShardWriteError) as e:
+        return 2
+    except (ValueError, FileNotFoundError, TemplateError) as e:  # bad input (dflashkit/errors.py)
+        print(f"dflashkit extract: error: {e}", file=sys.stderr)
+        return 2
+    except ShardWriteError as e:  # a failure: the disk, not the input
         print(f"dflashkit extract: error: {e}", file=sys.stderr)
         return 1
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from dflashkit.cli import run_main
+
+    sys.exit(run_main("dflashkit extract", main))

@@ -326,12 +326,14 @@ def main(argv=None) -> int:
         run(args)
     except BadSample as e:
         print(f"dflashkit regenerate: error: {e}\n  fix the record, or pass --on-bad skip", file=sys.stderr)
-        return 1
-    except (ValueError, FileNotFoundError) as e:
+        return 2
+    except (ValueError, FileNotFoundError) as e:  # bad input (dflashkit/errors.py)
         print(f"dflashkit regenerate: error: {e}", file=sys.stderr)
-        return 1
+        return 2
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from dflashkit.cli import run_main
+
+    sys.exit(run_main("dflashkit regenerate", main))

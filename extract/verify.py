@@ -139,4 +139,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from dflashkit.cli import run_main
+
+    sys.exit(run_main("dflashkit verify", main))

@@ -3,7 +3,7 @@ padding (either side) changes nothing for real tokens, and the forward really st
 
 import pytest
 import torch
-from test_target_families import TINY_FAMILIES, save_tiny_target
+from conftest import TINY_FAMILIES, save_tiny_target
 
 from dflashkit.target.capture import (LayerCapture, capture_features, check_layer_ids, positions_from_mask,
                                        real_tokens)

@@ -10,7 +10,8 @@ import transformers as tf
 from dflashkit.drafter import DrafterConfig, build_drafter, save_drafter
 from dflashkit.eval.__main__ import main
 from dflashkit.eval.prompts import load_prompts
-from tests.test_eval_engine import one_thread  # noqa: F401 (fixture)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 NEW = 6
 
@@ -101,5 +102,5 @@ def test_mismatched_drafter_is_refused(pair, tmp_path):
                            num_attention_heads=4, num_key_value_heads=2)
     save_drafter(build_drafter(DrafterConfig.for_target(other, num_hidden_layers=1, mask_token_id=0)),
                  tmp_path / "bad")
-    with pytest.raises(SystemExit, match="vocab_size 1000 != target's 49152"):
+    with pytest.raises(ValueError, match="vocab_size 1000 != target's 49152"):
         main(["--target", str(root / "target"), "--drafter", str(tmp_path / "bad"), "--out", str(tmp_path / "o")])

@@ -8,28 +8,15 @@ import time
 
 import pytest
 import torch
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from conftest import VOCAB, prompts, tiny_target_config
+from transformers import DynamicCache, LlamaForCausalLM
 
 from dflashkit.drafter import DrafterConfig, build_drafter, save_drafter
 from dflashkit.eval.engine import DecodeConfig, SpeculativeDecoder
 from dflashkit.target.loading import cache_kwargs
 
-VOCAB, BLOCK, NEW = 6, 4, 30
-
-
-def tiny_target_config(**overrides):
-    fields = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.3)
-    return LlamaConfig(**{**fields, **overrides})
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models gain nothing from threads, and lose a lot to them on a shared machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+BLOCK, NEW = 4, 30
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
@@ -40,11 +27,6 @@ def pair():
     drafter = build_drafter(DrafterConfig.for_target(config, num_hidden_layers=1, block_size=BLOCK,
                                                      mask_token_id=VOCAB - 1)).eval()
     return target, drafter
-
-
-def prompts(n=10, length=8):
-    return [torch.randint(0, VOCAB, (length,), generator=torch.Generator().manual_seed(s)).tolist()
-            for s in range(n)]
 
 
 def run(target, drafter, **config):
@@ -66,7 +48,7 @@ def test_greedy_speculative_equals_autoregressive(pair, mode):
 
 
 def test_chain_tau_equals_reference_round_by_round(pair, tmp_path, monkeypatch):
-    ref = pytest.importorskip("dflash.model", reason="the reference package `dflash` is not installed")
+    import dflash.model as ref  # the reference package: a dev dependency, installed by `make test`
     monkeypatch.setattr(ref, "_cuda_time", time.perf_counter)  # the reference times with CUDA syncs
     target, drafter = pair
     save_drafter(drafter, tmp_path / "drafter")

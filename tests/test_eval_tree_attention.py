@@ -14,7 +14,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from dflashkit.eval.tree import ancestor_mask, build_tree
 from dflashkit.eval.tree_attention import tree_attention_reference
 from dflashkit.eval.verifier import TargetVerifier
-from tests.test_eval_engine import one_thread  # noqa: F401 (fixture: tiny models run faster on one thread)
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models run faster on one thread
 
 
 def _case(seed=0, b=2, hkv=2, group=3, n=7, d=24, slots=80, prefixes=(33, 50)):

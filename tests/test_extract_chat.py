@@ -11,6 +11,7 @@ import copy
 import functools
 
 import pytest
+from conftest import smollm2_tokenizer
 
 from dflashkit.extract.chat import (BadSample, ChatConfig, NoChatTemplate, TemplateError, chat_template_hash,
                                     check_template, encode_record, end_of_turn_token, tokenizer_hash)
@@ -77,17 +78,6 @@ PLAIN = "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\\n' }}{% 
         "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}"
 FAMILY_SPECIALS = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<bos>",
                    "<start_of_turn>", "<end_of_turn>"]
-
-
-@functools.lru_cache(maxsize=1)
-def smollm2_tokenizer():
-    """The testbed's tokenizer (ChatML template), from the cached conversion of the packaged GGUF."""
-    from transformers import AutoTokenizer
-
-    from dflashkit.target.loading import resolve_target_dir
-
-    model_dir, _ = resolve_target_dir("testbed:smollm2")
-    return AutoTokenizer.from_pretrained(model_dir)
 
 
 @functools.lru_cache(maxsize=1)

@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 from tests.conftest import run_until_paused
-from test_extract_run import chat_records, save_tiny_chat_target, write_jsonl
+from conftest import chat_records, save_tiny_chat_target, write_jsonl
 
 from dflashkit.extract.__main__ import main
 from dflashkit.extract.shards import ShardDataset, read_manifest

@@ -7,8 +7,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
-from test_extract_chat import smollm2_tokenizer
-from test_extract_run import _hf_model, save_tiny_chat_target
+from conftest import hf_model as _hf_model
+from conftest import save_tiny_chat_target, smollm2_tokenizer
 
 from dflashkit.extract.__main__ import main as extract_main
 from dflashkit.extract.regenerate import main
@@ -82,7 +82,7 @@ def test_resume_drops_a_cut_line_and_completes(tiny, tmp_path):
     assert main([*flags, "--out", str(part), "--limit", "2"]) == 0
     with open(part, "a") as f:
         f.write('{"index": 2, "source": "cut by a ki')  # the run died mid-line
-    assert main([*flags, "--out", str(part)]) == 1  # an existing output needs --resume
+    assert main([*flags, "--out", str(part)]) == 2  # an existing output needs --resume
     assert main([*flags, "--out", str(part), "--resume"]) == 0
     assert part.read_text() == full.read_text()
 
@@ -150,7 +150,7 @@ def test_unreachable_server_fails_with_the_url(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr("time.sleep", lambda s: None)
     data = _jsonl(tmp_path / "in.jsonl", RECORDS[:1])
     assert main(["--server", "http://127.0.0.1:9/v1", "--model", "m", "--data", data, "--out",
-                 str(tmp_path / "o.jsonl"), "--no-progress"]) == 1
+                 str(tmp_path / "o.jsonl"), "--no-progress"]) == 2
     assert "http://127.0.0.1:9/v1/chat/completions" in capsys.readouterr().err
 
 
@@ -172,7 +172,7 @@ def test_sampling_is_seeded_and_limits_apply(tiny, tmp_path, capsys):
     assert main([*flags, "--out", str(short), "--max-prompt-length", "35"]) == 0
     assert [json.loads(line)["index"] for line in short.read_text().splitlines()] == [1, 2]
     assert "'too_long': 2" in capsys.readouterr().err
-    assert main([*flags, "--out", str(tmp_path / "f.jsonl"), "--on-bad", "fail"]) == 1
+    assert main([*flags, "--out", str(tmp_path / "f.jsonl"), "--on-bad", "fail"]) == 2
     assert f"{data}:4: no_user_turn" in capsys.readouterr().err
 
 

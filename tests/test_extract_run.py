@@ -2,13 +2,13 @@
 Hugging Face's hidden_states[i + 1] of each sample alone; bad records are counted or fail per --on-bad; wrong
 settings fail before any work; bytes per token per codec."""
 
-import functools
 import hashlib
 import json
 
 import pytest
 import torch
-from test_extract_chat import smollm2_tokenizer
+from conftest import chat_records, save_tiny_chat_target, write_jsonl
+from conftest import hf_model as _hf_model
 
 from dflashkit.extract.__main__ import main
 from dflashkit.extract.chat import ChatConfig, encode_record
@@ -18,56 +18,9 @@ from dflashkit.extract.verify import verify_dataset
 LAYERS = [0, 2, 3]
 
 
-def save_tiny_chat_target(out_dir, seed=0, initializer_range=0.02):
-    """A 4-layer Llama (hidden 32) over the full SmolLM2 vocabulary, saved with the testbed tokenizer."""
-    import transformers as tf
-
-    torch.manual_seed(seed)
-    config = tf.LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                            num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=2048,
-                            tie_word_embeddings=True, initializer_range=initializer_range)
-    tf.LlamaForCausalLM(config).save_pretrained(out_dir)
-    smollm2_tokenizer().save_pretrained(out_dir)
-    return str(out_dir)
-
-
-def chat_records(n, seed=0):
-    """Conversations of varied length (1-3 exchanges, 1-40 words a turn)."""
-    g = torch.Generator().manual_seed(seed)
-    words = ["alpha", "beta", "gamma", "delta", "echo", "fox", "golf", "hotel", "india", "kilo", "lima", "mike"]
-
-    def text():
-        return " ".join(words[int(i)] for i in torch.randint(0, len(words), (int(torch.randint(1, 40, (1,), generator=g)),), generator=g))
-
-    out = []
-    for _ in range(n):
-        msgs = []
-        for _ in range(int(torch.randint(1, 4, (1,), generator=g))):
-            msgs += [{"role": "user", "content": text()}, {"role": "assistant", "content": text()}]
-        out.append({"messages": msgs})
-    return out
-
-
-def write_jsonl(path, records, bad_lines=()):
-    """records as JSON lines; bad_lines: {line number (1-based): raw text} inserted as they are."""
-    lines, it = [], iter(records)
-    total = len(records) + len(bad_lines)
-    for k in range(1, total + 1):
-        lines.append(dict(bad_lines)[k] if k in dict(bad_lines) else json.dumps(next(it)))
-    path.write_text("\n".join(lines) + "\n")
-    return str(path)
-
-
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     return save_tiny_chat_target(tmp_path_factory.mktemp("tiny") / "target")
-
-
-@functools.lru_cache(maxsize=2)
-def _hf_model(target_dir):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
 
 
 def reference_features(target_dir, input_ids, layer_ids):
@@ -131,7 +84,7 @@ def test_fp8_codec_bytes_per_token_and_error(tiny, tmp_path):
 def test_on_bad_fail_names_file_and_line(tiny, tmp_path, capsys):
     data = write_jsonl(tmp_path / "d.jsonl", chat_records(9), BAD.items())
     rc = main(["--target", tiny, "--data", data, "--out", str(tmp_path / "out"), "--on-bad", "fail", "--no-progress"])
-    assert rc == 1
+    assert rc == 2
     err = capsys.readouterr().err
     assert f"{data}:3: malformed_json" in err and "--on-bad skip" in err
 
@@ -139,18 +92,18 @@ def test_on_bad_fail_names_file_and_line(tiny, tmp_path, capsys):
 def test_wrong_settings_fail_before_any_work(tiny, tmp_path, capsys):
     data = write_jsonl(tmp_path / "d.jsonl", chat_records(2))
     out = tmp_path / "out"
-    assert main(["--target", tiny, "--data", data, "--out", str(out), "--layer-ids", "1,4", "--no-progress"]) == 1
+    assert main(["--target", tiny, "--data", data, "--out", str(out), "--layer-ids", "1,4", "--no-progress"]) == 2
     assert "outside 0..3" in capsys.readouterr().err and not list(out.glob("*"))
     assert main(["--target", tiny, "--data", data, "--out", str(out), "--no-progress", "--layer-ids", "1,2"]) == 0
-    assert main(["--target", tiny, "--data", data, "--out", str(out), "--no-progress", "--layer-ids", "1,2"]) == 1
+    assert main(["--target", tiny, "--data", data, "--out", str(out), "--no-progress", "--layer-ids", "1,2"]) == 2
     assert "--resume" in capsys.readouterr().err
     assert main(["--target", tiny, "--data", data, "--out", str(out), "--no-progress", "--layer-ids", "1,2",
-                 "--codec", "fp8", "--resume"]) == 1
+                 "--codec", "fp8", "--resume"]) == 2
     assert "codec='bf16'" in capsys.readouterr().err
     plain = tmp_path / "plain.jinja"
     plain.write_text("{% for m in messages %}{{ m['content'] }}\n{% endfor %}")
     assert main(["--target", tiny, "--data", data, "--out", str(tmp_path / "o2"), "--chat-template", str(plain),
-                 "--no-progress"]) == 1
+                 "--no-progress"]) == 2
     assert "cannot mark assistant spans" in capsys.readouterr().err
 
 

@@ -1,7 +1,7 @@
 """Target loading for every supported family: tiny random targets built from configs in code, saved to a
 directory and loaded back the way a user would (`load_target(dir)`), checked against Hugging Face's own outputs.
 
-The tiny-target builders here (`TINY_FAMILIES`, `save_tiny_target`) are also used by tests/test_capture_*.py.
+The tiny-target builders (`TINY_FAMILIES`, `save_tiny_target`) live in tests/conftest.py.
 """
 
 from pathlib import Path
@@ -9,85 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 import transformers as tf
+from conftest import TINY_FAMILIES, save_tiny_target, tiny_family_config
 
 from dflashkit.target.loading import FAMILIES, load_target, load_target_head
 
-_BASE = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
-_LINEAR = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16)
-_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
-_QWEN_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=14)
-_QWEN_MM_IDS = dict(image_token_id=296, video_token_id=297, vision_start_token_id=298, vision_end_token_id=299)
-
-
-def _config(family: str):
-    """A tiny config of `family` (4 layers, hidden 64, vocab 300); multimodal ones with a 1-layer vision tower."""
-    if family == "llama":
-        return tf.LlamaConfig(**_BASE, tie_word_embeddings=True)  # tied, as SmolLM2
-    if family == "qwen2":
-        return tf.Qwen2Config(**{k: v for k, v in _BASE.items() if k != "head_dim"})
-    if family == "qwen3":
-        return tf.Qwen3Config(**_BASE)
-    if family == "qwen3_moe":
-        return tf.Qwen3MoeConfig(**_BASE, **_MOE)
-    if family == "gemma3_text":
-        return tf.Gemma3TextConfig(**_BASE, sliding_window=4,
-                                   layer_types=["sliding_attention"] * 3 + ["full_attention"])
-    if family == "gemma3":
-        vision = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                      num_attention_heads=2, image_size=28, patch_size=14)
-        return tf.Gemma3Config(text_config=dict(model_type="gemma3_text", **_BASE, sliding_window=4),
-                               vision_config=vision, mm_tokens_per_image=4, image_token_index=299,
-                               boi_token_index=297, eoi_token_index=298)
-    if family == "qwen3_5_text":
-        return tf.Qwen3_5TextConfig(**_BASE, **_LINEAR)
-    if family == "qwen3_5":
-        return tf.Qwen3_5Config(text_config=dict(**_BASE, **_LINEAR), vision_config=_QWEN_VISION, **_QWEN_MM_IDS)
-    if family == "qwen3_5_moe":
-        text = dict(**_BASE, **_LINEAR, **_MOE, shared_expert_intermediate_size=32)
-        return tf.Qwen3_5MoeConfig(text_config=text, vision_config=_QWEN_VISION, **_QWEN_MM_IDS)
-    if family == "qwen3_next":
-        return tf.Qwen3NextConfig(**_BASE, **_LINEAR, **_MOE, shared_expert_intermediate_size=32)
-    if family == "gpt_oss":
-        return tf.GptOssConfig(**_BASE, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
-                               rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
-    raise KeyError(family)
-
-
-TINY_FAMILIES = ["llama", "qwen2", "qwen3", "qwen3_moe", "gemma3_text", "gemma3", "qwen3_5_text", "qwen3_5",
-                 "qwen3_5_moe", "qwen3_next", "gpt_oss"]
 EXPECTED_FAMILY = {"gemma3_text": "gemma3", "gemma3": "gemma3", "qwen3_5_text": "qwen3_5", "qwen3_5": "qwen3_5",
                    "qwen3_5_moe": "qwen3_5_moe"}
-
-
-def tiny_tokenizer(num_words: int = 240):
-    """A word-level tokenizer of `num_words` + 4 special tokens (fewer than the tiny targets' 300 rows)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    specials = ["<unk>", "<pad>", "<|im_start|>", "<|im_end|>"]
-    vocab = {tok: i for i, tok in enumerate(specials + [f"w{i}" for i in range(num_words)])}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return tf.PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", pad_token="<pad>",
-                                      eos_token="<|im_end|>")
-
-
-def save_tiny_target(family: str, out_dir: Path, seed: int = 0) -> Path:
-    """Random tiny target of `family` saved like a downloaded checkpoint (config, safetensors, tokenizer).
-
-    Norm weights get noise so that a wrong norm formula (w vs 1 + w) cannot pass unnoticed."""
-    torch.manual_seed(seed)
-    config = _config(family)
-    multimodal = family in ("gemma3", "qwen3_5", "qwen3_5_moe")
-    auto = tf.AutoModelForImageTextToText if multimodal else tf.AutoModelForCausalLM
-    model = auto.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.ndim == 1 and "norm" in name:
-                p.add_(0.3 * torch.randn_like(p))
-    model.save_pretrained(out_dir)
-    tiny_tokenizer().save_pretrained(out_dir)
-    return Path(out_dir)
 
 
 @pytest.fixture(scope="module")
@@ -155,7 +82,7 @@ def test_load_target_head_equals_the_full_model(family, tiny_dirs, monkeypatch):
 
 
 def test_load_target_head_reads_sharded_checkpoints(tmp_path):
-    model = tf.AutoModelForCausalLM.from_config(_config("qwen3"))
+    model = tf.AutoModelForCausalLM.from_config(tiny_family_config("qwen3"))
     model.save_pretrained(tmp_path, max_shard_size="100KB")
     tiny_tokenizer().save_pretrained(tmp_path)
     assert (tmp_path / "model.safetensors.index.json").is_file()
@@ -210,7 +137,7 @@ def test_bad_specs_say_what_is_accepted(tmp_path):
 
 
 def test_pickled_weights_are_refused(tmp_path):
-    model = tf.AutoModelForCausalLM.from_config(_config("qwen3"))
+    model = tf.AutoModelForCausalLM.from_config(tiny_family_config("qwen3"))
     model.save_pretrained(tmp_path)
     (tmp_path / "model.safetensors").unlink()
     tiny_tokenizer().save_pretrained(tmp_path)

@@ -3,7 +3,7 @@ vocabulary, else an error that asks for --mask-token-id."""
 
 import pytest
 import transformers as tf
-from test_target_families import tiny_tokenizer
+from conftest import tiny_tokenizer
 
 from dflashkit.drafter import DrafterConfig
 from dflashkit.target.loading import resolve_mask_token_id

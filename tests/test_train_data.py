@@ -1,79 +1,11 @@
-"""Packing, split and order of training data; also home of the tiny target + shards the trainer tests use."""
+"""Packing, split and order of training data; the tiny target + shards builders (tests/conftest.py) work."""
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
 from dflashkit.train.data import (epoch_order, pack_blocks, rank_slots, split_indices, steps_per_epoch)
-
-LAYER_IDS = [0, 2]
-
-
-# --------------------------------------------------------------------------- shared builders (imported by the
-# other tests/test_train_*.py files)
-def make_tiny_target(path: Path, vocab: int = 96, hidden: int = 32, layers: int = 4, seed: int = 0,
-                     heads: int = 4) -> Path:
-    """A random Llama target saved as safetensors (no tokenizer: tests pass mask_token_id)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                      num_attention_heads=heads, num_key_value_heads=2, max_position_embeddings=256,
-                      tie_word_embeddings=False)
-    model = LlamaForCausalLM(cfg).eval()
-    model.save_pretrained(path, safe_serialization=True)
-    return Path(path)
-
-
-def make_shards(path: Path, target_dir: Path, num_samples: int = 12, lengths=(24, 40), seed: int = 0,
-                last_hidden: bool = True, repeat_first: bool = False, shard_size: int = 1 << 14) -> Path:
-    """Features of random token sequences through the tiny target, written with the real shard writer.
-
-    loss_mask: a short "prompt" (False) then the "answer" (True). repeat_first: every sample = sample 0.
-    """
-    from transformers import AutoModelForCausalLM
-
-    from dflashkit.extract.shards import SCHEMA_VERSION, update_totals, write_manifest
-    from dflashkit.target.loading import identity_of
-    from dflashkit.extract.writer import ShardWriter
-
-    target = AutoModelForCausalLM.from_pretrained(target_dir).eval()
-    cfg = target.config
-    manifest = {"schema_version": SCHEMA_VERSION, "format": "dflashkit-shards", "complete": False,
-                "target": identity_of(Path(target_dir), str(target_dir)), "target_layer_ids": LAYER_IDS,
-                "num_target_layers": cfg.num_hidden_layers, "hidden_size": cfg.hidden_size,
-                "vocab_size": cfg.vocab_size, "feature_dim": len(LAYER_IDS) * cfg.hidden_size, "codec": "bf16",
-                "store_last_hidden": last_hidden, "skipped": {}, "notes": {}, "shards": []}
-    writer = ShardWriter(path, manifest, shard_bytes=shard_size)
-    g = torch.Generator().manual_seed(seed)
-    first = None
-    for i in range(num_samples):
-        n = int(torch.randint(lengths[0], lengths[1] + 1, (1,), generator=g))
-        ids = torch.randint(0, cfg.vocab_size - 1, (n,), generator=g)  # the last id stays free for MASK
-        mask = torch.zeros(n, dtype=torch.bool)
-        mask[int(torch.randint(2, 6, (1,), generator=g)):] = True
-        if repeat_first:
-            first = first or (ids, mask)
-            ids, mask = first
-        with torch.no_grad():
-            hs = target(ids[None], output_hidden_states=True).hidden_states
-        hidden = torch.cat([hs[i + 1][0] for i in LAYER_IDS], dim=-1)
-        writer.add_batch([i], [len(ids)], ids.tolist(), mask.tolist(), hidden, hs[-1][0] if last_hidden else None)
-    manifest = writer.close()
-    manifest["complete"] = True
-    update_totals(manifest)
-    write_manifest(Path(path) / "manifest.json", manifest)
-    return Path(path)
-
-
-@pytest.fixture(scope="session")
-def tiny_run(tmp_path_factory):
-    """(target dir, shard dir) shared by the trainer tests."""
-    root = tmp_path_factory.mktemp("tiny")
-    target = make_tiny_target(root / "target")
-    return target, make_shards(root / "shards", target)
 
 
 # --------------------------------------------------------------------------- tests of train/data.py

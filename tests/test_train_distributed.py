@@ -13,7 +13,6 @@ import pytest
 from dflashkit.train.tracking import read_metrics
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_train_data import tiny_run  # noqa: E402,F401  (fixture)
 
 ROOT = Path(__file__).resolve().parents[1]
 ACCELERATE = Path(sys.executable).with_name("accelerate")

@@ -53,7 +53,7 @@ def test_compiled_flex_equals_dense_on_cuda():
 
 
 def test_trainer_compiled_bf16_on_cuda(tmp_path, capsys):
-    from test_train_data import make_shards, make_tiny_target
+    from conftest import make_shards, make_tiny_target
 
     from dflashkit.train.checkpoint import list_checkpoints
     from dflashkit.train.config import load_config

@@ -60,4 +60,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from dflashkit.cli import run_main
+
+    sys.exit(run_main("dflashkit train", main))

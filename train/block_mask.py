@@ -61,8 +61,7 @@ def dense_block_mask(anchors: torch.Tensor, ctx_len: int, block_size: int,
     return mod(None, None, q, kv)[None, None]
 
 
-def flex_block_mask(anchors: torch.Tensor, ctx_len: int, block_size: int, sliding_window: int | None = None,
-                    compile: bool = False):
+def flex_block_mask(anchors: torch.Tensor, ctx_len: int, block_size: int, sliding_window: int | None = None):
     """A flex_attention ``BlockMask`` from the same predicate (built on the anchors' device)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
@@ -70,7 +69,7 @@ def flex_block_mask(anchors: torch.Tensor, ctx_len: int, block_size: int, slidin
     q_len = anchors.numel() * block_size
     mod = block_mask_mod(anchors, ctx_len, block_size, sliding_window)
     return create_block_mask(mod, B=None, H=None, Q_LEN=q_len, KV_LEN=ctx_len + q_len,
-                             device=str(anchors.device), _compile=compile)
+                             device=str(anchors.device))
 
 
 def build_block_masks(anchors: torch.Tensor, ctx_len: int, block_size: int, layer_types: list[str],
