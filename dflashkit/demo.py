@@ -12,17 +12,18 @@ and wall time, and running the demo again resumes after the last finished stage)
     eval-chain  live speculative decoding on MT-bench, chain          -> eval-chain/report.md
     eval-tree   the same prompts with tree verification               -> eval-tree/report.md
 
-Every stage is the same command a user runs by hand (printed before it runs).
+Each stage calls the library function behind the command a user runs by hand, with explicit keyword arguments
+(printed before it runs, and stored in ``stages/<name>.json``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 TARGET = "testbed:smollm2"
 MASK_TOKEN_ID = 16  # SmolLM2's reserved <empty_output>: its tokenizer has no mask token and no spare rows
@@ -30,51 +31,85 @@ RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 
 # What each scale runs. small: the CPU check of `make demo`; full: one GPU (not run yet: see RESULTS.md).
 SCALES = {
-    "small": dict(train_prompts=96, regen_new_tokens=96, max_turns=1, max_length=512, eval_prompts=6, eval_new_tokens=64,
-                  recipe="smollm2-135m-cpu.yaml", train_overrides=[], tree_budget=32, batch_size=16,
-                  eval_datasets=["builtin:mtbench"], baseline_prompts=None),
+    "small": dict(train_prompts=96, regen_new_tokens=96, max_turns=1, max_length=512, eval_prompts=6,
+                  eval_new_tokens=64, recipe="smollm2-135m-cpu.yaml", train_overrides={}, tree_budget=32,
+                  batch_size=16, eval_datasets=["builtin:mtbench"], baseline_prompts=None),
     # the settings of bench/gpu_testbed_run.sh, in one process: eval of all 244 prompts, AR baseline on 10 each
-    "full": dict(train_prompts=6144, regen_new_tokens=384, max_turns=1, max_length=1024, eval_prompts=0,
-                 eval_new_tokens=256, recipe="smollm2-135m.yaml", train_overrides=["epochs=3"], tree_budget=64,
+    "full": dict(train_prompts=6144, regen_new_tokens=384, max_turns=1, max_length=1024, eval_prompts=None,
+                 eval_new_tokens=256, recipe="smollm2-135m.yaml", train_overrides={"epochs": 3}, tree_budget=64,
                  batch_size=512, eval_datasets=["builtin:mtbench", "builtin:humaneval"], baseline_prompts=10),
 }
 
 
-def stage_commands(run: Path, scale: dict, device: str, loss: str | None, target: str = TARGET,
-                   train_data: str = "builtin:sharegpt", eval_data: list[str] | None = None
-                   ) -> list[tuple[str, list[str]]]:
-    dev = ["--device", device]
-    dtype = ["--dtype", "float32" if device == "cpu" else "bfloat16"]
-    train_args = ["--recipe", str(RECIPES / scale["recipe"]), "--shards", str(run / "shards"),
-                  "--output-dir", str(run / "train"), f"export_dir={run / 'drafter'}",
-                  f"mask_token_id={MASK_TOKEN_ID}", f"max_length={scale['max_length']}",
-                  f"target={target}", *scale["train_overrides"]]
+# --------------------------------------------------------------------------- the library calls of the stages
+def _with_parser_defaults(build_parser: Callable[[], argparse.ArgumentParser], **kwargs) -> argparse.Namespace:
+    """The parameters of a command whose library function still takes its parsed flags: the parser's defaults,
+    then ``kwargs`` (named as the flags' destinations)."""
+    parser = build_parser()
+    defaults = {a.dest: a.default for a in parser._actions if a.dest != "help"}
+    unknown = sorted(set(kwargs) - set(defaults))
+    if unknown:
+        raise TypeError(f"{parser.prog} takes no parameter(s) {unknown}")
+    return argparse.Namespace(**{**defaults, **kwargs})
+
+
+def regenerate(**kwargs) -> dict:
+    """ShareGPT prompts answered by the target (dflashkit.extract.regenerate)."""
+    from dflashkit.extract import regenerate as command
+
+    return command.run(_with_parser_defaults(command.build_parser, **kwargs))
+
+
+def extract(**kwargs) -> dict:
+    """Target-layer features into shards (dflashkit.extract)."""
+    from dflashkit.extract import __main__ as command
+
+    return command.run(_with_parser_defaults(command.build_parser, **kwargs))
+
+
+def train(recipe: str, **fields) -> dict:
+    """The drafter, trained from a recipe plus TrainConfig fields, exported at the end (dflashkit.train)."""
+    from dflashkit.train.config import load_config
+    from dflashkit.train.trainer import train as run_training
+
+    return run_training(load_config(recipe, (), **fields))
+
+
+def evaluate(**kwargs) -> dict:
+    """Live speculative decoding and its report (dflashkit.eval)."""
+    from dflashkit.eval import __main__ as command
+
+    return command.run_eval(_with_parser_defaults(command.build_parser, **kwargs))
+
+
+def stage_calls(run: Path, scale: dict, device: str, loss: str | None, target: str = TARGET,
+                train_data: str = "builtin:sharegpt", eval_data: list[str] | None = None
+                ) -> list[tuple[str, Callable[..., dict], dict]]:
+    """(stage name, library function, its keyword arguments), in pipeline order."""
+    hardware = dict(device=device, dtype="float32" if device == "cpu" else "bfloat16")
+    train_fields = dict(shards=str(run / "shards"), output_dir=str(run / "train"), export_dir=str(run / "drafter"),
+                        mask_token_id=MASK_TOKEN_ID, max_length=scale["max_length"], target=target,
+                        **scale["train_overrides"])
     if loss:
-        train_args += ["--loss", loss]
+        train_fields["loss"] = loss
     if device == "cpu":
-        train_args += ["mixed_precision=no"]
-    eval_common = ["--target", target, "--drafter", str(run / "drafter"), "--dataset",
-                   *(eval_data or scale["eval_datasets"]),
-                   "--max-new-tokens", str(scale["eval_new_tokens"]), *dev, *dtype]
-    if scale["baseline_prompts"] is not None:
-        eval_common += ["--baseline-prompts", str(scale["baseline_prompts"])]
-    if scale["eval_prompts"]:
-        eval_common += ["--num-prompts", str(scale["eval_prompts"])]
-    else:
-        eval_common += ["--num-prompts", "100000"]
+        train_fields["mixed_precision"] = "no"
+    eval_common = dict(target=target, drafter=str(run / "drafter"), dataset=list(eval_data or scale["eval_datasets"]),
+                       num_prompts=scale["eval_prompts"], baseline_prompts=scale["baseline_prompts"],
+                       max_new_tokens=scale["eval_new_tokens"], **hardware)
     return [
-        ("regenerate", ["regenerate", "--target", target, "--data", train_data, "--limit",
-                        str(scale["train_prompts"]), "--out", str(run / "regen.jsonl"), "--resume",
-                        "--max-new-tokens", str(scale["regen_new_tokens"]), "--batch-size", str(scale["batch_size"]),
-                        "--max-prompt-length", str(scale["max_length"] // 2), "--max-turns", str(scale["max_turns"]),
-                        *dev, *dtype]),
-        ("extract", ["extract", "--target", target, "--data", str(run / "regen.jsonl"), "--out", str(run / "shards"),
-                     "--num-taps", "5", "--max-length", str(scale["max_length"]), "--resume", *dev, *dtype,
-                     *(["--store-last-hidden"] if loss == "kl" else [])]),
-        ("train", ["train", *train_args]),
-        ("eval-chain", ["eval", *eval_common, "--mode", "chain", "--out", str(run / "eval-chain")]),
-        ("eval-tree", ["eval", *eval_common, "--mode", "tree", "--tree-budget", str(scale["tree_budget"]),
-                       "--out", str(run / "eval-tree")]),
+        ("regenerate", regenerate, dict(target=target, data=[train_data], limit=scale["train_prompts"],
+                                        out=str(run / "regen.jsonl"), resume=True,
+                                        max_new_tokens=scale["regen_new_tokens"], batch_size=scale["batch_size"],
+                                        max_prompt_length=scale["max_length"] // 2, max_turns=scale["max_turns"],
+                                        **hardware)),
+        ("extract", extract, dict(target=target, data=[str(run / "regen.jsonl")], out=str(run / "shards"),
+                                  num_taps=5, max_length=scale["max_length"], resume=True,
+                                  store_last_hidden=loss == "kl", **hardware)),
+        ("train", train, dict(recipe=str(RECIPES / scale["recipe"]), **train_fields)),
+        ("eval-chain", evaluate, dict(eval_common, mode="chain", out=str(run / "eval-chain"))),
+        ("eval-tree", evaluate, dict(eval_common, mode="tree", tree_budget=scale["tree_budget"],
+                                     out=str(run / "eval-tree"))),
     ]
 
 
@@ -119,8 +154,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--restart", action="store_true", help="forget finished stages and run all again")
     args = ap.parse_args(argv)
 
-    from dflashkit.cli import main as dflashkit
-
     run = Path(args.run_dir)
     stages_dir = run / "stages"
     stages_dir.mkdir(parents=True, exist_ok=True)
@@ -128,26 +161,31 @@ def main(argv: list[str] | None = None) -> int:
         for f in stages_dir.glob("*.json"):
             f.unlink()
     timings = {}
-    for name, cmd in stage_commands(run, SCALES[args.scale], args.device, args.loss, args.target,
-                                     args.train_data, args.eval_data):
+    for name, function, kwargs in stage_calls(run, SCALES[args.scale], args.device, args.loss, args.target,
+                                               args.train_data, args.eval_data):
         done = stages_dir / f"{name}.json"
         if done.is_file():
             timings[name] = json.loads(done.read_text())["seconds"]
             print(f"[demo] {name}: done already ({timings[name]:.0f} s), skipping")
             continue
-        print(f"\n[demo] {name}: dflashkit {shlex.join(cmd)}", flush=True)
+        call = f"{function.__name__}({', '.join(f'{k}={v!r}' for k, v in kwargs.items())})"
+        print(f"\n[demo] {name}: {call}", flush=True)
         start = time.perf_counter()
-        rc = dflashkit(cmd)
-        if rc:
-            print(f"[demo] stage {name} failed (exit {rc}); fix the cause and run the demo again: "
-                  f"finished stages are kept", file=sys.stderr)
-            return rc
+        try:
+            function(**kwargs)
+        except Exception:
+            print(f"[demo] stage {name} failed; fix the cause and run the demo again: finished stages are kept",
+                  file=sys.stderr)
+            raise
         timings[name] = time.perf_counter() - start
-        done.write_text(json.dumps({"command": ["dflashkit", *cmd], "seconds": timings[name]}, indent=1) + "\n")
+        done.write_text(json.dumps({"call": function.__name__, "kwargs": kwargs, "seconds": timings[name]},
+                                   indent=1) + "\n")
     print("\n[demo] stage wall times: " + ", ".join(f"{k} {v:.0f} s" for k, v in timings.items()))
     print(summary(run))
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from dflashkit.cli import run_main
+
+    sys.exit(run_main("dflashkit demo", main))

@@ -4,10 +4,11 @@ builder) to a loadable export with the conventions of docs/ARCHITECTURE.md."""
 import json
 
 import torch
-from conftest import TINY_RECIPE, make_tiny_target
 
 from dflashkit.cli import main as cli
 from dflashkit.drafter import load_drafter
+
+from conftest import TINY_RECIPE, make_tiny_target
 
 
 def test_init_drafter_for_testbed(tmp_path, capsys):

@@ -5,14 +5,14 @@ import subprocess
 import sys
 import textwrap
 
+import dflash.model as ref  # noqa: E402  the reference package: a dev dependency (pyproject), so a missing one fails
 import pytest
 import torch
 from transformers import DynamicCache, LlamaConfig, Qwen3Config
 
 from dflashkit.drafter import DrafterConfig, build_drafter, load_drafter, save_drafter
-from tests.conftest import rel_err
 
-import dflash.model as ref  # noqa: E402  the reference package: a dev dependency (pyproject), so a missing one fails
+from tests.conftest import rel_err
 
 TARGET = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=10, num_attention_heads=4,
                      num_key_value_heads=2, vocab_size=320, rope_theta=5e5)

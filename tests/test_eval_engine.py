@@ -8,12 +8,13 @@ import time
 
 import pytest
 import torch
-from conftest import VOCAB, prompts, tiny_target_config
 from transformers import DynamicCache, LlamaForCausalLM
 
 from dflashkit.drafter import DrafterConfig, build_drafter, save_drafter
 from dflashkit.eval.engine import DecodeConfig, SpeculativeDecoder
 from dflashkit.target.loading import cache_kwargs
+
+from conftest import VOCAB, prompts, tiny_target_config
 
 BLOCK, NEW = 4, 30
 pytestmark = pytest.mark.usefixtures("one_thread")

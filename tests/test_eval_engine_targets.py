@@ -3,11 +3,12 @@ speculative sampling. References: transformers' own greedy generate, and the tar
 
 import pytest
 import torch
-from conftest import VOCAB, prompts, tiny_target_config
 from transformers import Gemma2Config, Gemma2ForCausalLM, LlamaForCausalLM, Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
 from dflashkit.drafter import DrafterConfig, build_drafter
 from dflashkit.eval.engine import DecodeConfig, SpeculativeDecoder
+
+from conftest import VOCAB, prompts, tiny_target_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -10,12 +10,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
-from conftest import VOCAB, tiny_target_config
 from transformers import LlamaForCausalLM
 
 from dflashkit.drafter import DrafterConfig, build_drafter
 from dflashkit.eval.engine import DecodeConfig, SpeculativeDecoder
 from dflashkit.eval.serving import parse_prometheus, sweep, tau_from_metrics
+
+from conftest import VOCAB, tiny_target_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

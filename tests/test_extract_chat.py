@@ -11,10 +11,20 @@ import copy
 import functools
 
 import pytest
-from conftest import smollm2_tokenizer
 
-from dflashkit.extract.chat import (BadSample, ChatConfig, NoChatTemplate, TemplateError, chat_template_hash,
-                                    check_template, encode_record, end_of_turn_token, tokenizer_hash)
+from dflashkit.extract.chat import (
+    BadSample,
+    ChatConfig,
+    NoChatTemplate,
+    TemplateError,
+    chat_template_hash,
+    check_template,
+    encode_record,
+    end_of_turn_token,
+    tokenizer_hash,
+)
+
+from conftest import smollm2_tokenizer
 
 LLAMA3 = (
     "{{- '<|begin_of_text|>' }}"

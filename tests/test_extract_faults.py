@@ -11,12 +11,13 @@ import sys
 
 import pytest
 import torch
-from tests.conftest import run_until_paused
-from conftest import chat_records, save_tiny_chat_target, write_jsonl
 
 from dflashkit.extract.__main__ import main
 from dflashkit.extract.shards import ShardDataset, read_manifest
 from dflashkit.extract.verify import verify_dataset
+
+from conftest import chat_records, save_tiny_chat_target, write_jsonl
+from tests.conftest import run_until_paused
 
 FLAGS = ["--layer-ids", "0,2,3", "--batch-tokens", "300", "--bucket-window", "8", "--shard-size", "1",
          "--no-progress"]

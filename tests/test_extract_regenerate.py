@@ -7,12 +7,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
-from conftest import hf_model as _hf_model
-from conftest import save_tiny_chat_target, smollm2_tokenizer
 
 from dflashkit.extract.__main__ import main as extract_main
 from dflashkit.extract.regenerate import main
 from dflashkit.extract.shards import read_manifest
+
+from conftest import hf_model as _hf_model
+from conftest import save_tiny_chat_target, smollm2_tokenizer
 
 RECORDS = [
     {"conversations": [{"from": "human", "value": "alpha beta"}, {"from": "gpt", "value": "old answer"},

@@ -7,13 +7,14 @@ import json
 
 import pytest
 import torch
-from conftest import chat_records, save_tiny_chat_target, write_jsonl
-from conftest import hf_model as _hf_model
 
 from dflashkit.extract.__main__ import main
 from dflashkit.extract.chat import ChatConfig, encode_record
 from dflashkit.extract.shards import FP8_ABS_ERR, FP8_REL_ERR, ShardDataset, read_manifest
 from dflashkit.extract.verify import verify_dataset
+
+from conftest import chat_records, save_tiny_chat_target, smollm2_tokenizer, write_jsonl
+from conftest import hf_model as _hf_model
 
 LAYERS = [0, 2, 3]
 

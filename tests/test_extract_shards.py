@@ -6,8 +6,16 @@ import json
 import pytest
 import torch
 
-from dflashkit.extract.shards import (FP8_ABS_ERR, FP8_REL_ERR, ShardDataset, bytes_per_token,
-                                      check_manifest_matches, decode_features, encode_features, read_manifest)
+from dflashkit.extract.shards import (
+    FP8_ABS_ERR,
+    FP8_REL_ERR,
+    ShardDataset,
+    bytes_per_token,
+    check_manifest_matches,
+    decode_features,
+    encode_features,
+    read_manifest,
+)
 from dflashkit.extract.verify import main as verify_main
 from dflashkit.extract.verify import verify_dataset
 from dflashkit.extract.writer import ShardWriteError, ShardWriter

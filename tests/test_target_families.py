@@ -4,14 +4,14 @@ directory and loaded back the way a user would (`load_target(dir)`), checked aga
 The tiny-target builders (`TINY_FAMILIES`, `save_tiny_target`) live in tests/conftest.py.
 """
 
-from pathlib import Path
 
 import pytest
 import torch
 import transformers as tf
-from conftest import TINY_FAMILIES, save_tiny_target, tiny_family_config
 
 from dflashkit.target.loading import FAMILIES, load_target, load_target_head
+
+from conftest import TINY_FAMILIES, save_tiny_target, tiny_family_config, tiny_tokenizer
 
 EXPECTED_FAMILY = {"gemma3_text": "gemma3", "gemma3": "gemma3", "qwen3_5_text": "qwen3_5", "qwen3_5": "qwen3_5",
                    "qwen3_5_moe": "qwen3_5_moe"}

@@ -3,10 +3,11 @@ vocabulary, else an error that asks for --mask-token-id."""
 
 import pytest
 import transformers as tf
-from conftest import tiny_tokenizer
 
 from dflashkit.drafter import DrafterConfig
 from dflashkit.target.loading import resolve_mask_token_id
+
+from conftest import tiny_tokenizer
 
 
 @pytest.fixture

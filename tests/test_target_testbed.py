@@ -8,7 +8,14 @@ import pytest
 import torch
 
 from dflashkit.target.capture import capture_features
-from dflashkit.target.loading import TESTBEDS, cache_root, gguf_cache_dir, load_target, load_target_head, resolve_target_dir
+from dflashkit.target.loading import (
+    TESTBEDS,
+    cache_root,
+    gguf_cache_dir,
+    load_target,
+    load_target_head,
+    resolve_target_dir,
+)
 
 pytestmark = pytest.mark.slow
 

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from dflashkit.train.data import (epoch_order, pack_blocks, rank_slots, split_indices, steps_per_epoch)
+from dflashkit.train.data import epoch_order, pack_blocks, rank_slots, split_indices, steps_per_epoch
 
 
 # --------------------------------------------------------------------------- tests of train/data.py

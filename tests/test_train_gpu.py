@@ -53,12 +53,12 @@ def test_compiled_flex_equals_dense_on_cuda():
 
 
 def test_trainer_compiled_bf16_on_cuda(tmp_path, capsys):
-    from conftest import make_shards, make_tiny_target
-
     from dflashkit.train.checkpoint import list_checkpoints
     from dflashkit.train.config import load_config
     from dflashkit.train.tracking import read_metrics
     from dflashkit.train.trainer import train
+
+    from conftest import make_shards, make_tiny_target
 
     target = make_tiny_target(tmp_path / "target", heads=2)  # head_dim 16: the least compiled flex_attention takes
     shards = make_shards(tmp_path / "shards", target, num_samples=20, lengths=(60, 140))

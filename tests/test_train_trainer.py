@@ -4,18 +4,18 @@ import json
 import os
 import shutil
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from tests.conftest import run_until_paused
 
 from dflashkit.train.checkpoint import list_checkpoints, verify_checkpoint
 from dflashkit.train.config import load_config
 from dflashkit.train.tracking import read_metrics
 from dflashkit.train.trainer import lr_at, train
+
+from tests.conftest import run_until_paused
 
 sys.path.insert(0, str(Path(__file__).parent))
 from conftest import make_shards  # noqa: E402
