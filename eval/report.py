@@ -1,7 +1,7 @@
 """Metrics of an evaluation run, and the files that hold them: report.json, report.md, PNG plots.
 
 Design choices:
-- Names follow DESIGN.md: tau = mean over verification rounds of tokens produced (accepted drafts + bonus);
+- Names follow docs/ARCHITECTURE.md: tau = mean over verification rounds of tokens produced (accepted drafts + bonus);
   per-position acceptance = fraction of rounds whose draft position k was accepted; speedup = AR wall time /
   speculative wall time over the same prompts in the same harness (prefill included in both).
 - verify_over_ar_step = mean target forward of a speculative round / mean autoregressive step: the cost of

@@ -172,7 +172,7 @@ def run(args) -> dict:
 
     target = load_target(args.target, dtype=dtype, device=device, device_map=args.device_map,
                          trust_remote_code=args.trust_remote_code)
-    # default taps: evenly spaced (DESIGN.md); a target too shallow for that many distinct taps gets fewer
+    # default taps: evenly spaced (docs/ARCHITECTURE.md); a target too shallow for that many distinct taps gets fewer
     layer_ids = ([int(x) for x in args.layer_ids.split(",")] if args.layer_ids
                  else sorted(set(target.default_layer_ids(args.num_taps))))
     layer_ids = check_layer_ids(layer_ids, target.num_layers)

@@ -2,7 +2,7 @@
 
 Design choices:
 
-- Layer ``i``'s feature is that layer's output, Hugging Face ``hidden_states[i + 1]`` (DESIGN.md). For the
+- Layer ``i``'s feature is that layer's output, Hugging Face ``hidden_states[i + 1]`` (docs/ARCHITECTURE.md). For the
   last layer, transformers replaces ``hidden_states[L]`` with the final-norm output, and the reference reads
   it from there, so layer ``L - 1`` is read from the final norm here too: every id gives exactly the tensor
   that ``output_hidden_states=True`` would, without keeping all ``L + 1`` states.

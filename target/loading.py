@@ -362,8 +362,8 @@ def load_target_head(spec: str | os.PathLike, dtype: torch.dtype = torch.float32
     config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
     text = config.get_text_config()
     files = _tensor_files(model_dir)
-    prefix = next((p for p in _CHECKPOINT_PREFIXES if f"{p}embed_tokens.weight" in files and f"{p}norm.weight" in files),
-                  None)
+    prefix = next((p for p in _CHECKPOINT_PREFIXES
+                   if f"{p}embed_tokens.weight" in files and f"{p}norm.weight" in files), None)
     if prefix is None:
         raise ValueError(f"{model_dir}: no embed_tokens.weight + norm.weight under any of "
                          f"{', '.join(repr(p) for p in _CHECKPOINT_PREFIXES)}; the checkpoint's tensor names do "

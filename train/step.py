@@ -81,7 +81,7 @@ class MetricSums:
         correct = t[6:6 + p]
         out = {f"{prefix}/loss": loss / denom if denom else float("nan"),
                f"{prefix}/ce": ce / sum(counted) if sum(counted) else float("nan"),
-               # tau_sim is the held-out figure (DESIGN.md); on training blocks the same count is train/tau
+               # tau_sim is the held-out figure (docs/ARCHITECTURE.md); on training blocks the same count is train/tau
                f"{prefix}/{'tau_sim' if prefix == 'eval' else 'tau'}": tau / blocks if blocks else float("nan"),
                f"{prefix}/acc": sum(correct) / sum(counted) if sum(counted) else float("nan")}
         for k in range(p):
