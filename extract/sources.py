@@ -230,16 +230,6 @@ def iter_records(specs: list[str] | str, split: str | None = None) -> Iterator[S
             index += 1
 
 
-def load_records(specs: list[str] | str, split: str | None = None, limit: int | None = None) -> list[SourceItem]:
-    """The first ``limit`` records (all when None) as a list."""
-    out = []
-    for item in iter_records(specs, split):
-        if limit is not None and len(out) >= limit:
-            break
-        out.append(item)
-    return out
-
-
 def describe_sources(specs: list[str] | str) -> list[dict]:
     """What the manifest records about the data: spec, and size + sha256 of each local file (None for dirs)."""
     specs = [specs] if isinstance(specs, str) else list(specs)

@@ -121,13 +121,6 @@ class LayerCapture:
         return hidden, last_hidden
 
 
-def capture_features(target, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, target_layer_ids,
-                     store_last_hidden: bool = False):
-    """One batch: (hidden [b, T, K*H], last_hidden [b, T, H] or None). See LayerCapture for many batches."""
-    with LayerCapture(target, target_layer_ids, store_last_hidden) as capture:
-        return capture(input_ids, attention_mask)
-
-
 def real_tokens(x: torch.Tensor, attention_mask: torch.Tensor) -> list[torch.Tensor]:
     """Per sample, the rows of `x` [b, T, ...] at real (mask 1) positions, in order: padding on either side."""
     keep = attention_mask.bool().to(x.device)

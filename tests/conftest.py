@@ -189,6 +189,26 @@ def hf_model(target_dir):
     return tf.AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
 
 
+def load_records(specs, split=None, limit=None) -> list:
+    """The first ``limit`` records of data specs (all when None) as a list."""
+    from dflashkit.extract.sources import iter_records
+
+    out = []
+    for item in iter_records(specs, split):
+        if limit is not None and len(out) >= limit:
+            break
+        out.append(item)
+    return out
+
+
+def capture_features(target, input_ids, attention_mask, target_layer_ids, store_last_hidden: bool = False):
+    """One batch through ``LayerCapture``: (hidden [b, T, K*H], last_hidden [b, T, H] or None)."""
+    from dflashkit.target.capture import LayerCapture
+
+    with LayerCapture(target, target_layer_ids, store_last_hidden) as capture:
+        return capture(input_ids, attention_mask)
+
+
 # ----------------------------------------------------------------------------- train: tiny target + shards
 SHARD_LAYER_IDS = [0, 2]  # the taps make_shards stores
 

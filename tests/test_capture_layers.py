@@ -4,10 +4,10 @@ padding (either side) changes nothing for real tokens, and the forward really st
 import pytest
 import torch
 
-from dflashkit.target.capture import LayerCapture, capture_features, check_layer_ids, positions_from_mask, real_tokens
+from dflashkit.target.capture import LayerCapture, check_layer_ids, positions_from_mask, real_tokens
 from dflashkit.target.loading import load_target
 
-from conftest import TINY_FAMILIES, save_tiny_target
+from conftest import TINY_FAMILIES, capture_features, save_tiny_target
 
 LENGTHS = [9, 6, 3]
 

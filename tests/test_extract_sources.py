@@ -6,7 +6,9 @@ import json
 
 import pytest
 
-from dflashkit.extract.sources import describe_sources, iter_records, load_records
+from dflashkit.extract.sources import describe_sources, iter_records
+
+from conftest import load_records
 
 REC = [{"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]}
        for i in range(4)]

@@ -7,7 +7,6 @@ The first run converts the GGUF (about half a minute); later runs reuse the cach
 import pytest
 import torch
 
-from dflashkit.target.capture import capture_features
 from dflashkit.target.loading import (
     TESTBEDS,
     cache_root,
@@ -16,6 +15,8 @@ from dflashkit.target.loading import (
     load_target_head,
     resolve_target_dir,
 )
+
+from conftest import capture_features
 
 pytestmark = pytest.mark.slow
 
