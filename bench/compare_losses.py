@@ -6,11 +6,11 @@
         --out runs/loss-compare --recipe recipes/smollm2-135m.yaml --device cuda --eval-prompts 80
 
 The shards need ``last_hidden`` (``dflashkit extract --store-last-hidden``) for ``kl``. For each objective and
-each ``--seeds`` value it trains a drafter (the recipe plus the given key=value overrides; only ``loss`` differs
-within a seed, and the seed sets init, held-out split, data order and anchors), reads the held-out τ_sim of
-the run's summary, then measures live τ with ``dflashkit eval`` (chain, no AR baseline) on ``--eval-data``
-(default MT-bench). Prints a markdown table (mean and spread over seeds, and each objective's wins over ce
-seed by seed) and writes ``compare.json``.
+each ``--seeds`` value it trains a drafter (the recipe, then the given key=value overrides, then the settings of
+the comparison; only ``loss`` differs within a seed, and the seed sets init, held-out split, data order and
+anchors), reads the held-out τ_sim of the run's summary, then measures live τ as ``dflashkit eval`` does (chain,
+no AR baseline) on ``--eval-data`` (default MT-bench). Prints a markdown table (mean and spread over seeds, and
+each objective's wins over ce seed by seed) and writes ``compare.json``.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import json
 import statistics
 from pathlib import Path
 
-from dflashkit.cli import main as dflashkit
+from dflashkit.demo import evaluate, train
 
 
 def main(argv=None):
@@ -56,17 +56,14 @@ def main(argv=None):
 
 
 def train_and_eval(args, loss: str, seed: int, run: Path) -> None:
-    rc = dflashkit(["train", "--recipe", args.recipe, "--shards", args.shards, "--output-dir", str(run / "train"),
-                    "--loss", loss, f"export_dir={run / 'drafter'}", f"target={args.target}", "wandb=false",
-                    f"seed={seed}", *(["mixed_precision=no"] if args.device == "cpu" else []), *args.overrides])
-    if rc:
-        raise SystemExit(f"training with loss={loss} seed={seed} failed (exit {rc})")
-    rc = dflashkit(["eval", "--target", args.target, "--drafter", str(run / "drafter"), "--dataset",
-                    *args.eval_data, "--num-prompts", str(args.eval_prompts), "--max-new-tokens",
-                    str(args.eval_new_tokens), "--device", args.device, "--mode", "chain", "--baseline-prompts", "0",
-                    "--out", str(run / "eval-chain")])
-    if rc:
-        raise SystemExit(f"eval of loss={loss} seed={seed} failed (exit {rc})")
+    fields = dict(shards=args.shards, output_dir=str(run / "train"), loss=loss, export_dir=str(run / "drafter"),
+                  target=args.target, wandb=False, seed=seed)
+    if args.device == "cpu":
+        fields["mixed_precision"] = "no"
+    train(args.recipe, args.overrides, **fields)
+    evaluate(target=args.target, drafter=str(run / "drafter"), dataset=list(args.eval_data),
+             num_prompts=args.eval_prompts, max_new_tokens=args.eval_new_tokens, device=args.device, mode="chain",
+             baseline_prompts=0, out=str(run / "eval-chain"))
 
 
 def table(runs: list[dict], losses: list[str]) -> str:
@@ -91,6 +88,7 @@ def table(runs: list[dict], losses: list[str]) -> str:
                      f"| {spread([r['eval_acc'] for r in rs])} | {spread([r['tau_sim'] for r in rs])} "
                      f"| {spread([r['tau_live_chain'] for r in rs])} | {wins} |")
     return "\n".join(lines)
+
 
 if __name__ == "__main__":
     main()

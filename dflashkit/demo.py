@@ -67,12 +67,13 @@ def extract(**kwargs) -> dict:
     return command.run(_with_parser_defaults(command.build_parser, **kwargs))
 
 
-def train(recipe: str, **fields) -> dict:
-    """The drafter, trained from a recipe plus TrainConfig fields, exported at the end (dflashkit.train)."""
+def train(recipe: str, overrides: list[str] | tuple = (), **fields) -> dict:
+    """The drafter, trained from a recipe, then ``key=value`` overrides, then TrainConfig fields, and exported at
+    the end (dflashkit.train)."""
     from dflashkit.train.config import load_config
     from dflashkit.train.trainer import train as run_training
 
-    return run_training(load_config(recipe, (), **fields))
+    return run_training(load_config(recipe, overrides, **fields))
 
 
 def evaluate(**kwargs) -> dict:
