@@ -89,7 +89,8 @@ def _check_utf8(text: str, what: str) -> str:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise BadSample("not_utf8", f"{what} holds bytes that are not UTF-8 ({e.reason} at character {e.start})")
+        detail = f"{what} holds bytes that are not UTF-8 ({e.reason} at character {e.start})"
+        raise BadSample("not_utf8", detail) from None
     return text
 
 
@@ -320,7 +321,7 @@ def check_template(tokenizer, cfg: ChatConfig) -> str:
     except (BadSample, TemplateError) as e:
         detail = e.detail if isinstance(e, BadSample) else str(e)
         raise TemplateError(f"the chat template cannot mark assistant spans on a probe conversation: {detail}; "
-                            "pass --chat-template FILE with a template that renders each turn as a continuation")
+                            "pass --chat-template FILE with a template that renders each turn as a continuation") from e
     runs, prev = [], False
     for k, m in enumerate(mask):
         if m and not prev:
