@@ -44,7 +44,7 @@ test: setup lint
 
 # ruff (pinned in the dev extra; its rules are in pyproject.toml)
 lint: setup
-	$(VENV)/bin/ruff check .
+	$(PY) -m ruff check .
 
 clean:
 	rm -rf $(VENV) build *.egg-info
