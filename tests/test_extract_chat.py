@@ -3,8 +3,8 @@ assistant text plus the end-of-turn token; record formats; bad records by reason
 
 The SmolLM2 testbed tokenizer carries the ChatML template itself. The other families are small Jinja templates
 written here after the real ones (Llama 3.1, Qwen3 with its reasoning handling, Gemma 2), on top of the same
-tokenizer with their special tokens added. `smollm2_tokenizer` and the templates are reused by the other
-tests/test_extract_*.py files.
+tokenizer with their special tokens added (`smollm2_tokenizer` lives in tests/conftest.py). The templates are
+reused by the other tests/test_extract_*.py files.
 """
 
 import copy
