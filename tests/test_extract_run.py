@@ -37,7 +37,8 @@ def chat_records(n, seed=0):
     words = ["alpha", "beta", "gamma", "delta", "echo", "fox", "golf", "hotel", "india", "kilo", "lima", "mike"]
 
     def text():
-        return " ".join(words[int(i)] for i in torch.randint(0, len(words), (int(torch.randint(1, 40, (1,), generator=g)),), generator=g))
+        n = int(torch.randint(1, 40, (1,), generator=g))
+        return " ".join(words[int(i)] for i in torch.randint(0, len(words), (n,), generator=g))
 
     out = []
     for _ in range(n):
