@@ -173,6 +173,7 @@ def extract(target: str, data: list[str], out, *, layer_ids: list[int] | None = 
 
     rank, world, local_rank = _dist()
     out = Path(out)
+    data = [str(data)] if isinstance(data, (str, Path)) else [str(d) for d in data]
     if not device:
         device = f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
     torch_dtype = getattr(torch, dtype or ("bfloat16" if str(device).startswith("cuda") else "float32"))

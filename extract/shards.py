@@ -21,6 +21,7 @@ import hashlib
 import json
 import os
 import struct
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -99,6 +100,30 @@ def pause_point(name: str) -> None:
 _CHUNK_BYTES = 64 << 20  # bytes per write call; the disk starts on a chunk while the next one is copied
 
 
+def _sync_file_range():
+    """Linux's sync_file_range from the C library, or None (elsewhere)."""
+    import ctypes
+
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (AttributeError, OSError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_SYNC_FILE_RANGE = _sync_file_range() if sys.platform.startswith("linux") else None
+_SYNC_FILE_RANGE_WRITE = 2  # start writing the range's dirty pages to the disk; do not wait
+
+
+def _start_writeback(fd: int, offset: int, nbytes: int) -> None:
+    """Start writing a just-written range to the disk now, not at the fsync: the disk works while the next chunk
+    is copied. Only a hint: where it is missing or fails, the fsync writes everything."""
+    if _SYNC_FILE_RANGE is not None:
+        _SYNC_FILE_RANGE(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
+
+
 def _hash_all(buffers) -> str:
     h = hashlib.sha256()
     for b in buffers:
@@ -111,8 +136,8 @@ def atomic_write(path: Path, data, pause_name: str | None = None, hash_pool=None
     rename over ``path``, fsync the directory; return the sha256 of what was written.
 
     The buffers are written as they are (no joining copy). The sha256 is computed from the same buffers, on
-    ``hash_pool`` (a ThreadPoolExecutor) while the write runs, else inline. After each chunk, write-back of
-    the chunk is started (Linux), so the disk works while the next chunk is copied. ``pause_name``: a
+    ``hash_pool`` (a ThreadPoolExecutor) while the write runs, else inline. After each chunk, its write to the
+    disk is started (``_start_writeback``). ``pause_name``: a
     ``pause_point`` between the fsync and the rename (crash tests)."""
     path = Path(path)
     buffers = [memoryview(data).cast("B")] if isinstance(data, (bytes, bytearray)) else \
@@ -129,8 +154,8 @@ def atomic_write(path: Path, data, pause_name: str | None = None, hash_pool=None
                     while chunk.nbytes:  # os.write may write less than asked
                         chunk = chunk[os.write(fd, chunk):]
                     start, written = written, written + min(_CHUNK_BYTES, buf.nbytes - lo)
-                    if hasattr(os, "posix_fadvise") and written - start >= 1 << 20:
-                        os.posix_fadvise(fd, start, written - start, os.POSIX_FADV_DONTNEED)  # starts write-back
+                    if written - start >= 1 << 20:
+                        _start_writeback(fd, start, written - start)
             os.fsync(fd)
         finally:
             os.close(fd)

@@ -24,6 +24,7 @@ import bisect
 import json
 import queue
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -54,20 +55,23 @@ class StagingPool:
         self._in_use = 0  # bytes handed out
         self._collecting = 0  # bytes of those held by the shard being collected
         self._cv = threading.Condition()
+        self.wait_seconds = 0.0  # time callers spent waiting in ``take`` (the forward waiting on the disk)
 
     def take(self, nbytes: int, pin: bool) -> torch.Tensor:
         """A uint8 buffer of at least ``nbytes``; waits for ``give`` when the limit is reached."""
         capacity = 1 << max(nbytes - 1, 0).bit_length()
         with self._cv:
+            started = time.perf_counter()
             while True:
                 fits = [b for b in self._free if b.numel() >= nbytes and b.is_pinned() == pin]
                 counted = self._in_use - self._collecting
                 if fits or counted + capacity <= self.limit or counted == 0:
                     break
                 self._cv.wait()
+            self.wait_seconds += time.perf_counter() - started
             if fits:
                 buf = min(fits, key=torch.Tensor.numel)
-                self._free.remove(buf)
+                self._free = [b for b in self._free if b is not buf]  # by identity: == compares elements
             else:
                 while self._free and self._in_use + sum(b.numel() for b in self._free) + capacity > self.limit:
                     self._free.pop(0)  # make room: memory held idle counts against the limit too
@@ -133,10 +137,9 @@ class ShardWriter:
         if last_hidden is not None:
             device["last_hidden"], device["last_hidden_scale"] = encode_features(last_hidden, self.codec)
         device = {k: v for k, v in device.items() if v is not None}
-        device["finite"] = torch.stack([torch.isfinite(device[k]).all() for k in
-                                        ("hidden_scale" if "hidden_scale" in device else "hidden",
-                                         "last_hidden_scale" if "last_hidden_scale" in device else "last_hidden")
-                                        if k in device]).all().reshape(1)
+        # fp8: a token's scale is max|x| / 448, finite exactly when the token's values are
+        checked = [device.get(f"{k}_scale", device[k]) for k in ("hidden", "last_hidden") if k in device]
+        device["finite"] = torch.stack([torch.isfinite(t).all() for t in checked]).all().reshape(1)
         sizes = {k: -(-v.numel() * v.element_size() // _ALIGN) * _ALIGN for k, v in device.items()}
         cuda = hidden.is_cuda
         buf = self.pool.take(sum(sizes.values()), pin=cuda)
