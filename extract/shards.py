@@ -137,8 +137,8 @@ def atomic_write(path: Path, data, pause_name: str | None = None, hash_pool=None
 
     The buffers are written as they are (no joining copy). The sha256 is computed from the same buffers, on
     ``hash_pool`` (a ThreadPoolExecutor) while the write runs, else inline. After each chunk, its write to the
-    disk is started (``_start_writeback``). ``pause_name``: a
-    ``pause_point`` between the fsync and the rename (crash tests)."""
+    disk is started (``_start_writeback``). ``pause_name``: a ``pause_point`` between the fsync and the rename
+    (crash tests)."""
     path = Path(path)
     buffers = [memoryview(data).cast("B")] if isinstance(data, (bytes, bytearray)) else \
         [memoryview(b).cast("B") for b in data]
