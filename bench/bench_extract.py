@@ -1,23 +1,31 @@
-"""Extraction throughput against the plain target forward and the output_hidden_states=True approach.
+"""Extraction throughput against the plain target forward, the output_hidden_states=True approach, and the disk.
 
-    python bench/bench_extract.py --target /root/testbed/smollm2-bf16 --out-dir /tmp/bench-shards
-    python bench/bench_extract.py --random-qwen3-8b --layer-ids 1 9 17 25 33 --batch 8 --seq 2048
+    python bench/bench_extract.py --toy --out /tmp/bench_extract_toy.json                  # CPU, seconds
+    python bench/bench_extract.py --target /root/testbed/smollm2-bf16 --out bench/results/extract_smollm2.json
+    python bench/bench_extract.py --random-qwen3-8b --layer-ids 1 9 17 25 33 --batch 8 --seq 2048 \
+        --out bench/results/extract_qwen3_8b.json
 
-On the same batches (random token ids, every token real), median tokens/s over --repeats runs of --batches
-batches each:
+On the same batches (random token ids, every token real), median over --repeats runs of --batches batches each:
 - forward: plain ``model(input_ids)`` (logits included), what serving the target costs;
-- hidden_states: ``output_hidden_states=True`` then concatenating the chosen layers, still on the GPU (the
+- hidden_states: ``output_hidden_states=True`` then concatenating the chosen layers, still on the device (the
   approach of trainers that keep every layer; it writes nothing, so it is the baseline's best case);
-- dflashkit: the extraction path: hooks on target_layer_ids with early exit (no later layers, no lm_head),
-  real-token gather, codec encoding on the GPU, copy to the host and shards written to --out-dir on the
-  background writer thread, ``close()`` (the last fsync) included in the time.
-Prints a table (ratios computed from the same run) and writes JSON.
+- dflashkit_{bf16,fp8}: the extraction path of ``dflashkit extract``: hooks on target_layer_ids with early exit
+  (no later layers, no lm_head), real-token gather, codec encoding on the device, copy into host staging
+  buffers, shards written to --out-dir by ``ShardWriter`` with --shard-size, ``close()`` (the last fsync)
+  included in the time;
+- disk: the disk's sequential write ceiling, measured in the same run: the same number of bytes as one
+  extraction run writes, written to the same directory in 64 MiB writes, then fsync (what ``dd conv=fsync``
+  does), median over --repeats.
+Ratios: extraction tokens/s ÷ forward; extraction bytes/s ÷ the disk ceiling (1.0: the disk is the bound). Also
+reported: the seconds the forward waited for free staging buffers (waiting on the disk), per run. Prints a table
+and writes JSON to --out.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import tempfile
@@ -26,59 +34,107 @@ from pathlib import Path
 
 import torch
 
-from dflashkit.target.capture import LayerCapture, real_tokens
-from dflashkit.extract.shards import bytes_per_token
-from dflashkit.target.loading import Target, find_decoder, load_target
+from dflashkit.extract.__main__ import parse_size
+from dflashkit.extract.batching import real_token_index
 from dflashkit.extract.writer import ShardWriter
+from dflashkit.target.capture import LayerCapture
+from dflashkit.target.loading import Target, find_decoder, load_target
 
 
-def random_qwen3_8b(device) -> Target:
-    from transformers import AutoModelForCausalLM, Qwen3Config
+def random_target(config, device, dtype, label: str) -> Target:
+    from transformers import AutoModelForCausalLM
 
-    cfg = Qwen3Config(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
-                      num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
-                      rope_parameters={"rope_type": "default", "rope_theta": 1e6}, tie_word_embeddings=False)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
     dec = find_decoder(model)
-    return Target(model=model, tokenizer=None, config=cfg, path="random:qwen3-8b", model_dir=Path("."),
-                  family="qwen3", decoder=dec, layers=dec.layers, embed_tokens=dec.embed_tokens,
-                  embedding_scale=1.0, final_norm=dec.norm, lm_head=model.lm_head)
+    return Target(model=model, tokenizer=None, config=config, path=label, model_dir=Path("."), family="qwen3",
+                  decoder=dec, layers=dec.layers, embed_tokens=dec.embed_tokens, embedding_scale=1.0,
+                  final_norm=dec.norm, lm_head=model.lm_head)
 
 
-def timed(fn, repeats: int) -> list[float]:
+def qwen3_config(toy: bool):
+    from transformers import Qwen3Config
+
+    if toy:
+        return Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+                           num_key_value_heads=2, head_dim=16, vocab_size=1000, max_position_embeddings=512,
+                           tie_word_embeddings=False)
+    return Qwen3Config(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                       num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
+                       rope_parameters={"rope_type": "default", "rope_theta": 1e6}, tie_word_embeddings=False)
+
+
+def sync(device: torch.device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn, repeats: int, device: torch.device) -> list[float]:
     fn()  # warm-up
-    torch.cuda.synchronize()
+    sync(device)
     out = []
     for _ in range(repeats):
         t = time.perf_counter()
         fn()
-        torch.cuda.synchronize()
+        sync(device)
         out.append(time.perf_counter() - t)
     return out
 
 
+def disk_ceiling(directory: Path, nbytes: int, repeats: int) -> list[float]:
+    """Seconds to write ``nbytes`` to one new file in ``directory`` in 64 MiB writes, then fsync."""
+    chunk = memoryview(os.urandom(64 << 20))
+    path = directory / "disk-ceiling.bin"
+    out = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        left = nbytes
+        while left > 0:
+            left -= os.write(fd, chunk[: min(left, chunk.nbytes)])
+        os.fsync(fd)
+        os.close(fd)
+        out.append(time.perf_counter() - t)
+        path.unlink()
+    return out
+
+
 def main(argv=None):
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--target")
-    ap.add_argument("--random-qwen3-8b", action="store_true")
-    ap.add_argument("--layer-ids", type=int, nargs="+")
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--seq", type=int, default=2048)
-    ap.add_argument("--batches", type=int, default=4, help="batches per timed run")
-    ap.add_argument("--repeats", type=int, default=5)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    g = ap.add_mutually_exclusive_group(required=True)
+    g.add_argument("--target", help="a target dflashkit loads (HF dir, .gguf, testbed:smollm2), in bfloat16")
+    g.add_argument("--random-qwen3-8b", action="store_true", help="random weights, Qwen3-8B's shape")
+    g.add_argument("--toy", action="store_true", help="a tiny random Qwen3 and small batches: runs on a CPU")
+    ap.add_argument("--device", default=None, help="default: cuda if there is one, else cpu")
+    ap.add_argument("--layer-ids", type=int, nargs="+", help="default: 5 evenly spaced layers")
+    ap.add_argument("--batch", type=int, default=None, help="sequences per batch (default 8; toy 2)")
+    ap.add_argument("--seq", type=int, default=None, help="tokens per sequence (default 2048; toy 64)")
+    ap.add_argument("--batches", type=int, default=None, help="batches per timed run (default 16; toy 4)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--shard-size", type=parse_size, default=parse_size("512MB"), help="as `dflashkit extract`")
+    ap.add_argument("--staging-size", type=parse_size, default=parse_size("4GB"), help="as `dflashkit extract`")
     ap.add_argument("--out-dir", default=None, help="where shards go (default: a temp dir on the local disk)")
-    ap.add_argument("--json", default="bench_extract.json")
+    ap.add_argument("--out", "--json", dest="out", default="bench_extract.json", help="JSON results")
     args = ap.parse_args(argv)
-    dev = torch.device("cuda")
+    dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    batch = args.batch or (2 if args.toy else 8)
+    seq = args.seq or (64 if args.toy else 2048)
+    n_batches = args.batches or (4 if args.toy else 16)
+    shard_bytes = min(args.shard_size, 16 << 10) if args.toy else args.shard_size
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     torch.manual_seed(0)
-    target = random_qwen3_8b(dev) if args.random_qwen3_8b else load_target(args.target, dtype=torch.bfloat16,
-                                                                          device=dev)
-    ids = args.layer_ids or target.default_layer_ids(5)
-    vocab = target.vocab_size
-    batches = [torch.randint(0, vocab, (args.batch, args.seq), device=dev) for _ in range(args.batches)]
+    if args.target:
+        target = load_target(args.target, dtype=dtype, device=dev)
+    else:
+        label = "random:qwen3-toy" if args.toy else "random:qwen3-8b"
+        target = random_target(qwen3_config(args.toy), dev, dtype, label)
+    ids = args.layer_ids or sorted(set(target.default_layer_ids(5)))
+    batches_cpu = [torch.randint(0, target.vocab_size, (batch, seq)) for _ in range(n_batches)]
+    batches = [x.to(dev) for x in batches_cpu]
     mask = torch.ones_like(batches[0])
-    tokens = args.batch * args.seq * args.batches
+    lengths = [seq] * batch
+    keep = real_token_index(lengths, seq, dev)
+    tokens = batch * seq * n_batches
     model = target.model
 
     @torch.inference_mode()
@@ -92,45 +148,71 @@ def main(argv=None):
             hs = model(input_ids=x, attention_mask=mask, use_cache=False, output_hidden_states=True).hidden_states
             torch.cat([hs[i + 1] for i in ids], dim=-1)
 
-    results = {"target": target.path, "layer_ids": ids, "batch": args.batch, "seq": args.seq,
-               "tokens_per_run": tokens, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
-    results["forward"] = timed(plain, args.repeats)
-    results["hidden_states"] = timed(all_states, args.repeats)
+    results = {"target": target.path, "layer_ids": ids, "batch": batch, "seq": seq, "batches": n_batches,
+               "tokens_per_run": tokens, "shard_bytes": shard_bytes, "staging_bytes": args.staging_size,
+               "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "dtype": str(dtype),
+               "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    results["forward"] = timed(plain, args.repeats, dev)
+    results["hidden_states"] = timed(all_states, args.repeats, dev)
     base = Path(args.out_dir or tempfile.mkdtemp(prefix="dflashkit-bench-"))
+    base.mkdir(parents=True, exist_ok=True)
     for codec in ("bf16", "fp8"):
         out = base / codec
-        written = []
+        written, waited = [], []
 
         def extract():
             shutil.rmtree(out, ignore_errors=True)
-            writer = ShardWriter(out, {"codec": codec, "schema_version": 1}, shard_bytes=1 << 30)
+            writer = ShardWriter(out, {"codec": codec, "schema_version": 1}, shard_bytes=shard_bytes,
+                                 staging_bytes=args.staging_size)
             with LayerCapture(target, ids) as capture:
-                for n, x in enumerate(batches):
+                for n, (x, x_cpu) in enumerate(zip(batches, batches_cpu)):
                     hidden, _ = capture(x, mask)
-                    flat = torch.cat(real_tokens(hidden, mask))
-                    lengths = mask.sum(1).tolist()
-                    writer.add_batch(list(range(n * args.batch, (n + 1) * args.batch)), lengths,
-                                     x[mask.bool()].int(), torch.ones(flat.shape[0], dtype=torch.bool), flat)
+                    writer.add_batch(list(range(n * batch, (n + 1) * batch)), lengths, x_cpu.flatten(),
+                                     torch.ones(batch * seq, dtype=torch.bool),
+                                     hidden.flatten(0, 1).index_select(0, keep))
             m = writer.close()
             written.append(sum(s["bytes"] for s in m["shards"]))
+            waited.append(writer.pool.wait_seconds)
 
-        results[f"dflashkit_{codec}"] = timed(extract, args.repeats)
-        results[f"bytes_per_token_{codec}"] = written[-1] / tokens
-        results[f"feature_bytes_per_token_{codec}"] = bytes_per_token(codec, len(ids) * target.hidden_size)
-    shutil.rmtree(base, ignore_errors=True)
-    med = {k: tokens / statistics.median(results[k]) for k in
-           ("forward", "hidden_states", "dflashkit_bf16", "dflashkit_fp8")}
-    results["tokens_per_s"] = med
+        results[f"dflashkit_{codec}"] = timed(extract, args.repeats, dev)
+        results[f"bytes_per_run_{codec}"] = written[-1]
+        results[f"staging_wait_s_{codec}"] = waited[1:]
+        results[f"disk_{codec}"] = disk_ceiling(out, written[-1], args.repeats)
+        shutil.rmtree(out, ignore_errors=True)
+    if not args.out_dir:
+        shutil.rmtree(base, ignore_errors=True)
+    tok_s = {k: tokens / statistics.median(results[k]) for k in
+             ("forward", "hidden_states", "dflashkit_bf16", "dflashkit_fp8")}
+    results["tokens_per_s"] = tok_s
     for codec in ("bf16", "fp8"):
-        results[f"ratio_vs_forward_{codec}"] = med[f"dflashkit_{codec}"] / med["forward"]
-        results[f"ratio_vs_hidden_states_{codec}"] = med[f"dflashkit_{codec}"] / med["hidden_states"]
-    json.dump(results, open(args.json, "w"), indent=2)
-    print(f"target {target.path}, taps {ids}, batch {args.batch} x {args.seq}, median of {args.repeats}")
-    print("| path | tok/s | ÷ forward | ÷ hidden_states | bytes/token on disk |")
-    print("|---|---|---|---|---|")
-    for k in ("forward", "hidden_states", "dflashkit_bf16", "dflashkit_fp8"):
-        bpt = f"{results['bytes_per_token_' + k[10:]]:.0f}" if k.startswith("dflashkit") else "-"
-        print(f"| {k} | {med[k]:,.0f} | {med[k] / med['forward']:.3f} | {med[k] / med['hidden_states']:.3f} | {bpt} |")
+        nbytes = results[f"bytes_per_run_{codec}"]
+        results[f"write_bytes_per_s_{codec}"] = nbytes / statistics.median(results[f"dflashkit_{codec}"])
+        results[f"disk_ceiling_bytes_per_s_{codec}"] = nbytes / statistics.median(results[f"disk_{codec}"])
+        results[f"ratio_vs_forward_{codec}"] = tok_s[f"dflashkit_{codec}"] / tok_s["forward"]
+        results[f"ratio_vs_hidden_states_{codec}"] = tok_s[f"dflashkit_{codec}"] / tok_s["hidden_states"]
+        results[f"ratio_vs_disk_ceiling_{codec}"] = (results[f"write_bytes_per_s_{codec}"]
+                                                     / results[f"disk_ceiling_bytes_per_s_{codec}"])
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+    print(f"target {target.path} on {results['device']}, taps {ids}, {n_batches} batches of {batch} x {seq}, "
+          f"median of {args.repeats}")
+    print("| path | tok/s | ÷ forward | ÷ hidden_states | bytes/token | MB/s written | ÷ disk ceiling "
+          "| forward waited (s) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for k in ("forward", "hidden_states"):
+        print(f"| {k} | {tok_s[k]:,.0f} | {tok_s[k] / tok_s['forward']:.3f} | "
+              f"{tok_s[k] / tok_s['hidden_states']:.3f} | - | - | - | - |")
+    for codec in ("bf16", "fp8"):
+        k = f"dflashkit_{codec}"
+        wait = statistics.median(results[f"staging_wait_s_{codec}"] or [0.0])
+        print(f"| {k} | {tok_s[k]:,.0f} | {results['ratio_vs_forward_' + codec]:.3f} | "
+              f"{results['ratio_vs_hidden_states_' + codec]:.3f} | {results['bytes_per_run_' + codec] / tokens:,.0f} | "
+              f"{results['write_bytes_per_s_' + codec] / 1e6:,.0f} | {results['ratio_vs_disk_ceiling_' + codec]:.3f} "
+              f"| {wait:.2f} |")
+    for codec in ("bf16", "fp8"):
+        print(f"disk ceiling ({results['bytes_per_run_' + codec] / 1e6:,.0f} MB, write + fsync): "
+              f"{results['disk_ceiling_bytes_per_s_' + codec] / 1e6:,.0f} MB/s")
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

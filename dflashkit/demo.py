@@ -62,9 +62,9 @@ def regenerate(**kwargs) -> dict:
 
 def extract(**kwargs) -> dict:
     """Target-layer features into shards (dflashkit.extract)."""
-    from dflashkit.extract import __main__ as command
+    from dflashkit.extract.__main__ import extract as run_extraction
 
-    return command.run(_with_parser_defaults(command.build_parser, **kwargs))
+    return run_extraction(**kwargs)
 
 
 def train(recipe: str, overrides: list[str] | tuple = (), **fields) -> dict:

@@ -13,8 +13,9 @@ Design choices:
   of --bucket-window samples; each window is sorted by length and cut into batches of at most --batch-tokens
   padded tokens (length bucketing). The plan depends only on the data and these flags, so a resumed run re-plans
   the same batches and skips those whose samples a shard already holds.
-- Features are captured by ``capture.LayerCapture`` (hooks, early exit) and packed to real tokens only before
-  they leave the device; ``writer.ShardWriter`` writes shards on a background thread.
+- Features are captured by ``capture.LayerCapture`` (hooks, early exit) and packed to real tokens (an index
+  gather, no wait for the device) before they leave the device; ``writer.ShardWriter`` copies them to host
+  staging buffers and writes shards on a background thread, so the forward waits only for a full disk queue.
 - Tokenizing (chat template rendering) can run in worker processes (--tokenize-workers), one window ahead of
   the forward passes.
 - Bad records are skipped and counted by reason (--on-bad skip) or stop the run naming file:line (--on-bad fail).
@@ -56,12 +57,20 @@ def parse_size(text: str) -> int:
     return int(value)
 
 
+def parse_layer_ids(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"layer ids {text!r}: write comma-separated integers, e.g. 1,9,17") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dflashkit extract", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("target")
     g.add_argument("--target", required=True, help="HF model dir, .gguf file, or testbed:smollm2")
-    g.add_argument("--layer-ids", default=None, help="comma-separated target_layer_ids (layer i's output)")
+    g.add_argument("--layer-ids", type=parse_layer_ids, default=None,
+                   help="comma-separated target_layer_ids (layer i's output)")
     g.add_argument("--num-taps", type=int, default=5, help="without --layer-ids: this many evenly spaced layers")
     g.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None,
                    help="target dtype (default: bfloat16 on GPU, float32 on CPU)")
@@ -88,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--bucket-window", type=int, default=4096, help="samples sorted by length together")
     g.add_argument("--tokenize-workers", type=int, default=0, help="processes rendering + tokenizing (0: inline)")
     g.add_argument("--shard-size", type=parse_size, default=parse_size("512MB"), help="bytes per shard, e.g. 1GB")
+    g.add_argument("--staging-size", type=parse_size, default=parse_size("4GB"),
+                   help="host memory for features waiting for the disk (pinned on a GPU); the forward waits "
+                        "when it is full")
     g.add_argument("--codec", choices=CODECS, default="bf16", help="feature storage: bf16, or fp8 e4m3 + scale")
     g.add_argument("--store-last-hidden", action="store_true", help="also store the final-norm output")
     g.add_argument("--resume", action="store_true", help="continue a killed run in --out")
@@ -142,39 +154,43 @@ def _summary(manifest: dict, out: Path, seconds: float, tokens_this_run: int) ->
             f"  skipped: {skipped}\n  notes: {notes}\n  written to {out}")
 
 
-def run(args) -> dict:
+def extract(target: str, data: list[str], out, *, layer_ids: list[int] | None = None, num_taps: int = 5,
+            dtype: str | None = None, device: str | None = None, device_map: str | None = None,
+            trust_remote_code: bool = False, split: str | None = None, limit: int | None = None,
+            chat_template: str | None = None, chat_template_kwargs: dict | None = None,
+            max_length: int | None = None, overlong: str = "truncate", on_bad: str = "skip",
+            batch_tokens: int = 16384, max_batch_size: int = 64, bucket_window: int = 4096,
+            tokenize_workers: int = 0, shard_size: int = 512 << 20, staging_size: int = 4 << 30,
+            codec: str = "bf16", store_last_hidden: bool = False, resume: bool = False,
+            progress: bool = True) -> dict:
+    """Extract the features of ``target`` for the records of ``data`` into shards in ``out``; return the
+    manifest. The parameters are the command's flags (see ``build_parser``); ``chat_template`` is the path of a
+    Jinja file, ``chat_template_kwargs`` a dict, sizes are bytes."""
     from dflashkit.target.capture import LayerCapture, check_layer_ids
     from .chat import check_template
     from .sources import describe_sources
     from dflashkit.target.loading import load_target
 
     rank, world, local_rank = _dist()
-    out = Path(args.out)
-    if args.device:
-        device = args.device
-    else:
+    out = Path(out)
+    data = [str(data)] if isinstance(data, (str, Path)) else [str(d) for d in data]
+    if not device:
         device = f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
-    dtype = getattr(torch, args.dtype or ("bfloat16" if str(device).startswith("cuda") else "float32"))
-    if args.device_map and world > 1:
+    torch_dtype = getattr(torch, dtype or ("bfloat16" if str(device).startswith("cuda") else "float32"))
+    if device_map and world > 1:
         raise ValueError("--device-map spreads one target over the GPUs of one process; with several processes "
                          "each rank loads its own copy on its GPU: drop --device-map or launch one process")
-    try:
-        template_kwargs = json.loads(args.chat_template_kwargs)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"--chat-template-kwargs {args.chat_template_kwargs!r} is not JSON ({e}); "
-                         """write e.g. '{"enable_thinking": false}'""") from None
-    chat_template = Path(args.chat_template).read_text() if args.chat_template else None
-    cfg = ChatConfig(max_length=args.max_length, overlong=args.overlong, template_kwargs=template_kwargs,
-                     chat_template=chat_template)
-    if not args.resume and out.exists() and ((out / MANIFEST).exists() or any(out.glob("shard-*.safetensors"))
-                                             or any(out.glob("manifest.rank*.json"))):
+    template_kwargs = dict(chat_template_kwargs or {})
+    cfg = ChatConfig(max_length=max_length, overlong=overlong, template_kwargs=template_kwargs,
+                     chat_template=Path(chat_template).read_text() if chat_template else None)
+    if not resume and out.exists() and ((out / MANIFEST).exists() or any(out.glob("shard-*.safetensors"))
+                                        or any(out.glob("manifest.rank*.json"))):
         raise ValueError(f"{out} already holds an extraction: add --resume to continue it, or pick another --out")
 
-    target = load_target(args.target, dtype=dtype, device=device, device_map=args.device_map,
-                         trust_remote_code=args.trust_remote_code)
+    target = load_target(target, dtype=torch_dtype, device=device, device_map=device_map,
+                         trust_remote_code=trust_remote_code)
     # default taps: evenly spaced (docs/ARCHITECTURE.md); a target too shallow for that many distinct taps gets fewer
-    layer_ids = ([int(x) for x in args.layer_ids.split(",")] if args.layer_ids
-                 else sorted(set(target.default_layer_ids(args.num_taps))))
+    layer_ids = list(layer_ids) if layer_ids else sorted(set(target.default_layer_ids(num_taps)))
     layer_ids = check_layer_ids(layer_ids, target.num_layers)
     tok = target.tokenizer
     if cfg.chat_template or getattr(tok, "chat_template", None):
@@ -184,57 +200,61 @@ def run(args) -> dict:
         "target": target.identity(), "family": target.family, "tokenizer_hash": tokenizer_hash(tok),
         "chat_template_hash": chat_template_hash(tok, cfg), "template_kwargs": template_kwargs,
         "target_layer_ids": layer_ids, "num_target_layers": target.num_layers, "hidden_size": target.hidden_size,
-        "vocab_size": target.vocab_size, "feature_dim": len(layer_ids) * target.hidden_size, "codec": args.codec,
-        "store_last_hidden": bool(args.store_last_hidden), "dtype": str(dtype).removeprefix("torch."),
-        "data": describe_sources(args.data), "world_size": world,
-        "args": {"max_length": args.max_length, "overlong": args.overlong, "on_bad": args.on_bad,
-                 "limit": args.limit, "split": args.split, "batch_tokens": args.batch_tokens,
-                 "max_batch_size": args.max_batch_size, "bucket_window": args.bucket_window,
-                 "shard_size": args.shard_size},
+        "vocab_size": target.vocab_size, "feature_dim": len(layer_ids) * target.hidden_size, "codec": codec,
+        "store_last_hidden": bool(store_last_hidden), "dtype": str(torch_dtype).removeprefix("torch."),
+        "data": describe_sources(data), "world_size": world,
+        "args": {"max_length": max_length, "overlong": overlong, "on_bad": on_bad, "limit": limit, "split": split,
+                 "batch_tokens": batch_tokens, "max_batch_size": max_batch_size, "bucket_window": bucket_window,
+                 "shard_size": shard_size},
         "skipped": {}, "notes": {}, "shards": []}
     done: set[int] = set()
-    if args.resume:
+    if resume:
         old = prepare_resume(out, rank, world)
         if old is not None:
             _check_resume(old, manifest, out)
             manifest["shards"] = old["shards"]
             done = {i for s in old["shards"] for i in s["sample_indices"]}
 
-    writer = ShardWriter(out, manifest, rank=rank, world_size=world, shard_bytes=args.shard_size)
+    writer = ShardWriter(out, manifest, rank=rank, world_size=world, shard_bytes=shard_size,
+                         staging_bytes=staging_size)
     skipped = {r: 0 for r in SKIP_REASONS}
     notes = {"dropped_leading_assistant_turns": 0, "truncated": 0}
     started = time.time()
-    total = batching.count_rank_records(args.data, args.split, args.limit, rank, world)
+    total = batching.count_rank_records(data, split, limit, rank, world)
     bar = None
-    if rank == 0 and not args.no_progress:
+    if rank == 0 and progress:
         from tqdm import tqdm
 
         bar = tqdm(total=total * world if total is not None else None, unit="sample", dynamic_ncols=True,
                    desc="extract", initial=len(done) * world)
     tokens_done = 0
     try:
-        with LayerCapture(target, layer_ids, store_last_hidden=args.store_last_hidden) as capture:
-            for window in batching.encoded_windows(args, tok, cfg, rank, world):
+        with LayerCapture(target, layer_ids, store_last_hidden=store_last_hidden) as capture:
+            windows = batching.encoded_windows(data, split, limit, bucket_window, tokenize_workers, tok, cfg, rank,
+                                               world)
+            for window in windows:
                 for bad in window.bad:
-                    if args.on_bad == "fail":
+                    if on_bad == "fail":
                         raise BadSample(bad.reason, bad.detail, bad.where)
                     skipped[bad.reason] += 1
                 for s in window.samples:
                     notes["dropped_leading_assistant_turns"] += s.dropped_leading_turns
                     notes["truncated"] += int(s.truncated)
                 counts = {"skipped": dict(skipped), "notes": dict(notes)}
-                for batch in batching.plan_batches(window.samples, args.batch_tokens, args.max_batch_size):
+                for batch in batching.plan_batches(window.samples, batch_tokens, max_batch_size):
                     todo = [s for s in batch if s.index not in done]
                     if todo:
                         ids, attn = batching.pad_batch(todo, device)
                         hidden, last_hidden = capture(ids, attn)
-                        keep = attn.bool()
-                        writer.add_batch([s.index for s in todo], [len(s.input_ids) for s in todo],
-                                         [t for s in todo for t in s.input_ids],
-                                         [m for s in todo for m in s.loss_mask], hidden[keep],
-                                         last_hidden[keep] if last_hidden is not None else None,
+                        lengths = [len(s.input_ids) for s in todo]
+                        keep = batching.real_token_index(lengths, ids.shape[1], hidden.device)
+                        writer.add_batch([s.index for s in todo], lengths, [t for s in todo for t in s.input_ids],
+                                         [m for s in todo for m in s.loss_mask],
+                                         hidden.flatten(0, 1).index_select(0, keep),
+                                         last_hidden.flatten(0, 1).index_select(0, keep)
+                                         if last_hidden is not None else None,
                                          where=[s.where for s in todo], counts=counts)
-                        tokens_done += int(keep.sum())
+                        tokens_done += sum(lengths)
                     if bar is not None:
                         bar.update(len(batch) * world)
                         bar.set_postfix_str(f"{tokens_done * world / max(time.time() - started, 1e-9):,.0f} tok/s")
@@ -264,7 +284,20 @@ def main(argv=None) -> int:
     if hasattr(signal, "SIGXFSZ"):  # a file-size limit then fails the write with EFBIG, reported cleanly
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     try:
-        run(args)
+        try:
+            template_kwargs = json.loads(args.chat_template_kwargs)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--chat-template-kwargs {args.chat_template_kwargs!r} is not JSON ({e}); "
+                             """write e.g. '{"enable_thinking": false}'""") from None
+        extract(args.target, args.data, args.out, layer_ids=args.layer_ids, num_taps=args.num_taps,
+                dtype=args.dtype, device=args.device, device_map=args.device_map,
+                trust_remote_code=args.trust_remote_code, split=args.split, limit=args.limit,
+                chat_template=args.chat_template, chat_template_kwargs=template_kwargs, max_length=args.max_length,
+                overlong=args.overlong, on_bad=args.on_bad, batch_tokens=args.batch_tokens,
+                max_batch_size=args.max_batch_size, bucket_window=args.bucket_window,
+                tokenize_workers=args.tokenize_workers, shard_size=args.shard_size,
+                staging_size=args.staging_size, codec=args.codec, store_last_hidden=args.store_last_hidden,
+                resume=args.resume, progress=not args.no_progress)
     except BadSample as e:
         print(f"dflashkit extract: error: {e}\n  fix the record, or pass --on-bad skip to skip and count such "
               "records", file=sys.stderr)

@@ -82,10 +82,12 @@ def _chunks(items: list, n: int) -> list[list]:
     return [items[i: i + size] for i in range(0, len(items), size)]
 
 
-def encoded_windows(args, tokenizer, cfg: ChatConfig, rank: int, world_size: int) -> Iterator[Window]:
-    """Windows of this rank's encoded samples; with args.tokenize_workers > 0 the next window encodes meanwhile."""
-    items = rank_items(args.data, args.split, args.limit, rank, world_size)
-    raw_windows = iter(lambda: list(islice(items, args.bucket_window)), [])
+def encoded_windows(specs, split, limit, bucket_window: int, tokenize_workers: int, tokenizer, cfg: ChatConfig,
+                    rank: int, world_size: int) -> Iterator[Window]:
+    """Windows of ``bucket_window`` of this rank's records (``specs``, ``split``, ``limit`` as for
+    ``iter_records``), encoded; with ``tokenize_workers`` > 0 processes, the next window encodes meanwhile."""
+    items = rank_items(specs, split, limit, rank, world_size)
+    raw_windows = iter(lambda: list(islice(items, bucket_window)), [])
 
     def collect(parts) -> Window:
         window = Window()
@@ -94,17 +96,17 @@ def encoded_windows(args, tokenizer, cfg: ChatConfig, rank: int, world_size: int
             window.bad += [BadSample(reason, detail, where) for reason, detail, where in bad]
         return window
 
-    if args.tokenize_workers <= 0:
+    if tokenize_workers <= 0:
         _init_worker(tokenizer, cfg)
         for raw in raw_windows:
             yield collect([_encode_items(raw)])
         return
     import multiprocessing
 
-    with ProcessPoolExecutor(args.tokenize_workers, mp_context=multiprocessing.get_context("spawn"),
+    with ProcessPoolExecutor(tokenize_workers, mp_context=multiprocessing.get_context("spawn"),
                              initializer=_init_worker, initargs=(tokenizer, cfg)) as pool:
         def submit(raw):
-            return [pool.submit(_encode_items, chunk) for chunk in _chunks(raw, args.tokenize_workers * 4)]
+            return [pool.submit(_encode_items, chunk) for chunk in _chunks(raw, tokenize_workers * 4)]
 
         pending = None
         for raw in raw_windows:
@@ -143,3 +145,10 @@ def pad_batch(samples: list[Sample], device, pad_id: int = 0) -> tuple[torch.Ten
         ids[k, : len(s.input_ids)] = torch.tensor(s.input_ids, dtype=torch.long)
         attn[k, : len(s.input_ids)] = 1
     return ids.to(device), attn.to(device)
+
+
+def real_token_index(lengths: list[int], padded_length: int, device) -> torch.Tensor:
+    """Indices of the real tokens of a right-padded batch in its [b * T] flattening, in order. Gathering with
+    it (``index_select``) keeps the device busy: a boolean-mask gather would wait for the device to count."""
+    index = torch.cat([torch.arange(n) + k * padded_length for k, n in enumerate(lengths)])
+    return index.to(device, non_blocking=True)

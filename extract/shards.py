@@ -8,8 +8,9 @@ Design choices:
   = max|x| / 448, so the largest value of each token maps to the top of the e4m3 range; 1 byte per value + 4 per
   token). fp8 error bound, per element: |x' - x| <= 0.067 |x| + 2.2e-6 max|x_token| (e4m3 rounding: 2^-4
   relative, or half its subnormal step, 2^-10 times the scale; then the bf16 output rounding, 2^-8).
-- Shards are written by ``writer.ShardWriter`` (atomic, on a background thread); the manifest is rewritten
-  atomically after every shard and lists only complete shards.
+- Shards are written by ``writer.ShardWriter`` (atomic, on a background thread) straight from the host buffers
+  the features were copied into: the safetensors header is built here and the tensors' bytes follow it, hashed
+  while they are written. The manifest is rewritten atomically after every shard and lists only complete shards.
 - The reader memory-maps each shard (parsing the safetensors header itself) and copies out one sample.
 """
 
@@ -20,6 +21,7 @@ import hashlib
 import json
 import os
 import struct
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -95,24 +97,79 @@ def pause_point(name: str) -> None:
         time.sleep(60)
 
 
-def atomic_write(path: Path, data: bytes, pause_name: str | None = None) -> None:
-    """Write bytes under a temporary name, fsync, rename over ``path``, fsync the directory.
+_CHUNK_BYTES = 64 << 20  # bytes per write call; the disk starts on a chunk while the next one is copied
 
-    ``pause_name``: a ``pause_point`` between the fsync and the rename (crash tests)."""
+
+def _sync_file_range():
+    """Linux's sync_file_range from the C library, or None (elsewhere)."""
+    import ctypes
+
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (AttributeError, OSError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_SYNC_FILE_RANGE = _sync_file_range() if sys.platform.startswith("linux") else None
+_SYNC_FILE_RANGE_WRITE = 2  # start writing the range's dirty pages to the disk; do not wait
+
+
+def _start_writeback(fd: int, offset: int, nbytes: int) -> None:
+    """Start writing a just-written range to the disk now, not at the fsync: the disk works while the next chunk
+    is copied. Only a hint: where it is missing or fails, the fsync writes everything."""
+    if _SYNC_FILE_RANGE is not None:
+        _SYNC_FILE_RANGE(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
+
+
+def _hash_all(buffers) -> str:
+    h = hashlib.sha256()
+    for b in buffers:
+        h.update(b)  # releases the GIL on large buffers
+    return h.hexdigest()
+
+
+def atomic_write(path: Path, data, pause_name: str | None = None, hash_pool=None) -> str:
+    """Write ``data`` (bytes, or a list of buffers written one after another) under a temporary name, fsync,
+    rename over ``path``, fsync the directory; return the sha256 of what was written.
+
+    The buffers are written as they are (no joining copy). The sha256 is computed from the same buffers, on
+    ``hash_pool`` (a ThreadPoolExecutor) while the write runs, else inline. After each chunk, its write to the
+    disk is started (``_start_writeback``). ``pause_name``: a ``pause_point`` between the fsync and the rename
+    (crash tests)."""
     path = Path(path)
+    buffers = [memoryview(data).cast("B")] if isinstance(data, (bytes, bytearray)) else \
+        [memoryview(b).cast("B") for b in data]
+    digest = hash_pool.submit(_hash_all, buffers) if hash_pool is not None else None
     tmp = path.with_name(f".{path.name}.tmp")
     try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            written = 0
+            for buf in buffers:
+                for lo in range(0, buf.nbytes, _CHUNK_BYTES):
+                    chunk = buf[lo: lo + _CHUNK_BYTES]
+                    while chunk.nbytes:  # os.write may write less than asked
+                        chunk = chunk[os.write(fd, chunk):]
+                    start, written = written, written + min(_CHUNK_BYTES, buf.nbytes - lo)
+                    if written - start >= 1 << 20:
+                        _start_writeback(fd, start, written - start)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        sha256 = digest.result() if digest is not None else _hash_all(buffers)
         if pause_name:
             pause_point(pause_name)
         os.replace(tmp, path)
     except BaseException:
+        if digest is not None:
+            digest.cancel() or digest.exception()  # the hash thread must be done with the buffers
         tmp.unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
+    return sha256
 
 
 def write_manifest(path: Path, manifest: dict) -> None:
@@ -153,6 +210,33 @@ def update_totals(manifest: dict) -> None:
     manifest["totals"] = {"shards": len(shards), "samples": sum(s["samples"] for s in shards), "tokens": tokens,
                           "loss_tokens": sum(s["loss_tokens"] for s in shards), "bytes": nbytes,
                           "bytes_per_token": round(nbytes / tokens, 2) if tokens else None}
+
+
+_DTYPE_NAME = {torch.bfloat16: "BF16", torch.float8_e4m3fn: "F8_E4M3", torch.float32: "F32", torch.int32: "I32",
+               torch.int64: "I64", torch.bool: "BOOL"}
+
+
+def safetensors_parts(tensors: dict[str, list[torch.Tensor]], metadata: dict[str, str]) -> list:
+    """A safetensors file as a list of buffers (header bytes, then each tensor's bytes), without joining them.
+
+    ``tensors``: name -> row blocks (contiguous CPU tensors of one dtype, equal trailing shape), stored as their
+    concatenation on dim 0. Tensors are laid out largest element first, then by name (as safetensors does), so
+    each starts aligned; the header is padded with spaces to 8 bytes. The file is what ``safetensors.torch.save``
+    writes for the concatenated tensors, up to the order of the keys inside the header."""
+    order = sorted(tensors, key=lambda k: (-tensors[k][0].element_size(), k))
+    header: dict = {"__metadata__": metadata}
+    views, offset = [], 0
+    for name in order:
+        blocks = tensors[name]
+        nbytes = sum(b.numel() * b.element_size() for b in blocks)
+        shape = [sum(b.shape[0] for b in blocks), *blocks[0].shape[1:]]
+        header[name] = {"dtype": _DTYPE_NAME[blocks[0].dtype], "shape": shape,
+                        "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+        views += [b.reshape(-1).view(torch.uint8).numpy() for b in blocks if b.numel()]
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    return [struct.pack("<Q", len(head)) + head, *views]
 
 
 # ---------------------------------------------------------------- reader

@@ -1,4 +1,4 @@
-"""The shard writer: batches in, crash-safe shards and manifest out, on a background thread.
+"""The shard writer: batches in, crash-safe shards and manifest out, with the disk working behind the forward.
 
 Design choices:
 - Crash safety: a shard is written to a temporary name, fsynced, renamed, the directory fsynced; only then is it
@@ -6,9 +6,14 @@ Design choices:
   leaves the manifest listing only complete shards; leftovers (temporary files, renamed shards the manifest does
   not list) are removed on resume and their samples redone. Shards hold whole batches, so a resumed run re-plans
   the same batches and skips the ones done: the result equals an uninterrupted run.
-- The writer runs on a background thread behind a bounded queue: the caller hands over device tensors, the copy
-  to host is started non-blocking and waited for on the thread, so the accelerator does not wait for the disk.
-  Errors on the thread (disk full, NaN/Inf features) are raised in the caller at its next call.
+- The path of the bytes: ``add_batch`` encodes the features on the device and starts their copy into a reused
+  host staging buffer (pinned memory, on a side CUDA stream, so the next forward runs during the copy) and
+  returns. One background thread waits for the copy, checks the features are finite, and, once a shard's worth
+  of batches is there, writes the shard straight from the staging buffers (``shards.safetensors_parts``: the
+  header, then each buffer; no joining copy), while a second thread computes the sha256 of the same buffers.
+  Shards are renamed and listed one at a time, in order. While one is written, the next ones collect in the
+  staging buffers; the forward waits only when ``staging_bytes`` are all full, i.e. when the disk is the bound.
+- Errors on the thread (disk full, NaN/Inf features) are raised in the caller at its next call.
 - Several ranks: each writes its own shards (rank in the file name) and its own ``manifest.rank{r}.json``;
   rank 0 merges them into ``manifest.json`` at the end. One process writes ``manifest.json`` directly.
 """
@@ -16,21 +21,75 @@ Design choices:
 from __future__ import annotations
 
 import bisect
-import hashlib
 import json
 import queue
 import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from .shards import (MANIFEST, SCHEMA_VERSION, atomic_write, decode_features, encode_features, pause_point,
-                     rank_manifest_name, shard_name, update_totals, write_manifest)
+                     rank_manifest_name, safetensors_parts, shard_name, update_totals, write_manifest)
+
+_ALIGN = 64  # bytes; tensors inside a staging buffer start at multiples of this
 
 
 class ShardWriteError(RuntimeError):
     """Writing a shard failed (disk full, file-size limit, I/O error) or the features were not finite."""
+
+
+class StagingPool:
+    """Host buffers (pinned for device copies) that features wait in until their shard is on disk; reused.
+
+    ``take`` waits while the buffers in use, not counting those of the shard still being collected
+    (``collecting``), would exceed ``limit`` bytes. Those are not counted because only more batches can complete
+    that shard and free them; a single batch larger than the limit is still served when nothing else is in use.
+    Capacities are powers of two, so buffers fit again as batch sizes vary."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._free: list[torch.Tensor] = []
+        self._in_use = 0  # bytes handed out
+        self._collecting = 0  # bytes of those held by the shard being collected
+        self._cv = threading.Condition()
+        self.wait_seconds = 0.0  # time callers spent waiting in ``take`` (the forward waiting on the disk)
+
+    def take(self, nbytes: int, pin: bool) -> torch.Tensor:
+        """A uint8 buffer of at least ``nbytes``; waits for ``give`` when the limit is reached."""
+        capacity = 1 << max(nbytes - 1, 0).bit_length()
+        with self._cv:
+            started = time.perf_counter()
+            while True:
+                fits = [b for b in self._free if b.numel() >= nbytes and b.is_pinned() == pin]
+                counted = self._in_use - self._collecting
+                if fits or counted + capacity <= self.limit or counted == 0:
+                    break
+                self._cv.wait()
+            self.wait_seconds += time.perf_counter() - started
+            if fits:
+                buf = min(fits, key=torch.Tensor.numel)
+                self._free = [b for b in self._free if b is not buf]  # by identity: == compares elements
+            else:
+                while self._free and self._in_use + sum(b.numel() for b in self._free) + capacity > self.limit:
+                    self._free.pop(0)  # make room: memory held idle counts against the limit too
+                buf = torch.empty(capacity, dtype=torch.uint8, pin_memory=pin)
+            self._in_use += buf.numel()
+            return buf
+
+    def give(self, buffers) -> None:
+        with self._cv:
+            for buf in buffers:
+                self._in_use -= buf.numel()
+                self._free.append(buf)
+            self._cv.notify_all()
+
+    def set_collecting(self, nbytes: int) -> None:
+        with self._cv:
+            self._collecting = nbytes
+            self._cv.notify_all()
 
 
 class ShardWriter:
@@ -38,10 +97,11 @@ class ShardWriter:
 
     ``manifest`` is the run's manifest (target identity, layer ids, codec, ...); the writer adds ``shards`` and
     ``totals`` and rewrites it after every shard. Call ``add_batch`` per batch, then ``close``.
+    ``staging_bytes``: host memory for features waiting for the disk (pinned when they come from a GPU).
     """
 
     def __init__(self, out_dir, manifest: dict, rank: int = 0, world_size: int = 1,
-                 shard_bytes: int = 512 << 20, queue_batches: int = 4):
+                 shard_bytes: int = 512 << 20, staging_bytes: int = 4 << 30):
         self.dir = Path(out_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.rank, self.world_size, self.shard_bytes = rank, world_size, shard_bytes
@@ -53,8 +113,11 @@ class ShardWriter:
         self.seq = 1 + max((s["seq"] for s in mine), default=-1)
         self.pending: list[dict] = []
         self.pending_bytes = 0
+        self.pool = StagingPool(staging_bytes)
+        self._streams: dict = {}  # device -> side stream for the copies to the host
         self._error: BaseException | None = None
-        self._queue: queue.Queue = queue.Queue(maxsize=queue_batches)
+        self._queue: queue.Queue = queue.Queue()
+        self._hash_pool = ThreadPoolExecutor(1, thread_name_prefix="dflashkit-shard-sha256")
         self._thread = threading.Thread(target=self._run, name="dflashkit-shard-writer", daemon=True)
         self._thread.start()
 
@@ -64,40 +127,63 @@ class ShardWriter:
                   counts: dict | None = None) -> None:
         """One batch, packed: token tensors [sum(lengths)] and features [sum(lengths), D] on any device.
 
+        Returns once the copy to the host has started; waits first when the staging buffers are full.
         ``where`` (file:line per sample) names a sample in errors; ``counts`` ({"skipped": {...}, "notes": {...}},
         a snapshot) goes into the manifest with the next shard.
         """
         self._raise_if_failed()
-        hidden, scale = encode_features(hidden, self.codec)
-        item = {"sample_index": list(sample_index), "lengths": list(lengths), "where": where, "counts": counts,
-                "input_ids": torch.as_tensor(input_ids, dtype=torch.int32).cpu(),
-                "loss_mask": torch.as_tensor(loss_mask, dtype=torch.bool).cpu(),
-                "finite": torch.isfinite(scale if scale is not None else hidden).all().to("cpu", non_blocking=True),
-                "hidden": hidden.to("cpu", non_blocking=True),
-                "hidden_scale": scale.to("cpu", non_blocking=True) if scale is not None else None}
+        device = {}
+        device["hidden"], device["hidden_scale"] = encode_features(hidden, self.codec)
         if last_hidden is not None:
-            lh, lh_scale = encode_features(last_hidden, self.codec)
-            item["last_hidden"] = lh.to("cpu", non_blocking=True)
-            item["last_hidden_scale"] = lh_scale.to("cpu", non_blocking=True) if lh_scale is not None else None
-        item["event"] = torch.cuda.Event() if hidden.is_cuda else None
-        if item["event"] is not None:
-            item["event"].record()
-        item["_keep"] = (hidden, scale)  # device tensors stay alive until the copy is done
-        self._queue.put(item)
+            device["last_hidden"], device["last_hidden_scale"] = encode_features(last_hidden, self.codec)
+        device = {k: v for k, v in device.items() if v is not None}
+        # fp8: a token's scale is max|x| / 448, finite exactly when the token's values are
+        checked = [device.get(f"{k}_scale", device[k]) for k in ("hidden", "last_hidden") if k in device]
+        device["finite"] = torch.stack([torch.isfinite(t).all() for t in checked]).all().reshape(1)
+        sizes = {k: -(-v.numel() * v.element_size() // _ALIGN) * _ALIGN for k, v in device.items()}
+        cuda = hidden.is_cuda
+        buf = self.pool.take(sum(sizes.values()), pin=cuda)
+        staged, at = {}, 0
+        for k, v in device.items():
+            staged[k] = buf[at: at + v.numel() * v.element_size()].view(v.dtype).view(v.shape)
+            at += sizes[k]
+        event = None
+        if cuda:
+            stream = self._streams.get(hidden.device)
+            if stream is None:
+                stream = self._streams[hidden.device] = torch.cuda.Stream(hidden.device)
+            stream.wait_stream(torch.cuda.current_stream(hidden.device))
+            with torch.cuda.stream(stream):
+                for k, v in device.items():
+                    staged[k].copy_(v, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(stream)
+            for v in device.values():  # their memory is not reused before the copies are done
+                v.record_stream(stream)
+        else:
+            for k, v in device.items():
+                staged[k].copy_(v)
+        self._queue.put({"sample_index": list(sample_index), "lengths": list(lengths), "where": where,
+                         "counts": counts, "input_ids": torch.as_tensor(input_ids, dtype=torch.int32).cpu(),
+                         "loss_mask": torch.as_tensor(loss_mask, dtype=torch.bool).cpu(), "staged": staged,
+                         "buffer": buf, "event": event})
 
     def close(self) -> dict:
         """Write what is pending as a last shard, stop the thread, return the manifest."""
-        self._queue.put(None)
-        self._thread.join()
+        self._stop()
         self._raise_if_failed()
         return self.manifest
 
     def abort(self) -> None:
         """After an error elsewhere: keep the complete batches handed over (as a shard), stop the thread, raise
         nothing (the caller's error is the one to report)."""
+        self._stop()
+
+    def _stop(self):
         if self._thread.is_alive():
             self._queue.put(None)
             self._thread.join()
+        self._hash_pool.shutdown()
 
     def _raise_if_failed(self):
         if self._error is not None:
@@ -107,27 +193,38 @@ class ShardWriter:
     def _run(self):
         while True:
             item = self._queue.get()
+            if item is None:
+                break
+            if self._error is not None:  # drain: free the buffers a blocked add_batch waits for
+                self.pool.give([item["buffer"]])
+                continue
             try:
-                if self._error is not None:
-                    continue
-                if item is None:
-                    if self.pending:
-                        self._write_shard()
-                    return
                 self._take(item)
             except BaseException as e:  # surfaced in the caller
                 self._error = e
-            finally:
-                if item is None:
-                    return
+                self._release(self.pending)
+                self.pending, self.pending_bytes = [], 0
+        if self.pending and self._error is None:
+            try:
+                self._write_shard()
+            except BaseException as e:
+                self._error = e
+        self._release(self.pending)
+
+    def _release(self, items):
+        self.pool.give([it["buffer"] for it in items])
+        self.pool.set_collecting(0)
 
     def _take(self, item):
         if item["event"] is not None:
             item["event"].synchronize()
-        item.pop("_keep"), item.pop("event")
-        if not bool(item.pop("finite")):
-            values = decode_features(item["hidden"], item["hidden_scale"]).float()
-            bad_tok = (~torch.isfinite(values)).any(-1).nonzero()[0, 0].item()
+        staged = item["staged"]
+        if not bool(staged.pop("finite")):
+            values = [decode_features(staged[k], staged.get(f"{k}_scale")).float()
+                      for k in ("hidden", "last_hidden") if k in staged]
+            bad = torch.stack([(~torch.isfinite(v)).any(-1) for v in values]).any(0)
+            bad_tok = int(bad.nonzero()[0, 0])
+            self.pool.give([item["buffer"]])
             k = bisect.bisect_right(np.cumsum(item["lengths"]).tolist(), bad_tok)
             where = f" ({item['where'][k]})" if item.get("where") else ""
             raise ShardWriteError(f"the target produced NaN/Inf features for sample {item['sample_index'][k]}{where}; "
@@ -136,36 +233,46 @@ class ShardWriter:
         if item.get("counts"):
             self.manifest.update(item.pop("counts"))
         self.pending.append(item)
-        self.pending_bytes += sum(t.numel() * t.element_size() for k, t in item.items()
-                                  if isinstance(t, torch.Tensor))
+        self.pending_bytes += sum(t.numel() * t.element_size() for t in
+                                  (*staged.values(), item["input_ids"], item["loss_mask"]))
         if self.pending_bytes >= self.shard_bytes:
+            self.pool.set_collecting(0)
             self._write_shard()
+        else:
+            self.pool.set_collecting(sum(it["buffer"].numel() for it in self.pending))
 
     def _write_shard(self):
-        import safetensors.torch
-
         items, self.pending, self.pending_bytes = self.pending, [], 0
-        lengths = [n for it in items for n in it["lengths"]]
-        tensors = {"sample_index": torch.tensor([i for it in items for i in it["sample_index"]], dtype=torch.int64),
-                   "offsets": torch.tensor([0] + np.cumsum(lengths).tolist(), dtype=torch.int64)}
-        for key in ("input_ids", "loss_mask", "hidden", "hidden_scale", "last_hidden", "last_hidden_scale"):
-            if items[0].get(key) is not None:
-                tensors[key] = torch.cat([it[key] for it in items]).contiguous()
-        name = shard_name(self.rank, self.seq)
-        data = safetensors.torch.save(tensors, metadata={"format": "dflashkit-shard", "codec": self.codec,
-                                                         "schema_version": str(SCHEMA_VERSION)})
         try:
-            atomic_write(self.dir / name, data, pause_name=f"shard-{self.seq}-written")
+            self._write_items(items)
+        finally:
+            self._release(items)
+
+    def _write_items(self, items):
+        lengths = [n for it in items for n in it["lengths"]]
+        sample_index = torch.tensor([i for it in items for i in it["sample_index"]], dtype=torch.int64)
+        blocks = {"sample_index": [sample_index],
+                  "offsets": [torch.tensor([0] + np.cumsum(lengths).tolist(), dtype=torch.int64)],
+                  "input_ids": [it["input_ids"] for it in items], "loss_mask": [it["loss_mask"] for it in items]}
+        for key in items[0]["staged"]:
+            blocks[key] = [it["staged"][key] for it in items]
+        parts = safetensors_parts(blocks, {"format": "dflashkit-shard", "codec": self.codec,
+                                           "schema_version": str(SCHEMA_VERSION)})
+        nbytes = sum(memoryview(p).nbytes for p in parts)
+        name = shard_name(self.rank, self.seq)
+        try:
+            sha256 = atomic_write(self.dir / name, parts, pause_name=f"shard-{self.seq}-written",
+                                  hash_pool=self._hash_pool)
             pause_point(f"shard-{self.seq}-renamed")
         except OSError as e:
             raise ShardWriteError(
-                f"could not write shard {self.dir / name} ({len(data)} bytes): {e.strerror or e} "
+                f"could not write shard {self.dir / name} ({nbytes} bytes): {e.strerror or e} "
                 f"[errno {e.errno}]. The manifest lists only complete shards; free disk space (or raise the "
                 f"file-size limit) and run the same command with --resume") from e
         self.manifest["shards"].append({
             "file": name, "rank": self.rank, "seq": self.seq, "samples": len(lengths), "tokens": int(sum(lengths)),
-            "loss_tokens": int(tensors["loss_mask"].sum()), "bytes": len(data),
-            "sha256": hashlib.sha256(data).hexdigest(), "sample_indices": tensors["sample_index"].tolist()})
+            "loss_tokens": int(sum(int(it["loss_mask"].sum()) for it in items)), "bytes": nbytes,
+            "sha256": sha256, "sample_indices": sample_index.tolist()})
         update_totals(self.manifest)
         write_manifest(self.manifest_path, self.manifest)
         pause_point(f"shard-{self.seq}-listed")

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from dflashkit.extract.__main__ import main
+from dflashkit.extract.__main__ import extract, main
 from dflashkit.extract.chat import ChatConfig, encode_record
 from dflashkit.extract.shards import FP8_ABS_ERR, FP8_REL_ERR, ShardDataset, read_manifest
 from dflashkit.extract.verify import verify_dataset
@@ -68,9 +68,8 @@ def test_fp8_codec_bytes_per_token_and_error(tiny, tmp_path):
     sizes = {}
     for codec in ("bf16", "fp8"):
         out = tmp_path / codec
-        assert main(["--target", tiny, "--data", data, "--out", str(out), "--layer-ids", "0,2,3", "--codec", codec,
-                     "--no-progress"]) == 0
-        m = read_manifest(out)
+        m = extract(tiny, [data], out, layer_ids=[0, 2, 3], codec=codec, progress=False)  # the library call
+        assert m == read_manifest(out)
         sizes[codec] = m["totals"]["bytes_per_token"]
     ds = ShardDataset(tmp_path / "fp8")
     for k in range(len(ds)):

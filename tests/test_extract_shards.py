@@ -2,6 +2,7 @@
 damaged shards, manifest checks against a drafter config."""
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -179,3 +180,87 @@ def test_manifest_check_names_the_field_that_disagrees(tmp_path):
     (tmp_path / "manifest.json").write_text(json.dumps(m))
     with pytest.raises(ValueError, match="--resume"):
         ShardDataset(tmp_path)  # complete=false
+
+
+def test_shard_file_is_what_safetensors_writes_and_its_hash_is_the_files(tmp_path):
+    import hashlib
+    import struct
+
+    import safetensors.torch
+
+    from dflashkit.extract.shards import atomic_write, safetensors_parts
+
+    g = torch.Generator().manual_seed(3)
+    blocks = {"hidden": [torch.randn(n, 6, generator=g).to(torch.float8_e4m3fn) for n in (3, 0, 5)],
+              "hidden_scale": [torch.rand(n, generator=g) for n in (3, 0, 5)],
+              "input_ids": [torch.arange(8, dtype=torch.int32)], "loss_mask": [torch.rand(8, generator=g) > 0.5],
+              "offsets": [torch.tensor([0, 3, 8])], "last_hidden": [torch.randn(8, 2, generator=g).bfloat16()]}
+    meta = {"format": "dflashkit-shard", "codec": "fp8"}
+    sha = atomic_write(tmp_path / "a.safetensors", safetensors_parts(blocks, meta))
+    data = (tmp_path / "a.safetensors").read_bytes()
+    assert sha == hashlib.sha256(data).hexdigest() and not list(tmp_path.glob(".*tmp"))
+    joined = {k: torch.cat(v) for k, v in blocks.items()}
+    loaded = safetensors.torch.load(data)
+    assert loaded.keys() == joined.keys()
+    for k, v in joined.items():
+        assert loaded[k].dtype == v.dtype and torch.equal(loaded[k].view(torch.uint8), v.view(torch.uint8))
+    reference = safetensors.torch.save(joined, metadata=meta)
+
+    def header(raw):
+        (n,) = struct.unpack("<Q", raw[:8])
+        return n, json.loads(raw[8: 8 + n])
+
+    (n, mine), (n_ref, theirs) = header(data), header(reference)
+    assert (n, mine) == (n_ref, theirs)  # the same layout (the key order inside the JSON aside)
+    assert data[8 + n:] == reference[8 + n_ref:]
+
+
+def _in_thread(fn, *args):
+    """Run fn in a thread and return its result; a hang fails the test instead of stalling the run."""
+    import threading
+
+    result = {}
+    t = threading.Thread(target=lambda: result.setdefault("value", fn(*args)), daemon=True)
+    t.start()
+    t.join(timeout=120)
+    assert not t.is_alive(), "hung"
+    return result["value"]
+
+
+def test_staging_pool_reuses_buffers_and_a_full_pool_waits_for_one_to_come_back():
+    from dflashkit.extract.writer import StagingPool
+
+    pool = StagingPool(limit=2048)
+    a = pool.take(1000, pin=False)
+    assert a.numel() == 1024  # capacity: the next power of two
+    pool.give([a])
+    b = pool.take(600, pin=False)
+    assert b is a  # reused, not allocated again
+    c = pool.take(1024, pin=False)  # the pool is full now: 2048 bytes in use
+    with ThreadPoolExecutor(1) as other:
+        waiter = other.submit(pool.take, 900, False)
+        pool.give([c])
+        assert waiter.result(timeout=120) is c  # it could only have the buffer given back: a new one exceeds the limit
+    # the buffers of a shard still being collected do not count: more batches must be able to complete it
+    pool.set_collecting(2048)
+    d = _in_thread(pool.take, 1024, False)
+    assert d.numel() == 1024 and d is not a and d is not c
+
+
+@pytest.mark.parametrize("codec", ["bf16", "fp8"])
+def test_staging_smaller_than_a_shard_gives_the_same_shards(tmp_path, codec):
+    samples = _samples(13, seed=4)
+    m_big = _write(tmp_path / "big", samples, codec=codec, last=True, shard_bytes=3000)
+    small = ShardWriter(tmp_path / "small", _manifest(codec, True), shard_bytes=3000, staging_bytes=256)
+
+    def write_all():
+        for b in range(0, len(samples), 3):
+            part = samples[b: b + 3]
+            small.add_batch([s["index"] for s in part], [len(s["ids"]) for s in part],
+                            torch.cat([s["ids"] for s in part]), torch.cat([s["mask"] for s in part]),
+                            torch.cat([s["hidden"] for s in part]), torch.cat([s["last"] for s in part]))
+        return small.close()
+
+    m_small = _in_thread(write_all)
+    assert [s["sha256"] for s in m_small["shards"]] == [s["sha256"] for s in m_big["shards"]]
+    assert len(m_small["shards"]) >= 2
