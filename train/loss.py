@@ -26,7 +26,9 @@ Design choices:
   (``loss_denominator`` summed over all micro-batches of the step and over all ranks), so gradient
   accumulation and data parallelism give exactly the single-process gradient.
 - Metrics come out of the same pass: per-position correct/valid counts and the tau_sim sum (1 + leading run of
-  positions whose argmax equals the label; an invalid label ends the run).
+  positions whose argmax equals the label; an invalid label ends the run) over the blocks that have at least
+  one valid label (padding blocks of a packed micro-batch have none and count nowhere). All of them stay on
+  the device: nothing here waits for the GPU.
 """
 
 from __future__ import annotations
@@ -71,8 +73,8 @@ class BlockLossOutput:
     ce_sum: torch.Tensor  # plain CE summed over valid labels (for logging)
     correct: torch.Tensor  # [B-1] valid labels whose argmax matched, per draft position
     counted: torch.Tensor  # [B-1] valid labels per draft position
-    tau_sum: torch.Tensor  # sum over blocks of 1 + leading run of correct positions
-    blocks: int  # number of blocks
+    tau_sum: torch.Tensor  # sum over counted blocks of 1 + leading run of correct positions
+    blocks: torch.Tensor  # counted blocks: those with at least one valid label
 
 
 class _ChunkedBlockLoss(torch.autograd.Function):
@@ -115,7 +117,7 @@ class _ChunkedBlockLoss(torch.autograd.Function):
             hit = (logits.argmax(-1) == lab) & valid[s:e]
             correct += hit.sum(0).float()
             counted += val.sum(0)
-            tau_sum += (1.0 + torch.cumprod(hit.float(), dim=-1).sum(-1)).sum()
+            tau_sum += ((1.0 + torch.cumprod(hit.to(acc), dim=-1).sum(-1)) * valid[s:e].any(-1)).sum()
             if need_grad:
                 # d/dlogits of w*((1-b)CE + b*KL) = w * (softmax - (1-b)*onehot - b*p_target)
                 g = logp.exp_()
@@ -159,12 +161,12 @@ def block_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch
         raise ValueError("loss variant 'kl' needs last_hidden in the shards (extract with --store-last-hidden)")
     if not 0.0 <= kl_weight <= 1.0:
         raise ValueError(f"kl_weight must be in [0, 1], got {kl_weight}")
-    n_blocks, p, _ = hidden.shape
+    p = hidden.shape[1]
     chunk = max(1, int(chunk_tokens) // max(1, p))
     teacher = teacher_hidden if variant == "kl" else None
     out = _ChunkedBlockLoss.apply(hidden, lm_head_weight.detach(),
                                   None if lm_head_bias is None else lm_head_bias.detach(),
                                   labels, valid.bool(), teacher, variant, float(gamma), float(dpace_alpha),
                                   float(kl_weight), chunk)
-    return BlockLossOutput(*out, blocks=n_blocks)
+    return BlockLossOutput(*out, blocks=valid.any(-1).sum())
 
