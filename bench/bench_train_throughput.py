@@ -7,6 +7,8 @@ and MFU; context tokens/s throughout (real tokens of the packed sequences, paddi
     accelerate launch --num_processes 2 bench/bench_train_throughput.py --target /root/testbed/smollm2-bf16 \\
         --out bench/results/train_throughput_smollm2_ddp.json
     python bench/bench_train_throughput.py --qwen3-8b --out bench/results/train_throughput_qwen3_8b.json
+Defaults: the testbed shape (5 drafter layers, block 16, 512 anchors, sequences of 256-1024 tokens, 8192 tokens
+per micro-batch, G=2); --qwen3-8b packs 4096 tokens per micro-batch.
 
 One optimizer step is the trainer's (train/trainer.py): G micro-batches (--grad-accum), each a packed run of
 whole sequences under --micro-batch-tokens (train/data.collate_blocks: anchors per sequence, block mask kept
@@ -212,6 +214,8 @@ def main(argv=None):
                          drafter_layers=2, pool=24, steps=3, warmup=1).items():
             if getattr(args, k) == ap.get_default(k):
                 setattr(args, k, v)
+    if args.qwen3_8b and args.micro_batch_tokens == ap.get_default("micro_batch_tokens"):
+        args.micro_batch_tokens = 4096  # activations of ~3.5k blocks at hidden 4096 fit next to the 8B target
     if sum(map(bool, (args.target, args.qwen3_8b, args.toy))) != 1:
         ap.error("give exactly one of --target DIR, --qwen3-8b, --toy")
 
