@@ -14,7 +14,8 @@ One optimizer step is the trainer's (train/trainer.py): G micro-batches (--grad-
 whole sequences under --micro-batch-tokens (train/data.collate_blocks: anchors per sequence, block mask kept
 inside each sequence), the global loss denominator summed over micro-batches (and ranks), per micro-batch
 forward_blocks + backward, gradient clipping at 1.0, AdamW. Drafter fp32 master weights under bf16 autocast,
-each drafter layer torch.compile'd as the recipes do (--no-compile to turn off), flex_attention block masks.
+each drafter layer torch.compile'd as the recipes do, and with it the fused (compiled) logit kernels of the loss
+(--no-compile: neither; --eager-loss: compiled layers, eager loss), flex_attention block masks.
 Measured, after --warmup steps (compilation included there), over --steps steps:
 - offline: the drafter step on micro-batches already collated on the device (random features, as shards
   read by DataLoader workers would arrive);
@@ -205,7 +206,8 @@ def main(argv=None):
     run.add_argument("--steps", type=int, default=10)
     run.add_argument("--warmup", type=int, default=3)
     run.add_argument("--modes", default="offline,online", help="comma list of offline, online")
-    run.add_argument("--no-compile", action="store_true")
+    run.add_argument("--no-compile", action="store_true", help="eager drafter layers and loss")
+    run.add_argument("--eager-loss", action="store_true", help="the eager loss (compiled layers)")
     run.add_argument("--device", default=None)
     run.add_argument("--out", required=True)
     args = ap.parse_args(argv)
@@ -255,7 +257,8 @@ def main(argv=None):
             layer.compile()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95))
     common = dict(block_size=dcfg.block_size, layer_types=dcfg.layer_types, sliding_window=dcfg.sliding_window,
-                  backend=mask_backend("auto", dev), chunk_tokens=args.chunk_tokens)
+                  backend=mask_backend("auto", dev), chunk_tokens=args.chunk_tokens,
+                  fused_loss=compile_layers and not args.eager_loss)
     opts = dict(block_size=dcfg.block_size, mask_token_id=dcfg.mask_token_id, num_anchors=args.num_anchors,
                 seed=0, epoch=0, check_finite=False)
 
@@ -326,7 +329,8 @@ def main(argv=None):
                "drafter": {k: getattr(dcfg, k) for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
                                                          "num_attention_heads", "num_key_value_heads", "head_dim",
                                                          "block_size", "vocab_size")},
-               "args": vars(args), "world_size": world, "compiled": compile_layers, "mask": common["backend"],
+               "args": vars(args), "world_size": world, "compiled": compile_layers,
+               "fused_loss": common["fused_loss"], "mask": common["backend"],
                "matmul_tflops": rate / 1e12 if rate else None, "peak_tflops": PEAK_BF16 / 1e12,
                "tokens_per_step_mean": sum(tokens) / len(tokens),
                "sequences_per_micro_batch_mean": sum(len(p) for p in packs) / len(packs)}
@@ -365,7 +369,7 @@ def print_table(r: dict) -> None:
           f"{r['args']['num_anchors']} anchors, sequences {r['args']['min_len']}-{r['args']['max_len']}, "
           f"{r['args']['micro_batch_tokens']} tokens per micro-batch "
           f"({r['sequences_per_micro_batch_mean']:.1f} sequences), G={r['args']['grad_accum']}, "
-          f"compiled={r['compiled']}, mask={r['mask']}")
+          f"compiled={r['compiled']}, fused loss={r['fused_loss']}, mask={r['mask']}")
     print("| processes | mode | ctx tok/s | step ms | TFLOP/s | MFU | scaling |")
     print("|---|---|---|---|---|---|---|")
     rows = [("1", k, v) for k, v in r.get("single", {}).items() if isinstance(v, dict)]

@@ -227,8 +227,9 @@ def test_packed_run_equals_unpacked_run(even_shards, tmp_path):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_packed_compiled_flex_equals_dense_on_cuda():
-    """On the GPU the closed-form BlockMask tiles drive the compiled flex_attention kernels: a packed micro-batch
-    (two shapes, so the compiled layers follow a new one) gives the dense SDPA loss and gradients."""
+    """On the GPU the closed-form BlockMask tiles drive the compiled flex_attention kernels (and the fused loss):
+    a packed micro-batch (two shapes, so the compiled code follows a new one) gives the dense, eager loss and
+    gradients."""
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     torch.manual_seed(0)
@@ -250,7 +251,7 @@ def test_packed_compiled_flex_equals_dense_on_cuda():
         for name, model, backend in (("dense", dense_model, "dense"), ("flex", flex_model, "flex")):
             model.zero_grad()
             out = forward_blocks(model, head, batch, block_size=B, layer_types=types, sliding_window=5,
-                                 backend=backend)
+                                 backend=backend, fused_loss=backend == "flex")  # + the compiled logit kernels
             out.loss_sum.backward()
             outs[name] = (out.loss_sum.item(), {n: p.grad.clone() for n, p in model.named_parameters()})
         assert outs["flex"][0] == pytest.approx(outs["dense"][0], rel=1e-4)

@@ -36,9 +36,9 @@ def mask_backend(attention: str, device: torch.device) -> str:
 
 def forward_blocks(model, head, batch: PackedBlocks, *, block_size: int, layer_types: list[str],
                    sliding_window: int | None, backend: str = "dense", variant: str = "ce", gamma: float = 7.0,
-                   dpace_alpha: float = 0.5, kl_weight: float = 0.5,
-                   chunk_tokens: int = 2048) -> BlockLossOutput:
-    """The un-normalised block loss (and metrics) of one packed micro-batch."""
+                   dpace_alpha: float = 0.5, kl_weight: float = 0.5, chunk_tokens: int = 2048,
+                   fused_loss: bool = False) -> BlockLossOutput:
+    """The un-normalised block loss (and metrics) of one packed micro-batch (fused_loss: train/loss.py)."""
     n = batch.anchors.numel()
     mask = build_block_masks(batch.anchors, batch.ctx_len, block_size, layer_types, sliding_window, backend,
                              context_start=batch.context_start)
@@ -51,7 +51,7 @@ def forward_blocks(model, head, batch: PackedBlocks, *, block_size: int, layer_t
         teacher = batch.last_hidden[batch.teacher_index]  # stored after the target's final norm
     return block_loss(hidden, head.lm_head.weight, batch.labels, batch.valid, variant=variant, gamma=gamma,
                       dpace_alpha=dpace_alpha, kl_weight=kl_weight, teacher_hidden=teacher,
-                      lm_head_bias=head.lm_head.bias, chunk_tokens=chunk_tokens)
+                      lm_head_bias=head.lm_head.bias, chunk_tokens=chunk_tokens, fused=fused_loss)
 
 
 class MetricSums:
@@ -102,7 +102,7 @@ class MetricSums:
 def evaluate(model, head, dataset, indices: list[int], *, block_size: int, layer_types: list[str],
              sliding_window: int | None, mask_token_id: int, num_anchors: int, seed: int, gamma: float = 7.0,
              max_length: int | None = None, backend: str = "dense", chunk_tokens: int = 2048,
-             accelerator=None, device=None) -> dict:
+             fused_loss: bool = False, accelerator=None, device=None) -> dict:
     """Held-out loss (ce objective), per-position accuracy and tau_sim at fixed anchors."""
     world = accelerator.num_processes if accelerator is not None else 1
     rank = accelerator.process_index if accelerator is not None else 0
@@ -120,7 +120,7 @@ def evaluate(model, head, dataset, indices: list[int], *, block_size: int, layer
         batch = batch.to(device)
         out = forward_blocks(model, head, batch, block_size=block_size, layer_types=layer_types,
                              sliding_window=sliding_window, backend=backend, variant="ce", gamma=gamma,
-                             chunk_tokens=chunk_tokens)
+                             chunk_tokens=chunk_tokens, fused_loss=fused_loss)
         sums.add(out, loss_denominator(batch.valid, "ce", gamma), batch.scale, batch.num_tokens)
     model.train(was_training)
     return sums.reduce(accelerator).metrics("eval")

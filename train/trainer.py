@@ -201,7 +201,8 @@ def train(cfg: TrainConfig) -> dict:
     backend = mask_backend(cfg.attention, accelerator.device)
     say(f"attention mask: {backend}{' (compiled drafter layers)' if cfg.compile else ''}")
     common = dict(block_size=dcfg.block_size, layer_types=dcfg.layer_types, sliding_window=dcfg.sliding_window,
-                  backend=backend, chunk_tokens=cfg.loss_chunk_tokens)
+                  backend=backend, chunk_tokens=cfg.loss_chunk_tokens,
+                  fused_loss=cfg.compile and accelerator.device.type == "cuda")  # compiled logit kernels
 
     # --- resume -------------------------------------------------------------------------------------------
     step, epoch, done = 0, 0, 0
