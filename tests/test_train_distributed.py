@@ -22,7 +22,7 @@ def common(shards, out, **kw):
     d = dict(shards=str(shards), output_dir=str(out), mask_token_id=95, num_hidden_layers=2, block_size=4,
              num_anchors=8, eval_samples=2, eval_anchors=4, epochs=1, mixed_precision="no", wandb=False,
              save_every=0, log_every=1, eval_every=0, num_workers=0, progress=False, max_steps=3,
-             drafter={"intermediate_size": 64})
+             drafter={"intermediate_size": 64}, micro_batch_tokens=0)  # one sequence per micro-batch
     d.update(kw)
     return [f"{k}={json.dumps(v) if isinstance(v, (dict, bool)) else v}" for k, v in d.items()]
 

@@ -65,7 +65,7 @@ def test_trainer_compiled_bf16_on_cuda(tmp_path, capsys):
     kw = dict(shards=str(shards), output_dir=str(tmp_path / "run"), mask_token_id=95, num_hidden_layers=2,
               block_size=8, num_anchors=16, eval_samples=2, eval_anchors=8, epochs=2, grad_accum=2,
               mixed_precision="bf16", compile=True, wandb=False, save_every=3, log_every=1, num_workers=1,
-              progress=False, drafter={"intermediate_size": 64})
+              progress=False, drafter={"intermediate_size": 64}, micro_batch_tokens=0)
     summary = train(load_config(None, [], **kw))
     assert summary["step"] == 18 and "attention mask: flex (compiled drafter layers)" in capsys.readouterr().out
     losses = [r["train/loss"] for r in read_metrics(tmp_path / "run") if "train/loss" in r]

@@ -66,6 +66,28 @@ def test_chunked_equals_unchunked(variant, chunk_tokens):
     torch.testing.assert_close(h1.grad.double(), h2.grad, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow  # compiling for the CPU takes most of a minute
+@pytest.mark.parametrize("variant", ["ce", "dpace"])
+def test_fused_equals_eager(variant):
+    """The compiled logit kernels (fused=True; compiled for the CPU here) give the eager path's loss, metrics and
+    gradients, chunks of unequal size included (10 blocks in chunks of 4)."""
+    hidden, weight, labels, valid, _ = make(n=10, p=5, h=16, v=300, seed=4)
+    labels[0] = (hidden[0] @ weight.T).argmax(-1)  # one block right from the start: tau and argmax count
+    valid[0] = True
+    outs = {}
+    for fused in (False, True):
+        h = hidden.clone().requires_grad_(True)
+        out = block_loss(h, weight, labels, valid, variant=variant, chunk_tokens=20, fused=fused)
+        (out.loss_sum * 0.3).backward()
+        outs[fused] = (out, h.grad)
+    (a, ga), (b, gb) = outs[False], outs[True]
+    for name in ("loss_sum", "ce_sum", "correct", "counted", "tau_sum", "blocks"):
+        torch.testing.assert_close(getattr(b, name).float(), getattr(a, name).float(), rtol=1e-5, atol=1e-5,
+                                   msg=name)
+    assert a.tau_sum > a.blocks  # block 0 is right at its first position at least
+    torch.testing.assert_close(gb, ga, rtol=1e-5, atol=1e-6)
+
+
 def test_metrics_counted_by_hand():
     hidden, weight, labels, valid, _ = make(n=5, p=4, v=20, seed=3)
     logits = hidden @ weight.T
@@ -74,6 +96,7 @@ def test_metrics_counted_by_hand():
     labels[1, 0] = (pred[1, 0] + 1) % 20  # block 1: first position wrong -> tau 1
     valid[0] = True
     valid[1] = True
+    valid[4] = False                    # block 4: no valid label (a padding block) -> counts nowhere
     out = block_loss(hidden, weight, labels, valid)
     hit = (pred == labels) & valid
     for k in range(4):
@@ -84,10 +107,11 @@ def test_metrics_counted_by_hand():
         run = 0
         while run < 4 and hit[b, run]:
             run += 1
-        taus.append(1 + run)
-    assert taus[0] == 5 and taus[1] == 1
+        if valid[b].any():
+            taus.append(1 + run)
+    assert taus[0] == 5 and taus[1] == 1 and len(taus) <= 4
     assert out.tau_sum.item() == sum(taus)
-    assert out.blocks == 5
+    assert out.blocks.item() == len(taus)
 
 
 def test_denominators():

@@ -36,7 +36,7 @@ def tiny_overrides(shards, out, **kw) -> dict:
     base = dict(shards=str(shards), output_dir=str(out), mask_token_id=95, num_hidden_layers=2, block_size=4,
                 num_anchors=8, eval_samples=2, eval_anchors=4, epochs=2, grad_accum=2, mixed_precision="no",
                 wandb=False, save_every=2, keep_last=2, log_every=1, eval_every=0, num_workers=0, progress=False,
-                drafter={"intermediate_size": 64})
+                drafter={"intermediate_size": 64}, micro_batch_tokens=0)  # one sequence per micro-batch
     base.update(kw)
     return base
 

@@ -1,21 +1,30 @@
-"""The attention mask of one packed training pass: N blocks of B tokens against L context tokens.
+"""The attention mask of one packed training pass: N blocks of B tokens against a context of L tokens that may
+hold several sequences.
 
 Keys are laid out as ``[L context tokens, then N*B block tokens]``; queries are the N*B block tokens. Query
-``q = n*B + i`` is position i of block n, whose anchor is ``anchors[n]`` (absolute position ``anchors[n] + i``).
+``q = n*B + i`` is position i of block n. ``anchors[n]`` is the block's anchor as an index into the packed
+context, and ``context_start[n]`` the index where the block's own sequence starts there (0 for one sequence).
 
 Rules (the same ones decoding applies one block at a time):
-- full-attention layers: block n sees context positions ``j < anchors[n]`` (strictly before its anchor) and
-  every token of its own block (bidirectional); never another block.
+- full-attention layers: block n sees context indices ``context_start[n] <= j < anchors[n]`` (its own sequence,
+  strictly before its anchor) and every token of its own block (bidirectional); never another block, never
+  another sequence.
 - sliding-attention layers (window W): as full, plus the reference's decode-time rule, which is causal over the
-  absolute position with a window: query at ``a + i`` may see key at absolute position ``j`` iff
-  ``j <= a + i`` and ``a + i - j < W``. Inside the block that is ``k <= i`` and ``i - k < W``.
+  absolute position with a window: query at ``a + i`` may see key at ``j`` iff ``j <= a + i`` and
+  ``a + i - j < W``. Inside the block that is ``k <= i`` and ``i - k < W``. (Both sides are shifted by the same
+  sequence offset, so packed indices give the same answer as positions within the sequence.)
 
 Design choices:
 - One predicate (``block_mask_mod``) is the single source of truth. The CPU path evaluates it on a broadcast
-  index grid into a dense bool mask for SDPA; the CUDA path hands the same predicate to
-  ``torch.nn.attention.flex_attention.create_block_mask``. Tests compare both to an element-by-element loop.
+  index grid into a dense bool mask for SDPA. The CUDA path builds a flex_attention ``BlockMask`` whose tiles
+  come from the rules in closed form (every query sees at most two key intervals: part of its sequence's
+  context and part of its block), in O(blocks x key tiles) tensor work with no host sync; the predicate is
+  applied inside the partial tiles. ``create_block_mask`` would evaluate the predicate on all
+  ``N*B x (L + N*B)`` pairs, which a packed micro-batch makes far too large. Tests compare both paths, and the
+  tiles with ``create_block_mask``'s, against an element-by-element loop.
 - Anchors may overlap (blocks of nearby anchors cover the same positions) and a block may run past the end of
-  the sequence (a partial tail): the mask only depends on the anchor, so neither needs a special case.
+  its sequence (a partial tail): the mask only depends on the anchor, so neither needs a special case.
+- A padding block (``anchors[n] == context_start[n]``) sees only its own block: no query row is ever empty.
 - A model with both layer types gets a dict ``{"full_attention": mask, "sliding_attention": mask}``.
 """
 
@@ -25,9 +34,11 @@ from typing import Callable
 
 import torch
 
+TILE = 128  # flex_attention's tile (BlockMask BLOCK_SIZE) on both axes
 
-def block_mask_mod(anchors: torch.Tensor, ctx_len: int, block_size: int,
-                   sliding_window: int | None = None) -> Callable:
+
+def block_mask_mod(anchors: torch.Tensor, ctx_len: int, block_size: int, sliding_window: int | None = None,
+                   context_start: torch.Tensor | None = None) -> Callable:
     """The predicate ``mask_mod(b, h, q_idx, kv_idx) -> bool`` (flex_attention's signature)."""
     L, B = int(ctx_len), int(block_size)
     W = None if sliding_window is None else int(sliding_window)
@@ -41,6 +52,8 @@ def block_mask_mod(anchors: torch.Tensor, ctx_len: int, block_size: int,
         m = torch.div(rel, B, rounding_mode="floor")
         k = rel - m * B
         ctx_ok = kv_idx < a
+        if context_start is not None:
+            ctx_ok = ctx_ok & (kv_idx >= context_start[n])
         blk_ok = m == n
         if W is not None:
             ctx_ok = ctx_ok & (a + i - kv_idx < W)
@@ -50,30 +63,91 @@ def block_mask_mod(anchors: torch.Tensor, ctx_len: int, block_size: int,
     return mask_mod
 
 
-def dense_block_mask(anchors: torch.Tensor, ctx_len: int, block_size: int,
-                     sliding_window: int | None = None) -> torch.Tensor:
+def dense_block_mask(anchors: torch.Tensor, ctx_len: int, block_size: int, sliding_window: int | None = None,
+                     context_start: torch.Tensor | None = None) -> torch.Tensor:
     """Bool mask ``[1, 1, N*B, L + N*B]`` (True = may attend) for SDPA."""
     anchors = anchors.reshape(-1).long()
     q_len = anchors.numel() * block_size
     q = torch.arange(q_len, device=anchors.device)[:, None]
     kv = torch.arange(ctx_len + q_len, device=anchors.device)[None, :]
-    mod = block_mask_mod(anchors, ctx_len, block_size, sliding_window)
+    mod = block_mask_mod(anchors, ctx_len, block_size, sliding_window, context_start)
     return mod(None, None, q, kv)[None, None]
 
 
-def flex_block_mask(anchors: torch.Tensor, ctx_len: int, block_size: int, sliding_window: int | None = None):
-    """A flex_attention ``BlockMask`` from the same predicate (built on the anchors' device)."""
-    from torch.nn.attention.flex_attention import create_block_mask
+def block_tiles(anchors: torch.Tensor, ctx_len: int, block_size: int, sliding_window: int | None = None,
+                context_start: torch.Tensor | None = None, tile: int = TILE) -> tuple[torch.Tensor, torch.Tensor]:
+    """(any, full): bool ``[query tiles, key tiles]``; ``any`` marks tiles holding at least one visible pair,
+    ``full`` tiles whose pairs are all visible (a subset of ``any``; tiles at the ragged edges are never full).
+
+    Block n's queries see context ``[lo_i, a)`` with ``lo_i = max(start, a + i - W + 1)`` (``start`` without a
+    window) and block keys ``[nB + max(0, i - W + 1), nB + i + 1)`` (``[nB, nB + B)`` without a window). A key
+    tile can hold a visible pair of block n iff it meets the union over i of those intervals, and is all
+    visible to block n iff it lies inside one of them for every i (their intersection).
+    """
+    a = anchors.reshape(-1).long()
+    dev = a.device
+    N, L, B = a.numel(), int(ctx_len), int(block_size)
+    start = torch.zeros_like(a) if context_start is None else context_start.reshape(-1).long().to(dev)
+    q_len, kv_len = N * B, L + N * B
+    W = None if sliding_window is None else int(sliding_window)
+    own = L + torch.arange(N, device=dev) * B  # first key index of each block's own keys
+    if W is None:
+        ctx_any_lo = ctx_all_lo = start
+        blk_all = (own, own + B)
+    else:
+        ctx_any_lo = torch.maximum(start, a - W + 1)
+        ctx_all_lo = torch.maximum(start, a + B - W)
+        blk_all = (own + max(0, B - W), own + 1)  # empty unless B <= W
+    n_kv = -(-kv_len // tile)
+    c0 = torch.arange(n_kv, device=dev)[None, :] * tile  # [1, n_kv] nominal tile bounds [c0, c0 + tile)
+    c1 = c0 + tile
+
+    def meets(lo, hi):
+        lo, hi = lo[:, None], hi[:, None]
+        return (lo < hi) & (lo < c1) & (hi > c0)
+
+    def covers(lo, hi):
+        return (lo[:, None] <= c0) & (hi[:, None] >= c1)
+
+    any_n = meets(ctx_any_lo, a) | meets(own, own + B)  # [N, n_kv]
+    all_n = covers(ctx_all_lo, a) | covers(*blk_all)
+    # blocks that overlap query tile t: first .. last (a block may straddle two tiles when B does not divide it)
+    n_q = -(-q_len // tile)
+    t = torch.arange(n_q, device=dev)
+    first, last = (t * tile) // B, (torch.clamp((t + 1) * tile, max=q_len) - 1) // B
+    span = -(-tile // B) + 1
+    idx = torch.minimum(first[:, None] + torch.arange(span, device=dev)[None, :], last[:, None])  # [n_q, span]
+    any_t = any_n[idx].any(1)
+    all_t = all_n[idx].all(1) & ((t + 1) * tile <= q_len)[:, None]  # a ragged last query tile is never full
+    return any_t, all_t & any_t
+
+
+def flex_block_mask(anchors: torch.Tensor, ctx_len: int, block_size: int, sliding_window: int | None = None,
+                    context_start: torch.Tensor | None = None):
+    """A flex_attention ``BlockMask`` for the same predicate, with its tiles from ``block_tiles`` (built on the
+    anchors' device, no host sync)."""
+    from torch.nn.attention.flex_attention import BlockMask
 
     anchors = anchors.reshape(-1).long()
-    q_len = anchors.numel() * block_size
-    mod = block_mask_mod(anchors, ctx_len, block_size, sliding_window)
-    return create_block_mask(mod, B=None, H=None, Q_LEN=q_len, KV_LEN=ctx_len + q_len,
-                             device=str(anchors.device))
+    any_t, full_t = block_tiles(anchors, ctx_len, block_size, sliding_window, context_start)
+    partial = (any_t & ~full_t).to(torch.int32)
+    full = full_t.to(torch.int32)
+
+    def as_blocks(dense):  # the layout create_block_mask produces: counts, then indices with the set ones first
+        order = torch.argsort(dense, dim=-1, descending=True, stable=True)
+        return dense.sum(-1, dtype=torch.int32)[None, None], order.to(torch.int32)[None, None]
+
+    kv_num, kv_idx = as_blocks(partial)
+    full_num, full_idx = as_blocks(full)
+    q_len = anchors.numel() * int(block_size)
+    mod = block_mask_mod(anchors, ctx_len, block_size, sliding_window, context_start)
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=TILE, mask_mod=mod,
+                                    seq_lengths=(q_len, int(ctx_len) + q_len))
 
 
 def build_block_masks(anchors: torch.Tensor, ctx_len: int, block_size: int, layer_types: list[str],
-                      sliding_window: int | None = None, backend: str = "dense"):
+                      sliding_window: int | None = None, backend: str = "dense",
+                      context_start: torch.Tensor | None = None):
     """The ``attention_mask`` argument of the drafter for one packed pass.
 
     backend: "dense" (bool tensor, any device) or "flex" (BlockMask; CUDA). Returns one mask when all layers
@@ -85,9 +159,9 @@ def build_block_masks(anchors: torch.Tensor, ctx_len: int, block_size: int, laye
     types = set(layer_types) or {"full_attention"}
     masks = {}
     if "full_attention" in types:
-        masks["full_attention"] = build(anchors, ctx_len, block_size, None)
+        masks["full_attention"] = build(anchors, ctx_len, block_size, None, context_start)
     if "sliding_attention" in types:
         if not sliding_window:
             raise ValueError("layer_types has sliding_attention layers but sliding_window is not set")
-        masks["sliding_attention"] = build(anchors, ctx_len, block_size, sliding_window)
+        masks["sliding_attention"] = build(anchors, ctx_len, block_size, sliding_window, context_start)
     return masks["full_attention"] if types == {"full_attention"} else masks

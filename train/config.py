@@ -54,7 +54,11 @@ class TrainConfig:
     adam_betas: list = field(default_factory=lambda: [0.9, 0.95])  # AdamW betas
     adam_eps: float = 1e-8  # AdamW epsilon
     max_grad_norm: float = 1.0  # gradient clipping (0 disables)
-    grad_accum: int = 1  # micro-batches (sequences) per rank per optimizer step
+    grad_accum: int = 1  # micro-batches per rank per optimizer step
+    micro_batch_tokens: int = 4096  # context tokens per micro-batch: whole sequences packed end to end (a longer
+    # sequence alone); blocks never see another sequence. 0 -> one sequence per micro-batch. Memory grows with the
+    # blocks of all packed sequences (up to num_anchors each, ~0.85 per token for short answers): small drafters
+    # run faster with more (16384 for the SmolLM2 testbed); lower it if a step runs out of GPU memory
     mixed_precision: str = "bf16"  # "bf16" (autocast, fp32 master weights) or "no"
     seed: int = 0  # model init, split, data order and anchors
     gradient_checkpointing: bool = False  # recompute drafter layers in backward (long sequences)
@@ -85,6 +89,9 @@ class TrainConfig:
         for name in ("epochs", "grad_accum", "num_anchors", "block_size", "keep_last", "loss_chunk_tokens"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if int(self.micro_batch_tokens) < 0:
+            raise ValueError(f"micro_batch_tokens must be >= 0 (0: one sequence per micro-batch), "
+                             f"got {self.micro_batch_tokens}")
         if not 0.0 <= self.warmup_ratio < 1.0:
             raise ValueError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
 

@@ -1,45 +1,67 @@
-"""Training data: the held-out split, which sample each rank trains on at each step, and packing one
-sequence's blocks into one drafter pass.
+"""Training data: the held-out split, which micro-batches each rank trains on at each step, and packing several
+sequences' blocks into one drafter pass.
 
 Design choices:
-- One micro-batch = one sequence (context features ``[1, L, K*H]``) and its N blocks, all in one forward.
-- The order is global and deterministic: epoch e trains ``epoch_order(train, seed, e)``; step s of the epoch
-  covers the slots ``s*W*G .. (s+1)*W*G - 1`` (W ranks, G accumulation steps); rank r takes slots
+- One micro-batch = one or more whole sequences packed end to end (context features ``[1, L, K*H]``) and all
+  their blocks, in one forward. ``pack_order`` groups consecutive samples of the epoch order greedily while
+  their tokens fit in ``micro_batch_tokens`` (a sample longer than the budget gets a micro-batch of its own;
+  0 keeps one sequence per micro-batch). The block mask (train/block_mask.py) keeps every block inside its own
+  sequence, and each sequence keeps its own positions (0..L_s-1), so a packed pass computes exactly what the
+  per-sequence passes compute.
+- ``collate_blocks`` is a plain function of a list of per-sample dicts (``input_ids``, ``loss_mask``,
+  ``hidden`` ``[T, K*H]``, optional ``last_hidden``, and ``index``, the sample's position in the dataset, which
+  keys its anchors). Shard reading (``BlockSource``) and a target running in the loop both feed it.
+- The context and the block tokens are padded to multiples of 128 (flex_attention's tile): tiles then align
+  with sequence and block boundaries, and the drafter sees fewer distinct shapes. Padding context rows are zero
+  features that no block can see; padding blocks see only themselves and carry no valid label.
+- The order is global and deterministic: epoch e trains ``pack_order(epoch_order(train, seed, e), ...)``; step
+  s of the epoch covers micro-batches ``s*W*G .. (s+1)*W*G - 1`` (W ranks, G accumulation steps); rank r takes
   ``s*W*G + j*W + r`` for j < G. A single process with G' = W*G therefore sees exactly the samples of a W-rank
-  run, and the position in the data is one number (samples of the epoch already consumed).
-- The last step of an epoch may have fewer samples than slots: the empty slots repeat a sample with weight 0
+  run, and the position in the data is one number (micro-batches of the epoch already consumed; samples when
+  each micro-batch holds one sequence).
+- The last step of an epoch may have fewer micro-batches than slots: the empty slots repeat one with weight 0
   (every rank still runs G forward/backward passes, which DDP and DeepSpeed need), so an epoch trains each
   sample exactly once and is never cut short.
-- Anchors depend on (seed, epoch, sample index) only: a resumed or re-sharded run draws the same ones.
+- Anchors depend on (seed, epoch, sample index) only: a resumed, re-sharded or differently packed run draws
+  the same ones.
 - Sequences longer than ``max_length`` are truncated to their first ``max_length`` tokens.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import torch
 
 from .anchors import eval_anchors, sample_anchors, sample_generator
 
+PAD_MULTIPLE = 128  # context and block tokens are padded to multiples of flex_attention's tile
+
 
 @dataclass
 class PackedBlocks:
-    target_hidden: torch.Tensor  # [1, L, K*H] context features (as stored: bf16)
+    target_hidden: torch.Tensor  # [1, L, K*H] context features of all sequences, end to end, zero-padded
     block_ids: torch.Tensor  # [1, N*B] per block: anchor token, then mask_token_id x (B-1)
-    position_ids: torch.Tensor  # [1, L + N*B] context 0..L-1, then a..a+B-1 per block
-    anchors: torch.Tensor  # [N] anchor positions, ascending
+    position_ids: torch.Tensor  # [1, L + N*B] per sequence 0..L_s-1 (padding 0), then a..a+B-1 per block
+    anchors: torch.Tensor  # [N] anchor of each block as an index into the packed context (ascending)
+    context_start: torch.Tensor  # [N] where the block's sequence starts in the packed context
     labels: torch.Tensor  # [N, B-1] token at a+k (0 where invalid)
-    valid: torch.Tensor  # [N, B-1] a+k < L and loss_mask[a+k]
+    valid: torch.Tensor  # [N, B-1] a+k inside the sequence and loss_mask[a+k]
     teacher_index: torch.Tensor  # [N, B-1] row of last_hidden that predicts label k (a+k-1, clamped)
     last_hidden: torch.Tensor | None  # [L, H] target final hidden states (kl variant), else None
     scale: float  # 1.0; 0.0 for a padding micro-batch that only keeps ranks in step
-    sample_index: int  # index of the sample in the shard dataset
+    sample_indices: list = field(default_factory=list)  # dataset index of each packed sequence
+    context_offsets: list = field(default_factory=list)  # [S+1] sequence s = context rows offsets[s]:offsets[s+1]
+    block_offsets: list = field(default_factory=list)  # [S+1] sequence s = blocks offsets[s]:offsets[s+1]
 
     @property
-    def ctx_len(self) -> int:
+    def ctx_len(self) -> int:  # context rows including padding (the mask's and the drafter's L)
         return self.target_hidden.shape[1]
+
+    @property
+    def num_tokens(self) -> int:  # real context tokens (what throughput counts)
+        return self.context_offsets[-1] if self.context_offsets else self.ctx_len
 
     def to(self, device, non_blocking: bool = False) -> "PackedBlocks":
         moved = {}
@@ -54,33 +76,143 @@ class PackedBlocks:
                                for f in fields(self)})
 
 
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def pack_sequences(input_ids: list[torch.Tensor], loss_mask: list[torch.Tensor], hidden: list[torch.Tensor],
+                   anchors: list[torch.Tensor], block_size: int, mask_token_id: int,
+                   last_hidden: list[torch.Tensor] | None = None, scale: float = 1.0,
+                   sample_indices: list[int] | None = None, pad_multiple: int = 1) -> PackedBlocks:
+    """Lay out S sequences and their blocks (anchors: positions within each sequence, ascending) in one pass.
+
+    Index tensors are built on the device of ``input_ids``; features stay on their own device.
+    """
+    B = int(block_size)
+    lens = [int(t.numel()) for t in input_ids]
+    if min(lens, default=0) < 1:
+        raise ValueError("every packed sequence needs at least one token")
+    ids = torch.cat([t.reshape(-1).long() for t in input_ids])
+    mask = torch.cat([m.reshape(-1).bool() for m in loss_mask]).to(ids.device)
+    dev = ids.device
+    offsets = [0]
+    for n in lens:
+        offsets.append(offsets[-1] + n)
+    counts = [int(a.numel()) for a in anchors]
+    for a, n in zip(anchors, lens):
+        if a.numel() and (int(a.min()) < 0 or int(a.max()) >= n):
+            raise ValueError(f"anchors {a.tolist()} outside the sequence of {n} tokens")
+    seq = torch.repeat_interleave(torch.arange(len(lens), device=dev), torch.tensor(counts, device=dev))
+    start = torch.tensor(offsets[:-1], device=dev)[seq]
+    end = torch.tensor(offsets[1:], device=dev)[seq]
+    local = torch.cat([a.reshape(-1).long().to(dev) for a in anchors]) if anchors else torch.zeros(0, dtype=torch.long)
+    n_real = local.numel()
+    k = torch.arange(B, device=dev)
+    pos = (start + local)[:, None] + k[None, :]  # [n, B] packed indices of the block tokens
+    safe = torch.minimum(pos, end[:, None] - 1)
+    inside = pos[:, 1:] < end[:, None]
+    # padding: whole blocks so that N*B is a multiple of pad_multiple (at least one block), then the context
+    n_total = max(1, n_real)
+    step = pad_multiple // math.gcd(pad_multiple, B)
+    n_total = _round_up(n_total, step)
+    L = _round_up(offsets[-1], pad_multiple)
+    pad_n = n_total - n_real
+    block_ids = torch.full((n_total, B), int(mask_token_id), dtype=torch.long, device=dev)
+    block_ids[:n_real, 0] = ids[start + local]
+    labels = torch.zeros(n_total, B - 1, dtype=torch.long, device=dev)
+    labels[:n_real] = torch.where(inside, ids[safe[:, 1:]], torch.zeros_like(safe[:, 1:]))
+    valid = torch.zeros(n_total, B - 1, dtype=torch.bool, device=dev)
+    valid[:n_real] = inside & mask[safe[:, 1:]]
+    teacher = torch.zeros(n_total, B - 1, dtype=torch.long, device=dev)
+    teacher[:n_real] = safe[:, :-1]
+    zeros = torch.zeros(pad_n, dtype=torch.long, device=dev)  # padding blocks: anchor = start = 0, see no context
+    ctx_pos = torch.cat([torch.arange(n, device=dev) for n in lens] + [torch.zeros(L - offsets[-1], dtype=torch.long,
+                                                                                   device=dev)])
+    blk_pos = torch.cat([local[:, None] + k[None, :], zeros[:, None] + k[None, :]])
+    feats = torch.cat([h.reshape(n, -1) for h, n in zip(hidden, lens)])
+    if L > offsets[-1]:
+        feats = torch.cat([feats, feats.new_zeros(L - offsets[-1], feats.shape[1])])
+    last = None
+    if last_hidden is not None:
+        last = torch.cat([h.reshape(n, -1) for h, n in zip(last_hidden, lens)])
+        if L > offsets[-1]:
+            last = torch.cat([last, last.new_zeros(L - offsets[-1], last.shape[1])])
+    block_offsets = [0]
+    for c in counts:
+        block_offsets.append(block_offsets[-1] + c)
+    return PackedBlocks(target_hidden=feats[None], block_ids=block_ids.reshape(1, -1),
+                        position_ids=torch.cat([ctx_pos, blk_pos.reshape(-1)])[None],
+                        anchors=torch.cat([start + local, zeros]), context_start=torch.cat([start, zeros]),
+                        labels=labels, valid=valid, teacher_index=teacher, last_hidden=last, scale=float(scale),
+                        sample_indices=list(sample_indices or [-1] * len(lens)), context_offsets=offsets,
+                        block_offsets=block_offsets)
+
+
 def pack_blocks(input_ids: torch.Tensor, loss_mask: torch.Tensor, hidden: torch.Tensor, anchors: torch.Tensor,
                 block_size: int, mask_token_id: int, last_hidden: torch.Tensor | None = None,
                 scale: float = 1.0, sample_index: int = -1) -> PackedBlocks:
-    """Lay out the blocks of one sequence. A sequence without any anchor gets one all-invalid block at 0."""
-    input_ids = input_ids.reshape(-1).long()
-    loss_mask = loss_mask.reshape(-1).bool()
-    L, B = input_ids.numel(), int(block_size)
-    anchors = anchors.reshape(-1).long()
-    if anchors.numel() == 0:
-        anchors = torch.zeros(1, dtype=torch.long)
-    if (anchors < 0).any() or (anchors >= L).any():
-        raise ValueError(f"anchors {anchors.tolist()} outside the sequence of {L} tokens")
-    n = anchors.numel()
-    k = torch.arange(B)
-    pos = anchors[:, None] + k[None, :]  # [N, B] absolute positions of the block tokens
-    block_ids = torch.full((n, B), int(mask_token_id), dtype=torch.long)
-    block_ids[:, 0] = input_ids[anchors]
-    label_pos = pos[:, 1:]
-    inside = label_pos < L
-    safe = label_pos.clamp(max=L - 1)
-    labels = torch.where(inside, input_ids[safe], torch.zeros_like(safe))
-    valid = inside & loss_mask[safe]
-    position_ids = torch.cat([torch.arange(L), pos.reshape(-1)])[None]
-    return PackedBlocks(target_hidden=hidden.reshape(1, L, -1), block_ids=block_ids.reshape(1, -1),
-                        position_ids=position_ids, anchors=anchors, labels=labels, valid=valid,
-                        teacher_index=(label_pos - 1).clamp(max=L - 1), last_hidden=last_hidden,
-                        scale=float(scale), sample_index=int(sample_index))
+    """The blocks of one sequence, unpadded. A sequence without any anchor gets one all-invalid block at 0."""
+    return pack_sequences([input_ids], [loss_mask], [hidden.reshape(input_ids.numel(), -1)], [anchors.reshape(-1)],
+                          block_size, mask_token_id, None if last_hidden is None else [last_hidden], scale,
+                          [sample_index])
+
+
+def collate_blocks(samples: list[dict], *, block_size: int, mask_token_id: int, num_anchors: int, seed: int,
+                   epoch: int = 0, max_length: int | None = None, use_last_hidden: bool = False,
+                   fixed_anchors: bool = False, check_finite: bool = True, scale: float = 1.0,
+                   pad_multiple: int = PAD_MULTIPLE) -> PackedBlocks:
+    """One packed micro-batch from per-sample dicts: truncate, check, draw each sample's anchors, pack.
+
+    Each dict holds ``input_ids`` [T] and ``loss_mask`` [T] (on the CPU), ``hidden`` [T, K*H] (any device),
+    ``last_hidden`` [T, H] (needed when ``use_last_hidden``) and ``index`` (the sample's dataset index: it keys
+    the anchors, so the same sample draws the same anchors however it is packed). ``check_finite`` looks for
+    NaN/Inf in the features (stored shards; it costs a host sync when the features live on a GPU).
+    ``fixed_anchors``: the held-out anchors (train/anchors.eval_anchors) instead of a per-epoch draw.
+    """
+    if not samples:
+        raise ValueError("collate_blocks needs at least one sample")
+    ids_l, mask_l, hid_l, last_l, anc_l, index_l = [], [], [], [], [], []
+    for s in samples:
+        index = int(s["index"])
+        ids, mask, hidden = s["input_ids"].reshape(-1), s["loss_mask"].reshape(-1), s["hidden"]
+        last = s.get("last_hidden") if use_last_hidden else None
+        if use_last_hidden and last is None:
+            raise ValueError(f"sample {index} has no last_hidden: the kl loss needs shards extracted with "
+                             f"last_hidden; re-extract, or use loss=dpace (the default) or ce")
+        if max_length and ids.numel() > max_length:
+            ids, mask, hidden = ids[:max_length], mask[:max_length], hidden[:max_length]
+            last = None if last is None else last[:max_length]
+        if check_finite:
+            for name, t in (("hidden", hidden), ("last_hidden", last)):
+                if t is not None and not torch.isfinite(t).all():
+                    raise ValueError(f"sample {index}: NaN or Inf in the stored features (field {name}); "
+                                     f"re-extract that shard (dflashkit verify names it)")
+        if fixed_anchors:
+            anchors = eval_anchors(mask, block_size, num_anchors, seed, index)
+        else:
+            anchors = sample_anchors(mask, num_anchors, sample_generator(seed, epoch, index))
+        ids_l.append(ids), mask_l.append(mask), hid_l.append(hidden), last_l.append(last)
+        anc_l.append(anchors), index_l.append(index)
+    return pack_sequences(ids_l, mask_l, hid_l, anc_l, block_size, mask_token_id,
+                          last_l if use_last_hidden else None, scale, index_l, pad_multiple)
+
+
+def pack_order(order: list[int], lengths, micro_batch_tokens: int, max_length: int | None = None) -> list[list[int]]:
+    """Consecutive samples of ``order`` grouped greedily into micro-batches of at most ``micro_batch_tokens``
+    tokens (``lengths[i]``, capped at ``max_length``); a longer sample alone; 0 -> one sample each."""
+    packs: list[list[int]] = []
+    cur: list[int] = []
+    used = 0
+    for i in order:
+        n = int(lengths[i]) if not max_length else min(int(lengths[i]), int(max_length))
+        if cur and (micro_batch_tokens <= 0 or used + n > micro_batch_tokens):
+            packs.append(cur)
+            cur, used = [], 0
+        cur.append(i)
+        used += n
+    if cur:
+        packs.append(cur)
+    return packs
 
 
 # --------------------------------------------------------------------------- split and order
@@ -98,19 +230,19 @@ def epoch_order(train: list[int], seed: int, epoch: int) -> list[int]:
     return [train[i] for i in perm]
 
 
-def steps_per_epoch(num_train: int, world_size: int, grad_accum: int) -> int:
-    return math.ceil(num_train / (world_size * grad_accum))
+def steps_per_epoch(num_micro_batches: int, world_size: int, grad_accum: int) -> int:
+    return math.ceil(num_micro_batches / (world_size * grad_accum))
 
 
-def rank_slots(order: list[int], start_sample: int, world_size: int, grad_accum: int,
-               rank: int) -> list[tuple[int, bool]]:
-    """(sample index, is_padding) for every micro-batch of this rank from ``start_sample`` to the epoch end."""
+def rank_slots(order: list, start: int, world_size: int, grad_accum: int, rank: int) -> list[tuple[object, bool]]:
+    """(item, is_padding) for every micro-batch of this rank from position ``start`` to the epoch end; an item is
+    whatever ``order`` holds (a sample index, or a list of them from ``pack_order``)."""
     per_step = world_size * grad_accum
-    if start_sample % per_step:
-        raise ValueError(f"resume position {start_sample} is not a multiple of world_size*grad_accum={per_step}; "
-                         f"resume with the world size and grad_accum of the checkpointed run")
+    if start % per_step:
+        raise ValueError(f"resume position {start} is not a multiple of world_size*grad_accum={per_step}; "
+                         f"resume with the world size, grad_accum and micro_batch_tokens of the checkpointed run")
     out = []
-    for base in range(start_sample, len(order), per_step):
+    for base in range(start, len(order), per_step):
         for j in range(grad_accum):
             slot = base + j * world_size + rank
             out.append((order[slot], False) if slot < len(order) else (order[slot % len(order)], True))
@@ -119,40 +251,25 @@ def rank_slots(order: list[int], start_sample: int, world_size: int, grad_accum:
 
 # --------------------------------------------------------------------------- samples -> packed blocks
 class BlockSource(torch.utils.data.Dataset):
-    """Map-style view over a list of slots: item i = the packed blocks of slot i (DataLoader-friendly)."""
+    """Map-style view over a list of slots: item i = the packed micro-batch of slot i (DataLoader-friendly).
+    A slot is (sample index or list of sample indices, is_padding)."""
 
-    def __init__(self, dataset, slots: list[tuple[int, bool]], *, block_size: int, mask_token_id: int,
+    def __init__(self, dataset, slots: list[tuple[object, bool]], *, block_size: int, mask_token_id: int,
                  num_anchors: int, seed: int, epoch: int, max_length: int | None, use_last_hidden: bool,
                  fixed_anchors: bool = False):
         self.dataset, self.slots = dataset, slots
-        self.block_size, self.mask_token_id = block_size, mask_token_id
-        self.num_anchors, self.seed, self.epoch = num_anchors, seed, epoch
-        self.max_length, self.use_last_hidden, self.fixed_anchors = max_length, use_last_hidden, fixed_anchors
+        self.options = dict(block_size=block_size, mask_token_id=mask_token_id, num_anchors=num_anchors, seed=seed,
+                            epoch=epoch, max_length=max_length, use_last_hidden=use_last_hidden,
+                            fixed_anchors=fixed_anchors)
 
     def __len__(self):
         return len(self.slots)
 
     def __getitem__(self, i: int) -> PackedBlocks:
-        index, padding = self.slots[i]
-        s = self.dataset[index]
-        ids, mask, hidden = s["input_ids"], s["loss_mask"], s["hidden"]
-        last = s.get("last_hidden") if self.use_last_hidden else None
-        if self.use_last_hidden and last is None:
-            raise ValueError(f"sample {index} has no last_hidden: the kl loss needs shards extracted with "
-                             f"last_hidden; re-extract, or use loss=dpace (the default) or ce")
-        if self.max_length and ids.numel() > self.max_length:
-            ids, mask, hidden = ids[: self.max_length], mask[: self.max_length], hidden[: self.max_length]
-            last = None if last is None else last[: self.max_length]
-        if not torch.isfinite(hidden).all() or (last is not None and not torch.isfinite(last).all()):
-            raise ValueError(f"sample {index}: NaN or Inf in the stored features (field "
-                             f"{'hidden' if not torch.isfinite(hidden).all() else 'last_hidden'}); "
-                             f"re-extract that shard (dflashkit verify names it)")
-        if self.fixed_anchors:
-            anchors = eval_anchors(mask, self.block_size, self.num_anchors, self.seed, index)
-        else:
-            anchors = sample_anchors(mask, self.num_anchors, sample_generator(self.seed, self.epoch, index))
-        return pack_blocks(ids, mask, hidden, anchors, self.block_size, self.mask_token_id, last_hidden=last,
-                           scale=0.0 if padding else 1.0, sample_index=index)
+        item, padding = self.slots[i]
+        pack = [item] if isinstance(item, int) else list(item)
+        samples = [{**self.dataset[index], "index": index} for index in pack]
+        return collate_blocks(samples, scale=0.0 if padding else 1.0, **self.options)
 
 
 def _identity(x):
@@ -160,7 +277,7 @@ def _identity(x):
 
 
 def block_loader(source: BlockSource, num_workers: int = 0, pin_memory: bool = False):
-    """An iterator over the packed blocks of ``source`` in order (workers prefetch)."""
+    """An iterator over the packed micro-batches of ``source`` in order (workers prefetch)."""
     return iter(torch.utils.data.DataLoader(source, batch_size=None, shuffle=False, num_workers=num_workers,
                                             pin_memory=pin_memory, collate_fn=_identity,
                                             persistent_workers=False))

@@ -25,8 +25,15 @@ Design choices:
 - The function returns the *un-normalised* weighted sum. The trainer divides by the global denominator
   (``loss_denominator`` summed over all micro-batches of the step and over all ranks), so gradient
   accumulation and data parallelism give exactly the single-process gradient.
+- ``fused=True`` (CUDA training with ``compile``) runs the ce and dpace chunks through two small compiled
+  kernels: one reads the lm_head's logits for logsumexp, label logit and argmax, one writes the logit gradient
+  in the lm_head's dtype. The eager path keeps fp32 logits and several full passes over them (~44 bytes per
+  logit against ~10 fused), which makes the loss memory-bound on the vocabulary; it stays the reference and the
+  CPU path, and tests hold the fused one to it.
 - Metrics come out of the same pass: per-position correct/valid counts and the tau_sim sum (1 + leading run of
-  positions whose argmax equals the label; an invalid label ends the run).
+  positions whose argmax equals the label; an invalid label ends the run) over the blocks that have at least
+  one valid label (padding blocks of a packed micro-batch have none and count nowhere). All of them stay on
+  the device: nothing here waits for the GPU.
 """
 
 from __future__ import annotations
@@ -71,13 +78,35 @@ class BlockLossOutput:
     ce_sum: torch.Tensor  # plain CE summed over valid labels (for logging)
     correct: torch.Tensor  # [B-1] valid labels whose argmax matched, per draft position
     counted: torch.Tensor  # [B-1] valid labels per draft position
-    tau_sum: torch.Tensor  # sum over blocks of 1 + leading run of correct positions
-    blocks: int  # number of blocks
+    tau_sum: torch.Tensor  # sum over counted blocks of 1 + leading run of correct positions
+    blocks: torch.Tensor  # counted blocks: those with at least one valid label
+
+
+def _logit_stats(logits: torch.Tensor, labels: torch.Tensor, acc: torch.dtype):
+    """Per row: logsumexp, the label's logit and the argmax, reading the logits once (upcast in registers)."""
+    x = logits.to(acc)
+    return torch.logsumexp(x, dim=-1), x.gather(-1, labels.unsqueeze(-1)).squeeze(-1), x.argmax(-1)
+
+
+def _logit_grad(logits: torch.Tensor, lse: torch.Tensor, labels: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """w * (softmax - onehot(label)) in the logits' dtype."""
+    x = logits.to(lse.dtype)
+    onehot = torch.arange(x.shape[-1], device=x.device) == labels.unsqueeze(-1)
+    return ((torch.exp(x - lse.unsqueeze(-1)) - onehot.to(x.dtype)) * w.unsqueeze(-1)).to(logits.dtype)
+
+
+_COMPILED: dict = {}
+
+
+def _compiled(fn):
+    if fn not in _COMPILED:
+        _COMPILED[fn] = torch.compile(fn)
+    return _COMPILED[fn]
 
 
 class _ChunkedBlockLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, valid, teacher, variant, gamma, alpha, kl_weight, chunk):
+    def forward(ctx, hidden, weight, bias, labels, valid, teacher, variant, gamma, alpha, kl_weight, chunk, fused):
         n_blocks, p, h = hidden.shape
         need_grad = ctx.needs_input_grad[0]
         acc = torch.promote_types(hidden.dtype, torch.float32)  # fp32 logits (fp64 when the inputs are)
@@ -92,6 +121,23 @@ class _ChunkedBlockLoss(torch.autograd.Function):
         for s in range(0, n_blocks, chunk):
             e = min(n_blocks, s + chunk)
             hs = hidden[s:e].reshape(-1, h).to(w_mat.dtype)
+            if fused and variant != "kl":
+                lab, val = labels[s:e], valid[s:e].to(acc)
+                raw = F.linear(hs, w_mat, bias)
+                lse, tgt, top = _compiled(_logit_stats)(raw, lab.reshape(-1), acc)
+                ce = (lse - tgt).view(e - s, p) * val
+                w = dpace_weights(ce, val, alpha) if variant == "dpace" else decay * val
+                loss_sum += (w * ce).sum()
+                ce_sum += ce.sum()
+                hit = (top.view(e - s, p) == lab) & valid[s:e]
+                correct += hit.sum(0).to(acc)
+                counted += val.sum(0)
+                tau_sum += ((1.0 + torch.cumprod(hit.to(acc), dim=-1).sum(-1)) * valid[s:e].any(-1)).sum()
+                if need_grad:
+                    g = _compiled(_logit_grad)(raw, lse, lab.reshape(-1), w.reshape(-1))
+                    grad[s:e] = (g @ w_mat).to(acc).view(e - s, p, h)
+                del raw
+                continue
             logits = F.linear(hs, w_mat, bias).to(acc).view(e - s, p, -1)
             logp = torch.log_softmax(logits, dim=-1)
             lab = labels[s:e]
@@ -115,7 +161,7 @@ class _ChunkedBlockLoss(torch.autograd.Function):
             hit = (logits.argmax(-1) == lab) & valid[s:e]
             correct += hit.sum(0).float()
             counted += val.sum(0)
-            tau_sum += (1.0 + torch.cumprod(hit.float(), dim=-1).sum(-1)).sum()
+            tau_sum += ((1.0 + torch.cumprod(hit.to(acc), dim=-1).sum(-1)) * valid[s:e].any(-1)).sum()
             if need_grad:
                 # d/dlogits of w*((1-b)CE + b*KL) = w * (softmax - (1-b)*onehot - b*p_target)
                 g = logp.exp_()
@@ -140,18 +186,19 @@ class _ChunkedBlockLoss(torch.autograd.Function):
         g = None
         if ctx.needs_input_grad[0]:
             g = (grad * grad_loss).to(ctx.hidden_dtype)
-        return g, None, None, None, None, None, None, None, None, None, None
+        return g, None, None, None, None, None, None, None, None, None, None, None
 
 
 def block_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, *,
                variant: str = "ce", gamma: float = 7.0, dpace_alpha: float = 0.5, kl_weight: float = 0.5,
                teacher_hidden: torch.Tensor | None = None, lm_head_bias: torch.Tensor | None = None,
-               chunk_tokens: int = 2048) -> BlockLossOutput:
+               chunk_tokens: int = 2048, fused: bool = False) -> BlockLossOutput:
     """Chunked block loss.
 
     hidden: [N, B-1, H] drafter outputs at draft positions 1..B-1; labels (long) / valid (bool): [N, B-1];
     teacher_hidden: [N, B-1, H] target final-norm outputs at positions a+k-1 (``kl`` only);
-    chunk_tokens: rows of logits alive at once (rounded to whole blocks).
+    chunk_tokens: rows of logits alive at once (rounded to whole blocks);
+    fused: compiled logit kernels for ce and dpace (see the module notes; kl always runs eager).
     """
     if variant not in VARIANTS:
         raise ValueError(f"loss variant must be one of {VARIANTS}, got {variant!r}")
@@ -159,12 +206,12 @@ def block_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch
         raise ValueError("loss variant 'kl' needs last_hidden in the shards (extract with --store-last-hidden)")
     if not 0.0 <= kl_weight <= 1.0:
         raise ValueError(f"kl_weight must be in [0, 1], got {kl_weight}")
-    n_blocks, p, _ = hidden.shape
+    p = hidden.shape[1]
     chunk = max(1, int(chunk_tokens) // max(1, p))
     teacher = teacher_hidden if variant == "kl" else None
     out = _ChunkedBlockLoss.apply(hidden, lm_head_weight.detach(),
                                   None if lm_head_bias is None else lm_head_bias.detach(),
                                   labels, valid.bool(), teacher, variant, float(gamma), float(dpace_alpha),
-                                  float(kl_weight), chunk)
-    return BlockLossOutput(*out, blocks=n_blocks)
+                                  float(kl_weight), chunk, bool(fused))
+    return BlockLossOutput(*out, blocks=valid.any(-1).sum())
 

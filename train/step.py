@@ -1,9 +1,13 @@
-"""One drafter pass over the packed blocks of a sequence, and the held-out evaluation built on it.
+"""One drafter pass over a packed micro-batch (one or more sequences and all their blocks), and the held-out
+evaluation built on it.
 
 Design choices:
 - The block ids are embedded with the target's embedding (times its embedding scale) and every block of the
-  sequence goes through the drafter in one forward with the packed block mask (train/block_mask.py). Only
-  draft positions 1..B-1 reach the lm_head; position 0 (the anchor) predicts nothing.
+  micro-batch goes through the drafter in one forward with the packed block mask (train/block_mask.py), which
+  keeps each block inside its own sequence. Only draft positions 1..B-1 reach the lm_head; position 0 (the
+  anchor) predicts nothing.
+- Nothing in a training pass waits for the GPU: masks are built on the device, metric sums stay there, and the
+  host-side counts (tokens) join them only when the sums are reduced for a log line.
 - Held-out metrics always use the ``ce`` objective, whatever the training loss, so runs with different loss
   variants are compared on the same number. Anchors are fixed per sample (train/anchors.eval_anchors), so
   the same checkpoint gives the same numbers on every run.
@@ -32,11 +36,12 @@ def mask_backend(attention: str, device: torch.device) -> str:
 
 def forward_blocks(model, head, batch: PackedBlocks, *, block_size: int, layer_types: list[str],
                    sliding_window: int | None, backend: str = "dense", variant: str = "ce", gamma: float = 7.0,
-                   dpace_alpha: float = 0.5, kl_weight: float = 0.5,
-                   chunk_tokens: int = 2048) -> BlockLossOutput:
-    """The un-normalised block loss (and metrics) of one packed sequence."""
+                   dpace_alpha: float = 0.5, kl_weight: float = 0.5, chunk_tokens: int = 2048,
+                   fused_loss: bool = False) -> BlockLossOutput:
+    """The un-normalised block loss (and metrics) of one packed micro-batch (fused_loss: train/loss.py)."""
     n = batch.anchors.numel()
-    mask = build_block_masks(batch.anchors, batch.ctx_len, block_size, layer_types, sliding_window, backend)
+    mask = build_block_masks(batch.anchors, batch.ctx_len, block_size, layer_types, sliding_window, backend,
+                             context_start=batch.context_start)
     noise = head.embed(batch.block_ids)
     hidden = model(position_ids=batch.position_ids, attention_mask=mask, noise_embedding=noise,
                    target_hidden=batch.target_hidden)
@@ -46,7 +51,7 @@ def forward_blocks(model, head, batch: PackedBlocks, *, block_size: int, layer_t
         teacher = batch.last_hidden[batch.teacher_index]  # stored after the target's final norm
     return block_loss(hidden, head.lm_head.weight, batch.labels, batch.valid, variant=variant, gamma=gamma,
                       dpace_alpha=dpace_alpha, kl_weight=kl_weight, teacher_hidden=teacher,
-                      lm_head_bias=head.lm_head.bias, chunk_tokens=chunk_tokens)
+                      lm_head_bias=head.lm_head.bias, chunk_tokens=chunk_tokens, fused=fused_loss)
 
 
 class MetricSums:
@@ -55,17 +60,21 @@ class MetricSums:
     def __init__(self, positions: int, device):
         self.t = torch.zeros(6 + 2 * positions, dtype=torch.float64, device=device)
         self.p = positions
+        self.host_tokens = 0  # context tokens, counted on the host (joins t[5] in reduce)
 
     def add(self, out: BlockLossOutput, denom: torch.Tensor, scale: float, tokens: int) -> None:
         if scale == 0.0:
             return
         p = self.p
-        vals = [out.loss_sum.detach(), denom, out.ce_sum, out.tau_sum, float(out.blocks), float(tokens)]
-        self.t[:6] += torch.stack([torch.as_tensor(v, dtype=torch.float64, device=self.t.device) for v in vals])
+        vals = [out.loss_sum.detach(), denom, out.ce_sum, out.tau_sum, out.blocks]
+        self.t[:5] += torch.stack([v.to(torch.float64) for v in vals]).to(self.t.device)
         self.t[6:6 + p] += out.correct.to(self.t)
         self.t[6 + p:] += out.counted.to(self.t)
+        self.host_tokens += int(tokens)
 
     def reduce(self, accelerator) -> "MetricSums":
+        self.t[5] += self.host_tokens
+        self.host_tokens = 0
         if accelerator is not None and accelerator.num_processes > 1:
             self.t = accelerator.reduce(self.t, reduction="sum")
         return self
@@ -93,7 +102,7 @@ class MetricSums:
 def evaluate(model, head, dataset, indices: list[int], *, block_size: int, layer_types: list[str],
              sliding_window: int | None, mask_token_id: int, num_anchors: int, seed: int, gamma: float = 7.0,
              max_length: int | None = None, backend: str = "dense", chunk_tokens: int = 2048,
-             accelerator=None, device=None) -> dict:
+             fused_loss: bool = False, accelerator=None, device=None) -> dict:
     """Held-out loss (ce objective), per-position accuracy and tau_sim at fixed anchors."""
     world = accelerator.num_processes if accelerator is not None else 1
     rank = accelerator.process_index if accelerator is not None else 0
@@ -111,7 +120,7 @@ def evaluate(model, head, dataset, indices: list[int], *, block_size: int, layer
         batch = batch.to(device)
         out = forward_blocks(model, head, batch, block_size=block_size, layer_types=layer_types,
                              sliding_window=sliding_window, backend=backend, variant="ce", gamma=gamma,
-                             chunk_tokens=chunk_tokens)
-        sums.add(out, loss_denominator(batch.valid, "ce", gamma), batch.scale, batch.ctx_len)
+                             chunk_tokens=chunk_tokens, fused_loss=fused_loss)
+        sums.add(out, loss_denominator(batch.valid, "ce", gamma), batch.scale, batch.num_tokens)
     model.train(was_training)
     return sums.reduce(accelerator).metrics("eval")

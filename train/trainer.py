@@ -28,7 +28,7 @@ import torch
 
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import TrainConfig
-from .data import BlockSource, block_loader, epoch_order, rank_slots, split_indices, steps_per_epoch
+from .data import BlockSource, block_loader, epoch_order, pack_order, rank_slots, split_indices, steps_per_epoch
 from .loss import loss_denominator
 from .step import MetricSums, evaluate, forward_blocks, mask_backend
 from .tracking import Tracker
@@ -165,8 +165,10 @@ def train(cfg: TrainConfig) -> dict:
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing = True
     train_idx, eval_idx = split_indices(len(dataset), cfg.eval_samples, cfg.seed)
-    spe = steps_per_epoch(len(train_idx), world, G)
-    planned = cfg.epochs * spe
+    packs = [pack_order(epoch_order(train_idx, cfg.seed, e), dataset.lengths, cfg.micro_batch_tokens, cfg.max_length)
+             for e in range(cfg.epochs)]  # the micro-batches of each epoch (lists of samples)
+    spe = steps_per_epoch(len(packs[0]), world, G)
+    planned = sum(steps_per_epoch(len(p), world, G) for p in packs)
     total_steps = min(planned, cfg.max_steps) if cfg.max_steps else planned
     warmup = int(round(cfg.warmup_ratio * total_steps))
     backend_name = str(accelerator.distributed_type).split(".")[-1]
@@ -175,7 +177,9 @@ def train(cfg: TrainConfig) -> dict:
             f"{accelerator.device.type} (it shards only on GPUs): every process holds the whole drafter")
     say(f"dflashkit train ({backend_name}, {accelerator.device.type}): {len(train_idx)} training / {len(eval_idx)} "
         f"held-out samples, {world} process(es) x "
-        f"{G} micro-batches = {world * G} sequences per step, {spe} steps per epoch, {cfg.epochs} epochs = "
+        f"{G} micro-batches ({f'<= {cfg.micro_batch_tokens} tokens' if cfg.micro_batch_tokens else 'one sequence'} "
+        f"each) per step, "
+        f"{spe} steps in epoch 0, {cfg.epochs} epochs = "
         f"{planned} steps")
     if total_steps < planned:
         say(f"NOTE: max_steps={cfg.max_steps} stops training after {total_steps} of {planned} steps "
@@ -194,7 +198,8 @@ def train(cfg: TrainConfig) -> dict:
     backend = mask_backend(cfg.attention, accelerator.device)
     say(f"attention mask: {backend}{' (compiled drafter layers)' if cfg.compile else ''}")
     common = dict(block_size=dcfg.block_size, layer_types=dcfg.layer_types, sliding_window=dcfg.sliding_window,
-                  backend=backend, chunk_tokens=cfg.loss_chunk_tokens)
+                  backend=backend, chunk_tokens=cfg.loss_chunk_tokens,
+                  fused_loss=cfg.compile and accelerator.device.type == "cuda")  # compiled logit kernels
 
     # --- resume -------------------------------------------------------------------------------------------
     step, epoch, done = 0, 0, 0
@@ -206,7 +211,7 @@ def train(cfg: TrainConfig) -> dict:
     if ckpt is not None:
         state = load_checkpoint(ckpt, accelerator, model, optimizer)
         step, epoch, done = state["step"], state["epoch"], state["epoch_samples_done"]
-        say(f"resumed from {ckpt} (step {step}, epoch {epoch}, {done} samples into the epoch)")
+        say(f"resumed from {ckpt} (step {step}, epoch {epoch}, {done} micro-batches into the epoch)")
     tracker = Tracker(out_dir, cfg.to_dict(), enabled=accelerator.is_main_process, wandb=cfg.wandb,
                       wandb_project=cfg.wandb_project, run_name=cfg.run_name, tensorboard=cfg.tensorboard,
                       resume_step=step)
@@ -232,7 +237,7 @@ def train(cfg: TrainConfig) -> dict:
     sums, t0 = MetricSums(dcfg.block_size - 1, accelerator.device), time.perf_counter()
     saved_at = step if ckpt is not None else -1  # the step whose checkpoint is on disk
     while step < total_steps and epoch < cfg.epochs:
-        slots = rank_slots(epoch_order(train_idx, cfg.seed, epoch), done, world, G, rank)
+        slots = rank_slots(packs[epoch], done, world, G, rank)
         source = BlockSource(dataset, slots, block_size=dcfg.block_size, mask_token_id=dcfg.mask_token_id,
                              num_anchors=cfg.num_anchors, seed=cfg.seed, epoch=epoch, max_length=cfg.max_length,
                              use_last_hidden=cfg.loss == "kl")
@@ -258,7 +263,7 @@ def train(cfg: TrainConfig) -> dict:
                             grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
                         optimizer.step()
                         optimizer.zero_grad(set_to_none=True)
-                sums.add(out, d, m.scale, m.ctx_len)
+                sums.add(out, d, m.scale, m.num_tokens)
             step += 1
             done += world * G
             bar.update(1)
@@ -266,7 +271,7 @@ def train(cfg: TrainConfig) -> dict:
             if step % cfg.log_every == 0 or step == total_steps:
                 metrics = sums.reduce(accelerator).metrics("train")
                 dt = max(time.perf_counter() - t0, 1e-9)
-                metrics.update({"lr": cfg.lr * factor, "epoch": epoch + done / len(train_idx),
+                metrics.update({"lr": cfg.lr * factor, "epoch": epoch + done / len(packs[epoch]),
                                 "tokens_per_s": sums.tokens / dt})
                 if grad_norm is None and hasattr(model, "get_global_grad_norm"):
                     grad_norm = model.get_global_grad_norm()
@@ -280,7 +285,7 @@ def train(cfg: TrainConfig) -> dict:
             if cfg.eval_every and step % cfg.eval_every == 0 and step < total_steps:
                 last_eval = run_eval()
                 tracker.log(last_eval, step)
-            if done >= len(train_idx):
+            if done >= len(packs[epoch]):
                 epoch, done = epoch + 1, 0
             if cfg.save_every and step % cfg.save_every == 0:
                 save_checkpoint(accelerator, model, optimizer, trainer_state(), out_dir, cfg.keep_last)

@@ -1,0 +1,394 @@
+"""Training throughput: the drafter step offline and online, the target's share of an online step, DDP scaling,
+and MFU; context tokens/s throughout (real tokens of the packed sequences, padding excluded).
+
+    python bench/bench_train_throughput.py --toy --out bench/results/train_throughput_toy.json      # CPU, tiny
+    python bench/bench_train_throughput.py --target /root/testbed/smollm2-bf16 \\
+        --out bench/results/train_throughput_smollm2.json
+    accelerate launch --num_processes 2 bench/bench_train_throughput.py --target /root/testbed/smollm2-bf16 \\
+        --out bench/results/train_throughput_smollm2_ddp.json
+    python bench/bench_train_throughput.py --qwen3-8b --out bench/results/train_throughput_qwen3_8b.json
+Defaults: the testbed shape (5 drafter layers, block 16, 512 anchors, sequences of 256-1024 tokens, 8192 tokens
+per micro-batch, G=2); --qwen3-8b packs 4096 tokens per micro-batch.
+
+One optimizer step is the trainer's (train/trainer.py): G micro-batches (--grad-accum), each a packed run of
+whole sequences under --micro-batch-tokens (train/data.collate_blocks: anchors per sequence, block mask kept
+inside each sequence), the global loss denominator summed over micro-batches (and ranks), per micro-batch
+forward_blocks + backward, gradient clipping at 1.0, AdamW. Drafter fp32 master weights under bf16 autocast,
+each drafter layer torch.compile'd as the recipes do, and with it the fused (compiled) logit kernels of the loss
+(--no-compile: neither; --eager-loss: compiled layers, eager loss), flex_attention block masks.
+Measured, after --warmup steps (compilation included there), over --steps steps:
+- offline: the drafter step on micro-batches already collated on the device (random features, as shards
+  read by DataLoader workers would arrive);
+- target: the target forward alone on the same micro-batches (target/capture.LayerCapture: hooks on the tapped
+  layers, early exit after the deepest; the micro-batch's sequences as one right-padded batch);
+- online: what one online step does: per micro-batch the target forward, then collate_blocks on its features,
+  then the drafter step; target share = target time / online time.
+- under ``accelerate launch`` (or torchrun) with W processes: first rank 0 alone (a plain drafter; the other
+  ranks wait), then all ranks with DDP; scaling = summed tokens/s of the W ranks / tokens/s of rank 0 alone.
+FLOPs (2 per multiply-add; only real tokens and visible attention pairs count): drafter forward = fc over the
+context, per layer q/o projections and MLP over block tokens, k/v over context + block tokens, attention over
+the visible pairs; backward 2x forward, except fc (its input needs no gradient) 1x; lm_head forward + input
+gradient over the B-1 predicted positions of real blocks; target forward = every layer that runs (early exit:
+layers after the deepest tap never run and are not counted), causal attention pairs per sequence. MFU divides by
+989 TFLOP/s (H100/H200 SXM dense bf16 datasheet); the measured 8192^3 bf16 matmul rate is reported too.
+``--qwen3-8b`` builds a random-weight Qwen3-8B target from its config in code (36 layers; --target-layers cuts
+it for memory, and the FLOPs then count only the layers that exist and run) and a drafter of its dimensions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from dflashkit.drafter import DrafterConfig, build_drafter, default_target_layer_ids
+from dflashkit.target.capture import LayerCapture
+from dflashkit.target.loading import Target, find_decoder, load_target
+from dflashkit.train.data import PackedBlocks, collate_blocks, pack_order
+from dflashkit.train.loss import loss_denominator
+from dflashkit.train.step import forward_blocks, mask_backend
+
+PEAK_BF16 = 989e12
+
+
+# --------------------------------------------------------------------------- target, drafter, data
+def random_target(kind: str, device, dtype, layers: int | None) -> Target:
+    """A random-weight target built from a config in code: "toy" (tiny Llama) or "qwen3-8b"."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+
+    if kind == "qwen3-8b":
+        cfg = Qwen3Config(hidden_size=4096, intermediate_size=12288, num_hidden_layers=layers or 36,
+                          num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                          max_position_embeddings=40960, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+                          tie_word_embeddings=False)
+    else:
+        cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=layers or 6,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                          tie_word_embeddings=False)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
+    dec = find_decoder(model)
+    return Target(model=model, tokenizer=None, config=cfg, path=f"random:{kind}", model_dir=Path("."), family="",
+                  decoder=dec, layers=dec.layers, embed_tokens=dec.embed_tokens, embedding_scale=1.0,
+                  final_norm=dec.norm, lm_head=model.lm_head)
+
+
+def make_pool(n: int, min_len: int, max_len: int, vocab: int, seed: int) -> list[dict]:
+    """n random sequences, lengths uniform in [min_len, max_len]; the first eighth is the prompt (no loss)."""
+    g = torch.Generator().manual_seed(seed)
+    pool = []
+    for i in range(n):
+        length = int(torch.randint(min_len, max_len + 1, (1,), generator=g))
+        mask = torch.ones(length, dtype=torch.bool)
+        mask[: max(1, length // 8)] = False
+        pool.append({"input_ids": torch.randint(0, vocab - 1, (length,), generator=g), "loss_mask": mask,
+                     "index": i})
+    return pool
+
+
+def padded_batch(samples: list[dict], pin: bool) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    lens = [s["input_ids"].numel() for s in samples]
+    ids = torch.zeros(len(samples), max(lens), dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    for b, s in enumerate(samples):
+        ids[b, : lens[b]], attn[b, : lens[b]] = s["input_ids"], 1
+    return (ids.pin_memory(), attn.pin_memory(), lens) if pin else (ids, attn, lens)
+
+
+# --------------------------------------------------------------------------- FLOPs
+def drafter_flops(d: DrafterConfig, layout: PackedBlocks) -> float:
+    """Useful FLOPs of one forward + backward of the drafter on a micro-batch (full-attention layers)."""
+    H, inter, B, V = d.hidden_size, d.intermediate_size, d.block_size, d.vocab_size
+    hq, hkv, hd = d.num_attention_heads, d.num_key_value_heads, d.head_dim
+    n = layout.block_offsets[-1]  # real blocks
+    L, Q = layout.num_tokens, n * B
+    visible = B * int((layout.anchors[:n] - layout.context_start[:n]).sum()) + n * B * B
+    fc = 2 * L * d.num_taps * H * H
+    layer = 2 * Q * H * hq * hd * 2 + 2 * (L + Q) * H * hkv * hd * 2 + 2 * Q * 3 * H * inter + 4 * visible * hq * hd
+    head = 2 * n * (B - 1) * H * V
+    return 2 * fc + 3 * d.num_hidden_layers * layer + 2 * head
+
+
+def target_flops(target: Target, layer_ids: list[int], lens: list[int]) -> float:
+    c = target.config
+    H, inter, hq = c.hidden_size, c.intermediate_size, c.num_attention_heads
+    hkv = getattr(c, "num_key_value_heads", hq)
+    hd = getattr(c, "head_dim", None) or H // hq
+    last = target.num_layers - 1
+    runs = target.num_layers if last in layer_ids else max(layer_ids) + 1  # early exit after the deepest tap
+    params = H * hq * hd * 2 + H * hkv * hd * 2 + 3 * H * inter
+    return float(sum(runs * (2 * params * t + 4 * (t * (t + 1) // 2) * hq * hd) for t in lens))
+
+
+def matmul_rate(device) -> float | None:
+    if device.type != "cuda":
+        return None
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ a
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(10):
+        a @ a
+    torch.cuda.synchronize()
+    return 10 * 2 * 8192 ** 3 / (time.perf_counter() - t)
+
+
+# --------------------------------------------------------------------------- steps
+def drafter_step(model, head, opt, micros, *, world, ddp, loss, autocast, common) -> None:
+    denoms = torch.stack([loss_denominator(m.valid, loss, 7.0) for m in micros]).sum()
+    if world > 1 and ddp:
+        dist.all_reduce(denoms)
+    for j, m in enumerate(micros):
+        with model.no_sync() if ddp and j < len(micros) - 1 else nullcontext():
+            with autocast():
+                out = forward_blocks(model, head, m, variant=loss, **common)
+            (out.loss_sum * (world if ddp else 1) / denoms.clamp_min(1e-12)).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def timed(fn, steps: int, warmup: int, device) -> list[float]:
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    for i in range(warmup):
+        fn(i)
+    sync()
+    out = []
+    for i in range(warmup, warmup + steps):
+        t = time.perf_counter()
+        fn(i)
+        sync()
+        out.append(time.perf_counter() - t)
+    return out
+
+
+def summarize(times: list[float], tokens: list[int], flops: list[float], peak: float | None) -> dict:
+    total = sum(times)
+    r = {"step_ms_median": 1e3 * statistics.median(times), "steps": len(times),
+         "ctx_tokens_per_s": sum(tokens) / total, "tflops_per_s": sum(flops) / total / 1e12}
+    r["mfu"] = r["tflops_per_s"] * 1e12 / peak if peak else None
+    return r
+
+
+# --------------------------------------------------------------------------- main
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    src = ap.add_argument_group("target")
+    src.add_argument("--target", help="HF directory of the target (e.g. /root/testbed/smollm2-bf16)")
+    src.add_argument("--qwen3-8b", action="store_true", help="random-weight Qwen3-8B target built in code")
+    src.add_argument("--toy", action="store_true", help="tiny random target and drafter (runs on a CPU)")
+    src.add_argument("--target-layers", type=int, default=None, help="cut a random target to this many layers")
+    src.add_argument("--layer-ids", type=int, nargs="+", help="tapped target layers (default: 5 evenly spaced)")
+    shape = ap.add_argument_group("drafter and data")
+    shape.add_argument("--drafter-layers", type=int, default=5)
+    shape.add_argument("--block-size", type=int, default=16)
+    shape.add_argument("--num-anchors", type=int, default=512)
+    shape.add_argument("--min-len", type=int, default=256)
+    shape.add_argument("--max-len", type=int, default=1024)
+    shape.add_argument("--micro-batch-tokens", type=int, default=8192)
+    shape.add_argument("--grad-accum", type=int, default=2)
+    shape.add_argument("--pool", type=int, default=128, help="sequences per rank")
+    shape.add_argument("--chunk-tokens", type=int, default=2048, help="logit rows alive at once in the loss")
+    shape.add_argument("--loss", default="dpace")
+    run = ap.add_argument_group("run")
+    run.add_argument("--steps", type=int, default=10)
+    run.add_argument("--warmup", type=int, default=3)
+    run.add_argument("--modes", default="offline,online", help="comma list of offline, online")
+    run.add_argument("--no-compile", action="store_true", help="eager drafter layers and loss")
+    run.add_argument("--eager-loss", action="store_true", help="the eager loss (compiled layers)")
+    run.add_argument("--device", default=None)
+    run.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    if args.toy:
+        for k, v in dict(min_len=24, max_len=96, micro_batch_tokens=256, num_anchors=16, block_size=8,
+                         drafter_layers=2, pool=24, steps=3, warmup=1).items():
+            if getattr(args, k) == ap.get_default(k):
+                setattr(args, k, v)
+    if args.qwen3_8b and args.micro_batch_tokens == ap.get_default("micro_batch_tokens"):
+        args.micro_batch_tokens = 4096  # activations of ~3.5k blocks at hidden 4096 fit next to the 8B target
+    if sum(map(bool, (args.target, args.qwen3_8b, args.toy))) != 1:
+        ap.error("give exactly one of --target DIR, --qwen3-8b, --toy")
+
+    # --- processes, device
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank, local = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if dev.type == "cuda":
+        dev = torch.device("cuda", local)
+        torch.cuda.set_device(dev)
+    if world > 1:  # rank 0 measures alone first while the others wait: a long timeout
+        from datetime import timedelta
+
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", timeout=timedelta(minutes=30))
+    gpu = dev.type == "cuda"
+    dtype = torch.bfloat16 if gpu else torch.float32
+    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if gpu else nullcontext
+    compile_layers = gpu and not args.no_compile
+
+    # --- target, drafter, optimizer
+    if args.target:
+        target = load_target(args.target, dtype=dtype, device=dev)
+    else:
+        target = random_target("qwen3-8b" if args.qwen3_8b else "toy", dev, dtype, args.target_layers)
+    target.model.requires_grad_(False)
+    ids = args.layer_ids or default_target_layer_ids(target.num_layers, 5 if not args.toy else 3)
+    vocab = target.vocab_size
+    dcfg = DrafterConfig.for_target(target.config, num_hidden_layers=args.drafter_layers, block_size=args.block_size,
+                                    target_layer_ids=ids, mask_token_id=vocab - 1)
+    torch.manual_seed(0)
+    model = build_drafter(dcfg).to(dev).train()
+    if compile_layers:
+        import torch._dynamo as dynamo
+
+        dynamo.config.cache_size_limit = max(dynamo.config.cache_size_limit, 64)
+        for layer in model.layers:
+            layer.compile()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95))
+    common = dict(block_size=dcfg.block_size, layer_types=dcfg.layer_types, sliding_window=dcfg.sliding_window,
+                  backend=mask_backend("auto", dev), chunk_tokens=args.chunk_tokens,
+                  fused_loss=compile_layers and not args.eager_loss)
+    opts = dict(block_size=dcfg.block_size, mask_token_id=dcfg.mask_token_id, num_anchors=args.num_anchors,
+                seed=0, epoch=0, check_finite=False)
+
+    # --- data: packs of this rank's pool; layouts on the host for the FLOP counts
+    pool = make_pool(args.pool, args.min_len, args.max_len, vocab, seed=1000 + rank)
+    packs = pack_order(list(range(len(pool))), [s["input_ids"].numel() for s in pool], args.micro_batch_tokens)
+    G = args.grad_accum
+    need = (args.warmup + args.steps) * G
+    packs = [packs[i % len(packs)] for i in range(need)]
+    per_pack = {}
+    for p in {tuple(p) for p in packs}:
+        samples = [pool[i] for i in p]
+        layout = collate_blocks([{**s, "hidden": torch.zeros(s["input_ids"].numel(), 1)} for s in samples], **opts)
+        lens = [s["input_ids"].numel() for s in samples]
+        per_pack[p] = dict(samples=samples, batch=padded_batch(samples, pin=gpu), tokens=layout.num_tokens,
+                           d_flops=drafter_flops(dcfg, layout), t_flops=target_flops(target, ids, lens))
+    micro_of_step = [[per_pack[tuple(packs[s * G + j])] for j in range(G)] for s in range(args.warmup + args.steps)]
+    tokens = [sum(m["tokens"] for m in step) for step in micro_of_step][args.warmup:]
+    d_flops = [sum(m["d_flops"] for m in step) for step in micro_of_step][args.warmup:]
+    t_flops = [sum(m["t_flops"] for m in step) for step in micro_of_step][args.warmup:]
+    rate = matmul_rate(dev)
+    peak = PEAK_BF16 if gpu else None
+    kh = dcfg.num_taps * dcfg.hidden_size
+
+    def features(m):  # target forward on one micro-batch -> per-sample dicts with their features
+        ids_b, attn_b, lens = m["batch"]
+        hidden, _ = capture(ids_b.to(dev, non_blocking=True), attn_b.to(dev, non_blocking=True))
+        return [{**s, "hidden": hidden[b, :n]} for b, (s, n) in enumerate(zip(m["samples"], lens))]
+
+    offline_cache = {}
+
+    def offline_micro(m):  # collated once, features on the device (what prefetching workers deliver)
+        key = id(m)
+        if key not in offline_cache:
+            g = torch.Generator(device=dev).manual_seed(len(offline_cache))
+            samples = [{**s, "hidden": torch.randn(s["input_ids"].numel(), kh, generator=g, device=dev, dtype=dtype)}
+                       for s in m["samples"]]
+            offline_cache[key] = collate_blocks(samples, **opts).to(dev)
+        return offline_cache[key]
+
+    def measure(drafter, ddp: bool) -> dict:
+        res = {}
+        modes = args.modes.split(",")
+        if "offline" in modes:
+            for step in micro_of_step:
+                for m in step:
+                    offline_micro(m)
+            t = timed(lambda i: drafter_step(drafter, target, opt, [offline_micro(m) for m in micro_of_step[i]],
+                                             world=world, ddp=ddp, loss=args.loss, autocast=autocast, common=common),
+                      args.steps, args.warmup, dev)
+            res["offline"] = summarize(t, tokens, d_flops, peak)
+        if "online" in modes:
+            t = timed(lambda i: [features(m) for m in micro_of_step[i]], args.steps, args.warmup, dev)
+            res["target"] = summarize(t, tokens, t_flops, peak)
+
+            def online(i):
+                micros = [collate_blocks(features(m), **opts).to(dev, non_blocking=True) for m in micro_of_step[i]]
+                drafter_step(drafter, target, opt, micros, world=world, ddp=ddp, loss=args.loss, autocast=autocast,
+                             common=common)
+
+            t = timed(online, args.steps, args.warmup, dev)
+            res["online"] = summarize(t, tokens, [a + b for a, b in zip(d_flops, t_flops)], peak)
+            res["target_share"] = res["online"]["ctx_tokens_per_s"] / res["target"]["ctx_tokens_per_s"]
+        return res
+
+    results = {"gpu": torch.cuda.get_device_name(dev) if gpu else "cpu", "torch": torch.__version__,
+               "target": target.path, "target_layers": target.num_layers, "layer_ids": ids,
+               "drafter": {k: getattr(dcfg, k) for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
+                                                         "num_attention_heads", "num_key_value_heads", "head_dim",
+                                                         "block_size", "vocab_size")},
+               "args": vars(args), "world_size": world, "compiled": compile_layers,
+               "fused_loss": common["fused_loss"], "mask": common["backend"],
+               "matmul_tflops": rate / 1e12 if rate else None, "peak_tflops": PEAK_BF16 / 1e12,
+               "tokens_per_step_mean": sum(tokens) / len(tokens),
+               "sequences_per_micro_batch_mean": sum(len(p) for p in packs) / len(packs),
+               # the target runs each micro-batch as one right-padded batch: real / computed token positions
+               "target_real_token_share": sum(m["tokens"] for m in per_pack.values()) /
+               sum(len(m["samples"]) * max(m["batch"][2]) for m in per_pack.values())}
+    with LayerCapture(target, ids) as capture:
+        if world == 1:
+            results["single"] = measure(model, ddp=False)
+        else:
+            if rank == 0:
+                results["single"] = measure(model, ddp=False)
+            dist.barrier()
+            ddp_model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local] if gpu else None)
+            mine = measure(ddp_model, ddp=True)
+            results["ddp"] = {}
+            for mode, r in mine.items():
+                if not isinstance(r, dict):
+                    continue
+                t = torch.tensor([r["ctx_tokens_per_s"]], dtype=torch.float64, device=dev)
+                dist.all_reduce(t)
+                results["ddp"][mode] = {**r, "ctx_tokens_per_s_all_ranks": float(t)}
+                if rank == 0:
+                    results["ddp"][mode]["scaling_vs_one"] = float(t) / results["single"][mode]["ctx_tokens_per_s"]
+    if gpu:
+        results["peak_mem_gib"] = torch.cuda.max_memory_allocated(dev) / 2 ** 30
+    if rank == 0:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(results, indent=2))
+        print_table(results)
+    if world > 1:
+        dist.destroy_process_group()
+
+
+def print_table(r: dict) -> None:
+    d = r["drafter"]
+    print(f"{r['gpu']}, torch {r['torch']}, target {r['target']} ({r['target_layers']} layers, taps {r['layer_ids']}), "
+          f"drafter {d['num_hidden_layers']} x {d['hidden_size']}, block {d['block_size']}, "
+          f"{r['args']['num_anchors']} anchors, sequences {r['args']['min_len']}-{r['args']['max_len']}, "
+          f"{r['args']['micro_batch_tokens']} tokens per micro-batch "
+          f"({r['sequences_per_micro_batch_mean']:.1f} sequences), G={r['args']['grad_accum']}, "
+          f"compiled={r['compiled']}, fused loss={r['fused_loss']}, mask={r['mask']}")
+    print("| processes | mode | ctx tok/s | step ms | TFLOP/s | MFU | scaling |")
+    print("|---|---|---|---|---|---|---|")
+    rows = [("1", k, v) for k, v in r.get("single", {}).items() if isinstance(v, dict)]
+    rows += [(str(r["world_size"]), k, v) for k, v in r.get("ddp", {}).items()]
+    for procs, mode, v in rows:
+        tok = v.get("ctx_tokens_per_s_all_ranks", v["ctx_tokens_per_s"])
+        mfu = f"{v['mfu']:.1%}" if v.get("mfu") is not None else "-"
+        scale = f"{v['scaling_vs_one']:.2f}x" if "scaling_vs_one" in v else "-"
+        print(f"| {procs} | {mode} | {tok:,.0f} | {v['step_ms_median']:.1f} | {v['tflops_per_s']:.1f} | {mfu} "
+              f"| {scale} |")
+    if "target_share" in r.get("single", {}):
+        print(f"target forward share of the online step: {r['single']['target_share']:.1%} (real tokens are "
+              f"{r['target_real_token_share']:.0%} of the padded target batch)")
+    if r.get("matmul_tflops"):
+        print(f"measured bf16 matmul: {r['matmul_tflops']:.0f} TFLOP/s; MFU against {r['peak_tflops']:.0f}")
+
+
+if __name__ == "__main__":
+    main()
