@@ -1,0 +1,171 @@
+"""Online training (the target runs in the loop) against `extract` + `train --shards` on the same samples: the same
+features (layer L-1 included), the same loss at every step, the same weights; refusals name the field."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_extract_run import chat_records, save_tiny_chat_target, write_jsonl  # noqa: E402
+
+from dflashkit.extract.shards import ShardDataset  # noqa: E402
+from dflashkit.train.config import load_config  # noqa: E402
+from dflashkit.train.tracking import read_metrics  # noqa: E402
+from dflashkit.train.trainer import train  # noqa: E402
+
+LAYERS = [1, 3]  # the tiny target has 4 layers: 3 is L-1, read after the final norm on both paths
+MAX_LENGTH = 160
+
+
+@pytest.fixture(autouse=True)
+def _fresh_accelerate_state():
+    yield
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+@pytest.fixture(scope="module")
+def chat_run(tmp_path_factory):
+    """(tiny target with the testbed tokenizer, chat jsonl with two bad lines, shards extracted from it)."""
+    from dflashkit.extract.__main__ import main as extract
+
+    root = tmp_path_factory.mktemp("online")
+    target = save_tiny_chat_target(root / "target")
+    data = write_jsonl(root / "chats.jsonl", chat_records(14, seed=3), bad_lines={4: "{not json", 9: '{"x": 1}'})
+    shards = root / "shards"
+    # --bucket-window 1: shards hold the samples in record order, the order online training numbers them;
+    # --batch-tokens 1: every sample runs alone through the target
+    assert extract(["--target", target, "--data", data, "--out", str(shards), "--layer-ids", "1,3",
+                    "--max-length", str(MAX_LENGTH), "--dtype", "float32", "--bucket-window", "1",
+                    "--batch-tokens", "1", "--store-last-hidden", "--no-progress"]) == 0
+    return target, data, shards
+
+
+def overrides(out, **kw) -> dict:
+    base = dict(output_dir=str(out), mask_token_id=16, num_hidden_layers=2, block_size=4, num_anchors=8,
+                target_layer_ids=LAYERS, eval_samples=2, eval_anchors=4, epochs=1, grad_accum=2,
+                mixed_precision="no", wandb=False, save_every=2, keep_last=2, log_every=1, eval_every=2,
+                num_workers=0, progress=False, max_length=MAX_LENGTH, drafter={"intermediate_size": 64})
+    base.update(kw)
+    return base
+
+
+def losses(out) -> dict:
+    return {r["step"]: r["train/loss"] for r in read_metrics(out) if "train/loss" in r}
+
+
+def test_online_features_equal_the_extracted_ones_with_layer_l_minus_1(chat_run):
+    from dflashkit.target.loading import load_target
+    from dflashkit.train.online import OnlineFeatures, encode_data
+
+    target_dir, data, shards = chat_run
+    target = load_target(target_dir)
+    assert target.num_layers - 1 in LAYERS
+    samples = encode_data([data], target.tokenizer, max_length=MAX_LENGTH, chat_template="", template_kwargs={},
+                          limit=None, tokenize_workers=0, say=lambda _: None)
+    stored = ShardDataset(shards)
+    assert len(samples) == len(stored) == 14  # the two bad lines are skipped on both paths
+    alone = OnlineFeatures(target, samples, LAYERS, store_last_hidden=True, batch_tokens=1, device="cpu")
+    one = [alone[i] for i in range(len(samples))]
+    alone.close()  # one capture on a target at a time
+    batched = OnlineFeatures(target, samples, LAYERS, store_last_hidden=True, batch_tokens=4096, device="cpu")
+    order = list(range(len(samples)))[::-1]
+    batched.plan(order)
+    for i in order:
+        want, a, b = stored[i], one[i], batched[i]
+        assert a["sample_index"] == b["sample_index"] == want["sample_index"]
+        assert torch.equal(a["input_ids"], want["input_ids"]) and torch.equal(a["loss_mask"], want["loss_mask"])
+        assert a["hidden"].dtype == want["hidden"].dtype == torch.bfloat16
+        # the same forward (the sample alone, float32) rounded the same way: bit for bit
+        assert torch.equal(a["hidden"], want["hidden"]) and torch.equal(a["last_hidden"], want["last_hidden"])
+        # in a padded batch float32 sums may round differently: at most one bf16 step apart
+        for key in ("hidden", "last_hidden"):
+            diff = (b[key].float() - want[key].float()).abs()
+            assert (diff <= want[key].float().abs() * 2 ** -7 + 1e-6).all(), (i, key)
+    assert len(batched._cache) > 1  # the planned reads really ran batched
+    batched.close()
+
+
+@pytest.mark.parametrize("loss", ["kl", "dpace"])
+def test_online_training_equals_extract_then_train_shards(chat_run, tmp_path, capsys, loss):
+    target_dir, data, shards = chat_run
+    offline = train(load_config(None, [], **overrides(tmp_path / "offline", shards=str(shards), loss=loss)))
+    capsys.readouterr()
+    online = train(load_config(None, [], **overrides(tmp_path / "online", target=target_dir, data=[data],
+                                                     loss=loss, target_batch_tokens=1)))
+    log = capsys.readouterr().out
+    assert "online data: 14 samples" in log and "malformed_json 1" in log and "unknown_format 1" in log
+    assert "(MULTI_CPU" not in log and "online, 12 training / 2 held-out samples" in log
+    a, b = losses(tmp_path / "offline"), losses(tmp_path / "online")
+    assert sorted(a) == sorted(b) == [1, 2, 3, 4, 5, 6]
+    for step in a:
+        assert b[step] == pytest.approx(a[step], rel=1e-6, abs=1e-7), step
+    for key in ("eval/loss", "eval/tau_sim", "eval/acc"):
+        assert online[key] == pytest.approx(offline[key], rel=1e-6), key
+    from safetensors.torch import load_file
+
+    wa = load_file(str(Path(offline["checkpoint"]) / "model.safetensors"))
+    wb = load_file(str(Path(online["checkpoint"]) / "model.safetensors"))
+    assert sorted(wa) == sorted(wb)
+    for k in wa:
+        assert torch.allclose(wa[k], wb[k], rtol=1e-5, atol=1e-7), k
+
+
+def test_batched_target_forwards_train_like_single_ones_and_resume_continues(chat_run, tmp_path):
+    target_dir, data, _ = chat_run
+    single = tmp_path / "single"
+    train(load_config(None, [], **overrides(single, target=target_dir, data=[data], target_batch_tokens=1)))
+    out = tmp_path / "batched"
+    first = train(load_config(None, [], **overrides(out, target=target_dir, data=[data], max_steps=2)))
+    assert first["step"] == 2
+    resumed = train(load_config(None, [], **overrides(out, target=target_dir, data=[data])))  # resume=auto
+    assert resumed["step"] == 6
+    a, b = losses(single), losses(out)
+    assert sorted(a) == sorted(b) == [1, 2, 3, 4, 5, 6]
+    for step in a:  # batching changes float32 rounding only
+        assert b[step] == pytest.approx(a[step], rel=2e-3), step
+
+
+def test_online_refusals_name_the_field(chat_run, tmp_path):
+    target_dir, data, shards = chat_run
+    with pytest.raises(ValueError, match=r"^shards=.* and data=.*not both"):
+        load_config(None, [], **overrides(tmp_path / "a", shards=str(shards), data=[data]))
+    with pytest.raises(ValueError, match=r"^target: online training \(data=\.\.\.\) needs the target"):
+        train(load_config(None, [], **overrides(tmp_path / "b", data=[data])))
+    with pytest.raises(ValueError, match=r"target_layer_ids \[1, 4\]: \[4\] outside"):
+        train(load_config(None, [], **overrides(tmp_path / "c", target=target_dir, data=[data],
+                                                target_layer_ids=[1, 4])))
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
+    with pytest.raises(ValueError, match=r"no usable sample \(skipped: no_assistant_turn 1\)"):
+        train(load_config(None, [], **overrides(tmp_path / "d", target=target_dir, data=[str(empty)])))
+    # a drafter built for another target cannot be fine-tuned on this one
+    from dflashkit.drafter import DrafterConfig, build_drafter, save_drafter
+
+    other = DrafterConfig(hidden_size=48, num_target_layers=4, vocab_size=49152, num_hidden_layers=1,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=12, intermediate_size=64,
+                          target_layer_ids=LAYERS, block_size=4, mask_token_id=16)
+    save_drafter(build_drafter(other), tmp_path / "drafter")
+    with pytest.raises(ValueError, match=r"^hidden_size: the target .* has hidden_size=32 but the drafter config "
+                                         r"has hidden_size=48"):
+        train(load_config(None, [], **overrides(tmp_path / "e", target=target_dir, data=[data],
+                                                init_from=str(tmp_path / "drafter"), mask_token_id=None,
+                                                target_layer_ids=[])))
+    assert not any((tmp_path / x / "checkpoints").exists() for x in "bcde")
+
+
+def test_cli_flags_reach_the_config(chat_run, tmp_path):
+    from dflashkit.train.__main__ import main
+
+    target_dir, data, _ = chat_run
+    argv = ["--target", target_dir, "--data", data, "--data", data, "--output-dir", str(tmp_path / "run")]
+    argv += [f"{k}={json.dumps(v) if isinstance(v, (dict, list, bool)) else v}"
+             for k, v in overrides(tmp_path / "run", max_steps=1, save_every=0, eval_every=0).items()]
+    assert main(argv) == 0
+    cfg = json.loads((tmp_path / "run" / "checkpoints" / "step-00000001" / "trainer.json").read_text())["config"]
+    assert cfg["data"] == [data, data] and cfg["target"] == target_dir and cfg["shards"] == ""
