@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import math
+import sys
 import time
 from pathlib import Path
 
@@ -320,9 +321,10 @@ def train(cfg: TrainConfig) -> dict:
     if stop.agreed:  # preempted: keep the step, leave the run unfinished
         final = save_checkpoint(accelerator, model, optimizer, trainer_state(), out_dir, cfg.keep_last) \
             if saved_at != step else out_dir / "checkpoints" / f"step-{step:08d}"
-        say(f"dflashkit train: stopped by {stop.signal_name or 'a signal on another rank'} at step {step} of "
-            f"{total_steps}; checkpoint {final} written. Resume with the same command (resume=auto, the default); "
-            f"`dflashkit export {final} DIR` exports it as it is.")
+        if accelerator.is_main_process:
+            print(f"dflashkit train: stopped by {stop.signal_name or 'a signal on another rank'} at step {step} of "
+                  f"{total_steps}; checkpoint {final} written. Resume with the same command (resume=auto, the "
+                  f"default); `dflashkit export {final} DIR` exports it as it is.", file=sys.stderr, flush=True)
         tracker.close()
         accelerator.wait_for_everyone()
         return {"step": step, "planned_steps": planned, "preempted": True, "checkpoint": str(final)}
