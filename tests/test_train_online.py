@@ -2,6 +2,7 @@
 features (layer L-1 included), the same loss at every step, the same weights; refusals name the field."""
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -169,3 +170,89 @@ def test_cli_flags_reach_the_config(chat_run, tmp_path):
     assert main(argv) == 0
     cfg = json.loads((tmp_path / "run" / "checkpoints" / "step-00000001" / "trainer.json").read_text())["config"]
     assert cfg["data"] == [data, data] and cfg["target"] == target_dir and cfg["shards"] == ""
+
+
+# --------------------------------------------------------------------------- several processes (gloo, CPU)
+ROOT = Path(__file__).resolve().parents[1]
+ACCELERATE = [sys.executable, "-m", "accelerate.commands.launch"]  # works without the console script
+
+
+def launch_argv(target_dir, data, out, **kw) -> list[str]:
+    d = overrides(out, target=target_dir, data=[data], eval_every=0, save_every=0, max_steps=3, **kw)
+    return [f"{k}={json.dumps(v) if isinstance(v, (dict, list, bool)) else v}" for k, v in d.items()]
+
+
+def run_cmd(cmd):
+    import subprocess
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return p.stdout + p.stderr
+
+
+def final_weights(out):
+    from safetensors.torch import load_file
+
+    return load_file(str(out / "checkpoints" / "step-00000003" / "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def single_online(chat_run, tmp_path_factory):
+    """The reference: one process, grad_accum 4 = 2 processes x grad_accum 2."""
+    target_dir, data, _ = chat_run
+    out = tmp_path_factory.mktemp("single-online") / "run"
+    run_cmd([sys.executable, "-m", "dflashkit.train", *launch_argv(target_dir, data, out, grad_accum=4)])
+    return losses(out), out
+
+
+def assert_same_run(out, single_online):
+    ref_losses, ref_out = single_online
+    got = losses(out)
+    assert sorted(got) == sorted(ref_losses) == [1, 2, 3]
+    for step, loss in got.items():
+        assert loss == pytest.approx(ref_losses[step], rel=1e-5), step
+    a, b = final_weights(out), final_weights(ref_out)
+    assert sorted(a) == sorted(b)
+    for k in a:
+        assert (a[k] - b[k]).abs().max().item() < 1e-5, k
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", ["ddp", "zero2", "fsdp"])
+def test_online_under_accelerate_launch_gives_the_single_process_run(config, chat_run, single_online, tmp_path):
+    if config.startswith("zero"):
+        pytest.importorskip("deepspeed", reason="DeepSpeed is not installed: the ZeRO run cannot be launched")
+    target_dir, data, _ = chat_run
+    out = tmp_path / config
+    log = run_cmd([*ACCELERATE, "--config_file", str(ROOT / "recipes" / "accelerate" / f"{config}.yaml"),
+                   "--num_processes", "2", "-m", "dflashkit.train", *launch_argv(target_dir, data, out, grad_accum=2)])
+    expected = {"ddp": "MULTI_CPU", "zero2": "DEEPSPEED", "fsdp": "MULTI_CPU"}[config]
+    assert f"dflashkit train ({expected}, cpu): online, 12 training" in log and "2 process(es) x 2" in log
+    assert_same_run(out, single_online)
+
+
+@pytest.mark.slow
+def test_two_machines_on_localhost_give_the_single_process_run(chat_run, single_online, tmp_path):
+    """recipes/accelerate/multinode.yaml launched twice, as machine 0 and machine 1 (one process each)."""
+    import socket
+    import subprocess
+
+    target_dir, data, _ = chat_run
+    out = tmp_path / "two-machines"
+    with socket.socket() as s:  # a free port for the rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    procs = []
+    for machine in (0, 1):
+        cmd = [*ACCELERATE, "--config_file", str(ROOT / "recipes" / "accelerate" / "multinode.yaml"),
+               "--num_machines", "2", "--num_processes", "2", "--machine_rank", str(machine),
+               "--main_process_ip", "127.0.0.1", "--main_process_port", str(port),
+               "-m", "dflashkit.train", *launch_argv(target_dir, data, out, grad_accum=2)]
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True))
+    logs = [p.communicate(timeout=900)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], logs[0][-3000:] + logs[1][-3000:]
+    assert "dflashkit train (MULTI_CPU, cpu): online, 12 training" in logs[0] and "2 process(es) x 2" in logs[0]
+    assert_same_run(out, single_online)
