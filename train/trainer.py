@@ -153,8 +153,8 @@ def train(cfg: TrainConfig) -> dict:
     # --- setup --------------------------------------------------------------------------------------------
     online = bool(cfg.data)  # the target runs in the loop (train/online.py) instead of shards being read
     if not cfg.shards and not online:
-        raise ValueError("shards: no shard directory and no data given; pass shards=DIR (a directory `dflashkit "
-                         "extract` wrote), or target=T data=FILE to train online")
+        raise ValueError("shards: no shard directory given; pass shards=DIR (a directory `dflashkit extract` "
+                         "wrote), or --target T --data FILE to train online")
     accelerator = make_accelerator(cfg)
     _configure_deepspeed(accelerator, cfg)
     say = accelerator.print
