@@ -118,18 +118,26 @@ def test_online_training_equals_extract_then_train_shards(chat_run, tmp_path, ca
 
 
 def test_batched_target_forwards_train_like_single_ones_and_resume_continues(chat_run, tmp_path):
+    import shutil
+
     target_dir, data, _ = chat_run
     single = tmp_path / "single"
     train(load_config(None, [], **overrides(single, target=target_dir, data=[data], target_batch_tokens=1)))
     out = tmp_path / "batched"
-    first = train(load_config(None, [], **overrides(out, target=target_dir, data=[data], max_steps=2)))
-    assert first["step"] == 2
-    resumed = train(load_config(None, [], **overrides(out, target=target_dir, data=[data])))  # resume=auto
-    assert resumed["step"] == 6
+    straight = train(load_config(None, [], **overrides(out, target=target_dir, data=[data], keep_last=5)))
     a, b = losses(single), losses(out)
     assert sorted(a) == sorted(b) == [1, 2, 3, 4, 5, 6]
     for step in a:  # batching changes float32 rounding only
         assert b[step] == pytest.approx(a[step], rel=2e-3), step
+    # a run holding only the step-2 checkpoint resumes there (data position included) and repeats steps 3..6
+    again = tmp_path / "resumed"
+    shutil.copytree(out / "checkpoints" / "step-00000002", again / "checkpoints" / "step-00000002")
+    resumed = train(load_config(None, [], **overrides(again, target=target_dir, data=[data])))  # resume=auto
+    c = losses(again)
+    assert resumed["step"] == 6 and sorted(c) == [3, 4, 5, 6]
+    for step in c:
+        assert c[step] == pytest.approx(b[step], rel=1e-6, abs=1e-7), step
+    assert resumed["eval/loss"] == pytest.approx(straight["eval/loss"], rel=1e-6)
 
 
 def test_online_refusals_name_the_field(chat_run, tmp_path):
