@@ -101,7 +101,7 @@ def test_online_training_equals_extract_then_train_shards(chat_run, tmp_path, ca
                                                      loss=loss, target_batch_tokens=1)))
     log = capsys.readouterr().out
     assert "online data: 14 samples" in log and "malformed_json 1" in log and "unknown_format 1" in log
-    assert "(MULTI_CPU" not in log and "online, 12 training / 2 held-out samples" in log
+    assert "dflashkit train (NO, cpu): online, 12 training / 2 held-out samples" in log
     a, b = losses(tmp_path / "offline"), losses(tmp_path / "online")
     assert sorted(a) == sorted(b) == [1, 2, 3, 4, 5, 6]
     for step in a:

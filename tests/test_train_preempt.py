@@ -75,3 +75,27 @@ def test_signal_checkpoints_the_current_step_then_resume_matches(tiny_run, tmp_p
     for step in a:
         assert b[step] == pytest.approx(a[step], rel=1e-6, abs=1e-7), step
     assert resumed["eval/loss"] == pytest.approx(summary["eval/loss"], rel=1e-6)
+
+
+@pytest.mark.slow
+def test_two_processes_stop_at_the_same_step(tiny_run, tmp_path):
+    """Under `accelerate launch` (DDP, gloo), SIGTERM to both training processes: they agree on the step, write one
+    checkpoint together and exit 0, and so does the launcher."""
+    import psutil
+
+    _, shards = tiny_run
+    out = tmp_path / "ddp"
+    config = Path(__file__).resolve().parents[1] / "recipes" / "accelerate" / "ddp.yaml"
+    argv = [f"{k}={json.dumps(v) if isinstance(v, (dict, bool)) else v}"
+            for k, v in overrides(shards, out, grad_accum=1).items()]
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--num_processes", "2",
+           "-m", "dflashkit.train", *argv]
+    proc = run_until_paused(cmd, "step-3-done", tmp_path / "paused")
+    ranks = [p for p in psutil.Process(proc.pid).children(recursive=True) if "dflashkit.train" in " ".join(p.cmdline())]
+    assert len(ranks) == 2
+    for p in ranks:
+        p.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=300) == 0
+    assert "stopped by SIGTERM at step 3 of 5" in proc.stderr.read().decode()
+    assert [p.name for p in list_checkpoints(out)] == ["step-00000002", "step-00000003"]
+    assert verify_checkpoint(out / "checkpoints" / "step-00000003") is None
