@@ -1,13 +1,13 @@
 """Train a DFlash drafter: online (the target runs in the loop on chat data) or on feature shards.
 
 Online, the recommended path when the target fits on the training GPUs (train/online.py):
-    python -m dflashkit.train --recipe recipes/smollm2-135m-cpu.yaml --target testbed:smollm2 \
+    python -m dflashkit.train --recipe recipes/smollm2-135m-cpu.yaml --target testbed:smollm2 \\
         --data builtin:sharegpt data_limit=256                                      # CPU, a short run
     python -m dflashkit.train --recipe recipes/smollm2-135m.yaml --target testbed:smollm2 --data chats.jsonl
-    accelerate launch --config_file recipes/accelerate/ddp.yaml --num_processes 8 \
+    accelerate launch --config_file recipes/accelerate/ddp.yaml --num_processes 8 \\
         -m dflashkit.train --recipe recipes/qwen3-8b.yaml --target /models/Qwen3-8B --data chats.jsonl
 Several machines (run the same line on each, with its --machine_rank; README "Several machines"):
-    accelerate launch --config_file recipes/accelerate/multinode.yaml --machine_rank 0 \
+    accelerate launch --config_file recipes/accelerate/multinode.yaml --machine_rank 0 \\
         --main_process_ip 10.0.0.1 -m dflashkit.train --recipe recipes/qwen3-8b.yaml --target ... --data ...
 
 On feature shards (`dflashkit extract`; for a target too large to run every epoch, or features reused by many
