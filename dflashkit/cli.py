@@ -20,7 +20,7 @@ COMMANDS = {
     "extract": ("dflashkit.extract.__main__", "capture target-layer features into sharded datasets"),
     "verify": ("dflashkit.extract.verify", "check a shard directory: sha256, shapes, NaN/Inf, manifest"),
     "init-drafter": ("dflashkit.train.init_drafter", "write a randomly initialised drafter export for a target"),
-    "train": ("dflashkit.train.__main__", "train a drafter on feature shards (also under accelerate launch)"),
+    "train": ("dflashkit.train.__main__", "train a drafter, online (target in the loop) or on feature shards"),
     "export": ("dflashkit.train.export", "export a training checkpoint as a drafter directory"),
     "eval": ("dflashkit.eval.__main__", "live speculative decoding: acceptance length, speedup, reports"),
     "demo": ("dflashkit.demo", "the whole pipeline on the SmolLM2 testbed, resumable by stage"),

@@ -84,17 +84,18 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def pause_point(name: str) -> None:
+def pause_point(name: str, until=None) -> None:
     """Fault-injection hook for the crash tests: when ``DFLASHKIT_TEST_PAUSE_AT`` equals ``name``, write ``name`` to
-    the file ``DFLASHKIT_TEST_PAUSE_FILE`` and sleep until killed. A test can then SIGKILL the process at an exact
-    point of its work instead of after a random delay. Does nothing when the variable is unset."""
+    the file ``DFLASHKIT_TEST_PAUSE_FILE`` and sleep until killed, or until the callable ``until`` returns True (a
+    signal handler asked the process to stop). A test can then signal the process at an exact point of its work
+    instead of after a random delay. Does nothing when the variable is unset."""
     if os.environ.get("DFLASHKIT_TEST_PAUSE_AT") != name:
         return
     import time
 
     Path(os.environ["DFLASHKIT_TEST_PAUSE_FILE"]).write_text(name)
-    while True:
-        time.sleep(60)
+    while until is None or not until():
+        time.sleep(60 if until is None else 0.01)
 
 
 _CHUNK_BYTES = 64 << 20  # bytes per write call; the disk starts on a chunk while the next one is copied

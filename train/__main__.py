@@ -1,6 +1,17 @@
-"""Train a DFlash drafter on feature shards.
+"""Train a DFlash drafter: online (the target runs in the loop on chat data) or on feature shards.
 
-CPU (a short testbed run):
+Online, the recommended path when the target fits on the training GPUs (train/online.py):
+    python -m dflashkit.train --recipe recipes/smollm2-135m-cpu.yaml --target testbed:smollm2 \\
+        --data builtin:sharegpt data_limit=256                                      # CPU, a short run
+    python -m dflashkit.train --recipe recipes/smollm2-135m.yaml --target testbed:smollm2 --data chats.jsonl
+    accelerate launch --config_file recipes/accelerate/ddp.yaml --num_processes 8 \\
+        -m dflashkit.train --recipe recipes/qwen3-8b.yaml --target /models/Qwen3-8B --data chats.jsonl
+Several machines (run the same line on each, with its --machine_rank; README "Several machines"):
+    accelerate launch --config_file recipes/accelerate/multinode.yaml --machine_rank 0 \\
+        --main_process_ip 10.0.0.1 -m dflashkit.train --recipe recipes/qwen3-8b.yaml --target ... --data ...
+
+On feature shards (`dflashkit extract`; for a target too large to run every epoch, or features reused by many
+runs). CPU (a short testbed run):
     python -m dflashkit.train --recipe recipes/smollm2-135m-cpu.yaml shards=data/smollm2-shards
 
 One GPU:
@@ -19,11 +30,15 @@ Fine-tune a published drafter on your own domain, resume, export:
 
 Every field of train/config.py:TrainConfig can be set in the recipe or as key=value after it
 (``lr=3e-4 loss=dpace epochs=2``); the flags below are shorthands for the common ones.
+
+SIGTERM or SIGINT (a scheduler's preemption, Ctrl-C) writes a checkpoint at the current step and exits 0; the
+same command resumes from it, and `dflashkit export` exports it.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 from .config import load_config
@@ -34,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--recipe", help="recipe YAML (recipes/NAME.yaml)")
     ap.add_argument("--shards", help="feature shard directory (= shards=DIR)")
+    ap.add_argument("--target", help="online: the target to run (HF dir, .gguf, testbed:smollm2) (= target=T)")
+    ap.add_argument("--data", action="append", help="online: chat data (jsonl/json/parquet, dir, builtin:NAME); "
+                                                     "repeat for several (= data=[...])")
     ap.add_argument("--output-dir", help="run directory for checkpoints, metrics and the export (= output_dir=DIR)")
     ap.add_argument("--init-from", help="start from this drafter directory (= init_from=DIR)")
     ap.add_argument("--resume", help="'auto' (default), 'none', or a checkpoint directory (= resume=...)")
@@ -45,10 +63,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     overrides = list(args.overrides)
-    for flag in ("shards", "output_dir", "init_from", "resume", "loss"):
+    for flag in ("shards", "target", "output_dir", "init_from", "resume", "loss"):
         value = getattr(args, flag)
         if value is not None:
             overrides.append(f"{flag}={value}")
+    if args.data:
+        overrides.append("data=" + json.dumps(args.data))  # a YAML flow list
     from .trainer import train
 
     try:

@@ -22,12 +22,21 @@ LOSSES = ("ce", "dpace", "kl")
 class TrainConfig:
     # --- data
     shards: str = ""  # directory of feature shards (manifest.json + *.safetensors) from `dflashkit extract`
-    target: str = ""  # target for the embedding / final norm / lm_head; empty -> the manifest's target.path
+    target: str = ""  # the target: online, the model run in the loop (required); with shards, where the
+    # embedding / final norm / lm_head are read from (empty -> the manifest's target.path)
     max_length: int = 3072  # tokens per training sequence; longer samples keep their first max_length tokens
     eval_samples: int = 64  # held-out samples (fixed by seed) for eval loss, accuracy and tau_sim
     eval_anchors: int = 32  # fixed anchors per held-out sample
     num_workers: int = 2  # DataLoader workers that read shards and pack blocks
     verify_shards: bool = True  # check every shard's size, sha256, layout and finiteness before training
+    # --- online training: the target runs in the loop on chat data (train/online.py); shards stays empty
+    data: list = field(default_factory=list)  # chat data as for `dflashkit extract --data` (files, dirs, builtin:X)
+    data_limit: int = 0  # 0 -> every record; > 0 -> only the first data_limit records
+    chat_template: str = ""  # Jinja file replacing the tokenizer's chat template (as extract --chat-template)
+    chat_template_kwargs: dict = field(default_factory=dict)  # template variables, e.g. {enable_thinking: false}
+    tokenize_workers: int = 0  # processes rendering + tokenizing the data at start (0: inline)
+    target_dtype: str = "auto"  # the target's dtype: auto (bfloat16 on GPU, float32 on CPU), bfloat16, float32
+    target_batch_tokens: int = 16384  # padded tokens per target forward (planned samples are run together)
     # --- drafter
     init_from: str = ""  # drafter export dir to start from (fine-tuning a published drafter); empty -> new
     num_hidden_layers: int = 5  # drafter decoder layers (new drafters only)
@@ -80,6 +89,15 @@ class TrainConfig:
     progress: bool = True  # console progress bar (loss, tau_sim, tokens/s)
 
     def __post_init__(self):
+        if isinstance(self.data, str):  # data=FILE on the command line
+            self.data = [self.data] if self.data else []
+        if self.shards and self.data:
+            raise ValueError(f"shards={self.shards!r} and data={self.data!r}: train either on shards (offline) or on "
+                             "data with the target in the loop (online), not both; drop one")
+        if self.target_dtype not in ("auto", "bfloat16", "float16", "float32"):
+            raise ValueError(f"target_dtype: {self.target_dtype!r}; use auto, bfloat16, float16 or float32")
+        if int(self.target_batch_tokens) < 1:
+            raise ValueError(f"target_batch_tokens must be >= 1, got {self.target_batch_tokens}")
         if self.loss not in LOSSES:
             raise ValueError(f"loss: {self.loss!r} is not one of {LOSSES}")
         if self.mixed_precision not in ("bf16", "no"):

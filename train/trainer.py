@@ -1,4 +1,5 @@
-"""The training loop: shards + the target's embedding/norm/lm_head + a drafter -> checkpoints -> an export.
+"""The training loop: features (from shards, or from the live target: train/online.py) + the target's
+embedding/norm/lm_head + a drafter -> checkpoints -> an export.
 
 Reads top to bottom: setup (accelerate, shards, target head, drafter, checks), optimizer and schedule,
 resume, the loop (one optimizer step = G micro-batches per rank), evaluation, checkpoints, export.
@@ -14,6 +15,8 @@ Design choices:
 - The learning rate is a pure function of the step (linear warmup, then cosine to ``min_lr_ratio``), set
   on the optimizer before each step: resuming needs only the step number.
 - ``max_steps`` shorter than the epochs is announced at start and recorded in summary.json.
+- SIGTERM / SIGINT (train/checkpoint.StopRequest): the ranks vote in the step's one collective, stop at the
+  same step boundary, write a checkpoint there and return ``preempted`` (the command exits 0).
 """
 
 from __future__ import annotations
@@ -21,12 +24,15 @@ from __future__ import annotations
 import json
 import os
 import math
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from dflashkit.extract.shards import pause_point
+
+from .checkpoint import StopRequest, latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import TrainConfig
 from .data import BlockSource, block_loader, epoch_order, pack_order, rank_slots, split_indices, steps_per_epoch
 from .loss import loss_denominator
@@ -142,23 +148,36 @@ def train(cfg: TrainConfig) -> dict:
     from dflashkit.target.loading import load_target_head
 
     # --- setup --------------------------------------------------------------------------------------------
-    if not cfg.shards:
-        raise ValueError("shards: no shard directory given; pass shards=DIR (a directory `dflashkit extract` wrote)")
+    online = bool(cfg.data)  # the target runs in the loop (train/online.py) instead of shards being read
+    if not cfg.shards and not online:
+        raise ValueError("shards: no shard directory given; pass shards=DIR (a directory `dflashkit extract` "
+                         "wrote), or --target T --data FILE to train online")
     accelerator = make_accelerator(cfg)
     _configure_deepspeed(accelerator, cfg)
     say = accelerator.print
     world, rank, G = accelerator.num_processes, accelerator.process_index, cfg.grad_accum
     out_dir = Path(cfg.output_dir)
     set_seed(cfg.seed)
-    if cfg.verify_shards:
-        verify_shards(cfg.shards, rank, world)
-    dataset = ShardDataset(cfg.shards)
-    manifest = dataset.manifest
-    head_spec = cfg.target or manifest["target"]["path"]
     compute_dtype = torch.bfloat16 if cfg.mixed_precision == "bf16" else torch.float32
-    head = load_target_head(head_spec, dtype=compute_dtype, device=accelerator.device)
+    if online:  # each rank loads its own frozen target; accelerate never sees it
+        from .online import OnlineFeatures, check_drafter_matches_target, open_online
+
+        target, head, manifest, samples = open_online(cfg, accelerator.device, compute_dtype, say)
+    else:
+        if cfg.verify_shards:
+            verify_shards(cfg.shards, rank, world)
+        dataset = ShardDataset(cfg.shards)
+        manifest = dataset.manifest
+        head_spec = cfg.target or manifest["target"]["path"]
+        head = load_target_head(head_spec, dtype=compute_dtype, device=accelerator.device)
+    set_seed(cfg.seed)  # the drafter's initial weights depend on the seed alone, whatever loading consumed
     model, dcfg = build_model(cfg, manifest, head)
-    check_manifest_matches(manifest, dcfg, target_identity(head))
+    if online:
+        check_drafter_matches_target(dcfg, target)
+        dataset = OnlineFeatures(target, samples, dcfg.target_layer_ids, store_last_hidden=cfg.loss == "kl",
+                                 batch_tokens=cfg.target_batch_tokens, device=accelerator.device)
+    else:
+        check_manifest_matches(manifest, dcfg, target_identity(head))
     if cfg.loss == "kl" and not dataset.has_last_hidden:
         raise ValueError(f"loss=kl needs last_hidden in the shards of {cfg.shards}; re-extract them with "
                          f"--store-last-hidden, or use loss=dpace (the default) or ce")
@@ -175,7 +194,8 @@ def train(cfg: TrainConfig) -> dict:
     if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and backend_name != "FSDP":
         say(f"note: the accelerate config asks for FSDP, but accelerate runs it as {backend_name} on "
             f"{accelerator.device.type} (it shards only on GPUs): every process holds the whole drafter")
-    say(f"dflashkit train ({backend_name}, {accelerator.device.type}): {len(train_idx)} training / {len(eval_idx)} "
+    say(f"dflashkit train ({backend_name}, {accelerator.device.type}): {'online, ' if online else ''}"
+        f"{len(train_idx)} training / {len(eval_idx)} "
         f"held-out samples, {world} process(es) x "
         f"{G} micro-batches ({f'<= {cfg.micro_batch_tokens} tokens' if cfg.micro_batch_tokens else 'one sequence'} "
         f"each) per step, "
@@ -236,12 +256,16 @@ def train(cfg: TrainConfig) -> dict:
     model.train()
     sums, t0 = MetricSums(dcfg.block_size - 1, accelerator.device), time.perf_counter()
     saved_at = step if ckpt is not None else -1  # the step whose checkpoint is on disk
-    while step < total_steps and epoch < cfg.epochs:
+    stop = StopRequest().__enter__()  # SIGTERM / SIGINT: checkpoint at the next step boundary, then exit
+    while step < total_steps and epoch < cfg.epochs and not stop.agreed:
         slots = rank_slots(packs[epoch], done, world, G, rank)
+        if online:  # the target runs on this rank's samples in the order they are read
+            dataset.plan([i for item, _ in slots for i in (item if isinstance(item, list) else [item])])
         source = BlockSource(dataset, slots, block_size=dcfg.block_size, mask_token_id=dcfg.mask_token_id,
                              num_anchors=cfg.num_anchors, seed=cfg.seed, epoch=epoch, max_length=cfg.max_length,
                              use_last_hidden=cfg.loss == "kl")
-        loader = block_loader(source, num_workers=cfg.num_workers, pin_memory=accelerator.device.type == "cuda")
+        loader = block_loader(source, num_workers=0 if online else cfg.num_workers,
+                              pin_memory=accelerator.device.type == "cuda" and not online)
         for _ in range(len(slots) // G):
             if step >= total_steps:
                 break
@@ -250,7 +274,13 @@ def train(cfg: TrainConfig) -> dict:
             for group in optimizer.param_groups:
                 group["lr"] = cfg.lr * factor
             denoms = [loss_denominator(m.valid, cfg.loss, cfg.gamma) * m.scale for m in micro]
-            global_denom = accelerator.reduce(torch.stack(denoms).sum().to(accelerator.device), reduction="sum")
+            # one collective: the global loss denominator and the ranks' votes to stop (all stop at the same step)
+            votes = torch.stack([torch.stack(denoms).sum().float().to(accelerator.device),
+                                 torch.tensor(float(stop.requested), device=accelerator.device)])
+            global_denom, stop_votes = accelerator.reduce(votes, reduction="sum")
+            if stop_votes > 0:
+                stop.agreed = True
+                break
             grad_norm = None
             for m, d in zip(micro, denoms):
                 with accelerator.accumulate(model):
@@ -290,7 +320,19 @@ def train(cfg: TrainConfig) -> dict:
             if cfg.save_every and step % cfg.save_every == 0:
                 save_checkpoint(accelerator, model, optimizer, trainer_state(), out_dir, cfg.keep_last)
                 saved_at = step
+            pause_point(f"step-{step}-done", until=lambda: stop.requested)  # test hook; returns on a stop request
     bar.close()
+    stop.__exit__()
+    if stop.agreed:  # preempted: keep the step, leave the run unfinished
+        final = save_checkpoint(accelerator, model, optimizer, trainer_state(), out_dir, cfg.keep_last) \
+            if saved_at != step else out_dir / "checkpoints" / f"step-{step:08d}"
+        if accelerator.is_main_process:
+            print(f"dflashkit train: stopped by {stop.signal_name or 'a signal on another rank'} at step {step} of "
+                  f"{total_steps}; checkpoint {final} written. Resume with the same command (resume=auto, the "
+                  f"default); `dflashkit export {final} DIR` exports it as it is.", file=sys.stderr, flush=True)
+        tracker.close()
+        accelerator.wait_for_everyone()
+        return {"step": step, "planned_steps": planned, "preempted": True, "checkpoint": str(final)}
 
     # --- final evaluation, checkpoint and export ----------------------------------------------------------
     last_eval = run_eval()

@@ -1,0 +1,195 @@
+"""Online training data: chat records -> token ids (extraction's chat code) -> the frozen target's layer features,
+computed inside the training loop instead of read from shards.
+
+Design choices:
+- ``OnlineFeatures`` looks like a ``ShardDataset`` to the trainer: ``ds[i]`` is the same dict (``input_ids``,
+  ``loss_mask``, ``hidden`` [T, K*H] bf16, optional ``last_hidden`` [T, H], ``sample_index``), so the same
+  collate, anchors, masks, losses, held-out split, checkpoints and resume apply to both paths.
+- Sample ``i`` is the i-th good record of the data in record order (bad records are skipped and counted). A shard
+  directory extracted with ``--bucket-window 1`` holds its samples in the same order, so the two paths number
+  (and therefore split, shuffle and anchor) samples identically.
+- Records are rendered and masked once, at start, by ``extract.batching`` (the code extraction runs; optional
+  worker processes). Token ids stay on the CPU; only features live on the training device.
+- The target is loaded per process (each rank holds its own frozen replica; it is never given to accelerate, so
+  DDP / FSDP / DeepSpeed wrap only the drafter), in eval mode without gradients, bf16 on a GPU. Its features
+  come from ``target.capture.LayerCapture`` (forward hooks, early exit after the deepest layer needed; with
+  ``store_last_hidden`` the final-norm output of the same forward, for the ``kl`` loss).
+- The trainer announces the order in which it will read samples (``plan``). Reading the next planned sample runs
+  the target once on it and the planned samples after it, right-padded, up to ``batch_tokens`` padded tokens,
+  and keeps that batch's features until the next batch; any other read (held-out evaluation, a repeated sample
+  that pads the last step of an epoch) runs the sample alone. The outcome depends on this batching only through
+  float rounding.
+- Features are handed over in bf16, the dtype shards store them in, so an online run and an ``extract`` +
+  ``train --shards`` run on the same samples see the same numbers.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+FEATURE_DTYPE = torch.bfloat16  # what shards store and the drafter reads
+
+
+def resolve_target_dtype(name: str, device: torch.device) -> torch.dtype:
+    """'auto' -> bfloat16 on a GPU, float32 on the CPU; else the named dtype."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in ("bfloat16", "float16", "float32"):
+        raise ValueError(f"target_dtype: {name!r}; use auto, bfloat16, float16 or float32")
+    return getattr(torch, name)
+
+
+def check_drafter_matches_target(dcfg, target) -> None:
+    """The online counterpart of the shard manifest check: the drafter config against the live target."""
+    from dflashkit.target.capture import check_layer_ids
+
+    for key, live in (("hidden_size", target.hidden_size), ("num_target_layers", target.num_layers),
+                      ("vocab_size", target.vocab_size)):
+        mine = getattr(dcfg, key, None)
+        if mine is not None and int(mine) != int(live):
+            raise ValueError(f"{key}: the target {target.path} has {key}={live} but the drafter config has "
+                             f"{key}={mine}; train with the target the drafter was built for, or start a new "
+                             f"drafter (drop init_from)")
+    check_layer_ids(dcfg.target_layer_ids, target.num_layers)  # its message starts with target_layer_ids
+
+
+def target_head_of(target, dtype: torch.dtype):
+    """The target's embedding, final norm and lm_head as a ``TargetHead`` sharing the live target's tensors."""
+    from torch import nn
+
+    from dflashkit.target.loading import TargetHead
+
+    embed = nn.Embedding.from_pretrained(target.embed_tokens.weight, freeze=True)  # plain rows: TargetHead scales
+    head = TargetHead(embed, target.final_norm, target.lm_head, target.embedding_scale, target.config,
+                      target.model_dir, target.path)
+    return head.to(dtype=dtype).requires_grad_(False).eval()
+
+
+def encode_data(specs: list[str], tokenizer, *, max_length: int | None, chat_template: str, template_kwargs: dict,
+                limit: int | None, tokenize_workers: int, say=print) -> list:
+    """Every good record of ``specs`` as an ``extract.batching.Sample``, in record order (bad ones counted)."""
+    from dflashkit.extract import batching
+    from dflashkit.extract.chat import SKIP_REASONS, ChatConfig, check_template
+
+    template = Path(chat_template).read_text() if chat_template else None
+    cfg = ChatConfig(max_length=max_length, overlong="truncate", template_kwargs=dict(template_kwargs),
+                     chat_template=template)
+    if cfg.chat_template or getattr(tokenizer, "chat_template", None):
+        check_template(tokenizer, cfg)  # fails before any work when assistant spans cannot be marked
+    samples, skipped = [], {r: 0 for r in SKIP_REASONS}
+    for window in batching.encoded_windows(list(specs), None, limit, bucket_window=4096,
+                                           tokenize_workers=tokenize_workers, tokenizer=tokenizer, cfg=cfg,
+                                           rank=0, world_size=1):
+        for sample in window.samples:  # arrays: 5 bytes a token instead of two Python lists
+            sample.input_ids = np.asarray(sample.input_ids, dtype=np.int32)
+            sample.loss_mask = np.asarray(sample.loss_mask, dtype=np.bool_)
+        samples += window.samples
+        for bad in window.bad:
+            skipped[bad.reason] += 1
+    samples.sort(key=lambda s: s.index)
+    counts = ", ".join(f"{k} {v}" for k, v in sorted(skipped.items()) if v) or "none"
+    say(f"online data: {len(samples)} samples, {sum(len(s.input_ids) for s in samples)} tokens from "
+        f"{', '.join(specs)} (skipped: {counts})")
+    if not samples:
+        raise ValueError(f"data {specs}: no usable sample (skipped: {counts}); check the files' format "
+                         "(messages / conversations / prompt+response / text records)")
+    return samples
+
+
+class OnlineFeatures(torch.utils.data.Dataset):
+    """Samples with features from the live target: ``ds[i]`` -> the dict a ``ShardDataset`` returns."""
+
+    def __init__(self, target, samples: list, target_layer_ids, *, store_last_hidden: bool, batch_tokens: int,
+                 device):
+        from dflashkit.target.capture import LayerCapture
+
+        self.target, self.samples, self.device = target, samples, torch.device(device)
+        self.store_last_hidden = bool(store_last_hidden)
+        self.has_last_hidden = self.store_last_hidden  # the ShardDataset attribute the trainer reads
+        self.batch_tokens = int(batch_tokens)
+        self.capture = LayerCapture(target, target_layer_ids, store_last_hidden=store_last_hidden).__enter__()
+        self._plan: list[int] = []
+        self._pos = 0
+        self._cache: dict[int, dict] = {}
+        self.lengths = [len(s.input_ids) for s in samples]
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def close(self) -> None:
+        self.capture.__exit__(None, None, None)
+
+    def plan(self, indices: list[int]) -> None:
+        """The order in which the sample indices will be read (one epoch's share of this rank)."""
+        self._plan, self._pos, self._cache = list(indices), 0, {}
+
+    def __getitem__(self, i: int) -> dict:
+        if i in self._cache:
+            return self._cache[i]
+        if self._pos < len(self._plan) and self._plan[self._pos] == i:
+            self._cache = self.features(self._next_planned())
+            return self._cache[i]
+        return self.features([i])[i]  # out of plan: alone, leaving the planned batch in place
+
+    def _next_planned(self) -> list[int]:
+        """The next planned samples whose right-padded batch fits ``batch_tokens`` (at least one)."""
+        batch, longest = [], 0
+        while self._pos < len(self._plan):
+            i = self._plan[self._pos]
+            longest_next = max(longest, self.lengths[i])
+            if batch and ((len(batch) + 1) * longest_next > self.batch_tokens or i in batch):
+                break
+            batch.append(i)
+            longest = longest_next
+            self._pos += 1
+        return batch
+
+    def features(self, indices: list[int]) -> dict[int, dict]:
+        """Run the target once on these samples: {index: sample dict}."""
+        from dflashkit.extract.batching import pad_batch
+        from dflashkit.target.capture import real_tokens
+
+        todo = [self.samples[i] for i in indices]
+        ids, attn = pad_batch(todo, self.device)
+        hidden, last_hidden = self.capture(ids, attn)
+        # unpadding copies out of the inference-mode outputs (autograd may save the copies for backward)
+        hidden = [h.to(FEATURE_DTYPE) for h in real_tokens(hidden, attn)]
+        last = [h.to(FEATURE_DTYPE) for h in real_tokens(last_hidden, attn)] if last_hidden is not None else None
+        out = {}
+        for k, (i, s) in enumerate(zip(indices, todo)):
+            d = {"input_ids": torch.from_numpy(s.input_ids).long(),
+                 "loss_mask": torch.from_numpy(s.loss_mask).clone(), "hidden": hidden[k],
+                 "sample_index": s.index}
+            if last is not None:
+                d["last_hidden"] = last[k]
+            out[i] = d
+        return out
+
+
+def open_online(cfg, device, compute_dtype: torch.dtype, say=print):
+    """Load ``cfg.target`` and encode ``cfg.data``: (target, head, live manifest, samples).
+
+    The live manifest holds what a shard manifest would (layer ids asked for, hidden size, layers, vocab) for
+    ``build_model``; the caller then checks the drafter with ``check_drafter_matches_target`` and makes
+    ``OnlineFeatures`` with the drafter's layer ids."""
+    from dflashkit.target.loading import load_target, load_target_head
+
+    if not cfg.target:
+        raise ValueError("target: online training (data=...) needs the target to run; pass --target (an HF "
+                         "directory, a .gguf file or testbed:smollm2)")
+    dtype = resolve_target_dtype(cfg.target_dtype, torch.device(device))
+    target = load_target(cfg.target, dtype=dtype, device=device)
+    target.model.requires_grad_(False).eval()
+    # the training head shares the target's tensors when the dtypes agree, else it is read on its own
+    head = target_head_of(target, dtype) if dtype == compute_dtype else \
+        load_target_head(cfg.target, dtype=compute_dtype, device=device)
+    manifest = {"target": target.identity(), "target_layer_ids": list(cfg.target_layer_ids) or None,
+                "hidden_size": target.hidden_size, "num_target_layers": target.num_layers,
+                "vocab_size": target.vocab_size, "mask_token_id": None}
+    samples = encode_data(cfg.data, target.tokenizer, max_length=cfg.max_length, chat_template=cfg.chat_template,
+                          template_kwargs=cfg.chat_template_kwargs, limit=cfg.data_limit or None,
+                          tokenize_workers=cfg.tokenize_workers, say=say)
+    return target, head, manifest, samples
