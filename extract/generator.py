@@ -1,0 +1,336 @@
+"""Fast local generation for ``dflashkit regenerate``: fixed batch slots over a static KV cache.
+
+Design choices:
+- The target stays the Hugging Face model: its own forward (rope, norms, MoE, attention sinks, sliding windows)
+  runs every step. Only the cache and the attention function are ours. ``SlotCache`` holds, per layer, K and V
+  of shape ``[slots, kv_heads, max_length, head_dim]``; a token's cache column is its position in its own
+  sequence, so every slot has its own length and no slot is padded on the left.
+- Each step passes an explicit boolean mask over the static cache (``[slots, 1, 1, max_length]``: column <= the
+  slot's position, and inside the window for ``sliding_attention`` layers) and explicit position ids.
+- Decode attention is computed per K/V head group (GQA) without repeating K/V, softmax in float32; prefill
+  uses the library's SDPA (our grouped form where the layer has attention sinks).
+- Prompts are prefilled in length buckets (longest first, left padding, rows rolled into cache columns 0..L-1),
+  and a finished slot is refilled with the next prompt (continuous batching). Refills wait until an eighth of
+  the slots is free (or none is decoding), so prefills come in batches rather than one prompt at a time.
+- The decode step (forward, sampling, position update) is one function. On a GPU it is captured once as a
+  CUDA graph and replayed; on the CPU (and where capture fails, e.g. data-dependent MoE routing) the same
+  function runs eagerly, so the CPU tests cover the captured maths.
+- Sampling follows Hugging Face's order: temperature, top-k, top-p; a token is drawn as argmax(p / E) with
+  E ~ Exp(1) (the exponential-race form of a categorical draw), from the default generator seeded per call.
+  Greedy takes the argmax of float32 logits.
+- Targets with recurrent layers (linear attention: Qwen3.5, Qwen3-Next) have state that is not a K/V cache;
+  ``supports_slots`` says no for them and ``regenerate`` uses Hugging Face ``generate`` instead.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import deque
+
+import torch
+import torch.nn.functional as F
+
+from dflashkit.target.loading import cache_kwargs
+
+ATTENTION_NAME = "dflashkit_slots"
+_ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention"}
+
+
+def _text_config(config):
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def supports_slots(model) -> bool:
+    """True when every decoder layer is (full or sliding-window) attention, i.e. its state is a K/V cache."""
+    layer_types = getattr(_text_config(model.config), "layer_types", None) or ["full_attention"]
+    return set(layer_types) <= _ATTENTION_LAYER_TYPES
+
+
+# ---------------------------------------------------------------- cache and attention
+
+
+class SlotCache:
+    """Static K/V per layer, written at explicit (slot, column) places; the model calls ``update`` per layer.
+
+    ``prefill(slots, shift)``: the forward holds len(slots) left-padded prompts; row b's token t belongs in
+    column t - shift[b]. ``decode(columns)``: the forward holds one token per slot, written at columns[slot]."""
+
+    def __init__(self, num_slots: int, max_length: int):
+        self.num_slots, self.max_length = num_slots, max_length
+        self.keys: dict[int, torch.Tensor] = {}
+        self.values: dict[int, torch.Tensor] = {}
+        self._slots = self._shift = self._columns = None
+
+    def prefill(self, slots: torch.Tensor, shift: torch.Tensor) -> None:
+        self._slots, self._shift, self._columns = slots, shift, None
+
+    def decode(self, columns: torch.Tensor) -> None:
+        self._slots = self._shift = None
+        self._columns = columns
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:  # asked by some forwards when position ids are absent
+        return 0
+
+    def _alloc(self, layer_idx: int, like: torch.Tensor) -> None:
+        shape = (self.num_slots, like.shape[1], self.max_length, like.shape[3])
+        self.keys[layer_idx] = torch.zeros(shape, dtype=like.dtype, device=like.device)
+        self.values[layer_idx] = torch.zeros(shape, dtype=like.dtype, device=like.device)
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
+        if layer_idx not in self.keys:
+            self._alloc(layer_idx, key)
+        k_all, v_all = self.keys[layer_idx], self.values[layer_idx]
+        if self._columns is not None:  # one new token per slot; attention reads the whole cache
+            rows = torch.arange(key.shape[0], device=key.device)
+            k_all[rows, :, self._columns] = key[:, :, 0]
+            v_all[rows, :, self._columns] = value[:, :, 0]
+            return k_all, v_all
+        width = key.shape[2]  # prefill: roll each row left by its padding, store columns 0..width-1
+        src = (torch.arange(width, device=key.device)[None, :] + self._shift[:, None]).clamp(max=width - 1)
+        src = src[:, None, :, None].expand(-1, key.shape[1], -1, key.shape[3])
+        k_all[self._slots, :, :width] = key.gather(2, src)
+        v_all[self._slots, :, :width] = value.gather(2, src)
+        return key, value  # prefill attends within the prompts only
+
+
+def grouped_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Attention with K/V heads shared by groups of query heads, without repeating K/V.
+
+    query [B, Hq, T, D], key/value [B, Hkv, S, D], attention_mask bool [B, 1, T, S] (True: attend).
+    Handles attention sinks (``module.sinks``, one logit per query head) and logit soft-capping."""
+    b, hq, t, d = query.shape
+    hkv, s = key.shape[1], key.shape[2]
+    g = hq // hkv
+    q = query.reshape(b, hkv, g * t, d)  # query head h uses K/V head h // g
+    scores = torch.matmul(q, key.transpose(-1, -2)).float() * (scaling if scaling is not None else d ** -0.5)
+    softcap = kwargs.get("softcap")
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    mask = attention_mask[:, :, None].expand(b, 1, g, t, s).reshape(b, 1, g * t, s)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    sinks = getattr(module, "sinks", None)
+    if sinks is not None:
+        sink = sinks.float().reshape(1, hkv, g, 1, 1).expand(b, hkv, g, t, 1).reshape(b, hkv, g * t, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    out = torch.matmul(probs.to(value.dtype), value)  # [B, Hkv, G*T, D]
+    return out.reshape(b, hq, t, d).transpose(1, 2).contiguous(), None
+
+
+def slot_attention(module, query, key, value, attention_mask, **kwargs):
+    """The attention function the model runs while a SlotGenerator drives it (registered as ATTENTION_NAME)."""
+    if query.shape[2] > 1 and getattr(module, "sinks", None) is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        kwargs.pop("softcap", None)
+        kwargs.pop("sliding_window", None)
+        kwargs.pop("s_aux", None)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    return grouped_attention(module, query, key, value, attention_mask, **kwargs)
+
+
+def _register_attention() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION_NAME, slot_attention)
+
+
+# ---------------------------------------------------------------- sampling
+
+
+def sample_next(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """Next token per row from [B, V] logits: argmax if temperature == 0, else a draw after HF's warpers."""
+    logits = logits.float()
+    if temperature <= 0:
+        return logits.argmax(dim=-1)
+    logits = logits / temperature
+    if 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1)  # ascending
+        remove = sorted_logits.softmax(dim=-1).cumsum(dim=-1) <= 1 - top_p
+        remove[..., -1] = False  # the most likely token always stays
+        logits = logits.masked_fill(remove.scatter(-1, order, remove), float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    return (probs / torch.empty_like(probs).exponential_(1.0)).argmax(dim=-1)
+
+
+# ---------------------------------------------------------------- the generator
+
+
+class SlotGenerator:
+    """Continuous-batching generation over `num_slots` static cache rows (see the module docstring)."""
+
+    def __init__(self, model, stop_ids: list[int], num_slots: int = 64, temperature: float = 0.0,
+                 top_p: float = 1.0, top_k: int = 0, cuda_graph: bool = True, prefill_tokens: int = 16384):
+        if not supports_slots(model):
+            raise ValueError(f"{type(model).__name__} has non-attention layers (linear attention); use Hugging "
+                             "Face generate for it")
+        _register_attention()
+        self.model, self.stop_ids, self.num_slots = model, set(stop_ids), num_slots
+        self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
+        self.prefill_tokens = prefill_tokens
+        self.device = next(model.parameters()).device
+        text = _text_config(model.config)
+        window = getattr(text, "sliding_window", None)
+        sliding = "sliding_attention" in (getattr(text, "layer_types", None) or [])
+        self.window = int(window) if (sliding and window) else None
+        self.use_graph = cuda_graph and self.device.type == "cuda"
+        self.graphed = False  # True once a decode step has been captured and replayed
+        self.cache: SlotCache | None = None
+        self._graph = None
+        self._configs = list({id(c): c for c in [model.config, *(getattr(m, "config", None) for m in model.modules())]
+                              if c is not None and hasattr(c, "_attn_implementation")}.values())
+        self.tok = torch.zeros(num_slots, dtype=torch.long, device=self.device)  # the token each slot feeds next
+        self.pos = torch.zeros(num_slots, dtype=torch.long, device=self.device)  # its position (= cache column)
+
+    # ---- masks: True where a query may read a key
+    def _masks(self, allowed_full: torch.Tensor, allowed_window: torch.Tensor | None):
+        if self.window is None:
+            return allowed_full
+        return {"full_attention": allowed_full, "sliding_attention": allowed_window}
+
+    def _forward(self, input_ids, position_ids, mask):
+        impl = self._configs_with_impl(ATTENTION_NAME)
+        try:
+            out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
+                             logits_to_keep=1, **cache_kwargs(self.model, self.cache))
+        finally:
+            self._configs_with_impl(impl)
+        return out.logits[:, -1]
+
+    def _configs_with_impl(self, names):
+        """Point every config of the model at attention `names` (one name, or one per config); return the old ones.
+
+        The model is shared (e.g. with Hugging Face generate), so the switch lasts for one forward only."""
+        old = [c._attn_implementation for c in self._configs]
+        for c, name in zip(self._configs, names if isinstance(names, list) else [names] * len(self._configs)):
+            c._attn_implementation = name
+        return old
+
+    # ---- the decode step: the function the CUDA graph captures
+    def _decode_step(self) -> None:
+        columns = self.pos.clamp(max=self.cache.max_length - 1)  # an idle slot keeps rewriting its last column
+        cols = torch.arange(self.cache.max_length, device=self.device)[None, :]
+        full = cols <= columns[:, None]
+        window = (full & (cols > columns[:, None] - self.window)) if self.window else None
+        self.cache.decode(columns)
+        mask = self._masks(full[:, None, None, :], None if window is None else window[:, None, None, :])
+        logits = self._forward(self.tok[:, None], columns[:, None], mask)
+        self.tok.copy_(sample_next(logits, self.temperature, self.top_k, self.top_p))
+        self.pos.copy_(columns + 1)
+
+    def _step(self) -> None:
+        if not self.use_graph:
+            self._decode_step()
+            return
+        if self._graph is None:
+            self._capture()
+        if self._graph is not None:
+            self._graph.replay()
+        else:
+            self._decode_step()
+
+    def _capture(self) -> None:
+        saved = (self.tok.clone(), self.pos.clone())
+        try:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # warm-up outside the graph (allocations, lazy inits)
+                    self._decode_step()
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self._decode_step()
+            self._graph, self.graphed = graph, True
+        except RuntimeError as e:  # e.g. MoE routing that needs the host: run the same step eagerly
+            print(f"generator: decode step not captured as a CUDA graph ({str(e).splitlines()[0]}); "
+                  "running it eagerly", file=sys.stderr)
+            self.use_graph = False
+        # the warm-up steps wrote cache columns that no live slot reads (each is rewritten before it is
+        # unmasked), and advanced tok/pos: restore them
+        self.tok.copy_(saved[0])
+        self.pos.copy_(saved[1])
+
+    # ---- prefill a batch of prompts into the given slots; returns each one's first token
+    def _prefill(self, slots: list[int], prompts: list[list[int]]) -> list[int]:
+        lengths = [len(p) for p in prompts]
+        width = -(-max(lengths) // 16) * 16
+        n = len(prompts)
+        ids = torch.zeros(n, width, dtype=torch.long)
+        for b, p in enumerate(prompts):
+            ids[b, width - len(p):] = torch.tensor(p, dtype=torch.long)
+        shift = torch.tensor([width - n_ for n_ in lengths], dtype=torch.long, device=self.device)
+        t = torch.arange(width, device=self.device)
+        positions = (t[None, :] - shift[:, None]).clamp(min=0)
+        q, k = t[:, None], t[None, :]
+        real_key = k[None] >= shift[:, None, None]  # [n, 1 -> q, k]
+        full = (k <= q)[None] & (real_key | (k == q)[None])  # a padding query sees itself only (no empty rows)
+        window = None
+        if self.window:
+            window = full & ((q - k < self.window)[None] | (k == q)[None])
+        self.cache.prefill(torch.tensor(slots, dtype=torch.long, device=self.device), shift)
+        mask = self._masks(full[:, None], None if window is None else window[:, None])
+        logits = self._forward(ids.to(self.device), positions, mask)
+        first = sample_next(logits, self.temperature, self.top_k, self.top_p)
+        index = torch.tensor(slots, dtype=torch.long, device=self.device)
+        self.tok[index] = first
+        self.pos[index] = torch.tensor(lengths, dtype=torch.long, device=self.device)
+        return first.tolist()
+
+    def _ensure_cache(self, max_length: int) -> None:
+        if self.cache is None or self.cache.max_length < max_length:
+            self.cache = SlotCache(self.num_slots, -(-max_length // 128) * 128)
+            self._graph = None  # a graph holds the old cache's addresses
+            self.use_graph = self.use_graph and self.device.type == "cuda"
+
+    @torch.inference_mode()
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, seed: int = 0) -> list[list[int]]:
+        """New tokens for each prompt (input order), cut before the first stop id, at most max_new_tokens."""
+        if not prompts:
+            return []
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("an empty prompt cannot be generated from")
+        self._ensure_cache(max(len(p) for p in prompts) + max_new_tokens)
+        torch.manual_seed(seed)
+        outputs: list[list[int]] = [[] for _ in prompts]
+        queue = deque(sorted(range(len(prompts)), key=lambda i: -len(prompts[i])))  # longest first
+        owner = [-1] * self.num_slots  # prompt index per slot, -1: free
+        refill_at = max(1, self.num_slots // 8)
+
+        def take(slot: int, request: int, token: int) -> None:  # a new token for a slot's request
+            if token in self.stop_ids:
+                owner[slot] = -1
+                return
+            outputs[request].append(token)
+            if len(outputs[request]) >= max_new_tokens:
+                owner[slot] = -1
+
+        while True:
+            free = [s for s in range(self.num_slots) if owner[s] < 0]
+            busy = self.num_slots - len(free)
+            if queue and (len(free) >= refill_at or busy == 0 or len(free) >= len(queue)):
+                batch_slots = free[: len(queue)]
+                batch = [queue.popleft() for _ in batch_slots]
+                start = 0
+                while start < len(batch):  # length buckets: consecutive prompts (sorted) under a token budget
+                    stop = start + 1
+                    while stop < len(batch) and (stop + 1 - start) * len(prompts[batch[start]]) <= self.prefill_tokens:
+                        stop += 1
+                    slots, reqs = batch_slots[start:stop], batch[start:stop]
+                    for s, r in zip(slots, reqs):
+                        owner[s] = r
+                    for s, r, token in zip(slots, reqs, self._prefill(slots, [prompts[r] for r in reqs])):
+                        take(s, r, token)
+                    start = stop
+                continue
+            if busy == 0:
+                return outputs
+            self._step()
+            tokens = self.tok.tolist()
+            for s in range(self.num_slots):
+                if owner[s] >= 0:
+                    take(s, owner[s], tokens[s])
