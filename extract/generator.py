@@ -178,7 +178,9 @@ class SlotGenerator:
         sliding = "sliding_attention" in (getattr(text, "layer_types", None) or [])
         self.window = int(window) if (sliding and window) else None
         self.use_graph = cuda_graph and self.device.type == "cuda"
-        self.graphed = False  # True once a decode step has been captured and replayed
+        self.graphed = False  # True once a decode step has been captured as a CUDA graph
+        # per generate() call: decode steps, prefill forwards, slot-steps left idle while prompts waited
+        self.stats = {"decode_steps": 0, "prefills": 0, "idle_slot_steps_waiting": 0}
         self.cache: SlotCache | None = None
         self._graph = None
         self._configs = list({id(c): c for c in [model.config, *(getattr(m, "config", None) for m in model.modules())]
@@ -296,6 +298,7 @@ class SlotGenerator:
             raise ValueError("an empty prompt cannot be generated from")
         self._ensure_cache(max(len(p) for p in prompts) + max_new_tokens)
         torch.manual_seed(seed)
+        self.stats = dict.fromkeys(self.stats, 0)
         outputs: list[list[int]] = [[] for _ in prompts]
         queue = deque(sorted(range(len(prompts)), key=lambda i: -len(prompts[i])))  # longest first
         owner = [-1] * self.num_slots  # prompt index per slot, -1: free
@@ -325,10 +328,14 @@ class SlotGenerator:
                         owner[s] = r
                     for s, r, token in zip(slots, reqs, self._prefill(slots, [prompts[r] for r in reqs])):
                         take(s, r, token)
+                    self.stats["prefills"] += 1
                     start = stop
                 continue
             if busy == 0:
                 return outputs
+            if queue:
+                self.stats["idle_slot_steps_waiting"] += len(free)
+            self.stats["decode_steps"] += 1
             self._step()
             tokens = self.tok.tolist()
             for s in range(self.num_slots):
