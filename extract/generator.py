@@ -283,6 +283,10 @@ class SlotGenerator:
         self.pos[index] = torch.tensor(lengths, dtype=torch.long, device=self.device)
         return first.tolist()
 
+    def reserve(self, max_length: int) -> None:
+        """Allocate the cache for sequences up to `max_length` tokens now (generate() grows it when needed)."""
+        self._ensure_cache(max_length)
+
     def _ensure_cache(self, max_length: int) -> None:
         if self.cache is None or self.cache.max_length < max_length:
             self.cache = SlotCache(self.num_slots, -(-max_length // 128) * 128)
