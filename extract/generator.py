@@ -5,16 +5,19 @@ Design choices:
   runs every step. Only the cache and the attention function are ours. ``SlotCache`` holds, per layer, K and V
   of shape ``[slots, kv_heads, max_length, head_dim]``; a token's cache column is its position in its own
   sequence, so every slot has its own length and no slot is padded on the left.
-- Each step passes an explicit boolean mask over the static cache (``[slots, 1, 1, max_length]``: column <= the
-  slot's position, and inside the window for ``sliding_attention`` layers) and explicit position ids.
-- Decode attention is computed per K/V head group (GQA) without repeating K/V, softmax in float32; prefill
-  uses the library's SDPA (our grouped form where the layer has attention sinks).
+- Each step passes an explicit boolean mask over the cache (``[slots, 1, 1, length]``: column <= the slot's
+  position, and inside the window for ``sliding_attention`` layers) and explicit position ids. A decode step
+  attends to the first ``length`` columns only: the smallest multiple of ``length_step`` above every live
+  slot's position (one CUDA graph per length, all sharing one memory pool).
+- Decode attention treats each K/V head's group of query heads as its queries (GQA without repeating K/V):
+  one fused SDPA call; our own float32-softmax form where the layer has attention sinks or soft-capping.
+  Prefill uses the library's SDPA (the grouped form for sinks).
 - Prompts are prefilled in length buckets (longest first, left padding, rows rolled into cache columns 0..L-1),
   and a finished slot is refilled with the next prompt (continuous batching). Refills wait until an eighth of
   the slots is free (or none is decoding), so prefills come in batches rather than one prompt at a time.
-- The decode step (forward, sampling, position update) is one function. On a GPU it is captured once as a
-  CUDA graph and replayed; on the CPU (and where capture fails, e.g. data-dependent MoE routing) the same
-  function runs eagerly, so the CPU tests cover the captured maths.
+- The decode step (forward, sampling, position update) is one function. On a GPU it is captured as a CUDA
+  graph (per attended length) and replayed; on the CPU (and where capture fails, e.g. data-dependent MoE
+  routing) the same function runs eagerly, so the CPU tests cover the captured maths.
 - Sampling follows Hugging Face's order: temperature, top-k, top-p; a token is drawn as argmax(p / E) with
   E ~ Exp(1) (the exponential-race form of a categorical draw), from the default generator seeded per call.
   Greedy takes the argmax of float32 logits.
@@ -60,13 +63,15 @@ class SlotCache:
         self.keys: dict[int, torch.Tensor] = {}
         self.values: dict[int, torch.Tensor] = {}
         self._slots = self._shift = self._columns = None
+        self._length = max_length
 
     def prefill(self, slots: torch.Tensor, shift: torch.Tensor) -> None:
         self._slots, self._shift, self._columns = slots, shift, None
 
-    def decode(self, columns: torch.Tensor) -> None:
+    def decode(self, columns: torch.Tensor, length: int) -> None:
+        """Attention reads columns 0..length-1 (every live slot's position is below `length`)."""
         self._slots = self._shift = None
-        self._columns = columns
+        self._columns, self._length = columns, length
 
     def get_seq_length(self, layer_idx: int = 0) -> int:  # asked by some forwards when position ids are absent
         return 0
@@ -84,7 +89,7 @@ class SlotCache:
             rows = torch.arange(key.shape[0], device=key.device)
             k_all[rows, :, self._columns] = key[:, :, 0]
             v_all[rows, :, self._columns] = value[:, :, 0]
-            return k_all, v_all
+            return k_all[:, :, : self._length], v_all[:, :, : self._length]
         width = key.shape[2]  # prefill: roll each row left by its padding, store columns 0..width-1
         src = (torch.arange(width, device=key.device)[None, :] + self._shift[:, None]).clamp(max=width - 1)
         src = src[:, None, :, None].expand(-1, key.shape[1], -1, key.shape[3])
@@ -102,13 +107,16 @@ def grouped_attention(module, query, key, value, attention_mask, scaling=None, d
     hkv, s = key.shape[1], key.shape[2]
     g = hq // hkv
     q = query.reshape(b, hkv, g * t, d)  # query head h uses K/V head h // g
+    sinks = getattr(module, "sinks", None)
+    if t == 1 and sinks is None and kwargs.get("softcap") is None:  # one fused kernel; the G heads act as queries
+        out = F.scaled_dot_product_attention(q, key, value, attn_mask=attention_mask, scale=scaling)
+        return out.reshape(b, hq, t, d).transpose(1, 2).contiguous(), None
     scores = torch.matmul(q, key.transpose(-1, -2)).float() * (scaling if scaling is not None else d ** -0.5)
     softcap = kwargs.get("softcap")
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     mask = attention_mask[:, :, None].expand(b, 1, g, t, s).reshape(b, 1, g * t, s)
     scores = scores.masked_fill(~mask, float("-inf"))
-    sinks = getattr(module, "sinks", None)
     if sinks is not None:
         sink = sinks.float().reshape(1, hkv, g, 1, 1).expand(b, hkv, g, t, 1).reshape(b, hkv, g * t, 1)
         probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
@@ -164,14 +172,16 @@ class SlotGenerator:
     """Continuous-batching generation over `num_slots` static cache rows (see the module docstring)."""
 
     def __init__(self, model, stop_ids: list[int], num_slots: int = 64, temperature: float = 0.0,
-                 top_p: float = 1.0, top_k: int = 0, cuda_graph: bool = True, prefill_tokens: int = 16384):
+                 top_p: float = 1.0, top_k: int = 0, cuda_graph: bool = True, prefill_tokens: int = 16384,
+                 length_step: int = 128):
         if not supports_slots(model):
             raise ValueError(f"{type(model).__name__} has non-attention layers (linear attention); use Hugging "
                              "Face generate for it")
         _register_attention()
         self.model, self.stop_ids, self.num_slots = model, set(stop_ids), num_slots
         self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
-        self.prefill_tokens = prefill_tokens
+        self.prefill_tokens = prefill_tokens  # padded prompt tokens per prefill forward
+        self.length_step = length_step  # cache length and attended lengths are multiples of it (one graph each)
         self.device = next(model.parameters()).device
         text = _text_config(model.config)
         window = getattr(text, "sliding_window", None)
@@ -182,7 +192,8 @@ class SlotGenerator:
         # per generate() call: decode steps, prefill forwards, slot-steps left idle while prompts waited
         self.stats = {"decode_steps": 0, "prefills": 0, "idle_slot_steps_waiting": 0}
         self.cache: SlotCache | None = None
-        self._graph = None
+        self._graphs: dict[int, object] = {}  # attended length -> captured decode step
+        self._pool = None  # the graphs share one memory pool
         self._configs = list({id(c): c for c in [model.config, *(getattr(m, "config", None) for m in model.modules())]
                               if c is not None and hasattr(c, "_attn_implementation")}.values())
         self.tok = torch.zeros(num_slots, dtype=torch.long, device=self.device)  # the token each slot feeds next
@@ -213,41 +224,40 @@ class SlotGenerator:
         return old
 
     # ---- the decode step: the function the CUDA graph captures
-    def _decode_step(self) -> None:
-        columns = self.pos.clamp(max=self.cache.max_length - 1)  # an idle slot keeps rewriting its last column
-        cols = torch.arange(self.cache.max_length, device=self.device)[None, :]
+    def _decode_step(self, length: int) -> None:
+        """One token per slot; attention over cache columns 0..length-1 (above every live slot's position)."""
+        columns = self.pos.clamp(max=length - 1)  # an idle slot rewrites a column of its own row, read by no one
+        cols = torch.arange(length, device=self.device)[None, :]
         full = cols <= columns[:, None]
         window = (full & (cols > columns[:, None] - self.window)) if self.window else None
-        self.cache.decode(columns)
+        self.cache.decode(columns, length)
         mask = self._masks(full[:, None, None, :], None if window is None else window[:, None, None, :])
         logits = self._forward(self.tok[:, None], columns[:, None], mask)
         self.tok.copy_(sample_next(logits, self.temperature, self.top_k, self.top_p))
         self.pos.copy_(columns + 1)
 
-    def _step(self) -> None:
-        if not self.use_graph:
-            self._decode_step()
-            return
-        if self._graph is None:
-            self._capture()
-        if self._graph is not None:
-            self._graph.replay()
+    def _step(self, length: int) -> None:
+        if self.use_graph and length not in self._graphs:
+            self._capture(length)
+        if self.use_graph:
+            self._graphs[length].replay()
         else:
-            self._decode_step()
+            self._decode_step(length)
 
-    def _capture(self) -> None:
+    def _capture(self, length: int) -> None:
         saved = (self.tok.clone(), self.pos.clone())
         try:
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 for _ in range(2):  # warm-up outside the graph (allocations, lazy inits)
-                    self._decode_step()
+                    self._decode_step(length)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                self._decode_step()
-            self._graph, self.graphed = graph, True
+            with torch.cuda.graph(graph, pool=self._pool):
+                self._decode_step(length)
+            self._pool = graph.pool()
+            self._graphs[length], self.graphed = graph, True
         except RuntimeError as e:  # e.g. MoE routing that needs the host: run the same step eagerly
             print(f"generator: decode step not captured as a CUDA graph ({str(e).splitlines()[0]}); "
                   "running it eagerly", file=sys.stderr)
@@ -289,9 +299,8 @@ class SlotGenerator:
 
     def _ensure_cache(self, max_length: int) -> None:
         if self.cache is None or self.cache.max_length < max_length:
-            self.cache = SlotCache(self.num_slots, -(-max_length // 128) * 128)
-            self._graph = None  # a graph holds the old cache's addresses
-            self.use_graph = self.use_graph and self.device.type == "cuda"
+            self.cache = SlotCache(self.num_slots, -(-max_length // self.length_step) * self.length_step)
+            self._graphs, self._pool = {}, None  # graphs hold the old cache's addresses
 
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], max_new_tokens: int, seed: int = 0) -> list[list[int]]:
@@ -306,6 +315,7 @@ class SlotGenerator:
         outputs: list[list[int]] = [[] for _ in prompts]
         queue = deque(sorted(range(len(prompts)), key=lambda i: -len(prompts[i])))  # longest first
         owner = [-1] * self.num_slots  # prompt index per slot, -1: free
+        position = [0] * self.num_slots  # the position (cache column) of the token a slot feeds next
         refill_at = max(1, self.num_slots // 8)
 
         def take(slot: int, request: int, token: int) -> None:  # a new token for a slot's request
@@ -313,6 +323,7 @@ class SlotGenerator:
                 owner[slot] = -1
                 return
             outputs[request].append(token)
+            position[slot] = len(prompts[request]) + len(outputs[request]) - 1
             if len(outputs[request]) >= max_new_tokens:
                 owner[slot] = -1
 
@@ -340,7 +351,8 @@ class SlotGenerator:
             if queue:
                 self.stats["idle_slot_steps_waiting"] += len(free)
             self.stats["decode_steps"] += 1
-            self._step()
+            need = max(position[s] for s in range(self.num_slots) if owner[s] >= 0) + 1
+            self._step(min(self.cache.max_length, -(-need // self.length_step) * self.length_step))
             tokens = self.tok.tolist()
             for s in range(self.num_slots):
                 if owner[s] >= 0:

@@ -5,8 +5,12 @@ A drafter learns to predict what the target says; answers written by another mod
 CPU (testbed, a few prompts):
     python -m dflashkit.extract.regenerate --target testbed:smollm2 --data builtin:mtbench --limit 4 \\
         --max-new-tokens 64 --out runs/mtbench-smollm2.jsonl
-One GPU, sampled:
-    dflashkit regenerate --target /models/Qwen3-8B --data chats.jsonl --out regen.jsonl --temperature 0.6 --top-p 0.95
+One GPU, sampled, 256 sequences decoded at once:
+    dflashkit regenerate --target /models/Qwen3-8B --data chats.jsonl --out regen.jsonl --temperature 0.6 --top-p 0.95 \
+        --batch-size 256
+Several GPUs (rank r answers conversations i % world_size == r; rank 0 merges the parts into --out):
+    torchrun --standalone --nproc_per_node 8 -m dflashkit.extract.regenerate --target /models/Qwen3-8B \
+        --data chats.jsonl --out regen.jsonl --batch-size 256
 A running vLLM / SGLang server (OpenAI-compatible), 32 requests in flight:
     dflashkit regenerate --server http://localhost:8000/v1 --model Qwen/Qwen3-8B --data chats.jsonl --out regen.jsonl \\
         --concurrency 32
@@ -15,13 +19,17 @@ Then extract from the output: ``dflashkit extract --data regen.jsonl ...``.
 Design choices:
 - System and user turns are kept; every user turn gets the target's answer to the conversation so far (its own
   earlier answers included), so multi-turn data and prompt-only data (MT-bench) are treated alike.
-- Hugging Face generation runs conversations in batches (left padding), turn by turn, greedy or sampled; it
-  stops at the template's end-of-turn token and the tokenizer's eos. A server gets one request per turn, several
-  conversations in flight; its ``reasoning_content`` (thinking models) is kept as a ``<think>`` block.
+- A local target (--target) answers turn by turn, --batch-size x --chunk-factor conversations at a time,
+  through ``generator.SlotGenerator`` (--batch-size cache slots, continuous batching, a CUDA-graph decode step
+  on a GPU); a target with recurrent layers (Qwen3.5, Qwen3-Next) through Hugging Face ``generate`` in
+  left-padded batches. Generation stops at the template's end-of-turn token and the tokenizer's eos. A server
+  gets one request per turn, several conversations in flight; its ``reasoning_content`` (thinking models) is
+  kept as a ``<think>`` block.
 - Output is JSONL in the input's order: {"index", "source", "messages"} plus how it was generated. A run killed
-  at any point continues with --resume: finished conversations are skipped, a cut last line is dropped.
-  Greedy output is the same either way; sampled output is seeded per conversation (--seed + index) on a server,
-  per batch with Hugging Face.
+  at any point continues with --resume: finished conversations are skipped, a cut last line is dropped. With
+  several ranks each writes ``<out>.rank<r>-of-<world>`` (resumed the same way) and rank 0 merges them, by
+  index, into --out at the end. Greedy output is the same either way (up to bf16 rounding between batch
+  shapes); sampled output is seeded per conversation (--seed + index) on a server, per chunk locally.
 """
 
 from __future__ import annotations
