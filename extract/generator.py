@@ -162,7 +162,8 @@ def sample_next(logits: torch.Tensor, temperature: float, top_k: int, top_p: flo
         remove[..., -1] = False  # the most likely token always stays
         logits = logits.masked_fill(remove.scatter(-1, order, remove), float("-inf"))
     probs = torch.softmax(logits, dim=-1)
-    return (probs / torch.empty_like(probs).exponential_(1.0)).argmax(dim=-1)
+    race = torch.empty_like(probs).exponential_(1.0).clamp_min_(torch.finfo(torch.float32).tiny)  # never 0 / 0
+    return (probs / race).argmax(dim=-1)
 
 
 # ---------------------------------------------------------------- the generator
@@ -188,6 +189,8 @@ class SlotGenerator:
         sliding = "sliding_attention" in (getattr(text, "layer_types", None) or [])
         self.window = int(window) if (sliding and window) else None
         self.use_graph = cuda_graph and self.device.type == "cuda"
+        if self.device.type == "cuda":  # graphs and streams are made on the current device: make it the model's
+            torch.cuda.set_device(self.device)
         self.graphed = False  # True once a decode step has been captured as a CUDA graph
         # per generate() call: decode steps, prefill forwards, slot-steps left idle while prompts waited
         self.stats = {"decode_steps": 0, "prefills": 0, "idle_slot_steps_waiting": 0}

@@ -61,6 +61,35 @@ def test_recurrent_families_are_left_to_hf_generate(tiny_root):
             SlotGenerator(model, [3])
 
 
+def test_regenerate_answers_a_recurrent_target_through_hf_generate(tmp_path):
+    """A Qwen3.5 (linear-attention) target takes the Hugging Face path of regenerate; its answers are the greedy
+    argmax answers all the same."""
+    import transformers as tf
+    from test_extract_chat import smollm2_tokenizer
+    from test_extract_regenerate import greedy_reference
+
+    from dflashkit.extract.regenerate import TargetGenerator, main
+
+    torch.manual_seed(0)
+    config = tf.Qwen3_5TextConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, linear_num_key_heads=2,
+                                  linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+                                  layer_types=["linear_attention", "full_attention"], initializer_range=0.5)
+    tf.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "target")
+    smollm2_tokenizer().save_pretrained(tmp_path / "target")
+    assert TargetGenerator(str(tmp_path / "target"), template_kwargs={}, max_new_tokens=4).slots is None
+    data = tmp_path / "in.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in RECORDS[:2]))
+    out = tmp_path / "out.jsonl"
+    assert main(["--target", str(tmp_path / "target"), "--data", str(data), "--out", str(out), "--max-new-tokens",
+                 "5", "--batch-size", "2", "--no-progress"]) == 0
+    for row in map(json.loads, out.read_text().splitlines()):
+        msgs = row["messages"]
+        for k, m in enumerate(msgs):
+            if m["role"] == "assistant":
+                assert m["content"] == greedy_reference(str(tmp_path / "target"), msgs[:k], 5)
+
+
 def test_outputs_do_not_depend_on_slots_or_order(tiny_root):
     model = load_target(save_tiny_target("qwen3", tiny_root / "qwen3-order")).model
     prompts = _prompts(9, seed=4)
