@@ -175,6 +175,9 @@ class SlotGenerator:
     def __init__(self, model, stop_ids: list[int], num_slots: int = 64, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, cuda_graph: bool = True, prefill_tokens: int = 16384,
                  length_step: int = 128):
+        if num_slots < 1 or length_step < 1 or prefill_tokens < 1:
+            raise ValueError(f"num_slots ({num_slots}), length_step ({length_step}) and prefill_tokens "
+                             f"({prefill_tokens}) must be >= 1")
         if not supports_slots(model):
             raise ValueError(f"{type(model).__name__} has non-attention layers (linear attention); use Hugging "
                              "Face generate for it")
@@ -310,6 +313,8 @@ class SlotGenerator:
         """New tokens for each prompt (input order), cut before the first stop id, at most max_new_tokens."""
         if not prompts:
             return []
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={max_new_tokens}: give at least 1")
         if any(len(p) == 0 for p in prompts):
             raise ValueError("an empty prompt cannot be generated from")
         self._ensure_cache(max(len(p) for p in prompts) + max_new_tokens)

@@ -49,6 +49,16 @@ import torch
 from .chat import BadSample, ChatConfig, end_of_turn_token, normalize_record, render
 
 
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a whole number >= 1")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dflashkit regenerate", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -65,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--resume", action="store_true", help="continue a killed run into the same --out")
     g.add_argument("--on-bad", choices=("skip", "fail"), default="skip", help="a bad record: skip it, or stop")
     g = p.add_argument_group("generation")
-    g.add_argument("--max-new-tokens", type=int, default=1024, help="longest answer per turn")
+    g.add_argument("--max-new-tokens", type=positive_int, default=1024, help="longest answer per turn")
     g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
     g.add_argument("--top-k", type=int, default=0, help="0: no top-k")
@@ -74,12 +84,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-prompt-length", type=int, default=None, help="skip a turn whose prompt is longer")
     g.add_argument("--max-turns", type=int, default=None,
                    help="answer only the first N user turns of each conversation (later turns are dropped)")
-    g.add_argument("--batch-size", type=int, default=16,
+    g.add_argument("--batch-size", type=positive_int, default=16,
                    help="--target: sequences decoded at once (cache slots; HF generate: per call)")
-    g.add_argument("--chunk-factor", type=int, default=8,
+    g.add_argument("--chunk-factor", type=positive_int, default=8,
                    help="--target: conversations answered together, in multiples of --batch-size")
     g.add_argument("--no-cuda-graph", action="store_true", help="--target on a GPU: run each decode step eagerly")
-    g.add_argument("--concurrency", type=int, default=16, help="server requests in flight")
+    g.add_argument("--concurrency", type=positive_int, default=16, help="server requests in flight")
     g.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None)
     g.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     g.add_argument("--no-progress", action="store_true")
@@ -337,6 +347,9 @@ def run(args) -> dict:
 
     if bool(args.target) == bool(args.server):
         raise ValueError("give either --target (a local model) or --server (an OpenAI-compatible URL)")
+    if args.temperature < 0 or args.top_k < 0 or not 0 < args.top_p <= 1:
+        raise ValueError(f"--temperature {args.temperature}, --top-k {args.top_k}, --top-p {args.top_p}: give "
+                         "temperature >= 0 (0: greedy), top-k >= 0 (0: off) and top-p in (0, 1]")
     rank, world, local_rank = _rank_world()
     out = Path(args.out)
     path = part_path(out, rank, world) if world > 1 else out

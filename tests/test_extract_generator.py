@@ -143,6 +143,17 @@ def test_sampled_tokens_follow_the_warped_distribution(tiny_root):
     assert _tv(counts2, _warped(logits1, t, k, top_p).double()) > 0.08  # not the first step's distribution
 
 
+def test_bad_generation_flags_say_what_to_give(tmp_path, capsys):
+    from dflashkit.extract.regenerate import main
+
+    flags = ["--target", str(tmp_path), "--data", str(tmp_path / "x.jsonl"), "--out", str(tmp_path / "o.jsonl")]
+    assert main([*flags, "--top-p", "0"]) == 1
+    assert "top-p in (0, 1]" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main([*flags, "--batch-size", "0"])
+    assert e.value.code == 2 and "--batch-size: '0': give a whole number >= 1" in capsys.readouterr().err
+
+
 def test_sample_next_greedy_and_seeded():
     logits = torch.randn(5, 50)
     assert torch.equal(sample_next(logits, 0.0, 0, 1.0), logits.argmax(-1))
