@@ -299,9 +299,16 @@ class SlotGenerator:
         self.pos[index] = torch.tensor(lengths, dtype=torch.long, device=self.device)
         return first.tolist()
 
+    @torch.inference_mode()
     def reserve(self, max_length: int) -> None:
-        """Allocate the cache for sequences up to `max_length` tokens now (generate() grows it when needed)."""
+        """Allocate the cache for sequences up to `max_length` tokens and, on a GPU, capture the decode step for
+        every attended length now (generate() does both when first needed). Call it while no slot is busy."""
         self._ensure_cache(max_length)
+        self._prefill([0], [[0]])  # allocates every layer's K/V (no slot is live: what it writes is never read)
+        if self.use_graph:
+            for length in range(self.length_step, self.cache.max_length + 1, self.length_step):
+                if length not in self._graphs:
+                    self._capture(length)
 
     def _ensure_cache(self, max_length: int) -> None:
         if self.cache is None or self.cache.max_length < max_length:

@@ -199,3 +199,12 @@ def test_ranks_split_the_prompts_and_merge(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     assert two.read_text() == one.read_text()
     assert not list(tmp_path.glob("two.jsonl.rank*"))  # parts merged and removed
+
+
+def test_reserve_before_generating_changes_nothing(tiny_root):
+    model = load_target(save_tiny_target("qwen3", tiny_root / "qwen3-reserve")).model
+    prompts = _prompts(5, seed=9)
+    gen = SlotGenerator(model, [], num_slots=2, length_step=16)
+    gen.reserve(64)
+    assert gen.cache.max_length == 64 and len(gen.cache.keys) == 4
+    assert gen.generate(prompts, 10) == SlotGenerator(model, [], num_slots=2).generate(prompts, 10)
