@@ -276,7 +276,7 @@ class SlotGenerator:
     # ---- prefill a batch of prompts into the given slots; returns each one's first token
     def _prefill(self, slots: list[int], prompts: list[list[int]]) -> list[int]:
         lengths = [len(p) for p in prompts]
-        width = -(-max(lengths) // 16) * 16
+        width = min(-(-max(lengths) // 16) * 16, self.cache.max_length)  # padded to 16: few distinct shapes
         n = len(prompts)
         ids = torch.zeros(n, width, dtype=torch.long)
         for b, p in enumerate(prompts):
