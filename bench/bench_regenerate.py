@@ -8,7 +8,8 @@
 
 The same prompts (the first user turn of the first --prompts conversations of --data, rendered with the target's
 chat template; longer than --max-prompt-length: left out) and the same --max-new-tokens go through
-- hf_generate: ``model.generate`` in batches of --batch prompts (sorted by length, left padding), greedy;
+- hf_generate: ``model.generate`` in batches of --hf-batch prompts (sorted by length, left padding), greedy
+  (--hf-prompts: only the first N of the same prompts, to bound its time);
 - slots: ``SlotGenerator`` with --batch slots (static cache, continuous batching, CUDA-graph decode step on a
   GPU), greedy, after a warm-up that allocates the cache and captures the graph.
 tokens/s = new tokens (up to the stop token) / wall time, each side counting its own. ``agree`` is the share of
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -106,7 +108,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--prompts", type=int, default=2048)
     ap.add_argument("--max-new-tokens", type=int, default=384)
     ap.add_argument("--max-prompt-length", type=int, default=512)
-    ap.add_argument("--batch", type=int, default=512, help="slots, and prompts per HF generate call")
+    ap.add_argument("--batch", type=int, default=512, help="slots of the slot generator")
+    ap.add_argument("--hf-batch", type=int, default=None, help="prompts per HF generate call (default: --batch)")
+    ap.add_argument("--hf-prompts", type=int, default=None,
+                    help="the HF baseline runs the first N of the same prompts only (default: all)")
     ap.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"))
     ap.add_argument("--no-hf", action="store_true", help="skip the Hugging Face baseline")
     ap.add_argument("--no-cuda-graph", action="store_true")
@@ -150,11 +155,13 @@ def main(argv=None) -> dict:
         result["slots"] = {"seconds": slot_s, "tokens": tokens, "tokens_per_s": tokens / slot_s,
                            "cuda_graph": gen.slots.graphed, **gen.slots.stats}
         if not args.no_hf:
-            hf_out, hf_s = run_hf(gen, prompts, args.batch)
+            hf_prompts = prompts[: args.hf_prompts]
+            hf_out, hf_s = run_hf(gen, hf_prompts, args.hf_batch or args.batch)
             hf_tokens = sum(map(len, hf_out))
-            result["hf_generate"] = {"seconds": hf_s, "tokens": hf_tokens, "tokens_per_s": hf_tokens / hf_s}
+            result["hf_generate"] = {"seconds": hf_s, "tokens": hf_tokens, "tokens_per_s": hf_tokens / hf_s,
+                                     "prompts": len(hf_prompts), "batch": args.hf_batch or args.batch}
             result["speedup"] = result["slots"]["tokens_per_s"] / result["hf_generate"]["tokens_per_s"]
-            result["agree"] = sum(a == b for a, b in zip(slot_out, hf_out)) / len(prompts)
+            result["agree"] = sum(a == b for a, b in zip(slot_out, hf_out)) / len(hf_prompts)
     if world > 1:
         import torch.distributed as dist
 
@@ -175,7 +182,8 @@ def main(argv=None) -> dict:
         Path(args.out).write_text(json.dumps(result, indent=2))
         print(f"target {gen.name} ({result['dtype']}, {result['device']}), {len(prompts)} prompts "
               f"(mean {result['mean_prompt_tokens']:.0f} tokens), {args.max_new_tokens} new tokens max, "
-              f"batch {args.batch}")
+              f"{args.batch} slots" + (f"; HF: {result['hf_generate']['prompts']} prompts in batches of "
+                                       f"{result['hf_generate']['batch']}" if "hf_generate" in result else ""))
         print("| generator | tokens | seconds | tokens/s | ratio |")
         print("|---|---|---|---|---|")
         rows = [("hf_generate", result.get("hf_generate"), 1.0),
@@ -187,9 +195,12 @@ def main(argv=None) -> dict:
                 print(f"| {name} | {r['tokens']:,} | {r['seconds']:.2f} | {r['tokens_per_s']:,.0f} | "
                       f"{'' if ratio is None else f'{ratio:.2f}x'} |")
         if "agree" in result:
-            print(f"greedy answers identical to hf_generate: {result['agree']:.1%}; ratio of the multi-rank row: "
-                  "to the one-rank slots row")
+            print(f"greedy answers identical to hf_generate: {result['agree']:.1%}")
+        if world > 1:
+            print(f"the {world}-rank row's ratio is to the one-rank slots row")
         print(f"wrote {args.out}")
+    if args.toy and rank == 0:
+        shutil.rmtree(Path(target).parent if world == 1 else target, ignore_errors=True)
     return result
 
 

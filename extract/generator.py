@@ -173,7 +173,7 @@ class SlotGenerator:
     """Continuous-batching generation over `num_slots` static cache rows (see the module docstring)."""
 
     def __init__(self, model, stop_ids: list[int], num_slots: int = 64, temperature: float = 0.0,
-                 top_p: float = 1.0, top_k: int = 0, cuda_graph: bool = True, prefill_tokens: int = 16384,
+                 top_p: float = 1.0, top_k: int = 0, cuda_graph: bool = True, prefill_tokens: int = 32768,
                  length_step: int = 128):
         if num_slots < 1 or length_step < 1 or prefill_tokens < 1:
             raise ValueError(f"num_slots ({num_slots}), length_step ({length_step}) and prefill_tokens "
