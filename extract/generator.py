@@ -30,6 +30,7 @@ from __future__ import annotations
 import sys
 from collections import deque
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -317,7 +318,10 @@ class SlotGenerator:
 
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], max_new_tokens: int, seed: int = 0) -> list[list[int]]:
-        """New tokens for each prompt (input order), cut before the first stop id, at most max_new_tokens."""
+        """New tokens for each prompt (input order), cut before the first stop id, at most max_new_tokens.
+
+        The host keeps per-slot counters in numpy and each step's tokens as one row of `history`; a request's
+        answer is read out of its slot's column when it finishes, so a step costs the host O(finished) Python."""
         if not prompts:
             return []
         if max_new_tokens < 1:
@@ -327,48 +331,55 @@ class SlotGenerator:
         self._ensure_cache(max(len(p) for p in prompts) + max_new_tokens)
         torch.manual_seed(seed)
         self.stats = dict.fromkeys(self.stats, 0)
+        n_slots = self.num_slots
         outputs: list[list[int]] = [[] for _ in prompts]
         queue = deque(sorted(range(len(prompts)), key=lambda i: -len(prompts[i])))  # longest first
-        owner = [-1] * self.num_slots  # prompt index per slot, -1: free
-        position = [0] * self.num_slots  # the position (cache column) of the token a slot feeds next
-        refill_at = max(1, self.num_slots // 8)
-
-        def take(slot: int, request: int, token: int) -> None:  # a new token for a slot's request
-            if token in self.stop_ids:
-                owner[slot] = -1
-                return
-            outputs[request].append(token)
-            position[slot] = len(prompts[request]) + len(outputs[request]) - 1
-            if len(outputs[request]) >= max_new_tokens:
-                owner[slot] = -1
+        stops = np.array(sorted(self.stop_ids) or [-1], dtype=np.int64)
+        owner = np.full(n_slots, -1, dtype=np.int64)  # request per slot, -1: free
+        count = np.zeros(n_slots, dtype=np.int64)  # tokens its request has so far (the prefill's first included)
+        first = np.zeros(n_slots, dtype=np.int64)  # that first token (from the prefill)
+        start = np.zeros(n_slots, dtype=np.int64)  # the history row of its first decode step
+        prompt_len = np.zeros(n_slots, dtype=np.int64)
+        history = np.zeros((256, n_slots), dtype=np.int64)  # history[step] = every slot's token of that step
+        step = 0
+        refill_at = max(1, n_slots // 8)
 
         while True:
-            free = [s for s in range(self.num_slots) if owner[s] < 0]
-            busy = self.num_slots - len(free)
+            free = np.flatnonzero(owner < 0)
+            busy = n_slots - len(free)
             if queue and (len(free) >= refill_at or busy == 0 or len(free) >= len(queue)):
-                batch_slots = free[: len(queue)]
-                batch = [queue.popleft() for _ in batch_slots]
-                start = 0
-                while start < len(batch):  # length buckets: consecutive prompts (sorted) under a token budget
-                    stop = start + 1
-                    while stop < len(batch) and (stop + 1 - start) * len(prompts[batch[start]]) <= self.prefill_tokens:
-                        stop += 1
-                    slots, reqs = batch_slots[start:stop], batch[start:stop]
-                    for s, r in zip(slots, reqs):
-                        owner[s] = r
+                slots_all = free[: len(queue)].tolist()
+                batch = [queue.popleft() for _ in slots_all]
+                lo = 0
+                while lo < len(batch):  # length buckets: consecutive prompts (sorted) under a token budget
+                    hi = lo + 1
+                    while hi < len(batch) and (hi + 1 - lo) * len(prompts[batch[lo]]) <= self.prefill_tokens:
+                        hi += 1
+                    slots, reqs = slots_all[lo:hi], batch[lo:hi]
                     for s, r, token in zip(slots, reqs, self._prefill(slots, [prompts[r] for r in reqs])):
-                        take(s, r, token)
+                        owner[s], count[s], first[s], start[s], prompt_len[s] = r, 1, token, step, len(prompts[r])
+                        if token in self.stop_ids:
+                            owner[s] = -1
+                        elif max_new_tokens == 1:
+                            outputs[r], owner[s] = [token], -1
                     self.stats["prefills"] += 1
-                    start = stop
+                    lo = hi
                 continue
             if busy == 0:
                 return outputs
             if queue:
                 self.stats["idle_slot_steps_waiting"] += len(free)
             self.stats["decode_steps"] += 1
-            need = max(position[s] for s in range(self.num_slots) if owner[s] >= 0) + 1
+            live = owner >= 0
+            need = int((prompt_len + count - 1)[live].max()) + 1  # above the position every live slot feeds
             self._step(min(self.cache.max_length, -(-need // self.length_step) * self.length_step))
-            tokens = self.tok.tolist()
-            for s in range(self.num_slots):
-                if owner[s] >= 0:
-                    take(s, owner[s], tokens[s])
+            if step == len(history):
+                history = np.concatenate([history, np.zeros_like(history)])
+            history[step] = tokens = self.tok.cpu().numpy()
+            step += 1
+            count[live] += 1
+            stopped = live & np.isin(tokens, stops)
+            for s in np.flatnonzero(stopped | (live & (count >= max_new_tokens))).tolist():
+                column = history[start[s]:step, s].tolist()
+                outputs[owner[s]] = [int(first[s])] + (column[:-1] if stopped[s] else column)
+                owner[s] = -1
