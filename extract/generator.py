@@ -73,6 +73,7 @@ class SlotCache:
         """Attention reads columns 0..length-1 (every live slot's position is below `length`)."""
         self._slots = self._shift = None
         self._columns, self._length = columns, length
+        self._rows = torch.arange(columns.shape[0], device=columns.device)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:  # asked by some forwards when position ids are absent
         return 0
@@ -87,9 +88,8 @@ class SlotCache:
             self._alloc(layer_idx, key)
         k_all, v_all = self.keys[layer_idx], self.values[layer_idx]
         if self._columns is not None:  # one new token per slot; attention reads the whole cache
-            rows = torch.arange(key.shape[0], device=key.device)
-            k_all[rows, :, self._columns] = key[:, :, 0]
-            v_all[rows, :, self._columns] = value[:, :, 0]
+            k_all[self._rows, :, self._columns] = key[:, :, 0]
+            v_all[self._rows, :, self._columns] = value[:, :, 0]
             return k_all[:, :, : self._length], v_all[:, :, : self._length]
         width = key.shape[2]  # prefill: roll each row left by its padding, store columns 0..width-1
         src = (torch.arange(width, device=key.device)[None, :] + self._shift[:, None]).clamp(max=width - 1)
@@ -102,7 +102,8 @@ class SlotCache:
 def grouped_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """Attention with K/V heads shared by groups of query heads, without repeating K/V.
 
-    query [B, Hq, T, D], key/value [B, Hkv, S, D], attention_mask bool [B, 1, T, S] (True: attend).
+    query [B, Hq, T, D], key/value [B, Hkv, S, D], attention_mask [B, 1, T, S]: bool (True: attend) or
+    additive (0 / -inf)
     Handles attention sinks (``module.sinks``, one logit per query head) and logit soft-capping."""
     b, hq, t, d = query.shape
     hkv, s = key.shape[1], key.shape[2]
@@ -117,7 +118,7 @@ def grouped_attention(module, query, key, value, attention_mask, scaling=None, d
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     mask = attention_mask[:, :, None].expand(b, 1, g, t, s).reshape(b, 1, g * t, s)
-    scores = scores.masked_fill(~mask, float("-inf"))
+    scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask.float()
     if sinks is not None:
         sink = sinks.float().reshape(1, hkv, g, 1, 1).expand(b, hkv, g, t, 1).reshape(b, hkv, g * t, 1)
         probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
@@ -188,6 +189,7 @@ class SlotGenerator:
         self.prefill_tokens = prefill_tokens  # padded prompt tokens per prefill forward
         self.length_step = length_step  # cache length and attended lengths are multiples of it (one graph each)
         self.device = next(model.parameters()).device
+        self.dtype = model.get_input_embeddings().weight.dtype  # the activations' dtype
         text = _text_config(model.config)
         window = getattr(text, "sliding_window", None)
         sliding = "sliding_attention" in (getattr(text, "layer_types", None) or [])
@@ -238,7 +240,10 @@ class SlotGenerator:
         full = cols <= columns[:, None]
         window = (full & (cols > columns[:, None] - self.window)) if self.window else None
         self.cache.decode(columns, length)
-        mask = self._masks(full[:, None, None, :], None if window is None else window[:, None, None, :])
+        # additive masks, made once per step (SDPA would convert a boolean one in every layer)
+        full, window = (None if m is None else torch.zeros(m.shape, dtype=self.dtype, device=self.device)
+                        .masked_fill_(~m, float("-inf"))[:, None, None, :] for m in (full, window))
+        mask = self._masks(full, window)
         logits = self._forward(self.tok[:, None], columns[:, None], mask)
         self.tok.copy_(sample_next(logits, self.temperature, self.top_k, self.top_p))
         self.pos.copy_(columns + 1)
