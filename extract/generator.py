@@ -80,14 +80,18 @@ class SlotCache:
 
     def _alloc(self, layer_idx: int, like: torch.Tensor) -> None:
         shape = (self.num_slots, like.shape[1], self.max_length, like.shape[3])
-        self.keys[layer_idx] = torch.zeros(shape, dtype=like.dtype, device=like.device)
-        self.values[layer_idx] = torch.zeros(shape, dtype=like.dtype, device=like.device)
+        try:
+            self.keys[layer_idx] = torch.zeros(shape, dtype=like.dtype, device=like.device)
+            self.values[layer_idx] = torch.zeros(shape, dtype=like.dtype, device=like.device)
+        except torch.cuda.OutOfMemoryError:
+            raise ValueError(f"the KV cache of {self.num_slots} slots x {self.max_length} tokens does not fit on "
+                             f"{like.device}: lower --batch-size or --max-prompt-length / --max-new-tokens") from None
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
         if layer_idx not in self.keys:
             self._alloc(layer_idx, key)
         k_all, v_all = self.keys[layer_idx], self.values[layer_idx]
-        if self._columns is not None:  # one new token per slot; attention reads the whole cache
+        if self._columns is not None:  # one new token per slot; attention reads the columns below _length
             k_all[self._rows, :, self._columns] = key[:, :, 0]
             v_all[self._rows, :, self._columns] = value[:, :, 0]
             return k_all[:, :, : self._length], v_all[:, :, : self._length]
