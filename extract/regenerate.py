@@ -5,8 +5,12 @@ A drafter learns to predict what the target says; answers written by another mod
 CPU (testbed, a few prompts):
     python -m dflashkit.extract.regenerate --target testbed:smollm2 --data builtin:mtbench --limit 4 \\
         --max-new-tokens 64 --out runs/mtbench-smollm2.jsonl
-One GPU, sampled:
-    dflashkit regenerate --target /models/Qwen3-8B --data chats.jsonl --out regen.jsonl --temperature 0.6 --top-p 0.95
+One GPU, sampled, 256 sequences decoded at once:
+    dflashkit regenerate --target /models/Qwen3-8B --data chats.jsonl --out regen.jsonl --temperature 0.6 --top-p 0.95 \
+        --batch-size 256
+Several GPUs (rank r answers conversations i % world_size == r; rank 0 merges the parts into --out):
+    torchrun --standalone --nproc_per_node 8 -m dflashkit.extract.regenerate --target /models/Qwen3-8B \
+        --data chats.jsonl --out regen.jsonl --batch-size 256
 A running vLLM / SGLang server (OpenAI-compatible), 32 requests in flight:
     dflashkit regenerate --server http://localhost:8000/v1 --model Qwen/Qwen3-8B --data chats.jsonl --out regen.jsonl \\
         --concurrency 32
@@ -15,13 +19,17 @@ Then extract from the output: ``dflashkit extract --data regen.jsonl ...``.
 Design choices:
 - System and user turns are kept; every user turn gets the target's answer to the conversation so far (its own
   earlier answers included), so multi-turn data and prompt-only data (MT-bench) are treated alike.
-- Hugging Face generation runs conversations in batches (left padding), turn by turn, greedy or sampled; it
-  stops at the template's end-of-turn token and the tokenizer's eos. A server gets one request per turn, several
-  conversations in flight; its ``reasoning_content`` (thinking models) is kept as a ``<think>`` block.
+- A local target (--target) answers turn by turn, --batch-size x --chunk-factor conversations at a time,
+  through ``generator.SlotGenerator`` (--batch-size cache slots, continuous batching, a CUDA-graph decode step
+  on a GPU); a target with recurrent layers (Qwen3.5, Qwen3-Next) through Hugging Face ``generate`` in
+  left-padded batches. Generation stops at the template's end-of-turn token and the tokenizer's eos. A server
+  gets one request per turn, several conversations in flight; its ``reasoning_content`` (thinking models) is
+  kept as a ``<think>`` block.
 - Output is JSONL in the input's order: {"index", "source", "messages"} plus how it was generated. A run killed
-  at any point continues with --resume: finished conversations are skipped, a cut last line is dropped.
-  Greedy output is the same either way; sampled output is seeded per conversation (--seed + index) on a server,
-  per batch with Hugging Face.
+  at any point continues with --resume: finished conversations are skipped, a cut last line is dropped. With
+  several ranks each writes ``<out>.rank<r>-of-<world>`` (resumed the same way) and rank 0 merges them, by
+  index, into --out at the end. Greedy output is the same either way (up to bf16 rounding between batch
+  shapes); sampled output is seeded per conversation (--seed + index) on a server, per chunk locally.
 """
 
 from __future__ import annotations
@@ -41,6 +49,16 @@ import torch
 from .chat import BadSample, ChatConfig, end_of_turn_token, normalize_record, render
 
 
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a whole number >= 1")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dflashkit regenerate", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -57,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--resume", action="store_true", help="continue a killed run into the same --out")
     g.add_argument("--on-bad", choices=("skip", "fail"), default="skip", help="a bad record: skip it, or stop")
     g = p.add_argument_group("generation")
-    g.add_argument("--max-new-tokens", type=int, default=1024, help="longest answer per turn")
+    g.add_argument("--max-new-tokens", type=positive_int, default=1024, help="longest answer per turn")
     g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
     g.add_argument("--top-k", type=int, default=0, help="0: no top-k")
@@ -66,8 +84,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-prompt-length", type=int, default=None, help="skip a turn whose prompt is longer")
     g.add_argument("--max-turns", type=int, default=None,
                    help="answer only the first N user turns of each conversation (later turns are dropped)")
-    g.add_argument("--batch-size", type=int, default=16, help="conversations per HF generate call")
-    g.add_argument("--concurrency", type=int, default=16, help="server requests in flight")
+    g.add_argument("--batch-size", type=positive_int, default=16,
+                   help="--target: sequences decoded at once (cache slots; HF generate: per call)")
+    g.add_argument("--chunk-factor", type=positive_int, default=8,
+                   help="--target: conversations answered together, in multiples of --batch-size")
+    g.add_argument("--no-cuda-graph", action="store_true", help="--target on a GPU: run each decode step eagerly")
+    g.add_argument("--concurrency", type=positive_int, default=16, help="server requests in flight")
     g.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None)
     g.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     g.add_argument("--no-progress", action="store_true")
@@ -92,79 +114,103 @@ def done_indices(out: Path) -> set[int]:
 # ---------------------------------------------------------------- generators
 
 
-class HFGenerator:
-    """Batched Hugging Face generation, turn by turn."""
+class TargetGenerator:
+    """Answers from a local target, turn by turn: the slot generator (static cache, continuous batching, CUDA
+    graph) for attention-only targets, Hugging Face ``generate`` (left-padded batches) for the others."""
 
-    def __init__(self, args, template_kwargs: dict):
+    def __init__(self, target: str, *, template_kwargs: dict, max_new_tokens: int, temperature: float = 0.0,
+                 top_p: float = 1.0, top_k: int = 0, max_prompt_length: int | None = None, batch_size: int = 16,
+                 dtype: str | None = None, device: str | None = None, cuda_graph: bool = True):
         from dflashkit.target.loading import load_target
 
-        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        dtype = getattr(torch, args.dtype or ("bfloat16" if device.startswith("cuda") else "float32"))
-        self.target = load_target(args.target, dtype=dtype, device=device)
+        from .generator import SlotGenerator, supports_slots
+
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        torch_dtype = getattr(torch, dtype or ("bfloat16" if device.startswith("cuda") else "float32"))
+        self.target = load_target(target, dtype=torch_dtype, device=device)
         self.tok = self.target.tokenizer
         self.cfg = ChatConfig(template_kwargs=template_kwargs)
         eot = end_of_turn_token(self.tok, self.cfg)
         self.stop_ids = sorted({i for i in (self.tok.convert_tokens_to_ids(eot), self.tok.eos_token_id)
                                 if i is not None})
         self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.stop_ids[0]
-        self.args, self.device = args, device
+        self.max_new_tokens, self.max_prompt_length, self.batch_size = max_new_tokens, max_prompt_length, batch_size
+        self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
+        self.device = device
         self.name = self.target.path
+        self.slots = None
+        if supports_slots(self.target.model):
+            self.slots = SlotGenerator(self.target.model, self.stop_ids, num_slots=batch_size,
+                                       temperature=temperature, top_p=top_p, top_k=top_k, cuda_graph=cuda_graph)
 
     def answer(self, histories: list[list[dict]], seed: int) -> list[str | BadSample]:
         """The target's next assistant turn for each history (a BadSample where the prompt cannot be made)."""
-        a = self.args
         out: list[str | BadSample] = []
         prompts = []
         for h in histories:
             try:
                 prompt = self.tok(render(self.tok, h, self.cfg, add_generation_prompt=True),
                                   add_special_tokens=False)["input_ids"]
-                if a.max_prompt_length is not None and len(prompt) > a.max_prompt_length:
+                if self.max_prompt_length is not None and len(prompt) > self.max_prompt_length:
                     raise BadSample("too_long", f"a prompt of {len(prompt)} tokens > --max-prompt-length "
-                                                f"{a.max_prompt_length}")
+                                                f"{self.max_prompt_length}")
                 out.append("")
             except BadSample as e:
                 prompt = None
                 out.append(e)
             prompts.append(prompt)
         live = [k for k, p in enumerate(prompts) if p is not None]
-        if not live:
-            return out
-        width = max(len(prompts[k]) for k in live)
-        ids = torch.full((len(live), width), self.pad_id, dtype=torch.long)
+        if self.slots is not None:
+            new = self.slots.generate([prompts[k] for k in live], self.max_new_tokens, seed=seed)
+        else:
+            new = []
+            for start in range(0, len(live), self.batch_size):
+                new += self.hf_generate([prompts[k] for k in live[start:start + self.batch_size]], seed + start)
+        for k, tokens in zip(live, new):
+            out[k] = self.tok.decode(tokens, skip_special_tokens=True)
+        return out
+
+    def hf_generate(self, prompts: list[list[int]], seed: int) -> list[list[int]]:
+        """New tokens per prompt from one Hugging Face ``generate`` call (left padding), cut before a stop id."""
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
         attn = torch.zeros_like(ids)
-        for row, k in enumerate(live):  # left padding: every prompt ends where generation starts
-            ids[row, width - len(prompts[k]):] = torch.tensor(prompts[k])
-            attn[row, width - len(prompts[k]):] = 1
-        sample = a.temperature > 0
-        kwargs = dict(do_sample=sample, temperature=a.temperature if sample else None,
-                      top_p=a.top_p if sample else None, top_k=(a.top_k or None) if sample else None)
+        for row, p in enumerate(prompts):  # left padding: every prompt ends where generation starts
+            ids[row, width - len(p):] = torch.tensor(p)
+            attn[row, width - len(p):] = 1
+        kwargs: dict = {"do_sample": self.temperature > 0}
+        if self.temperature > 0:
+            kwargs.update(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)  # 0: no top-k
         torch.manual_seed(seed)
         with torch.inference_mode():
             gen = self.target.model.generate(input_ids=ids.to(self.device), attention_mask=attn.to(self.device),
-                                             max_new_tokens=a.max_new_tokens, eos_token_id=self.stop_ids,
+                                             max_new_tokens=self.max_new_tokens, eos_token_id=self.stop_ids,
                                              pad_token_id=self.pad_id, **{k: v for k, v in kwargs.items()
-                                                                           if v is not None or k == "do_sample"})
-        for row, k in enumerate(live):
-            new = gen[row, width:].tolist()
-            cut = next((j for j, t in enumerate(new) if t in self.stop_ids), len(new))
-            out[k] = self.tok.decode(new[:cut], skip_special_tokens=True)
+                                                                          if v is not None})
+        out = []
+        for row in gen[:, width:].tolist():
+            cut = next((j for j, t in enumerate(row) if t in self.stop_ids), len(row))
+            out.append(row[:cut])
         return out
 
 
 class ServerGenerator:
     """One chat-completions request per turn to an OpenAI-compatible server (vLLM, SGLang, ...)."""
 
-    def __init__(self, args, template_kwargs: dict):
-        if not args.model:
+    def __init__(self, server: str, model: str | None, *, template_kwargs: dict, max_new_tokens: int,
+                 temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, api_key: str = "",
+                 concurrency: int = 16):
+        if not model:
             raise ValueError("--server needs --model (the name the server serves the target under)")
-        self.url = args.server.rstrip("/") + "/chat/completions"
-        self.args, self.template_kwargs, self.name = args, template_kwargs, f"{args.server} {args.model}"
+        self.url = server.rstrip("/") + "/chat/completions"
+        self.model, self.api_key, self.concurrency = model, api_key, concurrency
+        self.max_new_tokens, self.temperature, self.top_p, self.top_k = max_new_tokens, temperature, top_p, top_k
+        self.template_kwargs, self.name = template_kwargs, f"{server} {model}"
 
     def _post(self, body: dict) -> dict:
         headers = {"Content-Type": "application/json"}
-        if self.args.api_key:
-            headers["Authorization"] = f"Bearer {self.args.api_key}"
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
         last = None
         for attempt in range(4):
             req = urllib.request.Request(self.url, data=json.dumps(body).encode(), headers=headers)
@@ -181,11 +227,10 @@ class ServerGenerator:
         raise ValueError(f"{self.url}: {last}; check --server and --model (run again with --resume)")
 
     def answer_one(self, history: list[dict], seed: int) -> str:
-        a = self.args
-        body = {"model": a.model, "messages": history, "max_tokens": a.max_new_tokens, "temperature": a.temperature,
-                "top_p": a.top_p, "seed": seed}
-        if a.top_k:
-            body["top_k"] = a.top_k
+        body = {"model": self.model, "messages": history, "max_tokens": self.max_new_tokens,
+                "temperature": self.temperature, "top_p": self.top_p, "seed": seed}
+        if self.top_k:
+            body["top_k"] = self.top_k
         if self.template_kwargs:
             body["chat_template_kwargs"] = self.template_kwargs
         msg = self._post(body)["choices"][0]["message"]
@@ -227,7 +272,7 @@ def _regenerate_chunk(gen, chunk: list[tuple[int, list[dict]]], seed: int) -> li
             except BadSample as e:
                 return e
 
-        with ThreadPoolExecutor(gen.args.concurrency) as pool:
+        with ThreadPoolExecutor(gen.concurrency) as pool:
             return list(pool.map(guarded, chunk))
     histories: list = [[] for _ in chunk]
     pos = [0] * len(chunk)
@@ -253,23 +298,81 @@ def _regenerate_chunk(gen, chunk: list[tuple[int, list[dict]]], seed: int) -> li
                 histories[c].append({"role": "assistant", "content": text})
 
 
+def _rank_world() -> tuple[int, int, int]:
+    """(rank, world_size, local_rank) from the launcher's environment (torchrun / accelerate); (0, 1, 0) alone."""
+    return (int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")),
+            int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def part_path(out: Path, rank: int, world: int) -> Path:
+    """Where rank `rank` of `world` writes its conversations before rank 0 merges them into `out`."""
+    return out.with_name(f"{out.name}.rank{rank}-of-{world}")
+
+
+def merge_parts(out: Path, world: int) -> int:
+    """Rows of `out` (a earlier merged run) and of every rank's part, by index, into `out` (atomically); the parts
+    are removed. Returns the number of rows."""
+    rows: dict[int, bytes] = {}
+    for path in [out, *(part_path(out, r, world) for r in range(world))]:
+        if path.exists():
+            for line in path.read_bytes().splitlines():
+                if line.strip():
+                    rows[json.loads(line)["index"]] = line
+    tmp = out.with_name(f".{out.name}.merging")
+    with open(tmp, "wb") as f:
+        f.write(b"".join(rows[i] + b"\n" for i in sorted(rows)))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, out)
+    for r in range(world):
+        part_path(out, r, world).unlink(missing_ok=True)
+    return len(rows)
+
+
+def _barrier(world: int) -> None:
+    """Wait for every rank (a gloo group: it moves no tensors, so it serves GPU runs as well)."""
+    if world == 1:
+        return
+    import datetime
+
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", timeout=datetime.timedelta(hours=24))
+    dist.barrier()
+
+
 def run(args) -> dict:
     from .sources import iter_records
 
     if bool(args.target) == bool(args.server):
-        raise ValueError("give either --target (Hugging Face generation) or --server (an OpenAI-compatible URL)")
+        raise ValueError("give either --target (a local model) or --server (an OpenAI-compatible URL)")
+    if args.temperature < 0 or args.top_k < 0 or not 0 < args.top_p <= 1:
+        raise ValueError(f"--temperature {args.temperature}, --top-k {args.top_k}, --top-p {args.top_p}: give "
+                         "temperature >= 0 (0: greedy), top-k >= 0 (0: off) and top-p in (0, 1]")
+    rank, world, local_rank = _rank_world()
     out = Path(args.out)
-    if out.exists() and out.stat().st_size and not args.resume:
+    path = part_path(out, rank, world) if world > 1 else out
+    if not args.resume and any(p.exists() and p.stat().st_size for p in (out, path)):
         raise ValueError(f"{out} exists: add --resume to continue it, or pick another --out")
-    done = done_indices(out) if args.resume else set()
+    done = (done_indices(out) | done_indices(path)) if args.resume else set()
     template_kwargs = json.loads(args.chat_template_kwargs)
-    gen = ServerGenerator(args, template_kwargs) if args.server else HFGenerator(args, template_kwargs)
+    sampling = dict(template_kwargs=template_kwargs, max_new_tokens=args.max_new_tokens,
+                    temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+    if args.server:
+        gen = ServerGenerator(args.server, args.model, api_key=args.api_key, concurrency=args.concurrency,
+                              **sampling)
+    else:
+        device = args.device or (f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
+        gen = TargetGenerator(args.target, max_prompt_length=args.max_prompt_length, batch_size=args.batch_size,
+                              dtype=args.dtype, device=device, cuda_graph=not args.no_cuda_graph, **sampling)
     meta = {"generator": gen.name, "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
             "max_new_tokens": args.max_new_tokens, "chat_template_kwargs": template_kwargs}
-    chunk_size = args.concurrency * 4 if args.server else args.batch_size
+    # conversations answered together: several times the slots, so refills keep the slots busy
+    chunk_size = args.concurrency * 4 if args.server else args.batch_size * args.chunk_factor
     counts = {"written": 0, "already_done": len(done), "skipped": {}}
     bar = None
-    if not args.no_progress:
+    if not args.no_progress and rank == 0:
         from tqdm import tqdm
 
         bar = tqdm(unit="conversation", desc="regenerate", dynamic_ncols=True)
@@ -280,7 +383,7 @@ def run(args) -> dict:
             raise BadSample(reason, detail, where)
         counts["skipped"][reason] = counts["skipped"].get(reason, 0) + 1
 
-    with open(out, "a", encoding="utf-8") as f:
+    with open(path, "a", encoding="utf-8") as f:
         chunk: list[tuple[int, list[dict], str]] = []
 
         def flush():
@@ -295,13 +398,13 @@ def run(args) -> dict:
             f.flush()
             os.fsync(f.fileno())
             if bar is not None:
-                bar.update(len(chunk))
+                bar.update(len(chunk) * world)
             chunk.clear()
 
         for item in iter_records(args.data, args.split):
             if args.limit is not None and item.index >= args.limit:
                 break
-            if item.index in done:
+            if item.index % world != rank or item.index in done:
                 continue
             try:
                 if item.bad is not None:
@@ -315,8 +418,14 @@ def run(args) -> dict:
             flush()
     if bar is not None:
         bar.close()
-    print(f"regenerate: {counts['written']} conversations written ({counts['already_done']} already there), "
-          f"skipped {counts['skipped'] or 'none'}, to {out}", file=sys.stderr)
+    where = f"rank {rank}/{world}: " if world > 1 else ""
+    print(f"regenerate: {where}{counts['written']} conversations written ({counts['already_done']} already there), "
+          f"skipped {counts['skipped'] or 'none'}, to {path}", file=sys.stderr)
+    if world > 1:
+        _barrier(world)
+        if rank == 0:
+            print(f"regenerate: {merge_parts(out, world)} conversations merged into {out}", file=sys.stderr)
+        _barrier(world)
     return counts
 
 

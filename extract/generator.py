@@ -1,0 +1,394 @@
+"""Fast local generation for ``dflashkit regenerate``: fixed batch slots over a static KV cache.
+
+Design choices:
+- The target stays the Hugging Face model: its own forward (rope, norms, MoE, attention sinks, sliding windows)
+  runs every step. Only the cache and the attention function are ours. ``SlotCache`` holds, per layer, K and V
+  of shape ``[slots, kv_heads, max_length, head_dim]``; a token's cache column is its position in its own
+  sequence, so every slot has its own length and no slot is padded on the left.
+- Each step passes an explicit boolean mask over the cache (``[slots, 1, 1, length]``: column <= the slot's
+  position, and inside the window for ``sliding_attention`` layers) and explicit position ids. A decode step
+  attends to the first ``length`` columns only: the smallest multiple of ``length_step`` above every live
+  slot's position (one CUDA graph per length, all sharing one memory pool).
+- Decode attention treats each K/V head's group of query heads as its queries (GQA without repeating K/V):
+  one fused SDPA call; our own float32-softmax form where the layer has attention sinks or soft-capping.
+  Prefill uses the library's SDPA (the grouped form for sinks).
+- Prompts are prefilled in length buckets (longest first, left padding, rows rolled into cache columns 0..L-1),
+  and a finished slot is refilled with the next prompt (continuous batching). Refills wait until an eighth of
+  the slots is free (or none is decoding), so prefills come in batches rather than one prompt at a time.
+- The decode step (forward, sampling, position update) is one function. On a GPU it is captured as a CUDA
+  graph (per attended length) and replayed; on the CPU (and where capture fails, e.g. data-dependent MoE
+  routing) the same function runs eagerly, so the CPU tests cover the captured maths.
+- Sampling follows Hugging Face's order: temperature, top-k, top-p; a token is drawn as argmax(p / E) with
+  E ~ Exp(1) (the exponential-race form of a categorical draw), from the default generator seeded per call.
+  Greedy takes the argmax of float32 logits.
+- Targets with recurrent layers (linear attention: Qwen3.5, Qwen3-Next) have state that is not a K/V cache;
+  ``supports_slots`` says no for them and ``regenerate`` uses Hugging Face ``generate`` instead.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import deque
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from dflashkit.target.loading import cache_kwargs
+
+ATTENTION_NAME = "dflashkit_slots"
+_ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention"}
+
+
+def _text_config(config):
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def supports_slots(model) -> bool:
+    """True when every decoder layer is (full or sliding-window) attention, i.e. its state is a K/V cache."""
+    layer_types = getattr(_text_config(model.config), "layer_types", None) or ["full_attention"]
+    return set(layer_types) <= _ATTENTION_LAYER_TYPES
+
+
+# ---------------------------------------------------------------- cache and attention
+
+
+class SlotCache:
+    """Static K/V per layer, written at explicit (slot, column) places; the model calls ``update`` per layer.
+
+    ``prefill(slots, shift)``: the forward holds len(slots) left-padded prompts; row b's token t belongs in
+    column t - shift[b]. ``decode(columns)``: the forward holds one token per slot, written at columns[slot]."""
+
+    def __init__(self, num_slots: int, max_length: int):
+        self.num_slots, self.max_length = num_slots, max_length
+        self.keys: dict[int, torch.Tensor] = {}
+        self.values: dict[int, torch.Tensor] = {}
+        self._slots = self._shift = self._columns = None
+        self._length = max_length
+
+    def prefill(self, slots: torch.Tensor, shift: torch.Tensor) -> None:
+        self._slots, self._shift, self._columns = slots, shift, None
+
+    def decode(self, columns: torch.Tensor, length: int) -> None:
+        """Attention reads columns 0..length-1 (every live slot's position is below `length`)."""
+        self._slots = self._shift = None
+        self._columns, self._length = columns, length
+        self._rows = torch.arange(columns.shape[0], device=columns.device)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:  # asked by some forwards when position ids are absent
+        return 0
+
+    def _alloc(self, layer_idx: int, like: torch.Tensor) -> None:
+        shape = (self.num_slots, like.shape[1], self.max_length, like.shape[3])
+        try:
+            self.keys[layer_idx] = torch.zeros(shape, dtype=like.dtype, device=like.device)
+            self.values[layer_idx] = torch.zeros(shape, dtype=like.dtype, device=like.device)
+        except torch.cuda.OutOfMemoryError:
+            raise ValueError(f"the KV cache of {self.num_slots} slots x {self.max_length} tokens does not fit on "
+                             f"{like.device}: lower --batch-size or --max-prompt-length / --max-new-tokens") from None
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
+        if layer_idx not in self.keys:
+            self._alloc(layer_idx, key)
+        k_all, v_all = self.keys[layer_idx], self.values[layer_idx]
+        if self._columns is not None:  # one new token per slot; attention reads the columns below _length
+            k_all[self._rows, :, self._columns] = key[:, :, 0]
+            v_all[self._rows, :, self._columns] = value[:, :, 0]
+            return k_all[:, :, : self._length], v_all[:, :, : self._length]
+        width = key.shape[2]  # prefill: roll each row left by its padding, store columns 0..width-1
+        src = (torch.arange(width, device=key.device)[None, :] + self._shift[:, None]).clamp(max=width - 1)
+        src = src[:, None, :, None].expand(-1, key.shape[1], -1, key.shape[3])
+        k_all[self._slots, :, :width] = key.gather(2, src)
+        v_all[self._slots, :, :width] = value.gather(2, src)
+        return key, value  # prefill attends within the prompts only
+
+
+def grouped_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Attention with K/V heads shared by groups of query heads, without repeating K/V.
+
+    query [B, Hq, T, D], key/value [B, Hkv, S, D], attention_mask [B, 1, T, S]: bool (True: attend) or
+    additive (0 / -inf)
+    Handles attention sinks (``module.sinks``, one logit per query head) and logit soft-capping."""
+    b, hq, t, d = query.shape
+    hkv, s = key.shape[1], key.shape[2]
+    g = hq // hkv
+    q = query.reshape(b, hkv, g * t, d)  # query head h uses K/V head h // g
+    sinks = getattr(module, "sinks", None)
+    if t == 1 and sinks is None and kwargs.get("softcap") is None:  # one fused kernel; the G heads act as queries
+        out = F.scaled_dot_product_attention(q, key, value, attn_mask=attention_mask, scale=scaling)
+        return out.reshape(b, hq, t, d).transpose(1, 2).contiguous(), None
+    scores = torch.matmul(q, key.transpose(-1, -2)).float() * (scaling if scaling is not None else d ** -0.5)
+    softcap = kwargs.get("softcap")
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    mask = attention_mask[:, :, None].expand(b, 1, g, t, s).reshape(b, 1, g * t, s)
+    scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask.float()
+    if sinks is not None:
+        sink = sinks.float().reshape(1, hkv, g, 1, 1).expand(b, hkv, g, t, 1).reshape(b, hkv, g * t, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    out = torch.matmul(probs.to(value.dtype), value)  # [B, Hkv, G*T, D]
+    return out.reshape(b, hq, t, d).transpose(1, 2).contiguous(), None
+
+
+def slot_attention(module, query, key, value, attention_mask, **kwargs):
+    """The attention function the model runs while a SlotGenerator drives it (registered as ATTENTION_NAME)."""
+    if query.shape[2] > 1 and getattr(module, "sinks", None) is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        kwargs.pop("softcap", None)
+        kwargs.pop("sliding_window", None)
+        kwargs.pop("s_aux", None)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    return grouped_attention(module, query, key, value, attention_mask, **kwargs)
+
+
+def _register_attention() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION_NAME, slot_attention)
+
+
+# ---------------------------------------------------------------- sampling
+
+
+def sample_next(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """Next token per row from [B, V] logits: argmax if temperature == 0, else a draw after HF's warpers."""
+    logits = logits.float()
+    if temperature <= 0:
+        return logits.argmax(dim=-1)
+    logits = logits / temperature
+    if 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1)  # ascending
+        remove = sorted_logits.softmax(dim=-1).cumsum(dim=-1) <= 1 - top_p
+        remove[..., -1] = False  # the most likely token always stays
+        logits = logits.masked_fill(remove.scatter(-1, order, remove), float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    race = torch.empty_like(probs).exponential_(1.0).clamp_min_(torch.finfo(torch.float32).tiny)  # never 0 / 0
+    return (probs / race).argmax(dim=-1)
+
+
+# ---------------------------------------------------------------- the generator
+
+
+class SlotGenerator:
+    """Continuous-batching generation over `num_slots` static cache rows (see the module docstring)."""
+
+    def __init__(self, model, stop_ids: list[int], num_slots: int = 64, temperature: float = 0.0,
+                 top_p: float = 1.0, top_k: int = 0, cuda_graph: bool = True, prefill_tokens: int = 32768,
+                 length_step: int = 128):
+        if num_slots < 1 or length_step < 1 or prefill_tokens < 1:
+            raise ValueError(f"num_slots ({num_slots}), length_step ({length_step}) and prefill_tokens "
+                             f"({prefill_tokens}) must be >= 1")
+        if not supports_slots(model):
+            raise ValueError(f"{type(model).__name__} has non-attention layers (linear attention); use Hugging "
+                             "Face generate for it")
+        _register_attention()
+        self.model, self.stop_ids, self.num_slots = model, set(stop_ids), num_slots
+        self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
+        self.prefill_tokens = prefill_tokens  # padded prompt tokens per prefill forward
+        self.length_step = length_step  # cache length and attended lengths are multiples of it (one graph each)
+        self.device = next(model.parameters()).device
+        self.dtype = model.get_input_embeddings().weight.dtype  # the activations' dtype
+        text = _text_config(model.config)
+        window = getattr(text, "sliding_window", None)
+        sliding = "sliding_attention" in (getattr(text, "layer_types", None) or [])
+        self.window = int(window) if (sliding and window) else None
+        self.use_graph = cuda_graph and self.device.type == "cuda"
+        if self.device.type == "cuda":  # graphs and streams are made on the current device: make it the model's
+            torch.cuda.set_device(self.device)
+        self.graphed = False  # True once a decode step has been captured as a CUDA graph
+        # per generate() call: decode steps, prefill forwards, slot-steps left idle while prompts waited
+        self.stats = {"decode_steps": 0, "prefills": 0, "idle_slot_steps_waiting": 0}
+        self.cache: SlotCache | None = None
+        self._graphs: dict[int, object] = {}  # attended length -> captured decode step
+        self._pool = None  # the graphs share one memory pool
+        self._configs = list({id(c): c for c in [model.config, *(getattr(m, "config", None) for m in model.modules())]
+                              if c is not None and hasattr(c, "_attn_implementation")}.values())
+        self.tok = torch.zeros(num_slots, dtype=torch.long, device=self.device)  # the token each slot feeds next
+        self.pos = torch.zeros(num_slots, dtype=torch.long, device=self.device)  # its position (= cache column)
+
+    # ---- masks: True where a query may read a key
+    def _masks(self, allowed_full: torch.Tensor, allowed_window: torch.Tensor | None):
+        if self.window is None:
+            return allowed_full
+        return {"full_attention": allowed_full, "sliding_attention": allowed_window}
+
+    def _forward(self, input_ids, position_ids, mask):
+        impl = self._configs_with_impl(ATTENTION_NAME)
+        try:
+            out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
+                             logits_to_keep=1, **cache_kwargs(self.model, self.cache))
+        finally:
+            self._configs_with_impl(impl)
+        return out.logits[:, -1]
+
+    def _configs_with_impl(self, names):
+        """Point every config of the model at attention `names` (one name, or one per config); return the old ones.
+
+        The model is shared (e.g. with Hugging Face generate), so the switch lasts for one forward only."""
+        old = [c._attn_implementation for c in self._configs]
+        for c, name in zip(self._configs, names if isinstance(names, list) else [names] * len(self._configs)):
+            c._attn_implementation = name
+        return old
+
+    # ---- the decode step: the function the CUDA graph captures
+    def _decode_step(self, length: int) -> None:
+        """One token per slot; attention over cache columns 0..length-1 (above every live slot's position)."""
+        columns = self.pos.clamp(max=length - 1)  # an idle slot rewrites a column of its own row, read by no one
+        cols = torch.arange(length, device=self.device)[None, :]
+        full = cols <= columns[:, None]
+        window = (full & (cols > columns[:, None] - self.window)) if self.window else None
+        self.cache.decode(columns, length)
+        # additive masks, made once per step (SDPA would convert a boolean one in every layer)
+        full, window = (None if m is None else torch.zeros(m.shape, dtype=self.dtype, device=self.device)
+                        .masked_fill_(~m, float("-inf"))[:, None, None, :] for m in (full, window))
+        mask = self._masks(full, window)
+        logits = self._forward(self.tok[:, None], columns[:, None], mask)
+        self.tok.copy_(sample_next(logits, self.temperature, self.top_k, self.top_p))
+        self.pos.copy_(columns + 1)
+
+    def _step(self, length: int) -> None:
+        if self.use_graph and length not in self._graphs:
+            self._capture(length)
+        if self.use_graph:
+            self._graphs[length].replay()
+        else:
+            self._decode_step(length)
+
+    def _capture(self, length: int) -> None:
+        saved = (self.tok.clone(), self.pos.clone())
+        try:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # warm-up outside the graph (allocations, lazy inits)
+                    self._decode_step(length)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                self._decode_step(length)
+            self._pool = graph.pool()
+            self._graphs[length], self.graphed = graph, True
+        except RuntimeError as e:  # e.g. MoE routing that needs the host: run the same step eagerly
+            print(f"generator: decode step not captured as a CUDA graph ({str(e).splitlines()[0]}); "
+                  "running it eagerly", file=sys.stderr)
+            self.use_graph = False
+        # the warm-up steps wrote cache columns that no live slot reads (each is rewritten before it is
+        # unmasked), and advanced tok/pos: restore them
+        self.tok.copy_(saved[0])
+        self.pos.copy_(saved[1])
+
+    # ---- prefill a batch of prompts into the given slots; returns each one's first token
+    def _prefill(self, slots: list[int], prompts: list[list[int]]) -> list[int]:
+        lengths = [len(p) for p in prompts]
+        width = min(-(-max(lengths) // 16) * 16, self.cache.max_length)  # padded to 16: few distinct shapes
+        n = len(prompts)
+        ids = torch.zeros(n, width, dtype=torch.long)
+        for b, p in enumerate(prompts):
+            ids[b, width - len(p):] = torch.tensor(p, dtype=torch.long)
+        shift = torch.tensor([width - n_ for n_ in lengths], dtype=torch.long, device=self.device)
+        t = torch.arange(width, device=self.device)
+        positions = (t[None, :] - shift[:, None]).clamp(min=0)
+        q, k = t[:, None], t[None, :]
+        real_key = k[None] >= shift[:, None, None]  # [n, 1 -> q, k]
+        full = (k <= q)[None] & (real_key | (k == q)[None])  # a padding query sees itself only (no empty rows)
+        window = None
+        if self.window:
+            window = full & ((q - k < self.window)[None] | (k == q)[None])
+        self.cache.prefill(torch.tensor(slots, dtype=torch.long, device=self.device), shift)
+        mask = self._masks(full[:, None], None if window is None else window[:, None])
+        logits = self._forward(ids.to(self.device), positions, mask)
+        first = sample_next(logits, self.temperature, self.top_k, self.top_p)
+        index = torch.tensor(slots, dtype=torch.long, device=self.device)
+        self.tok[index] = first
+        self.pos[index] = torch.tensor(lengths, dtype=torch.long, device=self.device)
+        return first.tolist()
+
+    @torch.inference_mode()
+    def reserve(self, max_length: int) -> None:
+        """Allocate the cache for sequences up to `max_length` tokens and, on a GPU, capture the decode step for
+        every attended length now (generate() does both when first needed). Call it while no slot is busy."""
+        self._ensure_cache(max_length)
+        self._prefill([0], [[0]])  # allocates every layer's K/V (no slot is live: what it writes is never read)
+        if self.use_graph:
+            for length in range(self.length_step, self.cache.max_length + 1, self.length_step):
+                if length not in self._graphs:
+                    self._capture(length)
+
+    def _ensure_cache(self, max_length: int) -> None:
+        if self.cache is None or self.cache.max_length < max_length:
+            self.cache = SlotCache(self.num_slots, -(-max_length // self.length_step) * self.length_step)
+            self._graphs, self._pool = {}, None  # graphs hold the old cache's addresses
+
+    @torch.inference_mode()
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, seed: int = 0) -> list[list[int]]:
+        """New tokens for each prompt (input order), cut before the first stop id, at most max_new_tokens.
+
+        The host keeps per-slot counters in numpy and each step's tokens as one row of `history`; a request's
+        answer is read out of its slot's column when it finishes, so a step costs the host O(finished) Python."""
+        if not prompts:
+            return []
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={max_new_tokens}: give at least 1")
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("an empty prompt cannot be generated from")
+        self._ensure_cache(max(len(p) for p in prompts) + max_new_tokens)
+        torch.manual_seed(seed)
+        self.stats = dict.fromkeys(self.stats, 0)
+        n_slots = self.num_slots
+        outputs: list[list[int]] = [[] for _ in prompts]
+        queue = deque(sorted(range(len(prompts)), key=lambda i: -len(prompts[i])))  # longest first
+        stops = np.array(sorted(self.stop_ids) or [-1], dtype=np.int64)
+        owner = np.full(n_slots, -1, dtype=np.int64)  # request per slot, -1: free
+        count = np.zeros(n_slots, dtype=np.int64)  # tokens its request has so far (the prefill's first included)
+        first = np.zeros(n_slots, dtype=np.int64)  # that first token (from the prefill)
+        start = np.zeros(n_slots, dtype=np.int64)  # the history row of its first decode step
+        prompt_len = np.zeros(n_slots, dtype=np.int64)
+        history = np.zeros((256, n_slots), dtype=np.int64)  # history[step] = every slot's token of that step
+        step = 0
+        refill_at = max(1, n_slots // 8)
+
+        while True:
+            free = np.flatnonzero(owner < 0)
+            busy = n_slots - len(free)
+            if queue and (len(free) >= refill_at or busy == 0 or len(free) >= len(queue)):
+                slots_all = free[: len(queue)].tolist()
+                batch = [queue.popleft() for _ in slots_all]
+                lo = 0
+                while lo < len(batch):  # length buckets: consecutive prompts (sorted) under a token budget
+                    hi = lo + 1
+                    while hi < len(batch) and (hi + 1 - lo) * len(prompts[batch[lo]]) <= self.prefill_tokens:
+                        hi += 1
+                    slots, reqs = slots_all[lo:hi], batch[lo:hi]
+                    for s, r, token in zip(slots, reqs, self._prefill(slots, [prompts[r] for r in reqs])):
+                        owner[s], count[s], first[s], start[s], prompt_len[s] = r, 1, token, step, len(prompts[r])
+                        if token in self.stop_ids:
+                            owner[s] = -1
+                        elif max_new_tokens == 1:
+                            outputs[r], owner[s] = [token], -1
+                    self.stats["prefills"] += 1
+                    lo = hi
+                continue
+            if busy == 0:
+                return outputs
+            if queue:
+                self.stats["idle_slot_steps_waiting"] += len(free)
+            self.stats["decode_steps"] += 1
+            live = owner >= 0
+            need = int((prompt_len + count - 1)[live].max()) + 1  # above the position every live slot feeds
+            self._step(min(self.cache.max_length, -(-need // self.length_step) * self.length_step))
+            if step == len(history):
+                history = np.concatenate([history, np.zeros_like(history)])
+            history[step] = tokens = self.tok.cpu().numpy()
+            step += 1
+            count[live] += 1
+            stopped = live & np.isin(tokens, stops)
+            for s in np.flatnonzero(stopped | (live & (count >= max_new_tokens))).tolist():
+                column = history[start[s]:step, s].tolist()
+                outputs[owner[s]] = [int(first[s])] + (column[:-1] if stopped[s] else column)
+                owner[s] = -1
