@@ -65,8 +65,8 @@ def main(argv=None):
           f"backend {args.backend}")
     print(f"{'prefix':>6} {'nodes':>5} | {'eager ms':>8} {'graph ms':>8} | {'eager/AR':>8} {'graph/AR':>8}")
     for prefix in args.prefix:
-        verifier = TargetVerifier(model, default_target_layer_ids(layers, 5), max_len=prefix + max(args.nodes) + 8,
-                                  backend=args.backend)
+        verifier = TargetVerifier(model, default_target_layer_ids(layers, 5), backend=args.backend)
+        verifier.reserve(prefix + max(args.nodes) + 8)
         prompt = torch.randint(0, model.config.vocab_size, (prefix,), device="cuda")
         verifier.forward(prompt, last_logits_only=True)
         verifier.commit(list(range(prefix)))

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .acceptance import greedy_accept, probs_from_logits, sampled_accept_chain
+from .acceptance import greedy_accept, sampled_accept_chain, sampling_probs
 from .tree import DraftTree, build_tree
 
 
@@ -32,6 +32,8 @@ class DecodeConfig:
     tree_budget: int = 64  # tree mode: nodes verified per round, root included
     tree_top_k: int = 8  # tree mode: candidate tokens per draft position
     temperature: float = 0.0  # 0 = greedy; > 0 = lossless speculative sampling (chain only)
+    top_p: float = 1.0  # sampling: keep the smallest set of tokens whose probability reaches top_p (1 = all)
+    top_k: int = 0  # sampling: keep the k most likely tokens (0 = all)
     max_new_tokens: int = 256  # new tokens per prompt (the first comes from the prefill)
     stop_token_ids: tuple[int, ...] = ()  # generation ends after one of these (it is kept)
     attention_backend: str = "auto"  # tree attention: auto (Triton on CUDA), triton, torch
@@ -45,6 +47,8 @@ class DecodeConfig:
                              "(--mode chain)")
         if self.temperature < 0 or self.max_new_tokens < 1 or self.tree_budget < 1 or self.tree_top_k < 1:
             raise ValueError("temperature must be >= 0, max_new_tokens, tree_budget and tree_top_k >= 1")
+        if not 0 < self.top_p <= 1 or self.top_k < 0:
+            raise ValueError(f"top_p must be in (0, 1] and top_k >= 0 (0 = off), got {self.top_p}, {self.top_k}")
 
 
 @dataclass
@@ -74,7 +78,7 @@ def _crop(cache, length: int) -> None:
 class SpeculativeDecoder:
     """Target + drafter. `generate(prompt_ids)` decodes speculatively; `generate_autoregressive` is the baseline."""
 
-    def __init__(self, target, drafter: nn.Module, config: DecodeConfig, max_len: int | None = None):
+    def __init__(self, target, drafter: nn.Module, config: DecodeConfig):
         config.check()
         self.model = target if isinstance(target, nn.Module) else target.model  # a CausalLM or a dflashkit Target
         self.drafter = drafter.eval()
@@ -94,26 +98,22 @@ class SpeculativeDecoder:
                 raise ValueError(TREE_REFUSAL)
             self.verifier = HybridChainVerifier(self.model, drafter.target_layer_ids)
         else:
-            self.verifier = TargetVerifier(self.model, drafter.target_layer_ids, max_len or 4096,
-                                           config.attention_backend)
+            self.verifier = TargetVerifier(self.model, drafter.target_layer_ids, config.attention_backend)
         self.generator = torch.Generator(device=self.device)
 
-    def _ensure_room(self, needed: int) -> None:
-        cache = getattr(self.verifier, "cache", None)
-        if hasattr(cache, "max_len") and cache.max_len < needed:
-            cache.max_len = needed
-            cache.keys.clear()
-            cache.values.clear()
+    def _probs(self, logits: torch.Tensor) -> torch.Tensor:
+        cfg = self.config
+        return sampling_probs(logits, cfg.temperature, cfg.top_p, cfg.top_k)
 
     def _pick(self, logits: torch.Tensor) -> int:
         if self.config.temperature > 0:
-            return int(torch.multinomial(probs_from_logits(logits, self.config.temperature), 1,
-                                         generator=self.generator))
+            return int(torch.multinomial(self._probs(logits), 1, generator=self.generator))
         return int(logits.argmax())
 
     def _prefill(self, prompt_ids: list[int]):
         cfg = self.config
-        self._ensure_room(len(prompt_ids) + cfg.max_new_tokens + max(self.block_size, cfg.tree_budget) + 1)
+        # the one place the target's cache is sized: prompt + new tokens + one round of nodes
+        self.verifier.reserve(len(prompt_ids) + cfg.max_new_tokens + max(self.block_size, cfg.tree_budget) + 1)
         self.verifier.reset()
         self.generator.manual_seed(cfg.seed)
         _sync(self.device)
@@ -159,7 +159,7 @@ class SpeculativeDecoder:
         if cfg.mode == "tree":
             return build_tree(anchor, draft_logits, cfg.tree_budget, cfg.tree_top_k), None
         if cfg.temperature > 0:
-            probs = probs_from_logits(draft_logits, cfg.temperature)
+            probs = self._probs(draft_logits)
             drafts = torch.multinomial(probs, 1, generator=self.generator)[:, 0]
             return DraftTree.chain(anchor, drafts.tolist()), probs
         return DraftTree.chain(anchor, draft_logits.argmax(dim=-1).tolist()), None
@@ -168,7 +168,7 @@ class SpeculativeDecoder:
         if self.config.temperature > 0:
             drafts = torch.tensor(tree.tokens[1:], device=logits.device)
             accepted, next_token = sampled_accept_chain(
-                drafts, draft_probs, probs_from_logits(logits, self.config.temperature), self.generator)
+                drafts, draft_probs, self._probs(logits), self.generator)
             return list(range(accepted + 1)), next_token
         return greedy_accept(tree.tokens, tree.parents, logits.argmax(dim=-1).tolist())
 

@@ -12,8 +12,12 @@ Design choices:
   autoregressive run over the same tokens would have cached.
 - Prefill, autoregressive steps and chain verification are trees too (parents i - 1); a prefill without prefix
   uses SDPA's causal path instead of a dense mask.
-- Layer features come from forward hooks on the decoder layers named by target_layer_ids (layer i's output is
-  Hugging Face hidden_states[i + 1]).
+- Layer features come from dflashkit.target.capture.LayerCapture in its hooks-only mode (early_exit=False): the
+  one capture implementation, so eval reads exactly what extraction and training read (layer i's output is
+  Hugging Face hidden_states[i + 1]; layer L - 1 is the final-norm output).
+- Logits are computed here, not by the model: the decoder's final hidden state (after the final norm) times an
+  fp32 copy of the lm_head weight, in fp32 (and the target's final softcap, if any). Every acceptance decision
+  takes the argmax of these fp32 logits (DESIGN.md, numerics); the fp32 copy is made once per verifier.
 - Hybrid targets (linear-attention / recurrent layers) cannot drop a rejected suffix from a recurrent state, so
   `HybridChainVerifier` keeps the model's own cache, snapshots the recurrent states before each forward, and on a
   partial acceptance restores them, crops the attention layers and re-runs the accepted tokens: exact, chain only.
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -37,11 +42,19 @@ ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attenti
 class KVCache:
     """Preallocated per-layer K/V of one batch of sequences; slots [0, length) are committed."""
 
-    def __init__(self, max_len: int):
+    def __init__(self, max_len: int = 0):
         self.max_len = max_len  # slots per layer (prompt + new tokens + one round of nodes)
         self.keys: dict[int, torch.Tensor] = {}
         self.values: dict[int, torch.Tensor] = {}
         self.length = 0  # committed tokens
+
+    def reserve(self, max_len: int) -> None:
+        """Make room for max_len slots (buffers are reallocated on the next write when they grow; reset first)."""
+        if max_len > self.max_len:
+            self.max_len = max_len
+            self.keys.clear()
+            self.values.clear()
+            self.length = 0
 
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store this round's K/V [b, Hkv, N, d] at slots [length, length + N); return the whole buffers."""
@@ -128,47 +141,60 @@ def is_hybrid(model: nn.Module) -> bool:
     return any(t not in ATTENTION_LAYER_TYPES for t in layer_types)
 
 
-class _FeatureTap:
-    """Forward hooks on the tapped decoder layers; `take()` returns [N, K*H] of the last forward."""
+def capture_parts(model: nn.Module) -> SimpleNamespace:
+    """What dflashkit.target.capture.LayerCapture needs of a target, for a bare Hugging Face model."""
+    from dflashkit.target.loading import find_decoder
 
-    def __init__(self, model: nn.Module, layer_ids: list[int]):
-        layers = decoder_layers(model)
-        self.layer_ids = list(layer_ids)
-        self.outputs: dict[int, torch.Tensor] = {}
-        self.handles = [layers[i].register_forward_hook(self._hook(i)) for i in self.layer_ids]
+    decoder = find_decoder(model)
+    return SimpleNamespace(model=model, layers=decoder.layers, final_norm=decoder.norm,
+                           num_layers=len(decoder.layers))
 
-    def _hook(self, layer_id):
-        def hook(_module, _args, output):
-            self.outputs[layer_id] = output[0] if isinstance(output, (tuple, list)) else output
-        return hook
 
-    def take(self) -> torch.Tensor | None:
-        if not self.layer_ids:
-            return None
-        features = torch.cat([self.outputs[i] for i in self.layer_ids], dim=-1)
-        self.outputs.clear()
-        return features[0]
+class FP32Head:
+    """logits = final hidden state (upcast) @ lm_head weight (fp32 copy), then the target's final softcap."""
 
-    def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
+    def __init__(self, model: nn.Module):
+        lm_head = model.get_output_embeddings()
+        self.weight = lm_head.weight.detach().float()  # the same tensor when the target is fp32
+        bias = getattr(lm_head, "bias", None)
+        self.bias = bias.detach().float() if bias is not None else None
+        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        self.softcap = getattr(config, "final_logit_softcapping", None)
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden.float(), self.weight, self.bias)
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+
+def open_capture(model: nn.Module, layer_ids: list[int]):
+    """LayerCapture in hooks-only mode, entered (hooks on); leave it with .__exit__()."""
+    from dflashkit.target.capture import LayerCapture
+
+    return LayerCapture(capture_parts(model), layer_ids, early_exit=False).__enter__()
 
 
 class TargetVerifier:
     """The target with our KV cache and tree attention. Batch 1.
 
-    forward(tokens, parents, depths) runs the nodes and returns (logits [N or 1, V], features [N, K*H]);
+    forward(tokens, parents, depths) runs the nodes and returns (fp32 logits [N or 1, V], features [N, K*H]);
     commit(path) keeps nodes. parents/depths None = a causal chain continuing the committed prefix.
+    reserve(n) before a sequence makes room for n cache slots.
     """
 
-    def __init__(self, model: nn.Module, layer_ids: list[int], max_len: int, backend: str = "auto"):
+    def __init__(self, model: nn.Module, layer_ids: list[int], backend: str = "auto"):
         if is_hybrid(model):
             raise ValueError(f"{type(model).__name__} has non-attention layers; use HybridChainVerifier")
+        from dflashkit.target.loading import find_decoder
+
         register_tree_attention()
         self.model = model
+        self.decoder = find_decoder(model)
+        self.head = FP32Head(model)
         self.backend = backend
-        self.cache = KVCache(max_len)
-        self.tap = _FeatureTap(model, layer_ids)
+        self.cache = KVCache()
+        self.capture = open_capture(model, layer_ids)
         self._previous_attention = model.config._attn_implementation
         model.set_attn_implementation(ATTENTION_NAME)
         self.device = next(model.parameters()).device
@@ -179,6 +205,9 @@ class TargetVerifier:
 
     def reset(self) -> None:
         self.cache.reset()
+
+    def reserve(self, max_len: int) -> None:
+        self.cache.reserve(max_len)
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, parents: torch.Tensor | None = None,
@@ -203,16 +232,17 @@ class TargetVerifier:
                      self.backend)
         _ACTIVE.append(step)
         try:
-            out = self.model(input_ids=tokens.view(1, n).to(self.device), position_ids=positions, use_cache=False,
-                             logits_to_keep=1 if last_logits_only else 0)
+            hidden = self.decoder(input_ids=tokens.view(1, n).to(self.device), position_ids=positions,
+                                  use_cache=False).last_hidden_state
         finally:
             _ACTIVE.pop()
-        return out.logits[0], self.tap.take()
+        features, _ = self.capture.features()
+        return self.head(hidden[0, -1:] if last_logits_only else hidden[0]), features[0]
 
     def commit(self, path: list[int]) -> None:
         self.cache.commit(path)
 
     def close(self) -> None:
         """Remove the hooks and give the model its previous attention implementation back."""
-        self.tap.remove()
+        self.capture.__exit__(None, None, None)
         self.model.set_attn_implementation(self._previous_attention)

@@ -51,14 +51,20 @@ def test_eval_writes_a_complete_report_and_compares(pair, tmp_path, capsys):
     assert sum(k * v for k, v in histogram.items()) == 4 * (NEW - 1)  # every token after the prefill's
     assert overall["tau"] == pytest.approx(4 * (NEW - 1) / overall["rounds"])
     assert len(overall["per_position_acceptance"]) == 3 == report["block_size"] - 1
-    assert overall["lossless"]["match_rate"] == 1.0 and overall["lossless"]["first_divergence"] is None
-    assert overall["speedup"] > 0 and overall["verify_over_ar_step"] > 0
+    lossless = overall["lossless"]
+    assert lossless["prompts"] == 4 and lossless["mismatches"] == 0 and lossless["divergences"] == []
+    assert lossless["exact_match_rate"] == 1.0 and lossless["reference"]["attention"] == "sdpa"
+    assert overall["speedup"] > 0 and overall["verify_over_ar_step"] > 0 and overall["draft_over_ar_step"] > 0
+    assert overall["cost_model_speedup"] == pytest.approx(
+        overall["tau"] / (overall["verify_over_ar_step"] + overall["draft_over_ar_step"]))
+    assert "partial" not in report and "Lossless: no mismatch" in (tmp_path / "chain" / "report.md").read_text()
     assert report["drafter"]["block_size"] == 4 and report["target"]["config_hash"]
     assert report["args"]["mode"] == "chain" and report["versions"]["transformers"] == tf.__version__
     for name in ("report.md", "acceptance_histogram.png", "per_position_acceptance.png", "tau_per_dataset.png"):
         assert (tmp_path / "chain" / name).stat().st_size > 0
     tree = json.loads((tmp_path / "tree" / "report.json").read_text())
-    assert 1 < tree["overall"]["mean_nodes_per_round"] <= 6 and tree["overall"]["lossless"]["match_rate"] == 1.0
+    assert 1 < tree["overall"]["mean_nodes_per_round"] <= 6 and tree["overall"]["lossless"]["mismatches"] == 0
+    assert tree["overall"]["lossless"]["exact_match_rate"] == 1.0
 
     capsys.readouterr()
     assert main(["--compare", str(tmp_path / "chain"), str(tmp_path / "tree"), "--out", str(tmp_path / "cmp")]) == 0
@@ -77,7 +83,7 @@ def test_baseline_on_the_first_prompts_only(pair, tmp_path):
     assert part["overall"]["rounds"] == full["overall"]["rounds"] and part["overall"]["prompts"] == 4
     assert part["overall"]["baseline_prompts"] == 2  # the first prompt of each of the two datasets
     assert part["datasets"]["builtin:mtbench"]["baseline_prompts"] == 1
-    assert part["overall"]["lossless"]["divergence_per_prompt"] == [None, None]
+    assert part["overall"]["lossless"]["prompts"] == 2 and part["overall"]["lossless"]["divergences"] == []
     assert part["overall"]["speedup"] > 0
     assert _run(root, tmp_path / "none", "--baseline-prompts", "0") == 0
     none = json.loads((tmp_path / "none" / "report.json").read_text())
@@ -95,11 +101,12 @@ def test_prompts_are_the_first_user_turn_in_the_chat_template(pair):
     assert tokenizer.decode(prompts[0].input_ids).endswith("<|im_start|>assistant\n")
 
 
-def test_mismatched_drafter_is_refused(pair, tmp_path):
+def test_mismatched_drafter_is_refused(pair, tmp_path, capsys):
     root, _ = pair
     other = tf.LlamaConfig(vocab_size=1000, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
                            num_attention_heads=4, num_key_value_heads=2)
     save_drafter(build_drafter(DrafterConfig.for_target(other, num_hidden_layers=1, mask_token_id=0)),
                  tmp_path / "bad")
-    with pytest.raises(SystemExit, match="vocab_size 1000 != target's 49152"):
-        main(["--target", str(root / "target"), "--drafter", str(tmp_path / "bad"), "--out", str(tmp_path / "o")])
+    assert main(["--target", str(root / "target"), "--drafter", str(tmp_path / "bad"), "--out",
+                 str(tmp_path / "o")]) == 2
+    assert "vocab_size 1000 != target's 49152" in capsys.readouterr().err
