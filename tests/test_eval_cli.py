@@ -110,3 +110,35 @@ def test_mismatched_drafter_is_refused(pair, tmp_path, capsys):
     assert main(["--target", str(root / "target"), "--drafter", str(tmp_path / "bad"), "--out",
                  str(tmp_path / "o")]) == 2
     assert "vocab_size 1000 != target's 49152" in capsys.readouterr().err
+
+
+def test_chat_template_kwargs_render_as_extraction_does(pair):
+    from test_extract_chat import QWEN3
+
+    from dflashkit.extract.chat import ChatConfig, render
+
+    _, tokenizer = pair
+    qwen = tf.AutoTokenizer.from_pretrained(tokenizer.name_or_path)
+    qwen.chat_template = QWEN3
+    off = load_prompts("builtin:mtbench", qwen, 1, template_kwargs={"enable_thinking": False})[0]
+    on = load_prompts("builtin:mtbench", qwen, 1)[0]
+    assert off.input_ids != on.input_ids  # the kwargs reach the template
+    text = render(qwen, off.messages, ChatConfig(template_kwargs={"enable_thinking": False}), True)
+    assert off.input_ids == qwen(text, add_special_tokens=False)["input_ids"]
+
+
+def test_chat_template_kwargs_are_recorded_and_a_different_training_is_warned(pair, tmp_path, capsys):
+    import shutil
+
+    root, _ = pair
+    shutil.copytree(root, tmp_path / "pair")
+    config = tmp_path / "pair" / "drafter" / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "chat_template_kwargs": {"enable_thinking": True}}))
+    kwargs = '{"enable_thinking": false}'
+    assert _run(tmp_path / "pair", tmp_path / "r", "--chat-template-kwargs", kwargs, "--baseline-prompts", "0") == 0
+    assert 'trained with chat template kwargs {"enable_thinking": true}' in capsys.readouterr().err
+    report = json.loads((tmp_path / "r" / "report.json").read_text())
+    assert report["args"]["chat_template_kwargs"] == {"enable_thinking": False}
+    assert report["drafter"]["chat_template_kwargs"] == {"enable_thinking": True}
+    assert _run(tmp_path / "pair", tmp_path / "r", "--chat-template-kwargs", "[1]") == 2
+    assert "must be a JSON object" in capsys.readouterr().err
