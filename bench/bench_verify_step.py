@@ -5,10 +5,11 @@
     python bench/bench_verify_step.py --target /root/testbed/smollm2-bf16 --out verify_testbed.json
 
 The target runs through dflashkit's TargetVerifier (its own KV cache, tree attention). After a prefill of
---prefix tokens, one forward over a best-first tree of N nodes (N = 1 is the AR step) is timed twice: eagerly
-(Python and launch overhead included, as a plain decode loop sees it) and as a replayed CUDA graph (the GPU's
-own time). verify/AR = time(N nodes) / time(1 node). Random-weight presets have the shapes of real models;
-timing does not depend on the weights. Prints a table and writes JSON.
+--prefix tokens, one forward over a best-first tree of N nodes (N = 1 is the AR step) is timed three ways:
+eagerly (cuda_graphs=False: Python and launch overhead included, as a plain decode loop sees it), as the
+verifier's forward with its CUDA graph (input copies + replay: what `dflashkit eval` pays per step), and as the
+bare graph replay (the GPU's own time). verify/AR = time(N nodes) / time(1 node). Random-weight presets have the
+shapes of real models; timing does not depend on the weights. Prints a table and writes JSON.
 """
 
 from __future__ import annotations
@@ -63,44 +64,46 @@ def main(argv=None):
     rows = []
     print(f"target {args.target} ({sum(p.numel() for p in model.parameters()) / 1e9:.2f}B params), "
           f"backend {args.backend}")
-    print(f"{'prefix':>6} {'nodes':>5} | {'eager ms':>8} {'graph ms':>8} | {'eager/AR':>8} {'graph/AR':>8}")
+    print(f"{'prefix':>6} {'nodes':>5} | {'eager ms':>8} {'step ms':>8} {'graph ms':>8} | {'eager/AR':>8} "
+          f"{'graph/AR':>8}")
+
+    def timed(fn, repeats=20):
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - start) / repeats * 1e3
+
     for prefix in args.prefix:
-        verifier = TargetVerifier(model, default_target_layer_ids(layers, 5), backend=args.backend)
-        verifier.reserve(prefix + max(args.nodes) + 8)
         prompt = torch.randint(0, model.config.vocab_size, (prefix,), device="cuda")
-        verifier.forward(prompt, last_logits_only=True)
-        verifier.commit(list(range(prefix)))
+        verifiers = {}
+        for graphs in (False, True):
+            verifier = TargetVerifier(model, default_target_layer_ids(layers, 5), args.backend, cuda_graphs=graphs)
+            verifier.reserve(prefix + max(args.nodes) + 8)
+            verifier.forward(prompt, last_logits_only=True)
+            verifier.commit(list(range(prefix)))
+            verifiers[graphs] = verifier
         base = {}
         for n in [1, *args.nodes]:
             tree = build_tree(0, torch.randn(15, 1000), budget=n, top_k=8)
-            tokens, parents, depths = (t.cuda() for t in tree.tensors("cpu"))
-            depth = max(tree.depths)
-            step = lambda: verifier.forward(tokens, parents, depths, max_depth=depth)  # noqa: E731 (no commit)
-            for _ in range(3):
-                step()
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            for _ in range(20):
-                step()
-            torch.cuda.synchronize()
-            eager = (time.perf_counter() - start) / 20 * 1e3
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                step()
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                step()
-            replay = do_bench(graph.replay, warmup=10, rep=100)
+            tokens, parents, depths = tree.tensors("cpu")
+            times = {}
+            for graphs, verifier in verifiers.items():  # forward without commit: the same step again and again
+                times[graphs] = timed(lambda: verifier.forward(tokens, parents, depths, pad_to=n))
+            replay = do_bench(verifiers[True].steps[n, False].graph.replay, warmup=10, rep=100)
             if n == 1:
-                base = {"eager": eager, "graph": replay}
-            row = {"target": args.target, "prefix": prefix, "nodes": n, "eager_ms": eager, "graph_ms": replay,
-                   "eager_over_ar": eager / base["eager"], "graph_over_ar": replay / base["graph"]}
+                base = {"eager": times[False], "graph": replay}
+            row = {"target": args.target, "prefix": prefix, "nodes": n, "eager_ms": times[False],
+                   "graph_step_ms": times[True], "graph_ms": replay, "eager_over_ar": times[False] / base["eager"],
+                   "graph_over_ar": replay / base["graph"]}
             rows.append(row)
-            print(f"{prefix:6d} {n:5d} | {eager:8.3f} {replay:8.3f} | {row['eager_over_ar']:8.2f} "
-                  f"{row['graph_over_ar']:8.2f}")
-        verifier.close()
+            print(f"{prefix:6d} {n:5d} | {times[False]:8.3f} {times[True]:8.3f} {replay:8.3f} | "
+                  f"{row['eager_over_ar']:8.2f} {row['graph_over_ar']:8.2f}")
+        for verifier in verifiers.values():
+            verifier.close()
     with open(args.out, "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=2)
     print(f"wrote {args.out}")

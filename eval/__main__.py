@@ -37,7 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     what.add_argument("--max-prompt-tokens", type=int, default=None, help="keep only the last N prompt tokens")
     what.add_argument("--out", help="report directory (report.json, report.md, PNG plots)")
     what.add_argument("--chat-template-kwargs", default="{}",
-                      help='JSON of extra chat template variables, as in extraction, e.g. \'{"enable_thinking": false}\'')
+                      help='JSON of extra chat template variables (as extraction and training), '
+                           'e.g. \'{"enable_thinking": false}\'')
     what.add_argument("--time-limit", type=float, default=None, metavar="S",
                       help="stop after the prompt running when S seconds have passed; write a partial report")
     decode = p.add_argument_group("decoding")
@@ -58,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="default: bfloat16 on CUDA, float32 on CPU")
     run.add_argument("--attention-backend", choices=["auto", "triton", "torch"], default="auto",
                      help="tree attention: Triton kernel on CUDA (auto) or the PyTorch twin")
+    run.add_argument("--no-cuda-graphs", action="store_true",
+                     help="run the target's decode steps eagerly instead of replaying CUDA graphs (CUDA only)")
     other = p.add_argument_group("other modes")
     other.add_argument("--compare", nargs="+", metavar="REPORT_DIR", help="put several reports side by side")
     other.add_argument("--server", help="OpenAI-compatible server URL to sweep (vLLM, SGLang)")
@@ -102,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     config = DecodeConfig(mode=args.mode, block_size=args.block_size, tree_budget=args.tree_budget,
                           tree_top_k=args.tree_top_k, temperature=args.temperature, top_p=args.top_p,
                           top_k=args.top_k, max_new_tokens=args.max_new_tokens, seed=args.seed,
-                          attention_backend=args.attention_backend)
+                          attention_backend=args.attention_backend, cuda_graphs=not args.no_cuda_graphs)
     try:
         config.check()
         report = run_eval(args.target, args.drafter, args.out, args.dataset, config, num_prompts=args.num_prompts,

@@ -10,6 +10,9 @@ One round (batch 1, as the reference `dflash_generate`):
 Lengths and stopping follow the reference exactly (a round produces min(accepted + 1, room left) tokens, the
 last block shrinks to the room left, a stop token ends the sequence and counts), so acceptance lengths can be
 compared round by round. The baseline runs the same verifier one token per step: the same harness.
+On CUDA the target's steps after the prefill (AR step, chain block, tree padded to the budget) replay CUDA graphs
+(eval/verifier.py, StaticStep; `cuda_graphs=False` for eager); the drafter runs eagerly (its context cache is a
+transformers DynamicCache that grows and is cropped).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ class DecodeConfig:
     max_new_tokens: int = 256  # new tokens per prompt (the first comes from the prefill)
     stop_token_ids: tuple[int, ...] = ()  # generation ends after one of these (it is kept)
     attention_backend: str = "auto"  # tree attention: auto (Triton on CUDA), triton, torch
+    cuda_graphs: bool = True  # replay the target's decode steps as CUDA graphs (CUDA only; the CPU runs eagerly)
     seed: int = 0  # sampling generator seed (reset per prompt)
 
     def check(self) -> None:
@@ -98,7 +102,8 @@ class SpeculativeDecoder:
                 raise ValueError(TREE_REFUSAL)
             self.verifier = HybridChainVerifier(self.model, drafter.target_layer_ids)
         else:
-            self.verifier = TargetVerifier(self.model, drafter.target_layer_ids, config.attention_backend)
+            self.verifier = TargetVerifier(self.model, drafter.target_layer_ids, config.attention_backend,
+                                           config.cuda_graphs)
         self.generator = torch.Generator(device=self.device)
 
     def _probs(self, logits: torch.Tensor) -> torch.Tensor:
@@ -195,7 +200,10 @@ class SpeculativeDecoder:
             _sync(self.device)
             t1 = time.perf_counter()
             tokens, parents, depths = tree.tensors("cpu")
-            logits, features = self.verifier.forward(tokens, parents, depths, max_depth=max(tree.depths))
+            if cfg.mode == "tree":  # one shape per run: the tree padded to the budget
+                logits, features = self.verifier.forward(tokens, parents, depths, pad_to=cfg.tree_budget)
+            else:  # a chain block (shorter only at the end of the sequence)
+                logits, features = self.verifier.forward(tokens)
             path, bonus = self._accept(tree, logits, draft_probs)
             produced = min(len(path), max_length - start - 1)
             new_tokens = ([tree.tokens[i] for i in path[1:]] + [bonus])[:produced]

@@ -67,7 +67,8 @@ def crop_attention_layers(cache, tokens_to_remove: int) -> None:
 
 
 class HybridChainVerifier:
-    """Same interface as TargetVerifier (forward / commit / length / reset / close), chains only."""
+    """Same interface as TargetVerifier (forward / commit / length / reset / reserve / close), chains only; eager
+    (the model's own cache grows and is cropped, so its steps are not captured as CUDA graphs)."""
 
     def __init__(self, model: nn.Module, layer_ids: list[int]):
         from dflashkit.target.loading import find_decoder
@@ -104,7 +105,7 @@ class HybridChainVerifier:
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, parents: torch.Tensor | None = None,
-                depths: torch.Tensor | None = None, last_logits_only: bool = False, max_depth: int | None = None):
+                depths: torch.Tensor | None = None, last_logits_only: bool = False, pad_to: int | None = None):
         n = tokens.shape[-1]
         if parents is not None and parents.tolist() != list(range(-1, n - 1)):
             raise ValueError(TREE_REFUSAL)

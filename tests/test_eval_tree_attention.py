@@ -147,3 +147,32 @@ def test_tree_forward_matches_plain_forward_of_each_path():
             assert (out.logits[0, -1] - logits[node]).abs().max() < 1e-5
             expected = torch.cat([out.hidden_states[1][0, -1], out.hidden_states[2][0, -1]])
             assert (expected - features[node]).abs().max() < 1e-5
+
+
+def test_static_steps_padded_trees_and_chains_equal_a_fresh_prefill():
+    """Decode steps run on static buffers (the CUDA-graph layout): a tree padded to a larger budget gives the
+    same logits and features for its real nodes, and a chain block equals the same tokens in one prefill."""
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    model = LlamaForCausalLM(config).eval()
+    prompt = torch.randint(0, 50, (9,))
+    tree = build_tree(int(prompt[-1]), torch.randn(4, 50), budget=7, top_k=3)
+    verifier = TargetVerifier(model, [0, 2], backend="torch")
+    verifier.reserve(64)
+    verifier.forward(prompt[:-1])
+    verifier.commit(list(range(8)))
+    tokens, parents, depths = tree.tensors("cpu")
+    exact = [t.clone() for t in verifier.forward(tokens, parents, depths)]
+    padded = verifier.forward(tokens, parents, depths, pad_to=16)
+    assert padded[0].shape[0] == tree.num_nodes and set(verifier.steps) == {(7, False), (16, False)}
+    for a, b in zip(exact, padded):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    chain_logits, chain_features = verifier.forward(prompt[-1:].clone().repeat(3))  # a chain of 3 after the prefix
+    verifier.close()
+    fresh = TargetVerifier(model, [0, 2], backend="torch")
+    fresh.reserve(64)
+    logits, features = fresh.forward(torch.cat([prompt[:-1], prompt[-1:].repeat(3)]))
+    fresh.close()
+    torch.testing.assert_close(chain_logits, logits[-3:], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(chain_features, features[-3:], atol=1e-5, rtol=1e-5)
