@@ -10,9 +10,10 @@ One round (batch 1, as the reference `dflash_generate`):
 Lengths and stopping follow the reference exactly (a round produces min(accepted + 1, room left) tokens, the
 last block shrinks to the room left, a stop token ends the sequence and counts), so acceptance lengths can be
 compared round by round. The baseline runs the same verifier one token per step: the same harness.
-On CUDA the target's steps after the prefill (AR step, chain block, tree padded to the budget) replay CUDA graphs
-(eval/verifier.py, StaticStep; `cuda_graphs=False` for eager); the drafter runs eagerly (its context cache is a
-transformers DynamicCache that grows and is cropped).
+On CUDA the target's steps after the prefill (AR step, chain block, tree padded to the budget; eval/verifier.py)
+and the drafter's pass (eval/draft_step.py) replay CUDA graphs, captured once per shape on static caches
+(`cuda_graphs=False` for eager); the CPU runs the same code eagerly. Drafters with sliding-window layers keep a
+transformers DynamicCache, cropped back to the anchor, eagerly.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .acceptance import greedy_accept, sampled_accept_chain, sampling_probs
+from .draft_step import StaticDrafter, supports_static_steps
 from .tree import DraftTree, build_tree
 
 
@@ -105,6 +107,10 @@ class SpeculativeDecoder:
             self.verifier = TargetVerifier(self.model, drafter.target_layer_ids, config.attention_backend,
                                            config.cuda_graphs)
         self.generator = torch.Generator(device=self.device)
+        self.static_drafter = None  # full-attention drafters: static context cache, CUDA graphs on CUDA
+        if supports_static_steps(drafter):
+            self.static_drafter = StaticDrafter(drafter, self.embed_weight, self.embed_scale, self.lm_head,
+                                                self.mask_token_id, self.block_size, config.cuda_graphs)
 
     def _probs(self, logits: torch.Tensor) -> torch.Tensor:
         cfg = self.config
@@ -117,8 +123,11 @@ class SpeculativeDecoder:
 
     def _prefill(self, prompt_ids: list[int]):
         cfg = self.config
-        # the one place the target's cache is sized: prompt + new tokens + one round of nodes
-        self.verifier.reserve(len(prompt_ids) + cfg.max_new_tokens + max(self.block_size, cfg.tree_budget) + 1)
+        # the one place the caches are sized: prompt + new tokens + one round of nodes
+        room = len(prompt_ids) + cfg.max_new_tokens + max(self.block_size, cfg.tree_budget) + 1
+        self.verifier.reserve(room)
+        if self.static_drafter is not None:
+            self.static_drafter.reserve(room)
         self.verifier.reset()
         self.generator.manual_seed(cfg.seed)
         _sync(self.device)
@@ -147,6 +156,8 @@ class SpeculativeDecoder:
 
     def _draft(self, anchor: int, context: torch.Tensor, draft_cache, start: int, size: int) -> torch.Tensor:
         """Drafter logits [size - 1, V] for positions start+1 .. start+size-1."""
+        if self.static_drafter is not None:
+            return self.static_drafter.logits(anchor, context, start, size)
         block = torch.full((1, size), self.mask_token_id, dtype=torch.long, device=self.device)
         block[0, 0] = anchor
         noise = F.embedding(block, self.embed_weight) * self.embed_scale
@@ -184,9 +195,11 @@ class SpeculativeDecoder:
         cfg = self.config
         first, context, prefill_s = self._prefill(prompt_ids)
         result = GenerationResult(len(prompt_ids), [first], prefill_s=prefill_s)
-        draft_cache = DynamicCache(config=self.drafter.config)
-        if hasattr(draft_cache, "activate_past_recording"):
-            draft_cache.activate_past_recording()  # sliding drafter layers must be croppable
+        draft_cache = None
+        if self.static_drafter is None:  # sliding-window drafters: a growing cache, cropped back to the anchor
+            draft_cache = DynamicCache(config=self.drafter.config)
+            if hasattr(draft_cache, "activate_past_recording"):
+                draft_cache.activate_past_recording()  # sliding drafter layers must be croppable
         stop = set(cfg.stop_token_ids)
         max_length = len(prompt_ids) + cfg.max_new_tokens
         start = len(prompt_ids)  # position of the anchor (the last token, not yet in the target cache)

@@ -241,15 +241,16 @@ class StaticStep:
         if not self.use_graph:
             return self._compute()
         if self.graph is None:  # warm up on a side stream (allocator, kernels), then capture once
-            side = torch.cuda.Stream(device=self.verifier.device)
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    self._compute()
-            torch.cuda.current_stream().wait_stream(side)
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph, pool=self.graph_pool):
-                self.outputs = self._compute()
+            with torch.cuda.device(self.verifier.device):
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    for _ in range(2):
+                        self._compute()
+                torch.cuda.current_stream().wait_stream(side)
+                self.graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(self.graph, pool=self.graph_pool):
+                    self.outputs = self._compute()
         self.graph.replay()
         return self.outputs
 
@@ -274,7 +275,8 @@ class TargetVerifier:
         self.backend = backend
         self.cache = KVCache()
         self.capture = open_capture(model, layer_ids)
-        self.cuda_graphs = cuda_graphs  # replay decode steps as CUDA graphs (on CUDA devices)
+        spread = len({str(d) for d in (getattr(model, "hf_device_map", None) or {}).values()}) > 1
+        self.cuda_graphs = cuda_graphs and not spread  # replay decode steps as CUDA graphs (one CUDA device)
         self.steps: dict[tuple[int, bool], StaticStep] = {}  # (nodes, chain) -> its static step
         self._graph_pool = None
         self._previous_attention = model.config._attn_implementation
