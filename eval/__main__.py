@@ -34,6 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
     what.add_argument("--baseline-prompts", type=int, default=None,
                       help="run the autoregressive baseline (speedup, lossless check) on the first N prompts of "
                            "each dataset only (default: all); tau always covers every prompt")
+    what.add_argument("--reference-prompts", type=int, default=None,
+                      help="lossless check against HF generate on the first N baseline prompts of each dataset "
+                           "(default: all of them; the reference is slow)")
     what.add_argument("--max-prompt-tokens", type=int, default=None, help="keep only the last N prompt tokens")
     what.add_argument("--out", help="report directory (report.json, report.md, PNG plots)")
     what.add_argument("--chat-template-kwargs", default="{}",
@@ -90,8 +93,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not (args.target and args.drafter and args.out):
         return _fail("needs --target, --drafter and --out (or --compare / --server)")
-    if args.baseline_prompts is not None and args.baseline_prompts < 0:
-        return _fail(f"--baseline-prompts must be 0 or more, got {args.baseline_prompts}")
+    for name in ("baseline_prompts", "reference_prompts"):
+        if getattr(args, name) is not None and getattr(args, name) < 0:
+            return _fail(f"--{name.replace('_', '-')} must be 0 or more, got {getattr(args, name)}")
     try:
         template_kwargs = json.loads(args.chat_template_kwargs)
     except json.JSONDecodeError as error:
@@ -111,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
         report = run_eval(args.target, args.drafter, args.out, args.dataset, config, num_prompts=args.num_prompts,
                           baseline_prompts=args.baseline_prompts, max_prompt_tokens=args.max_prompt_tokens,
                           use_stop_tokens=not args.no_stop, device=args.device, device_map=args.device_map,
-                          dtype=args.dtype, chat_template_kwargs=template_kwargs, time_limit_s=args.time_limit)
+                          dtype=args.dtype, chat_template_kwargs=template_kwargs, time_limit_s=args.time_limit,
+                          reference_prompts=args.reference_prompts)
     except (ValueError, FileNotFoundError) as error:
         return _fail(str(error))
     overall = report["overall"]

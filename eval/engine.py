@@ -110,7 +110,8 @@ class SpeculativeDecoder:
         self.static_drafter = None  # full-attention drafters: static context cache, CUDA graphs on CUDA
         if supports_static_steps(drafter):
             self.static_drafter = StaticDrafter(drafter, self.embed_weight, self.embed_scale, self.lm_head,
-                                                self.mask_token_id, self.block_size, config.cuda_graphs)
+                                                self.mask_token_id, self.block_size,
+                                                config.cuda_graphs and getattr(self.verifier, "cuda_graphs", True))
 
     def _probs(self, logits: torch.Tensor) -> torch.Tensor:
         cfg = self.config

@@ -86,11 +86,12 @@ def run_eval(target: str, drafter: str, out: str | Path, datasets: list[str], co
              num_prompts: int = 20, baseline_prompts: int | None = None, max_prompt_tokens: int | None = None,
              use_stop_tokens: bool = True, device: str | None = None, device_map: str | None = None,
              dtype: str | None = None, chat_template_kwargs: dict | None = None,
-             time_limit_s: float | None = None) -> dict:
+             time_limit_s: float | None = None, reference_prompts: int | None = None) -> dict:
     """Evaluate the drafter at `drafter` on the target `target`; report.json / report.md / plots in `out`.
 
-    baseline_prompts: the autoregressive baseline and the lossless check run on the first N prompts of each
-    dataset (None: all). config.stop_token_ids is filled from the target unless use_stop_tokens is False.
+    baseline_prompts: the autoregressive baseline runs on the first N prompts of each dataset (None: all);
+    reference_prompts: the lossless check (HF generate, slow) on the first N of those (None: all of them).
+    config.stop_token_ids is filled from the target unless use_stop_tokens is False.
     Returns the report; report["partial"] is set when a stop request cut the run short.
     """
     from tqdm import tqdm
@@ -103,7 +104,8 @@ def run_eval(target: str, drafter: str, out: str | Path, datasets: list[str], co
     from .report import summarize, write_report
 
     settings = {"target": target, "drafter": drafter, "datasets": list(datasets), "num_prompts": num_prompts,
-                "baseline_prompts": baseline_prompts, "max_prompt_tokens": max_prompt_tokens,
+                "baseline_prompts": baseline_prompts, "reference_prompts": reference_prompts,
+                "max_prompt_tokens": max_prompt_tokens,
                 "use_stop_tokens": use_stop_tokens, "device": device, "device_map": device_map, "dtype": dtype,
                 "chat_template_kwargs": chat_template_kwargs or {}, "time_limit_s": time_limit_s,
                 **{k: v for k, v in vars(config).items() if k != "stop_token_ids"}}
@@ -137,7 +139,7 @@ def run_eval(target: str, drafter: str, out: str | Path, datasets: list[str], co
                 r["spec"].append(decoder.generate(prompt.input_ids))
                 if baseline_prompts is None or k < baseline_prompts:
                     r["ar"].append(decoder.generate_autoregressive(prompt.input_ids))
-                    if greedy:
+                    if greedy and (reference_prompts is None or k < reference_prompts):
                         r["ref"].append(reference_greedy(loaded.model, prompt.input_ids, config.max_new_tokens,
                                                          config.stop_token_ids))
                         r["ids"].append(f"{spec}#{prompt.id}")
