@@ -3,6 +3,8 @@
     python bench/bench_verify_step.py --target random:qwen3-1b --prefix 1024 --nodes 16 32 64 128 --out verify.json
     python bench/bench_verify_step.py --target random:smollm2-135m --out verify_testbed_shape.json
     python bench/bench_verify_step.py --target /root/testbed/smollm2-bf16 --out verify_testbed.json
+CPU toy (eager only, fp32; proves the harness runs):
+    python bench/bench_verify_step.py --target random:toy --prefix 64 --nodes 4 8 --out /tmp/verify_toy.json
 
 The target runs through dflashkit's TargetVerifier (its own KV cache, tree attention). After a prefill of
 --prefix tokens, one forward over a best-first tree of N nodes (N = 1 is the AR step) is timed three ways:
@@ -21,6 +23,9 @@ import time
 import torch
 
 PRESETS = {
+    # a few-layer toy for the CPU run of this script
+    "random:toy": ("LlamaConfig", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=1000)),
     # ~1B parameters in the decoder (plus embeddings): Qwen3 attention shapes (16 q heads, 8 kv heads, d 128)
     "random:qwen3-1b": ("Qwen3Config", dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=20,
                                             num_attention_heads=16, num_key_value_heads=8, head_dim=128,
@@ -32,16 +37,16 @@ PRESETS = {
 }
 
 
-def load_model(spec: str, dtype):
+def load_model(spec: str, dtype, device: str):
     import transformers
 
     if spec in PRESETS:
         name, fields = PRESETS[spec]
         config = getattr(transformers, name)(**fields, max_position_embeddings=65536)
-        with torch.device("cuda"):
+        with torch.device(device):
             model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
     else:
-        model = transformers.AutoModelForCausalLM.from_pretrained(spec, dtype=dtype).cuda()
+        model = transformers.AutoModelForCausalLM.from_pretrained(spec, dtype=dtype).to(device)
     return model.eval()
 
 
@@ -53,35 +58,42 @@ def main(argv=None):
     parser.add_argument("--backend", default="auto", choices=["auto", "triton", "torch"])
     parser.add_argument("--out", default="bench_verify_step.json")
     args = parser.parse_args(argv)
-    from triton.testing import do_bench
-
     from dflashkit.drafter import default_target_layer_ids
     from dflashkit.eval.tree import build_tree
     from dflashkit.eval.verifier import TargetVerifier
 
-    model = load_model(args.target, torch.bfloat16)
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    if cuda:
+        from triton.testing import do_bench
+    model = load_model(args.target, torch.bfloat16 if cuda else torch.float32, device)
     layers = model.config.num_hidden_layers
+    layer_ids = default_target_layer_ids(layers, 5) if layers >= 12 else list(range(1, layers))  # toy: fewer taps
     rows = []
     print(f"target {args.target} ({sum(p.numel() for p in model.parameters()) / 1e9:.2f}B params), "
           f"backend {args.backend}")
     print(f"{'prefix':>6} {'nodes':>5} | {'eager ms':>8} {'step ms':>8} {'graph ms':>8} | {'eager/AR':>8} "
           f"{'graph/AR':>8}")
 
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
     def timed(fn, repeats=20):
         for _ in range(3):
             fn()
-        torch.cuda.synchronize()
+        sync()
         start = time.perf_counter()
         for _ in range(repeats):
             fn()
-        torch.cuda.synchronize()
+        sync()
         return (time.perf_counter() - start) / repeats * 1e3
 
     for prefix in args.prefix:
-        prompt = torch.randint(0, model.config.vocab_size, (prefix,), device="cuda")
+        prompt = torch.randint(0, model.config.vocab_size, (prefix,), device=device)
         verifiers = {}
-        for graphs in (False, True):
-            verifier = TargetVerifier(model, default_target_layer_ids(layers, 5), args.backend, cuda_graphs=graphs)
+        for graphs in ((False, True) if cuda else (False,)):  # the CPU runs eagerly
+            verifier = TargetVerifier(model, layer_ids, args.backend, cuda_graphs=graphs)
             verifier.reserve(prefix + max(args.nodes) + 8)
             verifier.forward(prompt, last_logits_only=True)
             verifier.commit(list(range(prefix)))
@@ -93,19 +105,20 @@ def main(argv=None):
             times = {}
             for graphs, verifier in verifiers.items():  # forward without commit: the same step again and again
                 times[graphs] = timed(lambda: verifier.forward(tokens, parents, depths, pad_to=n))
-            replay = do_bench(verifiers[True].steps[n, False].graph.replay, warmup=10, rep=100)
+            replay = do_bench(verifiers[True].steps[n, False].graph.replay, warmup=10, rep=100) if cuda else None
             if n == 1:
                 base = {"eager": times[False], "graph": replay}
             row = {"target": args.target, "prefix": prefix, "nodes": n, "eager_ms": times[False],
-                   "graph_step_ms": times[True], "graph_ms": replay, "eager_over_ar": times[False] / base["eager"],
-                   "graph_over_ar": replay / base["graph"]}
+                   "graph_step_ms": times.get(True), "graph_ms": replay, "eager_over_ar": times[False] / base["eager"],
+                   "graph_over_ar": replay / base["graph"] if cuda else None}
             rows.append(row)
-            print(f"{prefix:6d} {n:5d} | {times[False]:8.3f} {times[True]:8.3f} {replay:8.3f} | "
-                  f"{row['eager_over_ar']:8.2f} {row['graph_over_ar']:8.2f}")
+            cells = [row[k] for k in ("eager_ms", "graph_step_ms", "graph_ms", "eager_over_ar", "graph_over_ar")]
+            print(f"{prefix:6d} {n:5d} | " + " ".join("       —" if c is None else f"{c:8.3f}" for c in cells))
         for verifier in verifiers.values():
             verifier.close()
     with open(args.out, "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=2)
+        json.dump({"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
+                   "rows": rows}, f, indent=2)
     print(f"wrote {args.out}")
 
 
