@@ -11,6 +11,8 @@ Several reports side by side:
 A running vLLM / SGLang server (concurrency sweep, tau from its metrics):
     dflashkit eval --server http://localhost:8000 --dataset builtin:mtbench --concurrency 1 4 16 --out runs/serve
 (The speculative engine is batch 1; multi-GPU targets load with --device-map auto.)
+On one GPU the target's decode steps and the drafter's pass replay CUDA graphs (--no-cuda-graphs: eager).
+Greedy runs check losslessness against HF generate on the baseline prompts (--reference-prompts N: fewer).
 Ctrl-C, SIGTERM or --time-limit S: the current prompt finishes, the report of the prompts done is written,
 marked partial, and the command exits 1.
 """
