@@ -108,13 +108,15 @@ def render_markdown(report: dict) -> str:
     if partial:
         parts += [f"**Partial**: stopped by {partial['reason']} after {partial['prompts_done']} of "
                   f"{partial['prompts_planned']} prompts; the numbers cover the prompts done.", ""]
+    recorded = report["drafter"].get("chat_template_kwargs")
+    trained = ("the drafter's config.json does not record its training kwargs" if recorded is None
+               else f"drafter trained with `{json.dumps(recorded)}`")
     sampling = (f"temperature {args.get('temperature')}, top-p {args.get('top_p')}, top-k {args.get('top_k')}"
                 if args.get("temperature") else "greedy")
     parts += [f"target `{report['target'].get('path')}` ({report['target'].get('dtype')}), drafter "
               f"`{report['drafter'].get('path')}`, {sampling}, block size {report['block_size']}, "
               f"{args.get('max_new_tokens')} new tokens per prompt, device {report['versions'].get('device')}, "
-              f"chat template kwargs `{json.dumps(args.get('chat_template_kwargs') or {})}` (drafter trained with "
-              f"`{json.dumps(report['drafter'].get('chat_template_kwargs'))}`)", ""]
+              f"chat template kwargs `{json.dumps(args.get('chat_template_kwargs') or {})}` ({trained})", ""]
     names = list(report["datasets"]) + ["all"]
     rows = [[name] + [(report["datasets"].get(name) or report["overall"]).get(f) for f, _ in SUMMARY_FIELDS]
             for name in names]
