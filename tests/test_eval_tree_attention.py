@@ -91,6 +91,13 @@ KERNEL_SCRIPT = textwrap.dedent("""
     ref = tree_attention_reference(q, k, v, prefix, mask, positions, 0.3)
     errors.append((tree_attention_triton(q, k, v, prefix, mask, positions, 0.3, block_m=16, block_n=16)
                    - ref).abs().max().item())
+    # the CUDA-graph layout: the key range bounded by the whole buffer, not by the prefixes (empty splits)
+    q, k, v, prefix, mask, positions, _ = _case(seed=11)
+    ref = tree_attention_reference(q, k, v, prefix, mask, positions, 0.3)
+    bound = k.shape[2] - q.shape[2]
+    assert bound > int(prefix.max())
+    errors.append((tree_attention_triton(q, k, v, prefix, mask, positions, 0.3, max_prefix_len=bound, block_m=16,
+                                         block_n=16, num_splits=4) - ref).abs().max().item())
     print(json.dumps(errors))
 """)
 
@@ -103,7 +110,7 @@ def test_triton_kernel_matches_twin_in_interpreter():
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     errors = json.loads(run.stdout.strip().splitlines()[-1])
-    assert len(errors) == 7 and max(errors) < 1e-5, errors
+    assert len(errors) == 8 and max(errors) < 1e-5, errors
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
