@@ -86,12 +86,15 @@ def run_eval(target: str, drafter: str, out: str | Path, datasets: list[str], co
              num_prompts: int = 20, baseline_prompts: int | None = None, max_prompt_tokens: int | None = None,
              use_stop_tokens: bool = True, device: str | None = None, device_map: str | None = None,
              dtype: str | None = None, chat_template_kwargs: dict | None = None,
-             time_limit_s: float | None = None, reference_prompts: int | None = None) -> dict:
+             time_limit_s: float | None = None, reference_prompts: int | None = None,
+             shared_baseline: dict | None = None) -> dict:
     """Evaluate the drafter at `drafter` on the target `target`; report.json / report.md / plots in `out`.
 
     baseline_prompts: the autoregressive baseline runs on the first N prompts of each dataset (None: all);
     reference_prompts: the lossless check (HF generate, slow) on the first N of those (None: all of them).
     config.stop_token_ids is filled from the target unless use_stop_tokens is False.
+    shared_baseline: a dict that keeps the AR runs and references by prompt across calls in one process (chain
+    and tree of the same target, prompts and decoding settings need them once).
     Returns the report; report["partial"] is set when a stop request cut the run short.
     """
     from tqdm import tqdm
@@ -130,6 +133,7 @@ def run_eval(target: str, drafter: str, out: str | Path, datasets: list[str], co
     decoder.generate(first), decoder.generate_autoregressive(first)  # warm-up: kernels, allocator
     results = {spec: {"spec": [], "ar": [], "ref": [], "ids": []} for spec in prompts}
     stop_reason = None
+    shared = {} if shared_baseline is None else shared_baseline
     with StopRequest(time_limit_s) as stop, tqdm(total=sum(map(len, prompts.values())), desc=f"eval {config.mode}",
                                                   unit="prompt") as bar:
         for spec, ps in prompts.items():
@@ -138,10 +142,17 @@ def run_eval(target: str, drafter: str, out: str | Path, datasets: list[str], co
                 r = results[spec]
                 r["spec"].append(decoder.generate(prompt.input_ids))
                 if baseline_prompts is None or k < baseline_prompts:
-                    r["ar"].append(decoder.generate_autoregressive(prompt.input_ids))
+                    key = ("ar", tuple(prompt.input_ids), config.max_new_tokens, config.temperature, config.top_p,
+                           config.top_k, config.seed, config.stop_token_ids)
+                    if key not in shared:
+                        shared[key] = decoder.generate_autoregressive(prompt.input_ids)
+                    r["ar"].append(shared[key])
                     if greedy and (reference_prompts is None or k < reference_prompts):
-                        r["ref"].append(reference_greedy(loaded.model, prompt.input_ids, config.max_new_tokens,
-                                                         config.stop_token_ids))
+                        ref_key = ("ref",) + key[1:]
+                        if ref_key not in shared:
+                            shared[ref_key] = reference_greedy(loaded.model, prompt.input_ids, config.max_new_tokens,
+                                                               config.stop_token_ids)
+                        r["ref"].append(shared[ref_key])
                         r["ids"].append(f"{spec}#{prompt.id}")
                 bar.update()
                 stop_reason = stop.reason()
