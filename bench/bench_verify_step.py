@@ -3,12 +3,15 @@
     python bench/bench_verify_step.py --target random:qwen3-1b --prefix 1024 --nodes 16 32 64 128 --out verify.json
     python bench/bench_verify_step.py --target random:smollm2-135m --out verify_testbed_shape.json
     python bench/bench_verify_step.py --target /root/testbed/smollm2-bf16 --out verify_testbed.json
+CPU toy (eager only, fp32; proves the harness runs):
+    python bench/bench_verify_step.py --target random:toy --prefix 64 --nodes 4 8 --out /tmp/verify_toy.json
 
 The target runs through dflashkit's TargetVerifier (its own KV cache, tree attention). After a prefill of
---prefix tokens, one forward over a best-first tree of N nodes (N = 1 is the AR step) is timed twice: eagerly
-(Python and launch overhead included, as a plain decode loop sees it) and as a replayed CUDA graph (the GPU's
-own time). verify/AR = time(N nodes) / time(1 node). Random-weight presets have the shapes of real models;
-timing does not depend on the weights. Prints a table and writes JSON.
+--prefix tokens, one forward over a best-first tree of N nodes (N = 1 is the AR step) is timed three ways:
+eagerly (cuda_graphs=False: Python and launch overhead included, as a plain decode loop sees it), as the
+verifier's forward with its CUDA graph (input copies + replay: what `dflashkit eval` pays per step), and as the
+bare graph replay (the GPU's own time). verify/AR = time(N nodes) / time(1 node). Random-weight presets have the
+shapes of real models; timing does not depend on the weights. Prints a table and writes JSON.
 """
 
 from __future__ import annotations
@@ -20,6 +23,9 @@ import time
 import torch
 
 PRESETS = {
+    # a few-layer toy for the CPU run of this script
+    "random:toy": ("LlamaConfig", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=1000)),
     # ~1B parameters in the decoder (plus embeddings): Qwen3 attention shapes (16 q heads, 8 kv heads, d 128)
     "random:qwen3-1b": ("Qwen3Config", dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=20,
                                             num_attention_heads=16, num_key_value_heads=8, head_dim=128,
@@ -31,16 +37,16 @@ PRESETS = {
 }
 
 
-def load_model(spec: str, dtype):
+def load_model(spec: str, dtype, device: str):
     import transformers
 
     if spec in PRESETS:
         name, fields = PRESETS[spec]
         config = getattr(transformers, name)(**fields, max_position_embeddings=65536)
-        with torch.device("cuda"):
+        with torch.device(device):
             model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
     else:
-        model = transformers.AutoModelForCausalLM.from_pretrained(spec, dtype=dtype).cuda()
+        model = transformers.AutoModelForCausalLM.from_pretrained(spec, dtype=dtype).to(device)
     return model.eval()
 
 
@@ -52,57 +58,67 @@ def main(argv=None):
     parser.add_argument("--backend", default="auto", choices=["auto", "triton", "torch"])
     parser.add_argument("--out", default="bench_verify_step.json")
     args = parser.parse_args(argv)
-    from triton.testing import do_bench
-
     from dflashkit.drafter import default_target_layer_ids
     from dflashkit.eval.tree import build_tree
     from dflashkit.eval.verifier import TargetVerifier
 
-    model = load_model(args.target, torch.bfloat16)
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    if cuda:
+        from triton.testing import do_bench
+    model = load_model(args.target, torch.bfloat16 if cuda else torch.float32, device)
     layers = model.config.num_hidden_layers
+    layer_ids = default_target_layer_ids(layers, 5) if layers >= 12 else list(range(1, layers))  # toy: fewer taps
     rows = []
     print(f"target {args.target} ({sum(p.numel() for p in model.parameters()) / 1e9:.2f}B params), "
           f"backend {args.backend}")
-    print(f"{'prefix':>6} {'nodes':>5} | {'eager ms':>8} {'graph ms':>8} | {'eager/AR':>8} {'graph/AR':>8}")
+    print(f"{'prefix':>6} {'nodes':>5} | {'eager ms':>8} {'step ms':>8} {'graph ms':>8} | {'eager/AR':>8} "
+          f"{'graph/AR':>8}")
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
+    def timed(fn, repeats=20):
+        for _ in range(3):
+            fn()
+        sync()
+        start = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        sync()
+        return (time.perf_counter() - start) / repeats * 1e3
+
     for prefix in args.prefix:
-        verifier = TargetVerifier(model, default_target_layer_ids(layers, 5), max_len=prefix + max(args.nodes) + 8,
-                                  backend=args.backend)
-        prompt = torch.randint(0, model.config.vocab_size, (prefix,), device="cuda")
-        verifier.forward(prompt, last_logits_only=True)
-        verifier.commit(list(range(prefix)))
+        prompt = torch.randint(0, model.config.vocab_size, (prefix,), device=device)
+        verifiers = {}
+        for graphs in ((False, True) if cuda else (False,)):  # the CPU runs eagerly
+            verifier = TargetVerifier(model, layer_ids, args.backend, cuda_graphs=graphs)
+            verifier.reserve(prefix + max(args.nodes) + 8)
+            verifier.forward(prompt, last_logits_only=True)
+            verifier.commit(list(range(prefix)))
+            verifiers[graphs] = verifier
         base = {}
         for n in [1, *args.nodes]:
             tree = build_tree(0, torch.randn(15, 1000), budget=n, top_k=8)
-            tokens, parents, depths = (t.cuda() for t in tree.tensors("cpu"))
-            depth = max(tree.depths)
-            step = lambda: verifier.forward(tokens, parents, depths, max_depth=depth)  # noqa: E731 (no commit)
-            for _ in range(3):
-                step()
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            for _ in range(20):
-                step()
-            torch.cuda.synchronize()
-            eager = (time.perf_counter() - start) / 20 * 1e3
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                step()
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                step()
-            replay = do_bench(graph.replay, warmup=10, rep=100)
+            tokens, parents, depths = tree.tensors("cpu")
+            times = {}
+            for graphs, verifier in verifiers.items():  # forward without commit: the same step again and again
+                times[graphs] = timed(lambda: verifier.forward(tokens, parents, depths, pad_to=n))
+            replay = do_bench(verifiers[True].steps[n, False].graph.replay, warmup=10, rep=100) if cuda else None
             if n == 1:
-                base = {"eager": eager, "graph": replay}
-            row = {"target": args.target, "prefix": prefix, "nodes": n, "eager_ms": eager, "graph_ms": replay,
-                   "eager_over_ar": eager / base["eager"], "graph_over_ar": replay / base["graph"]}
+                base = {"eager": times[False], "graph": replay}
+            row = {"target": args.target, "prefix": prefix, "nodes": n, "eager_ms": times[False],
+                   "graph_step_ms": times.get(True), "graph_ms": replay, "eager_over_ar": times[False] / base["eager"],
+                   "graph_over_ar": replay / base["graph"] if cuda else None}
             rows.append(row)
-            print(f"{prefix:6d} {n:5d} | {eager:8.3f} {replay:8.3f} | {row['eager_over_ar']:8.2f} "
-                  f"{row['graph_over_ar']:8.2f}")
-        verifier.close()
+            cells = [row[k] for k in ("eager_ms", "graph_step_ms", "graph_ms", "eager_over_ar", "graph_over_ar")]
+            print(f"{prefix:6d} {n:5d} | " + " ".join("       —" if c is None else f"{c:8.3f}" for c in cells))
+        for verifier in verifiers.values():
+            verifier.close()
     with open(args.out, "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=2)
+        json.dump({"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
+                   "rows": rows}, f, indent=2)
     print(f"wrote {args.out}")
 
 

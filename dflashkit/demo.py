@@ -76,11 +76,14 @@ def train(recipe: str, overrides: list[str] | tuple = (), **fields) -> dict:
     return run_training(load_config(recipe, overrides, **fields))
 
 
-def evaluate(**kwargs) -> dict:
-    """Live speculative decoding and its report (dflashkit.eval)."""
-    from dflashkit.eval import __main__ as command
+def evaluate(target: str, drafter: str, out: str, dataset: list[str], mode: str = "chain", tree_budget: int = 64,
+             max_new_tokens: int = 256, **kwargs) -> dict:
+    """Live speculative decoding and its report (dflashkit.eval); ``kwargs`` go to ``run_eval``."""
+    from dflashkit.eval.engine import DecodeConfig
+    from dflashkit.eval.run import run_eval
 
-    return command.run_eval(_with_parser_defaults(command.build_parser, **kwargs))
+    config = DecodeConfig(mode=mode, tree_budget=tree_budget, max_new_tokens=max_new_tokens)
+    return run_eval(target, drafter, out, dataset, config, **kwargs)
 
 
 def stage_calls(run: Path, scale: dict, device: str, loss: str | None, target: str = TARGET,

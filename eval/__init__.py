@@ -4,5 +4,7 @@
 acceptance (the acceptance rule, greedy and sampled), tree (draft trees and ancestor masks), tree_attention
 (the PyTorch twin and the dispatch), tree_attention_triton (the Triton kernel), verifier (the target with its
 own KV cache, plugged in through transformers' attention registry), hybrid (chain verification for targets with
-recurrent layers), engine (the round loop and the autoregressive baseline), prompts, report, serving.
+recurrent layers), draft_step (the drafter's pass on a static cache, CUDA graphs), engine (the round loop and the
+autoregressive baseline), lossless (the check against HF generate), stopping (signals, time limit), run (one
+evaluation run), prompts, report, serving.
 """

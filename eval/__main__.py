@@ -11,17 +11,17 @@ Several reports side by side:
 A running vLLM / SGLang server (concurrency sweep, tau from its metrics):
     dflashkit eval --server http://localhost:8000 --dataset builtin:mtbench --concurrency 1 4 16 --out runs/serve
 (The speculative engine is batch 1; multi-GPU targets load with --device-map auto.)
+On one GPU the target's decode steps and the drafter's pass replay CUDA graphs (--no-cuda-graphs: eager).
+Greedy runs check losslessness against HF generate on the baseline prompts (--reference-prompts N: fewer).
+Ctrl-C, SIGTERM or --time-limit S: the current prompt finishes, the report of the prompts done is written,
+marked partial, and the command exits 1.
 """
 
 from __future__ import annotations
 
 import argparse
-import platform
+import json
 import sys
-import time
-
-from dflashkit.errors import UserError
-
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dflashkit eval", description=__doc__.split("\n")[0],
@@ -35,13 +35,23 @@ def build_parser() -> argparse.ArgumentParser:
     what.add_argument("--baseline-prompts", type=int, default=None,
                       help="run the autoregressive baseline (speedup, lossless check) on the first N prompts of "
                            "each dataset only (default: all); tau always covers every prompt")
+    what.add_argument("--reference-prompts", type=int, default=None,
+                      help="lossless check against HF generate on the first N baseline prompts of each dataset "
+                           "(default: all of them; the reference is slow)")
     what.add_argument("--max-prompt-tokens", type=int, default=None, help="keep only the last N prompt tokens")
     what.add_argument("--out", help="report directory (report.json, report.md, PNG plots)")
+    what.add_argument("--chat-template-kwargs", default="{}",
+                      help='JSON of extra chat template variables (as extraction and training), '
+                           'e.g. \'{"enable_thinking": false}\'')
+    what.add_argument("--time-limit", type=float, default=None, metavar="S",
+                      help="stop after the prompt running when S seconds have passed; write a partial report")
     decode = p.add_argument_group("decoding")
     decode.add_argument("--mode", choices=["chain", "tree"], default="chain")
     decode.add_argument("--tree-budget", type=int, default=64, help="tree mode: nodes per round incl. the root")
     decode.add_argument("--tree-top-k", type=int, default=8, help="tree mode: candidates per draft position")
     decode.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0: speculative sampling")
+    decode.add_argument("--top-p", type=float, default=1.0, help="sampling: nucleus mass (1 = off)")
+    decode.add_argument("--top-k", type=int, default=0, help="sampling: keep the k most likely tokens (0 = off)")
     decode.add_argument("--max-new-tokens", type=int, default=256)
     decode.add_argument("--block-size", type=int, default=None, help="default: the drafter's block_size")
     decode.add_argument("--seed", type=int, default=0)
@@ -53,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="default: bfloat16 on CUDA, float32 on CPU")
     run.add_argument("--attention-backend", choices=["auto", "triton", "torch"], default="auto",
                      help="tree attention: Triton kernel on CUDA (auto) or the PyTorch twin")
+    run.add_argument("--no-cuda-graphs", action="store_true",
+                     help="run the target's decode steps eagerly instead of replaying CUDA graphs (CUDA only)")
     other = p.add_argument_group("other modes")
     other.add_argument("--compare", nargs="+", metavar="REPORT_DIR", help="put several reports side by side")
     other.add_argument("--server", help="OpenAI-compatible server URL to sweep (vLLM, SGLang)")
@@ -61,120 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     other.add_argument("--timeout", type=float, default=300.0, help="--server: seconds per request")
     return p
 
-
-def _versions(device) -> dict:
-    import torch
-    import transformers
-
-    import dflashkit
-
-    out = {"python": platform.python_version(), "torch": torch.__version__,
-           "transformers": transformers.__version__, "dflashkit": dflashkit.__version__,
-           "device": str(device), "platform": platform.platform()}
-    if str(device).startswith("cuda"):
-        out["gpu"] = torch.cuda.get_device_name(device)
-    try:
-        import triton
-
-        out["triton"] = triton.__version__
-    except ImportError:
-        out["triton"] = None
-    return out
-
-
-def _drafter_identity(path: str, drafter) -> dict:
-    import hashlib
-    from pathlib import Path
-
-    weights = Path(path) / "model.safetensors"
-    digest = hashlib.sha256(weights.read_bytes()).hexdigest() if weights.exists() else None
-    return {"path": str(Path(path).resolve()), "weights_sha256": digest, "block_size": drafter.block_size,
-            "target_layer_ids": list(drafter.target_layer_ids), "mask_token_id": drafter.mask_token_id,
-            "num_hidden_layers": drafter.config.num_hidden_layers}
-
-
-def check_pair(target, drafter, drafter_path: str) -> None:
-    """The drafter must read this target: same hidden size and vocabulary, tapped layers that exist."""
-    problems = []
-    if drafter.config.hidden_size != target.hidden_size:
-        problems.append(f"hidden_size {drafter.config.hidden_size} != target's {target.hidden_size}")
-    if drafter.config.vocab_size != target.vocab_size:
-        problems.append(f"vocab_size {drafter.config.vocab_size} != target's {target.vocab_size}")
-    if max(drafter.target_layer_ids) >= target.num_layers:
-        problems.append(f"target_layer_ids {drafter.target_layer_ids} exceed the target's {target.num_layers} layers")
-    if problems:
-        raise UserError(f"{drafter_path}/config.json does not fit target {target.path}: " + "; ".join(problems)
-                         + ". Train or export the drafter for this target.")
-
-
-def _stop_ids(target) -> tuple[int, ...]:
-    ids = set()
-    for source in (getattr(target.model, "generation_config", None), target.tokenizer):
-        value = getattr(source, "eos_token_id", None)
-        ids.update(value if isinstance(value, (list, tuple)) else [value] if value is not None else [])
-    return tuple(sorted(int(i) for i in ids))
-
-
-def run_eval(args) -> dict:
-    import torch
-    from tqdm import tqdm
-
-    from dflashkit.drafter import load_drafter
-    from dflashkit.target.loading import load_target
-
-    from .engine import DecodeConfig, SpeculativeDecoder
-    from .prompts import load_prompts
-    from .report import summarize, write_report
-
-    if not (args.target and args.drafter and args.out):
-        raise UserError("dflashkit eval needs --target, --drafter and --out (or --compare / --server)")
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
-    target = load_target(args.target, dtype=dtype, device=device, device_map=args.device_map)
-    device = next(target.model.parameters()).device
-    drafter = load_drafter(args.drafter, dtype=dtype, device=device)
-    check_pair(target, drafter, args.drafter)
-    prompts = {spec: load_prompts(spec, target.tokenizer, args.num_prompts, args.max_prompt_tokens)
-               for spec in args.dataset}
-    config = DecodeConfig(mode=args.mode, block_size=args.block_size, tree_budget=args.tree_budget,
-                          tree_top_k=args.tree_top_k, temperature=args.temperature,
-                          max_new_tokens=args.max_new_tokens, seed=args.seed,
-                          stop_token_ids=() if args.no_stop else _stop_ids(target),
-                          attention_backend=args.attention_backend)
-    longest = max(len(p.input_ids) for ps in prompts.values() for p in ps)
-    decoder = SpeculativeDecoder(target, drafter, config,
-                                 max_len=longest + args.max_new_tokens + max(args.tree_budget, 64) + 1)
-    first = next(iter(prompts.values()))[0].input_ids
-    decoder.generate(first), decoder.generate_autoregressive(first)  # warm-up: kernels, allocator
-    results = {spec: ([], []) for spec in prompts}
-    total = sum(len(ps) for ps in prompts.values())
-    with tqdm(total=total, desc=f"eval {args.mode}", unit="prompt") as bar:
-        for spec, ps in prompts.items():
-            for k, prompt in enumerate(ps):
-                results[spec][0].append(decoder.generate(prompt.input_ids))
-                if args.baseline_prompts is None or k < args.baseline_prompts:
-                    results[spec][1].append(decoder.generate_autoregressive(prompt.input_ids))
-                tau = sum(n for r in results[spec][0] for n in r.acceptance_lengths) / max(
-                    sum(len(r.acceptance_lengths) for r in results[spec][0]), 1)
-                bar.set_postfix(dataset=spec, tau=f"{tau:.2f}")
-                bar.update()
-    decoder.close()
-    greedy = args.temperature == 0
-    block = decoder.block_size
-    report = {
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "args": {k: v for k, v in vars(args).items() if k not in ("compare", "server")},
-        "block_size": block,
-        "versions": _versions(device),
-        "target": {**target.identity(), "family": target.family, "num_layers": target.num_layers},
-        "drafter": _drafter_identity(args.drafter, drafter),
-        "datasets": {spec: summarize(spec_r, ar_r, block, greedy) for spec, (spec_r, ar_r) in results.items()},
-        "overall": summarize([r for s, _ in results.values() for r in s], [r for _, a in results.values() for r in a],
-                             block, greedy, paired=[r for s, a in results.values() for r in s[:len(a)]]),
-    }
-    write_report(report, args.out)
-    return report
-
+def _fail(message: str, status: int = 2) -> int:
+    print(f"dflashkit eval: {message}", file=sys.stderr)
+    return status
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
@@ -186,17 +87,49 @@ def main(argv: list[str] | None = None) -> int:
     if args.server:
         from .serving import run_sweep
 
-        run_sweep(args)
+        run_sweep(args.server, args.dataset, args.num_prompts, args.concurrency, args.max_new_tokens,
+                  args.temperature, args.model, args.timeout, args.out)
         return 0
-    if args.baseline_prompts is not None and args.baseline_prompts < 0:
-        raise UserError(f"--baseline-prompts must be 0 or more, got {args.baseline_prompts}")
-    report = run_eval(args)
-    overall = report["overall"]
-    speed = (f"speedup {overall['speedup']:.2f}x; verify/AR step {overall['verify_over_ar_step']:.2f}"
-             if "speedup" in overall else "no autoregressive baseline (--baseline-prompts 0)")
-    print(f"tau {overall['tau']:.3f} over {overall['rounds']} rounds; {speed}; report in {args.out}")
-    return 0
+    if not (args.target and args.drafter and args.out):
+        return _fail("needs --target, --drafter and --out (or --compare / --server)")
+    for name in ("baseline_prompts", "reference_prompts"):
+        if getattr(args, name) is not None and getattr(args, name) < 0:
+            return _fail(f"--{name.replace('_', '-')} must be 0 or more, got {getattr(args, name)}")
+    try:
+        template_kwargs = json.loads(args.chat_template_kwargs)
+    except json.JSONDecodeError as error:
+        return _fail(f"--chat-template-kwargs {args.chat_template_kwargs!r} is not JSON ({error}); "
+                     'write e.g. \'{"enable_thinking": false}\'')
+    if not isinstance(template_kwargs, dict):
+        return _fail(f"--chat-template-kwargs must be a JSON object, got {args.chat_template_kwargs!r}")
+    from .engine import DecodeConfig
+    from .run import run_eval
 
+    config = DecodeConfig(mode=args.mode, block_size=args.block_size, tree_budget=args.tree_budget,
+                          tree_top_k=args.tree_top_k, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, max_new_tokens=args.max_new_tokens, seed=args.seed,
+                          attention_backend=args.attention_backend, cuda_graphs=not args.no_cuda_graphs)
+    try:
+        config.check()
+        report = run_eval(args.target, args.drafter, args.out, args.dataset, config, num_prompts=args.num_prompts,
+                          baseline_prompts=args.baseline_prompts, max_prompt_tokens=args.max_prompt_tokens,
+                          use_stop_tokens=not args.no_stop, device=args.device, device_map=args.device_map,
+                          dtype=args.dtype, chat_template_kwargs=template_kwargs, time_limit_s=args.time_limit,
+                          reference_prompts=args.reference_prompts)
+    except (ValueError, FileNotFoundError) as error:
+        return _fail(str(error))
+    overall = report["overall"]
+    speed = (f"speedup {overall['speedup']:.2f}x (cost model {overall['cost_model_speedup']:.2f}x); "
+             f"verify/AR step {overall['verify_over_ar_step']:.2f}"
+             if "speedup" in overall else "no autoregressive baseline (--baseline-prompts 0)")
+    lossless = overall.get("lossless")
+    check = f"; lossless: {lossless['mismatches']} mismatches, {lossless['ties']} ties" if lossless else ""
+    print(f"tau {overall['tau']:.3f} over {overall['rounds']} rounds; {speed}{check}; report in {args.out}")
+    if "partial" in report:
+        partial = report["partial"]
+        return _fail(f"stopped by {partial['reason']}: partial report of {partial['prompts_done']} of "
+                     f"{partial['prompts_planned']} prompts in {args.out}", 1)
+    return 0
 
 if __name__ == "__main__":
     from dflashkit.cli import run_main

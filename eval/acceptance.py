@@ -9,7 +9,8 @@ Design choices:
 - Sampled (temperature > 0, chain only): speculative sampling. Draft token x at depth k is kept with probability
   min(1, p(x) / q(x)) (p = target, q = drafter, both softmax(logits / T)); at the first rejection the replacement
   is drawn from max(p - q, 0) renormalised; if every draft is kept the bonus is drawn from p at the last node.
-  The emitted tokens are distributed exactly as the target's own samples (lossless).
+  The emitted tokens are distributed exactly as the target's own samples (lossless). With top-k / top-p both p
+  and q are the filtered distributions (`sampling_probs`), as in the reference implementation.
 - The walk runs on the host over a few hundred integers; logits and probabilities may live on any device.
 """
 
@@ -18,11 +19,23 @@ from __future__ import annotations
 import torch
 
 
-def probs_from_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """softmax(logits / temperature) in fp32 (temperature > 0)."""
+def sampling_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0, top_k: int = 0) -> torch.Tensor:
+    """The distribution a token is sampled from, in fp32, as the reference implementation builds it:
+    softmax(logits / temperature) over the top_k most likely tokens (0 = all), then only the smallest set of
+    most likely tokens whose mass reaches top_p (the token that crosses top_p is kept), renormalised."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 for sampling, got {temperature}")
-    return torch.softmax(logits.float() / temperature, dim=-1)
+    scores = logits.float() / temperature
+    if 0 < top_k < scores.shape[-1]:
+        kth = scores.topk(top_k, dim=-1).values[..., -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    if top_p < 1.0:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        keep = sorted_probs.cumsum(dim=-1) - sorted_probs < top_p  # mass strictly before the token
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs * keep)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
 
 
 def greedy_accept(tokens: list[int], parents: list[int], target_argmax: list[int]) -> tuple[list[int], int]:

@@ -10,6 +10,10 @@ One round (batch 1, as the reference `dflash_generate`):
 Lengths and stopping follow the reference exactly (a round produces min(accepted + 1, room left) tokens, the
 last block shrinks to the room left, a stop token ends the sequence and counts), so acceptance lengths can be
 compared round by round. The baseline runs the same verifier one token per step: the same harness.
+On CUDA the target's steps after the prefill (AR step, chain block, tree padded to the budget; eval/verifier.py)
+and the drafter's pass (eval/draft_step.py) replay CUDA graphs, captured once per shape on static caches
+(`cuda_graphs=False` for eager); the CPU runs the same code eagerly. Drafters with sliding-window layers keep a
+transformers DynamicCache, cropped back to the anchor, eagerly.
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .acceptance import greedy_accept, probs_from_logits, sampled_accept_chain
+from .acceptance import greedy_accept, sampled_accept_chain, sampling_probs
+from .draft_step import StaticDrafter, supports_static_steps
 from .tree import DraftTree, build_tree
 
 
@@ -32,9 +37,12 @@ class DecodeConfig:
     tree_budget: int = 64  # tree mode: nodes verified per round, root included
     tree_top_k: int = 8  # tree mode: candidate tokens per draft position
     temperature: float = 0.0  # 0 = greedy; > 0 = lossless speculative sampling (chain only)
+    top_p: float = 1.0  # sampling: keep the smallest set of tokens whose probability reaches top_p (1 = all)
+    top_k: int = 0  # sampling: keep the k most likely tokens (0 = all)
     max_new_tokens: int = 256  # new tokens per prompt (the first comes from the prefill)
     stop_token_ids: tuple[int, ...] = ()  # generation ends after one of these (it is kept)
     attention_backend: str = "auto"  # tree attention: auto (Triton on CUDA), triton, torch
+    cuda_graphs: bool = True  # replay the target's decode steps as CUDA graphs (CUDA only; the CPU runs eagerly)
     seed: int = 0  # sampling generator seed (reset per prompt)
 
     def check(self) -> None:
@@ -45,6 +53,8 @@ class DecodeConfig:
                              "(--mode chain)")
         if self.temperature < 0 or self.max_new_tokens < 1 or self.tree_budget < 1 or self.tree_top_k < 1:
             raise ValueError("temperature must be >= 0, max_new_tokens, tree_budget and tree_top_k >= 1")
+        if not 0 < self.top_p <= 1 or self.top_k < 0:
+            raise ValueError(f"top_p must be in (0, 1] and top_k >= 0 (0 = off), got {self.top_p}, {self.top_k}")
 
 
 @dataclass
@@ -74,7 +84,7 @@ def _crop(cache, length: int) -> None:
 class SpeculativeDecoder:
     """Target + drafter. `generate(prompt_ids)` decodes speculatively; `generate_autoregressive` is the baseline."""
 
-    def __init__(self, target, drafter: nn.Module, config: DecodeConfig, max_len: int | None = None):
+    def __init__(self, target, drafter: nn.Module, config: DecodeConfig):
         config.check()
         self.model = target if isinstance(target, nn.Module) else target.model  # a CausalLM or a dflashkit Target
         self.drafter = drafter.eval()
@@ -94,26 +104,31 @@ class SpeculativeDecoder:
                 raise ValueError(TREE_REFUSAL)
             self.verifier = HybridChainVerifier(self.model, drafter.target_layer_ids)
         else:
-            self.verifier = TargetVerifier(self.model, drafter.target_layer_ids, max_len or 4096,
-                                           config.attention_backend)
+            self.verifier = TargetVerifier(self.model, drafter.target_layer_ids, config.attention_backend,
+                                           config.cuda_graphs)
         self.generator = torch.Generator(device=self.device)
+        self.static_drafter = None  # full-attention drafters: static context cache, CUDA graphs on CUDA
+        if supports_static_steps(drafter):
+            self.static_drafter = StaticDrafter(drafter, self.embed_weight, self.embed_scale, self.lm_head,
+                                                self.mask_token_id, self.block_size,
+                                                config.cuda_graphs and getattr(self.verifier, "cuda_graphs", True))
 
-    def _ensure_room(self, needed: int) -> None:
-        cache = getattr(self.verifier, "cache", None)
-        if hasattr(cache, "max_len") and cache.max_len < needed:
-            cache.max_len = needed
-            cache.keys.clear()
-            cache.values.clear()
+    def _probs(self, logits: torch.Tensor) -> torch.Tensor:
+        cfg = self.config
+        return sampling_probs(logits, cfg.temperature, cfg.top_p, cfg.top_k)
 
     def _pick(self, logits: torch.Tensor) -> int:
         if self.config.temperature > 0:
-            return int(torch.multinomial(probs_from_logits(logits, self.config.temperature), 1,
-                                         generator=self.generator))
+            return int(torch.multinomial(self._probs(logits), 1, generator=self.generator))
         return int(logits.argmax())
 
     def _prefill(self, prompt_ids: list[int]):
         cfg = self.config
-        self._ensure_room(len(prompt_ids) + cfg.max_new_tokens + max(self.block_size, cfg.tree_budget) + 1)
+        # the one place the caches are sized: prompt + new tokens + one round of nodes
+        room = len(prompt_ids) + cfg.max_new_tokens + max(self.block_size, cfg.tree_budget) + 1
+        self.verifier.reserve(room)
+        if self.static_drafter is not None:
+            self.static_drafter.reserve(room)
         self.verifier.reset()
         self.generator.manual_seed(cfg.seed)
         _sync(self.device)
@@ -142,6 +157,8 @@ class SpeculativeDecoder:
 
     def _draft(self, anchor: int, context: torch.Tensor, draft_cache, start: int, size: int) -> torch.Tensor:
         """Drafter logits [size - 1, V] for positions start+1 .. start+size-1."""
+        if self.static_drafter is not None:
+            return self.static_drafter.logits(anchor, context, start, size)
         block = torch.full((1, size), self.mask_token_id, dtype=torch.long, device=self.device)
         block[0, 0] = anchor
         noise = F.embedding(block, self.embed_weight) * self.embed_scale
@@ -159,7 +176,7 @@ class SpeculativeDecoder:
         if cfg.mode == "tree":
             return build_tree(anchor, draft_logits, cfg.tree_budget, cfg.tree_top_k), None
         if cfg.temperature > 0:
-            probs = probs_from_logits(draft_logits, cfg.temperature)
+            probs = self._probs(draft_logits)
             drafts = torch.multinomial(probs, 1, generator=self.generator)[:, 0]
             return DraftTree.chain(anchor, drafts.tolist()), probs
         return DraftTree.chain(anchor, draft_logits.argmax(dim=-1).tolist()), None
@@ -168,7 +185,7 @@ class SpeculativeDecoder:
         if self.config.temperature > 0:
             drafts = torch.tensor(tree.tokens[1:], device=logits.device)
             accepted, next_token = sampled_accept_chain(
-                drafts, draft_probs, probs_from_logits(logits, self.config.temperature), self.generator)
+                drafts, draft_probs, self._probs(logits), self.generator)
             return list(range(accepted + 1)), next_token
         return greedy_accept(tree.tokens, tree.parents, logits.argmax(dim=-1).tolist())
 
@@ -179,9 +196,11 @@ class SpeculativeDecoder:
         cfg = self.config
         first, context, prefill_s = self._prefill(prompt_ids)
         result = GenerationResult(len(prompt_ids), [first], prefill_s=prefill_s)
-        draft_cache = DynamicCache(config=self.drafter.config)
-        if hasattr(draft_cache, "activate_past_recording"):
-            draft_cache.activate_past_recording()  # sliding drafter layers must be croppable
+        draft_cache = None
+        if self.static_drafter is None:  # sliding-window drafters: a growing cache, cropped back to the anchor
+            draft_cache = DynamicCache(config=self.drafter.config)
+            if hasattr(draft_cache, "activate_past_recording"):
+                draft_cache.activate_past_recording()  # sliding drafter layers must be croppable
         stop = set(cfg.stop_token_ids)
         max_length = len(prompt_ids) + cfg.max_new_tokens
         start = len(prompt_ids)  # position of the anchor (the last token, not yet in the target cache)
@@ -195,7 +214,10 @@ class SpeculativeDecoder:
             _sync(self.device)
             t1 = time.perf_counter()
             tokens, parents, depths = tree.tensors("cpu")
-            logits, features = self.verifier.forward(tokens, parents, depths, max_depth=max(tree.depths))
+            if cfg.mode == "tree":  # one shape per run: the tree padded to the budget
+                logits, features = self.verifier.forward(tokens, parents, depths, pad_to=cfg.tree_budget)
+            else:  # a chain block (shorter only at the end of the sequence)
+                logits, features = self.verifier.forward(tokens)
             path, bonus = self._accept(tree, logits, draft_probs)
             produced = min(len(path), max_length - start - 1)
             new_tokens = ([tree.tokens[i] for i in path[1:]] + [bonus])[:produced]

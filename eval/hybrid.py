@@ -8,6 +8,7 @@ Design choices:
 - The model keeps its own transformers cache (DynamicCache built from its config, which knows the layer kinds)
   and its own attention implementation; a chain needs only the causal mask.
 - Trees are refused: each branch would need its own recurrent state.
+- Features and logits as in TargetVerifier: LayerCapture (hooks-only) and fp32 logits from the final hidden state.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .verifier import _FeatureTap
+from .verifier import FP32Head, open_capture
 
 TREE_REFUSAL = ("tree verification is not supported for hybrid targets (linear-attention or recurrent layers "
                 "hold one state per sequence, not per branch); use --mode chain")
@@ -66,11 +67,16 @@ def crop_attention_layers(cache, tokens_to_remove: int) -> None:
 
 
 class HybridChainVerifier:
-    """Same interface as TargetVerifier (forward / commit / length / reset / close), chains only."""
+    """Same interface as TargetVerifier (forward / commit / length / reset / reserve / close), chains only; eager
+    (the model's own cache grows and is cropped, so its steps are not captured as CUDA graphs)."""
 
     def __init__(self, model: nn.Module, layer_ids: list[int]):
+        from dflashkit.target.loading import find_decoder
+
         self.model = model
-        self.tap = _FeatureTap(model, layer_ids)
+        self.decoder = find_decoder(model)
+        self.head = FP32Head(model)
+        self.capture = open_capture(model, layer_ids)
         self.device = next(model.parameters()).device
         self.cache = None
         self._length = 0
@@ -87,23 +93,28 @@ class HybridChainVerifier:
         self._length = 0
         self._pending = None
 
-    def _run(self, tokens: torch.Tensor, last_logits_only: bool):
+    def reserve(self, max_len: int) -> None:
+        """The model's own cache grows as it goes: nothing to reserve."""
+
+    def _run(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The final hidden state [N, H] of the tokens, continuing the cache."""
         n = tokens.shape[-1]
         positions = torch.arange(self._length, self._length + n, device=self.device).view(1, n)
-        return self.model(input_ids=tokens.view(1, n).to(self.device), position_ids=positions, use_cache=True,
-                          logits_to_keep=1 if last_logits_only else 0, **_cache_kwargs(self.model, self.cache))
+        return self.decoder(input_ids=tokens.view(1, n).to(self.device), position_ids=positions, use_cache=True,
+                            **_cache_kwargs(self.decoder, self.cache)).last_hidden_state[0]
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, parents: torch.Tensor | None = None,
-                depths: torch.Tensor | None = None, last_logits_only: bool = False, max_depth: int | None = None):
+                depths: torch.Tensor | None = None, last_logits_only: bool = False, pad_to: int | None = None):
         n = tokens.shape[-1]
         if parents is not None and parents.tolist() != list(range(-1, n - 1)):
             raise ValueError(TREE_REFUSAL)
         if self.cache is None:
             self.reset()
         self._pending = (tokens, snapshot_states(self.cache))
-        out = self._run(tokens, last_logits_only)
-        return out.logits[0], self.tap.take()
+        hidden = self._run(tokens)
+        features, _ = self.capture.features()
+        return self.head(hidden[-1:] if last_logits_only else hidden), features[0]
 
     @torch.inference_mode()
     def commit(self, path: list[int]) -> None:
@@ -116,9 +127,9 @@ class HybridChainVerifier:
             restore_states(self.cache, snapshot)
             crop_attention_layers(self.cache, n)
             if kept:
-                self._run(tokens[..., :kept], last_logits_only=True)
-                self.tap.take()
+                self._run(tokens[..., :kept])
+                self.capture.features()
         self._length += kept
 
     def close(self) -> None:
-        self.tap.remove()
+        self.capture.__exit__(None, None, None)

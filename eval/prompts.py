@@ -6,7 +6,9 @@ Design choices:
 - A prompt is everything up to and including the first user turn (system turns before it kept); answers in
   the record are dropped: the target writes its own. MT-bench contributes its first turn.
 - Records with only "text" (or "prompt") are used as a single user turn.
-- The chat template is applied with add_generation_prompt=True; a tokenizer without one gets the raw text.
+- The chat template is applied with add_generation_prompt=True and the run's template kwargs through
+  dflashkit.target.chat_template.render_chat, the call extraction and training render with; the text is then
+  tokenized without added special tokens, as extraction does. A tokenizer without a template gets the raw text.
 """
 
 from __future__ import annotations
@@ -45,15 +47,17 @@ def opening_turns(record: dict, where: str) -> list[dict]:
     raise ValueError(f"{where}: no 'messages', 'conversations', 'prompt' or 'text' field to take a prompt from")
 
 
-def render(tokenizer, messages: list[dict]) -> list[int]:
+def render(tokenizer, messages: list[dict], template_kwargs: dict | None = None) -> list[int]:
+    from dflashkit.target.chat_template import render_chat
+
     if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = render_chat(tokenizer, messages, add_generation_prompt=True, template_kwargs=template_kwargs)
         return tokenizer(text, add_special_tokens=False)["input_ids"]
     return tokenizer("\n\n".join(m["content"] for m in messages))["input_ids"]
 
 
-def load_prompts(spec: str, tokenizer, num_prompts: int | None = None, max_prompt_tokens: int | None = None
-                 ) -> list[Prompt]:
+def load_prompts(spec: str, tokenizer, num_prompts: int | None = None, max_prompt_tokens: int | None = None,
+                 template_kwargs: dict | None = None) -> list[Prompt]:
     """The first num_prompts usable prompts of a dataset spec (bad records are skipped)."""
     from dflashkit.extract.sources import iter_records
 
@@ -64,7 +68,7 @@ def load_prompts(spec: str, tokenizer, num_prompts: int | None = None, max_promp
         if item.record is None:
             continue
         messages = opening_turns(item.record, item.where)
-        ids = render(tokenizer, messages)
+        ids = render(tokenizer, messages, template_kwargs)
         if max_prompt_tokens is not None:
             ids = ids[-max_prompt_tokens:]
         prompts.append(Prompt(spec, str(item.record.get("id", item.where)), messages, ids))

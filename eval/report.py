@@ -6,8 +6,11 @@ Design choices:
   speculative wall time over the same prompts in the same harness (prefill included in both).
 - verify_over_ar_step = mean target forward of a speculative round / mean autoregressive step: the cost of
   checking N nodes instead of one token, independent of Python overhead elsewhere.
-- The lossless check compares speculative and autoregressive tokens per prompt (greedy runs): match rate and
-  the first divergence; in fp32 they must be equal, in bf16 a late divergence is expected.
+- The cost model: a round costs one draft and one verify, and yields tau tokens, where AR yields one token per
+  step, so the expected speedup is tau / (verify/AR + draft/AR). The report prints it beside the measured
+  speedup (and their ratio): a measured speedup well below it means time goes somewhere the model does not count.
+- The lossless check (greedy runs) is eval/lossless.py's, against an independent reference; report.md says it
+  in words. A partial run (stopped early) says so at the top.
 - matplotlib is imported only when plots are written, with the Agg backend (no display needed).
 - `compare_reports` reads several report.json files and writes one side-by-side table (and a tau plot).
 """
@@ -26,7 +29,7 @@ def _mean(values) -> float:
 
 
 def summarize(spec: list[GenerationResult], ar: list[GenerationResult] | None, block_size: int,
-              greedy: bool, paired: list[GenerationResult] | None = None) -> dict:
+              paired: list[GenerationResult] | None = None) -> dict:
     """Numbers for one dataset (or all of them): spec and ar are per-prompt results in the same order.
 
     ar may cover only the first prompts (``--baseline-prompts``): speedup and the lossless check then compare
@@ -66,15 +69,12 @@ def summarize(spec: list[GenerationResult], ar: list[GenerationResult] | None, b
             "baseline_prompts": len(ar),
             "speedup": ar_wall / paired_wall if paired_wall else 0.0,
             "verify_over_ar_step": out["verify_ms_per_round"] / ar_step_ms if ar_step_ms else 0.0,
+            "draft_over_ar_step": out["draft_ms_per_round"] / ar_step_ms if ar_step_ms else 0.0,
         })
-        if greedy:
-            divergences = [next((i for i, (a, b) in enumerate(zip(s.tokens, a.tokens)) if a != b),
-                                None if len(s.tokens) == len(a.tokens) else min(len(s.tokens), len(a.tokens)))
-                           for s, a in zip(paired, ar)]
-            first = [d for d in divergences if d is not None]
-            out["lossless"] = {"match_rate": _mean(d is None for d in divergences),
-                               "first_divergence": min(first) if first else None,
-                               "divergence_per_prompt": divergences}
+        cost = out["verify_over_ar_step"] + out["draft_over_ar_step"]
+        out["cost_model_speedup"] = out["tau"] / cost if cost else 0.0
+        out["speedup_over_cost_model"] = (out["speedup"] / out["cost_model_speedup"]
+                                          if out["cost_model_speedup"] else 0.0)
     return out
 
 
@@ -92,16 +92,31 @@ def _fmt(value) -> str:
 
 SUMMARY_FIELDS = [("tau", "τ"), ("rounds", "rounds"), ("mean_nodes_per_round", "nodes/round"),
                   ("spec_tokens_per_s", "spec tok/s"), ("ar_tokens_per_s", "AR tok/s"), ("speedup", "speedup"),
-                  ("verify_ms_per_round", "verify ms"), ("ar_step_ms", "AR step ms"),
-                  ("verify_over_ar_step", "verify/AR step"), ("baseline_prompts", "AR baseline prompts")]
+                  ("cost_model_speedup", "cost model τ/(verify/AR + draft/AR)"),
+                  ("speedup_over_cost_model", "measured/model"), ("verify_ms_per_round", "verify ms"),
+                  ("draft_ms_per_round", "draft ms"), ("ar_step_ms", "AR step ms"),
+                  ("verify_over_ar_step", "verify/AR step"), ("draft_over_ar_step", "draft/AR step"),
+                  ("baseline_prompts", "AR baseline prompts")]
 
 
 def render_markdown(report: dict) -> str:
+    from .lossless import describe
+
     args = report["args"]
-    parts = [f"# Acceptance report: {args.get('mode')} mode",
-             f"target `{report['target'].get('path')}`, drafter `{report['drafter'].get('path')}`, "
-             f"temperature {args.get('temperature')}, block size {report['block_size']}, "
-             f"{args.get('max_new_tokens')} new tokens per prompt, device {report['versions'].get('device')}", ""]
+    partial = report.get("partial")
+    parts = [f"# Acceptance report: {args.get('mode')} mode" + (" (PARTIAL)" if partial else "")]
+    if partial:
+        parts += [f"**Partial**: stopped by {partial['reason']} after {partial['prompts_done']} of "
+                  f"{partial['prompts_planned']} prompts; the numbers cover the prompts done.", ""]
+    recorded = report["drafter"].get("chat_template_kwargs")
+    trained = ("the drafter's config.json does not record its training kwargs" if recorded is None
+               else f"drafter trained with `{json.dumps(recorded)}`")
+    sampling = (f"temperature {args.get('temperature')}, top-p {args.get('top_p')}, top-k {args.get('top_k')}"
+                if args.get("temperature") else "greedy")
+    parts += [f"target `{report['target'].get('path')}` ({report['target'].get('dtype')}), drafter "
+              f"`{report['drafter'].get('path')}`, {sampling}, block size {report['block_size']}, "
+              f"{args.get('max_new_tokens')} new tokens per prompt, device {report['versions'].get('device')}, "
+              f"chat template kwargs `{json.dumps(args.get('chat_template_kwargs') or {})}` ({trained})", ""]
     names = list(report["datasets"]) + ["all"]
     rows = [[name] + [(report["datasets"].get(name) or report["overall"]).get(f) for f, _ in SUMMARY_FIELDS]
             for name in names]
@@ -114,9 +129,12 @@ def render_markdown(report: dict) -> str:
                      ["draft position", "accepted"]), ""]
     if "lossless" in overall:
         lossless = overall["lossless"]
-        parts += ["## Lossless check (greedy: speculative vs autoregressive tokens)",
-                  f"match rate {lossless['match_rate']:.3f}, first divergence at token "
-                  f"{_fmt(lossless['first_divergence'])}", ""]
+        parts += ["## Lossless check (greedy: speculative tokens vs an independent reference)", describe(lossless), ""]
+        if lossless["divergences"]:
+            parts += [_table([[d["prompt"], d["token_index"], d["speculative_token"], d["reference_token"],
+                               d["reference_margin"], d["tie_bound"], d["kind"]] for d in lossless["divergences"]],
+                             ["prompt", "token", "speculative", "reference", "ref. top-1 − top-2", "tie bound",
+                              "kind"]), ""]
     return "\n".join(parts)
 
 

@@ -185,32 +185,32 @@ def render_markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run_sweep(args) -> dict:
-    """`dflashkit eval --server URL`: prompts from --dataset, results in --out (serving.json, serving.md)."""
+def run_sweep(server: str, datasets: list[str], num_prompts: int, concurrency: list[int], max_tokens: int,
+              temperature: float = 0.0, model: str | None = None, timeout: float = 300.0,
+              out: str | Path | None = None) -> dict:
+    """`dflashkit eval --server URL`: prompts from the datasets, results in out (serving.json, serving.md)."""
     from dflashkit.extract.sources import iter_records
 
     from .prompts import opening_turns
 
     conversations = []
-    for spec in args.dataset:
+    for spec in datasets:
         taken = 0
         for item in iter_records(spec):
-            if taken >= args.num_prompts:
+            if taken >= num_prompts:
                 break
             if item.record is not None:
                 conversations.append(opening_turns(item.record, item.where))
                 taken += 1
-    result = sweep(args.server, conversations, args.concurrency, args.max_new_tokens, args.temperature,
-                   args.model, args.timeout,
+    result = sweep(server, conversations, concurrency, max_tokens, temperature, model, timeout,
                    progress=lambda level: print(f"concurrency {level['concurrency']}: {level['successes']} ok, "
                                                 f"{level['failures']} failed, "
                                                 f"{level['aggregate_tokens_per_s']:.1f} tok/s, tau {level['tau']}"))
     result["created"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-    if args.out:
-        out = Path(args.out)
+    if out:
+        out = Path(out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "serving.json").write_text(json.dumps(result, indent=2) + "\n")
         (out / "serving.md").write_text(render_markdown(result))
     print(render_markdown(result))
     return result
-

@@ -11,9 +11,19 @@ Design choices:
   (compaction) and advancing P. Node positions are P + depth, so the kept entries are exactly what an
   autoregressive run over the same tokens would have cached.
 - Prefill, autoregressive steps and chain verification are trees too (parents i - 1); a prefill without prefix
-  uses SDPA's causal path instead of a dense mask.
-- Layer features come from forward hooks on the decoder layers named by target_layer_ids (layer i's output is
-  Hugging Face hidden_states[i + 1]).
+  uses SDPA's causal path instead of a dense mask, eagerly.
+- Every step after the prefill (AR step, chain block, tree) runs on static buffers (`StaticStep`, one per shape:
+  a chain of N nodes, or a tree padded to the budget) whose inputs are filled in place; the prefix length is a
+  device tensor, positions and cache slots are derived from it inside the step, and the kernel's key range is
+  bounded by the cache size, not the prefix. On CUDA the step is captured once as a CUDA graph (warm-up on a side
+  stream first) and replayed; on the CPU, or with cuda_graphs=False, the same code runs eagerly. Padded tree
+  nodes are roots of their own (parent -1): real nodes never see them, and they are never committed.
+- Layer features come from dflashkit.target.capture.LayerCapture in its hooks-only mode (early_exit=False): the
+  one capture implementation, so eval reads exactly what extraction and training read (layer i's output is
+  Hugging Face hidden_states[i + 1]; layer L - 1 is the final-norm output).
+- Logits are computed here, not by the model: the decoder's final hidden state (after the final norm) times an
+  fp32 copy of the lm_head weight, in fp32 (and the target's final softcap, if any). Every acceptance decision
+  takes the argmax of these fp32 logits (DESIGN.md, numerics); the fp32 copy is made once per verifier.
 - Hybrid targets (linear-attention / recurrent layers) cannot drop a rejected suffix from a recurrent state, so
   `HybridChainVerifier` keeps the model's own cache, snapshots the recurrent states before each forward, and on a
   partial acceptance restores them, crops the attention layers and re-runs the accepted tokens: exact, chain only.
@@ -23,6 +33,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -37,24 +48,34 @@ ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attenti
 class KVCache:
     """Preallocated per-layer K/V of one batch of sequences; slots [0, length) are committed."""
 
-    def __init__(self, max_len: int):
+    def __init__(self, max_len: int = 0):
         self.max_len = max_len  # slots per layer (prompt + new tokens + one round of nodes)
         self.keys: dict[int, torch.Tensor] = {}
         self.values: dict[int, torch.Tensor] = {}
         self.length = 0  # committed tokens
 
-    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store this round's K/V [b, Hkv, N, d] at slots [length, length + N); return the whole buffers."""
+    def reserve(self, max_len: int) -> None:
+        """Make room for max_len slots (buffers are reallocated on the next write when they grow; reset first)."""
+        if max_len > self.max_len:
+            self.max_len = max_len
+            self.keys.clear()
+            self.values.clear()
+            self.length = 0
+
+    def check_room(self, n: int) -> None:
+        if self.length + n > self.max_len:
+            raise RuntimeError(f"KV cache of {self.max_len} slots is full ({self.length} kept + {n} new); "
+                               "reserve() prompt length + max_new_tokens + one round of nodes")
+
+    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store this round's K/V [b, Hkv, N, d] at `slots` (a device tensor, [N]); return the whole buffers."""
         if layer not in self.keys:
             b, hkv, _, d = key.shape
             self.keys[layer] = key.new_zeros(b, hkv, self.max_len, d)
             self.values[layer] = value.new_zeros(b, hkv, self.max_len, value.shape[-1])
-        n = key.shape[2]
-        if self.length + n > self.max_len:
-            raise RuntimeError(f"KV cache of {self.max_len} slots is full ({self.length} kept + {n} new); "
-                               "raise max_len (prompt length + max_new_tokens + tree budget)")
-        self.keys[layer][:, :, self.length:self.length + n] = key
-        self.values[layer][:, :, self.length:self.length + n] = value
+        self.keys[layer].index_copy_(2, slots, key)
+        self.values[layer].index_copy_(2, slots, value)
         return self.keys[layer], self.values[layer]
 
     def commit(self, path: list[int]) -> None:
@@ -73,11 +94,12 @@ class KVCache:
 class _Step:
     """What every layer's attention needs during one forward, built once per forward."""
     cache: KVCache
-    prefix_len: int  # committed tokens before this forward
+    max_prefix_len: int  # committed tokens before this forward, or (static steps) a bound on them
     causal_prefill: bool  # no prefix and a plain chain: SDPA's causal path
     node_mask: torch.Tensor  # [1, N, N] ancestor mask (uint8 on CUDA for the kernel, bool on CPU)
     node_positions: torch.Tensor  # [1, N] absolute positions (int32 on CUDA)
-    prefix_lens: torch.Tensor  # [1] = prefix_len
+    prefix_lens: torch.Tensor  # [1] committed tokens (int32 on CUDA)
+    slots: torch.Tensor  # [N] cache slots of the nodes (prefix + index)
     backend: str  # tree attention backend: auto, triton, torch
 
 
@@ -94,7 +116,7 @@ def tree_attention_function(module: nn.Module, query, key, value, attention_mask
         raise NotImplementedError("tree attention does not support attention sinks (s_aux); this target cannot "
                                   "be verified with it")
     step = _ACTIVE[-1]
-    keys, values = step.cache.write(module.layer_idx, key, value)
+    keys, values = step.cache.write(module.layer_idx, key, value, step.slots)
     scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
     window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
     if step.causal_prefill and not window and softcap is None:
@@ -103,8 +125,8 @@ def tree_attention_function(module: nn.Module, query, key, value, attention_mask
         return out.transpose(1, 2), None
     b = query.shape[0]
     out = tree_attention(query, keys, values, step.prefix_lens.expand(b), step.node_mask,
-                         step.node_positions.expand(b, -1), scale, window, softcap, max_prefix_len=step.prefix_len,
-                         backend=step.backend)
+                         step.node_positions.expand(b, -1), scale, window, softcap,
+                         max_prefix_len=step.max_prefix_len, backend=step.backend)
     return out, None
 
 
@@ -128,47 +150,135 @@ def is_hybrid(model: nn.Module) -> bool:
     return any(t not in ATTENTION_LAYER_TYPES for t in layer_types)
 
 
-class _FeatureTap:
-    """Forward hooks on the tapped decoder layers; `take()` returns [N, K*H] of the last forward."""
+def capture_parts(model: nn.Module) -> SimpleNamespace:
+    """What dflashkit.target.capture.LayerCapture needs of a target, for a bare Hugging Face model."""
+    from dflashkit.target.loading import find_decoder
 
-    def __init__(self, model: nn.Module, layer_ids: list[int]):
-        layers = decoder_layers(model)
-        self.layer_ids = list(layer_ids)
-        self.outputs: dict[int, torch.Tensor] = {}
-        self.handles = [layers[i].register_forward_hook(self._hook(i)) for i in self.layer_ids]
+    decoder = find_decoder(model)
+    return SimpleNamespace(model=model, layers=decoder.layers, final_norm=decoder.norm,
+                           num_layers=len(decoder.layers))
 
-    def _hook(self, layer_id):
-        def hook(_module, _args, output):
-            self.outputs[layer_id] = output[0] if isinstance(output, (tuple, list)) else output
-        return hook
 
-    def take(self) -> torch.Tensor | None:
-        if not self.layer_ids:
-            return None
-        features = torch.cat([self.outputs[i] for i in self.layer_ids], dim=-1)
-        self.outputs.clear()
-        return features[0]
+class FP32Head:
+    """logits = final hidden state (upcast) @ lm_head weight (fp32 copy), then the target's final softcap."""
 
-    def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
+    def __init__(self, model: nn.Module):
+        lm_head = model.get_output_embeddings()
+        self.weight = lm_head.weight.detach().float()  # the same tensor when the target is fp32
+        bias = getattr(lm_head, "bias", None)
+        self.bias = bias.detach().float() if bias is not None else None
+        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        self.softcap = getattr(config, "final_logit_softcapping", None)
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden.float(), self.weight, self.bias)
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+
+def open_capture(model: nn.Module, layer_ids: list[int]):
+    """LayerCapture in hooks-only mode, entered (hooks on); leave it with .__exit__()."""
+    from dflashkit.target.capture import LayerCapture
+
+    return LayerCapture(capture_parts(model), layer_ids, early_exit=False).__enter__()
+
+
+class StaticStep:
+    """One decode shape (`size` nodes; a chain, or a tree padded to `size`) on static buffers; see the docstring.
+
+    load(...) fills the inputs in place; run() returns (fp32 logits [size, V], features [size, K*H]), the same
+    tensors on every call when replayed as a CUDA graph (read them before the next run).
+    """
+
+    def __init__(self, verifier: "TargetVerifier", size: int, chain: bool, graph_pool=None):
+        device, self.size, self.verifier = verifier.device, size, verifier
+        self.on_gpu = device.type == "cuda"
+        self.use_graph = verifier.cuda_graphs and self.on_gpu
+        self.graph_pool = graph_pool
+        self.input_ids = torch.zeros(1, size, dtype=torch.long, device=device)
+        self.prefix = torch.zeros(1, dtype=torch.long, device=device)  # committed tokens, updated in place
+        self.index = torch.arange(size, device=device)
+        self.depths = self.index.clone()
+        mask = torch.ones(size, size, dtype=torch.bool, device=device).tril_() if chain else \
+            torch.eye(size, dtype=torch.bool, device=device)
+        self.node_mask = mask.unsqueeze(0).to(torch.uint8 if self.on_gpu else torch.bool)
+        self.graph = None
+        self.outputs = None
+
+    def load(self, tokens: torch.Tensor, prefix: int, parents: torch.Tensor | None = None,
+             depths: torch.Tensor | None = None) -> None:
+        """tokens [n <= size]; parents / depths (host tensors) for a tree, None for a chain of `size`."""
+        from .tree import ancestor_mask
+
+        n = tokens.shape[-1]
+        self.input_ids[0, :n].copy_(tokens.view(-1), non_blocking=True)
+        self.prefix.fill_(prefix)
+        if parents is not None:
+            padded_parents = torch.full((self.size,), -1, dtype=torch.long)
+            padded_parents[:n] = parents.cpu()
+            padded_depths = torch.zeros(self.size, dtype=torch.long)
+            padded_depths[:n] = depths.cpu()
+            self.depths.copy_(padded_depths, non_blocking=True)
+            self.node_mask[0].copy_(ancestor_mask(padded_parents, max_depth=int(padded_depths.max())),
+                                    non_blocking=True)
+
+    def _compute(self) -> tuple[torch.Tensor, torch.Tensor]:
+        v = self.verifier
+        positions = (self.depths + self.prefix).view(1, self.size)
+        index_dtype = torch.int32 if self.on_gpu else torch.long
+        step = _Step(v.cache, v.cache.max_len - self.size, False, self.node_mask, positions.to(index_dtype),
+                     self.prefix.to(index_dtype), self.index + self.prefix, v.backend)
+        _ACTIVE.append(step)
+        try:
+            hidden = v.decoder(input_ids=self.input_ids, position_ids=positions, use_cache=False).last_hidden_state
+        finally:
+            _ACTIVE.pop()
+        features, _ = v.capture.features()
+        return v.head(hidden[0]), features[0]
+
+    def run(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.use_graph:
+            return self._compute()
+        if self.graph is None:  # warm up on a side stream (allocator, kernels), then capture once
+            with torch.cuda.device(self.verifier.device):
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    for _ in range(2):
+                        self._compute()
+                torch.cuda.current_stream().wait_stream(side)
+                self.graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(self.graph, pool=self.graph_pool):
+                    self.outputs = self._compute()
+        self.graph.replay()
+        return self.outputs
 
 
 class TargetVerifier:
     """The target with our KV cache and tree attention. Batch 1.
 
-    forward(tokens, parents, depths) runs the nodes and returns (logits [N or 1, V], features [N, K*H]);
+    forward(tokens, parents, depths) runs the nodes and returns (fp32 logits [N or 1, V], features [N, K*H]);
     commit(path) keeps nodes. parents/depths None = a causal chain continuing the committed prefix.
+    reserve(n) before a sequence makes room for n cache slots.
     """
 
-    def __init__(self, model: nn.Module, layer_ids: list[int], max_len: int, backend: str = "auto"):
+    def __init__(self, model: nn.Module, layer_ids: list[int], backend: str = "auto", cuda_graphs: bool = True):
         if is_hybrid(model):
             raise ValueError(f"{type(model).__name__} has non-attention layers; use HybridChainVerifier")
+        from dflashkit.target.loading import find_decoder
+
         register_tree_attention()
         self.model = model
+        self.decoder = find_decoder(model)
+        self.head = FP32Head(model)
         self.backend = backend
-        self.cache = KVCache(max_len)
-        self.tap = _FeatureTap(model, layer_ids)
+        self.cache = KVCache()
+        self.capture = open_capture(model, layer_ids)
+        spread = len({str(d) for d in (getattr(model, "hf_device_map", None) or {}).values()}) > 1
+        self.cuda_graphs = cuda_graphs and not spread  # replay decode steps as CUDA graphs (one CUDA device)
+        self.steps: dict[tuple[int, bool], StaticStep] = {}  # (nodes, chain) -> its static step
+        self._graph_pool = None
         self._previous_attention = model.config._attn_implementation
         model.set_attn_implementation(ATTENTION_NAME)
         self.device = next(model.parameters()).device
@@ -180,39 +290,67 @@ class TargetVerifier:
     def reset(self) -> None:
         self.cache.reset()
 
+    def reserve(self, max_len: int) -> None:
+        """Room for max_len cache slots. Growing reallocates the cache, so the captured steps go too; rounded up
+        to a multiple of 1024 so that a run recaptures rarely."""
+        if max_len > self.cache.max_len:
+            self.cache.reserve(-(-max_len // 1024) * 1024)
+            self.steps.clear()
+
+    def _static_step(self, size: int, chain: bool) -> StaticStep:
+        if (size, chain) not in self.steps:
+            if self._graph_pool is None and self.cuda_graphs and self.device.type == "cuda":
+                self._graph_pool = torch.cuda.graph_pool_handle()
+            self.steps[size, chain] = StaticStep(self, size, chain, self._graph_pool)
+        return self.steps[size, chain]
+
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, parents: torch.Tensor | None = None,
-                depths: torch.Tensor | None = None, last_logits_only: bool = False, max_depth: int | None = None):
-        """max_depth: the tree's depth, when depths live on the GPU (saves a device sync; CUDA-graph safe)."""
+                depths: torch.Tensor | None = None, last_logits_only: bool = False, pad_to: int | None = None):
+        """tokens [N]; parents / depths [N] (host tensors) for a tree, None for a chain continuing the prefix.
+        pad_to: run a tree as a static step of this many nodes (the tree budget: one shape, one CUDA graph)."""
+        n = tokens.shape[-1]
+        if self.cache.length == 0:
+            logits, features = self._prefill(tokens, parents, depths)
+        else:
+            size = max(n, pad_to or 0) if parents is not None else n
+            self.cache.check_room(size)
+            step = self._static_step(size, parents is None)
+            step.load(tokens, self.cache.length, parents, depths)
+            logits, features = step.run()
+            logits, features = logits[:n], features[:n]
+        return (logits[-1:] if last_logits_only else logits), features
+
+    def _prefill(self, tokens, parents, depths):
+        """The first forward of a sequence, eagerly (SDPA's causal path for a chain)."""
         from .tree import ancestor_mask
 
         n = tokens.shape[-1]
-        prefix = self.cache.length
-        if parents is None:  # a causal chain
+        self.cache.check_room(n)
+        if parents is None:
             depths = torch.arange(n, device=self.device)
             node_mask = torch.ones(n, n, dtype=torch.bool, device=self.device).tril_()
         else:
-            max_depth = int(depths.max()) if max_depth is None else max_depth
-            node_mask = ancestor_mask(parents.to(self.device), max_depth=max_depth)
-        positions = (depths.to(self.device) + prefix).view(1, n)
+            node_mask = ancestor_mask(parents.to(self.device))
+        positions = depths.to(self.device).view(1, n)
         on_gpu = self.device.type == "cuda"
-        step = _Step(self.cache, prefix, parents is None and prefix == 0,
-                     node_mask.unsqueeze(0).to(torch.uint8 if on_gpu else torch.bool),
+        step = _Step(self.cache, 0, parents is None, node_mask.unsqueeze(0).to(torch.uint8 if on_gpu else torch.bool),
                      positions.to(torch.int32 if on_gpu else torch.long),
-                     torch.full((1,), prefix, dtype=torch.int32 if on_gpu else torch.long, device=self.device),
-                     self.backend)
+                     torch.zeros(1, dtype=torch.int32 if on_gpu else torch.long, device=self.device),
+                     torch.arange(n, device=self.device), self.backend)
         _ACTIVE.append(step)
         try:
-            out = self.model(input_ids=tokens.view(1, n).to(self.device), position_ids=positions, use_cache=False,
-                             logits_to_keep=1 if last_logits_only else 0)
+            hidden = self.decoder(input_ids=tokens.view(1, n).to(self.device), position_ids=positions,
+                                  use_cache=False).last_hidden_state
         finally:
             _ACTIVE.pop()
-        return out.logits[0], self.tap.take()
+        features, _ = self.capture.features()
+        return self.head(hidden[0]), features[0]
 
     def commit(self, path: list[int]) -> None:
         self.cache.commit(path)
 
     def close(self) -> None:
         """Remove the hooks and give the model its previous attention implementation back."""
-        self.tap.remove()
+        self.capture.__exit__(None, None, None)
         self.model.set_attn_implementation(self._previous_attention)

@@ -28,6 +28,8 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 
+from dflashkit.target.chat_template import render_chat
+
 # ShareGPT / OpenAI role names -> template roles
 ROLE_ALIASES = {"user": "user", "human": "user", "system": "system", "assistant": "assistant", "gpt": "assistant",
                 "chatgpt": "assistant", "bing": "assistant", "bard": "assistant", "model": "assistant"}
@@ -158,8 +160,7 @@ def normalize_record(record, require_assistant: bool = True) -> tuple[str, objec
 def render(tokenizer, messages, cfg: ChatConfig, add_generation_prompt: bool = False) -> str:
     """The chat template's text for messages (BadSample when the template refuses them)."""
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                             chat_template=cfg.chat_template, **cfg.template_kwargs)
+        return render_chat(tokenizer, messages, add_generation_prompt, cfg.chat_template, cfg.template_kwargs)
     except TemplateError:
         raise
     except Exception as e:  # jinja errors and raise_exception() of the template

@@ -9,6 +9,8 @@ Design choices:
 - The forward stops right after the deepest thing needed: a hook raises a private exception that
   ``LayerCapture`` catches. Later layers, the final norm (unless needed) and the lm_head never run.
   ``store_last_hidden=True`` adds the final-norm output (for distillation losses) and stops there.
+  ``early_exit=False`` (decoding: the forward must reach the lm_head) keeps the hooks but never stops the
+  forward; the same rule for layer ``L - 1`` applies, and ``features()`` returns the last forward's capture.
 - Position ids come from the attention mask (``cumsum - 1``), so a left-padded row sees the same positions,
   and yields the same features, as the sample alone; right padding leaves them ``0..T-1`` as usual.
 - Decoder layers return a tensor in transformers 5 and a tuple in older or remote code: the first element
@@ -59,13 +61,14 @@ class LayerCapture:
                 hidden, last_hidden = capture(batch["input_ids"], batch["attention_mask"])
     """
 
-    def __init__(self, target, target_layer_ids, store_last_hidden: bool = False):
+    def __init__(self, target, target_layer_ids, store_last_hidden: bool = False, early_exit: bool = True):
         self.target = target
         self.layer_ids = check_layer_ids(target_layer_ids, target.num_layers)
         self.store_last_hidden = store_last_hidden  # also return the final-norm output
+        self.early_exit = early_exit  # stop the forward after the deepest hook (False: hooks only, for decoding)
         last = target.num_layers - 1
         self._use_norm = store_last_hidden or last in self.layer_ids
-        self._stop_at = None if self._use_norm else max(self.layer_ids)  # else the final norm stops it
+        self._stop_at = None if self._use_norm or not early_exit else max(self.layer_ids)  # else the final norm
         self._outputs: dict[int | str, torch.Tensor] = {}
         self._handles = []
 
@@ -79,7 +82,8 @@ class LayerCapture:
 
     def _norm_hook(self, module: nn.Module, args, output):
         self._outputs["norm"] = _hidden_of(output)
-        raise _StopForward
+        if self.early_exit:
+            raise _StopForward
 
     def __enter__(self) -> "LayerCapture":
         last = self.target.num_layers - 1
@@ -101,6 +105,8 @@ class LayerCapture:
         """(hidden [b, T, K*H], last_hidden [b, T, H] or None) for a batch; padded positions hold junk."""
         if not self._handles:
             raise RuntimeError("LayerCapture is used outside its `with` block")
+        if not self.early_exit:
+            raise RuntimeError("LayerCapture(early_exit=False) only records: run the model, then call features()")
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         self._outputs.clear()
@@ -112,11 +118,19 @@ class LayerCapture:
         else:
             raise RuntimeError("the target's forward finished without reaching the hooked modules; "
                                "its layers are not called as Target.layers / Target.final_norm")
+        return self.features(input_ids.device)
+
+    def features(self, device: torch.device | None = None):
+        """(hidden [b, T, K*H], last_hidden [b, T, H] or None) recorded by the last forward; clears the record."""
         last = self.target.num_layers - 1
-        out_device = input_ids.device
-        parts = [self._outputs["norm" if i == last else i].to(out_device) for i in self.layer_ids]
-        hidden = torch.cat(parts, dim=-1)
-        last_hidden = self._outputs["norm"].to(out_device) if self.store_last_hidden else None
+        missing = [i for i in self.layer_ids if ("norm" if i == last else i) not in self._outputs]
+        if missing:
+            raise RuntimeError(f"no capture of target layers {missing}: run the model inside the `with` block first")
+        parts = [self._outputs["norm" if i == last else i] for i in self.layer_ids]
+        hidden = torch.cat(parts, dim=-1) if device is None else torch.cat([p.to(device) for p in parts], dim=-1)
+        last_hidden = self._outputs["norm"] if self.store_last_hidden else None
+        if last_hidden is not None and device is not None:
+            last_hidden = last_hidden.to(device)
         self._outputs.clear()
         return hidden, last_hidden
 

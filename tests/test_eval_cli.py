@@ -52,14 +52,20 @@ def test_eval_writes_a_complete_report_and_compares(pair, tmp_path, capsys):
     assert sum(k * v for k, v in histogram.items()) == 4 * (NEW - 1)  # every token after the prefill's
     assert overall["tau"] == pytest.approx(4 * (NEW - 1) / overall["rounds"])
     assert len(overall["per_position_acceptance"]) == 3 == report["block_size"] - 1
-    assert overall["lossless"]["match_rate"] == 1.0 and overall["lossless"]["first_divergence"] is None
-    assert overall["speedup"] > 0 and overall["verify_over_ar_step"] > 0
+    lossless = overall["lossless"]
+    assert lossless["prompts"] == 4 and lossless["mismatches"] == 0 and lossless["divergences"] == []
+    assert lossless["exact_match_rate"] == 1.0 and lossless["reference"]["attention"] == "sdpa"
+    assert overall["speedup"] > 0 and overall["verify_over_ar_step"] > 0 and overall["draft_over_ar_step"] > 0
+    assert overall["cost_model_speedup"] == pytest.approx(
+        overall["tau"] / (overall["verify_over_ar_step"] + overall["draft_over_ar_step"]))
+    assert "partial" not in report and "Lossless: no mismatch" in (tmp_path / "chain" / "report.md").read_text()
     assert report["drafter"]["block_size"] == 4 and report["target"]["config_hash"]
     assert report["args"]["mode"] == "chain" and report["versions"]["transformers"] == tf.__version__
     for name in ("report.md", "acceptance_histogram.png", "per_position_acceptance.png", "tau_per_dataset.png"):
         assert (tmp_path / "chain" / name).stat().st_size > 0
     tree = json.loads((tmp_path / "tree" / "report.json").read_text())
-    assert 1 < tree["overall"]["mean_nodes_per_round"] <= 6 and tree["overall"]["lossless"]["match_rate"] == 1.0
+    assert 1 < tree["overall"]["mean_nodes_per_round"] <= 6 and tree["overall"]["lossless"]["mismatches"] == 0
+    assert tree["overall"]["lossless"]["exact_match_rate"] == 1.0
 
     capsys.readouterr()
     assert main(["--compare", str(tmp_path / "chain"), str(tmp_path / "tree"), "--out", str(tmp_path / "cmp")]) == 0
@@ -78,7 +84,7 @@ def test_baseline_on_the_first_prompts_only(pair, tmp_path):
     assert part["overall"]["rounds"] == full["overall"]["rounds"] and part["overall"]["prompts"] == 4
     assert part["overall"]["baseline_prompts"] == 2  # the first prompt of each of the two datasets
     assert part["datasets"]["builtin:mtbench"]["baseline_prompts"] == 1
-    assert part["overall"]["lossless"]["divergence_per_prompt"] == [None, None]
+    assert part["overall"]["lossless"]["prompts"] == 2 and part["overall"]["lossless"]["divergences"] == []
     assert part["overall"]["speedup"] > 0
     assert _run(root, tmp_path / "none", "--baseline-prompts", "0") == 0
     none = json.loads((tmp_path / "none" / "report.json").read_text())
@@ -96,11 +102,58 @@ def test_prompts_are_the_first_user_turn_in_the_chat_template(pair):
     assert tokenizer.decode(prompts[0].input_ids).endswith("<|im_start|>assistant\n")
 
 
-def test_mismatched_drafter_is_refused(pair, tmp_path):
+def test_mismatched_drafter_is_refused(pair, tmp_path, capsys):
     root, _ = pair
     other = tf.LlamaConfig(vocab_size=1000, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
                            num_attention_heads=4, num_key_value_heads=2)
     save_drafter(build_drafter(DrafterConfig.for_target(other, num_hidden_layers=1, mask_token_id=0)),
                  tmp_path / "bad")
-    with pytest.raises(ValueError, match="vocab_size 1000 != target's 49152"):
-        main(["--target", str(root / "target"), "--drafter", str(tmp_path / "bad"), "--out", str(tmp_path / "o")])
+    assert main(["--target", str(root / "target"), "--drafter", str(tmp_path / "bad"), "--out",
+                 str(tmp_path / "o")]) == 2
+    assert "vocab_size 1000 != target's 49152" in capsys.readouterr().err
+
+
+def test_chat_template_kwargs_render_as_extraction_does(pair):
+    from test_extract_chat import QWEN3
+
+    from dflashkit.extract.chat import ChatConfig, render
+
+    _, tokenizer = pair
+    qwen = tf.AutoTokenizer.from_pretrained(tokenizer.name_or_path)
+    qwen.chat_template = QWEN3
+    off = load_prompts("builtin:mtbench", qwen, 1, template_kwargs={"enable_thinking": False})[0]
+    on = load_prompts("builtin:mtbench", qwen, 1)[0]
+    assert off.input_ids != on.input_ids  # the kwargs reach the template
+    text = render(qwen, off.messages, ChatConfig(template_kwargs={"enable_thinking": False}), True)
+    assert off.input_ids == qwen(text, add_special_tokens=False)["input_ids"]
+
+
+def test_chat_template_kwargs_are_recorded_and_a_different_training_is_warned(pair, tmp_path, capsys):
+    import shutil
+
+    root, _ = pair
+    shutil.copytree(root, tmp_path / "pair")
+    config = tmp_path / "pair" / "drafter" / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "chat_template_kwargs": {"enable_thinking": True}}))
+    kwargs = '{"enable_thinking": false}'
+    assert _run(tmp_path / "pair", tmp_path / "r", "--chat-template-kwargs", kwargs, "--baseline-prompts", "0") == 0
+    assert 'trained with chat template kwargs {"enable_thinking": true}' in capsys.readouterr().err
+    report = json.loads((tmp_path / "r" / "report.json").read_text())
+    assert report["args"]["chat_template_kwargs"] == {"enable_thinking": False}
+    assert report["drafter"]["chat_template_kwargs"] == {"enable_thinking": True}
+    assert _run(tmp_path / "pair", tmp_path / "r", "--chat-template-kwargs", "[1]") == 2
+    assert "must be a JSON object" in capsys.readouterr().err
+
+
+def test_chain_and_tree_share_the_baseline_in_one_process(pair, tmp_path):
+    from dflashkit.eval.engine import DecodeConfig
+    from dflashkit.eval.run import run_eval
+
+    root, _ = pair
+    shared = {}
+    reports = [run_eval(str(root / "target"), str(root / "drafter"), tmp_path / mode, ["builtin:mtbench"],
+                        DecodeConfig(mode=mode, max_new_tokens=NEW, tree_budget=6, tree_top_k=2), num_prompts=2,
+                        use_stop_tokens=False, shared_baseline=shared) for mode in ("chain", "tree")]
+    assert sorted(k[0] for k in shared) == ["ar", "ar", "ref", "ref"]  # two prompts, each run once
+    assert reports[0]["overall"]["ar_step_ms"] == reports[1]["overall"]["ar_step_ms"]
+    assert all(r["overall"]["lossless"]["mismatches"] == 0 for r in reports)

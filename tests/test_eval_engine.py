@@ -101,3 +101,13 @@ def test_compacted_cache_equals_autoregressive_cache(pair):
         values = reference.layers[layer].values
         assert (cache.keys[layer][:, :, :cache.length] - keys).abs().max() < 1e-5
         assert (cache.values[layer][:, :, :cache.length] - values).abs().max() < 1e-5
+
+
+def test_full_attention_drafters_take_the_static_draft_path(pair):
+    """The reference comparison above runs through the static drafter cache (the CUDA-graph layout)."""
+    target, drafter = pair
+    decoder = SpeculativeDecoder(target, drafter, DecodeConfig(max_new_tokens=NEW))
+    decoder.generate(prompts()[0])
+    decoder.close()
+    assert decoder.static_drafter is not None and BLOCK in decoder.static_drafter.steps
+    assert decoder.static_drafter.cache.keys  # the context K/V live in the static buffers

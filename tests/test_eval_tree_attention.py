@@ -92,6 +92,13 @@ KERNEL_SCRIPT = textwrap.dedent("""
     ref = tree_attention_reference(q, k, v, prefix, mask, positions, 0.3)
     errors.append((tree_attention_triton(q, k, v, prefix, mask, positions, 0.3, block_m=16, block_n=16)
                    - ref).abs().max().item())
+    # the CUDA-graph layout: the key range bounded by the whole buffer, not by the prefixes (empty splits)
+    q, k, v, prefix, mask, positions, _ = _case(seed=11)
+    ref = tree_attention_reference(q, k, v, prefix, mask, positions, 0.3)
+    bound = k.shape[2] - q.shape[2]
+    assert bound > int(prefix.max())
+    errors.append((tree_attention_triton(q, k, v, prefix, mask, positions, 0.3, max_prefix_len=bound, block_m=16,
+                                         block_n=16, num_splits=4) - ref).abs().max().item())
     print(json.dumps(errors))
 """)
 
@@ -104,7 +111,7 @@ def test_triton_kernel_matches_twin_in_interpreter():
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     errors = json.loads(run.stdout.strip().splitlines()[-1])
-    assert len(errors) == 7 and max(errors) < 1e-5, errors
+    assert len(errors) == 8 and max(errors) < 1e-5, errors
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -130,7 +137,8 @@ def test_tree_forward_matches_plain_forward_of_each_path():
     model = LlamaForCausalLM(config).eval()
     prompt = torch.randint(0, 50, (9,))
     tree = build_tree(int(prompt[-1]), torch.randn(4, 50), budget=12, top_k=3)
-    verifier = TargetVerifier(model, [0, 1], max_len=64, backend="torch")
+    verifier = TargetVerifier(model, [0, 1], backend="torch")
+    verifier.reserve(64)
     _, prefix_features = verifier.forward(prompt[:-1])
     verifier.commit(list(range(8)))
     tokens, parents, depths = tree.tensors("cpu")
@@ -147,3 +155,32 @@ def test_tree_forward_matches_plain_forward_of_each_path():
             assert (out.logits[0, -1] - logits[node]).abs().max() < 1e-5
             expected = torch.cat([out.hidden_states[1][0, -1], out.hidden_states[2][0, -1]])
             assert (expected - features[node]).abs().max() < 1e-5
+
+
+def test_static_steps_padded_trees_and_chains_equal_a_fresh_prefill():
+    """Decode steps run on static buffers (the CUDA-graph layout): a tree padded to a larger budget gives the
+    same logits and features for its real nodes, and a chain block equals the same tokens in one prefill."""
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    model = LlamaForCausalLM(config).eval()
+    prompt = torch.randint(0, 50, (9,))
+    tree = build_tree(int(prompt[-1]), torch.randn(4, 50), budget=7, top_k=3)
+    verifier = TargetVerifier(model, [0, 2], backend="torch")
+    verifier.reserve(64)
+    verifier.forward(prompt[:-1])
+    verifier.commit(list(range(8)))
+    tokens, parents, depths = tree.tensors("cpu")
+    exact = [t.clone() for t in verifier.forward(tokens, parents, depths)]
+    padded = verifier.forward(tokens, parents, depths, pad_to=16)
+    assert padded[0].shape[0] == tree.num_nodes and set(verifier.steps) == {(7, False), (16, False)}
+    for a, b in zip(exact, padded):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    chain_logits, chain_features = verifier.forward(prompt[-1:].clone().repeat(3))  # a chain of 3 after the prefix
+    verifier.close()
+    fresh = TargetVerifier(model, [0, 2], backend="torch")
+    fresh.reserve(64)
+    logits, features = fresh.forward(torch.cat([prompt[:-1], prompt[-1:].repeat(3)]))
+    fresh.close()
+    torch.testing.assert_close(chain_logits, logits[-3:], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(chain_features, features[-3:], atol=1e-5, rtol=1e-5)
