@@ -143,7 +143,8 @@ def _summary(manifest: dict, out: Path, seconds: float, tokens_this_run: int) ->
 
 
 def run(args) -> dict:
-    from dflashkit.target.capture import LayerCapture, check_layer_ids
+    from dflashkit.drafter import check_target_layer_ids
+    from dflashkit.target.capture import LayerCapture
     from .chat import check_template
     from .sources import describe_sources
     from dflashkit.target.loading import load_target
@@ -175,7 +176,7 @@ def run(args) -> dict:
     # default taps: evenly spaced (DESIGN.md); a target too shallow for that many distinct taps gets fewer
     layer_ids = ([int(x) for x in args.layer_ids.split(",")] if args.layer_ids
                  else sorted(set(target.default_layer_ids(args.num_taps))))
-    layer_ids = check_layer_ids(layer_ids, target.num_layers)
+    layer_ids = check_target_layer_ids(layer_ids, target.num_layers)
     tok = target.tokenizer
     if cfg.chat_template or getattr(tok, "chat_template", None):
         check_template(tok, cfg)  # fails here, before any work, when assistant spans cannot be marked

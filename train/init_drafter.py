@@ -15,6 +15,7 @@ import json
 import torch
 
 from dflashkit.drafter import DrafterConfig, build_drafter, save_drafter
+from dflashkit.drafter.config import DEFAULT_BLOCK_SIZE, DEFAULT_NUM_HIDDEN_LAYERS
 from dflashkit.target.loading import load_target_head, resolve_mask_token_id
 
 
@@ -35,7 +36,7 @@ def parse_layer_types(text: str | None, num_layers: int) -> list[str] | None:
     return [names[p] for p in parts]
 
 
-def drafter_config_for(target: str, num_layers: int = 5, block_size: int = 16,
+def drafter_config_for(target: str, num_layers: int = DEFAULT_NUM_HIDDEN_LAYERS, block_size: int = DEFAULT_BLOCK_SIZE,
                        target_layer_ids: list[int] | None = None, mask_token_id: int | None = None,
                        layer_types: list[str] | None = None, sliding_window: int | None = None,
                        trust_remote_code: bool = False) -> DrafterConfig:
@@ -45,12 +46,6 @@ def drafter_config_for(target: str, num_layers: int = 5, block_size: int = 16,
     head = load_target_head(target, trust_remote_code=trust_remote_code)
     tokenizer = AutoTokenizer.from_pretrained(head.model_dir, trust_remote_code=trust_remote_code)
     mask = resolve_mask_token_id(tokenizer, head.config, mask_token_id)
-    if target_layer_ids:
-        n = head.config.num_hidden_layers
-        bad = [i for i in target_layer_ids if not 0 <= i < n]
-        if bad:
-            raise ValueError(f"--target-layer-ids {target_layer_ids}: {bad} outside the target's decoder layers "
-                             f"0..{n - 1} (layer i's output is hidden_states[i+1]); pick ids in that range")
     return DrafterConfig.for_target(head.config, num_hidden_layers=num_layers, block_size=block_size,
                                     target_layer_ids=target_layer_ids, mask_token_id=mask, layer_types=layer_types,
                                     sliding_window=sliding_window, input_embedding_scale=head.embedding_scale)
@@ -61,8 +56,10 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", required=True, help="HF model dir, .gguf file or testbed:smollm2")
     ap.add_argument("--out", required=True, help="export directory to write")
-    ap.add_argument("--num-layers", type=int, default=5, help="drafter decoder layers (default 5)")
-    ap.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16)")
+    ap.add_argument("--num-layers", type=int, default=DEFAULT_NUM_HIDDEN_LAYERS,
+                    help=f"drafter decoder layers (default {DEFAULT_NUM_HIDDEN_LAYERS})")
+    ap.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE,
+                    help=f"tokens per block (default {DEFAULT_BLOCK_SIZE})")
     ap.add_argument("--target-layer-ids", type=int, nargs="+", help="decoder layers to tap (default: evenly spaced)")
     ap.add_argument("--mask-token-id", type=int, help="MASK id (default: tokenizer's mask token or a spare row)")
     ap.add_argument("--layer-types", help="full, sliding, or a comma list per layer (default full)")
@@ -78,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     out = save_drafter(build_drafter(cfg), args.out, dtype=getattr(torch, args.dtype))
     summary = {k: v for k, v in cfg.to_json_dict().items()
                if k in ("hidden_size", "num_hidden_layers", "block_size", "target_layer_ids", "mask_token_id",
-                        "layer_types", "sliding_window", "vocab_size", "input_embedding_scale")}
+                        "layer_types", "sliding_window", "vocab_size")}
     print(f"wrote {out}\n{json.dumps(summary, indent=1)}")
     return 0
 
