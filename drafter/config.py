@@ -60,8 +60,9 @@ def check_target_layer_ids(target_layer_ids, num_target_layers: int) -> list[int
                          "the default (default_target_layer_ids)")
     bad = [i for i in ids if not 0 <= i < num_target_layers]
     if bad:
-        raise ValueError(f"target_layer_ids {ids}: {bad} outside the target's decoder layers 0..{num_target_layers - 1} "
-                         f"(id i is layer i's output, HF hidden_states[i + 1]); use ids in that range")
+        raise ValueError(f"target_layer_ids {ids}: {bad} outside 0..{num_target_layers - 1} (the target has "
+                         f"{num_target_layers} decoder layers; id i is layer i's output, HF hidden_states[i + 1]); "
+                         f"use ids in that range")
     if len(set(ids)) != len(ids):
         raise ValueError(f"target_layer_ids {ids} repeats a layer; give each layer once")
     return ids

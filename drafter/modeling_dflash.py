@@ -265,7 +265,7 @@ class DFlashDraftModel(PreTrainedModel):
         out[:, :n_in] = input_ids
         out[:, n_in] = _sample(res.logits[:, -1], temperature, top_p, top_k)
         features = self.context_features(res.hidden_states)
-        target_cache.crop(n_in)
+        _crop_to(target_cache, n_in)
         start = n_in
         stopped = bool(torch.isin(out[:, start], stops).any())
         while start + 1 < max_length and not stopped:
@@ -276,7 +276,7 @@ class DFlashDraftModel(PreTrainedModel):
                 hidden = self(position_ids=positions[:, start - features.shape[1]:start + size],
                               noise_embedding=noise, target_hidden=features, past_key_values=draft_cache,
                               use_cache=True)[:, 1 - size:]
-                draft_cache.crop(start)
+                _crop_to(draft_cache, start)
                 draft_logits = self.compute_logits(hidden, head)
                 draft_probs = _probs(draft_logits, temperature, top_p, top_k) if temperature > 0 else None
                 block[:, 1:] = (torch.argmax(draft_logits, -1) if draft_probs is None
@@ -298,7 +298,7 @@ class DFlashDraftModel(PreTrainedModel):
             if hits.numel():
                 produced, stopped = int(hits[0, 0]) + 1, True
             start += produced
-            target_cache.crop(start)
+            _crop_to(target_cache, start)
             if size > 1:
                 features = self.context_features(res.hidden_states)[:, :produced]
         return out[:, :min(start + 1, max_length)]
@@ -306,6 +306,11 @@ class DFlashDraftModel(PreTrainedModel):
     def context_features(self, hidden_states) -> torch.Tensor:
         """The tapped layers' outputs (HF hidden_states[i + 1]) concatenated on the feature axis."""
         return torch.cat([hidden_states[i + 1] for i in self.target_layer_ids], dim=-1)
+
+
+def _crop_to(cache, length: int) -> None:
+    """Keep the first ``length`` positions (a negative crop: transformers 5.24 refuses positive ones)."""
+    cache.crop(length - cache.get_seq_length())
 
 
 def _cache_kwarg(model: nn.Module) -> str:

@@ -183,7 +183,8 @@ def engine_forward(export_dir, view, hidden_states, embed_module, token_ids, anc
         k = apply_rope(k, cos, sin, rot)
         rep = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=packed_mask(layer, anchors, ctx_len, b), scale=hd ** -0.5)
+        mask = packed_mask(layer, anchors, ctx_len, b)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=hd ** -0.5)
         h = h + F.linear(out.transpose(1, 2).reshape(1, q_len, -1), w[p + "self_attn.o_proj.weight"])
         x = rms(h, w[p + "post_attention_layernorm.weight"], eps)
         h = h + F.linear(F.silu(F.linear(x, w[p + "mlp.gate_proj.weight"])) * F.linear(x, w[p + "mlp.up_proj.weight"]),

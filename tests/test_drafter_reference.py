@@ -118,3 +118,32 @@ def test_config_json_has_serving_fields(tmp_path):
     assert data["layer_types"] == LAYOUTS["mixed"]["layer_types"] and data["sliding_window"] == 5
     module, cls = data["auto_map"]["AutoModel"].split(".")
     assert (tmp_path / "d" / f"{module}.py").is_file() and cls == "DFlashDraftModel"
+
+
+@pytest.mark.slow
+def test_spec_generate_gives_the_reference_tokens_on_the_testbed(tmp_path):
+    """`spec_generate` of the shipped modeling file against the reference's, same drafter, same target
+    (SmolLM2 testbed, fp32, CPU): greedy, and sampled with one seed (same random draws in the same order)."""
+    from transformers import AutoModel
+
+    from dflashkit.target.loading import load_target
+
+    target = load_target("testbed:smollm2")
+    torch.manual_seed(0)
+    cfg = DrafterConfig.for_target(target.config, num_hidden_layers=2, block_size=4,
+                                   mask_token_id=target.vocab_size - 1)
+    save_drafter(build_drafter(cfg), tmp_path / "d")
+    ours = AutoModel.from_pretrained(str(tmp_path / "d"), trust_remote_code=True, dtype=torch.float32)
+    theirs = ref.DFlashDraftModel.from_pretrained(str(tmp_path / "d"), dtype=torch.float32)
+    prompt = target.tokenizer.apply_chat_template([{"role": "user", "content": "Name three colours."}],
+                                                  add_generation_prompt=True, return_tensors="pt",
+                                                  return_dict=True)["input_ids"]
+    for temperature in (0.0, 1.0):
+        outs = []
+        for model in (ours, theirs):
+            torch.manual_seed(1)
+            outs.append(model.spec_generate(target.model, prompt, max_new_tokens=8,
+                                            stop_token_ids=[target.tokenizer.eos_token_id], temperature=temperature,
+                                            top_p=0.9 if temperature else 1.0))
+        assert outs[0].shape[1] > prompt.shape[1]
+        assert torch.equal(outs[0], outs[1]), temperature
