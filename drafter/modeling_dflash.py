@@ -188,6 +188,11 @@ class DFlashDraftModel(PreTrainedModel):
             if dflash_field(config, name, absent) not in (absent, None):
                 raise ValueError(f"config sets {name}={dflash_field(config, name)!r}, which this DFlash drafter "
                                  f"file does not implement; load it with the code that trained it")
+        rope = getattr(config, "rope_parameters", None) or {}
+        if (float(rope.get("partial_rotary_factor", 1.0)) != 1.0 or "mrope_section" in rope
+                or getattr(config, "is_neox_style", True) is False):
+            raise ValueError(f"rope_parameters {rope}: this drafter file rotates the full head_dim in neox halves "
+                             f"(1-D RoPE); partial, multimodal or interleaved RoPE is not implemented")
         self.layers = nn.ModuleList(DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.target_layer_ids = [int(i) for i in dflash_field(config, "target_layer_ids")]
         self.block_size = int(dflash_field(config, "block_size", 16))

@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from dflashkit.drafter.config import DEFAULT_NUM_HIDDEN_LAYERS
+
 from .chat import SKIP_REASONS, BadSample, ChatConfig, TemplateError, chat_template_hash, tokenizer_hash
 from .shards import CODECS, MANIFEST, SCHEMA_VERSION, update_totals, write_manifest
 from .writer import ShardWriteError, ShardWriter, merge_manifests, prepare_resume
@@ -62,7 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("target")
     g.add_argument("--target", required=True, help="HF model dir, .gguf file, or testbed:smollm2")
     g.add_argument("--layer-ids", default=None, help="comma-separated target_layer_ids (layer i's output)")
-    g.add_argument("--num-taps", type=int, default=5, help="without --layer-ids: this many evenly spaced layers")
+    g.add_argument("--num-taps", type=int, default=DEFAULT_NUM_HIDDEN_LAYERS,
+                   help="without --layer-ids: this many evenly spaced layers (default: one per drafter layer)")
     g.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None,
                    help="target dtype (default: bfloat16 on GPU, float32 on CPU)")
     g.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: this rank's GPU if any)")
