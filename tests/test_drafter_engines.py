@@ -284,3 +284,14 @@ def test_config_with_a_field_the_engines_read_differently_is_refused(tmp_path, f
     data[field] = value
     with pytest.raises(ValueError, match=field):
         DrafterConfig.from_json_dict(data)
+
+
+def test_init_drafter_refuses_a_gemma3_target_in_one_line(tmp_path, capsys):
+    from dflashkit.cli import main as cli
+
+    _tiny_target("gemma3_text", tmp_path / "gemma")
+    assert cli(["init-drafter", "--target", str(tmp_path / "gemma"), "--out", str(tmp_path / "d"),
+                "--mask-token-id", "299"]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "Gemma 3 targets cannot be served faithfully" in errors[0]
+    assert not (tmp_path / "d").exists()
