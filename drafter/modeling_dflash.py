@@ -79,11 +79,6 @@ def default_mask(q_len: int, k_len: int, causal: bool, window: int | None, devic
     return visible[None, None]
 
 
-def sliding_mask(q_len: int, k_len: int, window: int, device) -> torch.Tensor:
-    """The sliding layers' default: causal over the key index with a window of ``window`` keys."""
-    return default_mask(q_len, k_len, True, window, device)
-
-
 _FLEX = []  # the compiled flex_attention, built on first use (eager flex_attention is a slow reference path)
 
 
