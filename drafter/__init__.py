@@ -3,9 +3,9 @@
 Imports nothing else of dflashkit (train/ and eval/ build on it).
 """
 
-from .config import DrafterConfig, default_target_layer_ids
+from .config import DrafterConfig, check_target_layer_ids, default_target_layer_ids
 from .export import build_drafter, load_drafter, read_drafter_config, save_drafter
 from .modeling_dflash import DFlashDraftModel
 
-__all__ = ["DrafterConfig", "DFlashDraftModel", "build_drafter", "default_target_layer_ids", "load_drafter",
-           "read_drafter_config", "save_drafter"]
+__all__ = ["DrafterConfig", "DFlashDraftModel", "build_drafter", "check_target_layer_ids", "default_target_layer_ids",
+           "load_drafter", "read_drafter_config", "save_drafter"]

@@ -1,11 +1,12 @@
 """The drafter's configuration: one plain dataclass, and its mapping to the exported ``config.json``.
 
 Design choices:
-- The drafter's hidden size, vocabulary, RoPE settings and head layout default to the target's: the drafter
-  reads the target's embeddings and lm_head, so hidden size and vocabulary must match; matching RoPE means a
-  block at position p is rotated exactly as the target rotates p.
+- The drafter's hidden size, vocabulary and head layout default to the target's: the drafter reads the target's
+  embeddings and lm_head, so hidden size and vocabulary must match. Its RoPE is 1-D over the full head_dim with
+  the target's rope_theta, the one RoPE vLLM and SGLang apply alike (engines.py says what each engine reads).
 - ``target_layer_ids`` name decoder layers; the feature of layer i is that layer's output
   (Hugging Face ``hidden_states[i + 1]``). Defaults follow the reference: evenly spaced from layer 1 to L-3.
+- Defaults and bounds of taps, block size and layer count are defined here once (DEFAULT_*, check_*).
 - The exported config is a Qwen3 config (``model_type: "qwen3"``) plus the DFlash fields; the DFlash fields live
   both at top level and under ``dflash_config``, because vLLM, SGLang and the reference read them from either.
 """
@@ -16,11 +17,33 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import engines
+
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
+def _target_rope(hf_config: Any) -> dict:
+    """The target's RoPE settings in transformers-5 form (legacy rope_theta / rope_scaling converted)."""
+    params = getattr(hf_config, "rope_parameters", None)
+    if isinstance(params, dict) and params:
+        return dict(params)
+    scaling = getattr(hf_config, "rope_scaling", None)
+    out = dict(scaling) if isinstance(scaling, dict) else {}
+    out["rope_theta"] = float(getattr(hf_config, "rope_theta", None) or 10000.0)
+    return out
+
+
+# One definition of the drafter's defaults and bounds; everything else (train/config.py, init-drafter, extract)
+# imports these.
+DEFAULT_BLOCK_SIZE = 16  # the published DFlash drafters' block
+DEFAULT_NUM_HIDDEN_LAYERS = 5  # drafter decoder layers
+MIN_BLOCK_SIZE = 2  # the anchor plus at least one drafted token
+
+
 def default_target_layer_ids(num_target_layers: int, n: int) -> list[int]:
-    """Evenly spaced taps from layer 1 to L-3 (one tap: the middle layer), as the serving engines expect."""
+    """Evenly spaced taps from layer 1 to L-3: ``round(1 + j*(L-4)/(n-1))``; one tap: ``L // 2`` (DESIGN.md).
+
+    The same formula as the reference's and SGLang's ``build_target_layer_ids``."""
     if n < 1:
         raise ValueError(f"the number of target layers to tap must be >= 1, got {n}")
     if n == 1:
@@ -29,20 +52,32 @@ def default_target_layer_ids(num_target_layers: int, n: int) -> list[int]:
     return [round(start + j * (end - start) / (n - 1)) for j in range(n)]
 
 
-def _rope_parameters(hf_config: Any) -> dict:
-    """The target's RoPE settings in transformers-5 form ({"rope_type", "rope_theta", ...})."""
-    params = getattr(hf_config, "rope_parameters", None)
-    if isinstance(params, dict) and params:
-        # hybrid configs (Gemma 3) keep one dict per layer type; the drafter follows the full-attention one
-        if "full_attention" in params and isinstance(params["full_attention"], dict):
-            params = params["full_attention"]
-        return dict(params)
-    theta = getattr(hf_config, "rope_theta", None) or 10000.0
-    scaling = getattr(hf_config, "rope_scaling", None)
-    out = dict(scaling) if isinstance(scaling, dict) else {}
-    out.setdefault("rope_type", out.pop("type", "default"))
-    out["rope_theta"] = float(theta)
-    return out
+def check_target_layer_ids(target_layer_ids, num_target_layers: int) -> list[int]:
+    """The ids as ints, each a decoder layer of the target, none repeated; ValueError naming the fix otherwise."""
+    ids = [int(i) for i in target_layer_ids]
+    if not ids:
+        raise ValueError("target_layer_ids is empty; name at least one decoder layer, or leave it unset for "
+                         "the default (default_target_layer_ids)")
+    bad = [i for i in ids if not 0 <= i < num_target_layers]
+    if bad:
+        raise ValueError(f"target_layer_ids {ids}: {bad} outside 0..{num_target_layers - 1} (the target has "
+                         f"{num_target_layers} decoder layers; id i is layer i's output, HF hidden_states[i + 1]); "
+                         f"use ids in that range")
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"target_layer_ids {ids} repeats a layer; give each layer once")
+    return ids
+
+
+def check_block_size(block_size: int) -> int:
+    if int(block_size) < MIN_BLOCK_SIZE:
+        raise ValueError(f"block_size must be >= {MIN_BLOCK_SIZE} (anchor + at least one draft), got {block_size}")
+    return int(block_size)
+
+
+def check_num_hidden_layers(num_hidden_layers: int) -> int:
+    if int(num_hidden_layers) < 1:
+        raise ValueError(f"num_hidden_layers (drafter layers) must be >= 1, got {num_hidden_layers}")
+    return int(num_hidden_layers)
 
 
 @dataclass
@@ -51,32 +86,30 @@ class DrafterConfig:
     num_target_layers: int  # decoder layers of the target, used for the default taps and checks
     vocab_size: int  # the target's embedding rows (logits come from the target's lm_head)
     intermediate_size: int = 0  # SwiGLU width; 0 -> the target's
-    num_hidden_layers: int = 5  # drafter decoder layers
+    num_hidden_layers: int = DEFAULT_NUM_HIDDEN_LAYERS  # drafter decoder layers
     num_attention_heads: int = 0  # 0 -> the target's
     num_key_value_heads: int = 0  # GQA groups; 0 -> the target's
     head_dim: int = 0  # 0 -> the target's head_dim, else hidden_size // num_attention_heads
     rms_norm_eps: float = 1e-6  # every RMSNorm of the drafter
     max_position_embeddings: int = 32768  # longest position the RoPE tables are meant for
-    rope_parameters: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})  # the target's RoPE
+    # 1-D RoPE over the full head_dim with the target's theta: the only RoPE vLLM and SGLang apply alike
+    rope_parameters: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
     target_layer_ids: list[int] = field(default_factory=list)  # taps; empty -> default_target_layer_ids
-    block_size: int = 16  # tokens per drafted block: the anchor plus block_size-1 predictions
+    block_size: int = DEFAULT_BLOCK_SIZE  # tokens per drafted block: the anchor plus block_size-1 predictions
     mask_token_id: int | None = None  # id of the MASK filler in the block; must match training and serving
     layer_types: list[str] = field(default_factory=list)  # per drafter layer; empty -> all "full_attention"
     sliding_window: int | None = None  # window of the sliding_attention layers (keys a query may see)
-    input_embedding_scale: float = 1.0  # the target scales its embeddings by this (Gemma: sqrt(hidden))
+    input_embedding_scale: float = 1.0  # must be 1: the engines feed the block's raw embedding rows (engines.py)
     attention_bias: bool = False  # bias in q/k/v/o projections (Qwen3: none)
     hidden_act: str = "silu"  # SwiGLU activation
     initializer_range: float = 0.02  # std of the random init of linear layers
 
     def __post_init__(self):
+        check_num_hidden_layers(self.num_hidden_layers)
+        self.block_size = check_block_size(self.block_size)
         if not self.target_layer_ids:
             self.target_layer_ids = default_target_layer_ids(self.num_target_layers, self.num_hidden_layers)
-        self.target_layer_ids = [int(i) for i in self.target_layer_ids]
-        bad = [i for i in self.target_layer_ids if not 0 <= i < self.num_target_layers]
-        if bad:
-            raise ValueError(
-                f"target_layer_ids {self.target_layer_ids}: {bad} outside the target's layers "
-                f"0..{self.num_target_layers - 1}; pick ids in that range (layer i's output is hidden_states[i+1])")
+        self.target_layer_ids = check_target_layer_ids(self.target_layer_ids, self.num_target_layers)
         if not self.layer_types:
             self.layer_types = ["full_attention"] * self.num_hidden_layers
         if len(self.layer_types) != self.num_hidden_layers:
@@ -90,19 +123,28 @@ class DrafterConfig:
         if self.mask_token_id is not None and not 0 <= int(self.mask_token_id) < self.vocab_size:
             raise ValueError(f"mask_token_id {self.mask_token_id} is outside the target's vocabulary "
                              f"(0..{self.vocab_size - 1}); pick an id the embedding has a row for")
-        if self.block_size < 2:
-            raise ValueError(f"block_size must be >= 2 (anchor + at least one draft), got {self.block_size}")
+        engines.check_rope_parameters(self.rope_parameters)
+        if float(self.input_embedding_scale) != 1.0:
+            raise ValueError(f"input_embedding_scale={self.input_embedding_scale}: vLLM and SGLang read no such "
+                             f"field (drafter/engines.py); a drafter must train on the raw embedding rows")
+        if self.hidden_act != "silu":
+            raise ValueError(f"hidden_act={self.hidden_act!r}; vLLM and SGLang serve DFlash drafters with silu only")
 
     @property
     def num_taps(self) -> int:
         return len(self.target_layer_ids)
 
     @classmethod
-    def for_target(cls, target_config: Any, num_hidden_layers: int = 5, block_size: int = 16,
+    def for_target(cls, target_config: Any, num_hidden_layers: int = DEFAULT_NUM_HIDDEN_LAYERS,
+                   block_size: int = DEFAULT_BLOCK_SIZE,
                    target_layer_ids: list[int] | None = None, mask_token_id: int | None = None,
                    layer_types: list[str] | None = None, sliding_window: int | None = None,
                    input_embedding_scale: float = 1.0, **overrides) -> "DrafterConfig":
-        """A drafter sized like the target's layers (the published DFlash drafters are)."""
+        """A drafter sized like the target's layers (the published DFlash drafters are), with the RoPE the
+        engines apply (engines.drafter_rope_parameters); ValueError for a target that cannot be served faithfully."""
+        reason = engines.unservable_reason(target_config)
+        if reason:
+            raise ValueError(reason)
         tc = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
         heads = tc.num_attention_heads
         kw = dict(
@@ -113,7 +155,8 @@ class DrafterConfig:
             head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // heads,
             rms_norm_eps=getattr(tc, "rms_norm_eps", 1e-6),
             max_position_embeddings=getattr(tc, "max_position_embeddings", 32768),
-            rope_parameters=_rope_parameters(tc), target_layer_ids=list(target_layer_ids or []),
+            rope_parameters=engines.drafter_rope_parameters(_target_rope(tc)),
+            target_layer_ids=list(target_layer_ids or []),
             block_size=block_size, mask_token_id=mask_token_id, layer_types=list(layer_types or []),
             sliding_window=sliding_window, input_embedding_scale=float(input_embedding_scale))
         kw.update(overrides)
@@ -133,8 +176,6 @@ class DrafterConfig:
         """The exported config.json: Qwen3 fields + DFlash fields (top level and dflash_config)."""
         c = self.resolved()
         rope = dict(c.rope_parameters)
-        legacy_scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
-        legacy_scaling = None if legacy_scaling.get("rope_type", "default") == "default" else legacy_scaling
         sliding = "sliding_attention" in c.layer_types
         return {
             "architectures": ["DFlashDraftModel"],
@@ -147,12 +188,11 @@ class DrafterConfig:
             "attention_dropout": 0.0, "initializer_range": c.initializer_range,
             "max_position_embeddings": c.max_position_embeddings, "vocab_size": c.vocab_size,
             "tie_word_embeddings": False, "use_cache": True,
-            "rope_parameters": rope, "rope_theta": rope.get("rope_theta", 10000.0), "rope_scaling": legacy_scaling,
+            "rope_parameters": rope, "rope_theta": rope.get("rope_theta", 10000.0), "rope_scaling": None,
             "layer_types": list(c.layer_types), "use_sliding_window": sliding,
             "sliding_window": c.sliding_window, "max_window_layers": c.num_hidden_layers,
             "block_size": c.block_size, "num_target_layers": c.num_target_layers,
             "target_layer_ids": list(c.target_layer_ids), "mask_token_id": c.mask_token_id,
-            "input_embedding_scale": c.input_embedding_scale,
             "dflash_config": {"mask_token_id": c.mask_token_id, "target_layer_ids": list(c.target_layer_ids),
                               "block_size": c.block_size},
             "torch_dtype": "bfloat16", "dtype": "bfloat16",
@@ -162,6 +202,7 @@ class DrafterConfig:
     def from_json_dict(cls, d: dict, source: str = "config.json") -> "DrafterConfig":
         """Read our export or a reference-format drafter config (DFlash fields top level or in dflash_config)."""
         dflash = d.get("dflash_config") or {}
+        engines.check_one_engine_fields(d, source)
 
         def pick(name, default=None):
             return dflash.get(name, d.get(name, default))
@@ -190,7 +231,7 @@ class DrafterConfig:
                 head_dim=d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"],
                 rms_norm_eps=d.get("rms_norm_eps", 1e-6),
                 max_position_embeddings=d.get("max_position_embeddings", 32768), rope_parameters=rope,
-                target_layer_ids=ids, block_size=int(pick("block_size", 16)),
+                target_layer_ids=ids, block_size=int(pick("block_size", DEFAULT_BLOCK_SIZE)),
                 mask_token_id=pick("mask_token_id"), layer_types=layer_types, sliding_window=sliding,
                 input_embedding_scale=float(pick("input_embedding_scale", 1.0)),
                 attention_bias=bool(d.get("attention_bias", False)), hidden_act=d.get("hidden_act", "silu"),

@@ -4,8 +4,9 @@ An export directory holds:
 - ``model.safetensors``: ``layers.{i}.self_attn.{q,k,v,o}_proj.weight``, ``layers.{i}.self_attn.{q,k}_norm.weight``,
   ``layers.{i}.mlp.{gate,up,down}_proj.weight``, ``layers.{i}.{input,post_attention}_layernorm.weight``,
   ``fc.weight``, ``hidden_norm.weight``, ``norm.weight``; nothing of the target.
-- ``config.json``: Qwen3 fields + DFlash fields (see DrafterConfig.to_json_dict), ``auto_map`` -> the shipped
-  ``modeling_dflash.py``, so ``AutoModel.from_pretrained(dir, trust_remote_code=True)`` works without dflashkit.
+- ``config.json``: Qwen3 fields + DFlash fields (see DrafterConfig.to_json_dict; only fields vLLM and SGLang read
+  alike, engines.py), ``dtype`` = the weights' dtype, ``auto_map`` -> the shipped ``modeling_dflash.py``, so
+  ``AutoModel.from_pretrained(dir, trust_remote_code=True)`` works without dflashkit (``spec_generate`` included).
 
 Loading is strict: every tensor the config implies must be present with the shape it implies, and nothing else;
 a mismatch names the tensor, both shapes and the config field to check. Only safetensors are read.

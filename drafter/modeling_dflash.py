@@ -11,8 +11,14 @@ How one pass works (B = block size, C = context tokens, K = number of tapped tar
 - every layer: Q from the block states; K/V = concat(k/v_proj(context), k/v_proj(block)); per-head q/k RMSNorm;
   RoPE at the given positions (context first, then block); then SwiGLU MLP; pre-norm residuals.
 - full-attention layers are non-causal (the block sees every context key and the whole block); sliding layers
-  are causal over the key index and see a window of keys, as in the reference.
-- the output is normalised by ``norm``; logits come from the target's lm_head (the drafter owns none).
+  are causal over the key index and see a window of keys, as in the reference. A config ``is_causal`` makes
+  every layer causal (True) or non-causal with a two-sided window (False), as the reference reads it.
+- the output is normalised by ``norm``; logits come from the target's lm_head (the drafter owns none), times
+  ``output_multiplier`` and soft-capped by ``final_logit_softcapping`` when the config sets them.
+- ``spec_generate`` decodes with a target (HF model) the way the reference's ``spec_generate`` does: greedy or
+  sampled, one block per round, verified by the target.
+- A config that asks for what this file does not implement (another drafter architecture, attention sinks,
+  an unknown activation or layer type) is refused when the model is built.
 
 attention_mask may be a bool tensor (True = may attend) broadcastable to [b, 1, Q, C+Q], a dict keyed by layer
 type, or a flex_attention BlockMask (training packs many blocks into one pass and supplies its own masks).
@@ -23,8 +29,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import PreTrainedModel, Qwen3Config
+from transformers import DynamicCache, PreTrainedModel, Qwen3Config
+from transformers.activations import ACT2FN
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+
+LAYER_TYPES = ("full_attention", "sliding_attention")
+# reference-format fields this file does not implement: a config that sets them is refused, never ignored
+UNSUPPORTED = {"conv_kernel_size": 0, "conv_group_size": 0, "selector_rank": 0, "selector_top_k": 0,
+               "attention_sink_bias": False, "projector_type": None, "use_swa": False}
 
 
 def dflash_field(config, name, default=None):
@@ -52,12 +64,19 @@ def rotate_half(x):
     return torch.cat((-x2, x1), dim=-1)
 
 
-def sliding_mask(q_len: int, k_len: int, window: int, device) -> torch.Tensor:
-    """Causal over the key index with a window: query i (key index k_len-q_len+i) sees key j iff
-    j <= that index and index - j < window. Matches the reference's decode-time default."""
+def default_mask(q_len: int, k_len: int, causal: bool, window: int | None, device) -> torch.Tensor:
+    """Query i sits at key index k_len-q_len+i. Causal: it sees keys j <= that index; a window keeps keys with
+    index - j < window (and, when not causal, j - index < window too). Matches the reference's default."""
     qi = torch.arange(q_len, device=device)[:, None] + (k_len - q_len)
     kj = torch.arange(k_len, device=device)[None, :]
-    return ((kj <= qi) & (qi - kj < window))[None, None]
+    visible = torch.ones(q_len, k_len, dtype=torch.bool, device=device)
+    if causal:
+        visible &= kj <= qi
+    if window is not None:
+        visible &= qi - kj < window
+        if not causal:
+            visible &= kj - qi < window
+    return visible[None, None]
 
 
 _FLEX = []  # the compiled flex_attention, built on first use (eager flex_attention is a slow reference path)
@@ -95,7 +114,11 @@ class DFlashAttention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         types = getattr(config, "layer_types", None)
         self.layer_type = types[layer_idx] if types else "full_attention"
+        if self.layer_type not in LAYER_TYPES:
+            raise ValueError(f"layer_types[{layer_idx}]={self.layer_type!r}; this drafter supports {LAYER_TYPES}")
         self.sliding_window = config.sliding_window if self.layer_type == "sliding_attention" else None
+        is_causal = getattr(config, "is_causal", None)
+        self.is_causal = self.layer_type == "sliding_attention" if is_causal is None else bool(is_causal)
 
     def forward(self, block, context, cos, sin, attention_mask=None, past_key_values=None):
         b, q_len, _ = block.shape
@@ -112,8 +135,8 @@ class DFlashAttention(nn.Module):
         mask = attention_mask
         if isinstance(mask, dict):
             mask = mask.get(self.layer_type)
-        if mask is None and self.sliding_window is not None:
-            mask = sliding_mask(q_len, k.shape[2], self.sliding_window, q.device)
+        if mask is None and (self.is_causal or self.sliding_window is not None):
+            mask = default_mask(q_len, k.shape[2], self.is_causal, self.sliding_window, q.device)
         out = attend(q, k, v, mask, self.scaling)
         return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
 
@@ -125,9 +148,13 @@ class DFlashMLP(nn.Module):
         self.gate_proj = nn.Linear(h, i, bias=False)
         self.up_proj = nn.Linear(h, i, bias=False)
         self.down_proj = nn.Linear(i, h, bias=False)
+        act = getattr(config, "hidden_act", "silu")
+        if act not in ACT2FN:
+            raise ValueError(f"hidden_act={act!r} is not a transformers activation")
+        self.act_fn = ACT2FN[act]
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DFlashDecoderLayer(nn.Module):
@@ -152,6 +179,15 @@ class DFlashDraftModel(PreTrainedModel):
 
     def __init__(self, config):
         super().__init__(config)
+        for name, absent in UNSUPPORTED.items():
+            if dflash_field(config, name, absent) not in (absent, None):
+                raise ValueError(f"config sets {name}={dflash_field(config, name)!r}, which this DFlash drafter "
+                                 f"file does not implement; load it with the code that trained it")
+        rope = getattr(config, "rope_parameters", None) or {}
+        if (float(rope.get("partial_rotary_factor", 1.0)) != 1.0 or "mrope_section" in rope
+                or getattr(config, "is_neox_style", True) is False):
+            raise ValueError(f"rope_parameters {rope}: this drafter file rotates the full head_dim in neox halves "
+                             f"(1-D RoPE); partial, multimodal or interleaved RoPE is not implemented")
         self.layers = nn.ModuleList(DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.target_layer_ids = [int(i) for i in dflash_field(config, "target_layer_ids")]
         self.block_size = int(dflash_field(config, "block_size", 16))
@@ -194,4 +230,134 @@ class DFlashDraftModel(PreTrainedModel):
         return self.norm(block)
 
     def compute_logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
-        return lm_head(hidden)
+        """lm_head(hidden) times output_multiplier, soft-capped by final_logit_softcapping (when set)."""
+        logits = lm_head(hidden) * float(dflash_field(self.config, "output_multiplier", 1.0))
+        softcap = dflash_field(self.config, "final_logit_softcapping")
+        if softcap is not None and float(softcap) > 0:
+            logits = torch.tanh(logits / float(softcap)) * float(softcap)
+        return logits
+
+    @torch.inference_mode()
+    def spec_generate(self, target: nn.Module, input_ids: torch.LongTensor, max_new_tokens: int,
+                      stop_token_ids: list[int] | None, temperature: float = 0.0, top_p: float = 1.0,
+                      top_k: int = 0) -> torch.LongTensor:
+        """Speculative decoding of one sequence with ``target`` (an HF causal LM); returns prompt + new ids.
+
+        Each round: the drafter fills the block [last token, MASK x (B-1)] from the target features of the
+        tokens committed since the last round; the target verifies the block in one forward; the longest
+        prefix it agrees with is kept, plus the target's own next token. temperature 0 is greedy (argmax);
+        otherwise draft tokens are sampled and accepted by the speculative rejection rule."""
+        _check_sampling(temperature, top_p, top_k)
+        self.eval()
+        device, b = input_ids.device, self.block_size
+        n_in = input_ids.shape[1]
+        max_length = n_in + max_new_tokens
+        out = torch.full((1, max_length + 1), int(self.mask_token_id), dtype=torch.long, device=device)
+        positions = torch.arange(out.shape[1], device=device)[None]
+        target_cache, draft_cache = DynamicCache(config=target.config), DynamicCache()
+        cache_kw = _cache_kwarg(target)
+        embed = target.get_input_embeddings().weight
+        head = target.get_output_embeddings()
+        stops = torch.tensor(stop_token_ids or [], dtype=torch.long, device=device)
+
+        res = target(input_ids, position_ids=positions[:, :n_in], use_cache=True, logits_to_keep=1,
+                     output_hidden_states=True, **{cache_kw: target_cache})
+        out[:, :n_in] = input_ids
+        out[:, n_in] = _sample(res.logits[:, -1], temperature, top_p, top_k)
+        features = self.context_features(res.hidden_states)
+        _crop_to(target_cache, n_in)
+        start = n_in
+        stopped = bool(torch.isin(out[:, start], stops).any())
+        while start + 1 < max_length and not stopped:
+            size = min(b, max_length - start)
+            block = out[:, start:start + size].clone()
+            if size > 1:
+                noise = F.embedding(block, embed) * self.input_embedding_scale
+                hidden = self(position_ids=positions[:, start - features.shape[1]:start + size],
+                              noise_embedding=noise, target_hidden=features, past_key_values=draft_cache,
+                              use_cache=True)[:, 1 - size:]
+                _crop_to(draft_cache, start)
+                draft_logits = self.compute_logits(hidden, head)
+                draft_probs = _probs(draft_logits, temperature, top_p, top_k) if temperature > 0 else None
+                block[:, 1:] = (torch.argmax(draft_logits, -1) if draft_probs is None
+                                else torch.multinomial(draft_probs[0], 1).T)
+            res = target(block, position_ids=positions[:, start:start + size], use_cache=True,
+                         output_hidden_states=size > 1, **{cache_kw: target_cache})
+            if temperature > 0:
+                target_probs = _probs(res.logits, temperature, top_p, top_k)
+                accepted, bonus = (_rejection(block[:, 1:], target_probs, draft_probs) if size > 1
+                                   else (0, torch.multinomial(target_probs[0, -1], 1)[0]))
+            else:
+                verified = torch.argmax(res.logits, -1)
+                accepted = int((block[:, 1:] == verified[:, :-1]).cumprod(1).sum(1)[0])
+                bonus = verified[0, accepted]
+            out[:, start:start + accepted + 1] = block[:, :accepted + 1]
+            out[:, start + accepted + 1] = bonus
+            produced = min(accepted + 1, max_length - start - 1)
+            hits = torch.isin(out[0, start + 1:start + produced + 1], stops).nonzero()
+            if hits.numel():
+                produced, stopped = int(hits[0, 0]) + 1, True
+            start += produced
+            _crop_to(target_cache, start)
+            if size > 1:
+                features = self.context_features(res.hidden_states)[:, :produced]
+        return out[:, :min(start + 1, max_length)]
+
+    def context_features(self, hidden_states) -> torch.Tensor:
+        """The tapped layers' outputs (HF hidden_states[i + 1]) concatenated on the feature axis."""
+        return torch.cat([hidden_states[i + 1] for i in self.target_layer_ids], dim=-1)
+
+
+def _crop_to(cache, length: int) -> None:
+    """Keep the first ``length`` positions (a negative crop: transformers 5.24 refuses positive ones)."""
+    cache.crop(length - cache.get_seq_length())
+
+
+def _cache_kwarg(model: nn.Module) -> str:
+    """transformers >= 5.24 names the cache argument ``cache``, earlier versions ``past_key_values``."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
+
+
+def _check_sampling(temperature: float, top_p: float, top_k: int) -> None:
+    if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
+        raise ValueError("temperature and top_k must be non-negative, and top_p in (0, 1]")
+
+
+def _probs(logits: torch.Tensor, temperature: float, top_p: float, top_k: int) -> torch.Tensor:
+    """Sampling distribution: temperature, then top-k, then top-p (nucleus), as the reference computes it."""
+    scores = logits.float() / temperature
+    indices = None
+    if 0 < top_k < scores.shape[-1]:
+        scores, indices = torch.topk(scores, top_k, dim=-1)
+    probs = torch.softmax(scores, dim=-1)
+    if top_p < 1.0:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        sorted_probs = sorted_probs * (sorted_probs.cumsum(-1) - sorted_probs < top_p)
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+        probs = probs / probs.sum(-1, keepdim=True)
+    if indices is not None:
+        probs = torch.zeros_like(logits, dtype=probs.dtype).scatter(-1, indices, probs)
+    return probs
+
+
+def _sample(logits: torch.Tensor, temperature: float, top_p: float, top_k: int) -> torch.Tensor:
+    if temperature <= 0:
+        return torch.argmax(logits, dim=-1)
+    return torch.multinomial(_probs(logits, temperature, top_p, top_k), 1)[:, 0]
+
+
+def _rejection(draft: torch.Tensor, target_probs: torch.Tensor, draft_probs: torch.Tensor):
+    """Speculative sampling: accept draft token k with probability min(1, p/q) while all before it were
+    accepted; on the first rejection sample from the residual max(p - q, 0), else the bonus from p."""
+    gamma = draft.shape[1]
+    p = target_probs[:, :gamma].gather(-1, draft[..., None])[..., 0]
+    q = draft_probs.gather(-1, draft[..., None])[..., 0]
+    accepted = int((torch.rand_like(q) * q < p).to(torch.int32).cumprod(-1).sum(-1)[0])
+    if accepted == gamma:
+        return accepted, torch.multinomial(target_probs[0, -1], 1)[0]
+    residual = (target_probs[0, accepted] - draft_probs[0, accepted]).clamp_min(0)
+    total = residual.sum()
+    residual = residual / total if total > 0 else target_probs[0, accepted]
+    return accepted, torch.multinomial(residual, 1)[0]

@@ -113,8 +113,8 @@ def tree_attention_function(module: nn.Module, query, key, value, attention_mask
         raise RuntimeError(f"attention implementation {ATTENTION_NAME!r} only runs inside TargetVerifier.forward; "
                            "switch the model back with model.set_attn_implementation('sdpa')")
     if kwargs.get("s_aux") is not None:
-        raise NotImplementedError("tree attention does not support attention sinks (s_aux); this target cannot "
-                                  "be verified with it")
+        raise NotImplementedError("eval refuses targets with attention sinks (s_aux, e.g. gpt-oss): its tree "
+                                  "attention has no sink term; measure such a drafter through a server")
     step = _ACTIVE[-1]
     keys, values = step.cache.write(module.layer_idx, key, value, step.slots)
     scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])

@@ -33,6 +33,8 @@ from pathlib import Path
 
 import torch
 
+from dflashkit.drafter.config import DEFAULT_NUM_HIDDEN_LAYERS
+
 from .chat import SKIP_REASONS, BadSample, ChatConfig, TemplateError, chat_template_hash, tokenizer_hash
 from .shards import CODECS, MANIFEST, SCHEMA_VERSION, update_totals, write_manifest
 from .writer import ShardWriteError, ShardWriter, merge_manifests, prepare_resume
@@ -71,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--target", required=True, help="HF model dir, .gguf file, or testbed:smollm2")
     g.add_argument("--layer-ids", type=parse_layer_ids, default=None,
                    help="comma-separated target_layer_ids (layer i's output)")
-    g.add_argument("--num-taps", type=int, default=5, help="without --layer-ids: this many evenly spaced layers")
+    g.add_argument("--num-taps", type=int, default=DEFAULT_NUM_HIDDEN_LAYERS,
+                   help="without --layer-ids: this many evenly spaced layers (default: one per drafter layer)")
     g.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None,
                    help="target dtype (default: bfloat16 on GPU, float32 on CPU)")
     g.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: this rank's GPU if any)")
@@ -154,7 +157,7 @@ def _summary(manifest: dict, out: Path, seconds: float, tokens_this_run: int) ->
             f"  skipped: {skipped}\n  notes: {notes}\n  written to {out}")
 
 
-def extract(target: str, data: list[str], out, *, layer_ids: list[int] | None = None, num_taps: int = 5,
+def extract(target: str, data: list[str], out, *, layer_ids: list[int] | None = None, num_taps: int = DEFAULT_NUM_HIDDEN_LAYERS,
             dtype: str | None = None, device: str | None = None, device_map: str | None = None,
             trust_remote_code: bool = False, split: str | None = None, limit: int | None = None,
             chat_template: str | None = None, chat_template_kwargs: dict | None = None,
@@ -166,7 +169,8 @@ def extract(target: str, data: list[str], out, *, layer_ids: list[int] | None = 
     """Extract the features of ``target`` for the records of ``data`` into shards in ``out``; return the
     manifest. The parameters are the command's flags (see ``build_parser``); ``chat_template`` is the path of a
     Jinja file, ``chat_template_kwargs`` a dict, sizes are bytes."""
-    from dflashkit.target.capture import LayerCapture, check_layer_ids
+    from dflashkit.drafter import check_target_layer_ids
+    from dflashkit.target.capture import LayerCapture
     from .chat import check_template
     from .sources import describe_sources
     from dflashkit.target.loading import load_target
@@ -191,7 +195,7 @@ def extract(target: str, data: list[str], out, *, layer_ids: list[int] | None = 
                          trust_remote_code=trust_remote_code)
     # default taps: evenly spaced (docs/ARCHITECTURE.md); a target too shallow for that many distinct taps gets fewer
     layer_ids = list(layer_ids) if layer_ids else sorted(set(target.default_layer_ids(num_taps)))
-    layer_ids = check_layer_ids(layer_ids, target.num_layers)
+    layer_ids = check_target_layer_ids(layer_ids, target.num_layers)
     tok = target.tokenizer
     if cfg.chat_template or getattr(tok, "chat_template", None):
         check_template(tok, cfg)  # fails here, before any work, when assistant spans cannot be marked

@@ -24,24 +24,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dflashkit.drafter import check_target_layer_ids as check_layer_ids  # the one range check (drafter/config.py)
+
 
 class _StopForward(Exception):
     """Raised by a hook once everything asked for is captured; never leaves this module."""
-
-
-def check_layer_ids(target_layer_ids, num_layers: int) -> list[int]:
-    """The ids as a list of ints, each a decoder layer of the target, no repeats; ValueError otherwise."""
-    ids = [int(i) for i in target_layer_ids]
-    if not ids:
-        raise ValueError("target_layer_ids is empty; name at least one decoder layer, e.g. the default "
-                         "default_target_layer_ids(num_layers, n)")
-    bad = [i for i in ids if not 0 <= i < num_layers]
-    if bad:
-        raise ValueError(f"target_layer_ids {ids}: {bad} outside 0..{num_layers - 1} (the target has {num_layers} "
-                         f"decoder layers; id i is layer i's output, HF hidden_states[i + 1]); use ids in that range")
-    if len(set(ids)) != len(ids):
-        raise ValueError(f"target_layer_ids {ids} repeats a layer; give each layer once")
-    return ids
 
 
 def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:

@@ -118,3 +118,74 @@ def test_config_json_has_serving_fields(tmp_path):
     assert data["layer_types"] == LAYOUTS["mixed"]["layer_types"] and data["sliding_window"] == 5
     module, cls = data["auto_map"]["AutoModel"].split(".")
     assert (tmp_path / "d" / f"{module}.py").is_file() and cls == "DFlashDraftModel"
+
+
+@pytest.mark.slow
+def test_spec_generate_gives_the_reference_tokens_on_the_testbed(tmp_path):
+    """`spec_generate` of the shipped modeling file against the reference's, same drafter, same target
+    (SmolLM2 testbed, fp32, CPU): greedy, and sampled with one seed (same random draws in the same order)."""
+    from transformers import AutoModel
+
+    from dflashkit.target.loading import load_target
+
+    target = load_target("testbed:smollm2")
+    torch.manual_seed(0)
+    cfg = DrafterConfig.for_target(target.config, num_hidden_layers=2, block_size=4,
+                                   mask_token_id=target.vocab_size - 1)
+    save_drafter(build_drafter(cfg), tmp_path / "d")
+    ours = AutoModel.from_pretrained(str(tmp_path / "d"), trust_remote_code=True, dtype=torch.float32)
+    theirs = ref.DFlashDraftModel.from_pretrained(str(tmp_path / "d"), dtype=torch.float32)
+    prompt = target.tokenizer.apply_chat_template([{"role": "user", "content": "Name three colours."}],
+                                                  add_generation_prompt=True, return_tensors="pt",
+                                                  return_dict=True)["input_ids"]
+    for temperature in (0.0, 1.0):
+        outs = []
+        for model in (ours, theirs):
+            torch.manual_seed(1)
+            outs.append(model.spec_generate(target.model, prompt, max_new_tokens=8,
+                                            stop_token_ids=[target.tokenizer.eos_token_id], temperature=temperature,
+                                            top_p=0.9 if temperature else 1.0))
+        assert outs[0].shape[1] > prompt.shape[1]
+        assert torch.equal(outs[0], outs[1]), temperature
+
+
+@pytest.mark.parametrize("fields", [{"is_causal": True}, {"is_causal": False}, {"hidden_act": "gelu"},
+                                    {"dflash_config": {"output_multiplier": 2.0, "final_logit_softcapping": 3.0}}])
+def test_shipped_modeling_file_honours_reference_fields(tmp_path, fields):
+    """Reference config fields the dflashkit trainer never writes are honoured by the shipped modeling file
+    exactly as the reference honours them (forward and compute_logits)."""
+    from dflashkit.drafter import DFlashDraftModel
+
+    cfg = DrafterConfig.for_target(TARGET, block_size=4, mask_token_id=319, **LAYOUTS["mixed"])
+    save_drafter(build_drafter(cfg), tmp_path / "d")
+    data = json.loads((tmp_path / "d" / "config.json").read_text())
+    for key, value in fields.items():
+        data[key] = {**data[key], **value} if isinstance(value, dict) else value
+    (tmp_path / "d" / "config.json").write_text(json.dumps(data))
+    ours = DFlashDraftModel.from_pretrained(str(tmp_path / "d"), dtype=torch.float32).eval()
+    theirs = ref.DFlashDraftModel.from_pretrained(str(tmp_path / "d"), dtype=torch.float32).eval()
+    head = torch.nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+    with torch.no_grad():
+        x = _inputs(cfg, ctx=9)
+        hidden = ours(**x)
+        assert rel_err(hidden, theirs(**x)) <= 1e-5
+        assert rel_err(ours.compute_logits(hidden, head), theirs.compute_logits(hidden, head)) <= 1e-6
+    plain = build_drafter(cfg).eval()
+    plain.load_state_dict(ours.state_dict())
+    with torch.no_grad():  # the field changed something (so the comparison above is not vacuous)
+        assert not torch.equal(ours.compute_logits(ours(**x), head), plain.compute_logits(plain(**x), head))
+
+
+@pytest.mark.parametrize("fields", [{"dflash_config": {"conv_kernel_size": 4, "conv_group_size": 8}},
+                                    {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
+                                                         "partial_rotary_factor": 0.25}}])
+def test_shipped_modeling_file_refuses_what_it_does_not_implement(tmp_path, fields):
+    from dflashkit.drafter import DFlashDraftModel
+
+    save_drafter(build_drafter(DrafterConfig.for_target(TARGET, mask_token_id=319)), tmp_path / "d")
+    data = json.loads((tmp_path / "d" / "config.json").read_text())
+    for key, value in fields.items():
+        data[key] = {**data[key], **value}
+    (tmp_path / "d" / "config.json").write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="conv_kernel_size|partial"):
+        DFlashDraftModel.from_pretrained(str(tmp_path / "d"))

@@ -117,9 +117,10 @@ def test_run_writes_checkpoints_metrics_and_export(tiny_run, tmp_path):
     for d in (out / "export", tmp_path / "exported"):
         model = load_drafter(d)
         assert model.mask_token_id == 95 and model.block_size == 4 and model.target_layer_ids == [0, 2]
+        assert json.loads((d / "config.json").read_text())["dtype"] == "bfloat16"  # exports default to bf16
         for k, v in model.state_dict().items():
             if k in weights:
-                assert torch.equal(v, weights[k]), k
+                assert torch.equal(v, weights[k].bfloat16().float()), k
     assert not any("embed" in k or "lm_head" in k for k in weights)  # nothing of the target is saved
 
 
@@ -182,8 +183,7 @@ def test_corrupted_shard_is_refused_naming_it(tiny_run, tmp_path, damage):
 
 def test_recipes_load_with_their_stated_values():
     names = sorted(p.stem for p in RECIPES.glob("*.yaml") if p.stem != "tiny")  # tiny.yaml: the tests'
-    assert {"smollm2-135m", "smollm2-135m-cpu", "qwen3-8b", "llama-3.1-8b-instruct", "qwen3.6-27b",
-            "gpt-oss-20b"} <= set(names)
+    assert {"smollm2-135m", "smollm2-135m-cpu", "qwen3-8b", "llama-3.1-8b-instruct", "qwen3.6-27b"} <= set(names)
     for name in names:
         cfg = load_config(str(RECIPES / f"{name}.yaml"))
         assert cfg.block_size == 16 and cfg.gamma == 7.0 and cfg.lr == 6e-4 and cfg.warmup_ratio == 0.04
@@ -223,7 +223,7 @@ def test_bad_configuration_fails_before_work_naming_the_field(tiny_run, tmp_path
     from dflashkit.extract.shards import read_manifest, write_manifest
 
     target, shards = tiny_run
-    cases = [({"target_layer_ids": [0, 99]}, r"target_layer_ids \[0, 99\]: \[99\] outside the target's layers"),
+    cases = [({"target_layer_ids": [0, 99]}, r"target_layer_ids \[0, 99\]: \[99\] outside 0\.\.3"),
              ({"mask_token_id": 500}, r"mask_token_id 500 is outside the target's vocabulary"),
              ({"loss": "kl", "shards": None}, r"loss=kl needs last_hidden")]
     plain = make_shards(tmp_path / "no-last", target, num_samples=4, last_hidden=False)

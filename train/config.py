@@ -15,6 +15,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dflashkit.drafter.config import (DEFAULT_BLOCK_SIZE, DEFAULT_NUM_HIDDEN_LAYERS, check_block_size,
+                                      check_num_hidden_layers)
+
 LOSSES = ("ce", "dpace", "kl")
 
 
@@ -39,8 +42,8 @@ class TrainConfig:
     target_batch_tokens: int = 16384  # padded tokens per target forward (planned samples are run together)
     # --- drafter
     init_from: str = ""  # drafter export dir to start from (fine-tuning a published drafter); empty -> new
-    num_hidden_layers: int = 5  # drafter decoder layers (new drafters only)
-    block_size: int = 16  # tokens per block: the anchor + block_size-1 predictions
+    num_hidden_layers: int = DEFAULT_NUM_HIDDEN_LAYERS  # drafter decoder layers (new drafters only)
+    block_size: int = DEFAULT_BLOCK_SIZE  # tokens per block: the anchor + block_size-1 predictions
     target_layer_ids: list = field(default_factory=list)  # empty -> the shards' layer ids
     mask_token_id: int | None = None  # None -> the tokenizer's mask token, else a spare embedding row
     layer_types: list = field(default_factory=list)  # per drafter layer; empty -> all full_attention
@@ -104,7 +107,9 @@ class TrainConfig:
             raise ValueError(f"mixed_precision: {self.mixed_precision!r}; use 'bf16' or 'no'")
         if self.attention not in ("auto", "flex", "dense"):
             raise ValueError(f"attention: {self.attention!r}; use 'auto', 'flex' or 'dense'")
-        for name in ("epochs", "grad_accum", "num_anchors", "block_size", "keep_last", "loss_chunk_tokens"):
+        check_block_size(self.block_size)  # bounds of the drafter's fields live in drafter/config.py
+        check_num_hidden_layers(self.num_hidden_layers)
+        for name in ("epochs", "grad_accum", "num_anchors", "keep_last", "loss_chunk_tokens"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if int(self.micro_batch_tokens) < 0:

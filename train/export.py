@@ -2,10 +2,12 @@
 
     python -m dflashkit.train.export runs/smollm2/checkpoints/step-00001200 drafters/smollm2
     python -m dflashkit.train.export runs/smollm2 drafters/smollm2          # newest complete checkpoint
-    python -m dflashkit.train.export CKPT DIR --dtype bfloat16
+    python -m dflashkit.train.export CKPT DIR --dtype float32           # default bfloat16
 
 The checkpoint's fp32 master weights and its DrafterConfig (trainer.json) are loaded into a fresh drafter and
-written with ``dflashkit.drafter.save_drafter``; an incomplete or corrupted checkpoint is refused.
+written with ``dflashkit.drafter.save_drafter`` in bfloat16 (the published drafters' dtype; a float32 config
+would make SGLang and vLLM serve the drafter in float16), with the config's ``dtype`` set to the weights';
+an incomplete or corrupted checkpoint is refused.
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ def load_checkpoint_drafter(path: str | os.PathLike, dtype: torch.dtype = torch.
     return model.to(dtype).eval()
 
 
-def export_checkpoint(path: str | os.PathLike, out_dir: str | os.PathLike, dtype: torch.dtype = torch.float32) -> Path:
+def export_checkpoint(path: str | os.PathLike, out_dir: str | os.PathLike, dtype: torch.dtype = torch.bfloat16) -> Path:
     from dflashkit.drafter import save_drafter
 
     return save_drafter(load_checkpoint_drafter(path, dtype), out_dir)
@@ -65,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("checkpoint", help="a checkpoint dir (…/checkpoints/step-N) or a run output dir (newest)")
     ap.add_argument("out_dir", help="where to write the drafter directory")
-    ap.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="weight dtype of the export")
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16",
+                    help="weight dtype of the export (default bfloat16; config.json's dtype follows it)")
     args = ap.parse_args(argv)
     try:
         out = export_checkpoint(args.checkpoint, args.out_dir, DTYPES[args.dtype])

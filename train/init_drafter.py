@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     out, dcfg = init_drafter(cfg, args.out, dtype=getattr(torch, args.dtype))
     summary = {k: v for k, v in dcfg.to_json_dict().items()
                if k in ("hidden_size", "num_hidden_layers", "block_size", "target_layer_ids", "mask_token_id",
-                        "layer_types", "sliding_window", "vocab_size", "input_embedding_scale")}
+                        "layer_types", "sliding_window", "vocab_size")}
     print(f"wrote {out}\n{json.dumps(summary, indent=1)}")
     return 0
 
