@@ -30,14 +30,14 @@ PEAK_BF16 = 989e12
 
 
 def count_flops(cfg: DrafterConfig, seq: int, anchors: torch.Tensor, block: int, vocab: int) -> dict:
-    H, I, L = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
+    H, inter, L = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
     hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     tb = anchors.numel() * block
     visible = block * int((anchors + block).sum())  # (query, key) pairs: each block query sees a context keys + B
     fc = 2 * seq * cfg.num_taps * H * H
     per_layer = (2 * tb * H * hq * d * 2  # q and o projections
                  + 2 * (seq + tb) * H * hkv * d * 2  # k and v projections
-                 + 2 * tb * 3 * H * I  # SwiGLU MLP
+                 + 2 * tb * 3 * H * inter  # SwiGLU MLP
                  + 2 * 2 * visible * hq * d)  # QK^T and PV over the visible pairs only
     fwd = fc + L * per_layer
     head = 2 * anchors.numel() * (block - 1) * H * vocab
@@ -129,7 +129,8 @@ def main(argv=None):
     med = statistics.median(times)
     rate = matmul_rate(dev)
     res = {"step_s_median": med, "step_s_all": times, "tflops": flops["step_total"] / med / 1e12,
-           "mfu_vs_989": flops["step_total"] / med / PEAK_BF16, "mfu_vs_measured_matmul": flops["step_total"] / med / rate,
+           "mfu_vs_989": flops["step_total"] / med / PEAK_BF16,
+           "mfu_vs_measured_matmul": flops["step_total"] / med / rate,
            "matmul_tflops": rate / 1e12, "peak_mem_gib": torch.cuda.max_memory_allocated() / 2 ** 30,
            "tokens_per_s": seq / med, "block_tokens_per_s": anchors.numel() * B / med, "flops": flops,
            "args": vars(args), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__}

@@ -4,7 +4,8 @@
 
 Writes ``sharegpt.jsonl`` (the first N ShareGPT conversations that open with a user turn, cut to that turn:
 ``regenerate --max-turns 1`` reads nothing more), ``sharegpt_turns.jsonl`` (every conversation with a user turn, with
-every user turn and no assistant text: ``regenerate`` answers each user turn in order and drops the original answers anyway), ``mtbench.jsonl`` (80) and ``humaneval.jsonl`` (164), and with
+every user turn and no assistant text: ``regenerate`` answers each user turn in order and drops the original
+answers anyway), ``mtbench.jsonl`` (80) and ``humaneval.jsonl`` (164), and with
 ``--split K`` also ``mtbench.partJ.jsonl`` / ``humaneval.partJ.jsonl`` (J < K, consecutive slices) so that
 several ``dflashkit eval`` processes can share one GPU. Every file is read by ``--data`` / ``--dataset`` like
 the built-in it came from.

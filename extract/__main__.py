@@ -35,10 +35,10 @@ import torch
 
 from dflashkit.drafter.config import DEFAULT_NUM_HIDDEN_LAYERS
 
+from . import batching
 from .chat import SKIP_REASONS, BadSample, ChatConfig, TemplateError, chat_template_hash, tokenizer_hash
 from .shards import CODECS, MANIFEST, SCHEMA_VERSION, update_totals, write_manifest
 from .writer import ShardWriteError, ShardWriter, merge_manifests, prepare_resume
-from . import batching
 
 # manifest fields a resumed run must agree on (dotted paths)
 RESUME_FIELDS = ("target.config_hash", "target.weights_hash", "tokenizer_hash", "chat_template_hash",
@@ -157,7 +157,8 @@ def _summary(manifest: dict, out: Path, seconds: float, tokens_this_run: int) ->
             f"  skipped: {skipped}\n  notes: {notes}\n  written to {out}")
 
 
-def extract(target: str, data: list[str], out, *, layer_ids: list[int] | None = None, num_taps: int = DEFAULT_NUM_HIDDEN_LAYERS,
+def extract(target: str, data: list[str], out, *, layer_ids: list[int] | None = None,
+            num_taps: int = DEFAULT_NUM_HIDDEN_LAYERS,
             dtype: str | None = None, device: str | None = None, device_map: str | None = None,
             trust_remote_code: bool = False, split: str | None = None, limit: int | None = None,
             chat_template: str | None = None, chat_template_kwargs: dict | None = None,
@@ -171,9 +172,10 @@ def extract(target: str, data: list[str], out, *, layer_ids: list[int] | None = 
     Jinja file, ``chat_template_kwargs`` a dict, sizes are bytes."""
     from dflashkit.drafter import check_target_layer_ids
     from dflashkit.target.capture import LayerCapture
+    from dflashkit.target.loading import load_target
+
     from .chat import check_template
     from .sources import describe_sources
-    from dflashkit.target.loading import load_target
 
     rank, world, local_rank = _dist()
     out = Path(out)

@@ -260,7 +260,7 @@ def _regenerate_chunk(gen, chunk: list[tuple[int, list[dict]]], seed: int) -> li
         def one(idx_turns):
             index, turns = idx_turns
             history = []
-            for k, m in enumerate(turns):
+            for _k, m in enumerate(turns):
                 history.append(m)
                 if m["role"] == "user":
                     history.append({"role": "assistant", "content": gen.answer_one(history, seed + index)})

@@ -31,8 +31,19 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .shards import (MANIFEST, SCHEMA_VERSION, atomic_write, decode_features, encode_features, pause_point,
-                     rank_manifest_name, safetensors_parts, shard_name, update_totals, write_manifest)
+from .shards import (
+    MANIFEST,
+    SCHEMA_VERSION,
+    atomic_write,
+    decode_features,
+    encode_features,
+    pause_point,
+    rank_manifest_name,
+    safetensors_parts,
+    shard_name,
+    update_totals,
+    write_manifest,
+)
 
 _ALIGN = 64  # bytes; tensors inside a staging buffer start at multiples of this
 

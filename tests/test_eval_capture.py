@@ -10,6 +10,7 @@ from dflashkit.eval.hybrid import HybridChainVerifier
 from dflashkit.eval.verifier import TargetVerifier, is_hybrid
 from dflashkit.target.capture import capture_features
 from dflashkit.target.loading import load_target
+
 from tests.test_eval_engine import one_thread  # noqa: F401 (fixture)
 
 LAYER_IDS = [3, 1]  # 4 layers: 3 is L - 1, and out of order as a drafter may list them

@@ -9,6 +9,7 @@ from transformers import LlamaForCausalLM
 from dflashkit.drafter import DrafterConfig, build_drafter
 from dflashkit.eval.acceptance import sampling_probs
 from dflashkit.eval.engine import DecodeConfig, SpeculativeDecoder
+
 from tests.test_eval_engine import VOCAB, one_thread, prompts, tiny_target_config  # noqa: F401 (fixture)
 
 

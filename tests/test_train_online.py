@@ -10,12 +10,12 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from conftest import chat_records, save_tiny_chat_target, write_jsonl  # noqa: E402
-
 from dflashkit.extract.shards import ShardDataset  # noqa: E402
 from dflashkit.train.config import load_config  # noqa: E402
 from dflashkit.train.tracking import read_metrics  # noqa: E402
 from dflashkit.train.trainer import train  # noqa: E402
+
+from conftest import chat_records, save_tiny_chat_target, write_jsonl  # noqa: E402
 
 LAYERS = [1, 3]  # the tiny target has 4 layers: 3 is L-1, read after the final norm on both paths
 MAX_LENGTH = 160

@@ -9,12 +9,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from tests.conftest import run_until_paused
 
 from dflashkit.train.checkpoint import list_checkpoints, read_trainer_state, verify_checkpoint
 from dflashkit.train.config import load_config
 from dflashkit.train.tracking import read_metrics
 from dflashkit.train.trainer import train
+
+from tests.conftest import run_until_paused
 
 sys.path.insert(0, str(Path(__file__).parent))
 

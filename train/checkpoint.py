@@ -176,8 +176,7 @@ def full_state(model, optimizer) -> tuple[dict, dict, dict]:
                 opt[f"state.{name}.step"] = torch.tensor(step)
         groups = [{k: v for k, v in g.items() if k != "params"} for g in base.param_groups]
         return weights, opt, {"param_groups": _jsonable(groups)}
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                         get_optimizer_state_dict)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
     weights = {k: v.detach().float().cpu() for k, v in get_model_state_dict(model, options=opts).items()
@@ -221,8 +220,7 @@ def load_full_state(model, optimizer, weights: dict, opt: dict, opt_json: dict) 
                 if "step" in s:
                     s["step"] = step.to(s["step"].device) if torch.is_tensor(s["step"]) else int(step)
         return
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
-                                                         set_optimizer_state_dict)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
     current = _unwrapped(model).state_dict()

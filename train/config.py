@@ -15,8 +15,12 @@ import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dflashkit.drafter.config import (DEFAULT_BLOCK_SIZE, DEFAULT_NUM_HIDDEN_LAYERS, check_block_size,
-                                      check_num_hidden_layers)
+from dflashkit.drafter.config import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_NUM_HIDDEN_LAYERS,
+    check_block_size,
+    check_num_hidden_layers,
+)
 
 LOSSES = ("ce", "dpace", "kl")
 

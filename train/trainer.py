@@ -22,8 +22,8 @@ Design choices:
 from __future__ import annotations
 
 import json
-import os
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -136,7 +136,7 @@ def target_identity(head) -> dict:
 
 def _param_groups(model, weight_decay: float) -> list[dict]:
     decay, no_decay = [], []
-    for name, p in model.named_parameters():
+    for _name, p in model.named_parameters():
         (no_decay if p.ndim < 2 else decay).append(p)  # norms are never decayed
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
