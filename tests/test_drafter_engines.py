@@ -20,7 +20,7 @@ from dflashkit.target.capture import LayerCapture
 from dflashkit.target.loading import FAMILIES, load_target
 from dflashkit.train.block_mask import build_block_masks
 
-from tests.test_target_families import tiny_tokenizer
+from tests.conftest import tiny_tokenizer
 
 _BASE = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, max_position_embeddings=256)

@@ -4,14 +4,15 @@ final-norm output there too (not the raw layer output)."""
 
 import pytest
 import torch
-from test_target_families import save_tiny_target
 
 from dflashkit.eval.hybrid import HybridChainVerifier
 from dflashkit.eval.verifier import TargetVerifier, is_hybrid
-from dflashkit.target.capture import capture_features
 from dflashkit.target.loading import load_target
 
-from tests.test_eval_engine import one_thread  # noqa: F401 (fixture)
+from conftest import capture_features, save_tiny_target
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is fastest
+
 
 LAYER_IDS = [3, 1]  # 4 layers: 3 is L - 1, and out of order as a drafter may list them
 

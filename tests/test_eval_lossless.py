@@ -10,7 +10,9 @@ from dflashkit.drafter import DrafterConfig, build_drafter
 from dflashkit.eval.engine import DecodeConfig, SpeculativeDecoder
 from dflashkit.eval.lossless import TIE_TOLERANCE, ReferenceRun, classify, first_divergence, reference_greedy
 
-from tests.test_eval_engine import one_thread, tiny_target_config  # noqa: F401 (fixture)
+from tests.conftest import tiny_target_config
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is fastest
 
 VOCAB, NEW = 64, 40
 

@@ -12,7 +12,8 @@ from dflashkit.eval.__main__ import main
 
 from tests.conftest import run_until_paused
 from tests.test_eval_cli import pair  # noqa: F401 (fixture: a tiny target with the testbed tokenizer + drafter)
-from tests.test_eval_engine import one_thread  # noqa: F401 (fixture)
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is fastest
 
 
 def _args(root, out):

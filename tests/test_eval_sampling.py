@@ -10,7 +10,9 @@ from dflashkit.drafter import DrafterConfig, build_drafter
 from dflashkit.eval.acceptance import sampling_probs
 from dflashkit.eval.engine import DecodeConfig, SpeculativeDecoder
 
-from tests.test_eval_engine import VOCAB, one_thread, prompts, tiny_target_config  # noqa: F401 (fixture)
+from tests.conftest import VOCAB, prompts, tiny_target_config
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is fastest
 
 
 @pytest.mark.parametrize("temperature, top_p, top_k", [(1.0, 1.0, 0), (0.7, 0.9, 0), (1.3, 1.0, 5), (0.8, 0.6, 20),

@@ -10,12 +10,12 @@ import sys
 import pytest
 import torch
 from test_extract_regenerate import RECORDS
-from test_extract_run import save_tiny_chat_target
-from test_target_families import TINY_FAMILIES, save_tiny_target
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from dflashkit.extract.generator import SlotGenerator, sample_next, supports_slots
 from dflashkit.target.loading import load_target
+
+from conftest import TINY_FAMILIES, save_tiny_chat_target, save_tiny_target
 
 ATTENTION_ONLY = [f for f in TINY_FAMILIES if not f.startswith(("qwen3_5", "qwen3_next"))]
 
