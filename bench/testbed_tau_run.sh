@@ -20,12 +20,12 @@ export TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM
 mkdir -p "$R"
 dk=(python -m dflashkit)
 if [ "$SCALE" = toy ]; then   # minutes on a CPU: a check that every stage runs, not a measurement
-  LIMIT_CONV=12; NEW=24; EPOCHS=1; EVAL_PROMPTS=2; EVAL_NEW=16; FIRST="6 12"; SMALL=first12; MAXLEN=256
+  LIMIT_CONV=12; NEW=24; BATCH=8; EPOCHS=1; EVAL_PROMPTS=2; EVAL_NEW=16; FIRST="6 12"; SMALL=first12; MAXLEN=256
   TRAIN_EXTRA=(num_hidden_layers=1 num_anchors=16 mixed_precision=no compile=false micro_batch_tokens=512
                eval_samples=2 save_every=0)
   DT=float32; L_REGEN=600; L_TRAIN=600; L_SMALL=600; L_EVAL=600; L_EVAL_SMALL=600; BENCH=0
 else
-  LIMIT_CONV=0; NEW=256; EPOCHS=3; EVAL_PROMPTS=164; EVAL_NEW=256; FIRST="5000 11146"; SMALL=first11146
+  LIMIT_CONV=0; NEW=256; BATCH=1024; EPOCHS=3; EVAL_PROMPTS=164; EVAL_NEW=256; FIRST="5000 11146"; SMALL=first11146
   MAXLEN=1024
   TRAIN_EXTRA=(micro_batch_tokens=16384 grad_accum=1 eval_samples=64 eval_every=0 save_every=200 compile=true)
   DT=bfloat16; L_REGEN=${L_REGEN:-330}; L_TRAIN=${L_TRAIN:-420}; L_SMALL=${L_SMALL:-130}; L_EVAL=${L_EVAL:-330}
@@ -65,7 +65,7 @@ eval_chain_mtbench() {  # NAME GPU: live chain tau on MT-bench (the data-size an
 # --- GPU 0: regenerate every user turn, then the main drafter (all turns), then its evaluation ---------------
 main_line() {
   stage regenerate "$G0" "$L_REGEN" "${dk[@]}" regenerate --target "$T" --data "$D/sharegpt_turns.jsonl" \
-    --out "$R/regen.jsonl" --resume --max-new-tokens "$NEW" --batch-size 1024 --max-prompt-length 1024 \
+    --out "$R/regen.jsonl" --resume --max-new-tokens "$NEW" --batch-size "$BATCH" --max-prompt-length 1024 \
     $([ "$LIMIT_CONV" -gt 0 ] && echo --limit "$LIMIT_CONV") --dtype "$DT" --no-progress \
     $([ "$DEVICE" = cpu ] && echo --device cpu)
   stage subsets "$G0" 120 python bench/testbed_subsets.py --regen "$R/regen.jsonl" --out "$R/data" --first $FIRST

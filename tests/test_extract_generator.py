@@ -147,7 +147,7 @@ def test_bad_generation_flags_say_what_to_give(tmp_path, capsys):
     from dflashkit.extract.regenerate import main
 
     flags = ["--target", str(tmp_path), "--data", str(tmp_path / "x.jsonl"), "--out", str(tmp_path / "o.jsonl")]
-    assert main([*flags, "--top-p", "0"]) == 1
+    assert main([*flags, "--top-p", "0"]) == 2  # a user error
     assert "top-p in (0, 1]" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
         main([*flags, "--batch-size", "0"])

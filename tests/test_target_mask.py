@@ -16,7 +16,7 @@ def tokenizer():
 
 
 def test_explicit_id_wins_and_the_drafter_config_range_checks_it(tokenizer):
-    config = tf.Qwen3Config(vocab_size=300, num_hidden_layers=4)
+    config = tf.Qwen3Config(vocab_size=300, num_hidden_layers=12)  # deep enough for 5 distinct default taps
     tokenizer.add_special_tokens({"mask_token": "<mask>"})
     assert resolve_mask_token_id(None, config, explicit=7) == 7  # an explicit id needs no tokenizer
     assert resolve_mask_token_id(tokenizer, config, explicit=299) == 299
