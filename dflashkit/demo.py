@@ -34,7 +34,7 @@ SCALES = {
     "small": dict(train_prompts=96, regen_new_tokens=96, max_turns=1, max_length=512, eval_prompts=6,
                   eval_new_tokens=64, recipe="smollm2-135m-cpu.yaml", train_overrides={}, tree_budget=32,
                   batch_size=16, eval_datasets=["builtin:mtbench"], baseline_prompts=None),
-    # the settings of bench/gpu_testbed_run.sh, in one process: eval of all 244 prompts, AR baseline on 10 each
+    # one GPU, one process: eval of all 244 prompts, AR baseline on 10 each (bench/testbed_tau_run.sh: RESULTS.md)
     "full": dict(train_prompts=6144, regen_new_tokens=384, max_turns=1, max_length=1024, eval_prompts=None,
                  eval_new_tokens=256, recipe="smollm2-135m.yaml", train_overrides={"epochs": 3}, tree_budget=64,
                  batch_size=512, eval_datasets=["builtin:mtbench", "builtin:humaneval"], baseline_prompts=10),
