@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .verifier import capture_graph
+
 
 def supports_static_steps(drafter: nn.Module) -> bool:
     return all(t == "full_attention" for t in (getattr(drafter.config, "layer_types", None) or []))
@@ -84,17 +86,8 @@ class DraftStep:
     def run(self) -> torch.Tensor:
         if not self.use_graph:
             return self._compute()
-        if self.graph is None:  # warm up on a side stream, then capture once
-            with torch.cuda.device(self.owner.device):
-                side = torch.cuda.Stream()
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
-                    for _ in range(2):
-                        self._compute()
-                torch.cuda.current_stream().wait_stream(side)
-                self.graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(self.graph, pool=self.owner.graph_pool):
-                    self.logits = self._compute()
+        if self.graph is None:
+            self.graph, self.logits = capture_graph(self._compute, self.owner.device, self.owner.graph_pool)
         self.graph.replay()
         return self.logits
 

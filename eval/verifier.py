@@ -41,6 +41,23 @@ from torch import nn
 
 from .tree_attention import tree_attention
 
+
+def capture_graph(compute, device, pool):
+    """``compute`` (a function of static buffers) captured once as a CUDA graph: two warm-up calls on a side
+    stream (allocator, kernels, lazy init), then one captured call. Returns (graph, the captured outputs), which
+    ``graph.replay()`` recomputes in place."""
+    with torch.cuda.device(device):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                compute()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            outputs = compute()
+    return graph, outputs
+
 ATTENTION_NAME = "tree_attention"
 ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention"}
 
@@ -240,17 +257,8 @@ class StaticStep:
     def run(self) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.use_graph:
             return self._compute()
-        if self.graph is None:  # warm up on a side stream (allocator, kernels), then capture once
-            with torch.cuda.device(self.verifier.device):
-                side = torch.cuda.Stream()
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
-                    for _ in range(2):
-                        self._compute()
-                torch.cuda.current_stream().wait_stream(side)
-                self.graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(self.graph, pool=self.graph_pool):
-                    self.outputs = self._compute()
+        if self.graph is None:
+            self.graph, self.outputs = capture_graph(self._compute, self.verifier.device, self.graph_pool)
         self.graph.replay()
         return self.outputs
 

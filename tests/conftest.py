@@ -286,3 +286,23 @@ def run_until_paused(cmd, pause_at: str, pause_file, timeout: float = 300.0) -> 
         assert time.monotonic() < deadline, f"{pause_at} not reached within {timeout} s"
         time.sleep(0.01)
     return proc
+
+
+@pytest.fixture
+def fresh_accelerate_state():
+    """For tests that run several trainings in one process: accelerate keeps its state in class attributes."""
+    yield
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+def tiny_overrides(shards, out, **kw) -> dict:
+    """TrainConfig fields of a seconds-long CPU training on the shards of ``make_shards``."""
+    base = dict(shards=str(shards), output_dir=str(out), mask_token_id=95, num_hidden_layers=2, block_size=4,
+                num_anchors=8, eval_samples=2, eval_anchors=4, epochs=2, grad_accum=2, mixed_precision="no",
+                wandb=False, save_every=2, keep_last=2, log_every=1, eval_every=0, num_workers=0, progress=False,
+                drafter={"intermediate_size": 64}, micro_batch_tokens=0)  # one sequence per micro-batch
+    base.update(kw)
+    return base

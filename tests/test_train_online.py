@@ -21,13 +21,7 @@ LAYERS = [1, 3]  # the tiny target has 4 layers: 3 is L-1, read after the final 
 MAX_LENGTH = 160
 
 
-@pytest.fixture(autouse=True)
-def _fresh_accelerate_state():
-    yield
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
+pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")
 
 
 @pytest.fixture(scope="module")

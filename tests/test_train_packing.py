@@ -206,10 +206,12 @@ def test_packed_run_equals_unpacked_run(even_shards, tmp_path):
     """12 samples of 32 tokens, 2 held out: packing 3 per micro-batch (G=1) trains, step by step, on the same
     samples with the same anchors as one sequence per micro-batch with G=3, so every logged loss agrees."""
     from accelerate.state import AcceleratorState, GradientState
-    from test_train_trainer import tiny_overrides, train_losses
+    from test_train_trainer import train_losses
 
     from dflashkit.train.config import load_config
     from dflashkit.train.trainer import train
+
+    from conftest import tiny_overrides
 
     summaries = {}
     for name, kw in (("packed", dict(micro_batch_tokens=96, grad_accum=1, epochs=1)),

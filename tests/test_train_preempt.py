@@ -15,27 +15,16 @@ from dflashkit.train.config import load_config
 from dflashkit.train.tracking import read_metrics
 from dflashkit.train.trainer import train
 
-from tests.conftest import run_until_paused
+from tests.conftest import run_until_paused, tiny_overrides
 
 sys.path.insert(0, str(Path(__file__).parent))
 
 
-@pytest.fixture(autouse=True)
-def _fresh_accelerate_state():
-    yield
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
+pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")
 
 
 def overrides(shards, out, **kw) -> dict:
-    base = dict(shards=str(shards), output_dir=str(out), mask_token_id=95, num_hidden_layers=2, block_size=4,
-                num_anchors=8, eval_samples=2, eval_anchors=4, epochs=1, grad_accum=2, mixed_precision="no",
-                wandb=False, save_every=2, keep_last=5, log_every=1, eval_every=0, num_workers=0, progress=False,
-                drafter={"intermediate_size": 64}, micro_batch_tokens=0)  # one sequence per micro-batch
-    base.update(kw)
-    return base
+    return tiny_overrides(shards, out, **{"epochs": 1, "keep_last": 5, **kw})
 
 
 def losses(out) -> dict:
