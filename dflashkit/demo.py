@@ -42,22 +42,11 @@ SCALES = {
 
 
 # --------------------------------------------------------------------------- the library calls of the stages
-def _with_parser_defaults(build_parser: Callable[[], argparse.ArgumentParser], **kwargs) -> argparse.Namespace:
-    """The parameters of a command whose library function still takes its parsed flags: the parser's defaults,
-    then ``kwargs`` (named as the flags' destinations)."""
-    parser = build_parser()
-    defaults = {a.dest: a.default for a in parser._actions if a.dest != "help"}
-    unknown = sorted(set(kwargs) - set(defaults))
-    if unknown:
-        raise TypeError(f"{parser.prog} takes no parameter(s) {unknown}")
-    return argparse.Namespace(**{**defaults, **kwargs})
-
-
 def regenerate(**kwargs) -> dict:
     """ShareGPT prompts answered by the target (dflashkit.extract.regenerate)."""
-    from dflashkit.extract import regenerate as command
+    from dflashkit.extract.regenerate import regenerate as run_regeneration
 
-    return command.run(_with_parser_defaults(command.build_parser, **kwargs))
+    return run_regeneration(**kwargs)
 
 
 def extract(**kwargs) -> dict:

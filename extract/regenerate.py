@@ -342,44 +342,54 @@ def _barrier(world: int) -> None:
     dist.barrier()
 
 
-def run(args) -> dict:
+def regenerate(data: list[str], out, *, target: str | None = None, server: str | None = None,
+               model: str | None = None, api_key: str = "", split: str | None = None, limit: int | None = None,
+               resume: bool = False, on_bad: str = "skip", max_new_tokens: int = 1024, temperature: float = 0.0,
+               top_p: float = 1.0, top_k: int = 0, seed: int = 0, chat_template_kwargs: dict | None = None,
+               max_prompt_length: int | None = None, max_turns: int | None = None, batch_size: int = 16,
+               chunk_factor: int = 8, cuda_graph: bool = True, concurrency: int = 16, dtype: str | None = None,
+               device: str | None = None, progress: bool = True) -> dict:
+    """Answer every user turn of the conversations of ``data`` with ``target`` (a local model) or ``server`` (an
+    OpenAI-compatible URL) into the JSONL file ``out``; return the counts. The parameters are the command's flags
+    (see ``build_parser``); ``chat_template_kwargs`` is a dict."""
     from .sources import iter_records
 
-    if bool(args.target) == bool(args.server):
+    if bool(target) == bool(server):
         raise ValueError("give either --target (a local model) or --server (an OpenAI-compatible URL)")
-    if args.temperature < 0 or args.top_k < 0 or not 0 < args.top_p <= 1:
-        raise ValueError(f"--temperature {args.temperature}, --top-k {args.top_k}, --top-p {args.top_p}: give "
+    if temperature < 0 or top_k < 0 or not 0 < top_p <= 1:
+        raise ValueError(f"--temperature {temperature}, --top-k {top_k}, --top-p {top_p}: give "
                          "temperature >= 0 (0: greedy), top-k >= 0 (0: off) and top-p in (0, 1]")
     rank, world, local_rank = _rank_world()
-    out = Path(args.out)
+    out = Path(out)
+    data = [str(data)] if isinstance(data, (str, Path)) else [str(d) for d in data]
     path = part_path(out, rank, world) if world > 1 else out
-    if not args.resume and any(p.exists() and p.stat().st_size for p in (out, path)):
+    if not resume and any(p.exists() and p.stat().st_size for p in (out, path)):
         raise ValueError(f"{out} exists: add --resume to continue it, or pick another --out")
-    done = (done_indices(out) | done_indices(path)) if args.resume else set()
-    template_kwargs = json.loads(args.chat_template_kwargs)
-    sampling = dict(template_kwargs=template_kwargs, max_new_tokens=args.max_new_tokens,
-                    temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
-    if args.server:
-        gen = ServerGenerator(args.server, args.model, api_key=args.api_key, concurrency=args.concurrency,
+    done = (done_indices(out) | done_indices(path)) if resume else set()
+    template_kwargs = dict(chat_template_kwargs or {})
+    sampling = dict(template_kwargs=template_kwargs, max_new_tokens=max_new_tokens,
+                    temperature=temperature, top_p=top_p, top_k=top_k)
+    if server:
+        gen = ServerGenerator(server, model, api_key=api_key, concurrency=concurrency,
                               **sampling)
     else:
-        device = args.device or (f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
-        gen = TargetGenerator(args.target, max_prompt_length=args.max_prompt_length, batch_size=args.batch_size,
-                              dtype=args.dtype, device=device, cuda_graph=not args.no_cuda_graph, **sampling)
-    meta = {"generator": gen.name, "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
-            "max_new_tokens": args.max_new_tokens, "chat_template_kwargs": template_kwargs}
+        device = device or (f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
+        gen = TargetGenerator(target, max_prompt_length=max_prompt_length, batch_size=batch_size,
+                              dtype=dtype, device=device, cuda_graph=cuda_graph, **sampling)
+    meta = {"generator": gen.name, "temperature": temperature, "top_p": top_p, "top_k": top_k,
+            "max_new_tokens": max_new_tokens, "chat_template_kwargs": template_kwargs}
     # conversations answered together: several times the slots, so refills keep the slots busy
-    chunk_size = args.concurrency * 4 if args.server else args.batch_size * args.chunk_factor
+    chunk_size = concurrency * 4 if server else batch_size * chunk_factor
     counts = {"written": 0, "already_done": len(done), "skipped": {}}
     bar = None
-    if not args.no_progress and rank == 0:
+    if progress and rank == 0:
         from tqdm import tqdm
 
         bar = tqdm(unit="conversation", desc="regenerate", dynamic_ncols=True)
     out.parent.mkdir(parents=True, exist_ok=True)
 
     def skip(reason, where, detail):
-        if args.on_bad == "fail":
+        if on_bad == "fail":
             raise BadSample(reason, detail, where)
         counts["skipped"][reason] = counts["skipped"].get(reason, 0) + 1
 
@@ -387,7 +397,7 @@ def run(args) -> dict:
         chunk: list[tuple[int, list[dict], str]] = []
 
         def flush():
-            results = _regenerate_chunk(gen, [(i, t) for i, t, _ in chunk], args.seed)
+            results = _regenerate_chunk(gen, [(i, t) for i, t, _ in chunk], seed)
             for (index, _, where), messages in zip(chunk, results):
                 if isinstance(messages, BadSample):
                     skip(messages.reason, where, messages.detail)
@@ -401,15 +411,15 @@ def run(args) -> dict:
                 bar.update(len(chunk) * world)
             chunk.clear()
 
-        for item in iter_records(args.data, args.split):
-            if args.limit is not None and item.index >= args.limit:
+        for item in iter_records(data, split):
+            if limit is not None and item.index >= limit:
                 break
             if item.index % world != rank or item.index in done:
                 continue
             try:
                 if item.bad is not None:
                     raise BadSample(*item.bad)
-                chunk.append((item.index, _prompt_turns(item.record, args.max_turns), item.where))
+                chunk.append((item.index, _prompt_turns(item.record, max_turns), item.where))
             except BadSample as e:
                 skip(e.reason, item.where, e.detail)
             if len(chunk) >= chunk_size:
@@ -432,7 +442,19 @@ def run(args) -> dict:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        run(args)
+        try:
+            template_kwargs = json.loads(args.chat_template_kwargs)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--chat-template-kwargs {args.chat_template_kwargs!r} is not JSON ({e}); "
+                             """write e.g. '{"enable_thinking": false}'""") from None
+        regenerate(args.data, args.out, target=args.target, server=args.server, model=args.model,
+                   api_key=args.api_key, split=args.split, limit=args.limit, resume=args.resume, on_bad=args.on_bad,
+                   max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                   top_k=args.top_k, seed=args.seed, chat_template_kwargs=template_kwargs,
+                   max_prompt_length=args.max_prompt_length, max_turns=args.max_turns, batch_size=args.batch_size,
+                   chunk_factor=args.chunk_factor, cuda_graph=not args.no_cuda_graph,
+                   concurrency=args.concurrency, dtype=args.dtype, device=args.device,
+                   progress=not args.no_progress)
     except BadSample as e:
         print(f"dflashkit regenerate: error: {e}\n  fix the record, or pass --on-bad skip", file=sys.stderr)
         return 2
