@@ -31,8 +31,8 @@ from pathlib import Path
 
 import torch
 
+from dflashkit.extract.answerers import TargetGenerator
 from dflashkit.extract.chat import BadSample, normalize_record, render
-from dflashkit.extract.regenerate import TargetGenerator
 from dflashkit.extract.sources import iter_records
 
 

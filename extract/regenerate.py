@@ -38,15 +38,13 @@ import argparse
 import json
 import os
 import sys
-import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
-from .chat import BadSample, ChatConfig, end_of_turn_token, normalize_record, render
+from .answerers import ServerGenerator, TargetGenerator
+from .chat import BadSample, normalize_record
 
 
 def positive_int(text: str) -> int:
@@ -109,134 +107,6 @@ def done_indices(out: Path) -> set[int]:
         with open(out, "r+b") as f:
             f.truncate(keep)
     return {json.loads(line)["index"] for line in data[:keep].splitlines() if line.strip()}
-
-
-# ---------------------------------------------------------------- generators
-
-
-class TargetGenerator:
-    """Answers from a local target, turn by turn: the slot generator (static cache, continuous batching, CUDA
-    graph) for attention-only targets, Hugging Face ``generate`` (left-padded batches) for the others."""
-
-    def __init__(self, target: str, *, template_kwargs: dict, max_new_tokens: int, temperature: float = 0.0,
-                 top_p: float = 1.0, top_k: int = 0, max_prompt_length: int | None = None, batch_size: int = 16,
-                 dtype: str | None = None, device: str | None = None, cuda_graph: bool = True):
-        from dflashkit.target.loading import load_target
-
-        from .generator import SlotGenerator, supports_slots
-
-        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        torch_dtype = getattr(torch, dtype or ("bfloat16" if device.startswith("cuda") else "float32"))
-        self.target = load_target(target, dtype=torch_dtype, device=device)
-        self.tok = self.target.tokenizer
-        self.cfg = ChatConfig(template_kwargs=template_kwargs)
-        eot = end_of_turn_token(self.tok, self.cfg)
-        self.stop_ids = sorted({i for i in (self.tok.convert_tokens_to_ids(eot), self.tok.eos_token_id)
-                                if i is not None})
-        self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.stop_ids[0]
-        self.max_new_tokens, self.max_prompt_length, self.batch_size = max_new_tokens, max_prompt_length, batch_size
-        self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
-        self.device = device
-        self.name = self.target.path
-        self.slots = None
-        if supports_slots(self.target.model):
-            self.slots = SlotGenerator(self.target.model, self.stop_ids, num_slots=batch_size,
-                                       temperature=temperature, top_p=top_p, top_k=top_k, cuda_graph=cuda_graph)
-
-    def answer(self, histories: list[list[dict]], seed: int) -> list[str | BadSample]:
-        """The target's next assistant turn for each history (a BadSample where the prompt cannot be made)."""
-        out: list[str | BadSample] = []
-        prompts = []
-        for h in histories:
-            try:
-                prompt = self.tok(render(self.tok, h, self.cfg, add_generation_prompt=True),
-                                  add_special_tokens=False)["input_ids"]
-                if self.max_prompt_length is not None and len(prompt) > self.max_prompt_length:
-                    raise BadSample("too_long", f"a prompt of {len(prompt)} tokens > --max-prompt-length "
-                                                f"{self.max_prompt_length}")
-                out.append("")
-            except BadSample as e:
-                prompt = None
-                out.append(e)
-            prompts.append(prompt)
-        live = [k for k, p in enumerate(prompts) if p is not None]
-        if self.slots is not None:
-            new = self.slots.generate([prompts[k] for k in live], self.max_new_tokens, seed=seed)
-        else:
-            new = []
-            for start in range(0, len(live), self.batch_size):
-                new += self.hf_generate([prompts[k] for k in live[start:start + self.batch_size]], seed + start)
-        for k, tokens in zip(live, new):
-            out[k] = self.tok.decode(tokens, skip_special_tokens=True)
-        return out
-
-    def hf_generate(self, prompts: list[list[int]], seed: int) -> list[list[int]]:
-        """New tokens per prompt from one Hugging Face ``generate`` call (left padding), cut before a stop id."""
-        width = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
-        attn = torch.zeros_like(ids)
-        for row, p in enumerate(prompts):  # left padding: every prompt ends where generation starts
-            ids[row, width - len(p):] = torch.tensor(p)
-            attn[row, width - len(p):] = 1
-        kwargs: dict = {"do_sample": self.temperature > 0}
-        if self.temperature > 0:
-            kwargs.update(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)  # 0: no top-k
-        torch.manual_seed(seed)
-        with torch.inference_mode():
-            gen = self.target.model.generate(input_ids=ids.to(self.device), attention_mask=attn.to(self.device),
-                                             max_new_tokens=self.max_new_tokens, eos_token_id=self.stop_ids,
-                                             pad_token_id=self.pad_id, **{k: v for k, v in kwargs.items()
-                                                                          if v is not None})
-        out = []
-        for row in gen[:, width:].tolist():
-            cut = next((j for j, t in enumerate(row) if t in self.stop_ids), len(row))
-            out.append(row[:cut])
-        return out
-
-
-class ServerGenerator:
-    """One chat-completions request per turn to an OpenAI-compatible server (vLLM, SGLang, ...)."""
-
-    def __init__(self, server: str, model: str | None, *, template_kwargs: dict, max_new_tokens: int,
-                 temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, api_key: str = "",
-                 concurrency: int = 16):
-        if not model:
-            raise ValueError("--server needs --model (the name the server serves the target under)")
-        self.url = server.rstrip("/") + "/chat/completions"
-        self.model, self.api_key, self.concurrency = model, api_key, concurrency
-        self.max_new_tokens, self.temperature, self.top_p, self.top_k = max_new_tokens, temperature, top_p, top_k
-        self.template_kwargs, self.name = template_kwargs, f"{server} {model}"
-
-    def _post(self, body: dict) -> dict:
-        headers = {"Content-Type": "application/json"}
-        if self.api_key:
-            headers["Authorization"] = f"Bearer {self.api_key}"
-        last = None
-        for attempt in range(4):
-            req = urllib.request.Request(self.url, data=json.dumps(body).encode(), headers=headers)
-            try:
-                with urllib.request.urlopen(req, timeout=600) as r:
-                    return json.loads(r.read())
-            except urllib.error.HTTPError as e:
-                last = f"HTTP {e.code}: {e.read()[:300].decode(errors='replace')}"
-                if e.code < 500 and e.code != 429:
-                    break
-            except (urllib.error.URLError, TimeoutError, ConnectionError) as e:
-                last = str(e)
-            time.sleep(2 ** attempt)
-        raise ValueError(f"{self.url}: {last}; check --server and --model (run again with --resume)")
-
-    def answer_one(self, history: list[dict], seed: int) -> str:
-        body = {"model": self.model, "messages": history, "max_tokens": self.max_new_tokens,
-                "temperature": self.temperature, "top_p": self.top_p, "seed": seed}
-        if self.top_k:
-            body["top_k"] = self.top_k
-        if self.template_kwargs:
-            body["chat_template_kwargs"] = self.template_kwargs
-        msg = self._post(body)["choices"][0]["message"]
-        content = msg.get("content") or ""
-        reasoning = msg.get("reasoning_content") or msg.get("reasoning")
-        return f"<think>\n{reasoning.strip()}\n</think>\n\n{content.lstrip()}" if reasoning else content
 
 
 # ---------------------------------------------------------------- conversations

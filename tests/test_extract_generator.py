@@ -68,7 +68,8 @@ def test_regenerate_answers_a_recurrent_target_through_hf_generate(tmp_path):
     from test_extract_chat import smollm2_tokenizer
     from test_extract_regenerate import greedy_reference
 
-    from dflashkit.extract.regenerate import TargetGenerator, main
+    from dflashkit.extract.answerers import TargetGenerator
+    from dflashkit.extract.regenerate import main
 
     torch.manual_seed(0)
     config = tf.Qwen3_5TextConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
