@@ -34,18 +34,25 @@ def mask_backend(attention: str, device: torch.device) -> str:
     return "flex" if device.type == "cuda" else "dense"
 
 
-def forward_blocks(model, head, batch: PackedBlocks, *, block_size: int, layer_types: list[str],
-                   sliding_window: int | None, backend: str = "dense", variant: str = "ce", gamma: float = 7.0,
-                   dpace_alpha: float = 0.5, kl_weight: float = 0.5, chunk_tokens: int = 2048,
-                   fused_loss: bool = False) -> BlockLossOutput:
-    """The un-normalised block loss (and metrics) of one packed micro-batch (fused_loss: train/loss.py)."""
+def draft_hidden(model, head, batch: PackedBlocks, *, block_size: int, layer_types: list[str],
+                 sliding_window: int | None, backend: str = "dense") -> torch.Tensor:
+    """The drafter's final hidden states at draft positions 1..B-1 of every block: [N, B-1, H]."""
     n = batch.anchors.numel()
     mask = build_block_masks(batch.anchors, batch.ctx_len, block_size, layer_types, sliding_window, backend,
                              context_start=batch.context_start)
     noise = head.embed(batch.block_ids)
     hidden = model(position_ids=batch.position_ids, attention_mask=mask, noise_embedding=noise,
                    target_hidden=batch.target_hidden)
-    hidden = hidden.view(n, block_size, -1)[:, 1:]
+    return hidden.view(n, block_size, -1)[:, 1:]
+
+
+def forward_blocks(model, head, batch: PackedBlocks, *, block_size: int, layer_types: list[str],
+                   sliding_window: int | None, backend: str = "dense", variant: str = "ce", gamma: float = 7.0,
+                   dpace_alpha: float = 0.5, kl_weight: float = 0.5, chunk_tokens: int = 2048,
+                   fused_loss: bool = False) -> BlockLossOutput:
+    """The un-normalised block loss (and metrics) of one packed micro-batch (fused_loss: train/loss.py)."""
+    hidden = draft_hidden(model, head, batch, block_size=block_size, layer_types=layer_types,
+                          sliding_window=sliding_window, backend=backend)
     teacher = None
     if variant == "kl":
         teacher = batch.last_hidden[batch.teacher_index]  # stored after the target's final norm
