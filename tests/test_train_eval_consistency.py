@@ -18,12 +18,13 @@ import torch.nn.functional as F
 
 from dflashkit.drafter import DrafterConfig, build_drafter, load_drafter, save_drafter
 from dflashkit.eval.engine import DecodeConfig, SpeculativeDecoder
+from dflashkit.eval.report import summarize
 from dflashkit.target.capture import LayerCapture
 from dflashkit.target.loading import load_target, load_target_head
 from dflashkit.train.anchors import sample_anchors, sample_generator
 from dflashkit.train.data import PAD_MULTIPLE, pack_sequences
 from dflashkit.train.loss import block_loss, loss_denominator
-from dflashkit.train.step import draft_hidden
+from dflashkit.train.step import chain_walk, draft_hidden, evaluate
 
 from conftest import make_tiny_target, tiny_tokenizer
 
@@ -142,3 +143,40 @@ def test_draft_uses_only_context_before_the_anchor(setup):
         h0 = draft_hidden(model, head, ref, block_size=BLOCK, layer_types=cfg.layer_types, sliding_window=None)
     torch.testing.assert_close(h, h0, rtol=0, atol=1e-6)
     assert F.linear(h[0], head.lm_head.weight).argmax(-1).tolist() == base
+
+
+def test_held_out_walk_equals_live_tau(setup, tmp_path):
+    """evaluate's tau_walk and walk_accept_k on S are the live tau and per-position acceptance of the eval report
+    for the prompt of S (greedy data: the live run visits the same anchors), while tau_sim, a uniform average
+    over anchors, is not a live figure."""
+    target, head, seq, hidden, loss_mask = setup
+    model, cfg = make_drafter(head, ["full_attention"], None, steps=25, setup_=setup)
+    dataset = [{"input_ids": seq, "loss_mask": loss_mask, "hidden": hidden}]
+    metrics = evaluate(model, head, dataset, [0], block_size=BLOCK, layer_types=cfg.layer_types, sliding_window=None,
+                       mask_token_id=MASK, num_anchors=8, seed=0)
+    decoder = SpeculativeDecoder(target, load_drafter(save_drafter(model, tmp_path / "drafter")),
+                                 DecodeConfig(mode="chain", max_new_tokens=NEW, cuda_graphs=False))
+    try:
+        live = decoder.generate(seq[:PROMPT].tolist())
+    finally:
+        decoder.close()
+    assert live.tokens == seq[PROMPT:].tolist()
+    report = summarize([live], None, BLOCK)
+    assert len(set(live.acceptance_lengths)) >= 2  # accepted and rejected drafts both occur
+    assert metrics["eval/tau_walk"] == pytest.approx(report["tau"], abs=1e-12)
+    walk = [metrics[f"eval/walk_accept_{k}"] for k in range(1, BLOCK)]
+    assert walk == pytest.approx(report["per_position_acceptance"], abs=1e-12)
+    print(f"tau_sim {metrics['eval/tau_sim']:.3f}, tau_walk {metrics['eval/tau_walk']:.3f}, live tau "
+          f"{report['tau']:.3f}; acc_k {[round(metrics[f'eval/acc_{k}'], 3) for k in range(1, BLOCK)]}, "
+          f"live per-position {[round(x, 3) for x in report['per_position_acceptance']]}")
+
+
+def test_chain_walk_rules():
+    """Two turns (positions 2..6 and 10..12; their end-of-turn tokens at 7 and 13): rounds start at each turn's
+    first token, move past the accepted run and the bonus token, and stop at the end-of-turn token."""
+    anchors = [2, 3, 4, 5, 6, 10, 11, 12]
+    runs = {2: 1, 3: 0, 4: 3, 5: 0, 6: 1, 10: 3, 11: 0, 12: 1}
+    rounds, tokens, accepted = chain_walk(anchors, [runs[a] for a in anchors], block_size=4)
+    # turn 1: a=2 (run 1, 2 tokens) -> a=4 (run 3 reaches the end token at 7: 3 tokens, no bonus) -> done
+    # turn 2: a=10 (run 3 reaches 13: 3 tokens) -> done
+    assert (rounds, tokens, accepted) == (3, 8, [3, 2, 2])
