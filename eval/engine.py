@@ -64,6 +64,7 @@ class GenerationResult:
     acceptance_lengths: list[int] = field(default_factory=list)  # tokens produced per round (accepted + bonus)
     accepted_drafts: list[int] = field(default_factory=list)  # draft tokens accepted per round (before caps)
     nodes_per_round: list[int] = field(default_factory=list)  # candidate nodes the target verified
+    drafts: list[list[int]] = field(default_factory=list)  # per round, the drafted tokens (tree: nodes 1.., in order)
     prefill_s: float = 0.0
     decode_s: float = 0.0  # wall time after the prefill
     draft_s: float = 0.0  # drafter passes (speculative runs)
@@ -234,6 +235,7 @@ class SpeculativeDecoder:
             result.acceptance_lengths.append(produced)
             result.accepted_drafts.append(len(path) - 1)
             result.nodes_per_round.append(tree.num_nodes)
+            result.drafts.append(tree.tokens[1:])
             start += produced
         result.decode_s = time.perf_counter() - decode_start
         return result

@@ -32,8 +32,9 @@ Design choices:
   CPU path, and tests hold the fused one to it.
 - Metrics come out of the same pass: per-position correct/valid counts and the tau_sim sum (1 + leading run of
   positions whose argmax equals the label; an invalid label ends the run) over the blocks that have at least
-  one valid label (padding blocks of a packed micro-batch have none and count nowhere). All of them stay on
-  the device: nothing here waits for the GPU.
+  one valid label (padding blocks of a packed micro-batch have none and count nowhere), and each block's run
+  (held-out evaluation replays live decoding from them: train/step.py). All of them stay on the device:
+  nothing here waits for the GPU.
 """
 
 from __future__ import annotations
@@ -79,6 +80,7 @@ class BlockLossOutput:
     correct: torch.Tensor  # [B-1] valid labels whose argmax matched, per draft position
     counted: torch.Tensor  # [B-1] valid labels per draft position
     tau_sum: torch.Tensor  # sum over counted blocks of 1 + leading run of correct positions
+    runs: torch.Tensor  # [N] per block, its leading run of correct positions (0 for blocks with no valid label)
     blocks: torch.Tensor  # counted blocks: those with at least one valid label
 
 
@@ -117,6 +119,7 @@ class _ChunkedBlockLoss(torch.autograd.Function):
         correct = torch.zeros(p, dtype=acc, device=hidden.device)
         counted = torch.zeros_like(correct)
         tau_sum = torch.zeros_like(loss_sum)
+        runs = torch.zeros(n_blocks, dtype=acc, device=hidden.device)
         w_mat = weight
         for s in range(0, n_blocks, chunk):
             e = min(n_blocks, s + chunk)
@@ -132,7 +135,8 @@ class _ChunkedBlockLoss(torch.autograd.Function):
                 hit = (top.view(e - s, p) == lab) & valid[s:e]
                 correct += hit.sum(0).to(acc)
                 counted += val.sum(0)
-                tau_sum += ((1.0 + torch.cumprod(hit.to(acc), dim=-1).sum(-1)) * valid[s:e].any(-1)).sum()
+                runs[s:e] = torch.cumprod(hit.to(acc), dim=-1).sum(-1)
+                tau_sum += ((1.0 + runs[s:e]) * valid[s:e].any(-1)).sum()
                 if need_grad:
                     g = _compiled(_logit_grad)(raw, lse, lab.reshape(-1), w.reshape(-1))
                     grad[s:e] = (g @ w_mat).to(acc).view(e - s, p, h)
@@ -161,7 +165,8 @@ class _ChunkedBlockLoss(torch.autograd.Function):
             hit = (logits.argmax(-1) == lab) & valid[s:e]
             correct += hit.sum(0).float()
             counted += val.sum(0)
-            tau_sum += ((1.0 + torch.cumprod(hit.to(acc), dim=-1).sum(-1)) * valid[s:e].any(-1)).sum()
+            runs[s:e] = torch.cumprod(hit.to(acc), dim=-1).sum(-1)
+            tau_sum += ((1.0 + runs[s:e]) * valid[s:e].any(-1)).sum()
             if need_grad:
                 # d/dlogits of w*((1-b)CE + b*KL) = w * (softmax - (1-b)*onehot - b*p_target)
                 g = logp.exp_()
@@ -177,8 +182,8 @@ class _ChunkedBlockLoss(torch.autograd.Function):
                 del g
         ctx.save_for_backward(grad if need_grad else torch.zeros(0))
         ctx.hidden_dtype = hidden.dtype
-        ctx.mark_non_differentiable(ce_sum, correct, counted, tau_sum)
-        return loss_sum, ce_sum, correct, counted, tau_sum
+        ctx.mark_non_differentiable(ce_sum, correct, counted, tau_sum, runs)
+        return loss_sum, ce_sum, correct, counted, tau_sum, runs
 
     @staticmethod
     def backward(ctx, grad_loss, *unused):
