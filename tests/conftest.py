@@ -116,6 +116,15 @@ def tiny_tokenizer(num_words: int = 240):
                                       eos_token="<|im_end|>")
 
 
+def noisy_norms(model):
+    """Noise on every norm weight, so that a wrong norm formula (w vs 1 + w) cannot pass unnoticed."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 1 and "norm" in name:
+                p.add_(0.3 * torch.randn_like(p))
+    return model
+
+
 def save_tiny_target(family: str, out_dir: Path, seed: int = 0) -> Path:
     """Random tiny target of `family` saved like a downloaded checkpoint (config, safetensors, tokenizer).
 
@@ -124,11 +133,7 @@ def save_tiny_target(family: str, out_dir: Path, seed: int = 0) -> Path:
     config = tiny_family_config(family)
     multimodal = family in ("gemma3", "qwen3_5", "qwen3_5_moe")
     auto = tf.AutoModelForImageTextToText if multimodal else tf.AutoModelForCausalLM
-    model = auto.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.ndim == 1 and "norm" in name:
-                p.add_(0.3 * torch.randn_like(p))
+    model = noisy_norms(auto.from_config(config, dtype=torch.float32))
     model.save_pretrained(out_dir)
     tiny_tokenizer().save_pretrained(out_dir)
     return Path(out_dir)

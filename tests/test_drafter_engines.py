@@ -20,7 +20,7 @@ from dflashkit.target.capture import LayerCapture
 from dflashkit.target.loading import FAMILIES, load_target
 from dflashkit.train.block_mask import build_block_masks
 
-from tests.conftest import tiny_tokenizer
+from tests.conftest import noisy_norms, tiny_tokenizer
 
 _BASE = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
@@ -198,11 +198,7 @@ def _tiny_target(model_type: str, out_dir):
     torch.manual_seed(0)
     config = target_config(model_type)
     text = config.get_text_config()
-    model = tf.AutoModelForCausalLM.from_config(text, dtype=torch.float32)  # the text model of a multimodal family
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.ndim == 1 and "norm" in name:
-                p.add_(0.3 * torch.randn_like(p))
+    model = noisy_norms(tf.AutoModelForCausalLM.from_config(text, dtype=torch.float32))  # a multimodal's text model
     model.save_pretrained(out_dir)
     tiny_tokenizer().save_pretrained(out_dir)
     return config, load_target(out_dir)
