@@ -13,6 +13,7 @@ import functools
 import json
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -311,3 +312,20 @@ def tiny_overrides(shards, out, **kw) -> dict:
                 drafter={"intermediate_size": 64}, micro_batch_tokens=0)  # one sequence per micro-batch
     base.update(kw)
     return base
+
+
+# --------------------------------------------------------------------------- training commands in subprocesses
+ACCELERATE_LAUNCH = [sys.executable, "-m", "accelerate.commands.launch"]  # works without the console script
+
+
+def as_argv(fields: dict) -> list[str]:
+    """TrainConfig fields as the ``key=value`` arguments of ``python -m dflashkit.train``."""
+    return [f"{k}={json.dumps(v) if isinstance(v, (dict, list, bool)) or v is None else v}" for k, v in fields.items()]
+
+
+def run_checked(cmd, timeout: float = 900) -> str:
+    """Run a command from the repository root on one thread; fail with its output unless it exits 0."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return p.stdout + p.stderr

@@ -2,9 +2,6 @@
 DeepSpeed ZeRO-2 and ZeRO-3, each launched with the accelerate config file the recipes ship; the FSDP config,
 which accelerate runs as plain data parallelism without GPUs, says so and gives the same loss."""
 
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -12,10 +9,10 @@ import pytest
 
 from dflashkit.train.tracking import read_metrics
 
+from tests.conftest import ACCELERATE_LAUNCH, ROOT, as_argv, run_checked
+
 sys.path.insert(0, str(Path(__file__).parent))
 
-ROOT = Path(__file__).resolve().parents[1]
-ACCELERATE = Path(sys.executable).with_name("accelerate")
 
 
 def common(shards, out, **kw):
@@ -24,14 +21,7 @@ def common(shards, out, **kw):
              save_every=0, log_every=1, eval_every=0, num_workers=0, progress=False, max_steps=3,
              drafter={"intermediate_size": 64}, micro_batch_tokens=0)  # one sequence per micro-batch
     d.update(kw)
-    return [f"{k}={json.dumps(v) if isinstance(v, (dict, bool)) else v}" for k, v in d.items()]
-
-
-def run(cmd):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    return p.stdout + p.stderr
+    return as_argv(d)
 
 
 def metrics(out):
@@ -44,7 +34,7 @@ def single(tiny_run, tmp_path_factory):
     """The reference: one process, grad_accum 4 = 2 processes x grad_accum 2."""
     _, shards = tiny_run
     out = tmp_path_factory.mktemp("single") / "run"
-    run([sys.executable, "-m", "dflashkit.train", *common(shards, out, grad_accum=4)])
+    run_checked([sys.executable, "-m", "dflashkit.train", *common(shards, out, grad_accum=4)])
     return (*metrics(out), out)
 
 
@@ -55,7 +45,7 @@ def test_two_processes_give_the_single_process_loss(config, single, tiny_run, tm
         pytest.importorskip("deepspeed", reason="DeepSpeed is not installed: the ZeRO run cannot be launched")
     _, shards = tiny_run
     out = tmp_path / config
-    log = run([str(ACCELERATE), "launch", "--config_file", str(ROOT / "recipes" / "accelerate" / f"{config}.yaml"),
+    log = run_checked([*ACCELERATE_LAUNCH, "--config_file", str(ROOT / "recipes" / "accelerate" / f"{config}.yaml"),
                "--num_processes", "2", "-m", "dflashkit.train", *common(shards, out, grad_accum=2)])
     expected = {"ddp": "MULTI_CPU", "zero2": "DEEPSPEED", "zero3": "DEEPSPEED", "fsdp": "MULTI_CPU"}[config]
     assert f"dflashkit train ({expected}, cpu)" in log and "2 process(es) x 2 micro-batches" in log

@@ -15,7 +15,7 @@ from dflashkit.train.config import load_config  # noqa: E402
 from dflashkit.train.tracking import read_metrics  # noqa: E402
 from dflashkit.train.trainer import train  # noqa: E402
 
-from conftest import chat_records, save_tiny_chat_target, write_jsonl  # noqa: E402
+from conftest import ACCELERATE_LAUNCH, ROOT, as_argv, chat_records, run_checked, save_tiny_chat_target, write_jsonl  # noqa: E402
 
 LAYERS = [1, 3]  # the tiny target has 4 layers: 3 is L-1, read after the final norm on both paths
 MAX_LENGTH = 160
@@ -178,22 +178,11 @@ def test_cli_flags_reach_the_config(chat_run, tmp_path):
 
 
 # --------------------------------------------------------------------------- several processes (gloo, CPU)
-ROOT = Path(__file__).resolve().parents[1]
-ACCELERATE = [sys.executable, "-m", "accelerate.commands.launch"]  # works without the console script
 
 
 def launch_argv(target_dir, data, out, **kw) -> list[str]:
     d = overrides(out, target=target_dir, data=[data], eval_every=0, save_every=0, max_steps=3, **kw)
-    return [f"{k}={json.dumps(v) if isinstance(v, (dict, list, bool)) else v}" for k, v in d.items()]
-
-
-def run_cmd(cmd):
-    import subprocess
-
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    return p.stdout + p.stderr
+    return as_argv(d)
 
 
 def final_weights(out):
@@ -207,7 +196,7 @@ def single_online(chat_run, tmp_path_factory):
     """The reference: one process, grad_accum 4 = 2 processes x grad_accum 2."""
     target_dir, data, _ = chat_run
     out = tmp_path_factory.mktemp("single-online") / "run"
-    run_cmd([sys.executable, "-m", "dflashkit.train", *launch_argv(target_dir, data, out, grad_accum=4)])
+    run_checked([sys.executable, "-m", "dflashkit.train", *launch_argv(target_dir, data, out, grad_accum=4)])
     return losses(out), out
 
 
@@ -230,7 +219,7 @@ def test_online_under_accelerate_launch_gives_the_single_process_run(config, cha
         pytest.importorskip("deepspeed", reason="DeepSpeed is not installed: the ZeRO run cannot be launched")
     target_dir, data, _ = chat_run
     out = tmp_path / config
-    log = run_cmd([*ACCELERATE, "--config_file", str(ROOT / "recipes" / "accelerate" / f"{config}.yaml"),
+    log = run_checked([*ACCELERATE_LAUNCH, "--config_file", str(ROOT / "recipes" / "accelerate" / f"{config}.yaml"),
                    "--num_processes", "2", "-m", "dflashkit.train", *launch_argv(target_dir, data, out, grad_accum=2)])
     expected = {"ddp": "MULTI_CPU", "zero2": "DEEPSPEED", "fsdp": "MULTI_CPU"}[config]
     assert f"dflashkit train ({expected}, cpu): online, 12 training" in log and "2 process(es) x 2" in log
@@ -251,7 +240,7 @@ def test_two_machines_on_localhost_give_the_single_process_run(chat_run, single_
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     procs = []
     for machine in (0, 1):
-        cmd = [*ACCELERATE, "--config_file", str(ROOT / "recipes" / "accelerate" / "multinode.yaml"),
+        cmd = [*ACCELERATE_LAUNCH, "--config_file", str(ROOT / "recipes" / "accelerate" / "multinode.yaml"),
                "--num_machines", "2", "--num_processes", "2", "--machine_rank", str(machine),
                "--main_process_ip", "127.0.0.1", "--main_process_port", str(port),
                "-m", "dflashkit.train", *launch_argv(target_dir, data, out, grad_accum=2)]

@@ -2,7 +2,6 @@
 resume; `dflashkit export` takes that checkpoint; resuming finishes with the losses of an uninterrupted run.
 The signal is sent while the process sits at the test-only pause point after step 3, so where it lands is exact."""
 
-import json
 import os
 import signal
 import sys
@@ -15,7 +14,7 @@ from dflashkit.train.config import load_config
 from dflashkit.train.tracking import read_metrics
 from dflashkit.train.trainer import train
 
-from tests.conftest import run_until_paused, tiny_overrides
+from tests.conftest import ACCELERATE_LAUNCH, ROOT, as_argv, run_until_paused, tiny_overrides
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -39,7 +38,7 @@ def test_signal_checkpoints_the_current_step_then_resume_matches(tiny_run, tmp_p
     assert summary["step"] == 5
 
     out = tmp_path / "stopped"
-    argv = [f"{k}={json.dumps(v) if isinstance(v, (dict, bool)) else v}" for k, v in overrides(shards, out).items()]
+    argv = as_argv(overrides(shards, out))
     proc = run_until_paused([sys.executable, "-m", "dflashkit.train", *argv], "step-3-done", tmp_path / "paused")
     os.kill(proc.pid, getattr(signal, sig))
     assert proc.wait(timeout=300) == 0
@@ -74,11 +73,9 @@ def test_two_processes_stop_at_the_same_step(tiny_run, tmp_path):
 
     _, shards = tiny_run
     out = tmp_path / "ddp"
-    config = Path(__file__).resolve().parents[1] / "recipes" / "accelerate" / "ddp.yaml"
-    argv = [f"{k}={json.dumps(v) if isinstance(v, (dict, bool)) else v}"
-            for k, v in overrides(shards, out, grad_accum=1).items()]
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--num_processes", "2",
-           "-m", "dflashkit.train", *argv]
+    config = ROOT / "recipes" / "accelerate" / "ddp.yaml"
+    cmd = [*ACCELERATE_LAUNCH, "--config_file", str(config), "--num_processes", "2",
+           "-m", "dflashkit.train", *as_argv(overrides(shards, out, grad_accum=1))]
     proc = run_until_paused(cmd, "step-3-done", tmp_path / "paused")
     ranks = [p for p in psutil.Process(proc.pid).children(recursive=True) if "dflashkit.train" in " ".join(p.cmdline())]
     assert len(ranks) == 2

@@ -15,7 +15,7 @@ from dflashkit.train.config import load_config
 from dflashkit.train.tracking import read_metrics
 from dflashkit.train.trainer import lr_at, train
 
-from tests.conftest import run_until_paused, tiny_overrides
+from tests.conftest import as_argv, run_until_paused, tiny_overrides
 
 sys.path.insert(0, str(Path(__file__).parent))
 from conftest import make_shards  # noqa: E402
@@ -24,9 +24,6 @@ pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 
-
-def as_argv(d: dict) -> list[str]:
-    return [f"{k}={json.dumps(v) if isinstance(v, (dict, list, bool)) or v is None else v}" for k, v in d.items()]
 
 
 def train_losses(out) -> dict:
