@@ -177,6 +177,7 @@ def timed(fn, steps: int, warmup: int, device) -> list[float]:
 def summarize(times: list[float], tokens: list[int], flops: list[float], peak: float | None) -> dict:
     total = sum(times)
     r = {"step_ms_median": 1e3 * statistics.median(times), "steps": len(times),
+         "step_ms": [round(1e3 * t, 2) for t in times], "step_tokens": tokens,
          "ctx_tokens_per_s": sum(tokens) / total, "tflops_per_s": sum(flops) / total / 1e12}
     r["mfu"] = r["tflops_per_s"] * 1e12 / peak if peak else None
     return r
@@ -285,7 +286,8 @@ def main(argv=None):
 
     def features(m):  # target forward on one micro-batch -> per-sample dicts with their features
         ids_b, attn_b, lens = m["batch"]
-        hidden, _ = capture(ids_b.to(dev, non_blocking=True), attn_b.to(dev, non_blocking=True))
+        hidden, _ = capture(ids_b.to(dev, non_blocking=True))  # right-padded: no mask, as train/online.py runs it
+        hidden = hidden.to(dtype, copy=True)
         return [{**s, "hidden": hidden[b, :n]} for b, (s, n) in enumerate(zip(m["samples"], lens))]
 
     offline_cache = {}

@@ -250,8 +250,8 @@ def extract(target: str, data: list[str], out, *, layer_ids: list[int] | None = 
                 for batch in batching.plan_batches(window.samples, batch_tokens, max_batch_size):
                     todo = [s for s in batch if s.index not in done]
                     if todo:
-                        ids, attn = batching.pad_batch(todo, device)
-                        hidden, last_hidden = capture(ids, attn)
+                        ids, _ = batching.pad_batch(todo, device)
+                        hidden, last_hidden = capture(ids)  # right padding: no mask needed (pad_batch)
                         lengths = [len(s.input_ids) for s in todo]
                         keep = batching.real_token_index(lengths, ids.shape[1], hidden.device)
                         writer.add_batch([s.index for s in todo], lengths, [t for s in todo for t in s.input_ids],

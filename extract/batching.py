@@ -137,7 +137,11 @@ def plan_batches(samples: list[Sample], batch_tokens: int, max_batch_size: int) 
 
 
 def pad_batch(samples: list[Sample], device, pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """(input_ids [b, T], attention_mask [b, T]) with right padding."""
+    """(input_ids [b, T], attention_mask [b, T]) with right padding.
+
+    A right-padded batch needs no attention mask in a causal forward: every padding token comes after every
+    real token of its row, so causal attention alone keeps it out of the real tokens' outputs (padding rows get
+    junk, which callers drop by length). Without a mask the forward runs the fused causal attention kernels."""
     longest = max(len(s.input_ids) for s in samples)
     ids = torch.full((len(samples), longest), pad_id, dtype=torch.long)
     attn = torch.zeros((len(samples), longest), dtype=torch.long)

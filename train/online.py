@@ -150,14 +150,17 @@ class OnlineFeatures(torch.utils.data.Dataset):
     def features(self, indices: list[int]) -> dict[int, dict]:
         """Run the target once on these samples: {index: sample dict}."""
         from dflashkit.extract.batching import pad_batch
-        from dflashkit.target.capture import real_tokens
 
         todo = [self.samples[i] for i in indices]
-        ids, attn = pad_batch(todo, self.device)
-        hidden, last_hidden = self.capture(ids, attn)
-        # unpadding copies out of the inference-mode outputs (autograd may save the copies for backward)
-        hidden = [h.to(FEATURE_DTYPE) for h in real_tokens(hidden, attn)]
-        last = [h.to(FEATURE_DTYPE) for h in real_tokens(last_hidden, attn)] if last_hidden is not None else None
+        ids, _ = pad_batch(todo, self.device)
+        hidden, last_hidden = self.capture(ids)  # right padding: no mask needed (pad_batch)
+        # one copy out of inference mode (autograd may save the features for backward), then per-sample views:
+        # slicing by the known lengths never waits for the device
+        hidden = hidden.to(FEATURE_DTYPE, copy=True)
+        last_hidden = last_hidden.to(FEATURE_DTYPE, copy=True) if last_hidden is not None else None
+        lengths = [len(s.input_ids) for s in todo]
+        hidden = [hidden[k, :n] for k, n in enumerate(lengths)]
+        last = [last_hidden[k, :n] for k, n in enumerate(lengths)] if last_hidden is not None else None
         out = {}
         for k, (i, s) in enumerate(zip(indices, todo)):
             d = {"input_ids": torch.from_numpy(s.input_ids).long(),
