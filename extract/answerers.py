@@ -9,6 +9,7 @@ import json
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -44,22 +45,26 @@ class TargetGenerator:
             self.slots = SlotGenerator(self.target.model, self.stop_ids, num_slots=batch_size,
                                        temperature=temperature, top_p=top_p, top_k=top_k, cuda_graph=cuda_graph)
 
+    def _prompt(self, history: list[dict]) -> list[int]:
+        """Token ids that ask for the next assistant turn of `history` (BadSample if longer than allowed)."""
+        prompt = self.tok(render(self.tok, history, self.cfg, add_generation_prompt=True),
+                          add_special_tokens=False)["input_ids"]
+        if self.max_prompt_length is not None and len(prompt) > self.max_prompt_length:
+            raise BadSample("too_long", f"a prompt of {len(prompt)} tokens > --max-prompt-length "
+                                        f"{self.max_prompt_length}")
+        return prompt
+
     def answer(self, histories: list[list[dict]], seed: int) -> list[str | BadSample]:
         """The target's next assistant turn for each history (a BadSample where the prompt cannot be made)."""
         out: list[str | BadSample] = []
         prompts = []
         for h in histories:
             try:
-                prompt = self.tok(render(self.tok, h, self.cfg, add_generation_prompt=True),
-                                  add_special_tokens=False)["input_ids"]
-                if self.max_prompt_length is not None and len(prompt) > self.max_prompt_length:
-                    raise BadSample("too_long", f"a prompt of {len(prompt)} tokens > --max-prompt-length "
-                                                f"{self.max_prompt_length}")
+                prompts.append(self._prompt(h))
                 out.append("")
             except BadSample as e:
-                prompt = None
+                prompts.append(None)
                 out.append(e)
-            prompts.append(prompt)
         live = [k for k, p in enumerate(prompts) if p is not None]
         if self.slots is not None:
             new = self.slots.generate([prompts[k] for k in live], self.max_new_tokens, seed=seed)
@@ -70,6 +75,55 @@ class TargetGenerator:
         for k, tokens in zip(live, new):
             out[k] = self.tok.decode(tokens, skip_special_tokens=True)
         return out
+
+    def answer_turns(self, chunk: list[tuple[int, list[dict]]], seed: int) -> list[list[dict] | BadSample]:
+        """Every user turn of each (index, turns) conversation answered in order, each answer joining the history
+        of the next turn; the whole conversation, or a BadSample where a turn cannot be answered.
+
+        With the slot generator a conversation's next turn is queued the moment its previous answer ends
+        (``follow_up``), so short and long conversations share the slots; with Hugging Face ``generate``
+        the conversations advance together, one turn per round."""
+        talks = [_Conversation(turns) for _, turns in chunk]
+        if self.slots is None:
+            while True:
+                asking = [t for t in talks if t.next_turn()]
+                if not asking:
+                    return [t.result() for t in talks]
+                for t, text in zip(asking, self.answer([t.history for t in asking], seed + chunk[0][0])):
+                    t.answered(text)
+        owner: list[_Conversation] = []  # request -> its conversation
+        waiting: list[tuple[_Conversation, list[int]]] = []  # prompts longer than this round's cache holds
+        cap = 1 << 62  # the longest prompt this round's cache holds (the first turns all fit the first round)
+
+        def ask(talk: "_Conversation") -> list[int] | None:
+            while talk.next_turn():
+                try:
+                    prompt = self._prompt(talk.history)
+                except BadSample as e:
+                    talk.answered(e)
+                    return None
+                if len(prompt) > cap:
+                    waiting.append((talk, prompt))
+                    return None
+                owner.append(talk)
+                return prompt
+            return None
+
+        def follow_up(r: int, tokens: list[int]) -> list[int] | None:
+            owner[r].answered(self.tok.decode(tokens, skip_special_tokens=True))
+            return ask(owner[r])
+
+        first = [p for p in map(ask, talks) if p is not None]
+        while first:
+            # the cache holds --max-prompt-length (without it: the longest prompt so far, at least 1024) plus the
+            # answer; a later turn that outgrows it waits for the next round, whose cache is sized for it
+            cap = self.max_prompt_length or max(1024, max(map(len, first)))
+            self.slots.generate(first, self.max_new_tokens, seed=seed + chunk[0][0], follow_up=follow_up,
+                                max_prompt_length=cap)
+            owner[:] = [talk for talk, _ in waiting]
+            first = [prompt for _, prompt in waiting]
+            waiting.clear()
+        return [t.result() for t in talks]
 
     def hf_generate(self, prompts: list[list[int]], seed: int) -> list[list[int]]:
         """New tokens per prompt from one Hugging Face ``generate`` call (left padding), cut before a stop id."""
@@ -93,6 +147,36 @@ class TargetGenerator:
             cut = next((j for j, t in enumerate(row) if t in self.stop_ids), len(row))
             out.append(row[:cut])
         return out
+
+
+class _Conversation:
+    """A conversation being regenerated: its history so far and the turns still to come."""
+
+    def __init__(self, turns: list[dict]):
+        self.turns, self.pos, self.history = turns, 0, []
+        self.bad: BadSample | None = None
+
+    def next_turn(self) -> bool:
+        """Move the turns up to the next user turn into the history; False when none is left (or it went bad)."""
+        if self.bad is not None:
+            return False
+        while self.pos < len(self.turns) and self.turns[self.pos]["role"] != "user":
+            self.history.append(self.turns[self.pos])
+            self.pos += 1
+        if self.pos == len(self.turns):
+            return False
+        self.history.append(self.turns[self.pos])
+        self.pos += 1
+        return True
+
+    def answered(self, text: "str | BadSample") -> None:
+        if isinstance(text, BadSample):
+            self.bad = text
+        else:
+            self.history.append({"role": "assistant", "content": text})
+
+    def result(self) -> "list[dict] | BadSample":
+        return self.bad if self.bad is not None else self.history
 
 
 class ServerGenerator:
@@ -126,6 +210,22 @@ class ServerGenerator:
                 last = str(e)
             time.sleep(2 ** attempt)
         raise ValueError(f"{self.url}: {last}; check --server and --model (run again with --resume)")
+
+    def answer_turns(self, chunk: list[tuple[int, list[dict]]], seed: int) -> list[list[dict] | BadSample]:
+        """Every user turn of each (index, turns) conversation answered in order (as TargetGenerator's); requests
+        for --concurrency conversations in flight, each seeded with seed + its index."""
+        def one(item):
+            index, turns = item
+            talk = _Conversation(turns)
+            try:
+                while talk.next_turn():
+                    talk.answered(self.answer_one(talk.history, seed + index))
+            except BadSample as e:
+                return e
+            return talk.result()
+
+        with ThreadPoolExecutor(self.concurrency) as pool:
+            return list(pool.map(one, chunk))
 
     def answer_one(self, history: list[dict], seed: int) -> str:
         body = {"model": self.model, "messages": history, "max_tokens": self.max_new_tokens,

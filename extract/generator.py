@@ -326,8 +326,15 @@ class SlotGenerator:
             self._graphs, self._pool = {}, None  # graphs hold the old cache's addresses
 
     @torch.inference_mode()
-    def generate(self, prompts: list[list[int]], max_new_tokens: int, seed: int = 0) -> list[list[int]]:
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, seed: int = 0, follow_up=None,
+                 max_prompt_length: int = 0) -> list[list[int]]:
         """New tokens for each prompt (input order), cut before the first stop id, at most max_new_tokens.
+
+        ``follow_up(r, tokens)``, if given, is called once request ``r`` has finished with its new ``tokens``; a
+        prompt it returns joins the queue as request ``len(prompts)`` (the list grows; outputs follow it), so a
+        conversation's next turn starts as soon as its previous answer ends. On a GPU the calls run while the
+        next decode step computes. ``max_prompt_length``: the longest prompt a follow-up may return (the cache
+        is sized once, for it and the given prompts).
 
         The host keeps per-slot counters in numpy and each step's tokens as one row of `history`; a request's
         answer is read out of its slot's column when it finishes, so a step costs the host O(finished) Python."""
@@ -337,7 +344,9 @@ class SlotGenerator:
             raise ValueError(f"max_new_tokens={max_new_tokens}: give at least 1")
         if any(len(p) == 0 for p in prompts):
             raise ValueError("an empty prompt cannot be generated from")
-        self._ensure_cache(max(len(p) for p in prompts) + max_new_tokens)
+        prompts = list(prompts)
+        longest = max(max(len(p) for p in prompts), max_prompt_length)
+        self._ensure_cache(longest + max_new_tokens)
         torch.manual_seed(seed)
         self.stats = dict.fromkeys(self.stats, 0)
         n_slots = self.num_slots
@@ -353,12 +362,36 @@ class SlotGenerator:
         step = 0
         refill_at = max(1, n_slots // 8)
 
+        finished: list[int] = []  # requests done whose follow_up has not run yet
+
+        def finish(r: int, tokens: list[int]) -> None:
+            outputs[r] = tokens
+            if follow_up is not None:
+                finished.append(r)
+
+        def run_follow_ups() -> None:
+            for r in finished:
+                prompt = follow_up(r, outputs[r])
+                if prompt is None:
+                    continue
+                if not 0 < len(prompt) <= longest:
+                    raise ValueError(f"follow_up gave a prompt of {len(prompt)} tokens; give 1..{longest} "
+                                     "(max_prompt_length)")
+                prompts.append(prompt)
+                outputs.append([])
+                queue.append(len(prompts) - 1)
+            finished.clear()
+
         while True:
             free = np.flatnonzero(owner < 0)
             busy = n_slots - len(free)
-            if queue and (len(free) >= refill_at or busy == 0 or len(free) >= len(queue)):
+            if finished and busy == 0:
+                run_follow_ups()
+            # refill once an eighth of the slots is free; with no follow-ups to come, also when the rest of the
+            # queue fits (follow-ups keep the queue short: refilling for each would prefill a few at a time)
+            if queue and (len(free) >= refill_at or busy == 0 or (follow_up is None and len(free) >= len(queue))):
                 slots_all = free[: len(queue)].tolist()
-                batch = [queue.popleft() for _ in slots_all]
+                batch = sorted((queue.popleft() for _ in slots_all), key=lambda r: -len(prompts[r]))
                 lo = 0
                 while lo < len(batch):  # length buckets: consecutive prompts (sorted) under a token budget
                     hi = lo + 1
@@ -369,8 +402,10 @@ class SlotGenerator:
                         owner[s], count[s], first[s], start[s], prompt_len[s] = r, 1, token, step, len(prompts[r])
                         if token in self.stop_ids:
                             owner[s] = -1
+                            finish(r, [])
                         elif max_new_tokens == 1:
-                            outputs[r], owner[s] = [token], -1
+                            owner[s] = -1
+                            finish(r, [token])
                     self.stats["prefills"] += 1
                     lo = hi
                 continue
@@ -382,6 +417,8 @@ class SlotGenerator:
             live = owner >= 0
             need = int((prompt_len + count - 1)[live].max()) + 1  # above the position every live slot feeds
             self._step(min(self.cache.max_length, -(-need // self.length_step) * self.length_step))
+            if finished:  # the step computes on the GPU meanwhile
+                run_follow_ups()
             if step == len(history):
                 history = np.concatenate([history, np.zeros_like(history)])
             history[step] = tokens = self.tok.cpu().numpy()
@@ -390,5 +427,5 @@ class SlotGenerator:
             stopped = live & np.isin(tokens, stops)
             for s in np.flatnonzero(stopped | (live & (count >= max_new_tokens))).tolist():
                 column = history[start[s]:step, s].tolist()
-                outputs[owner[s]] = [int(first[s])] + (column[:-1] if stopped[s] else column)
+                finish(int(owner[s]), [int(first[s])] + (column[:-1] if stopped[s] else column))
                 owner[s] = -1

@@ -38,7 +38,6 @@ import argparse
 import json
 import os
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -122,50 +121,6 @@ def _prompt_turns(record, max_turns: int | None = None) -> list[dict]:
         if len(users) > max_turns:
             turns = turns[: users[max_turns]]
     return turns
-
-
-def _regenerate_chunk(gen, chunk: list[tuple[int, list[dict]]], seed: int) -> list[list[dict] | BadSample]:
-    """Answer every user turn of each conversation (a BadSample for one that cannot be answered)."""
-    if isinstance(gen, ServerGenerator):
-        def one(idx_turns):
-            index, turns = idx_turns
-            history = []
-            for _k, m in enumerate(turns):
-                history.append(m)
-                if m["role"] == "user":
-                    history.append({"role": "assistant", "content": gen.answer_one(history, seed + index)})
-            return history
-
-        def guarded(idx_turns):
-            try:
-                return one(idx_turns)
-            except BadSample as e:
-                return e
-
-        with ThreadPoolExecutor(gen.concurrency) as pool:
-            return list(pool.map(guarded, chunk))
-    histories: list = [[] for _ in chunk]
-    pos = [0] * len(chunk)
-    while True:
-        asking = []
-        for c, (_, turns) in enumerate(chunk):
-            if isinstance(histories[c], BadSample):
-                continue
-            while pos[c] < len(turns) and turns[pos[c]]["role"] != "user":
-                histories[c].append(turns[pos[c]])
-                pos[c] += 1
-            if pos[c] < len(turns):
-                histories[c].append(turns[pos[c]])
-                pos[c] += 1
-                asking.append(c)
-        if not asking:
-            return histories
-        answers = gen.answer([histories[c] for c in asking], seed + chunk[asking[0]][0])
-        for c, text in zip(asking, answers):
-            if isinstance(text, BadSample):
-                histories[c] = text
-            else:
-                histories[c].append({"role": "assistant", "content": text})
 
 
 def _rank_world() -> tuple[int, int, int]:
@@ -267,7 +222,7 @@ def regenerate(data: list[str], out, *, target: str | None = None, server: str |
         chunk: list[tuple[int, list[dict], str]] = []
 
         def flush():
-            results = _regenerate_chunk(gen, [(i, t) for i, t, _ in chunk], seed)
+            results = gen.answer_turns([(i, t) for i, t, _ in chunk], seed)
             for (index, _, where), messages in zip(chunk, results):
                 if isinstance(messages, BadSample):
                     skip(messages.reason, where, messages.detail)

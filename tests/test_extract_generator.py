@@ -101,6 +101,30 @@ def test_outputs_do_not_depend_on_slots_or_order(tiny_root):
     assert all(len(x) == 8 for x in a)
 
 
+def test_follow_ups_equal_separate_calls(tiny_root):
+    """A prompt queued by follow_up (a conversation's next turn) gets what a call of its own would give it."""
+    model = load_target(save_tiny_target("qwen3", tiny_root / "qwen3-follow")).model
+    prompts = _prompts(6, seed=7)
+    gen = SlotGenerator(model, [], num_slots=3)
+    alone = gen.generate(prompts, 5)
+    second = [p + a + [11, 12] for p, a in zip(prompts, alone)]  # a next turn built from each answer
+    want = gen.generate(second, 5)
+    asked = []
+
+    def follow_up(r, tokens):
+        if r >= len(prompts):
+            return None
+        asked.append(r)
+        return prompts[r] + tokens + [11, 12]
+
+    got = gen.generate(prompts, 5, follow_up=follow_up, max_prompt_length=max(map(len, second)))
+    assert sorted(asked) == list(range(6))
+    assert got[:6] == alone
+    assert [got[6 + k] for k in range(6)] == [want[r] for r in asked]  # request 6 + k follows asked[k]
+    with pytest.raises(ValueError, match="max_prompt_length"):
+        gen.generate(prompts[:1], 2, follow_up=lambda r, t: prompts[0] * 40 if r == 0 else None)
+
+
 def _warped(logits, temperature, top_k, top_p):
     """Hugging Face's own warpers (the oracle) on [1, V] logits -> probabilities."""
     procs = LogitsProcessorList([TemperatureLogitsWarper(temperature), TopKLogitsWarper(top_k),

@@ -74,6 +74,24 @@ def test_greedy_answers_equal_an_argmax_loop_turn_by_turn(tiny, tmp_path):
     assert m["totals"]["samples"] + sum(m["skipped"].values()) == 4
 
 
+def test_a_later_turn_longer_than_the_cache_waits_for_a_larger_round(tiny, tmp_path):
+    """Without --max-prompt-length the slot cache is sized for the first turns (at least 1024 tokens); a later
+    turn that outgrows it is answered in a second round, with the same answer."""
+    long_turn = " ".join(["alpha", "beta", "gamma", "delta"] * 300)  # > 1024 tokens
+    records = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x"},
+                             {"role": "user", "content": long_turn}]},
+               {"messages": [{"role": "user", "content": "golf hotel"}]}]
+    out = tmp_path / "out.jsonl"
+    assert main(["--target", tiny, "--data", _jsonl(tmp_path / "in.jsonl", records), "--out", str(out),
+                 "--max-new-tokens", "3", "--batch-size", "2", "--no-progress"]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    msgs = rows[0]["messages"]
+    assert len(smollm2_tokenizer()(long_turn)["input_ids"]) > 1024
+    assert [m["role"] for m in msgs] == ["user", "assistant", "user", "assistant"]
+    assert msgs[3]["content"] == greedy_reference(tiny, msgs[:3], 3)
+    assert rows[1]["messages"][1]["content"] == greedy_reference(tiny, rows[1]["messages"][:1], 3)
+
+
 def test_resume_drops_a_cut_line_and_completes(tiny, tmp_path):
     data = _jsonl(tmp_path / "in.jsonl", RECORDS)
     flags = ["--target", tiny, "--data", data, "--max-new-tokens", "4", "--batch-size", "2", "--no-progress"]
