@@ -15,6 +15,10 @@ Design choices:
 - Prompts are prefilled in length buckets (longest first, left padding, rows rolled into cache columns 0..L-1),
   and a finished slot is refilled with the next prompt (continuous batching). Refills wait until an eighth of
   the slots is free (or none is decoding), so prefills come in batches rather than one prompt at a time.
+- ``follow_up`` lets a finished request queue the next one (a conversation's next turn, its answer in the
+  history): multi-turn data then streams through the slots instead of advancing in rounds of one turn, where the
+  last rounds would decode a few long conversations in otherwise idle slots. The follow-ups run on the host
+  right after a decode step is launched, so tokenizing the next turn overlaps the GPU's work.
 - The decode step (forward, sampling, position update) is one function. On a GPU it is captured as a CUDA
   graph (per attended length) and replayed; on the CPU (and where capture fails, e.g. data-dependent MoE
   routing) the same function runs eagerly, so the CPU tests cover the captured maths.

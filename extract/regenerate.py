@@ -19,10 +19,11 @@ Then extract from the output: ``dflashkit extract --data regen.jsonl ...``.
 Design choices:
 - System and user turns are kept; every user turn gets the target's answer to the conversation so far (its own
   earlier answers included), so multi-turn data and prompt-only data (MT-bench) are treated alike.
-- A local target (--target) answers turn by turn, --batch-size x --chunk-factor conversations at a time,
-  through ``generator.SlotGenerator`` (--batch-size cache slots, continuous batching, a CUDA-graph decode step
-  on a GPU); a target with recurrent layers (Qwen3.5, Qwen3-Next) through Hugging Face ``generate`` in
-  left-padded batches. Generation stops at the template's end-of-turn token and the tokenizer's eos. A server
+- A local target (--target) answers --batch-size x --chunk-factor conversations at a time through
+  ``generator.SlotGenerator`` (--batch-size cache slots, continuous batching, a CUDA-graph decode step on a
+  GPU): a conversation's next turn is queued as soon as its previous answer ends. A target with recurrent
+  layers (Qwen3.5, Qwen3-Next) goes through Hugging Face ``generate`` in left-padded batches, one turn of every
+  conversation per round. Generation stops at the template's end-of-turn token and the tokenizer's eos. A server
   gets one request per turn, several conversations in flight; its ``reasoning_content`` (thinking models) is
   kept as a ``<think>`` block.
 - Output is JSONL in the input's order: {"index", "source", "messages"} plus how it was generated. A run killed
