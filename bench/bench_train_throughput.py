@@ -211,6 +211,8 @@ def main(argv=None):
     run.add_argument("--eager-loss", action="store_true", help="the eager loss (compiled layers)")
     run.add_argument("--device", default=None)
     run.add_argument("--out", required=True)
+    run.add_argument("--profile", default=None, help="also profile 3 online steps (rank 0, one process) and write "
+                     "the operators by device time (or CPU time on a CPU) to this text file")
     args = ap.parse_args(argv)
     if args.toy:
         for k, v in dict(min_len=24, max_len=96, micro_batch_tokens=256, num_anchors=16, block_size=8,
@@ -339,12 +341,33 @@ def main(argv=None):
                # the target runs each micro-batch as one right-padded batch: real / computed token positions
                "target_real_token_share": sum(m["tokens"] for m in per_pack.values()) /
                sum(len(m["samples"]) * max(m["batch"][2]) for m in per_pack.values())}
+    def profile(path: str) -> None:  # where the online step's time goes, operator by operator
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as torch_profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
+        with torch_profile(activities=acts) as prof:
+            for i in range(3):
+                micros = [collate_blocks(features(m), **opts).to(dev, non_blocking=True) for m in micro_of_step[i]]
+                drafter_step(model, target, opt, micros, world=1, ddp=False, loss=args.loss, autocast=autocast,
+                             common=common)
+            if gpu:
+                torch.cuda.synchronize()
+        key = "self_cuda_time_total" if gpu else "self_cpu_time_total"
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(prof.key_averages().table(sort_by=key, row_limit=40, max_name_column_width=70))
+        print(f"wrote the profile of 3 online steps to {path}")
+
     with LayerCapture(target, ids) as capture:
         if world == 1:
             results["single"] = measure(model, ddp=False)
+            if args.profile:
+                profile(args.profile)
         else:
             if rank == 0:
                 results["single"] = measure(model, ddp=False)
+                if args.profile:
+                    profile(args.profile)
             dist.barrier()
             ddp_model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local] if gpu else None)
             mine = measure(ddp_model, ddp=True)
