@@ -6,6 +6,7 @@ import os
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -53,6 +54,45 @@ def overrides(out, **kw) -> dict:
 
 def losses(out) -> dict:
     return {r["step"]: r["train/loss"] for r in read_metrics(out) if "train/loss" in r}
+
+
+def test_token_cache_gives_the_same_samples_and_follows_the_data(chat_run, tmp_path):
+    """A second encoding reads the cache (same samples, same skip counts); a changed data file, other chat
+    settings or a cut cache file encode again."""
+    from dflashkit.target.loading import load_target
+    from dflashkit.train.online import encode_data
+
+    target_dir, data, _ = chat_run
+    tok = load_target(target_dir).tokenizer
+    local = tmp_path / "chats.jsonl"
+    local.write_bytes(Path(data).read_bytes())
+
+    def encode(**kw):
+        said = []
+        args = dict(max_length=MAX_LENGTH, chat_template="", template_kwargs={}, limit=None, tokenize_workers=0,
+                    cache_dir=str(tmp_path / "cache"))
+        samples = encode_data([str(local)], tok, say=said.append, **{**args, **kw})
+        return samples, " | ".join(said)
+
+    def same(a, b):
+        return len(a) == len(b) and all(x.index == y.index and np.array_equal(x.input_ids, y.input_ids) and
+                                        np.array_equal(x.loss_mask, y.loss_mask) for x, y in zip(a, b))
+
+    fresh, said = encode()
+    assert "read from" not in said and "skipped: malformed_json 1, unknown_format 1" in said
+    again, said = encode()
+    assert "read from" in said and "skipped: malformed_json 1, unknown_format 1" in said  # the counts travel with the cache
+    assert same(fresh, again)
+    shorter, said = encode(max_length=MAX_LENGTH // 2)  # other settings: another key
+    assert "read from" not in said and not same(fresh, shorter)
+    local.write_text(local.read_text() + json.dumps(chat_records(1, seed=9)[0]) + "\n")  # the data grew
+    grown, said = encode()
+    assert "read from" not in said and len(grown) == len(fresh) + 1
+    files = sorted((tmp_path / "cache").glob("*.safetensors"), key=lambda p: p.stat().st_mtime_ns)
+    files[-1].write_bytes(files[-1].read_bytes()[:100])  # cut
+    cut, said = encode()
+    assert "unreadable" in said and "read from" not in said and same(cut, grown)
+    assert "read from" in encode()[1]  # rewritten whole
 
 
 def test_online_features_equal_the_extracted_ones_with_layer_l_minus_1(chat_run):

@@ -42,6 +42,7 @@ class TrainConfig:
     chat_template: str = ""  # Jinja file replacing the tokenizer's chat template (as extract --chat-template)
     chat_template_kwargs: dict = field(default_factory=dict)  # template variables, e.g. {enable_thinking: false}
     tokenize_workers: int = 0  # processes rendering + tokenizing the data at start (0: inline)
+    token_cache: bool = True  # keep the token ids under output_dir/token-cache: a resumed run skips tokenizing
     target_dtype: str = "auto"  # the target's dtype: auto (bfloat16 on GPU, float32 on CPU), bfloat16, float32
     target_batch_tokens: int = 16384  # padded tokens per target forward (planned samples are run together)
     # --- drafter

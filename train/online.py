@@ -69,34 +69,114 @@ def target_head_of(target, dtype: torch.dtype):
 
 
 def encode_data(specs: list[str], tokenizer, *, max_length: int | None, chat_template: str, template_kwargs: dict,
-                limit: int | None, tokenize_workers: int, say=print) -> list:
-    """Every good record of ``specs`` as an ``extract.batching.Sample``, in record order (bad ones counted)."""
+                limit: int | None, tokenize_workers: int, say=print, cache_dir: str | None = None,
+                write_cache: bool = True) -> list:
+    """Every good record of ``specs`` as an ``extract.batching.Sample``, in record order (bad ones counted).
+
+    With ``cache_dir`` the token ids are kept in ``cache_dir/<key>.safetensors`` (``write_cache``: this process
+    writes it; one rank is enough) and read from there next time: a resumed or restarted run skips rendering
+    and tokenizing. The key covers the data files (path, size, modification time), the tokenizer, the chat
+    settings and the chat code itself, so any change re-encodes."""
     from dflashkit.extract import batching
     from dflashkit.extract.chat import SKIP_REASONS, ChatConfig, check_template
 
     template = Path(chat_template).read_text() if chat_template else None
     cfg = ChatConfig(max_length=max_length, overlong="truncate", template_kwargs=dict(template_kwargs),
                      chat_template=template)
-    if cfg.chat_template or getattr(tokenizer, "chat_template", None):
-        check_template(tokenizer, cfg)  # fails before any work when assistant spans cannot be marked
-    samples, skipped = [], {r: 0 for r in SKIP_REASONS}
-    for window in batching.encoded_windows(list(specs), None, limit, bucket_window=4096,
-                                           tokenize_workers=tokenize_workers, tokenizer=tokenizer, cfg=cfg,
-                                           rank=0, world_size=1):
-        for sample in window.samples:  # arrays: 5 bytes a token instead of two Python lists
-            sample.input_ids = np.asarray(sample.input_ids, dtype=np.int32)
-            sample.loss_mask = np.asarray(sample.loss_mask, dtype=np.bool_)
-        samples += window.samples
-        for bad in window.bad:
-            skipped[bad.reason] += 1
-    samples.sort(key=lambda s: s.index)
+    cache = Path(cache_dir) / f"{token_cache_key(specs, tokenizer, cfg, limit)}.safetensors" if cache_dir else None
+    cached = read_token_cache(cache, say) if cache is not None and cache.exists() else None
+    if cached is not None:
+        samples, skipped = cached
+    else:
+        if cfg.chat_template or getattr(tokenizer, "chat_template", None):
+            check_template(tokenizer, cfg)  # fails before any work when assistant spans cannot be marked
+        samples, skipped = [], {r: 0 for r in SKIP_REASONS}
+        for window in batching.encoded_windows(list(specs), None, limit, bucket_window=4096,
+                                               tokenize_workers=tokenize_workers, tokenizer=tokenizer, cfg=cfg,
+                                               rank=0, world_size=1):
+            for sample in window.samples:  # arrays: 5 bytes a token instead of two Python lists
+                sample.input_ids = np.asarray(sample.input_ids, dtype=np.int32)
+                sample.loss_mask = np.asarray(sample.loss_mask, dtype=np.bool_)
+            samples += window.samples
+            for bad in window.bad:
+                skipped[bad.reason] += 1
+        samples.sort(key=lambda s: s.index)
+        if cache is not None and write_cache and samples:
+            write_token_cache(cache, samples, skipped)
     counts = ", ".join(f"{k} {v}" for k, v in sorted(skipped.items()) if v) or "none"
     say(f"online data: {len(samples)} samples, {sum(len(s.input_ids) for s in samples)} tokens from "
-        f"{', '.join(specs)} (skipped: {counts})")
+        f"{', '.join(specs)} (skipped: {counts}){f'; token ids read from {cache}' if cached else ''}")
     if not samples:
         raise ValueError(f"data {specs}: no usable sample (skipped: {counts}); check the files' format "
                          "(messages / conversations / prompt+response / text records)")
     return samples
+
+
+# ---------------------------------------------------------------- token cache
+
+TOKEN_CACHE_FORMAT = 1
+
+
+def token_cache_key(specs: list[str], tokenizer, cfg, limit: int | None) -> str:
+    """A digest of everything the encoded samples depend on."""
+    import hashlib
+    import json
+    from dataclasses import asdict
+
+    from dflashkit.extract import chat, sources
+
+    files = []
+    for spec in specs:
+        path = sources.builtin_path(spec) if spec.startswith("builtin:") else Path(spec).expanduser()
+        for f in sorted(path.rglob("*")) if path.is_dir() else [path]:
+            if f.is_file():
+                st = f.stat()
+                files.append([str(f.resolve()), st.st_size, st.st_mtime_ns])
+    parts = {"format": TOKEN_CACHE_FORMAT, "specs": list(specs), "files": files, "limit": limit,
+             "tokenizer": [getattr(tokenizer, "name_or_path", ""), len(tokenizer),
+                           getattr(tokenizer, "chat_template", None) or ""],
+             "chat": asdict(cfg), "code": hashlib.sha256(Path(chat.__file__).read_bytes()).hexdigest()}
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def write_token_cache(path: Path, samples: list, skipped: dict) -> None:
+    """All samples' ids and masks as flat arrays with offsets; written to a temporary name, then renamed."""
+    import json
+    import os
+
+    from safetensors.numpy import save_file
+
+    lengths = np.array([len(s.input_ids) for s in samples], dtype=np.int64)
+    arrays = {"input_ids": np.concatenate([s.input_ids for s in samples]).astype(np.int32),
+              "loss_mask": np.concatenate([s.loss_mask for s in samples]).astype(np.uint8),
+              "offsets": np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
+              "index": np.array([s.index for s in samples], dtype=np.int64)}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    save_file(arrays, str(tmp), metadata={"skipped": json.dumps(skipped), "format": str(TOKEN_CACHE_FORMAT)})
+    os.replace(tmp, path)
+
+
+def read_token_cache(path: Path, say=print):
+    """(samples, skipped) from a token cache, or None (with a note) when it cannot be read: then re-encode."""
+    import json
+
+    from safetensors import safe_open
+
+    from dflashkit.extract.batching import Sample
+
+    try:
+        with safe_open(str(path), framework="numpy") as f:
+            skipped = json.loads(f.metadata()["skipped"])
+            ids, mask, offsets, index = (f.get_tensor(k) for k in ("input_ids", "loss_mask", "offsets", "index"))
+        if len(offsets) != len(index) + 1 or offsets[-1] != len(ids) or len(mask) != len(ids):
+            raise ValueError("array sizes disagree")
+    except Exception as e:  # a cut or foreign file must not stop training: encode again and overwrite it
+        say(f"note: token cache {path} unreadable ({e}); encoding the data again")
+        return None
+    samples = [Sample(index=int(index[k]), where=f"{path}#{k}", input_ids=ids[offsets[k]:offsets[k + 1]],
+                      loss_mask=mask[offsets[k]:offsets[k + 1]].astype(np.bool_)) for k in range(len(index))]
+    return samples, skipped
 
 
 class OnlineFeatures(torch.utils.data.Dataset):
@@ -172,7 +252,7 @@ class OnlineFeatures(torch.utils.data.Dataset):
         return out
 
 
-def open_online(cfg, device, compute_dtype: torch.dtype, say=print):
+def open_online(cfg, device, compute_dtype: torch.dtype, say=print, rank: int = 0):
     """Load ``cfg.target`` and encode ``cfg.data``: (target, head, live manifest, samples).
 
     The live manifest holds what a shard manifest would (layer ids asked for, hidden size, layers, vocab) for
@@ -194,5 +274,7 @@ def open_online(cfg, device, compute_dtype: torch.dtype, say=print):
                 "vocab_size": target.vocab_size, "mask_token_id": None}
     samples = encode_data(cfg.data, target.tokenizer, max_length=cfg.max_length, chat_template=cfg.chat_template,
                           template_kwargs=cfg.chat_template_kwargs, limit=cfg.data_limit or None,
-                          tokenize_workers=cfg.tokenize_workers, say=say)
+                          tokenize_workers=cfg.tokenize_workers, say=say,
+                          cache_dir=str(Path(cfg.output_dir) / "token-cache") if cfg.token_cache else None,
+                          write_cache=rank == 0)
     return target, head, manifest, samples

@@ -162,7 +162,7 @@ def train(cfg: TrainConfig) -> dict:
     if online:  # each rank loads its own frozen target; accelerate never sees it
         from .online import OnlineFeatures, check_drafter_matches_target, open_online
 
-        target, head, manifest, samples = open_online(cfg, accelerator.device, compute_dtype, say)
+        target, head, manifest, samples = open_online(cfg, accelerator.device, compute_dtype, say, rank)
     else:
         if cfg.verify_shards:
             verify_shards(cfg.shards, rank, world)
