@@ -34,7 +34,7 @@ else
   TRAIN_EXTRA=(micro_batch_tokens=16384 grad_accum=1 eval_samples=64 eval_every=0 save_every=100 keep_last=4
                tokenize_workers=4
                compile=true)
-  DT=bfloat16; L_REGEN=${L_REGEN:-270}; L_TRAIN=${L_TRAIN:-450}; L_EVAL=${L_EVAL:-280}; L_EVAL_SMALL=${L_EVAL_SMALL:-110}
+  DT=bfloat16; L_REGEN=${L_REGEN:-240}; L_TRAIN=${L_TRAIN:-420}; L_EVAL=${L_EVAL:-270}; L_EVAL_SMALL=${L_EVAL_SMALL:-110}
   BENCH=${BENCH:-1}
 fi
 NGPU=$([ "$DEVICE" = cuda ] && nvidia-smi -L 2>/dev/null | wc -l || echo 0)
@@ -79,9 +79,9 @@ echo "[$(date +%T)] start: $NGPU GPU(s), scale $SCALE" >> "$R/stages.txt"
 
 # --- 1. both GPUs: one- and two-GPU benchmarks (regeneration, DDP training) --------------------------------------
 if [ "$BENCH" = 1 ]; then
-  stage bench-regenerate "$BOTH" 150 "${multi[@]}" bench/bench_regenerate.py --target "$T" --data "$D/sharegpt.jsonl" \
+  stage bench-regenerate "$BOTH" 120 "${multi[@]}" bench/bench_regenerate.py --target "$T" --data "$D/sharegpt.jsonl" \
     --prompts 4096 --max-new-tokens 384 --batch "$BATCH" --hf-prompts 256 --out "$R/regenerate_h200.json"
-  stage bench-train-ddp "$BOTH" 240 "${multi[@]}" bench/bench_train_throughput.py --target "$T" \
+  stage bench-train-ddp "$BOTH" 200 "${multi[@]}" bench/bench_train_throughput.py --target "$T" \
     --out "$R/train_throughput_smollm2.json" --profile "$R/profile_train_smollm2.txt"
 fi
 
@@ -113,8 +113,8 @@ fi
 # --- 4. evaluation: the default drafter in full on GPU 0; both drafters at the common step on GPU 1 ---------------
 [ -f "$main/config.json" ] && stage eval-dpace "$G0" "$L_EVAL" python bench/bench_eval.py --target "$T" \
   --drafter "$main" --dataset "$D/mtbench.jsonl" "$D/humaneval.jsonl" --num-prompts "$EVAL_PROMPTS" \
-  --max-new-tokens "$EVAL_NEW" --modes chain tree --tree-budget 64 --baseline-prompts 10 --reference-prompts 8 \
-  --dtype "$DT" --out "$R/bench_eval.json" &
+  --max-new-tokens "$EVAL_NEW" --modes chain tree --tree-budget 64 --tree-top-k 8 --baseline-prompts 10 \
+  --reference-prompts 8 --dtype "$DT" --out "$R/bench_eval.json" &
 if [ -n "$common" ]; then
   ( eval_chain_mtbench "ce-$common" "$G1"; eval_chain_mtbench "dpace-$common" "$G1" ) &
 fi
