@@ -15,6 +15,8 @@ import torch
 
 from .chat import BadSample, ChatConfig, end_of_turn_token, render
 
+Chunk = list[tuple[int, list[dict]]]  # conversations answered together: (record index, its turns)
+
 
 class TargetGenerator:
     """Answers from a local target, turn by turn: the slot generator (static cache, continuous batching, CUDA
@@ -76,37 +78,48 @@ class TargetGenerator:
             out[k] = self.tok.decode(tokens, skip_special_tokens=True)
         return out
 
-    def answer_turns(self, chunk: list[tuple[int, list[dict]]], seed: int) -> list[list[dict] | BadSample]:
+    def answer_turns(self, chunk: Chunk, seed: int, on_done=None) -> list[list[dict] | BadSample]:
         """Every user turn of each (index, turns) conversation answered in order, each answer joining the history
-        of the next turn; the whole conversation, or a BadSample where a turn cannot be answered.
+        of the next turn; per conversation its messages, or a BadSample when not even its first turn can be
+        answered. A later turn whose prompt is longer than --max-prompt-length ends the conversation before it
+        (``_Conversation.cut``). ``on_done(k, result)`` is called as soon as conversation ``k`` is complete.
 
         With the slot generator a conversation's next turn is queued the moment its previous answer ends
         (``follow_up``), so short and long conversations share the slots; with Hugging Face ``generate``
         the conversations advance together, one turn per round."""
         talks = [_Conversation(turns) for _, turns in chunk]
+        done = on_done or (lambda k, result: None)
         if self.slots is None:
             while True:
-                asking = [t for t in talks if t.next_turn()]
+                asking = []
+                for k, t in enumerate(talks):
+                    if not t.finished:
+                        if t.next_turn():
+                            asking.append(t)
+                        else:
+                            done(k, t.result())
                 if not asking:
                     return [t.result() for t in talks]
                 for t, text in zip(asking, self.answer([t.history for t in asking], seed + chunk[0][0])):
                     t.answered(text)
+        position = {id(t): k for k, t in enumerate(talks)}
         owner: list[_Conversation] = []  # request -> its conversation
         waiting: list[tuple[_Conversation, list[int]]] = []  # prompts longer than this round's cache holds
         cap = 1 << 62  # the longest prompt this round's cache holds (the first turns all fit the first round)
 
         def ask(talk: "_Conversation") -> list[int] | None:
-            while talk.next_turn():
+            if talk.next_turn():
                 try:
                     prompt = self._prompt(talk.history)
                 except BadSample as e:
                     talk.answered(e)
-                    return None
-                if len(prompt) > cap:
-                    waiting.append((talk, prompt))
-                    return None
-                owner.append(talk)
-                return prompt
+                else:
+                    if len(prompt) > cap:
+                        waiting.append((talk, prompt))
+                        return None
+                    owner.append(talk)
+                    return prompt
+            done(position[id(talk)], talk.result())
             return None
 
         def follow_up(r: int, tokens: list[int]) -> list[int] | None:
@@ -150,30 +163,41 @@ class TargetGenerator:
 
 
 class _Conversation:
-    """A conversation being regenerated: its history so far and the turns still to come."""
+    """A conversation being regenerated: its history so far and the turns still to come.
+
+    A turn that cannot be answered (its prompt is too long) ends the conversation before it when an earlier turn
+    was answered (``cut``: the history up to the last answer is kept), else the conversation is a BadSample."""
 
     def __init__(self, turns: list[dict]):
         self.turns, self.pos, self.history = turns, 0, []
         self.bad: BadSample | None = None
+        self.cut = False  # ended early: a later turn could not be answered
+        self.finished = False
 
     def next_turn(self) -> bool:
-        """Move the turns up to the next user turn into the history; False when none is left (or it went bad)."""
-        if self.bad is not None:
+        """Move the turns up to the next user turn into the history; False when none is left (or it ended)."""
+        if self.bad is not None or self.cut:
+            self.finished = True
             return False
         while self.pos < len(self.turns) and self.turns[self.pos]["role"] != "user":
             self.history.append(self.turns[self.pos])
             self.pos += 1
         if self.pos == len(self.turns):
+            self.finished = True
             return False
         self.history.append(self.turns[self.pos])
         self.pos += 1
         return True
 
     def answered(self, text: "str | BadSample") -> None:
-        if isinstance(text, BadSample):
-            self.bad = text
-        else:
+        if not isinstance(text, BadSample):
             self.history.append({"role": "assistant", "content": text})
+        elif any(m["role"] == "assistant" for m in self.history):
+            while self.history[-1]["role"] != "assistant":  # drop the turn that could not be answered
+                self.history.pop()
+            self.cut = True
+        else:
+            self.bad = text
 
     def result(self) -> "list[dict] | BadSample":
         return self.bad if self.bad is not None else self.history
@@ -211,21 +235,25 @@ class ServerGenerator:
             time.sleep(2 ** attempt)
         raise ValueError(f"{self.url}: {last}; check --server and --model (run again with --resume)")
 
-    def answer_turns(self, chunk: list[tuple[int, list[dict]]], seed: int) -> list[list[dict] | BadSample]:
+    def answer_turns(self, chunk: Chunk, seed: int, on_done=None) -> list[list[dict] | BadSample]:
         """Every user turn of each (index, turns) conversation answered in order (as TargetGenerator's); requests
-        for --concurrency conversations in flight, each seeded with seed + its index."""
-        def one(item):
-            index, turns = item
+        for --concurrency conversations in flight, each seeded with seed + its index; ``on_done(k, result)``
+        as each conversation completes (from the request threads)."""
+        def one(k):
+            index, turns = chunk[k]
             talk = _Conversation(turns)
             try:
                 while talk.next_turn():
                     talk.answered(self.answer_one(talk.history, seed + index))
+                result = talk.result()
             except BadSample as e:
-                return e
-            return talk.result()
+                result = e
+            if on_done is not None:
+                on_done(k, result)
+            return result
 
         with ThreadPoolExecutor(self.concurrency) as pool:
-            return list(pool.map(one, chunk))
+            return list(pool.map(one, range(len(chunk))))
 
     def answer_one(self, history: list[dict], seed: int) -> str:
         body = {"model": self.model, "messages": history, "max_tokens": self.max_new_tokens,

@@ -27,7 +27,9 @@ Design choices:
   gets one request per turn, several conversations in flight; its ``reasoning_content`` (thinking models) is
   kept as a ``<think>`` block.
 - Output is JSONL in the input's order: {"index", "source", "messages"} plus how it was generated. A run killed
-  at any point continues with --resume: finished conversations are skipped, a cut last line is dropped. With
+  at any point continues with --resume: finished conversations are skipped, a cut last line is dropped; Ctrl-C
+  or SIGTERM first writes every conversation already answered (also mid-chunk), and the resumed run puts the
+  file back in input order. With
   several ranks each writes ``<out>.rank<r>-of-<world>`` (resumed the same way) and rank 0 merges them, by
   index, into --out at the end. Greedy output is the same either way (up to bf16 rounding between batch
   shapes); sampled output is seeded per conversation (--seed + index) on a server, per chunk locally.
@@ -45,6 +47,7 @@ import torch
 
 from .answerers import ServerGenerator, TargetGenerator
 from .chat import BadSample, normalize_record
+from .shards import pause_point
 
 
 def positive_int(text: str) -> int:
@@ -79,7 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0, help="0: no top-k")
     g.add_argument("--seed", type=int, default=0, help="sampling seed")
     g.add_argument("--chat-template-kwargs", default="{}", help='JSON, e.g. \'{"enable_thinking": false}\'')
-    g.add_argument("--max-prompt-length", type=int, default=None, help="skip a turn whose prompt is longer")
+    g.add_argument("--max-prompt-length", type=int, default=None,
+                   help="a turn whose prompt is longer ends its conversation there (the answered turns are kept; "
+                        "a first turn that long: the conversation is skipped)")
     g.add_argument("--max-turns", type=int, default=None,
                    help="answer only the first N user turns of each conversation (later turns are dropped)")
     g.add_argument("--batch-size", type=positive_int, default=16,
@@ -206,7 +211,7 @@ def regenerate(data: list[str], out, *, target: str | None = None, server: str |
             "max_new_tokens": max_new_tokens, "chat_template_kwargs": template_kwargs}
     # conversations answered together: several times the slots, so refills keep the slots busy
     chunk_size = concurrency * 4 if server else batch_size * chunk_factor
-    counts = {"written": 0, "already_done": len(done), "skipped": {}}
+    counts = {"written": 0, "already_done": len(done), "skipped": {}, "cut_short": 0}
     bar = None
     if progress and rank == 0:
         from tqdm import tqdm
@@ -222,17 +227,34 @@ def regenerate(data: list[str], out, *, target: str | None = None, server: str |
     with open(path, "a", encoding="utf-8") as f:
         chunk: list[tuple[int, list[dict], str]] = []
 
-        def flush():
-            results = gen.answer_turns([(i, t) for i, t, _ in chunk], seed)
-            for (index, _, where), messages in zip(chunk, results):
+        def write(finished: dict, failing: bool) -> None:
+            for k in sorted(finished):
+                (index, turns, where), messages = chunk[k], finished[k]
                 if isinstance(messages, BadSample):
-                    skip(messages.reason, where, messages.detail)
+                    if not failing:  # (while another error propagates, only the answered conversations count)
+                        skip(messages.reason, where, messages.detail)
                     continue
                 f.write(json.dumps({"index": index, "source": where, "messages": messages, "meta": meta},
                                    ensure_ascii=False) + "\n")
                 counts["written"] += 1
+                asked = sum(m["role"] == "user" for m in turns)
+                counts["cut_short"] += sum(m["role"] == "user" for m in messages) < asked
             f.flush()
             os.fsync(f.fileno())
+
+        def flush():
+            finished: dict[int, list[dict] | BadSample] = {}  # conversations complete so far, by chunk position
+
+            def on_done(k, result):
+                finished[k] = result
+                pause_point(f"regenerate-{chunk[k][0]}-done")  # test hook (extract/shards.py)
+
+            try:
+                gen.answer_turns([(i, t) for i, t, _ in chunk], seed, on_done=on_done)
+            except BaseException:  # stopped (SIGINT/SIGTERM, an error): keep every conversation already answered
+                write(finished, failing=True)
+                raise
+            write(finished, failing=False)
             if bar is not None:
                 bar.update(len(chunk) * world)
             chunk.clear()
@@ -256,7 +278,10 @@ def regenerate(data: list[str], out, *, target: str | None = None, server: str |
         bar.close()
     where = f"rank {rank}/{world}: " if world > 1 else ""
     print(f"regenerate: {where}{counts['written']} conversations written ({counts['already_done']} already there), "
+          f"{counts['cut_short']} of them ended before a turn longer than --max-prompt-length, "
           f"skipped {counts['skipped'] or 'none'}, to {path}", file=sys.stderr)
+    if world == 1 and done:  # a resumed run appended after an interrupted chunk: restore the input order
+        merge_parts(out, 1)
     if world > 1:
         _barrier(world)
         if rank == 0:
@@ -265,8 +290,20 @@ def regenerate(data: list[str], out, *, target: str | None = None, server: str |
     return counts
 
 
+def _stop_on_sigterm() -> None:
+    """SIGTERM (a scheduler, a time limit, torchrun passing on Ctrl-C) stops like Ctrl-C: the conversations
+    already answered are written before the process ends, and --resume continues from there."""
+    import signal
+
+    def stop(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, stop)
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    _stop_on_sigterm()
     try:
         try:
             template_kwargs = json.loads(args.chat_template_kwargs)
@@ -287,6 +324,10 @@ def main(argv=None) -> int:
     except (ValueError, FileNotFoundError) as e:  # bad input (dflashkit/errors.py)
         print(f"dflashkit regenerate: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"dflashkit regenerate: stopped; the conversations answered so far are in {args.out} (or its rank "
+              "parts): run the same command with --resume to continue", file=sys.stderr)
+        return 130
     return 0
 
 

@@ -2,6 +2,8 @@
 resume after a cut line; an OpenAI-compatible server (a fake one here) gets one request per turn."""
 
 import json
+import signal
+import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -13,7 +15,7 @@ from dflashkit.extract.regenerate import main
 from dflashkit.extract.shards import read_manifest
 
 from conftest import hf_model as _hf_model
-from conftest import save_tiny_chat_target, smollm2_tokenizer
+from conftest import run_until_paused, save_tiny_chat_target, smollm2_tokenizer
 
 RECORDS = [
     {"conversations": [{"from": "human", "value": "alpha beta"}, {"from": "gpt", "value": "old answer"},
@@ -90,6 +92,42 @@ def test_a_later_turn_longer_than_the_cache_waits_for_a_larger_round(tiny, tmp_p
     assert [m["role"] for m in msgs] == ["user", "assistant", "user", "assistant"]
     assert msgs[3]["content"] == greedy_reference(tiny, msgs[:3], 3)
     assert rows[1]["messages"][1]["content"] == greedy_reference(tiny, rows[1]["messages"][:1], 3)
+
+
+def test_a_turn_over_max_prompt_length_ends_the_conversation_before_it(tiny, tmp_path, capsys):
+    records = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x"},
+                             {"role": "user", "content": " ".join(["alpha"] * 60)}]},
+               {"messages": [{"role": "user", "content": " ".join(["beta"] * 60)}]}]
+    out = tmp_path / "out.jsonl"
+    assert main(["--target", tiny, "--data", _jsonl(tmp_path / "in.jsonl", records), "--out", str(out),
+                 "--max-new-tokens", "3", "--max-prompt-length", "40", "--batch-size", "2", "--no-progress"]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["index"] for r in rows] == [0]  # the second has no turn short enough: skipped as too long
+    msgs = rows[0]["messages"]
+    assert [m["role"] for m in msgs] == ["user", "assistant"] and msgs[0]["content"] == "hi"
+    assert msgs[1]["content"] == greedy_reference(tiny, msgs[:1], 3)
+    err = capsys.readouterr().err
+    assert "1 of them ended before a turn longer than --max-prompt-length" in err and "too_long" in err
+
+
+def test_sigterm_keeps_the_answered_conversations_and_resume_completes_in_order(tiny, tmp_path):
+    data = _jsonl(tmp_path / "in.jsonl", RECORDS)
+    whole = tmp_path / "whole.jsonl"
+    assert main(["--target", tiny, "--data", data, "--out", str(whole), "--max-new-tokens", "6", "--batch-size",
+                 "2", "--no-progress"]) == 0
+    out = tmp_path / "out.jsonl"
+    cmd = [sys.executable, "-m", "dflashkit.extract.regenerate", "--target", tiny, "--data", data, "--out", str(out),
+           "--max-new-tokens", "6", "--batch-size", "2", "--no-progress", "--device", "cpu"]
+    proc = run_until_paused(cmd, "regenerate-1-done", tmp_path / "paused")  # record 1 has just been answered
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == 130
+    assert "--resume" in proc.stderr.read().decode()
+    kept = [json.loads(line) for line in out.read_text().splitlines()]
+    assert 1 in [r["index"] for r in kept] and len(kept) < 4  # written at the stop, the rest still to do
+    want = {json.loads(line)["index"]: line for line in whole.read_text().splitlines()}
+    assert all(json.dumps(r) == json.dumps(json.loads(want[r["index"]])) for r in kept)
+    assert main([*cmd[3:], "--resume"]) == 0
+    assert out.read_text() == whole.read_text()  # every conversation once, in input order
 
 
 def test_resume_drops_a_cut_line_and_completes(tiny, tmp_path):
@@ -189,8 +227,11 @@ def test_sampling_is_seeded_and_limits_apply(tiny, tmp_path, capsys):
     # prompts (with SmolLM2's default system prompt): record 0 turn 1: 32 tokens, turn 2: longer; 1: 20; 2: 32; 4: 39
     short = tmp_path / "short.jsonl"
     assert main([*flags, "--out", str(short), "--max-prompt-length", "35"]) == 0
-    assert [json.loads(line)["index"] for line in short.read_text().splitlines()] == [1, 2]
-    assert "'too_long': 2" in capsys.readouterr().err
+    rows = [json.loads(line) for line in short.read_text().splitlines()]
+    assert [r["index"] for r in rows] == [0, 1, 2]  # record 0 ends before its second turn; record 4 has no turn
+    assert [m["role"] for m in rows[0]["messages"] if m["role"] != "system"] == ["user", "assistant"]
+    err = capsys.readouterr().err
+    assert "'too_long': 1" in err and "1 of them ended before a turn longer" in err
     assert main([*flags, "--out", str(tmp_path / "f.jsonl"), "--on-bad", "fail"]) == 2
     assert f"{data}:4: no_user_turn" in capsys.readouterr().err
 
