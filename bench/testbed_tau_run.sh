@@ -81,13 +81,18 @@ echo "[$(date +%T)] start: $NGPU GPU(s), scale $SCALE" >> "$R/stages.txt"
 if [ "$BENCH" = 1 ]; then
   stage bench-regenerate "$BOTH" 120 "${multi[@]}" bench/bench_regenerate.py --target "$T" --data "$D/sharegpt.jsonl" \
     --prompts 4096 --max-new-tokens 384 --batch "$BATCH" --hf-prompts 256 --out "$R/regenerate_h200.json"
+  # more slots: the decode step of a 135M model is mostly fixed per-kernel latency, so tokens/s should grow
+  stage bench-regenerate-2048 "$G0" 120 python bench/bench_regenerate.py --target "$T" --data "$D/sharegpt.jsonl" \
+    --prompts 8192 --max-new-tokens 384 --batch 2048 --no-hf --out "$R/regenerate_h200_2048.json" \
+    && REGEN_SLOTS=2048
   stage bench-train-ddp "$BOTH" 200 "${multi[@]}" bench/bench_train_throughput.py --target "$T" \
     --out "$R/train_throughput_smollm2.json" --profile "$R/profile_train_smollm2.txt"
 fi
 
 # --- 2. both GPUs: every user turn of every conversation answered by the target, in order ------------------------
 stage regenerate "$BOTH" "$L_REGEN" "${multi[@]}" -m dflashkit.extract.regenerate --target "$T" \
-  --data "$D/sharegpt_turns.jsonl" --out "$R/regen.jsonl" --resume --max-new-tokens "$NEW" --batch-size "$BATCH" \
+  --data "$D/sharegpt_turns.jsonl" --out "$R/regen.jsonl" --resume --max-new-tokens "$NEW" \
+  --batch-size "${REGEN_SLOTS:-$BATCH}" \
   --max-prompt-length 1024 $([ "$LIMIT_CONV" -gt 0 ] && echo --limit "$LIMIT_CONV") --dtype "$DT" --no-progress \
   $([ "$DEVICE" = cpu ] && echo --device cpu)
 stage subsets "$G0" 120 python bench/testbed_subsets.py --regen "$R/regen.jsonl" --out "$R/data" --first 5000
