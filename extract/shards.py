@@ -8,9 +8,10 @@ Design choices:
   = max|x| / 448, so the largest value of each token maps to the top of the e4m3 range; 1 byte per value + 4 per
   token). fp8 error bound, per element: |x' - x| <= 0.067 |x| + 2.2e-6 max|x_token| (e4m3 rounding: 2^-4
   relative, or half its subnormal step, 2^-10 times the scale; then the bf16 output rounding, 2^-8).
-- Shards are written by ``writer.ShardWriter`` (atomic, on a background thread) straight from the host buffers
-  the features were copied into: the safetensors header is built here and the tensors' bytes follow it, hashed
-  while they are written. The manifest is rewritten atomically after every shard and lists only complete shards.
+- Shards are written by ``writer.ShardWriter`` (atomic, on background threads) straight from the host buffers
+  the features were copied into: the safetensors header is built here and the tensors' bytes follow it; their
+  sha256 is computed from the same buffers on another thread, ahead of or beside the write. The manifest is
+  rewritten atomically after every shard and lists only complete shards.
 - The reader memory-maps each shard (parsing the safetensors header itself) and copies out one sample.
 """
 
@@ -98,7 +99,7 @@ def pause_point(name: str, until=None) -> None:
         time.sleep(60 if until is None else 0.01)
 
 
-_CHUNK_BYTES = 64 << 20  # bytes per write call; the disk starts on a chunk while the next one is copied
+_CHUNK_BYTES = 16 << 20  # bytes per write call; the disk starts on a chunk while the next one is copied
 
 
 def _sync_file_range():
@@ -125,25 +126,30 @@ def _start_writeback(fd: int, offset: int, nbytes: int) -> None:
         _SYNC_FILE_RANGE(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
 
 
-def _hash_all(buffers) -> str:
+def _byte_views(data) -> list[memoryview]:
+    return [memoryview(data).cast("B")] if isinstance(data, (bytes, bytearray)) else \
+        [memoryview(b).cast("B") for b in data]
+
+
+def sha256_of(data) -> str:
+    """sha256 of ``data`` (bytes, or a list of buffers taken one after another), read in place (no copy)."""
     h = hashlib.sha256()
-    for b in buffers:
+    for b in _byte_views(data):
         h.update(b)  # releases the GIL on large buffers
     return h.hexdigest()
 
 
-def atomic_write(path: Path, data, pause_name: str | None = None, hash_pool=None) -> str:
+def atomic_write(path: Path, data, pause_name: str | None = None, sha256=None) -> str:
     """Write ``data`` (bytes, or a list of buffers written one after another) under a temporary name, fsync,
     rename over ``path``, fsync the directory; return the sha256 of what was written.
 
-    The buffers are written as they are (no joining copy). The sha256 is computed from the same buffers, on
-    ``hash_pool`` (a ThreadPoolExecutor) while the write runs, else inline. After each chunk, its write to the
-    disk is started (``_start_writeback``). ``pause_name``: a ``pause_point`` between the fsync and the rename
-    (crash tests)."""
+    The buffers are written as they are (no joining copy), in write calls of at most ``_CHUNK_BYTES``; after
+    each, its write to the disk is started (``_start_writeback``). ``sha256``: a Future computing
+    ``sha256_of(data)`` on another thread (it may run ahead of, or beside, the write; it must be done with the
+    buffers when this returns or raises, so it is waited for either way); without it the hash is computed here
+    after the write. ``pause_name``: a ``pause_point`` between the fsync and the rename (crash tests)."""
     path = Path(path)
-    buffers = [memoryview(data).cast("B")] if isinstance(data, (bytes, bytearray)) else \
-        [memoryview(b).cast("B") for b in data]
-    digest = hash_pool.submit(_hash_all, buffers) if hash_pool is not None else None
+    buffers = _byte_views(data)
     tmp = path.with_name(f".{path.name}.tmp")
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -160,17 +166,17 @@ def atomic_write(path: Path, data, pause_name: str | None = None, hash_pool=None
             os.fsync(fd)
         finally:
             os.close(fd)
-        sha256 = digest.result() if digest is not None else _hash_all(buffers)
+        digest = sha256.result() if sha256 is not None else sha256_of(buffers)
         if pause_name:
             pause_point(pause_name)
         os.replace(tmp, path)
     except BaseException:
-        if digest is not None:
-            digest.cancel() or digest.exception()  # the hash thread must be done with the buffers
+        if sha256 is not None:
+            sha256.cancel() or sha256.exception()  # the hash thread must be done with the buffers
         tmp.unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
-    return sha256
+    return digest
 
 
 def write_manifest(path: Path, manifest: dict) -> None:
