@@ -10,17 +10,21 @@ Design choices:
   host staging buffer (pinned memory, on a side CUDA stream, so the next forward runs during the copy) and
   returns. A collector thread waits for the copy, checks the features are finite and groups batches into shards;
   once a shard's worth is there, it lays out the file (``shards.safetensors_parts``: the header, then views of
-  the staging buffers; no joining copy) and starts its sha256 on a pool of ``HASH_THREADS`` threads. The shard
-  writer thread writes the files from the same buffers, one after another, in order. So several shards are in
-  flight: being hashed (sha256 runs at ~1.2 GB/s per thread, slower than a fast disk, so shards are hashed at
-  once and ahead of their write), one being written, more collecting in staging buffers; a shard's buffers are
-  reused once its bytes are on disk. The forward waits only when ``staging_bytes`` are all full, i.e. when the
-  disk is the bound.
-- One file written at a time keeps the crash states few: at most one temporary file, at most one renamed shard
-  the manifest does not list yet, and the listed shards always a prefix of the sequence. Write calls of 16 MiB
-  each start the disk's write-back at once, so the disk is fed from the first chunk of the next shard on.
+  the staging buffers; no joining copy), starts its sha256 on a thread pool and queues it. ``WRITER_THREADS``
+  writer threads each take the next shard and write it from the same buffers while it is hashed. So several
+  shards are in flight: written and hashed at once (sha256 runs at ~1.2 GB/s per thread, slower than a fast
+  disk; one thread cannot keep the disk busy while it waits for fsyncs), more collecting in staging buffers. A
+  shard's buffers are reused once its bytes are on disk; the forward waits only when ``staging_bytes`` are all
+  full, i.e. when the disk is the bound.
+- Shards are written ahead as unnamed files (``files.write_unnamed``: Linux O_TMPFILE, fsynced, in no
+  directory) and then named and listed one at a time, in sequence order (``files.publish``: temporary name,
+  rename, directory fsync; then the manifest). The directory goes through exactly the states of writing one
+  shard after another: at most one temporary file, at most one renamed shard the manifest does not list yet,
+  the listed shards a prefix of the sequence; a crash leaves nothing of the unnamed files. Where unnamed files
+  are missing (other systems, some file systems), each shard is written by ``atomic_write`` in its turn, and
+  only the hashing runs ahead.
 - Errors on the threads (disk full, NaN/Inf features) are raised in the caller at its next call. Shards complete
-  before a NaN/Inf batch are still written; after a failed write nothing more is.
+  before a NaN/Inf batch are still written; after a failed write, in sequence order, nothing more is.
 - Several ranks: each writes its own shards (rank in the file name) and its own ``manifest.rank{r}.json``;
   rank 0 merges them into ``manifest.json`` at the end. One process writes ``manifest.json`` directly.
 """
@@ -28,7 +32,9 @@ Design choices:
 from __future__ import annotations
 
 import bisect
+import contextlib
 import json
+import os
 import queue
 import threading
 import time
@@ -38,23 +44,21 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .files import atomic_write, pause_point, publish, sha256_of, unnamed_files_work, write_unnamed
 from .shards import (
     MANIFEST,
     SCHEMA_VERSION,
-    atomic_write,
     decode_features,
     encode_features,
-    pause_point,
     rank_manifest_name,
     safetensors_parts,
-    sha256_of,
     shard_name,
     update_totals,
     write_manifest,
 )
 
 _ALIGN = 64  # bytes; tensors inside a staging buffer start at multiples of this
-HASH_THREADS = 4  # shards hashed at once: sha256 runs at ~1.2 GB/s per thread, slower than a fast disk
+WRITER_THREADS = 3  # shards written (and hashed) at once
 
 
 class ShardWriteError(RuntimeError):
@@ -118,13 +122,13 @@ class ShardWriter:
     ``manifest`` is the run's manifest (target identity, layer ids, codec, ...); the writer adds ``shards`` and
     ``totals`` and rewrites it after every shard. Call ``add_batch`` per batch, then ``close``.
     ``staging_bytes``: host memory for features waiting for the disk (pinned when they come from a GPU).
-    ``hash_threads``: shards whose sha256 is computed at once (the output does not depend on it).
+    ``writer_threads``: shards written and hashed at once (the files and the manifest do not depend on it).
     """
 
     def __init__(self, out_dir, manifest: dict, rank: int = 0, world_size: int = 1,
-                 shard_bytes: int = 512 << 20, staging_bytes: int = 4 << 30, hash_threads: int = HASH_THREADS):
-        if hash_threads < 1:
-            raise ValueError(f"hash_threads={hash_threads}: must be at least 1")
+                 shard_bytes: int = 512 << 20, staging_bytes: int = 4 << 30, writer_threads: int = WRITER_THREADS):
+        if writer_threads < 1:
+            raise ValueError(f"writer_threads={writer_threads}: must be at least 1")
         self.dir = Path(out_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.rank, self.world_size, self.shard_bytes = rank, world_size, shard_bytes
@@ -142,10 +146,15 @@ class ShardWriter:
         self._error: BaseException | None = None
         self._error_lock = threading.Lock()
         self._batches: queue.Queue = queue.Queue()  # caller -> collector
-        self._shards: queue.Queue = queue.Queue()  # collector -> shard writer, in seq order
-        self._hash_pool = ThreadPoolExecutor(hash_threads, thread_name_prefix="dflashkit-shard-sha256")
-        self._threads = [threading.Thread(target=self._collect, name="dflashkit-shard-collector", daemon=True),
-                         threading.Thread(target=self._write_shards, name="dflashkit-shard-writer", daemon=True)]
+        self._shards: queue.Queue = queue.Queue()  # collector -> writer threads, in seq order
+        self._unnamed = unnamed_files_work(self.dir / f".shard-r{rank:03d}-probe.tmp")  # write ahead, name in turn
+        self._turn = self.seq  # the next shard to name and list
+        self._turn_cv = threading.Condition()
+        self._write_failed = False
+        self._hash_pool = ThreadPoolExecutor(writer_threads, thread_name_prefix="dflashkit-shard-sha256")
+        self._threads = [threading.Thread(target=self._collect, name="dflashkit-shard-collector", daemon=True)]
+        self._threads += [threading.Thread(target=self._write_shards, name=f"dflashkit-shard-writer-{i}", daemon=True)
+                          for i in range(writer_threads)]
         for t in self._threads:
             t.start()
 
@@ -304,35 +313,78 @@ class ShardWriter:
         self._shards.put({"entry": entry, "parts": parts, "sha256": sha256, "items": items, "counts": self._counts})
         self.seq += 1
 
-    # -- shard writer thread: one shard file at a time, renamed and listed in order
+    # -- writer threads: shards written at once, named and listed one at a time in sequence order
     def _write_shards(self):
-        failed = False
         while True:
             shard = self._shards.get()
             if shard is None:
-                break
+                self._shards.put(None)  # for the other writer threads
+                return
+            fd, error = None, None
             try:
-                if not failed:  # after a failed write nothing more is written; the caller reports the error
-                    self._write_shard(shard)
-            except BaseException as e:  # surfaced in the caller
-                failed = True
-                self._fail(e)
+                if self._unnamed and not self._write_failed:
+                    try:  # ahead of its turn: the bytes to the disk, in a file without a name yet
+                        fd = write_unnamed(self.dir, shard["parts"])
+                        shard["entry"]["sha256"] = shard["sha256"].result()
+                    except OSError as e:  # reported in its turn, after the shards before it
+                        error = self._write_error(shard["entry"], e)
+                    except BaseException as e:
+                        error = e
+                    self._give_back(shard)
+                with self._in_turn(shard["entry"]["seq"]):
+                    try:
+                        if error is not None:
+                            raise error
+                        if not self._write_failed:  # after a failed write nothing more is written
+                            self._write_shard(shard, fd)
+                    except BaseException as e:  # surfaced in the caller
+                        self._write_failed = True
+                        self._fail(e)
             finally:
-                shard["sha256"].cancel() or shard["sha256"].exception()  # the hash thread is done with the buffers
-                self.pool.give([it["buffer"] for it in shard["items"]])
+                if fd is not None:
+                    os.close(fd)  # an unnamed file never named is gone with it
+                self._give_back(shard)
 
-    def _write_shard(self, shard):
-        entry = shard["entry"]
-        seq, name = entry["seq"], entry["file"]
+    @contextlib.contextmanager
+    def _in_turn(self, seq: int):
+        with self._turn_cv:
+            while self._turn != seq:
+                self._turn_cv.wait()
         try:
-            entry["sha256"] = atomic_write(self.dir / name, shard["parts"], pause_name=f"shard-{seq}-written",
-                                           sha256=shard["sha256"])
-            pause_point(f"shard-{seq}-renamed")
+            yield
+        finally:
+            with self._turn_cv:
+                self._turn += 1
+                self._turn_cv.notify_all()
+
+    def _give_back(self, shard):
+        """The shard's staging buffers back to the pool, once the hash thread is done with them."""
+        if shard.pop("parts", None) is not None:
+            shard["sha256"].cancel() or shard["sha256"].exception()
+            self.pool.give([it["buffer"] for it in shard["items"]])
+
+    def _write_error(self, entry, e: OSError) -> ShardWriteError:
+        err = ShardWriteError(
+            f"could not write shard {self.dir / entry['file']} ({entry['bytes']} bytes): {e.strerror or e} "
+            f"[errno {e.errno}]. The manifest lists only complete shards; free disk space (or raise the "
+            f"file-size limit) and run the same command with --resume")
+        err.__cause__ = e
+        return err
+
+    def _write_shard(self, shard, fd: int | None):
+        """In its turn: name the shard written ahead (``fd``), or write it now; then list it."""
+        entry = shard["entry"]
+        seq, path = entry["seq"], self.dir / entry["file"]
+        try:
+            if fd is not None:
+                publish(fd, path, pause_name=f"shard-{seq}-written")
+            else:
+                entry["sha256"] = atomic_write(path, shard["parts"], pause_name=f"shard-{seq}-written",
+                                               sha256=shard["sha256"])
+                self._give_back(shard)
         except OSError as e:
-            raise ShardWriteError(
-                f"could not write shard {self.dir / name} ({entry['bytes']} bytes): {e.strerror or e} "
-                f"[errno {e.errno}]. The manifest lists only complete shards; free disk space (or raise the "
-                f"file-size limit) and run the same command with --resume") from e
+            raise self._write_error(entry, e) from e
+        pause_point(f"shard-{seq}-renamed")
         if shard["counts"]:
             self.manifest.update(shard["counts"])
         self.manifest["shards"].append(entry)
