@@ -14,7 +14,8 @@ On the same batches (random token ids, every token real), median over --repeats 
   can be);
 - dflashkit_{bf16,fp8}: the extraction path of ``dflashkit extract``: the capture above, then copies into host
   staging buffers and shards written to --out-dir by ``ShardWriter`` with --shard-size and --writer-threads,
-  ``close()`` (the last fsync) included in the time;
+  ``close()`` (the last fsync) included in the time (``writes_ahead`` in the JSON: whether the directory's file
+  system let shards be written ahead of their turn);
 - disk: the disk's sequential write ceiling, measured in the same run: the same number of bytes as one
   extraction run writes, written to the same directory in 64 MiB writes, then fsync (what ``dd conv=fsync``
   does), median over --repeats.
@@ -187,6 +188,7 @@ def main(argv=None):
             m = writer.close()
             written.append(sum(s["bytes"] for s in m["shards"]))
             waited.append(writer.pool.wait_seconds)
+            results["writes_ahead"] = writer.writes_ahead
 
         results[f"dflashkit_{codec}"] = timed(extract, args.repeats, dev)
         results[f"bytes_per_run_{codec}"] = written[-1]
@@ -210,7 +212,8 @@ def main(argv=None):
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
     print(f"target {target.path} on {results['device']}, taps {ids}, {n_batches} batches of {batch} x {seq}, "
-          f"median of {args.repeats}, {args.writer_threads} writer threads")
+          f"median of {args.repeats}, {args.writer_threads} writer threads, shards written ahead (unnamed files): "
+          f"{results['writes_ahead']}")
     print("| path | tok/s | ÷ forward | ÷ capture | ÷ hidden_states | bytes/token | MB/s written | ÷ disk ceiling "
           "| forward waited (s) |")
     print("|---|---|---|---|---|---|---|---|---|")

@@ -123,6 +123,7 @@ class ShardWriter:
     ``totals`` and rewrites it after every shard. Call ``add_batch`` per batch, then ``close``.
     ``staging_bytes``: host memory for features waiting for the disk (pinned when they come from a GPU).
     ``writer_threads``: shards written and hashed at once (the files and the manifest do not depend on it).
+    ``writes_ahead``: whether this directory has unnamed files, so shards are written ahead of their turn.
     """
 
     def __init__(self, out_dir, manifest: dict, rank: int = 0, world_size: int = 1,
@@ -147,7 +148,7 @@ class ShardWriter:
         self._error_lock = threading.Lock()
         self._batches: queue.Queue = queue.Queue()  # caller -> collector
         self._shards: queue.Queue = queue.Queue()  # collector -> writer threads, in seq order
-        self._unnamed = unnamed_files_work(self.dir / f".shard-r{rank:03d}-probe.tmp")  # write ahead, name in turn
+        self.writes_ahead = unnamed_files_work(self.dir / f".shard-r{rank:03d}-probe.tmp")
         self._turn = self.seq  # the next shard to name and list
         self._turn_cv = threading.Condition()
         self._write_failed = False
@@ -322,7 +323,7 @@ class ShardWriter:
                 return
             fd, error = None, None
             try:
-                if self._unnamed and not self._write_failed:
+                if self.writes_ahead and not self._write_failed:
                     try:  # ahead of its turn: the bytes to the disk, in a file without a name yet
                         fd = write_unnamed(self.dir, shard["parts"])
                         shard["entry"]["sha256"] = shard["sha256"].result()
