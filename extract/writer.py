@@ -37,7 +37,6 @@ import json
 import os
 import queue
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -56,6 +55,7 @@ from .shards import (
     update_totals,
     write_manifest,
 )
+from .staging import StagingPool
 
 _ALIGN = 64  # bytes; tensors inside a staging buffer start at multiples of this
 WRITER_THREADS = 3  # shards written and hashed at once: ~3 GB/s of sha256; more would only hold more staging
@@ -63,57 +63,6 @@ WRITER_THREADS = 3  # shards written and hashed at once: ~3 GB/s of sha256; more
 
 class ShardWriteError(RuntimeError):
     """Writing a shard failed (disk full, file-size limit, I/O error) or the features were not finite."""
-
-
-class StagingPool:
-    """Host buffers (pinned for device copies) that features wait in until their shard is on disk; reused.
-
-    ``take`` waits while the buffers in use, not counting those of the shard still being collected
-    (``collecting``), would exceed ``limit`` bytes. Those are not counted because only more batches can complete
-    that shard and free them; a single batch larger than the limit is still served when nothing else is in use.
-    Capacities are powers of two, so buffers fit again as batch sizes vary."""
-
-    def __init__(self, limit: int):
-        self.limit = limit
-        self._free: list[torch.Tensor] = []
-        self._in_use = 0  # bytes handed out
-        self._collecting = 0  # bytes of those held by the shard being collected
-        self._cv = threading.Condition()
-        self.wait_seconds = 0.0  # time callers spent waiting in ``take`` (the forward waiting on the disk)
-
-    def take(self, nbytes: int, pin: bool) -> torch.Tensor:
-        """A uint8 buffer of at least ``nbytes``; waits for ``give`` when the limit is reached."""
-        capacity = 1 << max(nbytes - 1, 0).bit_length()
-        with self._cv:
-            started = time.perf_counter()
-            while True:
-                fits = [b for b in self._free if b.numel() >= nbytes and b.is_pinned() == pin]
-                counted = self._in_use - self._collecting
-                if fits or counted + capacity <= self.limit or counted == 0:
-                    break
-                self._cv.wait()
-            self.wait_seconds += time.perf_counter() - started
-            if fits:
-                buf = min(fits, key=torch.Tensor.numel)
-                self._free = [b for b in self._free if b is not buf]  # by identity: == compares elements
-            else:
-                while self._free and self._in_use + sum(b.numel() for b in self._free) + capacity > self.limit:
-                    self._free.pop(0)  # make room: memory held idle counts against the limit too
-                buf = torch.empty(capacity, dtype=torch.uint8, pin_memory=pin)
-            self._in_use += buf.numel()
-            return buf
-
-    def give(self, buffers) -> None:
-        with self._cv:
-            for buf in buffers:
-                self._in_use -= buf.numel()
-                self._free.append(buf)
-            self._cv.notify_all()
-
-    def set_collecting(self, nbytes: int) -> None:
-        with self._cv:
-            self._collecting = nbytes
-            self._cv.notify_all()
 
 
 class ShardWriter:

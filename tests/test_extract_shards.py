@@ -228,7 +228,7 @@ def _in_thread(fn, *args):
 
 
 def test_staging_pool_reuses_buffers_and_a_full_pool_waits_for_one_to_come_back():
-    from dflashkit.extract.writer import StagingPool
+    from dflashkit.extract.staging import StagingPool
 
     pool = StagingPool(limit=2048)
     a = pool.take(1000, pin=False)
