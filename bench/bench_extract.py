@@ -9,14 +9,18 @@ On the same batches (random token ids, every token real), median over --repeats 
 - forward: plain ``model(input_ids)`` (logits included), what serving the target costs;
 - hidden_states: ``output_hidden_states=True`` then concatenating the chosen layers, still on the device (the
   approach of trainers that keep every layer; it writes nothing, so it is the baseline's best case);
-- dflashkit_{bf16,fp8}: the extraction path of ``dflashkit extract``: hooks on target_layer_ids with early exit
-  (no later layers, no lm_head), real-token gather, codec encoding on the device, copy into host staging
-  buffers, shards written to --out-dir by ``ShardWriter`` with --shard-size, ``close()`` (the last fsync)
-  included in the time;
+- capture_{bf16,fp8}: the device half of extraction alone: hooks on target_layer_ids with early exit (no later
+  layers, no lm_head), real-token gather, codec encoding; nothing leaves the device (the fastest extraction
+  can be);
+- dflashkit_{bf16,fp8}: the extraction path of ``dflashkit extract``: the capture above, then copies into host
+  staging buffers and shards written to --out-dir by ``ShardWriter`` with --shard-size and --writer-threads,
+  ``close()`` (the last fsync) included in the time (``writes_ahead`` in the JSON: whether the directory's file
+  system let shards be written ahead of their turn);
 - disk: the disk's sequential write ceiling, measured in the same run: the same number of bytes as one
   extraction run writes, written to the same directory in 64 MiB writes, then fsync (what ``dd conv=fsync``
   does), median over --repeats.
-Ratios: extraction tokens/s ÷ forward; extraction bytes/s ÷ the disk ceiling (1.0: the disk is the bound). Also
+Ratios: extraction tokens/s ÷ forward (and ÷ capture: 1.0 when writing costs the forward nothing); extraction
+bytes/s ÷ the disk ceiling (1.0: the disk is the bound). Also
 reported: the seconds the forward waited for free staging buffers (waiting on the disk), per run. Prints a table
 and writes JSON to --out.
 """
@@ -36,7 +40,8 @@ import torch
 
 from dflashkit.extract.__main__ import parse_size
 from dflashkit.extract.batching import real_token_index
-from dflashkit.extract.writer import ShardWriter
+from dflashkit.extract.shards import encode_features
+from dflashkit.extract.writer import WRITER_THREADS, ShardWriter
 from dflashkit.target.capture import LayerCapture
 from dflashkit.target.loading import Target, find_decoder, load_target
 
@@ -113,6 +118,8 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--shard-size", type=parse_size, default=parse_size("512MB"), help="as `dflashkit extract`")
     ap.add_argument("--staging-size", type=parse_size, default=parse_size("4GB"), help="as `dflashkit extract`")
+    ap.add_argument("--writer-threads", type=int, default=WRITER_THREADS,
+                    help=f"shards written at once (default {WRITER_THREADS}, as `dflashkit extract`)")
     ap.add_argument("--out-dir", default=None, help="where shards go (default: a temp dir on the local disk)")
     ap.add_argument("--out", "--json", dest="out", default="bench_extract.json", help="JSON results")
     args = ap.parse_args(argv)
@@ -150,6 +157,7 @@ def main(argv=None):
 
     results = {"target": target.path, "layer_ids": ids, "batch": batch, "seq": seq, "batches": n_batches,
                "tokens_per_run": tokens, "shard_bytes": shard_bytes, "staging_bytes": args.staging_size,
+               "writer_threads": args.writer_threads,
                "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "dtype": str(dtype),
                "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     results["forward"] = timed(plain, args.repeats, dev)
@@ -157,13 +165,20 @@ def main(argv=None):
     base = Path(args.out_dir or tempfile.mkdtemp(prefix="dflashkit-bench-"))
     base.mkdir(parents=True, exist_ok=True)
     for codec in ("bf16", "fp8"):
+        def capture_only():
+            with LayerCapture(target, ids) as capture:
+                for x in batches:
+                    hidden, _ = capture(x, mask)
+                    encode_features(hidden.flatten(0, 1).index_select(0, keep), codec)
+
+        results[f"capture_{codec}"] = timed(capture_only, args.repeats, dev)
         out = base / codec
         written, waited = [], []
 
         def extract():
             shutil.rmtree(out, ignore_errors=True)
             writer = ShardWriter(out, {"codec": codec, "schema_version": 1}, shard_bytes=shard_bytes,
-                                 staging_bytes=args.staging_size)
+                                 staging_bytes=args.staging_size, writer_threads=args.writer_threads)
             with LayerCapture(target, ids) as capture:
                 for n, (x, x_cpu) in enumerate(zip(batches, batches_cpu)):
                     hidden, _ = capture(x, mask)
@@ -173,6 +188,7 @@ def main(argv=None):
             m = writer.close()
             written.append(sum(s["bytes"] for s in m["shards"]))
             waited.append(writer.pool.wait_seconds)
+            results["writes_ahead"] = writer.writes_ahead
 
         results[f"dflashkit_{codec}"] = timed(extract, args.repeats, dev)
         results[f"bytes_per_run_{codec}"] = written[-1]
@@ -182,7 +198,7 @@ def main(argv=None):
     if not args.out_dir:
         shutil.rmtree(base, ignore_errors=True)
     tok_s = {k: tokens / statistics.median(results[k]) for k in
-             ("forward", "hidden_states", "dflashkit_bf16", "dflashkit_fp8")}
+             ("forward", "hidden_states", "capture_bf16", "capture_fp8", "dflashkit_bf16", "dflashkit_fp8")}
     results["tokens_per_s"] = tok_s
     for codec in ("bf16", "fp8"):
         nbytes = results[f"bytes_per_run_{codec}"]
@@ -190,23 +206,26 @@ def main(argv=None):
         results[f"disk_ceiling_bytes_per_s_{codec}"] = nbytes / statistics.median(results[f"disk_{codec}"])
         results[f"ratio_vs_forward_{codec}"] = tok_s[f"dflashkit_{codec}"] / tok_s["forward"]
         results[f"ratio_vs_hidden_states_{codec}"] = tok_s[f"dflashkit_{codec}"] / tok_s["hidden_states"]
+        results[f"ratio_vs_capture_{codec}"] = tok_s[f"dflashkit_{codec}"] / tok_s[f"capture_{codec}"]
         results[f"ratio_vs_disk_ceiling_{codec}"] = (results[f"write_bytes_per_s_{codec}"]
                                                      / results[f"disk_ceiling_bytes_per_s_{codec}"])
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
     print(f"target {target.path} on {results['device']}, taps {ids}, {n_batches} batches of {batch} x {seq}, "
-          f"median of {args.repeats}")
-    print("| path | tok/s | ÷ forward | ÷ hidden_states | bytes/token | MB/s written | ÷ disk ceiling "
+          f"median of {args.repeats}, {args.writer_threads} writer threads, shards written ahead (unnamed files): "
+          f"{results['writes_ahead']}")
+    print("| path | tok/s | ÷ forward | ÷ capture | ÷ hidden_states | bytes/token | MB/s written | ÷ disk ceiling "
           "| forward waited (s) |")
-    print("|---|---|---|---|---|---|---|---|")
-    for k in ("forward", "hidden_states"):
-        print(f"| {k} | {tok_s[k]:,.0f} | {tok_s[k] / tok_s['forward']:.3f} | "
+    print("|---|---|---|---|---|---|---|---|---|")
+    for k in ("forward", "hidden_states", "capture_bf16", "capture_fp8"):
+        print(f"| {k} | {tok_s[k]:,.0f} | {tok_s[k] / tok_s['forward']:.3f} | - | "
               f"{tok_s[k] / tok_s['hidden_states']:.3f} | - | - | - | - |")
     for codec in ("bf16", "fp8"):
         k = f"dflashkit_{codec}"
         wait = statistics.median(results[f"staging_wait_s_{codec}"] or [0.0])
         print(f"| {k} | {tok_s[k]:,.0f} | {results['ratio_vs_forward_' + codec]:.3f} | "
-              f"{results['ratio_vs_hidden_states_' + codec]:.3f} | {results['bytes_per_run_' + codec] / tokens:,.0f} | "
+              f"{results['ratio_vs_capture_' + codec]:.3f} | {results['ratio_vs_hidden_states_' + codec]:.3f} | "
+              f"{results['bytes_per_run_' + codec] / tokens:,.0f} | "
               f"{results['write_bytes_per_s_' + codec] / 1e6:,.0f} | {results['ratio_vs_disk_ceiling_' + codec]:.3f} "
               f"| {wait:.2f} |")
     for codec in ("bf16", "fp8"):

@@ -15,7 +15,8 @@ Design choices:
   the same batches and skips those whose samples a shard already holds.
 - Features are captured by ``capture.LayerCapture`` (hooks, early exit) and packed to real tokens (an index
   gather, no wait for the device) before they leave the device; ``writer.ShardWriter`` copies them to host
-  staging buffers and writes shards on a background thread, so the forward waits only for a full disk queue.
+  staging buffers and writes several shards at once on background threads, so the forward waits only for a
+  full disk queue.
 - Tokenizing (chat template rendering) can run in worker processes (--tokenize-workers), one window ahead of
   the forward passes.
 - Bad records are skipped and counted by reason (--on-bad skip) or stop the run naming file:line (--on-bad fail).

@@ -8,24 +8,30 @@ Design choices:
   = max|x| / 448, so the largest value of each token maps to the top of the e4m3 range; 1 byte per value + 4 per
   token). fp8 error bound, per element: |x' - x| <= 0.067 |x| + 2.2e-6 max|x_token| (e4m3 rounding: 2^-4
   relative, or half its subnormal step, 2^-10 times the scale; then the bf16 output rounding, 2^-8).
-- Shards are written by ``writer.ShardWriter`` (atomic, on a background thread) straight from the host buffers
-  the features were copied into: the safetensors header is built here and the tensors' bytes follow it, hashed
-  while they are written. The manifest is rewritten atomically after every shard and lists only complete shards.
+- Shards are written by ``writer.ShardWriter`` (durably, ``files``; on background threads) straight from the host
+  buffers the features were copied into: the safetensors header is built here and the tensors' bytes follow it;
+  their sha256 is computed from the same buffers on another thread. The manifest is rewritten atomically after
+  every shard and lists only complete shards.
 - The reader memory-maps each shard (parsing the safetensors header itself) and copies out one sample.
 """
 
 from __future__ import annotations
 
 import bisect
-import hashlib
 import json
 import os
 import struct
-import sys
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from .files import (
+    atomic_write,
+    fsync_dir,  # noqa: F401  (imported from here by train)
+    pause_point,  # noqa: F401  (imported from here by train)
+    sha256_file,  # noqa: F401  (imported from here by train and verify)
+)
 
 SCHEMA_VERSION = 1
 CODECS = ("bf16", "fp8")
@@ -63,114 +69,7 @@ def bytes_per_token(codec: str, feature_dim: int) -> int:
     return 2 * feature_dim if codec == "bf16" else feature_dim + 4
 
 
-# ---------------------------------------------------------------- atomic files
-
-
-def sha256_file(path: Path, block: int = 1 << 24) -> str:
-    """sha256 of a file, read in blocks."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(block), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def fsync_dir(path: Path) -> None:
-    """Make a rename inside ``path`` durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def pause_point(name: str, until=None) -> None:
-    """Fault-injection hook for the crash tests: when ``DFLASHKIT_TEST_PAUSE_AT`` equals ``name``, write ``name`` to
-    the file ``DFLASHKIT_TEST_PAUSE_FILE`` and sleep until killed, or until the callable ``until`` returns True (a
-    signal handler asked the process to stop). A test can then signal the process at an exact point of its work
-    instead of after a random delay. Does nothing when the variable is unset."""
-    if os.environ.get("DFLASHKIT_TEST_PAUSE_AT") != name:
-        return
-    import time
-
-    Path(os.environ["DFLASHKIT_TEST_PAUSE_FILE"]).write_text(name)
-    while until is None or not until():
-        time.sleep(60 if until is None else 0.01)
-
-
-_CHUNK_BYTES = 64 << 20  # bytes per write call; the disk starts on a chunk while the next one is copied
-
-
-def _sync_file_range():
-    """Linux's sync_file_range from the C library, or None (elsewhere)."""
-    import ctypes
-
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
-    except (AttributeError, OSError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_SYNC_FILE_RANGE = _sync_file_range() if sys.platform.startswith("linux") else None
-_SYNC_FILE_RANGE_WRITE = 2  # start writing the range's dirty pages to the disk; do not wait
-
-
-def _start_writeback(fd: int, offset: int, nbytes: int) -> None:
-    """Start writing a just-written range to the disk now, not at the fsync: the disk works while the next chunk
-    is copied. Only a hint: where it is missing or fails, the fsync writes everything."""
-    if _SYNC_FILE_RANGE is not None:
-        _SYNC_FILE_RANGE(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
-
-
-def _hash_all(buffers) -> str:
-    h = hashlib.sha256()
-    for b in buffers:
-        h.update(b)  # releases the GIL on large buffers
-    return h.hexdigest()
-
-
-def atomic_write(path: Path, data, pause_name: str | None = None, hash_pool=None) -> str:
-    """Write ``data`` (bytes, or a list of buffers written one after another) under a temporary name, fsync,
-    rename over ``path``, fsync the directory; return the sha256 of what was written.
-
-    The buffers are written as they are (no joining copy). The sha256 is computed from the same buffers, on
-    ``hash_pool`` (a ThreadPoolExecutor) while the write runs, else inline. After each chunk, its write to the
-    disk is started (``_start_writeback``). ``pause_name``: a ``pause_point`` between the fsync and the rename
-    (crash tests)."""
-    path = Path(path)
-    buffers = [memoryview(data).cast("B")] if isinstance(data, (bytes, bytearray)) else \
-        [memoryview(b).cast("B") for b in data]
-    digest = hash_pool.submit(_hash_all, buffers) if hash_pool is not None else None
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            written = 0
-            for buf in buffers:
-                for lo in range(0, buf.nbytes, _CHUNK_BYTES):
-                    chunk = buf[lo: lo + _CHUNK_BYTES]
-                    while chunk.nbytes:  # os.write may write less than asked
-                        chunk = chunk[os.write(fd, chunk):]
-                    start, written = written, written + min(_CHUNK_BYTES, buf.nbytes - lo)
-                    if written - start >= 1 << 20:
-                        _start_writeback(fd, start, written - start)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        sha256 = digest.result() if digest is not None else _hash_all(buffers)
-        if pause_name:
-            pause_point(pause_name)
-        os.replace(tmp, path)
-    except BaseException:
-        if digest is not None:
-            digest.cancel() or digest.exception()  # the hash thread must be done with the buffers
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
-    return sha256
+# ---------------------------------------------------------------- manifest
 
 
 def write_manifest(path: Path, manifest: dict) -> None:

@@ -228,7 +228,7 @@ def _in_thread(fn, *args):
 
 
 def test_staging_pool_reuses_buffers_and_a_full_pool_waits_for_one_to_come_back():
-    from dflashkit.extract.writer import StagingPool
+    from dflashkit.extract.staging import StagingPool
 
     pool = StagingPool(limit=2048)
     a = pool.take(1000, pin=False)
@@ -264,3 +264,105 @@ def test_staging_smaller_than_a_shard_gives_the_same_shards(tmp_path, codec):
     m_small = _in_thread(write_all)
     assert [s["sha256"] for s in m_small["shards"]] == [s["sha256"] for s in m_big["shards"]]
     assert len(m_small["shards"]) >= 2
+
+
+def _write_counted(path, samples, writer_threads, staging_bytes, codec="fp8"):
+    """Batches of 2 samples with a new skip/note count snapshot on every third batch; many small shards."""
+    w = ShardWriter(path, _manifest(codec, True), shard_bytes=900, staging_bytes=staging_bytes,
+                    writer_threads=writer_threads)
+    handed = []  # (samples handed over so far, newest counts) after each batch
+    counts = None
+    for b in range(0, len(samples), 2):
+        part = samples[b: b + 2]
+        if b % 3 == 0:
+            counts = {"skipped": {"malformed_json": b}, "notes": {"truncated": b // 2}}
+        w.add_batch([s["index"] for s in part], [len(s["ids"]) for s in part], torch.cat([s["ids"] for s in part]),
+                    torch.cat([s["mask"] for s in part]), torch.cat([s["hidden"] for s in part]),
+                    torch.cat([s["last"] for s in part]), counts=counts if b % 3 == 0 else None)
+        handed.append((b + len(part), counts))
+    return w.close(), handed
+
+
+def test_several_shards_in_flight_write_the_same_bytes_and_manifests_as_one(tmp_path, monkeypatch):
+    import dflashkit.extract.writer as writer_module
+
+    samples = _samples(41, seed=5)
+    written = {}  # run -> every manifest as written, in order
+    real = writer_module.write_manifest
+
+    def recording(run):
+        def write_manifest(path, manifest):
+            written.setdefault(run, []).append(json.dumps(manifest, sort_keys=True))
+            real(path, manifest)
+        return write_manifest
+
+    # one writer thread; three (shards written ahead as unnamed files, where the system has them); three with
+    # a staging pool of one batch; three writing each shard in its turn (systems without unnamed files)
+    runs = {"one": (1, 1 << 30, True), "three": (3, 1 << 30, True), "three_small_staging": (3, 4096, True),
+            "three_in_turn": (3, 1 << 30, False)}
+    for run, (threads, staging, unnamed) in runs.items():
+        monkeypatch.setattr(writer_module, "write_manifest", recording(run))
+        if not unnamed:
+            monkeypatch.setattr(writer_module, "unnamed_files_work", lambda probe: False)
+        m, handed = _in_thread(_write_counted, tmp_path / run, samples, threads, staging)
+        assert len(m["shards"]) >= 8
+    files = {run: sorted(p.name for p in (tmp_path / run).iterdir()) for run in runs}
+    assert all(names == files["one"] for names in files.values())
+    for name in files["one"]:
+        assert len({(tmp_path / run / name).read_bytes() for run in runs}) == 1
+    assert all(manifests == written["one"] for manifests in written.values())
+    # each manifest lists the shards in order and carries the counts of the newest batch in its last shard
+    for k, text in enumerate(written["three"]):
+        m = json.loads(text)
+        assert [s["seq"] for s in m["shards"]] == list(range(k + 1))
+        n = sum(s["samples"] for s in m["shards"])
+        newest = next(c for done, c in handed if done == n)
+        assert (m["skipped"], m.get("notes")) == (newest["skipped"], newest["notes"])
+    errors, _ = verify_dataset(tmp_path / "three")  # sizes, sha256s, layout of every listed shard
+    assert errors == []
+
+
+def test_shards_complete_before_a_nan_batch_are_written_and_listed(tmp_path):
+    samples = _samples(15, seed=6)
+    samples[10]["hidden"][1, 2] = float("nan")  # in the 4th batch of 3; one batch per shard
+
+    def write_all():
+        w = ShardWriter(tmp_path, _manifest(), shard_bytes=1, writer_threads=3)
+        with pytest.raises(ShardWriteError, match=f"sample {samples[10]['index']}"):
+            for b in range(0, len(samples), 3):  # raised here once the writer has seen the bad batch, or at close
+                part = samples[b: b + 3]
+                w.add_batch([s["index"] for s in part], [len(s["ids"]) for s in part],
+                            torch.cat([s["ids"] for s in part]), torch.cat([s["mask"] for s in part]),
+                            torch.cat([s["hidden"] for s in part]))
+            w.close()
+        w.abort()
+        return json.loads((tmp_path / "manifest.json").read_text())
+
+    m = _in_thread(write_all)
+    assert [s["sample_indices"] for s in m["shards"]] == [[s["index"] for s in samples[b: b + 3]] for b in (0, 3, 6)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([s["file"] for s in m["shards"]] + ["manifest.json"])
+    m["complete"] = True
+    (tmp_path / "manifest.json").write_text(json.dumps(m))
+    assert verify_dataset(tmp_path) == ([], [])
+
+
+def test_a_file_written_unnamed_has_no_name_until_published(tmp_path):
+    import os
+
+    from dflashkit.extract.files import publish, unnamed_files_work, write_unnamed
+
+    if not unnamed_files_work(tmp_path / ".probe.tmp"):
+        pytest.skip("no O_TMPFILE here: shards are written in turn by atomic_write (tested above)")
+    assert list(tmp_path.iterdir()) == []  # the probe left nothing
+    parts = [b"header--", torch.arange(1000, dtype=torch.int32).numpy(), b"", bytearray(b"tail")]
+    fd = write_unnamed(tmp_path, parts)
+    try:
+        assert list(tmp_path.iterdir()) == []  # written and fsynced, in no directory
+        publish(fd, tmp_path / "a.bin")
+    finally:
+        os.close(fd)
+    assert [p.name for p in tmp_path.iterdir()] == ["a.bin"]
+    assert (tmp_path / "a.bin").read_bytes() == b"header--" + parts[1].tobytes() + b"tail"
+    fd = write_unnamed(tmp_path, [b"dropped"])
+    os.close(fd)  # closed before publish (a killed run): nothing remains
+    assert [p.name for p in tmp_path.iterdir()] == ["a.bin"]

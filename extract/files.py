@@ -1,0 +1,202 @@
+"""Durable files: written straight from memory buffers, atomically (temporary name, fsync, rename, directory
+fsync), or ahead of time without a name; the sha256 of what is written; the fault-injection hook of the crash tests.
+
+Design choices:
+- Buffers are written as they are (no joining copy), in write calls of ``_CHUNK_BYTES``; after each, the disk's
+  write-back of that chunk is started (``sync_file_range``), so the disk works while the next chunk is copied and
+  the final fsync has little left to wait for.
+- ``atomic_write``: a crash leaves either the old file or the new one, plus at most a temporary file that a
+  resumed run removes.
+- ``write_unnamed`` + ``publish`` (Linux ``O_TMPFILE``): the bytes are written and fsynced into a file that is in
+  no directory, then linked under the temporary name and renamed like ``atomic_write``. Several such files can be
+  written at once and named one at a time, in order: the directory goes through the states of writing them one
+  after another, and a crash leaves nothing of the unnamed ones.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+from pathlib import Path
+
+
+def sha256_file(path: Path, block: int = 1 << 24) -> str:
+    """sha256 of a file, read in blocks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(block), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename inside ``path`` durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def pause_point(name: str, until=None) -> None:
+    """Fault-injection hook for the crash tests: when ``DFLASHKIT_TEST_PAUSE_AT`` equals ``name``, write ``name`` to
+    the file ``DFLASHKIT_TEST_PAUSE_FILE`` and sleep until killed, or until the callable ``until`` returns True (a
+    signal handler asked the process to stop). A test can then signal the process at an exact point of its work
+    instead of after a random delay. Does nothing when the variable is unset."""
+    if os.environ.get("DFLASHKIT_TEST_PAUSE_AT") != name:
+        return
+    import time
+
+    Path(os.environ["DFLASHKIT_TEST_PAUSE_FILE"]).write_text(name)
+    while until is None or not until():
+        time.sleep(60 if until is None else 0.01)
+
+
+_CHUNK_BYTES = 16 << 20  # bytes per write call; the disk starts on a chunk while the next one is copied
+
+
+def _sync_file_range():
+    """Linux's sync_file_range from the C library, or None (elsewhere)."""
+    import ctypes
+
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (AttributeError, OSError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_SYNC_FILE_RANGE = _sync_file_range() if sys.platform.startswith("linux") else None
+_SYNC_FILE_RANGE_WRITE = 2  # start writing the range's dirty pages to the disk; do not wait
+
+
+def _start_writeback(fd: int, offset: int, nbytes: int) -> None:
+    """Start writing a just-written range to the disk now, not at the fsync: the disk works while the next chunk
+    is copied. Only a hint: where it is missing or fails, the fsync writes everything."""
+    if _SYNC_FILE_RANGE is not None:
+        _SYNC_FILE_RANGE(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
+
+
+def _byte_views(data) -> list[memoryview]:
+    return [memoryview(data).cast("B")] if isinstance(data, (bytes, bytearray)) else \
+        [memoryview(b).cast("B") for b in data]
+
+
+def sha256_of(data) -> str:
+    """sha256 of ``data`` (bytes, or a list of buffers taken one after another), read in place (no copy)."""
+    h = hashlib.sha256()
+    for b in _byte_views(data):
+        h.update(b)  # releases the GIL on large buffers
+    return h.hexdigest()
+
+
+def _write_buffers(fd: int, buffers: list[memoryview]) -> None:
+    """The buffers one after another, in write calls of at most ``_CHUNK_BYTES``, each chunk's write to the disk
+    started at once (``_start_writeback``); then fsync."""
+    written = 0
+    for buf in buffers:
+        for lo in range(0, buf.nbytes, _CHUNK_BYTES):
+            chunk = buf[lo: lo + _CHUNK_BYTES]
+            while chunk.nbytes:  # os.write may write less than asked
+                chunk = chunk[os.write(fd, chunk):]
+            start, written = written, written + min(_CHUNK_BYTES, buf.nbytes - lo)
+            if written - start >= 1 << 20:
+                _start_writeback(fd, start, written - start)
+    os.fsync(fd)
+
+
+def _temporary(path: Path) -> Path:
+    return path.with_name(f".{path.name}.tmp")
+
+
+def atomic_write(path: Path, data, pause_name: str | None = None, sha256=None) -> str:
+    """Write ``data`` (bytes, or a list of buffers written one after another) under a temporary name, fsync,
+    rename over ``path``, fsync the directory; return the sha256 of what was written.
+
+    The buffers are written as they are (no joining copy; ``_write_buffers``). ``sha256``: a Future computing
+    ``sha256_of(data)`` on another thread (it may run ahead of, or beside, the write; it must be done with the
+    buffers when this returns or raises, so it is waited for either way); without it the hash is computed here
+    after the write. ``pause_name``: a ``pause_point`` between the fsync and the rename (crash tests)."""
+    path = Path(path)
+    buffers = _byte_views(data)
+    tmp = _temporary(path)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            _write_buffers(fd, buffers)
+        finally:
+            os.close(fd)
+        digest = sha256.result() if sha256 is not None else sha256_of(buffers)
+        if pause_name:
+            pause_point(pause_name)
+        os.replace(tmp, path)
+    except BaseException:
+        if sha256 is not None:
+            sha256.cancel() or sha256.exception()  # the hash thread must be done with the buffers
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+    return digest
+
+
+def write_unnamed(directory: Path, data) -> int:
+    """Write ``data`` (as ``atomic_write`` does) into a new file of ``directory`` that has no name yet (Linux
+    ``O_TMPFILE``), fsync it, and return its descriptor for ``publish``. Until then the file is in no directory:
+    a crash leaves nothing behind, so such files can be written ahead, several at once."""
+    fd = os.open(directory, os.O_TMPFILE | os.O_WRONLY, 0o644)
+    try:
+        _write_buffers(fd, _byte_views(data))
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _link(fd: int, path: Path) -> None:
+    """Give the unnamed file ``fd`` the name ``path`` (linkat with AT_SYMLINK_FOLLOW on /proc/self/fd; the
+    directory descriptor makes os.link call linkat rather than link, which would not follow the link)."""
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.link(f"/proc/self/fd/{fd}", path.name, dst_dir_fd=dir_fd, follow_symlinks=True)
+    finally:
+        os.close(dir_fd)
+
+
+def publish(fd: int, path: Path, pause_name: str | None = None) -> None:
+    """Name a file written by ``write_unnamed`` the way ``atomic_write`` finishes: linked under the temporary
+    name, ``pause_name`` (a ``pause_point``), renamed over ``path``, the directory fsynced. So the directory goes
+    through the same states as with ``atomic_write``. The caller closes ``fd``."""
+    path = Path(path)
+    tmp = _temporary(path)
+    tmp.unlink(missing_ok=True)  # a leftover of a killed run
+    try:
+        _link(fd, tmp)
+        if pause_name:
+            pause_point(pause_name)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def unnamed_files_work(probe: Path) -> bool:
+    """Whether ``write_unnamed`` and ``publish`` work in ``probe``'s directory (they need Linux, a file system
+    with O_TMPFILE, and /proc); tried with an empty file briefly named ``probe``."""
+    if not hasattr(os, "O_TMPFILE"):
+        return False
+    try:
+        fd = write_unnamed(probe.parent, b"")
+    except OSError:
+        return False
+    try:
+        _link(fd, probe)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+        probe.unlink(missing_ok=True)
