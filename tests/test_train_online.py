@@ -81,7 +81,8 @@ def test_token_cache_gives_the_same_samples_and_follows_the_data(chat_run, tmp_p
     fresh, said = encode()
     assert "read from" not in said and "skipped: malformed_json 1, unknown_format 1" in said
     again, said = encode()
-    assert "read from" in said and "skipped: malformed_json 1, unknown_format 1" in said  # the counts travel with the cache
+    # the skip counts travel with the cache
+    assert "read from" in said and "skipped: malformed_json 1, unknown_format 1" in said
     assert same(fresh, again)
     shorter, said = encode(max_length=MAX_LENGTH // 2)  # other settings: another key
     assert "read from" not in said and not same(fresh, shorter)
