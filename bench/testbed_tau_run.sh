@@ -81,10 +81,19 @@ echo "[$(date +%T)] start: $NGPU GPU(s), scale $SCALE" >> "$R/stages.txt"
 if [ "$BENCH" = 1 ]; then
   stage bench-regenerate "$BOTH" 120 "${multi[@]}" bench/bench_regenerate.py --target "$T" --data "$D/sharegpt.jsonl" \
     --prompts 4096 --max-new-tokens 384 --batch "$BATCH" --hf-prompts 256 --out "$R/regenerate_h200.json"
-  # more slots: the decode step of a 135M model is mostly fixed per-kernel latency, so tokens/s should grow
+  # GPU 1: extraction at the disk's speed; GPU 0 meanwhile: more slots (the decode step of a 135M model is mostly
+  # fixed per-kernel latency, so tokens/s should grow with them)
+  (
+    stage bench-extract-testbed "$G1" 100 python bench/bench_extract.py --target "$T" --batches 32 --repeats 3 \
+      --out-dir "$R/bench-extract-tmp" --out "$R/extract_smollm2.json"
+    stage bench-extract-qwen3-8b "$G1" 150 python bench/bench_extract.py --random-qwen3-8b --layer-ids 1 9 17 25 33 \
+      --batch 8 --seq 2048 --batches 8 --repeats 2 --out-dir "$R/bench-extract-tmp" --out "$R/extract_qwen3_8b.json"
+    rm -rf "$R/bench-extract-tmp"
+  ) &
   stage bench-regenerate-2048 "$G0" 120 python bench/bench_regenerate.py --target "$T" --data "$D/sharegpt.jsonl" \
     --prompts 8192 --max-new-tokens 384 --batch 2048 --no-hf --out "$R/regenerate_h200_2048.json" \
     && REGEN_SLOTS=2048
+  wait
   stage bench-train-ddp "$BOTH" 200 "${multi[@]}" bench/bench_train_throughput.py --target "$T" \
     --out "$R/train_throughput_smollm2.json" --profile "$R/profile_train_smollm2.txt"
 fi
