@@ -133,4 +133,10 @@ if [ -n "$common" ]; then
   ( eval_chain_mtbench "ce-$common" "$G1"; eval_chain_mtbench "dpace-$common" "$G1" ) &
 fi
 wait
+if [ -f "$main/config.json" ] && [ ! -f "$R/bench_eval.json" ]; then  # no report at all: measure chain tau eagerly
+  stage eval-dpace-eager "$G0" "$L_EVAL_SMALL" "${dk[@]}" eval --target "$T" --drafter "$main" \
+    --dataset "$D/mtbench.jsonl" --num-prompts "$EVAL_PROMPTS" --mode chain --max-new-tokens "$EVAL_NEW" \
+    --baseline-prompts 2 --reference-prompts 2 --device "$DEVICE" --dtype "$DT" --no-cuda-graphs \
+    --out "$R/eval-dpace-eager"
+fi
 echo "[$(date +%T)] all done" >> "$R/stages.txt"
