@@ -92,19 +92,19 @@ def ancestor_mask(parents: torch.Tensor, max_depth: int | None = None) -> torch.
 
     parents: LongTensor [..., N] with -1 at roots. max_depth: a bound on the depth of any node (default N - 1).
     Pointer doubling: with seen[i] = the ancestors of i within distance r and jump[i] = its ancestor at distance r,
-    seen[i] | seen[jump[i]] is those within 2r and jump[jump[i]] the one at 2r; ceil(log2(max_depth)) steps.
+    seen[i] | seen[jump[i]] is those within 2r and jump[jump[i]] the one at 2r; ceil(log2(max_depth)) steps of
+    three kernels each. An extra null node N (the parent of every root and of itself, seeing nothing) stands for
+    "no ancestor", so the steps need no masking.
     """
     n = parents.shape[-1]
     max_depth = n - 1 if max_depth is None else max_depth
-    eye = torch.eye(n, dtype=torch.bool, device=parents.device).expand(*parents.shape[:-1], n, n)
-    valid = (parents >= 0).unsqueeze(-1)
-    mask = eye | (torch.nn.functional.one_hot(parents.clamp_min(0), n).bool() & valid)
-    jump, reach = parents, 1
+    batch = parents.shape[:-1]
+    jump = torch.cat([parents.masked_fill(parents < 0, n), parents.new_full((*batch, 1), n)], dim=-1)  # [..., N+1]
+    eye = torch.eye(n + 1, n, dtype=torch.bool, device=parents.device)  # the null node's row sees nothing
+    mask = eye | torch.nn.functional.one_hot(jump, n + 1)[..., :n].bool()  # [..., N+1, N]: itself and its parent
+    reach = 1
     while reach < max_depth:
-        valid = jump >= 0
-        index = jump.clamp_min(0)
-        rows = torch.gather(mask, -2, index.unsqueeze(-1).expand(*index.shape, n))
-        mask = mask | (rows & valid.unsqueeze(-1))
-        jump = torch.where(valid, torch.gather(jump, -1, index), jump)
+        mask = mask | torch.gather(mask, -2, jump.unsqueeze(-1).expand(*jump.shape, n))
+        jump = torch.gather(jump, -1, jump)
         reach *= 2
-    return mask
+    return mask[..., :n, :]

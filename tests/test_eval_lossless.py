@@ -8,8 +8,14 @@ from transformers import LlamaForCausalLM
 
 from dflashkit.drafter import DrafterConfig, build_drafter
 from dflashkit.eval.engine import DecodeConfig, SpeculativeDecoder
-from dflashkit.eval.lossless import (TIE_TOLERANCE, ReferenceRun, classify, first_divergence, reference_greedy,
-                                     reference_greedy_batch)
+from dflashkit.eval.lossless import (
+    TIE_TOLERANCE,
+    ReferenceRun,
+    classify,
+    first_divergence,
+    reference_greedy,
+    reference_greedy_batch,
+)
 
 from tests.conftest import tiny_target_config
 
