@@ -43,7 +43,7 @@ class Staging:
     def write(self) -> torch.Tensor:
         """The host buffer, once the previous copy from it has run (at once in a decode loop, which has read a
         result of the device since)."""
-        if self.copied is not None:
+        if self.copied is not None and not self.copied.query():
             self.copied.synchronize()
         return self.host
 

@@ -100,8 +100,9 @@ def ancestor_mask(parents: torch.Tensor, max_depth: int | None = None) -> torch.
     max_depth = n - 1 if max_depth is None else max_depth
     batch = parents.shape[:-1]
     jump = torch.cat([parents.masked_fill(parents < 0, n), parents.new_full((*batch, 1), n)], dim=-1)  # [..., N+1]
+    nodes = torch.arange(n, device=parents.device)
     eye = torch.eye(n + 1, n, dtype=torch.bool, device=parents.device)  # the null node's row sees nothing
-    mask = eye | torch.nn.functional.one_hot(jump, n + 1)[..., :n].bool()  # [..., N+1, N]: itself and its parent
+    mask = eye | (jump.unsqueeze(-1) == nodes)  # [..., N+1, N]: itself and its parent
     reach = 1
     while reach < max_depth:
         mask = mask | torch.gather(mask, -2, jump.unsqueeze(-1).expand(*jump.shape, n))
