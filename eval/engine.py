@@ -31,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflashkit.drafter.config import check_block_size
+
 from .acceptance import greedy_accept, sampled_accept_chain, sampling_probs
 from .draft_step import StaticDrafter, supports_static_steps
 from .tree import DraftTree, build_tree
@@ -59,6 +61,8 @@ class DecodeConfig:
                              "(--mode chain)")
         if self.temperature < 0 or self.max_new_tokens < 1 or self.tree_budget < 1 or self.tree_top_k < 1:
             raise ValueError("temperature must be >= 0, max_new_tokens, tree_budget and tree_top_k >= 1")
+        if self.block_size is not None:
+            check_block_size(self.block_size)
         if not 0 < self.top_p <= 1 or self.top_k < 0:
             raise ValueError(f"top_p must be in (0, 1] and top_k >= 0 (0 = off), got {self.top_p}, {self.top_k}")
 
