@@ -101,7 +101,8 @@ def toy_pair(vocab: int, block_size: int):
 
 def measure(decoder, prompts: list[list[int]], autoregressive: bool, cuda: bool) -> dict:
     run = decoder.generate_autoregressive if autoregressive else decoder.generate
-    run(prompts[0])  # warm-up: shapes, captures
+    for p in prompts:  # warm-up: every shape these prompts take is built (captured) before the timed pass
+        run(p)
     with captured_steps() as spent:
         results = [run(p) for p in prompts]
     rounds = sum(len(r.tokens) - 1 for r in results) if autoregressive else \

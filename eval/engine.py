@@ -233,10 +233,12 @@ class SpeculativeDecoder:
         return tree, path, bonus, features
 
     @torch.inference_mode()
-    def generate(self, prompt_ids: list[int]) -> GenerationResult:
+    def generate(self, prompt_ids: list[int], max_new_tokens: int | None = None) -> GenerationResult:
+        """Speculative decoding of one prompt (max_new_tokens: at most the config's, which sized the caches)."""
         from transformers import DynamicCache
 
         cfg = self.config
+        new_tokens_limit = min(max_new_tokens or cfg.max_new_tokens, cfg.max_new_tokens)
         first, _, context, prefill_s = self._prefill(prompt_ids)
         result = GenerationResult(len(prompt_ids), [first], prefill_s=prefill_s)
         draft_cache = None
@@ -245,7 +247,7 @@ class SpeculativeDecoder:
             if hasattr(draft_cache, "activate_past_recording"):
                 draft_cache.activate_past_recording()  # sliding drafter layers must be croppable
         stop = set(cfg.stop_token_ids)
-        max_length = len(prompt_ids) + cfg.max_new_tokens
+        max_length = len(prompt_ids) + new_tokens_limit
         start = len(prompt_ids)  # position of the anchor (the last token, not yet in the target cache)
         events = self._events
         decode_start = time.perf_counter()
@@ -282,6 +284,12 @@ class SpeculativeDecoder:
         _sync(self.device)
         result.decode_s = time.perf_counter() - decode_start
         return result
+
+    def warm_up(self, prompt_ids: list[int]) -> None:
+        """The prompt's prefill and first round, untimed: the eager steps whose shapes depend on the prompt (the
+        prefill, the drafter's first pass over its features) pay their first-call costs here, before the timed
+        runs that a speedup compares, so that neither the speculative nor the AR run carries them."""
+        self.generate(prompt_ids, max_new_tokens=self.block_size + 1)
 
     def close(self) -> None:
         self.verifier.close()

@@ -4,7 +4,9 @@ Design choices:
 - Per prompt: the speculative run; on the baseline prompts also the autoregressive run (speedup). The
   independent reference (lossless check, greedy only; eval/lossless.py) runs before the prompt loop for all its
   prompts at once, batched (not timed). Every decode step of the run is captured before the loop
-  (`SpeculativeDecoder.prepare`), so that no capture lands in a timed prompt. report["timing"] says where the
+  (`SpeculativeDecoder.prepare`), so that no capture lands in a timed prompt, and a prompt whose AR run is
+  timed gets an untimed prefill and first round first (`warm_up`), so that first-call costs of its shapes fall
+  on neither side of the speedup. report["timing"] says where the
   run's wall time went (load, prepare, reference, speculative, baseline, report).
 - A stop request (Ctrl-C, SIGTERM, time limit; eval/stopping.py) is honoured between prompts: the report then
   covers the prompts done and says it is partial (report["partial"]); the caller exits non-zero.
@@ -141,11 +143,6 @@ def run_eval(target: str, drafter: str, out: str | Path, datasets: list[str], co
         config.stop_token_ids = stop_ids(loaded)
     greedy = config.temperature == 0
     lap("load")
-    decoder = SpeculativeDecoder(loaded.model, draft_model, config)
-    decoder.prepare(max(len(p.input_ids) for ps in prompts.values() for p in ps))  # room + every capture
-    first = next(iter(prompts.values()))[0].input_ids
-    decoder.generate(first), decoder.generate_autoregressive(first)  # warm-up: kernels, allocator
-    lap("prepare")
     results = {spec: {"spec": [], "ar": [], "ref": [], "ids": []} for spec in prompts}
     stop_reason = None
     shared = {} if shared_baseline is None else shared_baseline
@@ -154,9 +151,19 @@ def run_eval(target: str, drafter: str, out: str | Path, datasets: list[str], co
         return (tuple(prompt.input_ids), config.max_new_tokens, config.temperature, config.top_p, config.top_k,
                 config.seed, config.stop_token_ids)
 
+    baseline = [p for ps in prompts.values() for k, p in enumerate(ps) if baseline_prompts is None
+                or k < baseline_prompts]
+    decoder = SpeculativeDecoder(loaded.model, draft_model, config)
+    decoder.prepare(max(len(p.input_ids) for ps in prompts.values() for p in ps))  # room + every capture
+    first = next(iter(prompts.values()))[0].input_ids
+    decoder.generate(first)  # warm-up: kernels, allocator
+    if any(("ar",) + key_of(p) not in shared for p in baseline):  # some AR run is still to be timed
+        decoder.generate_autoregressive(first)
+    lap("prepare")
+
     if greedy:  # the reference for every prompt of the lossless check, batched, before the timed loop
-        wanted = {("ref",) + key_of(p): p.input_ids for ps in prompts.values()
-                  for k, p in enumerate(ps) if (baseline_prompts is None or k < baseline_prompts)
+        wanted = {("ref",) + key_of(p): p.input_ids for ps in prompts.values() for k, p in enumerate(ps)
+                  if (baseline_prompts is None or k < baseline_prompts)
                   and (reference_prompts is None or k < reference_prompts)}
         missing = [key for key in wanted if key not in shared]
         for key, run in zip(missing, reference_greedy_batch(loaded.model, [wanted[key] for key in missing],
@@ -169,11 +176,14 @@ def run_eval(target: str, drafter: str, out: str | Path, datasets: list[str], co
             for k, prompt in enumerate(ps):
                 stop.pause_point(f"eval.prompt.{bar.n}")
                 r = results[spec]
+                key = ("ar",) + key_of(prompt)
+                paired = baseline_prompts is None or k < baseline_prompts
+                if paired and key not in shared:  # the two timed runs compared start from the same warm state
+                    decoder.warm_up(prompt.input_ids)
                 lap("other")
                 r["spec"].append(decoder.generate(prompt.input_ids))
                 lap("speculative")
-                if baseline_prompts is None or k < baseline_prompts:
-                    key = ("ar",) + key_of(prompt)
+                if paired:
                     if key not in shared:
                         shared[key] = decoder.generate_autoregressive(prompt.input_ids)
                     r["ar"].append(shared[key])
