@@ -191,11 +191,10 @@ class StaticStep:
     def _compute(self) -> tuple[torch.Tensor, torch.Tensor]:
         v = self.verifier
         positions = (self.depths + self.prefix).view(1, self.size)
-        index_dtype = torch.int32 if self.on_gpu else torch.long
+        index_dtype, mask_dtype = (torch.int32, torch.uint8) if self.on_gpu else (torch.long, torch.bool)
         node_mask = self.node_mask if self.chain else ancestor_mask(self.parents, self.size - 1).unsqueeze(0)
-        step = _Step(v.cache, v.cache.max_len - self.size, False, node_mask.to(torch.uint8 if self.on_gpu else
-                     torch.bool), positions.to(index_dtype), self.prefix.to(index_dtype), self.index + self.prefix,
-                     v.backend)
+        step = _Step(v.cache, v.cache.max_len - self.size, False, node_mask.to(mask_dtype), positions.to(index_dtype),
+                     self.prefix.to(index_dtype), self.index + self.prefix, v.backend)
         _ACTIVE.append(step)
         try:
             hidden = v.decoder(input_ids=self.input_ids, position_ids=positions, use_cache=False).last_hidden_state
