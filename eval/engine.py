@@ -77,8 +77,8 @@ class GenerationResult:
     drafts: list[list[int]] = field(default_factory=list)  # per round, the drafted tokens (tree: nodes 1.., in order)
     prefill_s: float = 0.0
     decode_s: float = 0.0  # wall time after the prefill
-    draft_s: float = 0.0  # drafter passes (speculative runs)
-    verify_s: float = 0.0  # target forwards after the prefill incl. commit (AR: the steps)
+    draft_s: float = 0.0  # drafter passes and proposals (speculative runs; on CUDA timed with events)
+    verify_s: float = 0.0  # the rest of the rounds: target forwards, acceptance, commit (AR: the steps)
 
 
 def _sync(device: torch.device) -> None:

@@ -6,8 +6,9 @@ Design choices:
   prompts at once, batched (not timed). Every decode step of the run is captured before the loop
   (`SpeculativeDecoder.prepare`), so that no capture lands in a timed prompt, and a prompt whose AR run is
   timed gets an untimed prefill and first round first (`warm_up`), so that first-call costs of its shapes fall
-  on neither side of the speedup. report["timing"] says where the
-  run's wall time went (load, prepare, reference, speculative, baseline, report).
+  on neither side of the speedup. report["timing"] says where the run's wall time went, in seconds: load,
+  prepare, reference, warm_up, speculative, baseline, other (report.json holds all but `report`, the writing of
+  the report itself, which only the returned dict has).
 - A stop request (Ctrl-C, SIGTERM, time limit; eval/stopping.py) is honoured between prompts: the report then
   covers the prompts done and says it is partial (report["partial"]); the caller exits non-zero.
 - Chat template kwargs render the prompts through the same call as extraction and training; when the drafter's
@@ -178,9 +179,10 @@ def run_eval(target: str, drafter: str, out: str | Path, datasets: list[str], co
                 r = results[spec]
                 key = ("ar",) + key_of(prompt)
                 paired = baseline_prompts is None or k < baseline_prompts
+                lap("other")
                 if paired and key not in shared:  # the two timed runs compared start from the same warm state
                     decoder.warm_up(prompt.input_ids)
-                lap("other")
+                    lap("warm_up")
                 r["spec"].append(decoder.generate(prompt.input_ids))
                 lap("speculative")
                 if paired:
