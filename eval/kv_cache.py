@@ -56,10 +56,12 @@ class KVCache:
 class Compaction:
     """Keep the accepted nodes of a `size`-node forward when they are not its leading nodes: in every layer the
     K/V at slots P + keep[j] move to P + j. keep is padded to `size` with j itself (those moves change nothing;
-    the slots past the kept nodes are free anyway), so one static step (one CUDA graph) serves every path."""
+    the slots past the kept nodes are free anyway), so one static step (one CUDA graph) serves every path. Its
+    graph has a memory pool of its own: it runs between the verify step and the reading of that step's features,
+    so its temporaries must never share memory with a verify step's outputs."""
 
-    def __init__(self, cache: KVCache, size: int, device: torch.device, use_graph: bool, graph_pool=None):
-        self.cache, self.size, self.device, self.use_graph, self.graph_pool = cache, size, device, use_graph, graph_pool
+    def __init__(self, cache: KVCache, size: int, device: torch.device, use_graph: bool):
+        self.cache, self.size, self.device, self.use_graph = cache, size, device, use_graph
         self.inputs = Staging(size + 1, torch.long, device)  # keep [size], then P
         self.index = torch.arange(size, device=device)
         self.graph = None
@@ -80,7 +82,7 @@ class Compaction:
         [len(path)] on the device (valid until the next run)."""
         if self.use_graph and self.graph is None:  # captured on the identity, so that its warm-up moves nothing
             self._load([], length)
-            self.graph, _ = capture_graph(self._compute, self.device, self.graph_pool)
+            self.graph, _ = capture_graph(self._compute, self.device, pool=None)
         self._load(path, length)
         if self.use_graph:
             self.graph.replay()

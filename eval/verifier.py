@@ -270,7 +270,7 @@ class TargetVerifier:
     def _compaction(self, size: int) -> Compaction:
         if size not in self.compactions:
             self.compactions[size] = Compaction(self.cache, size, self.device,
-                                                self.cuda_graphs and self.device.type == "cuda", self._pool())
+                                                self.cuda_graphs and self.device.type == "cuda")
         return self.compactions[size]
 
     @torch.inference_mode()
