@@ -10,8 +10,10 @@ CPU toy (a tiny random target with the testbed's tokenizer and a random drafter,
 
 Each mode is one `run_eval` over all datasets (its report directory next to --out; --num-prompts 164 takes all
 80 MT-bench and 164 HumanEval prompts); the AR baseline and the HF reference run once per prompt and serve both
-modes. The table shows per mode and dataset: tau, measured speedup, the cost model tau / (verify/AR + draft/AR)
-and their ratio, the AR / verify / draft step times, lossless mismatches and ties; then the total wall time.
+modes. The table shows per mode and dataset: tau, measured speedup (wall time, and per new token), the cost model
+tau / (verify/AR + draft/AR) over the same baseline prompts and the ratio per token / model, the AR / verify /
+draft step times, lossless mismatches and ties; then where each mode's wall time went (report["timing"]: load,
+prepare = captures and warm-up, reference = the batched HF generate, speculative, baseline, report) and the total.
 """
 
 from __future__ import annotations
@@ -82,20 +84,27 @@ def main(argv=None) -> None:
         for name, o in [*report["datasets"].items(), ("all", report["overall"])]:
             lossless = o.get("lossless", {})
             rows.append({"mode": mode, "dataset": name, "prompts": o["prompts"], "tau": o["tau"],
-                         "speedup": o.get("speedup"), "cost_model_speedup": o.get("cost_model_speedup"),
+                         "speedup": o.get("speedup"), "speedup_per_token": o.get("speedup_per_token"),
+                         "cost_model_speedup": o.get("cost_model_speedup"),
                          "speedup_over_cost_model": o.get("speedup_over_cost_model"), "ar_step_ms": o.get("ar_step_ms"),
                          "verify_ms_per_round": o["verify_ms_per_round"], "draft_ms_per_round": o["draft_ms_per_round"],
                          "mismatches": lossless.get("mismatches"), "ties": lossless.get("ties"),
                          "device": report["versions"]["device"], "gpu": report["versions"].get("gpu")})
         rows[-1]["mode_wall_s"] = time.perf_counter() - mode_start
+        rows[-1]["timing_s"] = report["timing"]
     total = time.perf_counter() - started
-    header = ["mode", "dataset", "prompts", "tau", "speedup", "cost model", "meas/model", "AR ms", "verify ms",
-              "draft ms", "mismatch", "ties"]
-    keys = ["mode", "dataset", "prompts", "tau", "speedup", "cost_model_speedup", "speedup_over_cost_model",
+    header = ["mode", "dataset", "prompts", "tau", "speedup", "per token", "cost model", "per token/model", "AR ms",
+              "verify ms", "draft ms", "mismatch", "ties"]
+    keys = ["mode", "dataset", "prompts", "tau", "speedup", "speedup_per_token", "cost_model_speedup",
+            "speedup_over_cost_model",
             "ar_step_ms", "verify_ms_per_round", "draft_ms_per_round", "mismatches", "ties"]
     print(" | ".join(header))
     for row in rows:
         print(" | ".join(f"{row[k]:.3f}" if isinstance(row[k], float) else str(row[k]) for k in keys))
+    for row in rows:
+        if "timing_s" in row:
+            parts = ", ".join(f"{k} {v:.1f}" for k, v in row["timing_s"].items())
+            print(f"{row['mode']}: {row['mode_wall_s']:.1f} s ({parts})")
     print(f"total wall time {total:.1f} s (goal on the H200: <= 300 s for MT-bench 80 + HumanEval 164, chain + tree)")
     out.write_text(json.dumps({"rows": rows, "total_wall_s": total, "args": vars(args)}, indent=2) + "\n")
     print(f"wrote {out}")

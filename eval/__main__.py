@@ -120,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as error:
         return _fail(str(error))
     overall = report["overall"]
-    speed = (f"speedup {overall['speedup']:.2f}x (cost model {overall['cost_model_speedup']:.2f}x); "
+    speed = (f"speedup {overall['speedup']:.2f}x ({overall['speedup_per_token']:.2f}x per token, cost model "
+             f"{overall['cost_model_speedup']:.2f}x); "
              f"verify/AR step {overall['verify_over_ar_step']:.2f}"
              if "speedup" in overall else "no autoregressive baseline (--baseline-prompts 0)")
     lossless = overall.get("lossless")

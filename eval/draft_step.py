@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .verifier import capture_graph
+from .graphs import capture_graph
 
 
 def supports_static_steps(drafter: nn.Module) -> bool:
@@ -113,14 +113,27 @@ class StaticDrafter:
             self.cache = StaticDraftCache(needed)
             self.steps.clear()
 
+    def _step(self, size: int) -> DraftStep:
+        if size not in self.steps:
+            self.steps[size] = DraftStep(self, self.block_size, size, self.use_graphs)
+        return self.steps[size]
+
+    @torch.inference_mode()
+    def prepare(self, sizes: list[int]) -> None:
+        """Build (on CUDA: capture) the steps of these block lengths before a run, on dummy inputs; call it
+        between sequences (after reserve)."""
+        context = torch.zeros(self.block_size, self.feature_size, dtype=self.drafter.dtype, device=self.device)
+        for size in sizes:
+            step = self._step(size)
+            step.load(self.mask_token_id, context, self.block_size)
+            step.run()
+
     @torch.inference_mode()
     def logits(self, anchor: int, context: torch.Tensor, start: int, size: int) -> torch.Tensor:
         """Drafter logits [size - 1, V] for positions start+1 .. start+size-1; context: [C, K*H] new rows."""
         if context.shape[0] > self.block_size:  # the first round: the prompt's features, once per sequence
             step = DraftStep(self, context.shape[0], size, use_graph=False)
         else:
-            if size not in self.steps:
-                self.steps[size] = DraftStep(self, self.block_size, size, self.use_graphs)
-            step = self.steps[size]
+            step = self._step(size)
         step.load(anchor, context, start)
         return step.run()

@@ -12,8 +12,14 @@ last block shrinks to the room left, a stop token ends the sequence and counts),
 compared round by round. The baseline runs the same verifier one token per step: the same harness.
 On CUDA the target's steps after the prefill (AR step, chain block, tree padded to the budget; eval/verifier.py)
 and the drafter's pass (eval/draft_step.py) replay CUDA graphs, captured once per shape on static caches
-(`cuda_graphs=False` for eager); the CPU runs the same code eagerly. Drafters with sliding-window layers keep a
-transformers DynamicCache, cropped back to the anchor, eagerly.
+(`cuda_graphs=False` for eager); the CPU runs the same code eagerly; `prepare(max_prompt_len)` captures every
+shape a run can take before it starts. Drafters with sliding-window layers keep a transformers DynamicCache,
+cropped back to the anchor, eagerly.
+Host work per round is kept small, since at a few ms per step it weighs: a greedy chain round leaves the drafts
+on the device (drafter -> argmax -> target step) and reads the device once, drafts and target argmax together,
+before the acceptance walk on the host; a tree round reads the drafter's top-k (the tree grows on the host) and
+the target's argmax. Kept features are a view (chain) or one gather (tree); the drafter's share of a round is
+timed with CUDA events, so no sync separates draft and verify.
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from dflashkit.drafter.config import check_block_size
 
 from .acceptance import greedy_accept, sampled_accept_chain, sampling_probs
 from .draft_step import StaticDrafter, supports_static_steps
@@ -53,6 +61,8 @@ class DecodeConfig:
                              "(--mode chain)")
         if self.temperature < 0 or self.max_new_tokens < 1 or self.tree_budget < 1 or self.tree_top_k < 1:
             raise ValueError("temperature must be >= 0, max_new_tokens, tree_budget and tree_top_k >= 1")
+        if self.block_size is not None:
+            check_block_size(self.block_size)
         if not 0 < self.top_p <= 1 or self.top_k < 0:
             raise ValueError(f"top_p must be in (0, 1] and top_k >= 0 (0 = off), got {self.top_p}, {self.top_k}")
 
@@ -67,8 +77,8 @@ class GenerationResult:
     drafts: list[list[int]] = field(default_factory=list)  # per round, the drafted tokens (tree: nodes 1.., in order)
     prefill_s: float = 0.0
     decode_s: float = 0.0  # wall time after the prefill
-    draft_s: float = 0.0  # drafter passes (speculative runs)
-    verify_s: float = 0.0  # target forwards after the prefill incl. commit (AR: the steps)
+    draft_s: float = 0.0  # drafter passes and proposals (speculative runs; on CUDA timed with events)
+    verify_s: float = 0.0  # the rest of the rounds: target forwards, acceptance, commit (AR: the steps)
 
 
 def _sync(device: torch.device) -> None:
@@ -108,6 +118,9 @@ class SpeculativeDecoder:
             self.verifier = TargetVerifier(self.model, drafter.target_layer_ids, config.attention_backend,
                                            config.cuda_graphs)
         self.generator = torch.Generator(device=self.device)
+        # start and end of a round's draft on the device (CUDA): its share of the round without a host sync
+        self._events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if self.device.type == "cuda" \
+            else None
         self.static_drafter = None  # full-attention drafters: static context cache, CUDA graphs on CUDA
         if supports_static_steps(drafter):
             self.static_drafter = StaticDrafter(drafter, self.embed_weight, self.embed_scale, self.lm_head,
@@ -118,40 +131,60 @@ class SpeculativeDecoder:
         cfg = self.config
         return sampling_probs(logits, cfg.temperature, cfg.top_p, cfg.top_k)
 
-    def _pick(self, logits: torch.Tensor) -> int:
+    def _pick(self, logits: torch.Tensor) -> torch.Tensor:
+        """The token after one row of logits (argmax, or a sample), as a device tensor [1]."""
         if self.config.temperature > 0:
-            return int(torch.multinomial(self._probs(logits), 1, generator=self.generator))
-        return int(logits.argmax())
+            return torch.multinomial(self._probs(logits), 1, generator=self.generator)
+        return logits.argmax(dim=-1, keepdim=True)
+
+    def _room(self, prompt_len: int) -> int:
+        """Cache slots a sequence needs: prompt + new tokens + one round of nodes."""
+        return prompt_len + self.config.max_new_tokens + max(self.block_size, self.config.tree_budget) + 1
+
+    @torch.inference_mode()
+    def prepare(self, max_prompt_len: int) -> None:
+        """Before a run: room for its longest prompt, and every decode step it can take built now (on CUDA:
+        captured as CUDA graphs), so that no capture lands inside a timed decode. Call it between sequences."""
+        cfg = self.config
+        room = self._room(max_prompt_len)
+        self.verifier.reserve(room)
+        sizes = list(range(2, min(self.block_size, cfg.max_new_tokens) + 1))  # block lengths a round can have
+        chain_steps = [(n, True) for n in sizes] if cfg.mode == "chain" else [(cfg.tree_budget, False)]
+        self.verifier.prepare([(1, True), *chain_steps])  # the AR step, then the round's verify steps
+        if self.static_drafter is not None:
+            self.static_drafter.reserve(room)
+            self.static_drafter.prepare(sizes)
 
     def _prefill(self, prompt_ids: list[int]):
-        cfg = self.config
-        # the one place the caches are sized: prompt + new tokens + one round of nodes
-        room = len(prompt_ids) + cfg.max_new_tokens + max(self.block_size, cfg.tree_budget) + 1
+        """(first new token, it on the device [1], the prompt's features, seconds)."""
+        room = self._room(len(prompt_ids))  # the one place the caches are sized
         self.verifier.reserve(room)
         if self.static_drafter is not None:
             self.static_drafter.reserve(room)
         self.verifier.reset()
-        self.generator.manual_seed(cfg.seed)
+        self.generator.manual_seed(self.config.seed)
         _sync(self.device)
         start = time.perf_counter()
         logits, features = self.verifier.forward(torch.tensor(prompt_ids, device=self.device),
                                                  last_logits_only=True)
         self.verifier.commit(list(range(len(prompt_ids))))
-        first = self._pick(logits[-1])
-        _sync(self.device)
-        return first, features, time.perf_counter() - start
+        token = self._pick(logits[-1])
+        first = int(token)
+        return first, token, features, time.perf_counter() - start
 
     @torch.inference_mode()
     def generate_autoregressive(self, prompt_ids: list[int]) -> GenerationResult:
-        """Greedy (or sampled) decoding one token per target forward, through the same verifier."""
-        first, _, prefill_s = self._prefill(prompt_ids)
+        """Greedy (or sampled) decoding one token per target forward, through the same verifier. The token goes
+        from one step to the next on the device; each step reads it once (the stop check needs it)."""
+        first, token, _, prefill_s = self._prefill(prompt_ids)
         result = GenerationResult(len(prompt_ids), [first], prefill_s=prefill_s)
         stop = set(self.config.stop_token_ids)
         start = time.perf_counter()
         while len(result.tokens) < self.config.max_new_tokens and result.tokens[-1] not in stop:
-            logits, _ = self.verifier.forward(torch.tensor([result.tokens[-1]], device=self.device))
+            logits, _ = self.verifier.forward(token)
             self.verifier.commit([0])
-            result.tokens.append(self._pick(logits[-1]))
+            token = self._pick(logits[-1])
+            result.tokens.append(int(token))
         _sync(self.device)
         result.decode_s = result.verify_s = time.perf_counter() - start
         return result
@@ -170,32 +203,43 @@ class SpeculativeDecoder:
         _crop(draft_cache, start)
         return self.drafter.compute_logits(hidden[:, 1 - size:, :].to(self.lm_head.weight.dtype), self.lm_head)[0]
 
-    def _propose(self, anchor: int, draft_logits: torch.Tensor | None) -> tuple[DraftTree, torch.Tensor | None]:
+    def _propose(self, anchor: int, draft_logits: torch.Tensor):
+        """The round's candidates: a DraftTree grown on the host (tree mode), or the drafted tokens, left on the
+        device (chain), with the drafter's distribution they were sampled from (sampling; else None)."""
         cfg = self.config
-        if draft_logits is None:
-            return DraftTree.chain(anchor, []), None
         if cfg.mode == "tree":
             return build_tree(anchor, draft_logits, cfg.tree_budget, cfg.tree_top_k), None
         if cfg.temperature > 0:
             probs = self._probs(draft_logits)
-            drafts = torch.multinomial(probs, 1, generator=self.generator)[:, 0]
-            return DraftTree.chain(anchor, drafts.tolist()), probs
-        return DraftTree.chain(anchor, draft_logits.argmax(dim=-1).tolist()), None
+            return torch.multinomial(probs, 1, generator=self.generator)[:, 0], probs
+        return draft_logits.argmax(dim=-1), None
 
-    def _accept(self, tree: DraftTree, logits: torch.Tensor, draft_probs) -> tuple[list[int], int]:
-        if self.config.temperature > 0:
-            drafts = torch.tensor(tree.tokens[1:], device=logits.device)
-            accepted, next_token = sampled_accept_chain(
-                drafts, draft_probs, self._probs(logits), self.generator)
-            return list(range(accepted + 1)), next_token
-        return greedy_accept(tree.tokens, tree.parents, logits.argmax(dim=-1).tolist())
+    def _verify(self, anchor: int, candidates, draft_probs) -> tuple[DraftTree, list[int], int, torch.Tensor]:
+        """One target forward over the candidates; (the round's tree, accepted path of node indices, the next
+        token, the features of every node). A greedy round reads the device once, after the forward."""
+        if isinstance(candidates, DraftTree):
+            tree = candidates
+            logits, features = self.verifier.forward(*tree.tensors("cpu"), pad_to=self.config.tree_budget)
+            path, bonus = greedy_accept(tree.tokens, tree.parents, logits.argmax(dim=-1).tolist())
+            return tree, path, bonus, features
+        drafts = candidates
+        logits, features = self.verifier.forward(torch.cat([drafts.new_full((1,), anchor), drafts]))
+        if draft_probs is not None:
+            accepted, bonus = sampled_accept_chain(drafts, draft_probs, self._probs(logits), self.generator)
+            return DraftTree.chain(anchor, drafts.tolist()), list(range(accepted + 1)), bonus, features
+        values = torch.cat([drafts, logits.argmax(dim=-1)]).tolist()
+        tree = DraftTree.chain(anchor, values[:len(drafts)])
+        path, bonus = greedy_accept(tree.tokens, tree.parents, values[len(drafts):])
+        return tree, path, bonus, features
 
     @torch.inference_mode()
-    def generate(self, prompt_ids: list[int]) -> GenerationResult:
+    def generate(self, prompt_ids: list[int], max_new_tokens: int | None = None) -> GenerationResult:
+        """Speculative decoding of one prompt (max_new_tokens: at most the config's, which sized the caches)."""
         from transformers import DynamicCache
 
         cfg = self.config
-        first, context, prefill_s = self._prefill(prompt_ids)
+        new_tokens_limit = min(max_new_tokens or cfg.max_new_tokens, cfg.max_new_tokens)
+        first, _, context, prefill_s = self._prefill(prompt_ids)
         result = GenerationResult(len(prompt_ids), [first], prefill_s=prefill_s)
         draft_cache = None
         if self.static_drafter is None:  # sliding-window drafters: a growing cache, cropped back to the anchor
@@ -203,42 +247,49 @@ class SpeculativeDecoder:
             if hasattr(draft_cache, "activate_past_recording"):
                 draft_cache.activate_past_recording()  # sliding drafter layers must be croppable
         stop = set(cfg.stop_token_ids)
-        max_length = len(prompt_ids) + cfg.max_new_tokens
+        max_length = len(prompt_ids) + new_tokens_limit
         start = len(prompt_ids)  # position of the anchor (the last token, not yet in the target cache)
+        events = self._events
         decode_start = time.perf_counter()
         while start + 1 < max_length and result.tokens[-1] not in stop:
-            size = min(self.block_size, max_length - start)
+            size = min(self.block_size, max_length - start)  # >= 2 here
             anchor = result.tokens[-1]
             t0 = time.perf_counter()
-            draft_logits = self._draft(anchor, context, draft_cache, start, size) if size > 1 else None
-            tree, draft_probs = self._propose(anchor, draft_logits)
-            _sync(self.device)
+            if events:
+                events[0].record()
+            candidates, draft_probs = self._propose(anchor, self._draft(anchor, context, draft_cache, start, size))
+            if events:
+                events[1].record()
             t1 = time.perf_counter()
-            tokens, parents, depths = tree.tensors("cpu")
-            if cfg.mode == "tree":  # one shape per run: the tree padded to the budget
-                logits, features = self.verifier.forward(tokens, parents, depths, pad_to=cfg.tree_budget)
-            else:  # a chain block (shorter only at the end of the sequence)
-                logits, features = self.verifier.forward(tokens)
-            path, bonus = self._accept(tree, logits, draft_probs)
+            tree, path, bonus, features = self._verify(anchor, candidates, draft_probs)
             produced = min(len(path), max_length - start - 1)
             new_tokens = ([tree.tokens[i] for i in path[1:]] + [bonus])[:produced]
             for i, token in enumerate(new_tokens):
                 if token in stop:
                     produced, new_tokens = i + 1, new_tokens[:i + 1]
                     break
-            self.verifier.commit(path[:produced])
-            context = features[torch.tensor(path[:produced], device=features.device)]
-            _sync(self.device)
+            kept = self.verifier.commit(path[:produced])  # device indices when the kept nodes moved
+            context = features[:produced] if kept is None else features.index_select(0, kept)
+            round_s = time.perf_counter() - t0
+            if events:  # the drafter's share, timed on the device (both events ran: _verify has read a result)
+                t1 = t0 + events[0].elapsed_time(events[1]) / 1e3
             result.draft_s += t1 - t0
-            result.verify_s += time.perf_counter() - t1
+            result.verify_s += round_s - (t1 - t0)
             result.tokens.extend(new_tokens)
             result.acceptance_lengths.append(produced)
             result.accepted_drafts.append(len(path) - 1)
             result.nodes_per_round.append(tree.num_nodes)
             result.drafts.append(tree.tokens[1:])
             start += produced
+        _sync(self.device)
         result.decode_s = time.perf_counter() - decode_start
         return result
+
+    def warm_up(self, prompt_ids: list[int]) -> None:
+        """The prompt's prefill and first round, untimed: the eager steps whose shapes depend on the prompt (the
+        prefill, the drafter's first pass over its features) pay their first-call costs here, before the timed
+        runs that a speedup compares, so that neither the speculative nor the AR run carries them."""
+        self.generate(prompt_ids, max_new_tokens=self.block_size + 1)
 
     def close(self) -> None:
         self.verifier.close()

@@ -67,7 +67,8 @@ def crop_attention_layers(cache, tokens_to_remove: int) -> None:
 
 
 class HybridChainVerifier:
-    """Same interface as TargetVerifier (forward / commit / length / reset / reserve / close), chains only; eager
+    """Same interface as TargetVerifier (forward / commit / length / reset / reserve / prepare / close), chains
+    only; commit returns None (the kept nodes are always the leading ones); eager
     (the model's own cache grows and is cropped, so its steps are not captured as CUDA graphs)."""
 
     def __init__(self, model: nn.Module, layer_ids: list[int]):
@@ -95,6 +96,9 @@ class HybridChainVerifier:
 
     def reserve(self, max_len: int) -> None:
         """The model's own cache grows as it goes: nothing to reserve."""
+
+    def prepare(self, shapes: list[tuple[int, bool]]) -> None:
+        """Eager steps: nothing to capture before a run."""
 
     def _run(self, tokens: torch.Tensor) -> torch.Tensor:
         """The final hidden state [N, H] of the tokens, continuing the cache."""

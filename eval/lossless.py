@@ -12,6 +12,9 @@ Design choices:
 - Tolerances (relative to the logit): bf16 2^-5 (4 ulps of bf16's 2^-7), fp16 2^-8 (4 ulps of 2^-10), fp32
   2^-16 (kernels that reduce in another order across all layers). Mismatches must be 0 in every dtype.
 - A length difference without a token difference (one side stopped) is a mismatch with no margin.
+- The reference runs batched (16 prompts per generate call, left-padded with an attention mask): greedy tokens
+  per prompt are those of a one-prompt call up to the rounding of padded batch kernels, which the tie
+  classification already allows for.
 """
 
 from __future__ import annotations
@@ -35,24 +38,42 @@ class ReferenceRun:
 def reference_greedy(model: nn.Module, prompt_ids: list[int], max_new_tokens: int,
                      stop_token_ids: tuple[int, ...]) -> ReferenceRun:
     """HF generate(do_sample=False) with SDPA and its own cache; stops after a stop token (none: never)."""
+    return reference_greedy_batch(model, [prompt_ids], max_new_tokens, stop_token_ids)[0]
+
+
+@torch.inference_mode()
+def reference_greedy_batch(model: nn.Module, prompts: list[list[int]], max_new_tokens: int,
+                           stop_token_ids: tuple[int, ...], batch_size: int = 16) -> list[ReferenceRun]:
+    """reference_greedy for many prompts, `batch_size` per generate call (left-padded, with an attention mask):
+    a decode step costs about as much for 16 sequences as for one, so the check costs a few generate calls."""
     from transformers import GenerationConfig
 
     previous_attention = model.config._attn_implementation
     previous_generation = model.generation_config
+    pad = stop_token_ids[0] if stop_token_ids else 0
     model.set_attn_implementation("sdpa")
     model.generation_config = GenerationConfig(
         do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=list(stop_token_ids) or None,
-        pad_token_id=stop_token_ids[0] if stop_token_ids else 0, output_logits=True, return_dict_in_generate=True)
+        pad_token_id=pad, output_logits=True, return_dict_in_generate=True)
+    runs = []
     try:
         device = next(model.parameters()).device
-        ids = torch.tensor([prompt_ids], device=device)
-        out = model.generate(ids, attention_mask=torch.ones_like(ids))
+        for first in range(0, len(prompts), batch_size):
+            batch = prompts[first:first + batch_size]
+            width = max(map(len, batch))
+            ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in batch], device=device)
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=device)
+            out = model.generate(ids, attention_mask=mask)
+            top2 = torch.stack([step.float().topk(2, dim=-1).values for step in out.logits], dim=1).cpu()
+            for row, new in enumerate(out.sequences[:, width:].tolist()):
+                ends = [i for i, token in enumerate(new) if token in stop_token_ids]
+                new = new[:ends[0] + 1] if ends else new  # after a stop token generate pads
+                margins = (top2[row, :len(new), 0] - top2[row, :len(new), 1]).tolist()
+                runs.append(ReferenceRun(tokens=new, margins=margins, top1_logits=top2[row, :len(new), 0].tolist()))
     finally:
         model.generation_config = previous_generation
         model.set_attn_implementation(previous_attention)
-    top2 = torch.stack([step[0].float().topk(2).values for step in out.logits]).cpu()
-    return ReferenceRun(tokens=out.sequences[0, len(prompt_ids):].tolist(),
-                        margins=(top2[:, 0] - top2[:, 1]).tolist(), top1_logits=top2[:, 0].tolist())
+    return runs
 
 
 def first_divergence(tokens: list[int], reference: list[int]) -> int | None:

@@ -1,8 +1,14 @@
 """One evaluation run: load the pair, decode every prompt speculatively (and the baseline), write the report.
 
 Design choices:
-- Per prompt: the speculative run; on the baseline prompts also the autoregressive run (speedup) and the
-  independent reference (lossless check, greedy only; eval/lossless.py). The reference is not timed.
+- Per prompt: the speculative run; on the baseline prompts also the autoregressive run (speedup). The
+  independent reference (lossless check, greedy only; eval/lossless.py) runs before the prompt loop for all its
+  prompts at once, batched (not timed). Every decode step of the run is captured before the loop
+  (`SpeculativeDecoder.prepare`), so that no capture lands in a timed prompt, and a prompt whose AR run is
+  timed gets an untimed prefill and first round first (`warm_up`), so that first-call costs of its shapes fall
+  on neither side of the speedup. report["timing"] says where the run's wall time went, in seconds: load,
+  prepare, reference, warm_up, speculative, baseline, other (report.json holds all but `report`, the writing of
+  the report itself, which only the returned dict has).
 - A stop request (Ctrl-C, SIGTERM, time limit; eval/stopping.py) is honoured between prompts: the report then
   covers the prompts done and says it is partial (report["partial"]); the caller exits non-zero.
 - Chat template kwargs render the prompts through the same call as extraction and training; when the drafter's
@@ -102,7 +108,7 @@ def run_eval(target: str, drafter: str, out: str | Path, datasets: list[str], co
     from dflashkit.drafter import load_drafter
     from dflashkit.target.loading import load_target
 
-    from .lossless import classify, reference_greedy
+    from .lossless import classify, reference_greedy_batch
     from .prompts import load_prompts
     from .report import summarize, write_report
 
@@ -112,6 +118,15 @@ def run_eval(target: str, drafter: str, out: str | Path, datasets: list[str], co
                 "use_stop_tokens": use_stop_tokens, "device": device, "device_map": device_map, "dtype": dtype,
                 "chat_template_kwargs": chat_template_kwargs or {}, "time_limit_s": time_limit_s,
                 **{k: v for k, v in vars(config).items() if k != "stop_token_ids"}}
+    clock = time.perf_counter()
+    timing = {}  # seconds per part of the run
+
+    def lap(part: str) -> None:
+        nonlocal clock
+        now = time.perf_counter()
+        timing[part] = timing.get(part, 0.0) + now - clock
+        clock = now
+
     torch_device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     torch_dtype = getattr(torch, dtype or ("bfloat16" if torch_device.type == "cuda" else "float32"))
     loaded = load_target(target, dtype=torch_dtype, device=torch_device, device_map=device_map)
@@ -128,31 +143,55 @@ def run_eval(target: str, drafter: str, out: str | Path, datasets: list[str], co
     if use_stop_tokens:
         config.stop_token_ids = stop_ids(loaded)
     greedy = config.temperature == 0
-    decoder = SpeculativeDecoder(loaded.model, draft_model, config)
-    first = next(iter(prompts.values()))[0].input_ids
-    decoder.generate(first), decoder.generate_autoregressive(first)  # warm-up: kernels, allocator
+    lap("load")
     results = {spec: {"spec": [], "ar": [], "ref": [], "ids": []} for spec in prompts}
     stop_reason = None
     shared = {} if shared_baseline is None else shared_baseline
+
+    def key_of(prompt) -> tuple:
+        return (tuple(prompt.input_ids), config.max_new_tokens, config.temperature, config.top_p, config.top_k,
+                config.seed, config.stop_token_ids)
+
+    baseline = [p for ps in prompts.values() for k, p in enumerate(ps) if baseline_prompts is None
+                or k < baseline_prompts]
+    decoder = SpeculativeDecoder(loaded.model, draft_model, config)
+    decoder.prepare(max(len(p.input_ids) for ps in prompts.values() for p in ps))  # room + every capture
+    first = next(iter(prompts.values()))[0].input_ids
+    decoder.generate(first)  # warm-up: kernels, allocator
+    if any(("ar",) + key_of(p) not in shared for p in baseline):  # some AR run is still to be timed
+        decoder.generate_autoregressive(first)
+    lap("prepare")
+
+    if greedy:  # the reference for every prompt of the lossless check, batched, before the timed loop
+        wanted = {("ref",) + key_of(p): p.input_ids for ps in prompts.values() for k, p in enumerate(ps)
+                  if (baseline_prompts is None or k < baseline_prompts)
+                  and (reference_prompts is None or k < reference_prompts)}
+        missing = [key for key in wanted if key not in shared]
+        for key, run in zip(missing, reference_greedy_batch(loaded.model, [wanted[key] for key in missing],
+                                                            config.max_new_tokens, config.stop_token_ids)):
+            shared[key] = run
+        lap("reference")
     with StopRequest(time_limit_s) as stop, tqdm(total=sum(map(len, prompts.values())), desc=f"eval {config.mode}",
                                                   unit="prompt") as bar:
         for spec, ps in prompts.items():
             for k, prompt in enumerate(ps):
                 stop.pause_point(f"eval.prompt.{bar.n}")
                 r = results[spec]
+                key = ("ar",) + key_of(prompt)
+                paired = baseline_prompts is None or k < baseline_prompts
+                lap("other")
+                if paired and key not in shared:  # the two timed runs compared start from the same warm state
+                    decoder.warm_up(prompt.input_ids)
+                    lap("warm_up")
                 r["spec"].append(decoder.generate(prompt.input_ids))
-                if baseline_prompts is None or k < baseline_prompts:
-                    key = ("ar", tuple(prompt.input_ids), config.max_new_tokens, config.temperature, config.top_p,
-                           config.top_k, config.seed, config.stop_token_ids)
+                lap("speculative")
+                if paired:
                     if key not in shared:
                         shared[key] = decoder.generate_autoregressive(prompt.input_ids)
                     r["ar"].append(shared[key])
+                    lap("baseline")
                     if greedy and (reference_prompts is None or k < reference_prompts):
-                        ref_key = ("ref",) + key[1:]
-                        if ref_key not in shared:
-                            shared[ref_key] = reference_greedy(loaded.model, prompt.input_ids, config.max_new_tokens,
-                                                               config.stop_token_ids)
-                        r["ref"].append(shared[ref_key])
+                        r["ref"].append(shared[("ref",) + key[1:]])
                         r["ids"].append(f"{spec}#{prompt.id}")
                 bar.update()
                 stop_reason = stop.reason()
@@ -187,5 +226,8 @@ def run_eval(target: str, drafter: str, out: str | Path, datasets: list[str], co
     if stop_reason:
         report["partial"] = {"reason": stop_reason, "prompts_done": report["overall"]["prompts"],
                              "prompts_planned": sum(map(len, prompts.values()))}
+    lap("other")
+    report["timing"] = timing
     write_report(report, out)
+    timing["report"] = time.perf_counter() - clock  # after report.json was written: only the returned report
     return report

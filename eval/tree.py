@@ -8,8 +8,9 @@ Design choices:
   sibling and its first child) takes nodes in exactly best-first order, and every parent precedes its children.
 - Node 0 is the root, the last accepted token; its depth is 0 and it sits at position `prefix length + depth`.
 - A chain of B - 1 drafts is the tree with parents [-1, 0, 1, ...]; top-1 trees are chains.
-- The ancestor mask (node i sees node j iff j is i or an ancestor of i) is built by pointer jumping on the
-  device, one step per level, so it needs no host round trip.
+- The ancestor mask (node i sees node j iff j is i or an ancestor of i) is built by pointer doubling on the
+  device, a fixed log2(depth) steps, so it needs no host round trip and can live inside a CUDA graph.
+- The drafter's top-k scores and tokens come to the host in one read (the tree is grown there).
 """
 
 from __future__ import annotations
@@ -59,7 +60,8 @@ def build_tree(root_token: int, draft_logits: torch.Tensor, budget: int, top_k: 
     k = min(top_k, draft_logits.shape[-1])
     log_probs = torch.log_softmax(draft_logits.float(), dim=-1)
     top_scores, top_tokens = log_probs.topk(k, dim=-1)
-    top_scores, top_tokens = top_scores.cpu().tolist(), top_tokens.cpu().tolist()
+    both = torch.stack([top_scores.double(), top_tokens.double()]).tolist()  # one read; ids are exact in float64
+    top_scores, top_tokens = both[0], [[int(t) for t in row] for row in both[1]]
 
     tree = DraftTree(tokens=[root_token], parents=[-1], depths=[0], scores=[0.0])
     frontier: list[tuple[float, int, int, int, int]] = []  # (-score, tiebreak, parent, depth, rank)
@@ -88,19 +90,22 @@ def build_tree(root_token: int, draft_logits: torch.Tensor, budget: int, top_k: 
 def ancestor_mask(parents: torch.Tensor, max_depth: int | None = None) -> torch.Tensor:
     """Bool [..., N, N]: mask[i, j] is True iff node j is node i or one of its ancestors.
 
-    parents: LongTensor [..., N] with -1 at roots. max_depth bounds the pointer-jumping steps (default N - 1).
+    parents: LongTensor [..., N] with -1 at roots. max_depth: a bound on the depth of any node (default N - 1).
+    Pointer doubling: with seen[i] = the ancestors of i within distance r and jump[i] = its ancestor at distance r,
+    seen[i] | seen[jump[i]] is those within 2r and jump[jump[i]] the one at 2r; ceil(log2(max_depth)) steps of
+    three kernels each. An extra null node N (the parent of every root and of itself, seeing nothing) stands for
+    "no ancestor", so the steps need no masking.
     """
     n = parents.shape[-1]
-    steps = n - 1 if max_depth is None else max_depth
-    eye = torch.eye(n, dtype=torch.bool, device=parents.device).expand(*parents.shape[:-1], n, n)
-    mask = eye.clone()
-    current = parents.clone()
-    for _ in range(steps):
-        valid = current >= 0
-        if max_depth is None and not bool(valid.any()):  # host check only when no bound was given
-            break
-        hit = torch.nn.functional.one_hot(current.clamp_min(0), n).bool() & valid.unsqueeze(-1)
-        mask |= hit
-        parent_of_current = torch.gather(parents, -1, current.clamp_min(0))
-        current = torch.where(valid, parent_of_current, current)
-    return mask
+    max_depth = n - 1 if max_depth is None else max_depth
+    batch = parents.shape[:-1]
+    jump = torch.cat([parents.masked_fill(parents < 0, n), parents.new_full((*batch, 1), n)], dim=-1)  # [..., N+1]
+    nodes = torch.arange(n, device=parents.device)
+    eye = torch.eye(n + 1, n, dtype=torch.bool, device=parents.device)  # the null node's row sees nothing
+    mask = eye | (jump.unsqueeze(-1) == nodes)  # [..., N+1, N]: itself and its parent
+    reach = 1
+    while reach < max_depth:
+        mask = mask | torch.gather(mask, -2, jump.unsqueeze(-1).expand(*jump.shape, n))
+        jump = torch.gather(jump, -1, jump)
+        reach *= 2
+    return mask[..., :n, :]

@@ -8,16 +8,19 @@ Design choices:
   the tree kernel. transformers' own Cache classes are never touched, which keeps 5.17 and 5.24 alike.
   (The name has no "flash" in it: transformers treats such names as flash-attention kernels.)
 - A forward does not commit: `commit(path)` keeps the listed nodes, copying their K/V to slots P, P+1, ...
-  (compaction) and advancing P. Node positions are P + depth, so the kept entries are exactly what an
-  autoregressive run over the same tokens would have cached.
+  (compaction, one static step per node count, so one CUDA graph instead of two kernels per layer) and
+  advancing P. Node positions are P + depth, so the kept entries are exactly what an autoregressive run over the
+  same tokens would have cached. A path of leading nodes (every chain round) is already in place: no copy.
 - Prefill, autoregressive steps and chain verification are trees too (parents i - 1); a prefill without prefix
   uses SDPA's causal path instead of a dense mask, eagerly.
 - Every step after the prefill (AR step, chain block, tree) runs on static buffers (`StaticStep`, one per shape:
   a chain of N nodes, or a tree padded to the budget) whose inputs are filled in place; the prefix length is a
   device tensor, positions and cache slots are derived from it inside the step, and the kernel's key range is
-  bounded by the cache size, not the prefix. On CUDA the step is captured once as a CUDA graph (warm-up on a side
-  stream first) and replayed; on the CPU, or with cuda_graphs=False, the same code runs eagerly. Padded tree
-  nodes are roots of their own (parent -1): real nodes never see them, and they are never committed.
+  bounded by the cache size, not the prefix. On CUDA the step is captured once as a CUDA graph (eval/graphs.py)
+  and replayed; on the CPU, or with cuda_graphs=False, the same code runs eagerly. A chain step takes its tokens
+  from a device tensor (the drafts never visit the host); a tree step gets tokens, parents and depths in one
+  staged copy and builds the ancestor mask inside the step. Padded tree nodes are roots of their own (parent
+  -1): real nodes never see them, and they are never committed. `prepare(shapes)` captures steps before a run.
 - Layer features come from dflashkit.target.capture.LayerCapture in its hooks-only mode (early_exit=False): the
   one capture implementation, so eval reads exactly what extraction and training read (layer i's output is
   Hugging Face hidden_states[i + 1]; layer L - 1 is the final-norm output).
@@ -39,72 +42,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .graphs import Staging, capture_graph
+from .kv_cache import Compaction, KVCache
+from .tree import ancestor_mask
 from .tree_attention import tree_attention
-
-
-def capture_graph(compute, device, pool):
-    """``compute`` (a function of static buffers) captured once as a CUDA graph: two warm-up calls on a side
-    stream (allocator, kernels, lazy init), then one captured call. Returns (graph, the captured outputs), which
-    ``graph.replay()`` recomputes in place."""
-    with torch.cuda.device(device):
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                compute()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            outputs = compute()
-    return graph, outputs
 
 ATTENTION_NAME = "tree_attention"
 ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention"}
-
-
-class KVCache:
-    """Preallocated per-layer K/V of one batch of sequences; slots [0, length) are committed."""
-
-    def __init__(self, max_len: int = 0):
-        self.max_len = max_len  # slots per layer (prompt + new tokens + one round of nodes)
-        self.keys: dict[int, torch.Tensor] = {}
-        self.values: dict[int, torch.Tensor] = {}
-        self.length = 0  # committed tokens
-
-    def reserve(self, max_len: int) -> None:
-        """Make room for max_len slots (buffers are reallocated on the next write when they grow; reset first)."""
-        if max_len > self.max_len:
-            self.max_len = max_len
-            self.keys.clear()
-            self.values.clear()
-            self.length = 0
-
-    def check_room(self, n: int) -> None:
-        if self.length + n > self.max_len:
-            raise RuntimeError(f"KV cache of {self.max_len} slots is full ({self.length} kept + {n} new); "
-                               "reserve() prompt length + max_new_tokens + one round of nodes")
-
-    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store this round's K/V [b, Hkv, N, d] at `slots` (a device tensor, [N]); return the whole buffers."""
-        if layer not in self.keys:
-            b, hkv, _, d = key.shape
-            self.keys[layer] = key.new_zeros(b, hkv, self.max_len, d)
-            self.values[layer] = value.new_zeros(b, hkv, self.max_len, value.shape[-1])
-        self.keys[layer].index_copy_(2, slots, key)
-        self.values[layer].index_copy_(2, slots, value)
-        return self.keys[layer], self.values[layer]
-
-    def commit(self, path: list[int]) -> None:
-        """Keep the nodes `path` (indices into the last forward's nodes) as the next committed tokens."""
-        if path != list(range(len(path))):  # a chain prefix is already in place
-            index = torch.tensor(path, device=next(iter(self.keys.values())).device) + self.length
-            for cache in (*self.keys.values(), *self.values.values()):
-                cache[:, :, self.length:self.length + len(path)] = cache.index_select(2, index)
-        self.length += len(path)
-
-    def reset(self) -> None:
-        self.length = 0
 
 
 @dataclass
@@ -209,42 +153,47 @@ class StaticStep:
     """
 
     def __init__(self, verifier: "TargetVerifier", size: int, chain: bool, graph_pool=None):
-        device, self.size, self.verifier = verifier.device, size, verifier
+        device, self.size, self.verifier, self.chain = verifier.device, size, verifier, chain
         self.on_gpu = device.type == "cuda"
         self.use_graph = verifier.cuda_graphs and self.on_gpu
         self.graph_pool = graph_pool
-        self.input_ids = torch.zeros(1, size, dtype=torch.long, device=device)
-        self.prefix = torch.zeros(1, dtype=torch.long, device=device)  # committed tokens, updated in place
         self.index = torch.arange(size, device=device)
-        self.depths = self.index.clone()
-        mask = torch.ones(size, size, dtype=torch.bool, device=device).tril_() if chain else \
-            torch.eye(size, dtype=torch.bool, device=device)
-        self.node_mask = mask.unsqueeze(0).to(torch.uint8 if self.on_gpu else torch.bool)
+        if chain:  # tokens from the device, a fixed causal mask
+            self.input_ids = torch.zeros(1, size, dtype=torch.long, device=device)
+            self.prefix = torch.zeros(1, dtype=torch.long, device=device)  # committed tokens, updated in place
+            self.depths = self.index
+            mask = torch.ones(size, size, dtype=torch.bool, device=device).tril_()
+            self.node_mask = mask.unsqueeze(0).to(torch.uint8 if self.on_gpu else torch.bool)
+        else:  # tokens, parents, depths and the prefix length in one staged copy: [3 * size + 1]
+            self.inputs = Staging(3 * size + 1, torch.long, device)
+            self.input_ids = self.inputs.buffer[:size].view(1, size)
+            self.parents = self.inputs.buffer[size:2 * size]
+            self.depths = self.inputs.buffer[2 * size:3 * size]
+            self.prefix = self.inputs.buffer[3 * size:]
         self.graph = None
         self.outputs = None
 
     def load(self, tokens: torch.Tensor, prefix: int, parents: torch.Tensor | None = None,
              depths: torch.Tensor | None = None) -> None:
-        """tokens [n <= size]; parents / depths (host tensors) for a tree, None for a chain of `size`."""
-        from .tree import ancestor_mask
-
+        """tokens [n <= size] (a chain: on any device); parents / depths (host tensors) for a tree."""
         n = tokens.shape[-1]
-        self.input_ids[0, :n].copy_(tokens.view(-1), non_blocking=True)
-        self.prefix.fill_(prefix)
-        if parents is not None:
-            padded_parents = torch.full((self.size,), -1, dtype=torch.long)
-            padded_parents[:n] = parents.cpu()
-            padded_depths = torch.zeros(self.size, dtype=torch.long)
-            padded_depths[:n] = depths.cpu()
-            self.depths.copy_(padded_depths, non_blocking=True)
-            self.node_mask[0].copy_(ancestor_mask(padded_parents, max_depth=int(padded_depths.max())),
-                                    non_blocking=True)
+        if self.chain:
+            self.input_ids[0, :n].copy_(tokens.view(-1), non_blocking=True)
+            self.prefix.fill_(prefix)
+            return
+        size, host = self.size, self.inputs.write()
+        host[:n], host[n:size] = tokens.view(-1), 0
+        host[size:size + n], host[size + n:2 * size] = parents.view(-1), -1  # padded nodes: roots of their own
+        host[2 * size:2 * size + n], host[2 * size + n:3 * size] = depths.view(-1), 0
+        host[3 * size] = prefix
+        self.inputs.send()
 
     def _compute(self) -> tuple[torch.Tensor, torch.Tensor]:
         v = self.verifier
         positions = (self.depths + self.prefix).view(1, self.size)
-        index_dtype = torch.int32 if self.on_gpu else torch.long
-        step = _Step(v.cache, v.cache.max_len - self.size, False, self.node_mask, positions.to(index_dtype),
+        index_dtype, mask_dtype = (torch.int32, torch.uint8) if self.on_gpu else (torch.long, torch.bool)
+        node_mask = self.node_mask if self.chain else ancestor_mask(self.parents, self.size - 1).unsqueeze(0)
+        step = _Step(v.cache, v.cache.max_len - self.size, False, node_mask.to(mask_dtype), positions.to(index_dtype),
                      self.prefix.to(index_dtype), self.index + self.prefix, v.backend)
         _ACTIVE.append(step)
         try:
@@ -268,7 +217,7 @@ class TargetVerifier:
 
     forward(tokens, parents, depths) runs the nodes and returns (fp32 logits [N or 1, V], features [N, K*H]);
     commit(path) keeps nodes. parents/depths None = a causal chain continuing the committed prefix.
-    reserve(n) before a sequence makes room for n cache slots.
+    reserve(n) before a sequence makes room for n cache slots; prepare(shapes) captures the static steps of a run.
     """
 
     def __init__(self, model: nn.Module, layer_ids: list[int], backend: str = "auto", cuda_graphs: bool = True):
@@ -286,7 +235,9 @@ class TargetVerifier:
         spread = len({str(d) for d in (getattr(model, "hf_device_map", None) or {}).values()}) > 1
         self.cuda_graphs = cuda_graphs and not spread  # replay decode steps as CUDA graphs (one CUDA device)
         self.steps: dict[tuple[int, bool], StaticStep] = {}  # (nodes, chain) -> its static step
+        self.compactions: dict[int, Compaction] = {}  # nodes of the forward -> its compaction step
         self._graph_pool = None
+        self._last_size = 0  # nodes of the last forward (the compaction's shape)
         self._previous_attention = model.config._attn_implementation
         model.set_attn_implementation(ATTENTION_NAME)
         self.device = next(model.parameters()).device
@@ -304,13 +255,39 @@ class TargetVerifier:
         if max_len > self.cache.max_len:
             self.cache.reserve(-(-max_len // 1024) * 1024)
             self.steps.clear()
+            self.compactions.clear()
+
+    def _pool(self):
+        if self._graph_pool is None and self.cuda_graphs and self.device.type == "cuda":
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        return self._graph_pool
 
     def _static_step(self, size: int, chain: bool) -> StaticStep:
         if (size, chain) not in self.steps:
-            if self._graph_pool is None and self.cuda_graphs and self.device.type == "cuda":
-                self._graph_pool = torch.cuda.graph_pool_handle()
-            self.steps[size, chain] = StaticStep(self, size, chain, self._graph_pool)
+            self.steps[size, chain] = StaticStep(self, size, chain, self._pool())
         return self.steps[size, chain]
+
+    def _compaction(self, size: int) -> Compaction:
+        if size not in self.compactions:
+            self.compactions[size] = Compaction(self.cache, size, self.device,
+                                                self.cuda_graphs and self.device.type == "cuda")
+        return self.compactions[size]
+
+    @torch.inference_mode()
+    def prepare(self, shapes: list[tuple[int, bool]]) -> None:
+        """Build (on CUDA: capture) the static steps of these (nodes, chain) shapes, and the compaction of each
+        tree shape, before a run, so that no capture lands inside a timed decode. Call it between sequences
+        (after reserve, before the prefill): it runs each step once on dummy inputs."""
+        self.cache.reset()
+        for size, chain in shapes:
+            self.cache.check_room(size)
+            step = self._static_step(size, chain)
+            zeros = torch.zeros(size, dtype=torch.long)
+            step.load(zeros, 0, None if chain else zeros - 1, None if chain else zeros)
+            step.run()
+            if not chain:
+                self._compaction(size).run([], 0)
+        self.cache.reset()
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, parents: torch.Tensor | None = None,
@@ -320,6 +297,7 @@ class TargetVerifier:
         n = tokens.shape[-1]
         if self.cache.length == 0:
             logits, features = self._prefill(tokens, parents, depths)
+            self._last_size = n
         else:
             size = max(n, pad_to or 0) if parents is not None else n
             self.cache.check_room(size)
@@ -327,12 +305,11 @@ class TargetVerifier:
             step.load(tokens, self.cache.length, parents, depths)
             logits, features = step.run()
             logits, features = logits[:n], features[:n]
+            self._last_size = size
         return (logits[-1:] if last_logits_only else logits), features
 
     def _prefill(self, tokens, parents, depths):
         """The first forward of a sequence, eagerly (SDPA's causal path for a chain)."""
-        from .tree import ancestor_mask
-
         n = tokens.shape[-1]
         self.cache.check_room(n)
         if parents is None:
@@ -355,8 +332,15 @@ class TargetVerifier:
         features, _ = self.capture.features()
         return self.head(hidden[0]), features[0]
 
-    def commit(self, path: list[int]) -> None:
-        self.cache.commit(path)
+    def commit(self, path: list[int]) -> torch.Tensor | None:
+        """Keep the nodes `path` (indices into the last forward's nodes) as the next committed tokens. Returns
+        their indices on the device when they had to move (a tree path), None when they were the leading nodes
+        (a chain) and are in place already."""
+        kept = None
+        if path != list(range(len(path))):
+            kept = self._compaction(self._last_size).run(path, self.cache.length)
+        self.cache.length += len(path)
+        return kept
 
     def close(self) -> None:
         """Remove the hooks and give the model its previous attention implementation back."""

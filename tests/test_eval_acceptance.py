@@ -102,3 +102,21 @@ def test_ancestor_mask_matches_walking_parents():
     assert torch.equal(ancestor_mask(torch.tensor(parents), max_depth=4), mask)
     batched = ancestor_mask(torch.tensor([parents, list(range(-1, len(parents) - 1))]))
     assert torch.equal(batched[0], mask) and torch.equal(batched[1], torch.ones_like(mask).tril())
+
+
+def test_ancestor_mask_of_deep_random_trees():
+    """Pointer doubling takes log2(depth) steps: deep trees (depth up to 40) against a walk up the parents."""
+    generator = torch.Generator().manual_seed(3)
+    for n in (2, 17, 64):
+        parents = [-1] + [int(torch.randint(max(0, i - 3), i, (1,), generator=generator)) for i in range(1, n)]
+        mask = ancestor_mask(torch.tensor(parents))
+        depth = [0] * n
+        for i in range(1, n):
+            depth[i] = depth[parents[i]] + 1
+        assert torch.equal(ancestor_mask(torch.tensor(parents), max_depth=max(depth)), mask)
+        for i in range(n):
+            expected, node = set(), i
+            while node >= 0:
+                expected.add(node)
+                node = parents[node]
+            assert set(torch.nonzero(mask[i]).flatten().tolist()) == expected

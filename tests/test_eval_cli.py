@@ -56,8 +56,14 @@ def test_eval_writes_a_complete_report_and_compares(pair, tmp_path, capsys):
     assert lossless["prompts"] == 4 and lossless["mismatches"] == 0 and lossless["divergences"] == []
     assert lossless["exact_match_rate"] == 1.0 and lossless["reference"]["attention"] == "sdpa"
     assert overall["speedup"] > 0 and overall["verify_over_ar_step"] > 0 and overall["draft_over_ar_step"] > 0
-    assert overall["cost_model_speedup"] == pytest.approx(
+    assert overall["cost_model_speedup"] == pytest.approx(  # the baseline covers every prompt here
         overall["tau"] / (overall["verify_over_ar_step"] + overall["draft_over_ar_step"]))
+    assert overall["cost_model_inputs"]["tau"] == pytest.approx(overall["tau"])
+    # the same outputs (fp32, no stop token): per token is the wall-time ratio, and the ratio divides by the model
+    assert overall["paired_tokens"] == {"speculative": 4 * NEW, "autoregressive": 4 * NEW}
+    assert overall["speedup_per_token"] == pytest.approx(overall["speedup"])
+    assert overall["speedup_over_cost_model"] == pytest.approx(overall["speedup"] / overall["cost_model_speedup"])
+    assert {"load", "prepare", "reference", "speculative", "baseline"} <= set(report["timing"])
     assert "partial" not in report and "Lossless: no mismatch" in (tmp_path / "chain" / "report.md").read_text()
     assert report["drafter"]["block_size"] == 4 and report["target"]["config_hash"]
     assert report["args"]["mode"] == "chain" and report["versions"]["transformers"] == tf.__version__
@@ -86,6 +92,7 @@ def test_baseline_on_the_first_prompts_only(pair, tmp_path):
     assert part["datasets"]["builtin:mtbench"]["baseline_prompts"] == 1
     assert part["overall"]["lossless"]["prompts"] == 2 and part["overall"]["lossless"]["divergences"] == []
     assert part["overall"]["speedup"] > 0
+    assert part["overall"]["cost_model_inputs"]["prompts"] == 2  # the model covers the prompts the speedup does
     assert _run(root, tmp_path / "none", "--baseline-prompts", "0") == 0
     none = json.loads((tmp_path / "none" / "report.json").read_text())
     assert "speedup" not in none["overall"] and "lossless" not in none["overall"]

@@ -111,3 +111,32 @@ def test_full_attention_drafters_take_the_static_draft_path(pair):
     decoder.close()
     assert decoder.static_drafter is not None and BLOCK in decoder.static_drafter.steps
     assert decoder.static_drafter.cache.keys  # the context K/V live in the static buffers
+
+
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+def test_prepare_builds_every_step_and_changes_no_output(pair, mode):
+    """prepare() (on CUDA: the captures) runs each decode step once on dummy inputs before a run, and warm_up() a
+    prompt's prefill and first round; every shape the run takes exists afterwards, and the tokens and rounds are
+    those of a decoder built lazily."""
+    target, drafter = pair
+    config = dict(mode=mode, tree_budget=12, tree_top_k=3)
+    lazy, lazy_ar = run(target, drafter, **config)
+    decoder = SpeculativeDecoder(target, drafter, DecodeConfig(max_new_tokens=NEW, **config))
+    decoder.prepare(max(map(len, prompts())))
+    shapes, draft_sizes = set(decoder.verifier.steps), set(decoder.static_drafter.steps)
+    compactions = set(decoder.verifier.compactions)
+    warm = [decoder.generate(p, max_new_tokens=BLOCK + 1) for p in prompts()]  # what warm_up runs
+    spec = []
+    for p in prompts():
+        decoder.warm_up(p)
+        spec.append(decoder.generate(p))
+    ar = [decoder.generate_autoregressive(p) for p in prompts()]
+    decoder.close()
+    assert all(w.tokens == s.tokens[:BLOCK + 1] for w, s in zip(warm, spec))
+    assert [(r.tokens, r.acceptance_lengths, r.drafts) for r in spec] == \
+        [(r.tokens, r.acceptance_lengths, r.drafts) for r in lazy]
+    assert [r.tokens for r in ar] == [r.tokens for r in lazy_ar]
+    chain_steps = {(n, True) for n in range(2, BLOCK + 1)} if mode == "chain" else {(12, False)}
+    assert shapes == {(1, True)} | chain_steps and draft_sizes == set(range(2, BLOCK + 1))
+    assert compactions == ({12} if mode == "tree" else set())
+    assert set(decoder.verifier.steps) == shapes and set(decoder.static_drafter.steps) == draft_sizes  # no new shape

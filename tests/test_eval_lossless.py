@@ -8,7 +8,14 @@ from transformers import LlamaForCausalLM
 
 from dflashkit.drafter import DrafterConfig, build_drafter
 from dflashkit.eval.engine import DecodeConfig, SpeculativeDecoder
-from dflashkit.eval.lossless import TIE_TOLERANCE, ReferenceRun, classify, first_divergence, reference_greedy
+from dflashkit.eval.lossless import (
+    TIE_TOLERANCE,
+    ReferenceRun,
+    classify,
+    first_divergence,
+    reference_greedy,
+    reference_greedy_batch,
+)
 
 from tests.conftest import tiny_target_config
 
@@ -40,7 +47,7 @@ def test_speculative_decoding_has_no_mismatch(dtype):
     drafter = build_drafter(DrafterConfig.for_target(config, num_hidden_layers=1, block_size=4,
                                                      mask_token_id=VOCAB - 1)).to(dtype).eval()
     prompts = [torch.randint(0, VOCAB, (10,), generator=torch.Generator().manual_seed(s)).tolist() for s in range(4)]
-    references = [reference_greedy(target, p, NEW, ()) for p in prompts]
+    references = reference_greedy_batch(target, prompts, NEW, ())  # as run_eval calls it
     assert all(len(r.tokens) == NEW for r in references)
     for mode in ("chain", "tree"):
         decoder = SpeculativeDecoder(target, drafter, DecodeConfig(mode=mode, max_new_tokens=NEW, tree_budget=10,
@@ -59,6 +66,24 @@ def test_speculative_decoding_has_no_mismatch(dtype):
         bad = classify(["0"], [wrong], references[:1], dtype)
         assert bad["mismatches"] == 1 and bad["divergences"][0]["token_index"] <= sure
     assert target.config._attn_implementation == "sdpa"
+
+
+def test_batched_reference_equals_one_prompt_calls():
+    """Prompts of different lengths in one left-padded generate call give each prompt's own greedy tokens and
+    margins; a prompt that reaches a stop token ends there while the others go on."""
+    torch.manual_seed(0)
+    target = LlamaForCausalLM(tiny_target_config(vocab_size=VOCAB)).eval()
+    prompts = [torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 9, 14)]
+    free = [reference_greedy(target, p, NEW, ()) for p in prompts]
+    stop = free[1].tokens[NEW // 2]  # prompt 1 stops at (or before) its middle token
+    singles = [reference_greedy(target, p, NEW, (stop,)) for p in prompts]
+    assert len(singles[1].tokens) <= NEW // 2 + 1 and singles[1].tokens[-1] == stop
+    batched = reference_greedy_batch(target, prompts, NEW, (stop,), batch_size=2)
+    assert {len(r.tokens) for r in batched} != {NEW}  # the stop token ended at least one of them
+    for one, many in zip(singles, batched):
+        assert many.tokens == one.tokens
+        assert torch.allclose(torch.tensor(many.margins), torch.tensor(one.margins), atol=1e-4)
+        assert torch.allclose(torch.tensor(many.top1_logits), torch.tensor(one.top1_logits), atol=1e-4)
 
 
 @pytest.mark.slow
