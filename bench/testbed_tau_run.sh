@@ -11,6 +11,8 @@
 #   python bench/testbed_data.py --out .cache/gpu --sharegpt 0          # where the testbed packages are installed
 #   TARGET=/root/testbed/smollm2-bf16 DATA=.cache/gpu RUN=/root/run bash bench/testbed_tau_run.sh
 #   SCALE=toy TARGET=testbed:smollm2 DEVICE=cpu bash bench/testbed_tau_run.sh        # the same stages, tiny, CPU
+# Optional: BENCH=0 skips step 1; REGEN=FILE[.gz] reuses an earlier run's regenerated data (its regen-all.jsonl.gz)
+# instead of step 2; STEPS sets the training steps.
 #
 # Every step is a dflashkit command or a bench script, run as a user would, under a time limit (SIGINT: training
 # then writes a checkpoint at the current step and exits 0, eval writes a partial report). Each stage's log, exit
@@ -99,11 +101,16 @@ if [ "$BENCH" = 1 ]; then
 fi
 
 # --- 2. both GPUs: every user turn of every conversation answered by the target, in order ------------------------
-stage regenerate "$BOTH" "$L_REGEN" "${multi[@]}" -m dflashkit.extract.regenerate --target "$T" \
-  --data "$D/sharegpt_turns.jsonl" --out "$R/regen.jsonl" --resume --max-new-tokens "$NEW" \
-  --batch-size "${REGEN_SLOTS:-$BATCH}" \
-  --max-prompt-length 1024 $([ "$LIMIT_CONV" -gt 0 ] && echo --limit "$LIMIT_CONV") --dtype "$DT" --no-progress \
-  $([ "$DEVICE" = cpu ] && echo --device cpu)
+if [ -n "${REGEN:-}" ]; then  # the regenerated data of an earlier run (e.g. its regen-all.jsonl.gz)
+  case "$REGEN" in *.gz) gunzip -c "$REGEN" > "$R/regen.jsonl" ;; *) cp "$REGEN" "$R/regen.jsonl" ;; esac
+  echo "[$(date +%T)] regenerate: reused $REGEN ($(wc -l < "$R/regen.jsonl") conversations)" >> "$R/stages.txt"
+else
+  stage regenerate "$BOTH" "$L_REGEN" "${multi[@]}" -m dflashkit.extract.regenerate --target "$T" \
+    --data "$D/sharegpt_turns.jsonl" --out "$R/regen.jsonl" --resume --max-new-tokens "$NEW" \
+    --batch-size "${REGEN_SLOTS:-$BATCH}" \
+    --max-prompt-length 1024 $([ "$LIMIT_CONV" -gt 0 ] && echo --limit "$LIMIT_CONV") --dtype "$DT" --no-progress \
+    $([ "$DEVICE" = cpu ] && echo --device cpu)
+fi
 stage subsets "$G0" 120 python bench/testbed_subsets.py --regen "$R/regen.jsonl" --out "$R/data" --first 5000
 gzip -c "$R/data/all.jsonl" > "$R/regen-all.jsonl.gz"  # the regenerated data travels back (no weights do)
 
