@@ -129,18 +129,25 @@ def test_triton_kernel_matches_twin_on_cuda():
             assert (out.float() - ref).abs().max() < tolerance
 
 
-def test_tree_forward_matches_plain_forward_of_each_path():
-    """Logits of every node = the plain model's logits after prefix + the path to that node."""
+def _verifier_after_prefix(budget: int, layer_ids: list[int]):
+    """A tiny Llama, a 9-token prompt, a drafted tree of `budget` nodes after it and a torch-backend verifier that
+    has the prompt (but its last token) in its cache: (model, prompt, tree, verifier)."""
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
     model = LlamaForCausalLM(config).eval()
     prompt = torch.randint(0, 50, (9,))
-    tree = build_tree(int(prompt[-1]), torch.randn(4, 50), budget=12, top_k=3)
-    verifier = TargetVerifier(model, [0, 1], backend="torch")
+    tree = build_tree(int(prompt[-1]), torch.randn(4, 50), budget=budget, top_k=3)
+    verifier = TargetVerifier(model, layer_ids, backend="torch")
     verifier.reserve(64)
-    _, prefix_features = verifier.forward(prompt[:-1])
+    verifier.forward(prompt[:-1])
     verifier.commit(list(range(8)))
+    return model, prompt, tree, verifier
+
+
+def test_tree_forward_matches_plain_forward_of_each_path():
+    """Logits of every node = the plain model's logits after prefix + the path to that node."""
+    model, prompt, tree, verifier = _verifier_after_prefix(12, [0, 1])
     tokens, parents, depths = tree.tensors("cpu")
     logits, features = verifier.forward(tokens, parents, depths)
     verifier.close()
@@ -160,16 +167,7 @@ def test_tree_forward_matches_plain_forward_of_each_path():
 def test_static_steps_padded_trees_and_chains_equal_a_fresh_prefill():
     """Decode steps run on static buffers (the CUDA-graph layout): a tree padded to a larger budget gives the
     same logits and features for its real nodes, and a chain block equals the same tokens in one prefill."""
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-    model = LlamaForCausalLM(config).eval()
-    prompt = torch.randint(0, 50, (9,))
-    tree = build_tree(int(prompt[-1]), torch.randn(4, 50), budget=7, top_k=3)
-    verifier = TargetVerifier(model, [0, 2], backend="torch")
-    verifier.reserve(64)
-    verifier.forward(prompt[:-1])
-    verifier.commit(list(range(8)))
+    model, prompt, tree, verifier = _verifier_after_prefix(7, [0, 2])
     tokens, parents, depths = tree.tensors("cpu")
     exact = [t.clone() for t in verifier.forward(tokens, parents, depths)]
     padded = verifier.forward(tokens, parents, depths, pad_to=16)
