@@ -15,8 +15,8 @@ Design choices:
   and yields the same features, as the sample alone; right padding leaves them ``0..T-1`` as usual.
 - Decoder layers return a tensor in transformers 5 and a tuple in older or remote code: the first element
   is the hidden state.
-- Features are ``[b, T, K*H]`` in the given id order (the drafter's ``fc`` expects that order);
-  ``real_tokens`` drops padding per sample, whichever side it is on.
+- Features are ``[b, T, K*H]`` in the given id order (the drafter's ``fc`` expects that order), padding
+  included: callers drop it by the rows' known lengths.
 """
 
 from __future__ import annotations
@@ -120,9 +120,3 @@ class LayerCapture:
             last_hidden = last_hidden.to(device)
         self._outputs.clear()
         return hidden, last_hidden
-
-
-def real_tokens(x: torch.Tensor, attention_mask: torch.Tensor) -> list[torch.Tensor]:
-    """Per sample, the rows of `x` [b, T, ...] at real (mask 1) positions, in order: padding on either side."""
-    keep = attention_mask.bool().to(x.device)
-    return [x[b][keep[b]] for b in range(x.shape[0])]

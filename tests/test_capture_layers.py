@@ -4,7 +4,7 @@ padding (either side) changes nothing for real tokens, and the forward really st
 import pytest
 import torch
 
-from dflashkit.target.capture import LayerCapture, check_layer_ids, positions_from_mask, real_tokens
+from dflashkit.target.capture import LayerCapture, check_layer_ids, positions_from_mask
 from dflashkit.target.loading import load_target
 
 from conftest import TINY_FAMILIES, capture_features, save_tiny_target
@@ -103,6 +103,12 @@ def test_layer_ids_are_validated(bad, message):
     with pytest.raises(ValueError, match=message) as error:
         check_layer_ids(bad, 4)
     assert "target_layer_ids" in str(error.value)
+
+
+def real_tokens(x: torch.Tensor, attention_mask: torch.Tensor) -> list[torch.Tensor]:
+    """Per sample, the rows of `x` [b, T, ...] at real (mask 1) positions, in order: padding on either side."""
+    keep = attention_mask.bool().to(x.device)
+    return [x[b][keep[b]] for b in range(x.shape[0])]
 
 
 def test_real_tokens_and_positions_for_either_padding_side():
