@@ -12,7 +12,10 @@
 #   TARGET=/root/testbed/smollm2-bf16 DATA=.cache/gpu RUN=/root/run bash bench/testbed_tau_run.sh
 #   SCALE=toy TARGET=testbed:smollm2 DEVICE=cpu bash bench/testbed_tau_run.sh        # the same stages, tiny, CPU
 # Optional: BENCH=0 skips step 1; REGEN=FILE[.gz] reuses an earlier run's regenerated data (its regen-all.jsonl.gz)
-# instead of step 2; STEPS sets the training steps.
+# instead of step 2; STEPS sets the training steps of steps 3-4. MODE=curve replaces steps 3-4 with 3': the
+# data-size curve at equal epochs (EPOCHS, default 3) and one larger drafter, e.g.
+#   MODE=curve BENCH=0 REGEN=.cache/testbed-run/regen-all.jsonl.gz TARGET=... DATA=... RUN=... \
+#     bash bench/testbed_tau_run.sh
 #
 # Every step is a dflashkit command or a bench script, run as a user would, under a time limit (SIGINT: training
 # then writes a checkpoint at the current step and exits 0, eval writes a partial report). Each stage's log, exit
@@ -23,6 +26,7 @@ D=${DATA:-.cache/gpu}
 R=${RUN:-/root/run}
 DEVICE=${DEVICE:-cuda}
 SCALE=${SCALE:-full}
+MODE=${MODE:-compare}   # compare: dpace vs ce at equal steps (steps 3-4); curve: the data-size curve (step 3')
 export TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
 mkdir -p "$R"
 dk=(python -m dflashkit)
@@ -30,13 +34,14 @@ if [ "$SCALE" = toy ]; then   # minutes on a CPU: a check that every stage runs,
   LIMIT_CONV=12; NEW=24; BATCH=8; EVAL_PROMPTS=2; EVAL_NEW=16; MAXLEN=256; STEPS=6
   TRAIN_EXTRA=(num_hidden_layers=1 num_anchors=16 mixed_precision=no compile=false micro_batch_tokens=512
                eval_samples=2 save_every=2 keep_last=10)
-  DT=float32; L_REGEN=600; L_TRAIN=600; L_EVAL=600; L_EVAL_SMALL=600; BENCH=0
+  DT=float32; L_REGEN=600; L_TRAIN=600; L_TRAIN_LONG=600; L_EVAL=600; L_EVAL_SMALL=600; BENCH=0; EPOCHS=2
 else
   LIMIT_CONV=0; NEW=256; BATCH=${BATCH:-1024}; EVAL_PROMPTS=164; EVAL_NEW=256; MAXLEN=2048; STEPS=${STEPS:-1200}
   TRAIN_EXTRA=(micro_batch_tokens=16384 grad_accum=1 eval_samples=64 eval_every=0 save_every=100 keep_last=4
                tokenize_workers=4
                compile=true)
-  DT=bfloat16; L_REGEN=${L_REGEN:-240}; L_TRAIN=${L_TRAIN:-420}; L_EVAL=${L_EVAL:-270}; L_EVAL_SMALL=${L_EVAL_SMALL:-110}
+  DT=bfloat16; L_REGEN=${L_REGEN:-240}; L_TRAIN=${L_TRAIN:-420}; L_TRAIN_LONG=${L_TRAIN_LONG:-900}
+  L_EVAL=${L_EVAL:-270}; L_EVAL_SMALL=${L_EVAL_SMALL:-110}; EPOCHS=${EPOCHS:-3}
   BENCH=${BENCH:-1}
 fi
 NGPU=$([ "$DEVICE" = cuda ] && nvidia-smi -L 2>/dev/null | wc -l || echo 0)
@@ -54,11 +59,12 @@ stage() {  # stage NAME GPUS SECONDS COMMAND...: run with a time limit on the gi
 }
 multi=(torchrun --standalone --nproc_per_node "$NPROC")
 
-train_and_export() {  # NAME GPU LIMIT DATA LOSS: online training for STEPS steps, then the export
-  local name=$1 gpu=$2 limit=$3 data=$4 loss=$5
+train_and_export() {  # NAME GPU LIMIT DATA LOSS [KEY=VALUE...]: online training, then the export
+  # length: STEPS steps by default; pass epochs=N (and max_steps=0) to train whole epochs instead
+  local name=$1 gpu=$2 limit=$3 data=$4 loss=$5; shift 5
   stage "train-$name" "$gpu" "$limit" "${dk[@]}" train --recipe recipes/smollm2-135m.yaml --target "$T" \
     --data "$data" --output-dir "$R/train-$name" --loss "$loss" "export_dir=$R/drafter-$name" \
-    "max_length=$MAXLEN" "max_steps=$STEPS" epochs=100 wandb=false progress=false "${TRAIN_EXTRA[@]}"
+    "max_length=$MAXLEN" "max_steps=$STEPS" epochs=100 wandb=false progress=false "${TRAIN_EXTRA[@]}" "$@"
 }
 
 export_step() {  # NAME GPU STEP: export the checkpoint of that step (equal-step comparisons)
@@ -111,39 +117,76 @@ else
     --max-prompt-length 1024 $([ "$LIMIT_CONV" -gt 0 ] && echo --limit "$LIMIT_CONV") --dtype "$DT" --no-progress \
     $([ "$DEVICE" = cpu ] && echo --device cpu)
 fi
-stage subsets "$G0" 120 python bench/testbed_subsets.py --regen "$R/regen.jsonl" --out "$R/data" --first 5000
+stage subsets "$G0" 120 python bench/testbed_subsets.py --regen "$R/regen.jsonl" --out "$R/data" --first 5000 11146
 gzip -c "$R/data/all.jsonl" > "$R/regen-all.jsonl.gz"  # the regenerated data travels back (no weights do)
 
-# --- 3. equal data, equal steps: dpace (the default) on GPU 0, ce on GPU 1, at the same time -----------------------
-train_and_export dpace "$G0" "$L_TRAIN" "$R/data/all.jsonl" dpace &
-train_and_export ce "$G1" "$L_TRAIN" "$R/data/all.jsonl" ce &
-wait
-# a run cut by its time limit checkpointed where it stopped: compare both at the last step they both saved
-common=$(comm -12 <(steps_saved dpace | sort) <(steps_saved ce | sort) | sort -n | tail -1)
-echo "[$(date +%T)] checkpoints: dpace $(steps_saved dpace | tr '\n' ' '); ce $(steps_saved ce | tr '\n' ' ');" \
-  "compared at step ${common:-none}" >> "$R/stages.txt"
-if [ -n "$common" ]; then
-  export_step dpace "$G0" "$common" & export_step ce "$G1" "$common" & wait
-fi
-main=$R/drafter-dpace  # the default objective's drafter: the finished run's export, else its last checkpoint
-if [ ! -f "$main/config.json" ]; then
-  last=$(steps_saved dpace | tail -1); main=$R/drafter-dpace-$last
-  [ -n "$last" ] && [ ! -f "$main/config.json" ] && export_step dpace "$G0" "$last"
-fi
+drafter_of() {  # NAME GPU: prints X such that $R/drafter-X is the run's drafter: its final export, else an export
+  # of its last checkpoint (a run stopped by its time limit); prints nothing when the run saved nothing
+  if [ -f "$R/drafter-$1/config.json" ]; then echo "$1"; return; fi
+  local last; last=$(steps_saved "$1" | tail -1)
+  [ -n "$last" ] || return 1
+  [ -f "$R/drafter-$1-$last/config.json" ] || export_step "$1" "$2" "$last" || return 1
+  echo "$1-$last"
+}
 
-# --- 4. evaluation: the default drafter in full on GPU 0; both drafters at the common step on GPU 1 ---------------
-[ -f "$main/config.json" ] && stage eval-dpace "$G0" "$L_EVAL" python bench/bench_eval.py --target "$T" \
-  --drafter "$main" --dataset "$D/mtbench.jsonl" "$D/humaneval.jsonl" --num-prompts "$EVAL_PROMPTS" \
-  --max-new-tokens "$EVAL_NEW" --modes chain tree --tree-budget 64 --tree-top-k 8 --baseline-prompts 10 \
-  --reference-prompts 8 --dtype "$DT" --out "$R/bench_eval.json" &
-if [ -n "$common" ]; then
-  ( eval_chain_mtbench "ce-$common" "$G1"; eval_chain_mtbench "dpace-$common" "$G1" ) &
-fi
-wait
-if [ -f "$main/config.json" ] && [ ! -f "$R/bench_eval.json" ]; then  # no report at all: measure chain tau eagerly
-  stage eval-dpace-eager "$G0" "$L_EVAL_SMALL" "${dk[@]}" eval --target "$T" --drafter "$main" \
-    --dataset "$D/mtbench.jsonl" --num-prompts "$EVAL_PROMPTS" --mode chain --max-new-tokens "$EVAL_NEW" \
-    --baseline-prompts 2 --reference-prompts 2 --device "$DEVICE" --dtype "$DT" --no-cuda-graphs \
-    --out "$R/eval-dpace-eager"
+bench_eval_full() {  # DRAFTER_DIR GPU: chain and tree, MT-bench and HumanEval, with speedups and the lossless check
+  [ -f "$1/config.json" ] && stage eval-main "$2" "$L_EVAL" python bench/bench_eval.py --target "$T" \
+    --drafter "$1" --dataset "$D/mtbench.jsonl" "$D/humaneval.jsonl" --num-prompts "$EVAL_PROMPTS" \
+    --max-new-tokens "$EVAL_NEW" --modes chain tree --tree-budget 64 --tree-top-k 8 --baseline-prompts 10 \
+    --reference-prompts 8 --dtype "$DT" --out "$R/bench_eval.json"
+}
+
+# --- 3'. (MODE=curve) the data-size curve at equal epochs, and a larger drafter ---------------------------------
+# GPU 0: every answered turn (all.jsonl), EPOCHS epochs, then its full evaluation. GPU 1 meanwhile: the first user
+# turns of 5,000 and of 11,146 conversations, EPOCHS epochs each, then the 11,146 set again with an 8-layer
+# drafter (capacity at equal data), then live chain tau on MT-bench for each. Default objective (dpace) throughout.
+curve() {
+  local ep=(max_steps=0 "epochs=$EPOCHS") e=e$EPOCHS
+  (
+    train_and_export "all-$e" "$G0" "$L_TRAIN_LONG" "$R/data/all.jsonl" dpace "${ep[@]}"
+    local d; d=$(drafter_of "all-$e" "$G0") && bench_eval_full "$R/drafter-$d" "$G0"
+  ) &
+  (
+    train_and_export "first5000-$e" "$G1" "$L_TRAIN" "$R/data/first5000.jsonl" dpace "${ep[@]}"
+    train_and_export "first11146-$e" "$G1" "$L_TRAIN" "$R/data/first11146.jsonl" dpace "${ep[@]}"
+    train_and_export "first11146-$e-l8" "$G1" "$L_TRAIN" "$R/data/first11146.jsonl" dpace "${ep[@]}" \
+      num_hidden_layers=8
+    local run d
+    for run in "first5000-$e" "first11146-$e" "first11146-$e-l8"; do
+      d=$(drafter_of "$run" "$G1") && eval_chain_mtbench "$d" "$G1"
+    done
+  ) &
+  wait
+}
+
+if [ "$MODE" = curve ]; then
+  curve
+else
+  # --- 3. (MODE=compare) equal data, equal steps: dpace (the default) on GPU 0, ce on GPU 1, at the same time
+  train_and_export dpace "$G0" "$L_TRAIN" "$R/data/all.jsonl" dpace &
+  train_and_export ce "$G1" "$L_TRAIN" "$R/data/all.jsonl" ce &
+  wait
+  # a run cut by its time limit checkpointed where it stopped: compare both at the last step they both saved
+  common=$(comm -12 <(steps_saved dpace | sort) <(steps_saved ce | sort) | sort -n | tail -1)
+  echo "[$(date +%T)] checkpoints: dpace $(steps_saved dpace | tr '\n' ' '); ce $(steps_saved ce | tr '\n' ' ');" \
+    "compared at step ${common:-none}" >> "$R/stages.txt"
+  if [ -n "$common" ]; then
+    export_step dpace "$G0" "$common" & export_step ce "$G1" "$common" & wait
+  fi
+  main=$R/drafter-$(drafter_of dpace "$G0")  # the default objective's drafter
+
+  # --- 4. (MODE=compare) evaluation: the default drafter in full on GPU 0, both drafters at the common step on
+  # GPU 1
+  bench_eval_full "$main" "$G0" &
+  if [ -n "$common" ]; then
+    ( eval_chain_mtbench "ce-$common" "$G1"; eval_chain_mtbench "dpace-$common" "$G1" ) &
+  fi
+  wait
+  if [ -f "$main/config.json" ] && [ ! -f "$R/bench_eval.json" ]; then  # no report at all: measure chain tau eagerly
+    stage eval-dpace-eager "$G0" "$L_EVAL_SMALL" "${dk[@]}" eval --target "$T" --drafter "$main" \
+      --dataset "$D/mtbench.jsonl" --num-prompts "$EVAL_PROMPTS" --mode chain --max-new-tokens "$EVAL_NEW" \
+      --baseline-prompts 2 --reference-prompts 2 --device "$DEVICE" --dtype "$DT" --no-cuda-graphs \
+      --out "$R/eval-dpace-eager"
+  fi
 fi
 echo "[$(date +%T)] all done" >> "$R/stages.txt"
