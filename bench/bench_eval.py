@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -92,6 +93,9 @@ def main(argv=None) -> None:
                          "device": report["versions"]["device"], "gpu": report["versions"].get("gpu")})
         rows[-1]["mode_wall_s"] = time.perf_counter() - mode_start
         rows[-1]["timing_s"] = report["timing"]
+        if "partial" in report or "stop_request" in report:  # a stop request ends the bench, not only this mode
+            print(f"stopped during mode {mode}: the remaining modes were not run", file=sys.stderr)
+            break
     total = time.perf_counter() - started
     header = ["mode", "dataset", "prompts", "tau", "speedup", "per token", "cost model", "per token/model", "AR ms",
               "verify ms", "draft ms", "mismatch", "ties"]

@@ -41,7 +41,7 @@ else
                tokenize_workers=4
                compile=true)
   DT=bfloat16; L_REGEN=${L_REGEN:-240}; L_TRAIN=${L_TRAIN:-420}; L_TRAIN_LONG=${L_TRAIN_LONG:-900}
-  L_EVAL=${L_EVAL:-270}; L_EVAL_SMALL=${L_EVAL_SMALL:-110}; EPOCHS=${EPOCHS:-3}
+  L_EVAL=${L_EVAL:-270}; L_EVAL_SMALL=${L_EVAL_SMALL:-150}; EPOCHS=${EPOCHS:-3}
   BENCH=${BENCH:-1}
 fi
 NGPU=$([ "$DEVICE" = cuda ] && nvidia-smi -L 2>/dev/null | wc -l || echo 0)

@@ -196,10 +196,11 @@ def write_report(report: dict, out_dir: str | Path, plots: bool = True) -> Path:
     """report.json, report.md and the plots in out_dir."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    if plots:
-        report["plots"] = write_plots(report, out)
-    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
-    (out / "report.md").write_text(render_markdown(report) + "\n")
+    for with_plots in (False, True) if plots else (False,):  # the numbers first: a failed plot loses nothing
+        if with_plots:
+            report["plots"] = write_plots(report, out)
+        (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+        (out / "report.md").write_text(render_markdown(report) + "\n")
     return out
 
 

@@ -10,7 +10,8 @@ Design choices:
   prepare, reference, warm_up, speculative, baseline, other (report.json holds all but `report`, the writing of
   the report itself, which only the returned dict has).
 - A stop request (Ctrl-C, SIGTERM, time limit; eval/stopping.py) is honoured between prompts: the report then
-  covers the prompts done and says it is partial (report["partial"]); the caller exits non-zero.
+  covers the prompts done and says it is partial (report["partial"]); the caller exits non-zero. Once every
+  prompt is done, a stop request no longer interrupts anything: the report is written in full.
 - Chat template kwargs render the prompts through the same call as extraction and training; when the drafter's
   config.json records the kwargs it was trained with (`chat_template_kwargs`) and they differ, a warning says so
   and the report keeps both.
@@ -199,35 +200,41 @@ def run_eval(target: str, drafter: str, out: str | Path, datasets: list[str], co
                     break
             if stop_reason:
                 break
-    decoder.close()
-    done = {spec: r for spec, r in results.items() if r["spec"]}
+    with StopRequest() as late:  # the prompts are done: a stop request now must not lose their report
+        late.pause_point("eval.report")
+        decoder.close()
+        done = {spec: r for spec, r in results.items() if r["spec"]}
 
-    def numbers(parts: list[dict]) -> dict:
-        spec = [x for r in parts for x in r["spec"]]
-        out = summarize(spec, [x for r in parts for x in r["ar"]], decoder.block_size,
-                        paired=[x for r in parts for x in r["spec"][:len(r["ar"])]])
-        refs = [x for r in parts for x in r["ref"]]
-        if refs:
-            paired = [x.tokens for r in parts for x in r["spec"][:len(r["ref"])]]
-            out["lossless"] = classify([x for r in parts for x in r["ids"]], paired, refs, torch_dtype)
-        return out
+        def numbers(parts: list[dict]) -> dict:
+            spec = [x for r in parts for x in r["spec"]]
+            out = summarize(spec, [x for r in parts for x in r["ar"]], decoder.block_size,
+                            paired=[x for r in parts for x in r["spec"][:len(r["ar"])]])
+            refs = [x for r in parts for x in r["ref"]]
+            if refs:
+                paired = [x.tokens for r in parts for x in r["spec"][:len(r["ref"])]]
+                out["lossless"] = classify([x for r in parts for x in r["ids"]], paired, refs, torch_dtype)
+            return out
 
-    report = {
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "args": settings,
-        "block_size": decoder.block_size,
-        "versions": _versions(torch_device),
-        "target": {**loaded.identity(), "family": loaded.family, "num_layers": loaded.num_layers,
-                   "dtype": str(torch_dtype).removeprefix("torch.")},
-        "drafter": drafter_identity(drafter, draft_model),
-        "datasets": {spec: numbers([r]) for spec, r in done.items()},
-        "overall": numbers(list(done.values())),
-    }
-    if stop_reason:
-        report["partial"] = {"reason": stop_reason, "prompts_done": report["overall"]["prompts"],
-                             "prompts_planned": sum(map(len, prompts.values()))}
-    lap("other")
-    report["timing"] = timing
-    write_report(report, out)
+        report = {
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "args": settings,
+            "block_size": decoder.block_size,
+            "versions": _versions(torch_device),
+            "target": {**loaded.identity(), "family": loaded.family, "num_layers": loaded.num_layers,
+                       "dtype": str(torch_dtype).removeprefix("torch.")},
+            "drafter": drafter_identity(drafter, draft_model),
+            "datasets": {spec: numbers([r]) for spec, r in done.items()},
+            "overall": numbers(list(done.values())),
+        }
+        if stop_reason:
+            report["partial"] = {"reason": stop_reason, "prompts_done": report["overall"]["prompts"],
+                                 "prompts_planned": sum(map(len, prompts.values()))}
+        lap("other")
+        report["timing"] = timing
+        write_report(report, out)
+    if late.signal_name:  # the caller learns of it (only the returned report has this key)
+        report["stop_request"] = late.signal_name
+        print(f"dflashkit eval: {late.signal_name} while the report was written; the report is written in full",
+              file=sys.stderr)
     timing["report"] = time.perf_counter() - clock  # after report.json was written: only the returned report
     return report

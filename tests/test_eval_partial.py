@@ -49,3 +49,19 @@ def test_signal_finishes_the_prompt_and_writes_a_partial_report(pair, tmp_path, 
     assert proc.wait(timeout=300) == 1, proc.stderr.read().decode()[-2000:]
     report = _check_partial(out, sig.name, 3)  # the prompt it was on was finished
     assert report["datasets"]["builtin:humaneval"]["prompts"] == 1
+
+
+def test_signal_after_the_last_prompt_still_writes_the_whole_report(pair, tmp_path):  # noqa: F811
+    """A time limit's SIGINT that lands once every prompt is done (while the report is built and its plots drawn)
+    used to raise KeyboardInterrupt and lose the whole measurement; now the report is written in full."""
+    root, _ = pair
+    out = tmp_path / "r"
+    proc = run_until_paused([sys.executable, "-m", "dflashkit.eval", *_args(root, out)], "eval.report",
+                            tmp_path / "paused")
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=300) == 0, proc.stderr.read().decode()[-2000:]
+    report = json.loads((out / "report.json").read_text())
+    assert "partial" not in report and report["overall"]["prompts"] == 4
+    assert report["overall"]["lossless"]["prompts"] == 4 and report["plots"]
+    assert (out / "acceptance_histogram.png").stat().st_size > 0
+    assert "SIGINT while the report was written" in proc.stderr.read().decode()
