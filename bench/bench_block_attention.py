@@ -17,12 +17,13 @@ outputs (context, block) that the layer concatenates; the output [1, Q, Hq*d] go
   nothing is fused into the kernel;
 - flex_ko_<BLOCK_M>x<BLOCK_N>_w<warps>_s<stages>[_tma]: flex_contiguous with explicit forward kernel options
   (``fwd_`` keys; the backward keeps its defaults); BLOCK_M, BLOCK_N divide the mask's 128-token tiles;
-- flex_autotune: the flex variant compiled with mode="max-autotune-no-cudagraphs" (inductor tries its flex
-  configurations; compilation takes minutes);
+- flex_autotune (only when named in --variants): the flex variant compiled with
+  mode="max-autotune-no-cudagraphs" (inductor tries its flex configurations; compilation takes minutes);
 - split: train/split_attention.py (attention=split) inside one compiled function as in a compiled layer: the
   context part through flex_attention with its log-sum-exp, each block's 16 x 16 part as a batched matmul,
   merged exactly; no partial tiles on the block diagonal;
 - split_eager: the same with only the context flex_attention compiled;
+- split_ko_<spec>: split with the kernel options of <spec> on its context flex_attention;
 - dense: SDPA with the dense bool mask (only where the mask is small: --toy; the reference there).
 On the CPU (--toy) nothing is compiled, flex_attention runs its eager reference (forward only: it has no CPU
 backward), split's context part runs its dense twin (split_flex_context: through flex_attention, forward
@@ -49,11 +50,11 @@ import torch.nn.functional as F
 
 from dflashkit.train.block_mask import dense_block_mask, flex_block_mask
 from dflashkit.train.data import collate_blocks
-from dflashkit.train.split_attention import split_block_mask
+from dflashkit.train.split_attention import SplitBlockMask, split_block_mask
 
 KO_SETS = ["128x64_w4_s3", "64x128_w4_s3", "128x128_w8_s3", "64x64_w4_s3", "128x128_w4_s3_tma"]
 GPU_VARIANTS = ["flex", "flex_contiguous", *(f"flex_ko_{s}" for s in KO_SETS), "split", "split_eager",
-                "flex_autotune"]
+                "split_ko_128x64_w4_s3", "split_ko_64x128_w4_s3"]  # flex_autotune: on request (slow to compile)
 CPU_VARIANTS = ["dense", "flex", "split", "split_flex_context"]
 
 
@@ -149,13 +150,18 @@ def build_variant(name: str, *, L: int, Q: int, hkv: int, d: int, scale: float, 
                                **kw))
 
         return contiguous, gpu
-    if name in ("split", "split_eager", "split_flex_context"):
+    if name in ("split", "split_eager", "split_flex_context") or name.startswith("split_ko_"):
         mask = masks["split_flex" if name == "split_flex_context" else "split"]
+        if name.startswith("split_ko_"):
+            if not gpu:
+                raise RuntimeError("kernel options are Triton settings: CUDA only")
+            mask = SplitBlockMask(mask.context_mask, mask.ctx_len, mask.block_size, mask.sliding_window,
+                                  kernel_options(name[len("split_ko_"):]))
 
         def split(q, k, vc, vb, mask):
             return finish(mask.attend(q.transpose(1, 2), k.transpose(1, 2), concat_v(vc, vb), scale))
 
-        fn = compile_(split) if name == "split" else split
+        fn = split if name == "split_eager" else compile_(split)
         has_backward = gpu or torch.is_tensor(mask.context_mask)
         return (lambda q, k, vc, vb: fn(q, k, vc, vb, mask)), has_backward
     if name == "dense":

@@ -28,10 +28,12 @@ Design choices:
 from __future__ import annotations
 
 import torch
+import torch.nn.attention.flex_attention as fa
 
 from .block_mask import dense_block_mask, flex_block_mask
 
-_FLEX = {}  # compiled flex_attention per device type, built on first use
+_FLEX = {}  # the compiled flex_attention (CUDA), built on first use
+_AUX = getattr(fa, "AuxRequest", None)  # torch >= 2.9 asks for the log-sum-exp with return_aux=AuxRequest(lse=True)
 
 
 def dense_context_attention(q, k, v, mask, scale: float):
@@ -50,8 +52,6 @@ def dense_context_attention(q, k, v, mask, scale: float):
 def context_attention(q, k, v, context_mask, scale: float, kernel_options: dict | None = None):
     """Attention over the context keys: (out [b, Hq, Q, d], lse [b, Hq, Q] float32, -inf on empty rows).
     ``context_mask`` is a BlockMask (flex_attention) or a bool tensor (``dense_context_attention``)."""
-    import torch.nn.attention.flex_attention as fa
-
     if torch.is_tensor(context_mask):
         return dense_context_attention(q, k, v, context_mask, scale)
     if torch.compiler.is_compiling():  # inside a compiled drafter layer: compiled with it
@@ -65,8 +65,8 @@ def context_attention(q, k, v, context_mask, scale: float, kernel_options: dict 
     kw = dict(block_mask=context_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
     if kernel_options:
         kw["kernel_options"] = kernel_options
-    if hasattr(fa, "AuxRequest"):  # torch >= 2.9
-        out, aux = flex(q, k, v, return_aux=fa.AuxRequest(lse=True), **kw)
+    if _AUX is not None:
+        out, aux = flex(q, k, v, return_aux=_AUX(lse=True), **kw)
         return out, aux.lse
     return flex(q, k, v, return_lse=True, **kw)
 
