@@ -92,7 +92,7 @@ def block_tiles(anchors: torch.Tensor, ctx_len: int, block_size: int, sliding_wi
     dev = a.device
     N, L, B = a.numel(), int(ctx_len), int(block_size)
     start = torch.zeros_like(a) if context_start is None else context_start.reshape(-1).long().to(dev)
-    q_len, kv_len = N * B, L + N * B if block_keys else L
+    q_len, kv_len = N * B, (L + N * B) if block_keys else L
     W = None if sliding_window is None else int(sliding_window)
     own = L + torch.arange(N, device=dev) * B  # first key index of each block's own keys
     if W is None:

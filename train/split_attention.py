@@ -18,8 +18,8 @@ Design choices:
   key, so ``lse_blk`` is finite and the merge never produces NaN (nor does its gradient).
 - flex_attention differentiates through the returned log-sum-exp, so autograd gives the exact gradients.
 - The matmuls run in the inputs' dtype (fp32 accumulation); the in-block softmax and the merge in float32.
-- The mask object carries its own ``attend(q, k, v, scale)``: the drafter calls it for a mask that has one
-  (drafter/modeling_dflash.py), so the model file needs no knowledge of this form.
+- The mask object carries its own ``attend(q, k, v, scale)``: the drafter calls it for a mask that is neither a
+  tensor nor a BlockMask (drafter/modeling_dflash.py), so the model file needs no knowledge of this form.
 - On CUDA the context part runs the compiled flex_attention (compiled with the layer when the layer is).
   Elsewhere it runs from a dense bool mask with plain tensor ops (flex_attention has no backward on the CPU);
   both give the same (out, lse), which the tests check.
