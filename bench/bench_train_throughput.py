@@ -7,6 +7,8 @@ and MFU; context tokens/s throughout (real tokens of the packed sequences, paddi
     accelerate launch --num_processes 2 bench/bench_train_throughput.py --target /root/testbed/smollm2-bf16 \\
         --out bench/results/train_throughput_smollm2_ddp.json
     python bench/bench_train_throughput.py --qwen3-8b --out bench/results/train_throughput_qwen3_8b.json
+    python bench/bench_train_throughput.py --target /root/testbed/smollm2-bf16 --attention flex,split \
+        --out bench/results/train_throughput_smollm2_split.json   # the same steps with each block attention
 Defaults: the testbed shape (5 drafter layers, block 16, 512 anchors, sequences of 256-1024 tokens, 8192 tokens
 per micro-batch, G=2); --qwen3-8b packs 4096 tokens per micro-batch.
 
@@ -210,6 +212,9 @@ def main(argv=None):
     run.add_argument("--no-compile", action="store_true", help="eager drafter layers and loss")
     run.add_argument("--eager-loss", action="store_true", help="the eager loss (compiled layers)")
     run.add_argument("--device", default=None)
+    run.add_argument("--attention", default="auto",
+                     help="block attention (TrainConfig.attention): auto, flex, dense, split; a comma list (one "
+                          "process) measures each in turn, e.g. flex,split")
     run.add_argument("--out", required=True)
     run.add_argument("--profile", default=None, help="also profile 3 online steps (rank 0, one process) and write "
                      "the operators by device time (or CPU time on a CPU) to this text file")
@@ -223,6 +228,11 @@ def main(argv=None):
         args.micro_batch_tokens = 4096  # activations of ~3.5k blocks at hidden 4096 fit next to the 8B target
     if sum(map(bool, (args.target, args.qwen3_8b, args.toy))) != 1:
         ap.error("give exactly one of --target DIR, --qwen3-8b, --toy")
+    attentions = args.attention.split(",")
+    if any(a not in ("auto", "flex", "dense", "split") for a in attentions):
+        ap.error(f"--attention {args.attention}: each of auto, flex, dense, split")
+    if len(attentions) > 1 and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        ap.error("--attention with several values runs in one process only")
 
     # --- processes, device
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -260,7 +270,7 @@ def main(argv=None):
             layer.compile()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95))
     common = dict(block_size=dcfg.block_size, layer_types=dcfg.layer_types, sliding_window=dcfg.sliding_window,
-                  backend=mask_backend("auto", dev), chunk_tokens=args.chunk_tokens,
+                  backend=mask_backend(attentions[0], dev), chunk_tokens=args.chunk_tokens,
                   fused_loss=compile_layers and not args.eager_loss)
     opts = dict(block_size=dcfg.block_size, mask_token_id=dcfg.mask_token_id, num_anchors=args.num_anchors,
                 seed=0, epoch=0, check_finite=False)
@@ -363,6 +373,12 @@ def main(argv=None):
             results["single"] = measure(model, ddp=False)
             if args.profile:
                 profile(args.profile)
+            if len(attentions) > 1:  # the same steps again with each other block attention
+                results["by_attention"] = {common["backend"]: results["single"]}
+                for a in attentions[1:]:
+                    common["backend"] = mask_backend(a, dev)
+                    results["by_attention"][common["backend"]] = measure(model, ddp=False)
+                common["backend"] = results["mask"]
         else:
             if rank == 0:
                 results["single"] = measure(model, ddp=False)
@@ -402,6 +418,8 @@ def print_table(r: dict) -> None:
     print("|---|---|---|---|---|---|---|")
     rows = [("1", k, v) for k, v in r.get("single", {}).items() if isinstance(v, dict)]
     rows += [(str(r["world_size"]), k, v) for k, v in r.get("ddp", {}).items()]
+    for attn, res in list(r.get("by_attention", {}).items())[1:]:
+        rows += [("1", f"{k} ({attn})", v) for k, v in res.items() if isinstance(v, dict)]
     for procs, mode, v in rows:
         tok = v.get("ctx_tokens_per_s_all_ranks", v["ctx_tokens_per_s"])
         mfu = f"{v['mfu']:.1%}" if v.get("mfu") is not None else "-"

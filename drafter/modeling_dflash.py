@@ -21,7 +21,8 @@ How one pass works (B = block size, C = context tokens, K = number of tapped tar
   an unknown activation or layer type) is refused when the model is built.
 
 attention_mask may be a bool tensor (True = may attend) broadcastable to [b, 1, Q, C+Q], a dict keyed by layer
-type, or a flex_attention BlockMask (training packs many blocks into one pass and supplies its own masks).
+type, a flex_attention BlockMask, or an object with ``attend(q, k, v, scale)`` that computes the attention
+itself (training packs many blocks into one pass and supplies its own masks).
 """
 
 from __future__ import annotations
@@ -83,13 +84,15 @@ _FLEX = []  # the compiled flex_attention, built on first use (eager flex_attent
 
 
 def attend(q, k, v, mask, scale):
-    """SDPA with a bool/float mask, or flex_attention with a BlockMask (CUDA training)."""
+    """SDPA with a bool/float mask, flex_attention with a BlockMask (CUDA training), or the mask's own attend."""
     if type(mask).__name__ == "BlockMask":
         if not _FLEX:
             from torch.nn.attention.flex_attention import flex_attention
 
             _FLEX.append(torch.compile(flex_attention, dynamic=False) if q.is_cuda else flex_attention)
         return _FLEX[0](q, k, v, block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    if mask is not None and not torch.is_tensor(mask):  # a mask object that attends itself
+        return mask.attend(q, k, v, scale)
     if q.shape[1] != k.shape[1]:
         rep = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)

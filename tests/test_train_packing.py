@@ -228,10 +228,11 @@ def test_packed_run_equals_unpacked_run(even_shards, tmp_path):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_packed_compiled_flex_equals_dense_on_cuda():
+@pytest.mark.parametrize("backend", ["flex", "split"])
+def test_packed_compiled_flex_equals_dense_on_cuda(backend):
     """On the GPU the closed-form BlockMask tiles drive the compiled flex_attention kernels (and the fused loss):
     a packed micro-batch (two shapes, so the compiled code follows a new one) gives the dense, eager loss and
-    gradients."""
+    gradients; so does the split form (train/split_attention.py: its context part through flex_attention)."""
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     torch.manual_seed(0)
@@ -250,10 +251,11 @@ def test_packed_compiled_flex_equals_dense_on_cuda():
         samples = [{**s, "hidden": s["hidden"].float()} for s in make_samples(lens, V, H, seed=len(lens))]
         batch = collate_blocks(samples, block_size=B, mask_token_id=V - 1, num_anchors=24, seed=0).to("cuda")
         outs = {}
-        for name, model, backend in (("dense", dense_model, "dense"), ("flex", flex_model, "flex")):
+        for name, model in (("dense", dense_model), ("flex", flex_model)):
             model.zero_grad()
             out = forward_blocks(model, head, batch, block_size=B, layer_types=types, sliding_window=5,
-                                 backend=backend, fused_loss=backend == "flex")  # + the compiled logit kernels
+                                 backend="dense" if name == "dense" else backend,
+                                 fused_loss=name == "flex")  # + the compiled logit kernels
             out.loss_sum.backward()
             outs[name] = (out.loss_sum.item(), {n: p.grad.clone() for n, p in model.named_parameters()})
         assert outs["flex"][0] == pytest.approx(outs["dense"][0], rel=1e-4)

@@ -26,6 +26,8 @@ Design choices:
   its sequence (a partial tail): the mask only depends on the anchor, so neither needs a special case.
 - A padding block (``anchors[n] == context_start[n]``) sees only its own block: no query row is ever empty.
 - A model with both layer types gets a dict ``{"full_attention": mask, "sliding_attention": mask}``.
+- The "split" backend (train/split_attention.py) attends to the context and to the block separately; its
+  context part uses the same tiles with the block keys left out (``block_keys=False``).
 """
 
 from __future__ import annotations
@@ -75,9 +77,11 @@ def dense_block_mask(anchors: torch.Tensor, ctx_len: int, block_size: int, slidi
 
 
 def block_tiles(anchors: torch.Tensor, ctx_len: int, block_size: int, sliding_window: int | None = None,
-                context_start: torch.Tensor | None = None, tile: int = TILE) -> tuple[torch.Tensor, torch.Tensor]:
+                context_start: torch.Tensor | None = None, tile: int = TILE,
+                block_keys: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """(any, full): bool ``[query tiles, key tiles]``; ``any`` marks tiles holding at least one visible pair,
     ``full`` tiles whose pairs are all visible (a subset of ``any``; tiles at the ragged edges are never full).
+    ``block_keys=False``: the keys are the L context tokens only (the split form's context part).
 
     Block n's queries see context ``[lo_i, a)`` with ``lo_i = max(start, a + i - W + 1)`` (``start`` without a
     window) and block keys ``[nB + max(0, i - W + 1), nB + i + 1)`` (``[nB, nB + B)`` without a window). A key
@@ -88,7 +92,7 @@ def block_tiles(anchors: torch.Tensor, ctx_len: int, block_size: int, sliding_wi
     dev = a.device
     N, L, B = a.numel(), int(ctx_len), int(block_size)
     start = torch.zeros_like(a) if context_start is None else context_start.reshape(-1).long().to(dev)
-    q_len, kv_len = N * B, L + N * B
+    q_len, kv_len = N * B, (L + N * B) if block_keys else L
     W = None if sliding_window is None else int(sliding_window)
     own = L + torch.arange(N, device=dev) * B  # first key index of each block's own keys
     if W is None:
@@ -109,8 +113,11 @@ def block_tiles(anchors: torch.Tensor, ctx_len: int, block_size: int, sliding_wi
     def covers(lo, hi):
         return (lo[:, None] <= c0) & (hi[:, None] >= c1)
 
-    any_n = meets(ctx_any_lo, a) | meets(own, own + B)  # [N, n_kv]
-    all_n = covers(ctx_all_lo, a) | covers(*blk_all)
+    any_n = meets(ctx_any_lo, a)  # [N, n_kv]
+    all_n = covers(ctx_all_lo, a)
+    if block_keys:
+        any_n = any_n | meets(own, own + B)
+        all_n = all_n | covers(*blk_all)
     # blocks that overlap query tile t: first .. last (a block may straddle two tiles when B does not divide it)
     n_q = -(-q_len // tile)
     t = torch.arange(n_q, device=dev)
@@ -123,13 +130,13 @@ def block_tiles(anchors: torch.Tensor, ctx_len: int, block_size: int, sliding_wi
 
 
 def flex_block_mask(anchors: torch.Tensor, ctx_len: int, block_size: int, sliding_window: int | None = None,
-                    context_start: torch.Tensor | None = None):
+                    context_start: torch.Tensor | None = None, block_keys: bool = True):
     """A flex_attention ``BlockMask`` for the same predicate, with its tiles from ``block_tiles`` (built on the
-    anchors' device, no host sync)."""
+    anchors' device, no host sync); ``block_keys=False``: over the L context keys only."""
     from torch.nn.attention.flex_attention import BlockMask
 
     anchors = anchors.reshape(-1).long()
-    any_t, full_t = block_tiles(anchors, ctx_len, block_size, sliding_window, context_start)
+    any_t, full_t = block_tiles(anchors, ctx_len, block_size, sliding_window, context_start, block_keys=block_keys)
     partial = (any_t & ~full_t).to(torch.int32)
     full = full_t.to(torch.int32)
 
@@ -142,7 +149,7 @@ def flex_block_mask(anchors: torch.Tensor, ctx_len: int, block_size: int, slidin
     q_len = anchors.numel() * int(block_size)
     mod = block_mask_mod(anchors, ctx_len, block_size, sliding_window, context_start)
     return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=TILE, mask_mod=mod,
-                                    seq_lengths=(q_len, int(ctx_len) + q_len))
+                                    seq_lengths=(q_len, int(ctx_len) + (q_len if block_keys else 0)))
 
 
 def build_block_masks(anchors: torch.Tensor, ctx_len: int, block_size: int, layer_types: list[str],
@@ -150,12 +157,16 @@ def build_block_masks(anchors: torch.Tensor, ctx_len: int, block_size: int, laye
                       context_start: torch.Tensor | None = None):
     """The ``attention_mask`` argument of the drafter for one packed pass.
 
-    backend: "dense" (bool tensor, any device) or "flex" (BlockMask; CUDA). Returns one mask when all layers
-    are full attention, else a dict keyed by layer type.
+    backend: "dense" (bool tensor, any device), "flex" (BlockMask; CUDA) or "split" (a mask that attends
+    itself: context through flex_attention, each block densely; train/split_attention.py). Returns one mask
+    when all layers are full attention, else a dict keyed by layer type.
     """
-    if backend not in ("dense", "flex"):
-        raise ValueError(f"mask backend must be 'dense' or 'flex', got {backend!r}")
-    build = dense_block_mask if backend == "dense" else flex_block_mask
+    if backend not in ("dense", "flex", "split"):
+        raise ValueError(f"mask backend must be 'dense', 'flex' or 'split', got {backend!r}")
+    if backend == "split":
+        from .split_attention import split_block_mask as build
+    else:
+        build = dense_block_mask if backend == "dense" else flex_block_mask
     types = set(layer_types) or {"full_attention"}
     masks = {}
     if "full_attention" in types:

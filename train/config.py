@@ -80,7 +80,9 @@ class TrainConfig:
     seed: int = 0  # model init, split, data order and anchors
     gradient_checkpointing: bool = False  # recompute drafter layers in backward (long sequences)
     compile: bool = False  # torch.compile each drafter layer (CUDA: ~20% faster steps, BENCHMARKS.md)
-    attention: str = "auto"  # block mask backend: "auto" (flex on CUDA, dense on CPU), "flex", "dense"
+    attention: str = "auto"  # block attention: "auto" (flex on CUDA, dense on CPU), "flex", "dense", or "split"
+    # (context keys through flex_attention, each block's own keys as a dense matmul, merged exactly by log-sum-exp:
+    # no partial tiles on the block diagonal; train/split_attention.py)
     # --- checkpoints and export
     output_dir: str = "runs/drafter"  # checkpoints/, export/, logs
     save_every: int = 1000  # optimizer steps between checkpoints (0: only at the end)
@@ -110,8 +112,8 @@ class TrainConfig:
             raise ValueError(f"loss: {self.loss!r} is not one of {LOSSES}")
         if self.mixed_precision not in ("bf16", "no"):
             raise ValueError(f"mixed_precision: {self.mixed_precision!r}; use 'bf16' or 'no'")
-        if self.attention not in ("auto", "flex", "dense"):
-            raise ValueError(f"attention: {self.attention!r}; use 'auto', 'flex' or 'dense'")
+        if self.attention not in ("auto", "flex", "dense", "split"):
+            raise ValueError(f"attention: {self.attention!r}; use 'auto', 'flex', 'dense' or 'split'")
         check_block_size(self.block_size)  # bounds of the drafter's fields live in drafter/config.py
         check_num_hidden_layers(self.num_hidden_layers)
         for name in ("epochs", "grad_accum", "num_anchors", "keep_last", "loss_chunk_tokens"):

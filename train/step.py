@@ -36,8 +36,8 @@ from .loss import BlockLossOutput, block_loss, loss_denominator
 
 
 def mask_backend(attention: str, device: torch.device) -> str:
-    """"dense" (SDPA bool mask; the CPU path) or "flex" (BlockMask; on CUDA the drafter runs a compiled
-    flex_attention that skips fully masked tiles)."""
+    """"dense" (SDPA bool mask; the CPU path), "flex" (BlockMask; on CUDA the drafter runs a compiled
+    flex_attention that skips fully masked tiles) or "split" (train/split_attention.py)."""
     if attention != "auto":
         return attention
     return "flex" if device.type == "cuda" else "dense"
