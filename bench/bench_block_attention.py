@@ -13,6 +13,8 @@ outputs (context, block) that the layer concatenates; the output [1, Q, Hq*d] go
 - flex: exactly as a compiled training layer runs it: the concatenation, transposes and flex_attention with
   the packed BlockMask (train/block_mask.py) in one torch.compile'd function, so inductor may fuse the V
   concatenation into the attention kernel (the reference for the numbers);
+- flex_dynamic: flex compiled with dynamic=True (symbolic sizes): what a compiled training layer runs once a
+  new micro-batch shape has recompiled it with dynamic shapes, as happens every few steps in training;
 - flex_contiguous: q, K and V made contiguous [b, h, S, d] first (eager), then the compiled flex_attention:
   nothing is fused into the kernel;
 - flex_ko_<BLOCK_M>x<BLOCK_N>_w<warps>_s<stages>[_tma]: flex_contiguous with explicit forward kernel options
@@ -53,7 +55,7 @@ from dflashkit.train.data import collate_blocks
 from dflashkit.train.split_attention import SplitBlockMask, split_block_mask
 
 KO_SETS = ["128x64_w4_s3", "64x128_w4_s3", "128x128_w8_s3", "64x64_w4_s3", "128x128_w4_s3_tma"]
-GPU_VARIANTS = ["flex", "flex_contiguous", *(f"flex_ko_{s}" for s in KO_SETS), "split", "split_eager",
+GPU_VARIANTS = ["flex", "flex_dynamic", "flex_contiguous", *(f"flex_ko_{s}" for s in KO_SETS), "split", "split_eager",
                 "split_ko_128x64_w4_s3", "split_ko_64x128_w4_s3"]  # flex_autotune: on request (slow to compile)
 CPU_VARIANTS = ["dense", "flex", "split", "split_flex_context"]
 
@@ -129,14 +131,17 @@ def build_variant(name: str, *, L: int, Q: int, hkv: int, d: int, scale: float, 
     def finish(out):
         return out.transpose(1, 2).reshape(1, Q, -1)
 
-    if name in ("flex", "flex_autotune"):
+    if name in ("flex", "flex_autotune", "flex_dynamic"):
         mask = masks["flex"]
 
         def fused(q, k, vc, vb, mask):
             return finish(flex_attention(q.transpose(1, 2), k.transpose(1, 2), concat_v(vc, vb), block_mask=mask,
                                          scale=scale, enable_gqa=gqa))
 
-        fn = compile_(fused, mode="max-autotune-no-cudagraphs") if name == "flex_autotune" else compile_(fused)
+        if name == "flex_dynamic":  # symbolic shapes, as the trainer's compiled layers end up after a recompile
+            fn = torch.compile(fused, dynamic=True) if gpu else fused
+        else:
+            fn = compile_(fused, mode="max-autotune-no-cudagraphs") if name == "flex_autotune" else compile_(fused)
         return (lambda q, k, vc, vb: fn(q, k, vc, vb, mask)), gpu
     if name == "flex_contiguous" or name.startswith("flex_ko_"):
         mask, flex = masks["flex"], compile_(flex_attention)
