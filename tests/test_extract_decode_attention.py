@@ -51,8 +51,8 @@ def test_twin_with_a_window_of_one_is_the_own_value():
     assert (out[:, 0] - own).abs().max() < 1e-6
 
 
-KERNEL_SCRIPT = textwrap.dedent("""
-    import json, sys, torch
+INTERPRETER_PREAMBLE = textwrap.dedent("""
+    import json, os, sys, torch
     import numpy
     if tuple(int(x) for x in numpy.__version__.split(".")[:2]) >= (2, 4):
         # the interpreter turns 1-element arrays into loop bounds with int(), which numpy >= 2.4 refuses
@@ -62,8 +62,9 @@ KERNEL_SCRIPT = textwrap.dedent("""
             original(tensor, scope)
             scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
         interp._patch_lang_tensor = patched
-    import os
     sys.path[:0] = [sys.argv[1], os.path.dirname(sys.argv[1])]
+""")
+KERNEL_SCRIPT = INTERPRETER_PREAMBLE + textwrap.dedent("""
     from test_extract_decode_attention import _case, masked_grouped
     from dflashkit.extract.decode_attention import decode_attention, decode_attention_reference
     from dflashkit.extract.decode_attention_triton import decode_attention_triton
@@ -111,3 +112,45 @@ def test_triton_kernel_matches_twin_on_cuda():
             ref = decode_attention_reference(q, k, v, positions, 0.125, window).float()
             out = decode_attention_triton(q, k, v, positions, 0.125, window)
             assert (out.float() - ref).abs().max() < tolerance
+
+
+GENERATOR_SCRIPT = INTERPRETER_PREAMBLE + textwrap.dedent("""
+    from transformers import AutoModelForCausalLM
+    from conftest import tiny_family_config
+    import dflashkit.extract.generator as generator
+    calls = []
+    kernel = generator.decode_attention
+    def counted(*args):
+        calls.append(args[5])  # the layer's window
+        return kernel(*args)
+    generator.decode_attention = counted
+    torch.set_num_threads(1)
+    results = {}
+    for family in sys.argv[2:]:
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(tiny_family_config(family)).eval()
+        g = torch.Generator().manual_seed(3)
+        prompts = [torch.randint(4, 244, (n,), generator=g).tolist() for n in (3, 11, 7, 20, 5)]
+        sdpa = generator.SlotGenerator(model, [], num_slots=3, length_step=16).generate(prompts, 6)
+        calls.clear()
+        gen = generator.SlotGenerator(model, [], num_slots=3, length_step=16, decode_attention="triton")
+        results[family] = [gen.decode_attention, gen.generate(prompts, 6) == sdpa, len(calls),
+                           sorted({str(w) for w in calls})]
+    print(json.dumps(results))
+""")
+
+
+def test_generator_with_the_kernel_equals_the_default_path_in_interpreter():
+    """Greedy tokens with decode_attention="triton" (the kernel, run by the interpreter) equal the default path:
+    full attention with GQA (llama), sliding windows (gemma3_text), attention sinks left to the old path
+    (gpt_oss: the kernel is never called)."""
+    pytest.importorskip("triton", reason="triton is not installed")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    run = subprocess.run([sys.executable, "-c", GENERATOR_SCRIPT, os.path.dirname(__file__), "llama", "gemma3_text",
+                          "gpt_oss"], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    results = json.loads(run.stdout.strip().splitlines()[-1])
+    assert results["llama"][:2] == ["triton", True] and results["llama"][2] > 0
+    assert results["llama"][3] == ["None"]
+    assert results["gemma3_text"][:2] == ["triton", True] and results["gemma3_text"][3] == ["4", "None"]
+    assert results["gpt_oss"] == ["triton", True, 0, []]
