@@ -15,7 +15,8 @@ Design choices:
 - ``decode_attention="triton"`` (on a GPU): decode steps of layers without sinks or soft-capping run the
   flash-decoding kernel of decode_attention.py instead, which reads each slot's columns up to its own position
   (the positions reach it as the model's ``slot_decode`` keyword, which the forward hands to every attention
-  call), so a step reads the live lengths rather than every slot up to the longest one. Default: "sdpa".
+  call), so a step reads the live lengths rather than every slot up to the longest one; a free slot (waiting
+  for a refill, or done at the end of a run) reads one column. Default: "sdpa".
 - Prompts are prefilled in length buckets (longest first, left padding, rows rolled into cache columns 0..L-1),
   and a finished slot is refilled with the next prompt (continuous batching). Refills wait until an eighth of
   the slots is free (or none is decoding), so prefills come in batches rather than one prompt at a time.
@@ -243,6 +244,8 @@ class SlotGenerator:
                               if c is not None and hasattr(c, "_attn_implementation")}.values())
         self.tok = torch.zeros(num_slots, dtype=torch.long, device=self.device)  # the token each slot feeds next
         self.pos = torch.zeros(num_slots, dtype=torch.long, device=self.device)  # its position (= cache column)
+        # which slots hold a request (the decode kernel reads one column of the others; the SDPA path ignores it)
+        self.live = torch.ones(num_slots, dtype=torch.bool, device=self.device)
 
     # ---- masks: True where a query may read a key
     def _masks(self, allowed_full: torch.Tensor, allowed_window: torch.Tensor | None):
@@ -280,7 +283,9 @@ class SlotGenerator:
         full, window = (None if m is None else torch.zeros(m.shape, dtype=self.dtype, device=self.device)
                         .masked_fill_(~m, float("-inf"))[:, None, None, :] for m in (full, window))
         mask = self._masks(full, window)  # still made: layers with sinks or soft-capping read it
-        extra = {"slot_decode": SlotDecode(columns, self.layer_windows)} if self.decode_attention == "triton" else {}
+        extra = {}
+        if self.decode_attention == "triton":  # a free slot reads column 0 only (its token is never used)
+            extra["slot_decode"] = SlotDecode(torch.where(self.live, columns, 0), self.layer_windows)
         logits = self._forward(self.tok[:, None], columns[:, None], mask, **extra)
         self.tok.copy_(sample_next(logits, self.temperature, self.top_k, self.top_p))
         self.pos.copy_(columns + 1)
@@ -394,6 +399,7 @@ class SlotGenerator:
         history = np.zeros((256, n_slots), dtype=np.int64)  # history[step] = every slot's token of that step
         step = 0
         refill_at = max(1, n_slots // 8)
+        sent_live = None  # the live slots self.live holds (the decode kernel's)
 
         finished: list[int] = []  # requests done whose follow_up has not run yet
 
@@ -448,6 +454,9 @@ class SlotGenerator:
                 self.stats["idle_slot_steps_waiting"] += len(free)
             self.stats["decode_steps"] += 1
             live = owner >= 0
+            if self.decode_attention == "triton" and not np.array_equal(live, sent_live):
+                self.live.copy_(torch.from_numpy(live))
+                sent_live = live
             need = int((prompt_len + count - 1)[live].max()) + 1  # above the position every live slot feeds
             self._step(min(self.cache.max_length, -(-need // self.length_step) * self.length_step))
             if finished:  # the step computes on the GPU meanwhile
