@@ -104,7 +104,7 @@ def warm_up(slots: SlotGenerator, prompts, max_new: int, batch: int) -> None:
 def slot_row(slots: SlotGenerator, out, seconds: float) -> dict:
     tokens = sum(map(len, out))
     return {"seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds, "cuda_graph": slots.graphed,
-            "decode_attention": slots.decode_attention, **slots.stats}
+            "decode_attention": slots.decode_attention, "kernel_layers": slots.kernel_layers, **slots.stats}
 
 
 def run_hf(gen: TargetGenerator, prompts, batch: int) -> tuple[list[list[int]], float]:

@@ -146,10 +146,12 @@ def grouped_attention(module, query, key, value, attention_mask, scaling=None, d
 
 class SlotDecode(NamedTuple):
     """What the decode kernel needs besides the tensors: every slot's position (its cache column; it reads
-    columns 0..position) and each layer's sliding window (None: full attention), by layer index."""
+    columns 0..position) and each layer's sliding window (None: full attention), by layer index. The layers that
+    ran the kernel are added to `kernel_layers` (on a GPU: while the step is traced, not when it is replayed)."""
 
     positions: torch.Tensor
     windows: tuple
+    kernel_layers: set
 
 
 def slot_attention(module, query, key, value, attention_mask, **kwargs):
@@ -160,6 +162,7 @@ def slot_attention(module, query, key, value, attention_mask, **kwargs):
             and getattr(module, "sinks", None) is None and kwargs.get("softcap") is None):
         scaling = kwargs.get("scaling")
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        decode.kernel_layers.add(layer)
         return decode_attention(query, key, value, decode.positions, scale, decode.windows[layer]), None
     if query.shape[2] > 1 and getattr(module, "sinks", None) is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -231,6 +234,7 @@ class SlotGenerator:
         self.layer_windows = tuple(self.window if t == "sliding_attention" else None for t in layer_types)
         # the kernel where it can run (a GPU; any device under TRITON_INTERPRET=1), else the SDPA path
         self.decode_attention = "triton" if decode_attention == "triton" and triton_available(self.device) else "sdpa"
+        self.kernel_layers = 0  # how many layers the last traced decode step ran through the kernel
         self.use_graph = cuda_graph and self.device.type == "cuda"
         if self.device.type == "cuda":  # graphs and streams are made on the current device: make it the model's
             torch.cuda.set_device(self.device)
@@ -285,8 +289,14 @@ class SlotGenerator:
         mask = self._masks(full, window)  # still made: layers with sinks or soft-capping read it
         extra = {}
         if self.decode_attention == "triton":  # a free slot reads column 0 only (its token is never used)
-            extra["slot_decode"] = SlotDecode(torch.where(self.live, columns, 0), self.layer_windows)
+            extra["slot_decode"] = SlotDecode(torch.where(self.live, columns, 0), self.layer_windows, set())
         logits = self._forward(self.tok[:, None], columns[:, None], mask, **extra)
+        if extra:
+            self.kernel_layers = len(extra["slot_decode"].kernel_layers)
+            if not self.kernel_layers:  # every layer has sinks or soft-capping, or the forward drops the keyword
+                print(f"generator: no layer of {type(self.model).__name__} ran the decode kernel; decoding with "
+                      "SDPA", file=sys.stderr)
+                self.decode_attention = "sdpa"
         self.tok.copy_(sample_next(logits, self.temperature, self.top_k, self.top_p))
         self.pos.copy_(columns + 1)
 

@@ -134,8 +134,8 @@ GENERATOR_SCRIPT = INTERPRETER_PREAMBLE + textwrap.dedent("""
         sdpa = generator.SlotGenerator(model, [], num_slots=3, length_step=16).generate(prompts, 6)
         calls.clear()
         gen = generator.SlotGenerator(model, [], num_slots=3, length_step=16, decode_attention="triton")
-        results[family] = [gen.decode_attention, gen.generate(prompts, 6) == sdpa, len(calls),
-                           sorted({str(w) for w in calls})]
+        same = gen.generate(prompts, 6) == sdpa
+        results[family] = [gen.decode_attention, same, gen.kernel_layers, len(calls), sorted({str(w) for w in calls})]
     print(json.dumps(results))
 """)
 
@@ -143,14 +143,14 @@ GENERATOR_SCRIPT = INTERPRETER_PREAMBLE + textwrap.dedent("""
 def test_generator_with_the_kernel_equals_the_default_path_in_interpreter():
     """Greedy tokens with decode_attention="triton" (the kernel, run by the interpreter) equal the default path:
     full attention with GQA (llama), sliding windows (gemma3_text), attention sinks left to the old path
-    (gpt_oss: the kernel is never called)."""
+    (gpt_oss: the kernel is never called, and the generator falls back to SDPA)."""
     pytest.importorskip("triton", reason="triton is not installed")
     env = dict(os.environ, TRITON_INTERPRET="1")
     run = subprocess.run([sys.executable, "-c", GENERATOR_SCRIPT, os.path.dirname(__file__), "llama", "gemma3_text",
                           "gpt_oss"], env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     results = json.loads(run.stdout.strip().splitlines()[-1])
-    assert results["llama"][:2] == ["triton", True] and results["llama"][2] > 0
-    assert results["llama"][3] == ["None"]
-    assert results["gemma3_text"][:2] == ["triton", True] and results["gemma3_text"][3] == ["4", "None"]
-    assert results["gpt_oss"] == ["triton", True, 0, []]
+    assert results["llama"][:3] == ["triton", True, 4] and results["llama"][3] > 0
+    assert results["llama"][4] == ["None"]
+    assert results["gemma3_text"][:3] == ["triton", True, 4] and results["gemma3_text"][4] == ["4", "None"]
+    assert results["gpt_oss"] == ["sdpa", True, 0, 0, []]  # no layer can: the generator says so and uses SDPA
