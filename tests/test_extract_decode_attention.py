@@ -105,7 +105,7 @@ def test_triton_kernel_matches_twin_on_cuda():
     pytest.importorskip("triton", reason="triton is not installed")
     from dflashkit.extract.decode_attention_triton import decode_attention_triton
 
-    for dtype, tolerance in ((torch.float32, 2e-3), (torch.bfloat16, 2e-2), (torch.float16, 5e-3)):
+    for dtype, tolerance in ((torch.float32, 2e-3), (torch.bfloat16, 3e-2), (torch.float16, 5e-3)):
         for group, window, slots in ((3, None, 1024), (3, None, 40), (1, 100, 40), (3, 7, 8)):
             q, k, v, positions = (t.cuda() for t in _case(slots=slots, hkv=3, group=group, d=64, columns=1400,
                                                           dtype=dtype))
