@@ -3,6 +3,8 @@
     python bench/bench_regenerate.py --toy --prompts 24 --max-new-tokens 16 --slots 8 --out /tmp/bench_regen.json
     python bench/bench_regenerate.py --target /root/testbed/smollm2-bf16 --data .cache/gpu/sharegpt.jsonl \\
         --out bench/results/regenerate_h200.json
+    python bench/bench_regenerate.py --target /root/testbed/smollm2-bf16 --data .cache/gpu/sharegpt.jsonl \\
+        --no-hf --decode-attention compare --out bench/results/regenerate_decode_attention_h200.json
     torchrun --standalone --nproc_per_node 2 bench/bench_regenerate.py --target /root/testbed/smollm2-bf16 \\
         --data .cache/gpu/sharegpt.jsonl --out bench/results/regenerate_2xh200.json
 
@@ -11,7 +13,11 @@ chat template; longer than --max-prompt-length: left out) and the same --max-new
 - hf_generate: ``model.generate`` in batches of --hf-batch prompts (sorted by length, left padding), greedy
   (--hf-prompts: only the first N of the same prompts, to bound its time);
 - slots: ``SlotGenerator`` with --batch slots (static cache, continuous batching, CUDA-graph decode step on a
-  GPU), greedy, after a warm-up that allocates the cache and captures the graph.
+  GPU), greedy, after a warm-up that allocates the cache and captures the graph; its decode attention is
+  --decode-attention (sdpa: masked SDPA over the longest live slot's length; triton: the kernel that reads each
+  slot up to its own length). ``compare`` runs the same prompts with sdpa, then (the first generator freed)
+  with triton, and adds ``slots_triton``, ``triton_vs_sdpa`` (tokens/s ratio) and ``triton_agree`` (share of
+  answers identical to the sdpa run's) to the JSON.
 tokens/s = new tokens (up to the stop token) / wall time, each side counting its own. ``agree`` is the share of
 prompts whose greedy answers are identical (bf16 rounding may part them; fp32 on the CPU should give 1.0).
 Launched with several ranks, rank 0 first runs every prompt alone (one GPU), then every rank runs its share
@@ -22,6 +28,7 @@ Prints a table and writes JSON (--out).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import shutil
@@ -33,6 +40,7 @@ import torch
 
 from dflashkit.extract.answerers import TargetGenerator
 from dflashkit.extract.chat import BadSample, normalize_record, render
+from dflashkit.extract.generator import SlotGenerator
 from dflashkit.extract.sources import iter_records
 
 
@@ -87,6 +95,18 @@ def run_slots(gen: TargetGenerator, prompts, max_new: int) -> tuple[list[list[in
     return out, time.perf_counter() - t
 
 
+def warm_up(slots: SlotGenerator, prompts, max_new: int, batch: int) -> None:
+    """Allocate the cache, capture the decode steps, compile the kernels."""
+    slots.reserve(max(len(p) for p in prompts) + max_new)
+    slots.generate([max(prompts, key=len)] * min(4, batch), 4)
+
+
+def slot_row(slots: SlotGenerator, out, seconds: float) -> dict:
+    tokens = sum(map(len, out))
+    return {"seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds, "cuda_graph": slots.graphed,
+            "decode_attention": slots.decode_attention, "kernel_layers": slots.kernel_layers, **slots.stats}
+
+
 def run_hf(gen: TargetGenerator, prompts, batch: int) -> tuple[list[list[int]], float]:
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     out: list = [None] * len(prompts)
@@ -115,11 +135,16 @@ def main(argv=None) -> dict:
     ap.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"))
     ap.add_argument("--no-hf", action="store_true", help="skip the Hugging Face baseline")
     ap.add_argument("--no-cuda-graph", action="store_true")
+    ap.add_argument("--decode-attention", choices=("sdpa", "triton", "compare"), default="sdpa",
+                    help="the slot generator's decode attention; compare: sdpa, then triton on the same prompts "
+                         "(one rank only)")
     ap.add_argument("--out", default="bench_regenerate.json")
     args = ap.parse_args(argv)
     if bool(args.target) == args.toy:
         ap.error("give --target or --toy")
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    if args.decode_attention == "compare" and world > 1:
+        ap.error("--decode-attention compare runs on one rank: launch it without torchrun")
     local = int(os.environ.get("LOCAL_RANK", "0"))
     if world > 1:
         import torch.distributed as dist
@@ -138,22 +163,31 @@ def main(argv=None) -> dict:
             dist.barrier()
         target = str(toy)
     gen = TargetGenerator(target, template_kwargs={}, max_new_tokens=args.max_new_tokens, batch_size=args.batch,
-                          dtype=args.dtype, device=device, cuda_graph=not args.no_cuda_graph)
+                          dtype=args.dtype, device=device, cuda_graph=not args.no_cuda_graph,
+                          decode_attention="triton" if args.decode_attention == "triton" else "sdpa")
     if gen.slots is None:
         raise SystemExit(f"{target}: has recurrent layers; the slot generator does not apply")
     prompts = first_turn_prompts(gen, [args.data], args.prompts, args.max_prompt_length)
-    longest = max(len(p) for p in prompts)
-    gen.slots.reserve(longest + args.max_new_tokens)
-    gen.slots.generate([max(prompts, key=len)] * min(4, args.batch), 4)  # warm-up: graph capture, kernels
+    warm_up(gen.slots, prompts, args.max_new_tokens, args.batch)
     result = {"target": gen.name, "device": torch.cuda.get_device_name(device) if device != "cpu" else "cpu",
               "dtype": str(next(gen.target.model.parameters()).dtype), "prompts": len(prompts),
               "max_new_tokens": args.max_new_tokens, "batch": args.batch, "world_size": world,
               "mean_prompt_tokens": sum(map(len, prompts)) / len(prompts), "date": time.strftime("%Y-%m-%d %H:%M")}
     if rank == 0:
         slot_out, slot_s = run_slots(gen, prompts, args.max_new_tokens)
-        tokens = sum(map(len, slot_out))
-        result["slots"] = {"seconds": slot_s, "tokens": tokens, "tokens_per_s": tokens / slot_s,
-                           "cuda_graph": gen.slots.graphed, **gen.slots.stats}
+        result["slots"] = slot_row(gen.slots, slot_out, slot_s)
+        if args.decode_attention == "compare":
+            gen.slots = None  # its cache and graphs go before the second generator allocates its own
+            gc.collect()
+            if device != "cpu":
+                torch.cuda.empty_cache()
+            gen.slots = SlotGenerator(gen.target.model, gen.stop_ids, num_slots=args.batch,
+                                      cuda_graph=not args.no_cuda_graph, decode_attention="triton")
+            warm_up(gen.slots, prompts, args.max_new_tokens, args.batch)
+            triton_out, triton_s = run_slots(gen, prompts, args.max_new_tokens)
+            result["slots_triton"] = slot_row(gen.slots, triton_out, triton_s)
+            result["triton_vs_sdpa"] = result["slots_triton"]["tokens_per_s"] / result["slots"]["tokens_per_s"]
+            result["triton_agree"] = sum(a == b for a, b in zip(slot_out, triton_out)) / len(prompts)
         if not args.no_hf:
             hf_prompts = prompts[: args.hf_prompts]
             hf_out, hf_s = run_hf(gen, hf_prompts, args.hf_batch or args.batch)
@@ -186,16 +220,27 @@ def main(argv=None) -> dict:
                                        f"{result['hf_generate']['batch']}" if "hf_generate" in result else ""))
         print("| generator | tokens | seconds | tokens/s | ratio |")
         print("|---|---|---|---|---|")
+        hf_tps = result.get("hf_generate", {}).get("tokens_per_s")
+
+        def slots_name(r: dict) -> str:
+            return f"slots, {r['decode_attention']} attention" + (" (CUDA graph)" if r["cuda_graph"] else "")
+
         rows = [("hf_generate", result.get("hf_generate"), 1.0),
-                ("slots" + (" (CUDA graph)" if gen.slots.graphed else ""), result["slots"], result.get("speedup")),
-                (f"slots x {world} ranks", result.get("slots_all_ranks"),
-                 result.get("slots_all_ranks", {}).get("scaling"))]
+                (slots_name(result["slots"]), result["slots"], result.get("speedup"))]
+        if "slots_triton" in result:
+            r = result["slots_triton"]
+            rows.append((slots_name(r), r, r["tokens_per_s"] / hf_tps if hf_tps else None))
+        rows.append((f"slots x {world} ranks", result.get("slots_all_ranks"),
+                     result.get("slots_all_ranks", {}).get("scaling")))
         for name, r, ratio in rows:
             if r:
                 print(f"| {name} | {r['tokens']:,} | {r['seconds']:.2f} | {r['tokens_per_s']:,.0f} | "
                       f"{'' if ratio is None else f'{ratio:.2f}x'} |")
         if "agree" in result:
             print(f"greedy answers identical to hf_generate: {result['agree']:.1%}")
+        if "slots_triton" in result:
+            print(f"triton / sdpa decode attention: {result['triton_vs_sdpa']:.2f}x tokens/s; greedy answers "
+                  f"identical: {result['triton_agree']:.1%}")
         if world > 1:
             print(f"the {world}-rank row's ratio is to the one-rank slots row")
         print(f"wrote {args.out}")

@@ -24,7 +24,8 @@ class TargetGenerator:
 
     def __init__(self, target: str, *, template_kwargs: dict, max_new_tokens: int, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, max_prompt_length: int | None = None, batch_size: int = 16,
-                 dtype: str | None = None, device: str | None = None, cuda_graph: bool = True):
+                 dtype: str | None = None, device: str | None = None, cuda_graph: bool = True,
+                 decode_attention: str = "sdpa"):
         from dflashkit.target.loading import load_target
 
         from .generator import SlotGenerator, supports_slots
@@ -45,7 +46,8 @@ class TargetGenerator:
         self.slots = None
         if supports_slots(self.target.model):
             self.slots = SlotGenerator(self.target.model, self.stop_ids, num_slots=batch_size,
-                                       temperature=temperature, top_p=top_p, top_k=top_k, cuda_graph=cuda_graph)
+                                       temperature=temperature, top_p=top_p, top_k=top_k, cuda_graph=cuda_graph,
+                                       decode_attention=decode_attention)
 
     def _prompt(self, history: list[dict]) -> list[int]:
         """Token ids that ask for the next assistant turn of `history` (BadSample if longer than allowed)."""

@@ -12,6 +12,11 @@ Design choices:
 - Decode attention treats each K/V head's group of query heads as its queries (GQA without repeating K/V):
   one fused SDPA call; our own float32-softmax form where the layer has attention sinks or soft-capping.
   Prefill uses the library's SDPA (the grouped form for sinks).
+- ``decode_attention="triton"`` (on a GPU): decode steps of layers without sinks or soft-capping run the
+  flash-decoding kernel of decode_attention.py instead, which reads each slot's columns up to its own position
+  (the positions reach it as the model's ``slot_decode`` keyword, which the forward hands to every attention
+  call), so a step reads the live lengths rather than every slot up to the longest one; a free slot (waiting
+  for a refill, or done at the end of a run) reads one column. Default: "sdpa".
 - Prompts are prefilled in length buckets (longest first, left padding, rows rolled into cache columns 0..L-1),
   and a finished slot is refilled with the next prompt (continuous batching). Refills wait until an eighth of
   the slots is free (or none is decoding), so prefills come in batches rather than one prompt at a time.
@@ -33,12 +38,15 @@ from __future__ import annotations
 
 import sys
 from collections import deque
+from typing import NamedTuple
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from dflashkit.target.loading import cache_kwargs
+
+from .decode_attention import decode_attention, triton_available
 
 ATTENTION_NAME = "dflashkit_slots"
 _ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention"}
@@ -136,8 +144,26 @@ def grouped_attention(module, query, key, value, attention_mask, scaling=None, d
     return out.reshape(b, hq, t, d).transpose(1, 2).contiguous(), None
 
 
+class SlotDecode(NamedTuple):
+    """What the decode kernel needs besides the tensors: every slot's position (its cache column; it reads
+    columns 0..position) and each layer's sliding window (None: full attention), by layer index. The layers that
+    ran the kernel are added to `kernel_layers` (on a GPU: while the step is traced, not when it is replayed)."""
+
+    positions: torch.Tensor
+    windows: tuple
+    kernel_layers: set
+
+
 def slot_attention(module, query, key, value, attention_mask, **kwargs):
     """The attention function the model runs while a SlotGenerator drives it (registered as ATTENTION_NAME)."""
+    decode = kwargs.pop("slot_decode", None)
+    layer = getattr(module, "layer_idx", None)
+    if (decode is not None and query.shape[2] == 1 and layer is not None and layer < len(decode.windows)
+            and getattr(module, "sinks", None) is None and kwargs.get("softcap") is None):
+        scaling = kwargs.get("scaling")
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        decode.kernel_layers.add(layer)
+        return decode_attention(query, key, value, decode.positions, scale, decode.windows[layer]), None
     if query.shape[2] > 1 and getattr(module, "sinks", None) is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -184,7 +210,9 @@ class SlotGenerator:
 
     def __init__(self, model, stop_ids: list[int], num_slots: int = 64, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, cuda_graph: bool = True, prefill_tokens: int = 32768,
-                 length_step: int = 128):
+                 length_step: int = 128, decode_attention: str = "sdpa"):
+        if decode_attention not in ("sdpa", "triton"):
+            raise ValueError(f"decode_attention={decode_attention!r}: give 'sdpa' or 'triton'")
         if num_slots < 1 or length_step < 1 or prefill_tokens < 1:
             raise ValueError(f"num_slots ({num_slots}), length_step ({length_step}) and prefill_tokens "
                              f"({prefill_tokens}) must be >= 1")
@@ -202,6 +230,11 @@ class SlotGenerator:
         window = getattr(text, "sliding_window", None)
         sliding = "sliding_attention" in (getattr(text, "layer_types", None) or [])
         self.window = int(window) if (sliding and window) else None
+        layer_types = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
+        self.layer_windows = tuple(self.window if t == "sliding_attention" else None for t in layer_types)
+        # the kernel where it can run (a GPU; any device under TRITON_INTERPRET=1), else the SDPA path
+        self.decode_attention = "triton" if decode_attention == "triton" and triton_available(self.device) else "sdpa"
+        self.kernel_layers = 0  # how many layers the last traced decode step ran through the kernel
         self.use_graph = cuda_graph and self.device.type == "cuda"
         if self.device.type == "cuda":  # graphs and streams are made on the current device: make it the model's
             torch.cuda.set_device(self.device)
@@ -215,6 +248,8 @@ class SlotGenerator:
                               if c is not None and hasattr(c, "_attn_implementation")}.values())
         self.tok = torch.zeros(num_slots, dtype=torch.long, device=self.device)  # the token each slot feeds next
         self.pos = torch.zeros(num_slots, dtype=torch.long, device=self.device)  # its position (= cache column)
+        # which slots hold a request (the decode kernel reads one column of the others; the SDPA path ignores it)
+        self.live = torch.ones(num_slots, dtype=torch.bool, device=self.device)
 
     # ---- masks: True where a query may read a key
     def _masks(self, allowed_full: torch.Tensor, allowed_window: torch.Tensor | None):
@@ -222,11 +257,11 @@ class SlotGenerator:
             return allowed_full
         return {"full_attention": allowed_full, "sliding_attention": allowed_window}
 
-    def _forward(self, input_ids, position_ids, mask):
+    def _forward(self, input_ids, position_ids, mask, **attention_kwargs):
         impl = self._configs_with_impl(ATTENTION_NAME)
         try:
             out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
-                             logits_to_keep=1, **cache_kwargs(self.model, self.cache))
+                             logits_to_keep=1, **cache_kwargs(self.model, self.cache), **attention_kwargs)
         finally:
             self._configs_with_impl(impl)
         return out.logits[:, -1]
@@ -251,8 +286,17 @@ class SlotGenerator:
         # additive masks, made once per step (SDPA would convert a boolean one in every layer)
         full, window = (None if m is None else torch.zeros(m.shape, dtype=self.dtype, device=self.device)
                         .masked_fill_(~m, float("-inf"))[:, None, None, :] for m in (full, window))
-        mask = self._masks(full, window)
-        logits = self._forward(self.tok[:, None], columns[:, None], mask)
+        mask = self._masks(full, window)  # still made: layers with sinks or soft-capping read it
+        extra = {}
+        if self.decode_attention == "triton":  # a free slot reads column 0 only (its token is never used)
+            extra["slot_decode"] = SlotDecode(torch.where(self.live, columns, 0), self.layer_windows, set())
+        logits = self._forward(self.tok[:, None], columns[:, None], mask, **extra)
+        if extra:
+            self.kernel_layers = len(extra["slot_decode"].kernel_layers)
+            if not self.kernel_layers:  # every layer has sinks or soft-capping, or the forward drops the keyword
+                print(f"generator: no layer of {type(self.model).__name__} ran the decode kernel; decoding with "
+                      "SDPA", file=sys.stderr)
+                self.decode_attention = "sdpa"
         self.tok.copy_(sample_next(logits, self.temperature, self.top_k, self.top_p))
         self.pos.copy_(columns + 1)
 
@@ -365,6 +409,7 @@ class SlotGenerator:
         history = np.zeros((256, n_slots), dtype=np.int64)  # history[step] = every slot's token of that step
         step = 0
         refill_at = max(1, n_slots // 8)
+        sent_live = None  # the live slots self.live holds (the decode kernel's)
 
         finished: list[int] = []  # requests done whose follow_up has not run yet
 
@@ -419,6 +464,9 @@ class SlotGenerator:
                 self.stats["idle_slot_steps_waiting"] += len(free)
             self.stats["decode_steps"] += 1
             live = owner >= 0
+            if self.decode_attention == "triton" and not np.array_equal(live, sent_live):
+                self.live.copy_(torch.from_numpy(live))
+                sent_live = live
             need = int((prompt_len + count - 1)[live].max()) + 1  # above the position every live slot feeds
             self._step(min(self.cache.max_length, -(-need // self.length_step) * self.length_step))
             if finished:  # the step computes on the GPU meanwhile

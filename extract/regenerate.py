@@ -92,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chunk-factor", type=positive_int, default=8,
                    help="--target: conversations answered together, in multiples of --batch-size")
     g.add_argument("--no-cuda-graph", action="store_true", help="--target on a GPU: run each decode step eagerly")
+    g.add_argument("--decode-attention", choices=("sdpa", "triton"), default="sdpa",
+                   help="--target on a GPU: decode attention by masked SDPA over the longest slot's length, or by "
+                        "the Triton kernel that reads each slot up to its own length")
     g.add_argument("--concurrency", type=positive_int, default=16, help="server requests in flight")
     g.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None)
     g.add_argument("--device", default=None, help="default: cuda if available, else cpu")
@@ -179,7 +182,7 @@ def regenerate(data: list[str], out, *, target: str | None = None, server: str |
                top_p: float = 1.0, top_k: int = 0, seed: int = 0, chat_template_kwargs: dict | None = None,
                max_prompt_length: int | None = None, max_turns: int | None = None, batch_size: int = 16,
                chunk_factor: int = 8, cuda_graph: bool = True, concurrency: int = 16, dtype: str | None = None,
-               device: str | None = None, progress: bool = True) -> dict:
+               device: str | None = None, progress: bool = True, decode_attention: str = "sdpa") -> dict:
     """Answer every user turn of the conversations of ``data`` with ``target`` (a local model) or ``server`` (an
     OpenAI-compatible URL) into the JSONL file ``out``; return the counts. The parameters are the command's flags
     (see ``build_parser``); ``chat_template_kwargs`` is a dict."""
@@ -206,7 +209,8 @@ def regenerate(data: list[str], out, *, target: str | None = None, server: str |
     else:
         device = device or (f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
         gen = TargetGenerator(target, max_prompt_length=max_prompt_length, batch_size=batch_size,
-                              dtype=dtype, device=device, cuda_graph=cuda_graph, **sampling)
+                              dtype=dtype, device=device, cuda_graph=cuda_graph,
+                              decode_attention=decode_attention, **sampling)
     meta = {"generator": gen.name, "temperature": temperature, "top_p": top_p, "top_k": top_k,
             "max_new_tokens": max_new_tokens, "chat_template_kwargs": template_kwargs}
     # conversations answered together: several times the slots, so refills keep the slots busy
@@ -317,7 +321,7 @@ def main(argv=None) -> int:
                    max_prompt_length=args.max_prompt_length, max_turns=args.max_turns, batch_size=args.batch_size,
                    chunk_factor=args.chunk_factor, cuda_graph=not args.no_cuda_graph,
                    concurrency=args.concurrency, dtype=args.dtype, device=args.device,
-                   progress=not args.no_progress)
+                   progress=not args.no_progress, decode_attention=args.decode_attention)
     except BadSample as e:
         print(f"dflashkit regenerate: error: {e}\n  fix the record, or pass --on-bad skip", file=sys.stderr)
         return 2
