@@ -51,9 +51,9 @@ def encode_features(x: torch.Tensor, codec: str) -> tuple[torch.Tensor, torch.Te
         return x.to(torch.bfloat16).contiguous(), None
     if codec != "fp8":
         raise ValueError(f"unknown codec {codec!r}; choose one of {CODECS}")
-    xf = x.float()
-    scale = (xf.abs().amax(dim=-1) / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
-    q = (xf / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    scale = (x.abs().amax(dim=-1).float() / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)  # |x| exact
+    xf = x.float() if x.dtype != torch.float32 else x.clone()  # divided in place: one float32 temporary
+    q = xf.div_(scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q.contiguous(), scale.contiguous()
 
 
