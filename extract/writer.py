@@ -47,11 +47,14 @@ from .files import atomic_write, pause_point, publish, sha256_of, unnamed_files_
 from .shards import (
     MANIFEST,
     SCHEMA_VERSION,
+    TOTALLED,
     decode_features,
     encode_features,
     rank_manifest_name,
     safetensors_parts,
+    shard_line,
     shard_name,
+    totals,
     update_totals,
     write_manifest,
 )
@@ -86,7 +89,10 @@ class ShardWriter:
         self.manifest.setdefault("shards", [])
         self.codec = manifest["codec"]
         self.manifest_path = self.dir / rank_manifest_name(rank, world_size)
-        mine = [s for s in self.manifest["shards"] if s["rank"] == rank]
+        listed = self.manifest["shards"]
+        self._shard_lines = [shard_line(s) for s in listed]  # the manifest's lines of the listed shards
+        self._sums = {"shards": len(listed), **{k: sum(s[k] for s in listed) for k in TOTALLED}}
+        mine = [s for s in listed if s["rank"] == rank]
         self.seq = 1 + max((s["seq"] for s in mine), default=-1)  # of the next shard to collect
         self.pending: list[dict] = []  # batches of the shard being collected
         self.pending_bytes = 0
@@ -341,8 +347,12 @@ class ShardWriter:
         if shard["counts"]:
             self.manifest.update(shard["counts"])
         self.manifest["shards"].append(entry)
-        update_totals(self.manifest)
-        write_manifest(self.manifest_path, self.manifest)
+        self._shard_lines.append(shard_line(entry))
+        self._sums["shards"] += 1
+        for k in TOTALLED:
+            self._sums[k] += entry[k]
+        self.manifest["totals"] = totals(self._sums)
+        write_manifest(self.manifest_path, self.manifest, self._shard_lines)
         pause_point(f"shard-{seq}-listed")
 
 

@@ -291,9 +291,10 @@ def test_several_shards_in_flight_write_the_same_bytes_and_manifests_as_one(tmp_
     real = writer_module.write_manifest
 
     def recording(run):
-        def write_manifest(path, manifest):
+        def write_manifest(path, manifest, *shard_lines):
             written.setdefault(run, []).append(json.dumps(manifest, sort_keys=True))
-            real(path, manifest)
+            real(path, manifest, *shard_lines)
+            assert json.loads(path.read_text()) == manifest  # the lines are its shards
         return write_manifest
 
     # one writer thread; three (shards written ahead as unnamed files, where the system has them); three with
