@@ -23,6 +23,11 @@ Design choices:
   the listed shards a prefix of the sequence; a crash leaves nothing of the unnamed files. Where unnamed files
   are missing (other systems, some file systems), each shard is written by ``atomic_write`` in its turn, and
   only the hashing runs ahead.
+- The interpreter lock: a GPU-bound forward's thread holds it nearly always (its kernel launches block with it
+  held once the GPU's queue is full), so a thread here that gives it up (any system call, hash update or torch
+  op) gets it back only at the switch interval, ~5 ms. Hence few, large system calls per shard
+  (``files._write_buffers``), and nothing long that holds the lock: rewriting the manifest encodes only the new
+  shard's line and the fields (the lines of the shards listed before are kept), not every entry again.
 - Errors on the threads (disk full, NaN/Inf features) are raised in the caller at its next call. Shards complete
   before a NaN/Inf batch are still written; after a failed write, in sequence order, nothing more is.
 - Several ranks: each writes its own shards (rank in the file name) and its own ``manifest.rank{r}.json``;
