@@ -25,10 +25,10 @@ on the host, as the capture hands them over, fed through ``ShardWriter.add_batch
 reported per codec: bytes/s written ÷ the disk ceiling of the same directory in the same run, and the seconds the
 caller spent inside ``add_batch`` (on a CPU it encodes and copies into staging itself; on a GPU both are queued on
 the device). --prior-samples N starts each run from a manifest that already lists N samples (a long or resumed
-run), to show what the manifest costs as the data set grows. --forward-s S: before each batch the caller runs
-Python for S seconds, holding the interpreter lock as the thread that launches a GPU-bound forward does (its
-kernel launches block with the lock held once the GPU's queue is full); the writer's threads then get the lock
-only at the switch interval, as in a real run. Reported then: run time ÷ the forwards' time.
+run), to show what the manifest costs as the data set grows. --forward-s S: before each batch the caller holds the
+interpreter lock for S seconds as the thread that launches a GPU-bound forward does (its kernel launches block
+with the lock held once the GPU's queue is full; ``hold_the_lock``); the writer's threads then get the lock only
+at the switch interval, as in a real run. Reported then: run time ÷ the forwards' time.
 Ratios: extraction tokens/s ÷ forward (and ÷ capture: 1.0 when writing costs the forward nothing); extraction
 bytes/s ÷ the disk ceiling (1.0: the disk is the bound). Also
 reported: the seconds the forward waited for free staging buffers (waiting on the disk), per run. Prints a table
@@ -126,10 +126,18 @@ def prior_shards(n_samples: int, per_shard: int) -> list[dict]:
 
 
 def hold_the_lock(seconds: float) -> None:
-    """Run Python bytecode for ``seconds`` (a stand-in for the forward's launching thread)."""
+    """For ``seconds``, hold the interpreter lock as the forward's launching thread does: blocked in C with the lock
+    held (a kernel launch waiting for room in the GPU's queue), back in Python every 0.2 ms, using no core while
+    blocked (libc usleep called through ctypes.PyDLL, which keeps the lock; a busy loop where that is missing)."""
+    import ctypes
+
+    try:
+        usleep = ctypes.PyDLL(None).usleep
+    except (AttributeError, OSError):
+        usleep = None
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:
-        sum(range(100))
+        usleep(200) if usleep is not None else sum(range(100))
 
 
 def writer_only(base: Path, batch: int, seq: int, feature_dim: int, n_batches: int, repeats: int,
