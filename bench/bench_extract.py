@@ -31,7 +31,9 @@ with the lock held once the GPU's queue is full; ``hold_the_lock``); the writer'
 at the switch interval, as in a real run. Reported then: run time ÷ the forwards' time.
 Ratios: extraction tokens/s ÷ forward (and ÷ capture: 1.0 when writing costs the forward nothing); extraction
 bytes/s ÷ the disk ceiling (1.0: the disk is the bound). Also
-reported: the seconds the forward waited for free staging buffers (waiting on the disk), per run. Prints a table
+reported: the seconds the forward waited for free staging buffers (waiting on the disk), per run, and how a
+run's time splits into the capture loop (with the writer working beside it) and ``close()`` (what the writer still
+had to do after the last batch). Prints a table
 and writes JSON to --out.
 """
 
@@ -295,19 +297,23 @@ def main(argv=None):
 
         results[f"capture_{codec}"] = timed(capture_only, args.repeats, dev)
         out = base / codec
-        written, waited = [], []
+        written, waited, phases = [], [], []
 
         def extract():
             shutil.rmtree(out, ignore_errors=True)
             writer = ShardWriter(out, {"codec": codec, "schema_version": 1}, shard_bytes=shard_bytes,
                                  staging_bytes=args.staging_size, writer_threads=args.writer_threads)
+            started = time.perf_counter()
             with LayerCapture(target, ids) as capture:
                 for n, (x, x_cpu) in enumerate(zip(batches, batches_cpu)):
                     hidden, _ = capture(x, mask)
                     writer.add_batch(list(range(n * batch, (n + 1) * batch)), lengths, x_cpu.flatten(),
                                      torch.ones(batch * seq, dtype=torch.bool),
                                      hidden.flatten(0, 1).index_select(0, keep))
+            sync(dev)
+            closing = time.perf_counter()
             m = writer.close()
+            phases.append([closing - started, time.perf_counter() - closing])
             written.append(sum(s["bytes"] for s in m["shards"]))
             waited.append(writer.pool.wait_seconds)
             results["writes_ahead"] = writer.writes_ahead
@@ -315,6 +321,8 @@ def main(argv=None):
         results[f"dflashkit_{codec}"] = timed(extract, args.repeats, dev)
         results[f"bytes_per_run_{codec}"] = written[-1]
         results[f"staging_wait_s_{codec}"] = waited[1:]
+        results[f"capture_with_writer_s_{codec}"] = [p[0] for p in phases[1:]]
+        results[f"close_s_{codec}"] = [p[1] for p in phases[1:]]
         results[f"disk_{codec}"] = disk_ceiling(out, written[-1], args.repeats)
         shutil.rmtree(out, ignore_errors=True)
     if not args.out_dir:
@@ -350,6 +358,11 @@ def main(argv=None):
               f"{results['bytes_per_run_' + codec] / tokens:,.0f} | "
               f"{results['write_bytes_per_s_' + codec] / 1e6:,.0f} | {results['ratio_vs_disk_ceiling_' + codec]:.3f} "
               f"| {wait:.2f} |")
+    for codec in ("bf16", "fp8"):
+        print(f"dflashkit_{codec}: the capture loop with the writer running "
+              f"{statistics.median(results['capture_with_writer_s_' + codec]):.2f} s (alone "
+              f"{statistics.median(results['capture_' + codec]):.2f} s), then close() "
+              f"{statistics.median(results['close_s_' + codec]):.2f} s (the writer's backlog)")
     for codec in ("bf16", "fp8"):
         print(f"disk ceiling ({results['bytes_per_run_' + codec] / 1e6:,.0f} MB, write + fsync): "
               f"{results['disk_ceiling_bytes_per_s_' + codec] / 1e6:,.0f} MB/s")
