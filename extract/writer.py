@@ -137,10 +137,11 @@ class ShardWriter:
         device = {k: v for k, v in device.items() if v is not None}
         # fp8: a token's scale is max|x| / 448, finite exactly when the token's values are
         checked = [device.get(f"{k}_scale", device[k]) for k in ("hidden", "last_hidden") if k in device]
-        # min and max are finite exactly when all values are (NaN propagates); a fraction of isfinite's cost
-        extremes = [m for t in checked if t.numel() for m in torch.aminmax(t)]
-        device["finite"] = (torch.isfinite(torch.stack(extremes)).all() if extremes
-                            else torch.tensor(True, device=hidden.device)).reshape(1)
+        if hidden.is_cuda:
+            flags = [torch.isfinite(t).all() for t in checked]
+        else:  # min and max are finite exactly when all values are (NaN propagates): ~14x cheaper on the host
+            flags = [torch.isfinite(torch.stack(torch.aminmax(t))).all() for t in checked if t.numel()]
+        device["finite"] = (torch.stack(flags).all() if flags else torch.tensor(True)).reshape(1)
         sizes = {k: -(-v.numel() * v.element_size() // _ALIGN) * _ALIGN for k, v in device.items()}
         cuda = hidden.is_cuda
         buf = self.pool.take(sum(sizes.values()), pin=cuda)
