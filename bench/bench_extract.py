@@ -4,6 +4,7 @@
     python bench/bench_extract.py --target /root/testbed/smollm2-bf16 --out bench/results/extract_smollm2.json
     python bench/bench_extract.py --random-qwen3-8b --layer-ids 1 9 17 25 33 --batch 8 --seq 2048 \
         --out bench/results/extract_qwen3_8b.json
+    python bench/bench_extract.py --writer-only --batch 2 --batches 12 --out /tmp/bench_writer.json   # CPU
 
 On the same batches (random token ids, every token real), median over --repeats runs of --batches batches each:
 - forward: plain ``model(input_ids)`` (logits included), what serving the target costs;
@@ -19,9 +20,20 @@ On the same batches (random token ids, every token real), median over --repeats 
 - disk: the disk's sequential write ceiling, measured in the same run: the same number of bytes as one
   extraction run writes, written to the same directory in 64 MiB writes, then fsync (what ``dd conv=fsync``
   does), median over --repeats.
+--writer-only: no model; synthetic features of --feature-dim (default Qwen3-8B's 5 taps x 4096) already in bf16
+on the host, as the capture hands them over, fed through ``ShardWriter.add_batch`` as fast as it takes them;
+reported per codec: bytes/s written ÷ the disk ceiling of the same directory in the same run, and the seconds the
+caller spent inside ``add_batch`` (on a CPU it encodes and copies into staging itself; on a GPU both are queued on
+the device). --prior-samples N starts each run from a manifest that already lists N samples (a long or resumed
+run), to show what the manifest costs as the data set grows. --forward-s S: before each batch the caller holds the
+interpreter lock for S seconds as the thread that launches a GPU-bound forward does (its kernel launches block
+with the lock held once the GPU's queue is full; ``hold_the_lock``); the writer's threads then get the lock only
+at the switch interval, as in a real run. Reported then: run time ÷ the forwards' time.
 Ratios: extraction tokens/s ÷ forward (and ÷ capture: 1.0 when writing costs the forward nothing); extraction
 bytes/s ÷ the disk ceiling (1.0: the disk is the bound). Also
-reported: the seconds the forward waited for free staging buffers (waiting on the disk), per run. Prints a table
+reported: the seconds the forward waited for free staging buffers (waiting on the disk), per run, and how a
+run's time splits into the capture loop (with the writer working beside it) and ``close()`` (what the writer still
+had to do after the last batch). Prints a table
 and writes JSON to --out.
 """
 
@@ -104,12 +116,111 @@ def disk_ceiling(directory: Path, nbytes: int, repeats: int) -> list[float]:
     return out
 
 
+def prior_shards(n_samples: int, per_shard: int) -> list[dict]:
+    """Manifest entries of an earlier part of the run: ``n_samples`` samples in shards of ``per_shard``."""
+    out = []
+    for seq, lo in enumerate(range(0, n_samples, per_shard)):
+        idx = list(range(lo, min(lo + per_shard, n_samples)))
+        out.append({"file": f"shard-r000-{seq:06d}.safetensors", "rank": 0, "seq": seq, "samples": len(idx),
+                    "tokens": 1000 * len(idx), "loss_tokens": 500 * len(idx), "bytes": 41 << 20, "sha256": "0" * 64,
+                    "sample_indices": idx})
+    return out
+
+
+def hold_the_lock(seconds: float) -> None:
+    """For ``seconds``, hold the interpreter lock as the forward's launching thread does: blocked in C with the lock
+    held (a kernel launch waiting for room in the GPU's queue), back in Python every 0.2 ms, using no core while
+    blocked (libc usleep called through ctypes.PyDLL, which keeps the lock; a busy loop where that is missing)."""
+    import ctypes
+
+    try:
+        usleep = ctypes.PyDLL(None).usleep
+    except (AttributeError, OSError):
+        usleep = None
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        usleep(200) if usleep is not None else sum(range(100))
+
+
+def writer_only(base: Path, batch: int, seq: int, feature_dim: int, n_batches: int, repeats: int,
+                shard_bytes: int, staging_bytes: int, writer_threads: int, prior_samples: int,
+                forward_s: float = 0.0) -> dict:
+    """The writer alone on the host: synthetic bf16 features [batch * seq, feature_dim] per batch."""
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(batch * seq, feature_dim, generator=g).to(torch.bfloat16)
+    ids = torch.randint(0, 1000, (batch * seq,), generator=g, dtype=torch.int32)
+    mask = torch.ones(batch * seq, dtype=torch.bool)
+    lengths = [seq] * batch
+    results = {"mode": "writer-only", "batch": batch, "seq": seq, "feature_dim": feature_dim, "batches": n_batches,
+               "tokens_per_run": batch * seq * n_batches, "shard_bytes": shard_bytes, "staging_bytes": staging_bytes,
+               "writer_threads": writer_threads, "prior_samples": prior_samples, "forward_s": forward_s,
+               "device": "cpu", "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    for codec in ("bf16", "fp8"):
+        out = base / codec
+        written, caller = [], []
+
+        def run():
+            shutil.rmtree(out, ignore_errors=True)
+            prior = prior_shards(prior_samples, max(batch, 1))
+            n_prior = len(prior)
+            writer = ShardWriter(out, {"codec": codec, "schema_version": 1, "shards": prior},
+                                 shard_bytes=shard_bytes, staging_bytes=staging_bytes, writer_threads=writer_threads)
+            inside = 0.0
+            for n in range(n_batches):
+                hold_the_lock(forward_s)
+                t = time.perf_counter()
+                writer.add_batch(list(range(prior_samples + n * batch, prior_samples + (n + 1) * batch)), lengths,
+                                 ids, mask, hidden)
+                inside += time.perf_counter() - t
+            m = writer.close()
+            written.append(sum(s["bytes"] for s in m["shards"][n_prior:]))
+            caller.append(inside)
+            results["writes_ahead"] = writer.writes_ahead
+
+        results[f"writer_{codec}"] = timed(run, repeats, torch.device("cpu"))
+        results[f"caller_s_{codec}"] = caller[1:]
+        results[f"bytes_per_run_{codec}"] = written[-1]
+        results[f"disk_{codec}"] = disk_ceiling(out, written[-1], repeats)
+        shutil.rmtree(out, ignore_errors=True)
+        nbytes = written[-1]
+        results[f"write_bytes_per_s_{codec}"] = nbytes / statistics.median(results[f"writer_{codec}"])
+        results[f"disk_ceiling_bytes_per_s_{codec}"] = nbytes / statistics.median(results[f"disk_{codec}"])
+        results[f"ratio_vs_disk_ceiling_{codec}"] = (results[f"write_bytes_per_s_{codec}"]
+                                                     / results[f"disk_ceiling_bytes_per_s_{codec}"])
+        results[f"ratio_vs_forward_{codec}"] = (n_batches * forward_s / statistics.median(results[f"writer_{codec}"])
+                                                if forward_s else None)
+    return results
+
+
+def print_writer_only(results: dict) -> None:
+    print(f"writer only: {results['batches']} batches of {results['batch']} x {results['seq']} tokens x "
+          f"{results['feature_dim']} features, median of the repeats, {results['writer_threads']} writer threads, "
+          f"{results['prior_samples']} samples listed before, {results['forward_s']} s of forward per batch, "
+          f"shards written ahead: {results['writes_ahead']}")
+    print("| codec | MB per run | s per run | s inside add_batch | MB/s written | disk ceiling MB/s | ÷ disk ceiling "
+          "| ÷ forward |")
+    print("|---|---|---|---|---|---|---|---|")
+    for codec in ("bf16", "fp8"):
+        print(f"| {codec} | {results['bytes_per_run_' + codec] / 1e6:,.0f} | "
+              f"{statistics.median(results['writer_' + codec]):.2f} | "
+              f"{statistics.median(results['caller_s_' + codec] or [0.0]):.2f} | "
+              f"{results['write_bytes_per_s_' + codec] / 1e6:,.0f} | "
+              f"{results['disk_ceiling_bytes_per_s_' + codec] / 1e6:,.0f} | "
+              f"{results['ratio_vs_disk_ceiling_' + codec]:.3f} | "
+              + (f"{results['ratio_vs_forward_' + codec]:.3f} |" if results["forward_s"] else "- |"))
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     g = ap.add_mutually_exclusive_group(required=True)
     g.add_argument("--target", help="a target dflashkit loads (HF dir, .gguf, testbed:smollm2), in bfloat16")
     g.add_argument("--random-qwen3-8b", action="store_true", help="random weights, Qwen3-8B's shape")
     g.add_argument("--toy", action="store_true", help="a tiny random Qwen3 and small batches: runs on a CPU")
+    g.add_argument("--writer-only", action="store_true", help="no model: synthetic features through the writer")
+    ap.add_argument("--feature-dim", type=int, default=5 * 4096, help="--writer-only: features per token")
+    ap.add_argument("--forward-s", type=float, default=0.0,
+                    help="--writer-only: seconds of lock-holding Python per batch, standing in for the forward")
+    ap.add_argument("--prior-samples", type=int, default=0, help="--writer-only: samples the manifest lists before")
     ap.add_argument("--device", default=None, help="default: cuda if there is one, else cpu")
     ap.add_argument("--layer-ids", type=int, nargs="+", help="default: 5 evenly spaced layers")
     ap.add_argument("--batch", type=int, default=None, help="sequences per batch (default 8; toy 2)")
@@ -123,6 +234,19 @@ def main(argv=None):
     ap.add_argument("--out-dir", default=None, help="where shards go (default: a temp dir on the local disk)")
     ap.add_argument("--out", "--json", dest="out", default="bench_extract.json", help="JSON results")
     args = ap.parse_args(argv)
+    if args.writer_only:
+        base = Path(args.out_dir or tempfile.mkdtemp(prefix="dflashkit-bench-"))
+        base.mkdir(parents=True, exist_ok=True)
+        results = writer_only(base, args.batch or 8, args.seq or 2048, args.feature_dim, args.batches or 16,
+                              args.repeats, args.shard_size, args.staging_size, args.writer_threads,
+                              args.prior_samples, args.forward_s)
+        if not args.out_dir:
+            shutil.rmtree(base, ignore_errors=True)
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+        print_writer_only(results)
+        print(f"wrote {args.out}")
+        return
     dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     batch = args.batch or (2 if args.toy else 8)
     seq = args.seq or (64 if args.toy else 2048)
@@ -173,19 +297,23 @@ def main(argv=None):
 
         results[f"capture_{codec}"] = timed(capture_only, args.repeats, dev)
         out = base / codec
-        written, waited = [], []
+        written, waited, phases = [], [], []
 
         def extract():
             shutil.rmtree(out, ignore_errors=True)
             writer = ShardWriter(out, {"codec": codec, "schema_version": 1}, shard_bytes=shard_bytes,
                                  staging_bytes=args.staging_size, writer_threads=args.writer_threads)
+            started = time.perf_counter()
             with LayerCapture(target, ids) as capture:
                 for n, (x, x_cpu) in enumerate(zip(batches, batches_cpu)):
                     hidden, _ = capture(x, mask)
                     writer.add_batch(list(range(n * batch, (n + 1) * batch)), lengths, x_cpu.flatten(),
                                      torch.ones(batch * seq, dtype=torch.bool),
                                      hidden.flatten(0, 1).index_select(0, keep))
+            sync(dev)
+            closing = time.perf_counter()
             m = writer.close()
+            phases.append([closing - started, time.perf_counter() - closing])
             written.append(sum(s["bytes"] for s in m["shards"]))
             waited.append(writer.pool.wait_seconds)
             results["writes_ahead"] = writer.writes_ahead
@@ -193,6 +321,8 @@ def main(argv=None):
         results[f"dflashkit_{codec}"] = timed(extract, args.repeats, dev)
         results[f"bytes_per_run_{codec}"] = written[-1]
         results[f"staging_wait_s_{codec}"] = waited[1:]
+        results[f"capture_with_writer_s_{codec}"] = [p[0] for p in phases[1:]]
+        results[f"close_s_{codec}"] = [p[1] for p in phases[1:]]
         results[f"disk_{codec}"] = disk_ceiling(out, written[-1], args.repeats)
         shutil.rmtree(out, ignore_errors=True)
     if not args.out_dir:
@@ -228,6 +358,11 @@ def main(argv=None):
               f"{results['bytes_per_run_' + codec] / tokens:,.0f} | "
               f"{results['write_bytes_per_s_' + codec] / 1e6:,.0f} | {results['ratio_vs_disk_ceiling_' + codec]:.3f} "
               f"| {wait:.2f} |")
+    for codec in ("bf16", "fp8"):
+        print(f"dflashkit_{codec}: the capture loop with the writer running "
+              f"{statistics.median(results['capture_with_writer_s_' + codec]):.2f} s (alone "
+              f"{statistics.median(results['capture_' + codec]):.2f} s), then close() "
+              f"{statistics.median(results['close_s_' + codec]):.2f} s (the writer's backlog)")
     for codec in ("bf16", "fp8"):
         print(f"disk ceiling ({results['bytes_per_run_' + codec] / 1e6:,.0f} MB, write + fsync): "
               f"{results['disk_ceiling_bytes_per_s_' + codec] / 1e6:,.0f} MB/s")

@@ -64,7 +64,9 @@ def test_fp8_and_bf16_round_trip_within_the_stated_bounds():
     x[0] = 0
     x[1, :8] = 1e-30
     amax = x.abs().amax(-1, keepdim=True)
+    before = x.clone()
     values, scale = encode_features(x, "fp8")
+    assert torch.equal(x, before)  # the input is left as it was (the encoding divides a copy in place)
     assert values.dtype == torch.float8_e4m3fn and scale.shape == (512,)
     err = (decode_features(values, scale).float() - x).abs()
     assert (err <= FP8_REL_ERR * x.abs() + FP8_ABS_ERR * amax).all()
@@ -291,9 +293,10 @@ def test_several_shards_in_flight_write_the_same_bytes_and_manifests_as_one(tmp_
     real = writer_module.write_manifest
 
     def recording(run):
-        def write_manifest(path, manifest):
+        def write_manifest(path, manifest, *shard_lines):
             written.setdefault(run, []).append(json.dumps(manifest, sort_keys=True))
-            real(path, manifest)
+            real(path, manifest, *shard_lines)
+            assert json.loads(path.read_text()) == manifest  # the lines are its shards
         return write_manifest
 
     # one writer thread; three (shards written ahead as unnamed files, where the system has them); three with
@@ -366,3 +369,28 @@ def test_a_file_written_unnamed_has_no_name_until_published(tmp_path):
     fd = write_unnamed(tmp_path, [b"dropped"])
     os.close(fd)  # closed before publish (a killed run): nothing remains
     assert [p.name for p in tmp_path.iterdir()] == ["a.bin"]
+
+
+def test_buffers_are_written_in_few_large_calls_and_whole_when_a_call_writes_less(tmp_path, monkeypatch):
+    import os
+    import random
+
+    import dflashkit.extract.files as files
+
+    rng = random.Random(0)
+    parts = [os.urandom(n) for n in (5, 0, 300, 1, 64, 1000, 7)]
+    monkeypatch.setattr(files, "_CHUNK_BYTES", 100)
+    views = [memoryview(b) for b in parts if b]
+    chunks = list(files._chunks(views))
+    assert [sum(v.nbytes for v in c) for c in chunks] == [100] * 13 + [77]  # gathered across buffers and split
+    assert b"".join(bytes(v) for c in chunks for v in c) == b"".join(parts)
+    real, calls = os.writev, []
+
+    def short_writev(fd, buffers):  # the system may write less than asked: here at most 1..40 bytes a call
+        calls.append(len(buffers))
+        return real(fd, [memoryview(b"".join(bytes(b) for b in buffers))[: rng.randint(1, 40)]])
+
+    monkeypatch.setattr(os, "writev", short_writev)
+    with open(tmp_path / "f", "wb") as f:
+        files._write_buffers(f.fileno(), [memoryview(b) for b in parts])
+    assert (tmp_path / "f").read_bytes() == b"".join(parts) and len(calls) > len(chunks)
