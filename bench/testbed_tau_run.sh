@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The testbed run of RESULTS.md on two H200s (one works too, more slowly):
-#   1. one- vs two-GPU benchmarks of regeneration and DDP training;
+#   1. benchmarks: regeneration and DDP training on one vs two GPUs, extraction, the decode and block attention
+#      kernels;
 #   2. regenerate every user turn of the testbed's ShareGPT conversations with the SmolLM2-135M target, in order,
 #      the prompts split over both GPUs;
 #   3. train the 5-layer drafter online on all of it for STEPS steps twice at once, dpace (the default) on GPU 0
@@ -11,9 +12,10 @@
 #   python bench/testbed_data.py --out .cache/gpu --sharegpt 0          # where the testbed packages are installed
 #   TARGET=/root/testbed/smollm2-bf16 DATA=.cache/gpu RUN=/root/run bash bench/testbed_tau_run.sh
 #   SCALE=toy TARGET=testbed:smollm2 DEVICE=cpu bash bench/testbed_tau_run.sh        # the same stages, tiny, CPU
-# Optional: BENCH=0 skips step 1; REGEN=FILE[.gz] reuses an earlier run's regenerated data (its regen-all.jsonl.gz)
-# instead of step 2; STEPS sets the training steps of steps 3-4. MODE=curve replaces steps 3-4 with 3': the
-# data-size curve at equal epochs (EPOCHS, default 3) and one larger drafter, e.g.
+# Optional: BENCH=0 skips step 1, ONLY_BENCH=1 stops after it; REGEN=FILE[.gz] reuses an earlier run's
+# regenerated data (its regen-all.jsonl.gz) instead of step 2; STEPS sets the training steps of steps 3-4.
+# MODE=curve replaces steps 3-4 with 3': the data-size curve at equal epochs (EPOCHS, default 3) and one larger
+# drafter, e.g.
 #   MODE=curve BENCH=0 REGEN=.cache/testbed-run/regen-all.jsonl.gz TARGET=... DATA=... RUN=... \
 #     bash bench/testbed_tau_run.sh
 #
@@ -104,7 +106,20 @@ if [ "$BENCH" = 1 ]; then
   wait
   stage bench-train-ddp "$BOTH" 200 "${multi[@]}" bench/bench_train_throughput.py --target "$T" \
     --out "$R/train_throughput_smollm2.json" --profile "$R/profile_train_smollm2.txt"
+  # GPU 0: the decode kernel against SDPA on the same prompts; GPU 1: the drafter's block attention alone, compiled
+  # for static and for dynamic shapes (the trainer's case), on an even and on a training-like ragged micro-batch
+  stage bench-decode-attention "$G0" 240 python bench/bench_regenerate.py --target "$T" --data "$D/sharegpt.jsonl" \
+    --prompts 4096 --max-new-tokens 384 --batch "$BATCH" --no-hf --decode-attention compare \
+    --out "$R/regenerate_decode_attention_h200.json" &
+  (
+    stage bench-block-attention "$G1" 150 python bench/bench_block_attention.py --variants flex,flex_dynamic,split \
+      --out "$R/block_attention_smollm2.json"
+    stage bench-block-attention-ragged "$G1" 150 python bench/bench_block_attention.py --num-seqs 13 --min-len 256 \
+      --max-len 1024 --variants flex,flex_dynamic,split --out "$R/block_attention_smollm2_ragged.json"
+  ) &
+  wait
 fi
+if [ "${ONLY_BENCH:-0}" = 1 ]; then echo "[$(date +%T)] all done (ONLY_BENCH=1)" >> "$R/stages.txt"; exit 0; fi
 
 # --- 2. both GPUs: every user turn of every conversation answered by the target, in order ------------------------
 if [ -n "${REGEN:-}" ]; then  # the regenerated data of an earlier run (e.g. its regen-all.jsonl.gz)
