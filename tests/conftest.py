@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -329,3 +330,21 @@ def run_checked(cmd, timeout: float = 900) -> str:
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return p.stdout + p.stderr
+
+
+# ----------------------------------------------------------------------------- Triton interpreter scripts
+# The start of a script run as `python -c SCRIPT TESTS_DIR` with TRITON_INTERPRET=1: it makes the interpreter work
+# with numpy >= 2.4 and puts the tests folder (and the repository) on sys.path.
+INTERPRETER_PREAMBLE = textwrap.dedent("""
+    import json, os, sys, torch
+    import numpy
+    if tuple(int(x) for x in numpy.__version__.split(".")[:2]) >= (2, 4):
+        # the interpreter turns 1-element arrays into loop bounds with int(), which numpy >= 2.4 refuses
+        import triton.runtime.interpreter as interp
+        original = interp._patch_lang_tensor
+        def patched(tensor, scope):
+            original(tensor, scope)
+            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+        interp._patch_lang_tensor = patched
+    sys.path[:0] = [sys.argv[1], os.path.dirname(sys.argv[1])]
+""")

@@ -15,6 +15,8 @@ from dflashkit.eval.tree import ancestor_mask, build_tree
 from dflashkit.eval.tree_attention import tree_attention_reference
 from dflashkit.eval.verifier import TargetVerifier
 
+from tests.conftest import INTERPRETER_PREAMBLE
+
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models run faster on one thread
 
 
@@ -64,19 +66,7 @@ def test_twin_matches_per_node_loop(window, softcap):
     assert (ours - oracle).abs().max() < 1e-5
 
 
-KERNEL_SCRIPT = textwrap.dedent("""
-    import json, sys, torch
-    import numpy
-    if tuple(int(x) for x in numpy.__version__.split(".")[:2]) >= (2, 4):
-        # the interpreter turns 1-element arrays into loop bounds with int(), which numpy >= 2.4 refuses
-        import triton.runtime.interpreter as interp
-        original = interp._patch_lang_tensor
-        def patched(tensor, scope):
-            original(tensor, scope)
-            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-        interp._patch_lang_tensor = patched
-    import os
-    sys.path[:0] = [sys.argv[1], os.path.dirname(sys.argv[1])]
+KERNEL_SCRIPT = INTERPRETER_PREAMBLE + textwrap.dedent("""
     from test_eval_tree_attention import _case
     from dflashkit.eval.tree_attention import tree_attention_reference
     from dflashkit.eval.tree_attention_triton import tree_attention_triton

@@ -13,6 +13,8 @@ import torch
 from dflashkit.extract.decode_attention import decode_attention_reference
 from dflashkit.extract.generator import grouped_attention
 
+from tests.conftest import INTERPRETER_PREAMBLE
+
 
 def _case(seed=0, slots=5, hkv=2, group=3, d=24, columns=70, dtype=torch.float32):
     """Random query and a cache slice [:, :, :columns] of a longer cache; ragged positions with 0 and the last
@@ -51,19 +53,6 @@ def test_twin_with_a_window_of_one_is_the_own_value():
     assert (out[:, 0] - own).abs().max() < 1e-6
 
 
-INTERPRETER_PREAMBLE = textwrap.dedent("""
-    import json, os, sys, torch
-    import numpy
-    if tuple(int(x) for x in numpy.__version__.split(".")[:2]) >= (2, 4):
-        # the interpreter turns 1-element arrays into loop bounds with int(), which numpy >= 2.4 refuses
-        import triton.runtime.interpreter as interp
-        original = interp._patch_lang_tensor
-        def patched(tensor, scope):
-            original(tensor, scope)
-            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-        interp._patch_lang_tensor = patched
-    sys.path[:0] = [sys.argv[1], os.path.dirname(sys.argv[1])]
-""")
 KERNEL_SCRIPT = INTERPRETER_PREAMBLE + textwrap.dedent("""
     from test_extract_decode_attention import _case, masked_grouped
     from dflashkit.extract.decode_attention import decode_attention, decode_attention_reference
