@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from dflashkit.extract.decode_attention import decode_attention, decode_attention_reference, triton_available
-from dflashkit.extract.generator import grouped_attention
+from dflashkit.extract.slot_cache import grouped_attention
 
 
 def timed(fn, iters: int, device: torch.device) -> float:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dflashkit.extract.decode_attention import decode_attention_reference
-from dflashkit.extract.generator import grouped_attention
+from dflashkit.extract.slot_cache import grouped_attention
 
 from tests.conftest import INTERPRETER_PREAMBLE
 
@@ -107,12 +107,13 @@ GENERATOR_SCRIPT = INTERPRETER_PREAMBLE + textwrap.dedent("""
     from transformers import AutoModelForCausalLM
     from conftest import tiny_family_config
     import dflashkit.extract.generator as generator
+    import dflashkit.extract.slot_cache as slot_cache
     calls = []
-    kernel = generator.decode_attention
+    kernel = slot_cache.decode_attention
     def counted(*args):
         calls.append(args[5])  # the layer's window
         return kernel(*args)
-    generator.decode_attention = counted
+    slot_cache.decode_attention = counted
     torch.set_num_threads(1)
     results = {}
     for family in sys.argv[2:]:
