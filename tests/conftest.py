@@ -348,3 +348,14 @@ INTERPRETER_PREAMBLE = textwrap.dedent("""
         interp._patch_lang_tensor = patched
     sys.path[:0] = [sys.argv[1], os.path.dirname(sys.argv[1])]
 """)
+
+
+def run_in_interpreter(script: str, *args: str):
+    """Run ``script`` (INTERPRETER_PREAMBLE + the test's own lines) under TRITON_INTERPRET=1 in a fresh process
+    and return the JSON its last line prints; skip where Triton is not installed."""
+    pytest.importorskip("triton", reason="triton is not installed")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    run = subprocess.run([sys.executable, "-c", script, str(Path(__file__).parent), *args], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])

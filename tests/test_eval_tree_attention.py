@@ -1,10 +1,6 @@
 """Tree attention: the PyTorch twin against a per-node loop, the Triton kernel against the twin (interpreter),
 and the attention function plugged into a real transformers target against plain per-path forwards."""
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -15,7 +11,7 @@ from dflashkit.eval.tree import ancestor_mask, build_tree
 from dflashkit.eval.tree_attention import tree_attention_reference
 from dflashkit.eval.verifier import TargetVerifier
 
-from tests.conftest import INTERPRETER_PREAMBLE
+from tests.conftest import INTERPRETER_PREAMBLE, run_in_interpreter
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models run faster on one thread
 
@@ -95,12 +91,7 @@ KERNEL_SCRIPT = INTERPRETER_PREAMBLE + textwrap.dedent("""
 
 @pytest.mark.slow
 def test_triton_kernel_matches_twin_in_interpreter():
-    pytest.importorskip("triton", reason="triton is not installed")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    run = subprocess.run([sys.executable, "-c", KERNEL_SCRIPT, os.path.dirname(__file__)], env=env,
-                         capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
-    errors = json.loads(run.stdout.strip().splitlines()[-1])
+    errors = run_in_interpreter(KERNEL_SCRIPT)
     assert len(errors) == 8 and max(errors) < 1e-5, errors
 
 

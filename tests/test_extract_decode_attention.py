@@ -1,10 +1,6 @@
 """Slot decode attention: the PyTorch twin against the generator's masked grouped attention, the Triton kernel
 against both (interpreter on the CPU, and on a GPU where there is one)."""
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -13,7 +9,7 @@ import torch
 from dflashkit.extract.decode_attention import decode_attention_reference
 from dflashkit.extract.slot_cache import grouped_attention
 
-from tests.conftest import INTERPRETER_PREAMBLE
+from tests.conftest import INTERPRETER_PREAMBLE, run_in_interpreter
 
 
 def _case(seed=0, slots=5, hkv=2, group=3, d=24, columns=70, dtype=torch.float32):
@@ -77,12 +73,7 @@ KERNEL_SCRIPT = INTERPRETER_PREAMBLE + textwrap.dedent("""
 
 
 def test_triton_kernel_matches_twin_and_grouped_attention_in_interpreter():
-    pytest.importorskip("triton", reason="triton is not installed")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    run = subprocess.run([sys.executable, "-c", KERNEL_SCRIPT, os.path.dirname(__file__)], env=env,
-                         capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
-    errors = json.loads(run.stdout.strip().splitlines()[-1])
+    errors = run_in_interpreter(KERNEL_SCRIPT)
     assert len(errors) == 15, errors
     for kind, to_twin, to_grouped in errors:
         tolerance = 3e-3 if kind == "torch.float16" else 1e-5  # fp16: roundings of p and of the output
@@ -134,12 +125,7 @@ def test_generator_with_the_kernel_equals_the_default_path_in_interpreter():
     """Greedy tokens with decode_attention="triton" (the kernel, run by the interpreter) equal the default path:
     full attention with GQA (llama), sliding windows (gemma3_text), attention sinks left to the old path
     (gpt_oss: the kernel is never called, and the generator falls back to SDPA)."""
-    pytest.importorskip("triton", reason="triton is not installed")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    run = subprocess.run([sys.executable, "-c", GENERATOR_SCRIPT, os.path.dirname(__file__), "llama", "gemma3_text",
-                          "gpt_oss"], env=env, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
-    results = json.loads(run.stdout.strip().splitlines()[-1])
+    results = run_in_interpreter(GENERATOR_SCRIPT, "llama", "gemma3_text", "gpt_oss")
     assert results["llama"][:3] == ["triton", True, 4] and results["llama"][3] > 0
     assert results["llama"][4] == ["None"]
     assert results["gemma3_text"][:3] == ["triton", True, 4] and results["gemma3_text"][4] == ["4", "None"]
