@@ -12,7 +12,8 @@
 #   python bench/testbed_data.py --out .cache/gpu --sharegpt 0          # where the testbed packages are installed
 #   TARGET=/root/testbed/smollm2-bf16 DATA=.cache/gpu RUN=/root/run bash bench/testbed_tau_run.sh
 #   SCALE=toy TARGET=testbed:smollm2 DEVICE=cpu bash bench/testbed_tau_run.sh        # the same stages, tiny, CPU
-# Optional: BENCH=0 skips step 1, ONLY_BENCH=1 stops after it; REGEN=FILE[.gz] reuses an earlier run's
+# Optional: BENCH=0 skips step 1, ONLY_BENCH=1 stops after it, ONLY=REGEX runs only the stages whose names it
+# matches (e.g. ONLY_BENCH=1 ONLY='decode|extract' for two of the benchmarks); REGEN=FILE[.gz] reuses an earlier run's
 # regenerated data (its regen-all.jsonl.gz) instead of step 2; STEPS sets the training steps of steps 3-4.
 # MODE=curve replaces steps 3-4 with 3': the data-size curve at equal epochs (EPOCHS, default 3) and one larger
 # drafter, e.g.
@@ -52,6 +53,7 @@ NPROC=$([ "$NGPU" -ge 2 ] || [ "$DEVICE" = cpu ] && echo 2 || echo 1)  # ranks o
 
 stage() {  # stage NAME GPUS SECONDS COMMAND...: run with a time limit on the given GPUs, log, record rc and time
   local name=$1 gpu=$2 limit=$3; shift 3
+  if [ -n "${ONLY:-}" ] && ! [[ $name =~ $ONLY ]]; then return 0; fi  # ONLY=REGEX: only the stages it matches
   local start; start=$(date +%s)
   echo "[$(date +%T)] $name (gpu $gpu): $*" >> "$R/stages.txt"
   CUDA_VISIBLE_DEVICES=$gpu timeout -s INT -k 30 "$limit" "$@" > "$R/$name.log" 2>&1
@@ -91,33 +93,33 @@ echo "[$(date +%T)] start: $NGPU GPU(s), scale $SCALE" >> "$R/stages.txt"
 if [ "$BENCH" = 1 ]; then
   stage bench-regenerate "$BOTH" 120 "${multi[@]}" bench/bench_regenerate.py --target "$T" --data "$D/sharegpt.jsonl" \
     --prompts 4096 --max-new-tokens 384 --batch "$BATCH" --hf-prompts 256 --out "$R/regenerate_h200.json"
-  # GPU 1: extraction at the disk's speed; GPU 0 meanwhile: more slots (the decode step of a 135M model is mostly
-  # fixed per-kernel latency, so tokens/s should grow with them)
+  # GPU 1: extraction at the disk's speed, then the drafter's block attention alone, compiled for static and for
+  # dynamic shapes (the trainer's case), on an even and on a training-like ragged micro-batch. GPU 0 meanwhile:
+  # more slots (the decode step of a 135M model is mostly fixed per-kernel latency, so tokens/s should grow with
+  # them), then the decode kernel against SDPA on the same prompts at both slot counts
   (
     stage bench-extract-testbed "$G1" 100 python bench/bench_extract.py --target "$T" --batches 32 --repeats 3 \
       --out-dir "$R/bench-extract-tmp" --out "$R/extract_smollm2.json"
     stage bench-extract-qwen3-8b "$G1" 150 python bench/bench_extract.py --random-qwen3-8b --layer-ids 1 9 17 25 33 \
       --batch 8 --seq 2048 --batches 8 --repeats 2 --out-dir "$R/bench-extract-tmp" --out "$R/extract_qwen3_8b.json"
     rm -rf "$R/bench-extract-tmp"
-  ) &
-  stage bench-regenerate-2048 "$G0" 120 python bench/bench_regenerate.py --target "$T" --data "$D/sharegpt.jsonl" \
-    --prompts 8192 --max-new-tokens 384 --batch 2048 --no-hf --out "$R/regenerate_h200_2048.json" \
-    && REGEN_SLOTS=2048
-  wait
-  stage bench-train-ddp "$BOTH" 200 "${multi[@]}" bench/bench_train_throughput.py --target "$T" \
-    --out "$R/train_throughput_smollm2.json" --profile "$R/profile_train_smollm2.txt"
-  # GPU 0: the decode kernel against SDPA on the same prompts; GPU 1: the drafter's block attention alone, compiled
-  # for static and for dynamic shapes (the trainer's case), on an even and on a training-like ragged micro-batch
-  stage bench-decode-attention "$G0" 240 python bench/bench_regenerate.py --target "$T" --data "$D/sharegpt.jsonl" \
-    --prompts 4096 --max-new-tokens 384 --batch "$BATCH" --no-hf --decode-attention compare \
-    --out "$R/regenerate_decode_attention_h200.json" &
-  (
     stage bench-block-attention "$G1" 150 python bench/bench_block_attention.py --variants flex,flex_dynamic,split \
       --out "$R/block_attention_smollm2.json"
     stage bench-block-attention-ragged "$G1" 150 python bench/bench_block_attention.py --num-seqs 13 --min-len 256 \
       --max-len 1024 --variants flex,flex_dynamic,split --out "$R/block_attention_smollm2_ragged.json"
   ) &
+  stage bench-regenerate-2048 "$G0" 120 python bench/bench_regenerate.py --target "$T" --data "$D/sharegpt.jsonl" \
+    --prompts 8192 --max-new-tokens 384 --batch 2048 --no-hf --out "$R/regenerate_h200_2048.json"
+  stage bench-decode-attention "$G0" 240 python bench/bench_regenerate.py --target "$T" --data "$D/sharegpt.jsonl" \
+    --prompts 4096 --max-new-tokens 384 --batch "$BATCH" --no-hf --decode-attention compare \
+    --out "$R/regenerate_decode_attention_h200.json"
+  stage bench-decode-attention-2048 "$G0" 300 python bench/bench_regenerate.py --target "$T" \
+    --data "$D/sharegpt.jsonl" --prompts 8192 --max-new-tokens 384 --batch 2048 --no-hf --decode-attention compare \
+    --out "$R/regenerate_decode_attention_h200_2048.json"
   wait
+  [ -f "$R/regenerate_h200_2048.json" ] && REGEN_SLOTS=2048
+  stage bench-train-ddp "$BOTH" 200 "${multi[@]}" bench/bench_train_throughput.py --target "$T" \
+    --out "$R/train_throughput_smollm2.json" --profile "$R/profile_train_smollm2.txt"
 fi
 if [ "${ONLY_BENCH:-0}" = 1 ]; then echo "[$(date +%T)] all done (ONLY_BENCH=1)" >> "$R/stages.txt"; exit 0; fi
 
