@@ -135,7 +135,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"))
     ap.add_argument("--no-hf", action="store_true", help="skip the Hugging Face baseline")
     ap.add_argument("--no-cuda-graph", action="store_true")
-    ap.add_argument("--decode-attention", choices=("sdpa", "triton", "compare"), default="sdpa",
+    ap.add_argument("--decode-attention", choices=("sdpa", "triton", "compare"), default="triton",
                     help="the slot generator's decode attention; compare: sdpa, then triton on the same prompts "
                          "(one rank only)")
     ap.add_argument("--out", default="bench_regenerate.json")

@@ -92,9 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chunk-factor", type=positive_int, default=8,
                    help="--target: conversations answered together, in multiples of --batch-size")
     g.add_argument("--no-cuda-graph", action="store_true", help="--target on a GPU: run each decode step eagerly")
-    g.add_argument("--decode-attention", choices=("sdpa", "triton"), default="sdpa",
-                   help="--target on a GPU: decode attention by masked SDPA over the longest slot's length, or by "
-                        "the Triton kernel that reads each slot up to its own length")
+    g.add_argument("--decode-attention", choices=("sdpa", "triton"), default="triton",
+                   help="--target on a GPU: decode attention by the Triton kernel that reads each slot up to its "
+                        "own length (default; SDPA where Triton cannot run), or by masked SDPA over the longest "
+                        "slot's length")
     g.add_argument("--concurrency", type=positive_int, default=16, help="server requests in flight")
     g.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None)
     g.add_argument("--device", default=None, help="default: cuda if available, else cpu")
@@ -182,7 +183,7 @@ def regenerate(data: list[str], out, *, target: str | None = None, server: str |
                top_p: float = 1.0, top_k: int = 0, seed: int = 0, chat_template_kwargs: dict | None = None,
                max_prompt_length: int | None = None, max_turns: int | None = None, batch_size: int = 16,
                chunk_factor: int = 8, cuda_graph: bool = True, concurrency: int = 16, dtype: str | None = None,
-               device: str | None = None, progress: bool = True, decode_attention: str = "sdpa") -> dict:
+               device: str | None = None, progress: bool = True, decode_attention: str = "triton") -> dict:
     """Answer every user turn of the conversations of ``data`` with ``target`` (a local model) or ``server`` (an
     OpenAI-compatible URL) into the JSONL file ``out``; return the counts. The parameters are the command's flags
     (see ``build_parser``); ``chat_template_kwargs`` is a dict."""

@@ -112,17 +112,19 @@ GENERATOR_SCRIPT = INTERPRETER_PREAMBLE + textwrap.dedent("""
         model = AutoModelForCausalLM.from_config(tiny_family_config(family)).eval()
         g = torch.Generator().manual_seed(3)
         prompts = [torch.randint(4, 244, (n,), generator=g).tolist() for n in (3, 11, 7, 20, 5)]
-        sdpa = generator.SlotGenerator(model, [], num_slots=3, length_step=16).generate(prompts, 6)
+        sdpa = generator.SlotGenerator(model, [], num_slots=3, length_step=16, decode_attention="sdpa").generate(
+            prompts, 6)
         calls.clear()
-        gen = generator.SlotGenerator(model, [], num_slots=3, length_step=16, decode_attention="triton")
+        gen = generator.SlotGenerator(model, [], num_slots=3, length_step=16)  # the default: the kernel
         same = gen.generate(prompts, 6) == sdpa
         results[family] = [gen.decode_attention, same, gen.kernel_layers, len(calls), sorted({str(w) for w in calls})]
     print(json.dumps(results))
 """)
 
 
-def test_generator_with_the_kernel_equals_the_default_path_in_interpreter():
-    """Greedy tokens with decode_attention="triton" (the kernel, run by the interpreter) equal the default path:
+def test_generator_with_the_kernel_equals_the_sdpa_path_in_interpreter():
+    """Greedy tokens with the default decode_attention ("triton": the kernel, run by the interpreter) equal the
+    SDPA path's:
     full attention with GQA (llama), sliding windows (gemma3_text), attention sinks left to the old path
     (gpt_oss: the kernel is never called, and the generator falls back to SDPA)."""
     results = run_in_interpreter(GENERATOR_SCRIPT, "llama", "gemma3_text", "gpt_oss")

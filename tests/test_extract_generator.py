@@ -233,3 +233,13 @@ def test_reserve_before_generating_changes_nothing(tiny_root):
     gen.reserve(64)
     assert gen.cache.max_length == 64 and len(gen.cache.keys) == 4
     assert gen.generate(prompts, 10) == SlotGenerator(model, [], num_slots=2).generate(prompts, 10)
+
+
+def test_the_default_decode_kernel_falls_back_to_sdpa_where_triton_cannot_run(tiny_root, monkeypatch):
+    """The default asks for the Triton decode kernel; on a CPU outside the interpreter it cannot run, so the
+    generator takes the SDPA path (and says which it took); a name it does not know is refused."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    model = load_target(save_tiny_target("qwen3", tiny_root / "qwen3-default-kernel")).model
+    assert SlotGenerator(model, [], num_slots=2).decode_attention == "sdpa"
+    with pytest.raises(ValueError, match="give 'sdpa' or 'triton'"):
+        SlotGenerator(model, [], num_slots=2, decode_attention="flash")
