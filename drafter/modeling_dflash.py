@@ -83,8 +83,24 @@ def default_mask(q_len: int, k_len: int, causal: bool, window: int | None, devic
 _FLEX = []  # the compiled flex_attention, built on first use (eager flex_attention is a slow reference path)
 
 
+def autocast_inputs(q, k, v):
+    """q, k, v in the autocast dtype while autocast is on for their device, else unchanged.
+
+    Mixed-precision training keeps fp32 weights under autocast, so RMSNorm's weight hands q and k over in float32
+    while v (a linear's output) is bf16. Autocast casts SDPA's inputs itself; eager flex_attention and the split
+    attention's own matmuls would compute in float32, unlike the SDPA path. (In the compiled CUDA training layer
+    the flex kernel took the same time with and without this cast: 5.0 ms per call, BENCHMARKS.md.)"""
+    dev = q.device.type
+    if torch.is_autocast_enabled(dev):
+        dt = torch.get_autocast_dtype(dev)
+        return q.to(dt), k.to(dt), v.to(dt)
+    return q, k, v
+
+
 def attend(q, k, v, mask, scale):
     """SDPA with a bool/float mask, flex_attention with a BlockMask (CUDA training), or the mask's own attend."""
+    if mask is not None and not torch.is_tensor(mask):  # flex_attention or the mask's own: autocast's dtype
+        q, k, v = autocast_inputs(q, k, v)
     if type(mask).__name__ == "BlockMask":
         if not _FLEX:
             from torch.nn.attention.flex_attention import flex_attention

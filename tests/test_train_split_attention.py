@@ -137,3 +137,39 @@ def test_config_and_builder_names():
     mask = split_block_mask(torch.tensor([1, 2]), 4, 2)
     with pytest.raises(ValueError, match="keys must be"):
         mask.attend(torch.zeros(1, 2, 4, 8), torch.zeros(1, 2, 4, 8), torch.zeros(1, 2, 4, 8), 1.0)
+
+
+def test_masked_attention_runs_in_the_autocast_dtype(monkeypatch):
+    """Mixed-precision training hands q and k over in float32 (RMSNorm's fp32 weight) and v in bf16. Autocast
+    casts SDPA's inputs itself; flex_attention (BlockMask) and the split attention are not on its lists, so
+    attend casts them: both receive bf16 q, k, v, and give what the same attention of the cast inputs gives.
+    Outside autocast nothing is cast."""
+    import dflashkit.drafter.modeling_dflash as modeling
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    seen = []
+
+    def recording_flex(q, k, v, **kw):
+        seen.append((q.dtype, k.dtype, v.dtype))
+        return flex_attention(q, k, v, **kw)
+
+    monkeypatch.setattr(modeling, "_FLEX", [recording_flex])
+    anchors, starts, L = packed_layout([9, 14], 3, seed=1)
+    Q = anchors.numel() * 4
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(1, 4, Q, 8, generator=g), torch.randn(1, 2, L + Q, 8, generator=g)
+    v = torch.randn(1, 2, L + Q, 8, generator=g).bfloat16()
+    dense = dense_block_mask(anchors, L, 4, None, starts)
+    block_mask = create_block_mask(lambda b, h, qi, kj: dense[0, 0, qi, kj], 1, 1, Q, L + Q, device="cpu",
+                                   BLOCK_SIZE=16)
+    split = split_block_mask(anchors, L, 4, None, starts)
+    cast = (q.bfloat16(), k.bfloat16(), v)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got_flex = attend(q, k, v, block_mask, 0.4)
+        got_split = attend(q, k, v, split, 0.4)
+    assert seen == [(torch.bfloat16,) * 3] and got_flex.dtype == got_split.dtype == torch.bfloat16
+    assert torch.equal(got_flex, flex_attention(*cast, block_mask=block_mask, scale=0.4, enable_gqa=True))
+    assert torch.equal(got_split, split.attend(*cast, 0.4))
+    seen.clear()
+    attend(q, k, v.float(), block_mask, 0.4)  # no autocast: the inputs as given
+    assert seen == [(torch.float32,) * 3]
