@@ -26,7 +26,15 @@ outputs (context, block) that the layer concatenates; the output [1, Q, Hq*d] go
   merged exactly; no partial tiles on the block diagonal;
 - split_eager: the same with only the context flex_attention compiled;
 - split_ko_<spec>: split with the kernel options of <spec> on its context flex_attention;
-- dense: SDPA with the dense bool mask (only where the mask is small: --toy; the reference there).
+- dense: SDPA with the dense bool mask (only where the mask is small: --toy; the reference there);
+- layer (only when named in --variants): the drafter's own attention module (DFlashAttention: projections,
+  norms, RoPE, the attention, o_proj) as the trainer runs it: float32 weights under bf16 autocast, compiled with
+  ``module.compile()`` for static shapes, on the same layout and BlockMask; its own random inputs, so its
+  times include the projections and it has no differences column; layer_dynamic: the same compiled with
+  dynamic=True (what the trainer's ``layer.compile()`` becomes after the first new micro-batch shape);
+--kernel-profile: also profile 5 forward+backward calls of each GPU variant and record the device time per call
+of each kernel whose name has "flex" in it (``kernels`` in the JSON): the attention kernels alone, inside the
+layer as in the standalone variants.
 On the CPU (--toy) nothing is compiled, flex_attention runs its eager reference (forward only: it has no CPU
 backward), split's context part runs its dense twin (split_flex_context: through flex_attention, forward
 only), and the reference is dense.
@@ -181,6 +189,52 @@ def build_variant(name: str, *, L: int, Q: int, hkv: int, d: int, scale: float, 
     raise ValueError(f"unknown variant {name!r}; the variants: {GPU_VARIANTS + ['dense']}")
 
 
+def layer_case(*, L: int, Q: int, hq: int, hkv: int, d: int, mask, gpu: bool, dev, dynamic: bool = False):
+    """(forward, forward+backward) callables of the drafter's DFlashAttention as a compiled training layer."""
+    from transformers import Qwen3Config
+
+    from dflashkit.drafter.modeling_dflash import DFlashAttention
+
+    cfg = Qwen3Config(hidden_size=hq * d, num_attention_heads=hq, num_key_value_heads=hkv, head_dim=d,
+                      num_hidden_layers=1, intermediate_size=4 * hq * d)
+    torch.manual_seed(0)
+    attn = DFlashAttention(cfg, 0).to(dev).train().requires_grad_(gpu)  # float32, as mixed precision keeps them
+    if gpu:
+        attn.compile(dynamic=dynamic)
+    g = torch.Generator(device=dev).manual_seed(1)
+    block = torch.randn(1, Q, hq * d, generator=g, device=dev, requires_grad=gpu)  # flex: no CPU backward
+    context = torch.randn(1, L, hq * d, generator=g, device=dev, requires_grad=gpu)
+    angles = torch.rand(1, L + Q, d, generator=g, device=dev) * 6.28
+    cos, sin = angles.cos(), angles.sin()
+    grad = torch.randn(1, Q, hq * d, generator=g, device=dev)
+    autocast = torch.autocast(dev.type, dtype=torch.bfloat16)
+
+    def forward():
+        with autocast:
+            return attn(block, context, cos, sin, mask)
+
+    def forward_backward():
+        forward().backward(grad)
+
+    return forward, (forward_backward if gpu else None)
+
+
+def kernel_times(fn, calls: int = 5) -> dict:
+    """Device ms per call of each CUDA kernel with "flex" in its name over ``calls`` calls of ``fn``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    out = {}
+    for e in prof.key_averages():
+        t = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+        if "flex" in e.key and t:
+            out[e.key] = max(out.get(e.key, 0.0), t / 1e3 / calls)  # the same kernel may be listed twice
+    return out
+
+
 def max_diffs(out, grads, ref) -> dict:
     if ref is None:
         return {}
@@ -208,6 +262,8 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default=None)
+    ap.add_argument("--kernel-profile", action="store_true",
+                    help="GPU: also record the device time per call of each flex kernel of each variant")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     if args.toy:
@@ -276,6 +332,23 @@ def main(argv=None):
     ref = None
     for name in names:
         r = results["variants"][name] = {}
+        if name in ("layer", "layer_dynamic"):
+            try:
+                fwd_fn, fb_fn = layer_case(L=L, Q=Q, hq=hq, hkv=hkv, d=d, mask=masks["flex"], gpu=gpu, dev=dev,
+                                           dynamic=name == "layer_dynamic")
+                r["fwd_ms"] = statistics.median(timed(fwd_fn, args.repeats, args.warmup, dev))
+                r["fwd_tflops"] = flops_fwd / r["fwd_ms"] / 1e9  # the attention's FLOPs only, as for the others
+                if fb_fn is not None:
+                    r["fwd_bwd_ms"] = statistics.median(timed(fb_fn, args.repeats, args.warmup, dev))
+                    r["fwd_bwd_tflops"] = 3.5 * flops_fwd / r["fwd_bwd_ms"] / 1e9
+                    if args.kernel_profile:
+                        r["kernels"] = kernel_times(fb_fn)
+                r["max_abs_diff_vs_ref"] = r["max_abs_diff_vs_fp32"] = {}
+            except Exception as e:  # noqa: BLE001 - recorded, the others still run
+                r["error"] = f"{type(e).__name__}: {e}"
+                r["traceback"] = traceback.format_exc(limit=4)
+            out_path.write_text(json.dumps(results, indent=2))
+            continue
         try:
             fn, has_backward = build_variant(name, L=L, Q=Q, hkv=hkv, d=d, scale=scale, gpu=gpu, masks=masks)
             x = inputs(dtype)
@@ -296,6 +369,8 @@ def main(argv=None):
                 fb = timed(lambda: torch.autograd.grad(fn(*x), x, grad_out), args.repeats, args.warmup, dev)
                 r["fwd_bwd_ms"] = statistics.median(fb)
                 r["fwd_bwd_tflops"] = 3.5 * flops_fwd / r["fwd_bwd_ms"] / 1e9
+                if gpu and args.kernel_profile:
+                    r["kernels"] = kernel_times(lambda: torch.autograd.grad(fn(*x), x, grad_out))
             else:
                 r["note"] = "forward only: flex_attention has no backward on the CPU"
         except Exception as e:  # noqa: BLE001 - one variant's failure is a result, the others still run
@@ -333,6 +408,9 @@ def print_table(r: dict) -> None:
         fb = f"{v['fwd_bwd_ms']:.3f} | {v['fwd_bwd_tflops']:.1f}" if "fwd_bwd_ms" in v else "- | -"
         print(f"| {name} | {v['fwd_ms']:.3f} | {v['fwd_tflops']:.1f} | {fb} | {diffs(v['max_abs_diff_vs_ref'])} "
               f"| {diffs(v['max_abs_diff_vs_fp32'])} |")
+    for name, v in r["variants"].items():
+        for kernel, ms in v.get("kernels", {}).items():
+            print(f"{name}: {kernel[:90]} {ms:.3f} ms per call")
 
 
 if __name__ == "__main__":
