@@ -144,8 +144,9 @@ def test_masked_attention_runs_in_the_autocast_dtype(monkeypatch):
     casts SDPA's inputs itself; flex_attention (BlockMask) and the split attention are not on its lists, so
     attend casts them: both receive bf16 q, k, v, and give what the same attention of the cast inputs gives.
     Outside autocast nothing is cast."""
-    import dflashkit.drafter.modeling_dflash as modeling
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    import dflashkit.drafter.modeling_dflash as modeling
 
     seen = []
 
