@@ -32,6 +32,8 @@ outputs (context, block) that the layer concatenates; the output [1, Q, Hq*d] go
   ``module.compile()`` for static shapes, on the same layout and BlockMask; its own random inputs, so its
   times include the projections and it has no differences column; layer_dynamic: the same compiled with
   dynamic=True (what the trainer's ``layer.compile()`` becomes after the first new micro-batch shape);
+  layer_dynamic_frozen: that with an input that needs no gradient (the first drafter layer's: the noise
+  embedding comes from the frozen target embedding), which the trainer compiles as a graph of its own;
 --kernel-profile: also profile 5 forward+backward calls of each GPU variant and record the device time per call
 of each kernel whose name has "flex" in it (``kernels`` in the JSON): the attention kernels alone, inside the
 layer as in the standalone variants.
@@ -189,7 +191,8 @@ def build_variant(name: str, *, L: int, Q: int, hkv: int, d: int, scale: float, 
     raise ValueError(f"unknown variant {name!r}; the variants: {GPU_VARIANTS + ['dense']}")
 
 
-def layer_case(*, L: int, Q: int, hq: int, hkv: int, d: int, mask, gpu: bool, dev, dynamic: bool = False):
+def layer_case(*, L: int, Q: int, hq: int, hkv: int, d: int, mask, gpu: bool, dev, dynamic: bool = False,
+               frozen_input: bool = False):
     """(forward, forward+backward) callables of the drafter's DFlashAttention as a compiled training layer."""
     from transformers import Qwen3Config
 
@@ -202,7 +205,7 @@ def layer_case(*, L: int, Q: int, hq: int, hkv: int, d: int, mask, gpu: bool, de
     if gpu:
         attn.compile(dynamic=dynamic)
     g = torch.Generator(device=dev).manual_seed(1)
-    block = torch.randn(1, Q, hq * d, generator=g, device=dev, requires_grad=gpu)  # flex: no CPU backward
+    block = torch.randn(1, Q, hq * d, generator=g, device=dev, requires_grad=gpu and not frozen_input)
     context = torch.randn(1, L, hq * d, generator=g, device=dev, requires_grad=gpu)
     angles = torch.rand(1, L + Q, d, generator=g, device=dev) * 6.28
     cos, sin = angles.cos(), angles.sin()
@@ -332,10 +335,10 @@ def main(argv=None):
     ref = None
     for name in names:
         r = results["variants"][name] = {}
-        if name in ("layer", "layer_dynamic"):
+        if name in ("layer", "layer_dynamic", "layer_dynamic_frozen"):
             try:
                 fwd_fn, fb_fn = layer_case(L=L, Q=Q, hq=hq, hkv=hkv, d=d, mask=masks["flex"], gpu=gpu, dev=dev,
-                                           dynamic=name == "layer_dynamic")
+                                           dynamic=name != "layer", frozen_input=name == "layer_dynamic_frozen")
                 r["fwd_ms"] = statistics.median(timed(fwd_fn, args.repeats, args.warmup, dev))
                 r["fwd_tflops"] = flops_fwd / r["fwd_ms"] / 1e9  # the attention's FLOPs only, as for the others
                 if fb_fn is not None:
