@@ -17,8 +17,8 @@ On the same batches (random token ids, every token real), median over --repeats 
   staging buffers and shards written to --out-dir by ``ShardWriter`` with --shard-size and --writer-threads,
   ``close()`` (the last fsync) included in the time (``writes_ahead`` in the JSON: whether the directory's file
   system let shards be written ahead of their turn). The time starts at the first batch: the writer's set-up
-  (allocating --staging-size of pinned host memory, once per extraction however long it runs)
-  is reported apart (``writer_setup_s_*``), and deleting the previous run's shards is not timed;
+  (allocating --staging-size of pinned host memory, once per extraction however long it runs) is reported
+  apart (``writer_setup_s_*``), and deleting the previous run's shards is not timed;
 - disk: the disk's sequential write ceiling, measured in the same run: the same number of bytes as one
   extraction run writes, written to the same directory in 64 MiB writes, then fsync (what ``dd conv=fsync``
   does), median over --repeats.

@@ -13,8 +13,9 @@
 #   TARGET=/root/testbed/smollm2-bf16 DATA=.cache/gpu RUN=/root/run bash bench/testbed_tau_run.sh
 #   SCALE=toy TARGET=testbed:smollm2 DEVICE=cpu bash bench/testbed_tau_run.sh        # the same stages, tiny, CPU
 # Optional: BENCH=0 skips step 1, ONLY_BENCH=1 stops after it, ONLY=REGEX runs only the stages whose names it
-# matches (e.g. ONLY_BENCH=1 ONLY='decode|extract' for two of the benchmarks); REGEN=FILE[.gz] reuses an earlier run's
-# regenerated data (its regen-all.jsonl.gz) instead of step 2; STEPS sets the training steps of steps 3-4.
+# matches (e.g. ONLY_BENCH=1 ONLY='decode|extract' for two of the benchmarks); REGEN=FILE[.gz] reuses an
+# earlier run's regenerated data (its regen-all.jsonl.gz) instead of step 2; STEPS sets the training steps of
+# steps 3-4.
 # MODE=curve replaces steps 3-4 with 3': the data-size curve at equal epochs (EPOCHS, default 3) and one larger
 # drafter, e.g.
 #   MODE=curve BENCH=0 REGEN=.cache/testbed-run/regen-all.jsonl.gz TARGET=... DATA=... RUN=... \
