@@ -31,9 +31,13 @@ outputs (context, block) that the layer concatenates; the output [1, Q, Hq*d] go
   norms, RoPE, the attention, o_proj) as the trainer runs it: float32 weights under bf16 autocast, compiled with
   ``module.compile()`` for static shapes, on the same layout and BlockMask; its own random inputs, so its
   times include the projections and it has no differences column; layer_dynamic: the same compiled with
-  dynamic=True (what the trainer's ``layer.compile()`` becomes after the first new micro-batch shape);
+  dynamic=True (as train/step.compile_layers compiles the trainer's layers);
   layer_dynamic_frozen: that with an input that needs no gradient (the first drafter layer's: the noise
   embedding comes from the frozen target embedding), which the trainer compiles as a graph of its own;
+  decoder_layer, decoder_layer_dynamic: the whole DFlashDecoderLayer (norms, attention, MLP: the unit the
+  trainer compiles) in the same way;
+--train-pack K: instead of the layout above, the K-th micro-batch of bench/bench_train_throughput.py's default
+pool (its sequences, prompts and anchors), to compare the kernel on exactly what the trainer bench feeds it;
 --kernel-profile: also profile 5 forward+backward calls of each GPU variant and record the device time per call
 of each kernel whose name has "flex" in it (``kernels`` in the JSON): the attention kernels alone, inside the
 layer as in the standalone variants.
@@ -68,6 +72,7 @@ KO_SETS = ["128x64_w4_s3", "64x128_w4_s3", "128x128_w8_s3", "64x64_w4_s3", "128x
 GPU_VARIANTS = ["flex", "flex_dynamic", "flex_contiguous", *(f"flex_ko_{s}" for s in KO_SETS), "split", "split_eager",
                 "split_ko_128x64_w4_s3", "split_ko_64x128_w4_s3"]  # flex_autotune: on request (slow to compile)
 CPU_VARIANTS = ["dense", "flex", "split", "split_flex_context"]
+LAYER_VARIANTS = ["layer", "layer_dynamic", "layer_dynamic_frozen", "decoder_layer", "decoder_layer_dynamic"]
 
 
 def kernel_options(spec: str) -> dict:
@@ -93,6 +98,23 @@ def make_layout(num_seqs: int, min_len: int, max_len: int, num_anchors: int, blo
                         "hidden": torch.zeros(n, 1), "index": i})
     return collate_blocks(samples, block_size=block_size, mask_token_id=0, num_anchors=num_anchors, seed=seed,
                           check_finite=False)
+
+
+def train_pack(k: int, block_size: int, num_anchors: int, toy: bool):
+    """The k-th micro-batch of bench_train_throughput.py's default pool (rank 0), laid out as it lays it out."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_train_throughput import make_pool
+
+    from dflashkit.train.data import pack_order
+
+    lo, hi, budget, n = (24, 96, 256, 24) if toy else (256, 1024, 8192, 128)
+    pool = make_pool(n, lo, hi, vocab=1000, seed=1000)
+    packs = pack_order(list(range(len(pool))), [s["input_ids"].numel() for s in pool], budget)
+    samples = [{**pool[i], "hidden": torch.zeros(pool[i]["input_ids"].numel(), 1)} for i in packs[k % len(packs)]]
+    return collate_blocks(samples, block_size=block_size, mask_token_id=0, num_anchors=num_anchors, seed=0,
+                          epoch=0, check_finite=False)
 
 
 def visible_pairs(anchors, starts, block_size: int, window: int | None) -> int:
@@ -192,16 +214,18 @@ def build_variant(name: str, *, L: int, Q: int, hkv: int, d: int, scale: float, 
 
 
 def layer_case(*, L: int, Q: int, hq: int, hkv: int, d: int, mask, gpu: bool, dev, dynamic: bool = False,
-               frozen_input: bool = False):
-    """(forward, forward+backward) callables of the drafter's DFlashAttention as a compiled training layer."""
+               frozen_input: bool = False, whole: bool = False):
+    """(forward, forward+backward) callables of the drafter's DFlashAttention (whole: its DFlashDecoderLayer, the
+    unit the trainer compiles) as a compiled training layer."""
     from transformers import Qwen3Config
 
-    from dflashkit.drafter.modeling_dflash import DFlashAttention
+    from dflashkit.drafter.modeling_dflash import DFlashAttention, DFlashDecoderLayer
 
     cfg = Qwen3Config(hidden_size=hq * d, num_attention_heads=hq, num_key_value_heads=hkv, head_dim=d,
-                      num_hidden_layers=1, intermediate_size=4 * hq * d)
+                      num_hidden_layers=1, intermediate_size=1536 if hq * d == 576 else 4 * hq * d)
     torch.manual_seed(0)
-    attn = DFlashAttention(cfg, 0).to(dev).train().requires_grad_(gpu)  # float32, as mixed precision keeps them
+    attn = (DFlashDecoderLayer if whole else DFlashAttention)(cfg, 0)
+    attn = attn.to(dev).train().requires_grad_(gpu)  # float32, as mixed precision keeps them
     if gpu:
         attn.compile(dynamic=dynamic)
     g = torch.Generator(device=dev).manual_seed(1)
@@ -265,6 +289,8 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default=None)
+    ap.add_argument("--train-pack", type=int, default=None,
+                    help="the layout of this micro-batch of bench_train_throughput.py's default pool instead")
     ap.add_argument("--kernel-profile", action="store_true",
                     help="GPU: also record the device time per call of each flex kernel of each variant")
     ap.add_argument("--out", required=True)
@@ -280,7 +306,11 @@ def main(argv=None):
 
         dynamo.config.cache_size_limit = max(dynamo.config.cache_size_limit, 64)
     B, hq, hkv, d, W = args.block_size, args.heads, args.kv_heads, args.head_dim, args.sliding_window
-    layout = make_layout(args.num_seqs, args.min_len, args.max_len, args.num_anchors, B, args.seed).to(dev)
+    if args.train_pack is None:
+        layout = make_layout(args.num_seqs, args.min_len, args.max_len, args.num_anchors, B, args.seed).to(dev)
+    else:
+        layout = train_pack(args.train_pack, B, args.num_anchors, toy=args.toy).to(dev)
+        args.num_seqs = len(layout.context_offsets) - 1
     anchors, starts, L = layout.anchors, layout.context_start, layout.ctx_len
     N = anchors.numel()
     Q = N * B
@@ -335,10 +365,11 @@ def main(argv=None):
     ref = None
     for name in names:
         r = results["variants"][name] = {}
-        if name in ("layer", "layer_dynamic", "layer_dynamic_frozen"):
+        if name in LAYER_VARIANTS:
             try:
                 fwd_fn, fb_fn = layer_case(L=L, Q=Q, hq=hq, hkv=hkv, d=d, mask=masks["flex"], gpu=gpu, dev=dev,
-                                           dynamic=name != "layer", frozen_input=name == "layer_dynamic_frozen")
+                                           dynamic="dynamic" in name, frozen_input=name.endswith("_frozen"),
+                                           whole=name.startswith("decoder_"))
                 r["fwd_ms"] = statistics.median(timed(fwd_fn, args.repeats, args.warmup, dev))
                 r["fwd_tflops"] = flops_fwd / r["fwd_ms"] / 1e9  # the attention's FLOPs only, as for the others
                 if fb_fn is not None:

@@ -16,8 +16,9 @@ One optimizer step is the trainer's (train/trainer.py): G micro-batches (--grad-
 whole sequences under --micro-batch-tokens (train/data.collate_blocks: anchors per sequence, block mask kept
 inside each sequence), the global loss denominator summed over micro-batches (and ranks), per micro-batch
 forward_blocks + backward, gradient clipping at 1.0, AdamW. Drafter fp32 master weights under bf16 autocast,
-each drafter layer torch.compile'd as the recipes do, and with it the fused (compiled) logit kernels of the loss
-(--no-compile: neither; --eager-loss: compiled layers, eager loss), flex_attention block masks.
+each drafter layer torch.compile'd as the trainer does (train/step.compile_layers), and with it the fused
+(compiled) logit kernels of the loss (--no-compile: neither; --eager-loss: compiled layers, eager loss),
+flex_attention block masks.
 Measured, after --warmup steps (compilation included there), over --steps steps:
 - offline: the drafter step on micro-batches already collated on the device (random features, as shards
   read by DataLoader workers would arrive);
@@ -33,6 +34,12 @@ the visible pairs; backward 2x forward, except fc (its input needs no gradient) 
 gradient over the B-1 predicted positions of real blocks; target forward = every layer that runs (early exit:
 layers after the deepest tap never run and are not counted), causal attention pairs per sequence. MFU divides by
 989 TFLOP/s (H100/H200 SXM dense bf16 datasheet); the measured 8192^3 bf16 matmul rate is reported too.
+``--smollm2-shape`` builds a random-weight target of the testbed's shape (SmolLM2-135M: the same drafter and the
+same target compute as ``--target /root/testbed/smollm2-bf16``, no weights to carry). ``--layer-compile automatic``
+compiles the drafter layers as torch.compile does by default (the trainer's form until 2026-12-01; the default
+is train/step.compile_layers). ``--layer-probe FILE`` (one process) then times the first drafter layer alone
+(forward+backward, flex kernels profiled) on the inputs it received in training, on other inputs, and against
+fresh compiles of the same layer.
 ``--qwen3-8b`` builds a random-weight Qwen3-8B target from its config in code (36 layers; --target-layers cuts
 it for memory, and the FLOPs then count only the layers that exist and run) and a drafter of its dimensions.
 """
@@ -55,14 +62,15 @@ from dflashkit.target.capture import LayerCapture
 from dflashkit.target.loading import Target, find_decoder, load_target
 from dflashkit.train.data import PackedBlocks, collate_blocks, pack_order
 from dflashkit.train.loss import loss_denominator
-from dflashkit.train.step import forward_blocks, mask_backend
+from dflashkit.train.step import compile_layers, forward_blocks, mask_backend
 
 PEAK_BF16 = 989e12
 
 
 # --------------------------------------------------------------------------- target, drafter, data
 def random_target(kind: str, device, dtype, layers: int | None) -> Target:
-    """A random-weight target built from a config in code: "toy" (tiny Llama) or "qwen3-8b"."""
+    """A random-weight target built from a config in code: "toy" (tiny Llama), "smollm2" (the testbed's
+    SmolLM2-135M shape) or "qwen3-8b"."""
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
     if kind == "qwen3-8b":
@@ -70,6 +78,10 @@ def random_target(kind: str, device, dtype, layers: int | None) -> Target:
                           num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
                           max_position_embeddings=40960, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
                           tie_word_embeddings=False)
+    elif kind == "smollm2":
+        cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=layers or 30,
+                          num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
+                          rope_parameters={"rope_type": "default", "rope_theta": 1e5}, tie_word_embeddings=True)
     else:
         cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=layers or 6,
                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
@@ -192,6 +204,8 @@ def main(argv=None):
     src.add_argument("--target", help="HF directory of the target (e.g. /root/testbed/smollm2-bf16)")
     src.add_argument("--qwen3-8b", action="store_true", help="random-weight Qwen3-8B target built in code")
     src.add_argument("--toy", action="store_true", help="tiny random target and drafter (runs on a CPU)")
+    src.add_argument("--smollm2-shape", action="store_true",
+                     help="random-weight target of the testbed's shape (SmolLM2-135M) built in code")
     src.add_argument("--target-layers", type=int, default=None, help="cut a random target to this many layers")
     src.add_argument("--layer-ids", type=int, nargs="+", help="tapped target layers (default: 5 evenly spaced)")
     shape = ap.add_argument_group("drafter and data")
@@ -211,11 +225,19 @@ def main(argv=None):
     run.add_argument("--modes", default="offline,online", help="comma list of offline, online")
     run.add_argument("--no-compile", action="store_true", help="eager drafter layers and loss")
     run.add_argument("--eager-loss", action="store_true", help="the eager loss (compiled layers)")
+    run.add_argument("--layer-compile", choices=("dynamic", "automatic"), default="dynamic",
+                     help="dynamic: layers compiled for symbolic shapes from the start, as the trainer does "
+                          "(train/step.compile_layers); automatic: torch.compile's default (specialised, then "
+                          "recompiled dynamic at the next shape), the trainer's form before 2026-12-01")
     run.add_argument("--device", default=None)
     run.add_argument("--attention", default="auto",
                      help="block attention (TrainConfig.attention): auto, flex, dense, split; a comma list (one "
                           "process) measures each in turn, e.g. flex,split")
     run.add_argument("--out", required=True)
+    run.add_argument("--layer-probe", default=None,
+                     help="after the measurements (one process), time the first drafter layer alone (forward+backward, "
+                          "flex kernels profiled) on the inputs it received in training and on others, against other "
+                          "compiles of a layer; write the JSON to this file")
     run.add_argument("--profile", default=None, help="also profile 3 online steps (rank 0, one process) and write "
                      "the operators by device time (or CPU time on a CPU) to this text file")
     args = ap.parse_args(argv)
@@ -226,8 +248,8 @@ def main(argv=None):
                 setattr(args, k, v)
     if args.qwen3_8b and args.micro_batch_tokens == ap.get_default("micro_batch_tokens"):
         args.micro_batch_tokens = 4096  # activations of ~3.5k blocks at hidden 4096 fit next to the 8B target
-    if sum(map(bool, (args.target, args.qwen3_8b, args.toy))) != 1:
-        ap.error("give exactly one of --target DIR, --qwen3-8b, --toy")
+    if sum(map(bool, (args.target, args.qwen3_8b, args.toy, args.smollm2_shape))) != 1:
+        ap.error("give exactly one of --target DIR, --qwen3-8b, --smollm2-shape, --toy")
     attentions = args.attention.split(",")
     if any(a not in ("auto", "flex", "dense", "split") for a in attentions):
         ap.error(f"--attention {args.attention}: each of auto, flex, dense, split")
@@ -248,13 +270,14 @@ def main(argv=None):
     gpu = dev.type == "cuda"
     dtype = torch.bfloat16 if gpu else torch.float32
     autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if gpu else nullcontext
-    compile_layers = gpu and not args.no_compile
+    compiled = gpu and not args.no_compile
 
     # --- target, drafter, optimizer
     if args.target:
         target = load_target(args.target, dtype=dtype, device=dev)
     else:
-        target = random_target("qwen3-8b" if args.qwen3_8b else "toy", dev, dtype, args.target_layers)
+        kind = "qwen3-8b" if args.qwen3_8b else "smollm2" if args.smollm2_shape else "toy"
+        target = random_target(kind, dev, dtype, args.target_layers)
     target.model.requires_grad_(False)
     ids = args.layer_ids or default_target_layer_ids(target.num_layers, 5 if not args.toy else 3)
     vocab = target.vocab_size
@@ -262,16 +285,12 @@ def main(argv=None):
                                     target_layer_ids=ids, mask_token_id=vocab - 1)
     torch.manual_seed(0)
     model = build_drafter(dcfg).to(dev).train()
-    if compile_layers:
-        import torch._dynamo as dynamo
-
-        dynamo.config.cache_size_limit = max(dynamo.config.cache_size_limit, 64)
-        for layer in model.layers:
-            layer.compile()
+    if compiled:
+        compile_layers(model, dynamic={"dynamic": True, "automatic": None}[args.layer_compile])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95))
     common = dict(block_size=dcfg.block_size, layer_types=dcfg.layer_types, sliding_window=dcfg.sliding_window,
                   backend=mask_backend(attentions[0], dev), chunk_tokens=args.chunk_tokens,
-                  fused_loss=compile_layers and not args.eager_loss)
+                  fused_loss=compiled and not args.eager_loss)
     opts = dict(block_size=dcfg.block_size, mask_token_id=dcfg.mask_token_id, num_anchors=args.num_anchors,
                 seed=0, epoch=0, check_finite=False)
 
@@ -343,7 +362,7 @@ def main(argv=None):
                "drafter": {k: getattr(dcfg, k) for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
                                                          "num_attention_heads", "num_key_value_heads", "head_dim",
                                                          "block_size", "vocab_size")},
-               "args": vars(args), "world_size": world, "compiled": compile_layers,
+               "args": vars(args), "world_size": world, "compiled": compiled, "layer_compile": args.layer_compile,
                "fused_loss": common["fused_loss"], "mask": common["backend"],
                "matmul_tflops": rate / 1e12 if rate else None, "peak_tflops": PEAK_BF16 / 1e12,
                "tokens_per_step_mean": sum(tokens) / len(tokens),
@@ -377,9 +396,138 @@ def main(argv=None):
         Path(path).write_text(text)
         print(f"wrote the profile of 3 online steps to {path}")
 
+    def layer_probe(path: str) -> None:  # is the flex kernel's time in training a matter of its inputs?
+        import sys
+
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from bench_block_attention import kernel_times
+
+        first, seen = model.layers[0], {}
+
+        class Recorder(torch.nn.Module):
+            def forward(self, *a, **kw):
+                seen["args"] = a
+                return first(*a, **kw)
+
+        model.layers[0] = Recorder()
+        with autocast():
+            forward_blocks(model, target, offline_micro(micro_of_step[0][0]), variant=args.loss, **common)
+        model.layers[0] = first
+        block, context, cos, sin, mask = seen["args"][:5]
+        g = torch.Generator(device=dev).manual_seed(5)
+        rand = [torch.randn(t.shape, generator=g, device=dev, dtype=t.dtype) for t in (block, context)]
+        big = torch.randn(16384 if gpu else 16, dcfg.hidden_size, device=dev, dtype=dtype)
+        head_w = target.lm_head.weight.detach()
+
+        def call(b, c, heavy=False):
+            def fn():
+                if heavy:
+                    for _ in range(4):
+                        big @ head_w.t()
+                b2 = b.detach().requires_grad_(b.requires_grad)
+                c2 = c.detach().requires_grad_(True)
+                with autocast():
+                    out = first(b2, c2, cos, sin, mask)
+                out.float().square().mean().backward()
+            return fn
+
+        res = {"inputs": {k: {"shape": list(t.shape), "dtype": str(t.dtype), "requires_grad": t.requires_grad,
+                              "abs_mean": float(t.detach().float().abs().mean())}
+                          for k, t in (("block", block), ("context", context), ("cos", cos))}}
+        from bench_block_attention import layer_case, train_pack
+
+        from dflashkit.train.block_mask import flex_block_mask
+
+        m0 = offline_micro(micro_of_step[0][0])
+        fresh_mask = flex_block_mask(m0.anchors.clone(), m0.ctx_len, dcfg.block_size, None, m0.context_start.clone())
+        lay = train_pack(0, dcfg.block_size, args.num_anchors, toy=args.toy).to(dev) if not args.toy else m0
+        bench_mask = flex_block_mask(lay.anchors, lay.ctx_len, dcfg.block_size, None, lay.context_start)
+        hq, hkv, hd = dcfg.num_attention_heads, dcfg.num_key_value_heads, dcfg.head_dim
+        Lc, Qn = context.shape[1], block.shape[1]
+
+        def bench_layer(mask):
+            return layer_case(L=Lc, Q=Qn, hq=hq, hkv=hkv, d=hd, mask=mask, gpu=gpu, dev=dev, dynamic=True,
+                              whole=True)[1] or (lambda: None)
+
+        def with_mask(mk, cs=(cos, sin)):
+            def fn():
+                b2, c2 = block.detach(), context.detach().requires_grad_(True)
+                with autocast():
+                    out = first(b2, c2, cs[0], cs[1], mk)
+                out.float().square().mean().backward()
+            return fn
+
+        angles = torch.rand(cos.shape, generator=g, device=dev) * 6.28
+        random_rope = (angles.cos(), angles.sin())
+
+        def reinit():  # nn.Linear's own init (the bench layer's) instead of N(0, 0.02), in place: run last
+            for mod in first.modules():
+                if isinstance(mod, torch.nn.Linear):
+                    mod.reset_parameters()
+
+        with torch.no_grad(), autocast():  # the compiled layer with the flex mask against the split attention
+            from dflashkit.train.split_attention import split_block_mask
+
+            sm = split_block_mask(m0.anchors, m0.ctx_len, dcfg.block_size, None, m0.context_start)
+            a, b = first(block, context, cos, sin, mask).float(), first(block, context, cos, sin, sm).float()
+            res["flex_vs_split_max_abs_diff"], res["output_abs_max"] = float((a - b).abs().max()), float(b.abs().max())
+            del a, b
+        from transformers import Qwen3Config
+
+        from dflashkit.drafter.modeling_dflash import DFlashDecoderLayer
+
+        bcfg = Qwen3Config(hidden_size=hq * hd, num_attention_heads=hq, num_key_value_heads=hkv, head_dim=hd,
+                           num_hidden_layers=1, intermediate_size=dcfg.intermediate_size)
+        other = DFlashDecoderLayer(bcfg, 0).to(dev).train()
+        if gpu:
+            other.compile(dynamic=True)
+        bench_in = (torch.randn(block.shape, generator=g, device=dev),
+                    torch.randn(context.shape, generator=g, device=dev), *random_rope)
+        fresh = {}
+        for key, dyn in (("static", False), ("dynamic", True)):  # the trainer's layer class and config, new compiles
+            fresh[key] = DFlashDecoderLayer(model.config, 0).to(dev).train()
+            fresh[key].load_state_dict(first.state_dict())
+            if gpu:
+                fresh[key].compile(dynamic=dyn)
+
+        def run_layer(layer, b, c, cs, sn, grad_block):
+            def fn():
+                b2 = b.detach().requires_grad_(grad_block)
+                c2 = c.detach().requires_grad_(True)
+                with autocast():
+                    out = layer(b2, c2, cs, sn, mask)
+                out.float().square().mean().backward()
+            return fn
+
+        for name, fn in (("captured", call(block, context)), ("random", call(*rand)),
+                         ("captured_after_matmuls", call(block, context, heavy=True)),
+                         *((("captured_fresh_mask", with_mask(fresh_mask)),  # flex: no CPU backward
+                            ("bench_layer_captured_mask", bench_layer(mask)),
+                            ("bench_layer_bench_mask", bench_layer(bench_mask))) if gpu else ()),
+                         ("bench_module_bench_inputs", run_layer(other, *bench_in, True)),
+                         ("bench_module_captured_inputs", run_layer(other, block, context, cos, sin, False)),
+                         ("train_module_bench_inputs", run_layer(first, *bench_in, True)),
+                         ("train_module_bench_inputs_no_block_grad", run_layer(first, *bench_in, False)),
+                         ("fresh_train_layer_static", run_layer(fresh["static"], block, context, cos, sin, False)),
+                         ("fresh_train_layer_dynamic", run_layer(fresh["dynamic"], block, context, cos, sin, False)),
+                         ("captured_random_rope", with_mask(mask, random_rope)),
+                         ("captured_linear_init", with_mask(mask)),
+                         ("captured_random_rope_linear_init", with_mask(mask, random_rope))):
+            if name == "captured_linear_init":
+                reinit()
+            for _ in range(3):
+                fn()
+            res[name] = {"ms": statistics.median(timed(lambda i: fn(), 10, 2, dev)) * 1e3,
+                         "kernels": kernel_times(fn) if gpu else {}}
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(res, indent=2))
+        print(json.dumps(res, indent=1))
+
     with LayerCapture(target, ids) as capture:
         if world == 1:
             results["single"] = measure(model, ddp=False)
+            if args.layer_probe:
+                layer_probe(args.layer_probe)
             if args.profile:
                 profile(args.profile)
             if len(attentions) > 1:  # the same steps again with each other block attention

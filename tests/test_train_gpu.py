@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 def test_compiled_flex_equals_dense_on_cuda():
     from dflashkit.drafter import DrafterConfig, build_drafter
     from dflashkit.train.data import pack_blocks
-    from dflashkit.train.step import forward_blocks
+    from dflashkit.train.step import compile_layers, forward_blocks
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -28,8 +28,7 @@ def test_compiled_flex_equals_dense_on_cuda():
     dense_model = build_drafter(cfg).cuda()
     flex_model = build_drafter(cfg).cuda()
     flex_model.load_state_dict(dense_model.state_dict())
-    for layer in flex_model.layers:
-        layer.compile()
+    compile_layers(flex_model)  # as the trainer compiles them
     head = torch.nn.Module()
     head.embed_tokens = torch.nn.Embedding(V, H).cuda()
     head.lm_head = torch.nn.Linear(H, V, bias=False).cuda()

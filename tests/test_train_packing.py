@@ -11,7 +11,7 @@ from dflashkit.drafter import DrafterConfig, build_drafter
 from dflashkit.train.block_mask import TILE, block_tiles, dense_block_mask, flex_block_mask
 from dflashkit.train.data import collate_blocks, pack_order, pack_sequences
 from dflashkit.train.loss import block_loss, loss_denominator
-from dflashkit.train.step import forward_blocks
+from dflashkit.train.step import compile_layers, forward_blocks
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_train_step import Head  # noqa: E402
@@ -244,8 +244,7 @@ def test_packed_compiled_flex_equals_dense_on_cuda(backend):
     dense_model = build_drafter(cfg).cuda()
     flex_model = build_drafter(cfg).cuda()
     flex_model.load_state_dict(dense_model.state_dict())
-    for layer in flex_model.layers:
-        layer.compile()
+    compile_layers(flex_model)  # as the trainer compiles them
     head = Head(V, H).cuda()
     for lens in ([200, 173, 61], [90, 300]):
         samples = [{**s, "hidden": s["hidden"].float()} for s in make_samples(lens, V, H, seed=len(lens))]

@@ -36,7 +36,7 @@ from .checkpoint import StopRequest, latest_checkpoint, load_checkpoint, save_ch
 from .config import TrainConfig
 from .data import BlockSource, block_loader, epoch_order, pack_order, rank_slots, split_indices, steps_per_epoch
 from .loss import loss_denominator
-from .step import MetricSums, evaluate, forward_blocks, mask_backend
+from .step import MetricSums, compile_layers, evaluate, forward_blocks, mask_backend
 from .tracking import Tracker
 
 
@@ -209,12 +209,8 @@ def train(cfg: TrainConfig) -> dict:
     optimizer = torch.optim.AdamW(_param_groups(model, cfg.weight_decay), lr=cfg.lr,
                                   betas=tuple(cfg.adam_betas), eps=cfg.adam_eps)
     model, optimizer = accelerator.prepare(model, optimizer)
-    if cfg.compile:  # per decoder layer: the fastest form measured (BENCHMARKS.md), shapes left dynamic
-        import torch._dynamo as dynamo
-
-        dynamo.config.cache_size_limit = max(dynamo.config.cache_size_limit, 64)
-        for layer in accelerator.unwrap_model(model).layers:
-            layer.compile()
+    if cfg.compile:  # per decoder layer, dynamic shapes from the start (train/step.compile_layers)
+        compile_layers(accelerator.unwrap_model(model))
     backend = mask_backend(cfg.attention, accelerator.device)
     say(f"attention mask: {backend}{' (compiled drafter layers)' if cfg.compile else ''}")
     common = dict(block_size=dcfg.block_size, layer_types=dcfg.layer_types, sliding_window=dcfg.sliding_window,
