@@ -106,7 +106,12 @@ def attend(q, k, v, mask, scale):
             from torch.nn.attention.flex_attention import flex_attention
 
             _FLEX.append(torch.compile(flex_attention, dynamic=False) if q.is_cuda else flex_attention)
-        return _FLEX[0](q, k, v, block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+        # Training packs are padded to multiples of flex_attention's 128-token tile (train/data.PAD_MULTIPLE). In a
+        # layer compiled for dynamic shapes the kernels cannot see that and keep their bounds checks; this test
+        # becomes a guard of the compiled graph, and the option lets the kernels drop them, as for static shapes.
+        opts = {"IS_DIVISIBLE": True} if q.is_cuda and q.shape[2] % 128 == 0 and k.shape[2] % 128 == 0 else None
+        return _FLEX[0](q, k, v, block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
+                        kernel_options=opts)
     if mask is not None and not torch.is_tensor(mask):  # a mask object that attends itself
         return mask.attend(q, k, v, scale)
     if q.shape[1] != k.shape[1]:
