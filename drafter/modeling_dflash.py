@@ -81,6 +81,7 @@ def default_mask(q_len: int, k_len: int, causal: bool, window: int | None, devic
 
 
 _FLEX = []  # the compiled flex_attention, built on first use (eager flex_attention is a slow reference path)
+FLEX_TILE = 128  # flex_attention's tile on both axes; training packs are padded to multiples of it
 
 
 def autocast_inputs(q, k, v):
@@ -109,7 +110,8 @@ def attend(q, k, v, mask, scale):
         # Training packs are padded to multiples of flex_attention's 128-token tile (train/data.PAD_MULTIPLE). In a
         # layer compiled for dynamic shapes the kernels cannot see that and keep their bounds checks; this test
         # becomes a guard of the compiled graph, and the option lets the kernels drop them, as for static shapes.
-        opts = {"IS_DIVISIBLE": True} if q.is_cuda and q.shape[2] % 128 == 0 and k.shape[2] % 128 == 0 else None
+        aligned = q.is_cuda and q.shape[2] % FLEX_TILE == 0 and k.shape[2] % FLEX_TILE == 0
+        opts = {"IS_DIVISIBLE": True} if aligned else None
         return _FLEX[0](q, k, v, block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
                         kernel_options=opts)
     if mask is not None and not torch.is_tensor(mask):  # a mask object that attends itself
