@@ -260,3 +260,37 @@ def test_packed_compiled_flex_equals_dense_on_cuda(backend):
         assert outs["flex"][0] == pytest.approx(outs["dense"][0], rel=1e-4)
         for n, g in outs["dense"][1].items():
             torch.testing.assert_close(outs["flex"][1][n], g, rtol=2e-3, atol=2e-5, msg=n)
+
+
+def test_compiled_layers_follow_new_shapes_without_recompiling():
+    """compile_layers (the trainer's compile) builds each layer's graph for symbolic sizes at its first call: a
+    second packed micro-batch of other sizes runs the same graphs (no recompilation, which torch.compile's default
+    would do) and the loss and gradients equal the eager model's. CPU, dense masks, inductor's C++ backend."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    V, H, B = 32, 16, 4
+    eager = tiny_drafter(V, H, B, ["full_attention", "full_attention"], None).float()
+    compiled = tiny_drafter(V, H, B, ["full_attention", "full_attention"], None).float()
+    compiled.load_state_dict(eager.state_dict())
+    compile_layers(compiled)
+    head = Head(V, H)
+    graphs = []
+    for lens in ([100, 90], [150, 120, 60]):  # context 256 / 384 and 384 / 512 block tokens after padding
+        samples = [{**s, "hidden": s["hidden"].float()} for s in make_samples(lens, V, H, seed=len(lens))]
+        batch = collate_blocks(samples, block_size=B, mask_token_id=V - 1, num_anchors=40, seed=0)
+        outs = {}
+        for name, model in (("eager", eager), ("compiled", compiled)):
+            model.zero_grad()
+            out = forward_blocks(model, head, batch, block_size=B, layer_types=["full_attention"] * 2,
+                                 sliding_window=None)
+            out.loss_sum.backward()
+            outs[name] = (out.loss_sum.item(), {n: p.grad.clone() for n, p in model.named_parameters()})
+        graphs.append(counters["stats"]["unique_graphs"])
+        assert outs["compiled"][0] == pytest.approx(outs["eager"][0], rel=1e-5)
+        for n, g in outs["eager"][1].items():
+            torch.testing.assert_close(outs["compiled"][1][n], g, rtol=1e-4, atol=1e-6, msg=n)
+    assert batch.ctx_len == 384 and batch.block_ids.shape[1] == 512
+    assert graphs[0] >= 1 and graphs[1] == graphs[0], graphs  # the new shapes added no graph
+    torch._dynamo.reset()
