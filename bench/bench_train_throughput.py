@@ -400,7 +400,7 @@ def main(argv=None):
         import sys
 
         sys.path.insert(0, str(Path(__file__).resolve().parent))
-        from bench_block_attention import kernel_times
+        from bench_block_attention import kernel_times, train_pack
 
         first, seen = model.layers[0], {}
 
@@ -419,46 +419,49 @@ def main(argv=None):
         big = torch.randn(16384 if gpu else 16, dcfg.hidden_size, device=dev, dtype=dtype)
         head_w = target.lm_head.weight.detach()
 
-        def call(b, c, heavy=False):
+        def case(layer=first, b=block, c=context, rope=(cos, sin), mk=mask, grad_block=False, heavy=False):
+            """One forward+backward of ``layer``; heavy: four LM-head-sized matmuls first (a hot GPU)."""
             def fn():
                 if heavy:
                     for _ in range(4):
                         big @ head_w.t()
-                b2 = b.detach().requires_grad_(b.requires_grad)
-                c2 = c.detach().requires_grad_(True)
+                b2, c2 = b.detach().requires_grad_(grad_block), c.detach().requires_grad_(True)
                 with autocast():
-                    out = first(b2, c2, cos, sin, mask)
+                    out = layer(b2, c2, rope[0], rope[1], mk)
                 out.float().square().mean().backward()
             return fn
 
         res = {"inputs": {k: {"shape": list(t.shape), "dtype": str(t.dtype), "requires_grad": t.requires_grad,
                               "abs_mean": float(t.detach().float().abs().mean())}
                           for k, t in (("block", block), ("context", context), ("cos", cos))}}
-        from bench_block_attention import layer_case, train_pack
+        from transformers import Qwen3Config
 
+        from dflashkit.drafter.modeling_dflash import DFlashDecoderLayer
         from dflashkit.train.block_mask import flex_block_mask
+        from dflashkit.train.split_attention import split_block_mask
 
         m0 = offline_micro(micro_of_step[0][0])
         fresh_mask = flex_block_mask(m0.anchors.clone(), m0.ctx_len, dcfg.block_size, None, m0.context_start.clone())
         lay = train_pack(0, dcfg.block_size, args.num_anchors, toy=args.toy).to(dev) if not args.toy else m0
         bench_mask = flex_block_mask(lay.anchors, lay.ctx_len, dcfg.block_size, None, lay.context_start)
-        hq, hkv, hd = dcfg.num_attention_heads, dcfg.num_key_value_heads, dcfg.head_dim
-        Lc, Qn = context.shape[1], block.shape[1]
-
-        def bench_layer(mask):
-            return layer_case(L=Lc, Q=Qn, hq=hq, hkv=hkv, d=hd, mask=mask, gpu=gpu, dev=dev, dynamic=True,
-                              whole=True)[1] or (lambda: None)
-
-        def with_mask(mk, cs=(cos, sin)):
-            def fn():
-                b2, c2 = block.detach(), context.detach().requires_grad_(True)
-                with autocast():
-                    out = first(b2, c2, cs[0], cs[1], mk)
-                out.float().square().mean().backward()
-            return fn
-
         angles = torch.rand(cos.shape, generator=g, device=dev) * 6.28
         random_rope = (angles.cos(), angles.sin())
+        bench_in = dict(b=torch.randn(block.shape, generator=g, device=dev),
+                        c=torch.randn(context.shape, generator=g, device=dev), rope=random_rope)
+
+        def new_layer(config, dynamic: bool, weights: bool):  # the bench's (or the trainer's) layer, compiled anew
+            layer = DFlashDecoderLayer(config, 0).to(dev).train()
+            if weights:
+                layer.load_state_dict(first.state_dict())
+            if gpu:
+                layer.compile(dynamic=dynamic)
+            return layer
+
+        hq, hkv, hd = dcfg.num_attention_heads, dcfg.num_key_value_heads, dcfg.head_dim
+        bcfg = Qwen3Config(hidden_size=hq * hd, num_attention_heads=hq, num_key_value_heads=hkv, head_dim=hd,
+                           num_hidden_layers=1, intermediate_size=dcfg.intermediate_size)
+        other = new_layer(bcfg, True, False)
+        fresh = {"static": new_layer(model.config, False, True), "dynamic": new_layer(model.config, True, True)}
 
         def reinit():  # nn.Linear's own init (the bench layer's) instead of N(0, 0.02), in place: run last
             for mod in first.modules():
@@ -466,53 +469,24 @@ def main(argv=None):
                     mod.reset_parameters()
 
         with torch.no_grad(), autocast():  # the compiled layer with the flex mask against the split attention
-            from dflashkit.train.split_attention import split_block_mask
-
             sm = split_block_mask(m0.anchors, m0.ctx_len, dcfg.block_size, None, m0.context_start)
             a, b = first(block, context, cos, sin, mask).float(), first(block, context, cos, sin, sm).float()
             res["flex_vs_split_max_abs_diff"], res["output_abs_max"] = float((a - b).abs().max()), float(b.abs().max())
             del a, b
-        from transformers import Qwen3Config
-
-        from dflashkit.drafter.modeling_dflash import DFlashDecoderLayer
-
-        bcfg = Qwen3Config(hidden_size=hq * hd, num_attention_heads=hq, num_key_value_heads=hkv, head_dim=hd,
-                           num_hidden_layers=1, intermediate_size=dcfg.intermediate_size)
-        other = DFlashDecoderLayer(bcfg, 0).to(dev).train()
-        if gpu:
-            other.compile(dynamic=True)
-        bench_in = (torch.randn(block.shape, generator=g, device=dev),
-                    torch.randn(context.shape, generator=g, device=dev), *random_rope)
-        fresh = {}
-        for key, dyn in (("static", False), ("dynamic", True)):  # the trainer's layer class and config, new compiles
-            fresh[key] = DFlashDecoderLayer(model.config, 0).to(dev).train()
-            fresh[key].load_state_dict(first.state_dict())
-            if gpu:
-                fresh[key].compile(dynamic=dyn)
-
-        def run_layer(layer, b, c, cs, sn, grad_block):
-            def fn():
-                b2 = b.detach().requires_grad_(grad_block)
-                c2 = c.detach().requires_grad_(True)
-                with autocast():
-                    out = layer(b2, c2, cs, sn, mask)
-                out.float().square().mean().backward()
-            return fn
-
-        for name, fn in (("captured", call(block, context)), ("random", call(*rand)),
-                         ("captured_after_matmuls", call(block, context, heavy=True)),
-                         *((("captured_fresh_mask", with_mask(fresh_mask)),  # flex: no CPU backward
-                            ("bench_layer_captured_mask", bench_layer(mask)),
-                            ("bench_layer_bench_mask", bench_layer(bench_mask))) if gpu else ()),
-                         ("bench_module_bench_inputs", run_layer(other, *bench_in, True)),
-                         ("bench_module_captured_inputs", run_layer(other, block, context, cos, sin, False)),
-                         ("train_module_bench_inputs", run_layer(first, *bench_in, True)),
-                         ("train_module_bench_inputs_no_block_grad", run_layer(first, *bench_in, False)),
-                         ("fresh_train_layer_static", run_layer(fresh["static"], block, context, cos, sin, False)),
-                         ("fresh_train_layer_dynamic", run_layer(fresh["dynamic"], block, context, cos, sin, False)),
-                         ("captured_random_rope", with_mask(mask, random_rope)),
-                         ("captured_linear_init", with_mask(mask)),
-                         ("captured_random_rope_linear_init", with_mask(mask, random_rope))):
+        for name, fn in (("captured", case()), ("random", case(b=rand[0], c=rand[1])),
+                         ("captured_after_matmuls", case(heavy=True)),
+                         *((("captured_fresh_mask", case(mk=fresh_mask)),  # flex: no CPU backward
+                            ("bench_layer_bench_mask", case(other, **bench_in, mk=bench_mask, grad_block=True)))
+                           if gpu else ()),
+                         ("bench_module_bench_inputs", case(other, **bench_in, grad_block=True)),  # training mask
+                         ("bench_module_captured_inputs", case(other)),
+                         ("train_module_bench_inputs", case(**bench_in, grad_block=True)),
+                         ("train_module_bench_inputs_no_block_grad", case(**bench_in)),
+                         ("fresh_train_layer_static", case(fresh["static"])),
+                         ("fresh_train_layer_dynamic", case(fresh["dynamic"])),
+                         ("captured_random_rope", case(rope=random_rope)),
+                         ("captured_linear_init", case()),
+                         ("captured_random_rope_linear_init", case(rope=random_rope))):
             if name == "captured_linear_init":
                 reinit()
             for _ in range(3):
