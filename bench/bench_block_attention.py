@@ -214,7 +214,7 @@ def build_variant(name: str, *, L: int, Q: int, hkv: int, d: int, scale: float, 
 
 
 def layer_case(*, L: int, Q: int, hq: int, hkv: int, d: int, mask, gpu: bool, dev, dynamic: bool = False,
-               frozen_input: bool = False, whole: bool = False):
+               frozen_input: bool = False, whole: bool = False, intermediate: int = 1536):
     """(forward, forward+backward) callables of the drafter's DFlashAttention (whole: its DFlashDecoderLayer, the
     unit the trainer compiles) as a compiled training layer."""
     from transformers import Qwen3Config
@@ -222,7 +222,7 @@ def layer_case(*, L: int, Q: int, hq: int, hkv: int, d: int, mask, gpu: bool, de
     from dflashkit.drafter.modeling_dflash import DFlashAttention, DFlashDecoderLayer
 
     cfg = Qwen3Config(hidden_size=hq * d, num_attention_heads=hq, num_key_value_heads=hkv, head_dim=d,
-                      num_hidden_layers=1, intermediate_size=1536 if hq * d == 576 else 4 * hq * d)
+                      num_hidden_layers=1, intermediate_size=intermediate)
     torch.manual_seed(0)
     attn = (DFlashDecoderLayer if whole else DFlashAttention)(cfg, 0)
     attn = attn.to(dev).train().requires_grad_(gpu)  # float32, as mixed precision keeps them
@@ -283,6 +283,7 @@ def main(argv=None):
     ap.add_argument("--heads", type=int, default=9)
     ap.add_argument("--kv-heads", type=int, default=3)
     ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--intermediate-size", type=int, default=1536, help="the MLP of the decoder_layer variants")
     ap.add_argument("--sliding-window", type=int, default=None, help="time a sliding-attention layer instead")
     ap.add_argument("--variants", default=None, help="comma list (default: all for the device)")
     ap.add_argument("--repeats", type=int, default=20)
@@ -298,6 +299,7 @@ def main(argv=None):
     if args.toy:
         args.num_seqs, args.min_len, args.max_len, args.num_anchors = 3, 60, 200, 24
         args.heads, args.kv_heads, args.head_dim, args.repeats, args.warmup = 3, 1, 16, 3, 1
+        args.intermediate_size = 4 * args.heads * args.head_dim
     dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() and not args.toy else "cpu"))
     gpu = dev.type == "cuda"
     dtype = torch.bfloat16 if gpu else torch.float32
@@ -369,7 +371,8 @@ def main(argv=None):
             try:
                 fwd_fn, fb_fn = layer_case(L=L, Q=Q, hq=hq, hkv=hkv, d=d, mask=masks["flex"], gpu=gpu, dev=dev,
                                            dynamic="dynamic" in name, frozen_input=name.endswith("_frozen"),
-                                           whole=name.startswith("decoder_"))
+                                           whole=name.startswith("decoder_"),
+                                           intermediate=args.intermediate_size)
                 r["fwd_ms"] = statistics.median(timed(fwd_fn, args.repeats, args.warmup, dev))
                 r["fwd_tflops"] = flops_fwd / r["fwd_ms"] / 1e9  # the attention's FLOPs only, as for the others
                 if fb_fn is not None:
