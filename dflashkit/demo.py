@@ -28,6 +28,9 @@ from typing import Callable
 TARGET = "testbed:smollm2"
 MASK_TOKEN_ID = 16  # SmolLM2's reserved <empty_output>: its tokenizer has no mask token and no spare rows
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
+# The autoregressive baseline and the lossless reference of each prompt, kept across the eval stages of one
+# demo process: chain and tree decode the same prompts with the same target, so they need them once.
+AR_RUNS: dict = {}
 
 # What each scale runs. small: the CPU check of `make demo`; full: one GPU (not run yet: see RESULTS.md).
 SCALES = {
@@ -72,7 +75,7 @@ def evaluate(target: str, drafter: str, out: str, dataset: list[str], mode: str 
     from dflashkit.eval.run import run_eval
 
     config = DecodeConfig(mode=mode, tree_budget=tree_budget, max_new_tokens=max_new_tokens)
-    return run_eval(target, drafter, out, dataset, config, **kwargs)
+    return run_eval(target, drafter, out, dataset, config, shared_baseline=AR_RUNS, **kwargs)
 
 
 def stage_calls(run: Path, scale: dict, device: str, loss: str | None, target: str = TARGET,
@@ -133,7 +136,7 @@ def _num(x) -> str:
     return "-" if x is None else f"{x:.2f}"
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="dflashkit demo", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--run-dir", default="runs/demo", help="where every stage writes (default runs/demo)")
@@ -145,7 +148,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eval-data", nargs="+", help="evaluation datasets (default: MT-bench; full adds HumanEval)")
     ap.add_argument("--loss", choices=["ce", "dpace", "kl"], default=None, help="training objective (recipe default)")
     ap.add_argument("--restart", action="store_true", help="forget finished stages and run all again")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
 
     run = Path(args.run_dir)
     stages_dir = run / "stages"

@@ -65,3 +65,24 @@ def test_finished_stages_are_skipped_and_summarised(tmp_path, capsys):
     assert out.count("done already") == 5
     assert "| chain | 2.50 | 10 | 1.50 | 1.10 | 0.90 0.50 |" in out
     assert "| tree | 3.25 |" in out
+
+
+def test_the_demo_plans_enough_optimizer_steps_to_learn(tmp_path):
+    """`make demo` trains on the ~60 conversations its regeneration stage leaves (69 usable of 96 prompts on the
+    testbed, 8 held out): its recipe must plan at least 40 optimizer steps for them (packed 4096-token micro-batches
+    planned 2, and the drafter learned nothing), also if only half as many conversations survived regeneration.
+    The planning is the trainer's own: split, epoch order, packing, steps per epoch."""
+    from dflashkit.train.config import load_config
+    from dflashkit.train.data import epoch_order, pack_order, split_indices, steps_per_epoch
+
+    fields = dict(next(kwargs for name, _, kwargs in stage_calls(tmp_path, SCALES["small"], "cpu", None)
+                       if name == "train"))
+    cfg = load_config(fields.pop("recipe"), (), **fields)
+    for usable in (69, 35):
+        lengths = [145] * usable  # the demo's answers: ~145 tokens each (96 new tokens + the prompt)
+        train_idx, _ = split_indices(usable, cfg.eval_samples, cfg.seed)
+        planned = sum(steps_per_epoch(len(pack_order(epoch_order(train_idx, cfg.seed, e), lengths,
+                                                     cfg.micro_batch_tokens, cfg.max_length)), 1, cfg.grad_accum)
+                      for e in range(cfg.epochs))
+        assert planned >= 40, (usable, planned)
+    assert cfg.num_hidden_layers == 1 and cfg.num_anchors <= 64  # what keeps the CPU stage at a few minutes
