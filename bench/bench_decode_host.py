@@ -152,7 +152,7 @@ def main(argv=None) -> None:
     device = torch.device("cuda" if args.target and torch.cuda.is_available() else "cpu")
     if args.target:
         from dflashkit.drafter import load_drafter
-        from dflashkit.target.loading import load_target
+        from dflashkit.targets.loading import load_target
 
         dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
         target = load_target(args.target, dtype=dtype, device=device).model

@@ -32,7 +32,7 @@ def toy_pair(root: Path) -> tuple[str, str]:
     import transformers as tf
 
     from dflashkit.drafter import DrafterConfig, build_drafter, save_drafter
-    from dflashkit.target.loading import resolve_target_dir
+    from dflashkit.targets.loading import resolve_target_dir
 
     torch.manual_seed(0)
     config = tf.LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=4,

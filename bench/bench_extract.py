@@ -56,8 +56,8 @@ from dflashkit.extract.__main__ import parse_size
 from dflashkit.extract.batching import real_token_index
 from dflashkit.extract.shards import encode_features
 from dflashkit.extract.writer import WRITER_THREADS, ShardWriter
-from dflashkit.target.capture import LayerCapture
-from dflashkit.target.loading import Target, find_decoder, load_target
+from dflashkit.targets.capture import LayerCapture
+from dflashkit.targets.loading import Target, find_decoder, load_target
 
 
 def random_target(config, device, dtype, label: str) -> Target:

@@ -48,7 +48,7 @@ def save_toy_target(out: Path) -> None:
     """A random 2-layer Llama with the testbed's tokenizer and chat template (CPU-sized)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
-    from dflashkit.target.loading import resolve_target_dir
+    from dflashkit.targets.loading import resolve_target_dir
 
     tok = AutoTokenizer.from_pretrained(resolve_target_dir("testbed:smollm2")[0])
     cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,

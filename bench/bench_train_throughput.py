@@ -22,7 +22,7 @@ flex_attention block masks.
 Measured, after --warmup steps (compilation included there), over --steps steps:
 - offline: the drafter step on micro-batches already collated on the device (random features, as shards
   read by DataLoader workers would arrive);
-- target: the target forward alone on the same micro-batches (target/capture.LayerCapture: hooks on the tapped
+- target: the target forward alone on the same micro-batches (targets/capture.LayerCapture: hooks on the tapped
   layers, early exit after the deepest; the micro-batch's sequences as one right-padded batch);
 - online: what one online step does: per micro-batch the target forward, then collate_blocks on its features,
   then the drafter step; target share = target time / online time.
@@ -58,8 +58,8 @@ import torch
 import torch.distributed as dist
 
 from dflashkit.drafter import DrafterConfig, build_drafter, default_target_layer_ids
-from dflashkit.target.capture import LayerCapture
-from dflashkit.target.loading import Target, find_decoder, load_target
+from dflashkit.targets.capture import LayerCapture
+from dflashkit.targets.loading import Target, find_decoder, load_target
 from dflashkit.train.data import PackedBlocks, collate_blocks, pack_order
 from dflashkit.train.loss import loss_denominator
 from dflashkit.train.step import compile_layers, forward_blocks, mask_backend

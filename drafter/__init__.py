@@ -1,11 +1,14 @@
 """The DFlash drafter: config, model, and save/load in the reference export format.
 
-Imports nothing else of dflashkit (train/ and eval/ build on it).
+Imports nothing else of dflashkit but the dependency-free ``dflashkit.errors`` / ``dflashkit.untrusted`` (train/
+and eval/ build on it).
 """
 
 from .config import DrafterConfig, check_target_layer_ids, default_target_layer_ids
 from .export import build_drafter, load_drafter, read_drafter_config, save_drafter
 from .modeling_dflash import DFlashDraftModel
+from .modeling_dflash2 import CandidateSelector, DFlash2DraftModel, GroupedDynamicCausalConv
 
-__all__ = ["DrafterConfig", "DFlashDraftModel", "build_drafter", "check_target_layer_ids", "default_target_layer_ids",
+__all__ = ["CandidateSelector", "DrafterConfig", "DFlash2DraftModel", "DFlashDraftModel", "GroupedDynamicCausalConv",
+           "build_drafter", "check_target_layer_ids", "default_target_layer_ids",
            "load_drafter", "read_drafter_config", "save_drafter"]

@@ -38,10 +38,20 @@ def _target_rope(hf_config: Any) -> dict:
 DEFAULT_BLOCK_SIZE = 16  # the published DFlash drafters' block
 DEFAULT_NUM_HIDDEN_LAYERS = 5  # drafter decoder layers
 MIN_BLOCK_SIZE = 2  # the anchor plus at least one drafted token
+ARCHITECTURES = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel"}  # architecture -> config.json name
+# DFlash2 defaults: what the published DFlash2 drafters and trainers use (z-lab's DFlash2 drafter configs, NeMo
+# Automodel examples/speculative/dflash/qwen3_dflash2.yaml: conv_kernel_size 2, conv_group_size 16,
+# selector_rank 256, selector_top_k 16)
+DEFAULT_CONV_KERNEL_SIZE = 2
+DEFAULT_CONV_GROUP_SIZE = 16
+DEFAULT_SELECTOR_RANK = 256
+DEFAULT_SELECTOR_TOP_K = 16
+DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 
 
 def default_target_layer_ids(num_target_layers: int, n: int) -> list[int]:
-    """Evenly spaced taps from layer 1 to L-3: ``round(1 + j*(L-4)/(n-1))``; one tap: ``L // 2`` (DESIGN.md).
+    """Evenly spaced taps from layer 1 to L-3: ``round(1 + j*(L-4)/(n-1))``; one tap: ``L // 2``
+    (docs/ARCHITECTURE.md).
 
     The same formula as the reference's and SGLang's ``build_target_layer_ids``."""
     if n < 1:
@@ -103,9 +113,26 @@ class DrafterConfig:
     attention_bias: bool = False  # bias in q/k/v/o projections (Qwen3: none)
     hidden_act: str = "silu"  # SwiGLU activation
     initializer_range: float = 0.02  # std of the random init of linear layers
+    architecture: str = "dflash"  # "dflash" or "dflash2" (in-block convolutions + candidate selector)
+    # DFlash2 only (ignored, and not exported, for "dflash"):
+    conv_kernel_size: int = DEFAULT_CONV_KERNEL_SIZE  # taps of the in-block causal convolution (self + K-1 before)
+    conv_group_size: int = DEFAULT_CONV_GROUP_SIZE  # channels sharing one dynamic tap; must divide hidden_size
+    selector_rank: int = DEFAULT_SELECTOR_RANK  # width of the selector's token codebooks and hidden projection
+    selector_top_k: int = DEFAULT_SELECTOR_TOP_K  # candidates per draft position the selector chooses among
 
     def __post_init__(self):
         check_num_hidden_layers(self.num_hidden_layers)
+        if self.architecture not in ARCHITECTURES:
+            raise ValueError(f"architecture={self.architecture!r}; use one of {sorted(ARCHITECTURES)}")
+        if self.architecture == "dflash2":
+            if int(self.conv_kernel_size) < 1 or int(self.selector_rank) < 1:
+                raise ValueError(f"conv_kernel_size={self.conv_kernel_size} and selector_rank={self.selector_rank} "
+                                 f"must be >= 1")
+            if int(self.conv_group_size) < 1 or self.hidden_size % int(self.conv_group_size):
+                raise ValueError(f"conv_group_size={self.conv_group_size} must divide hidden_size="
+                                 f"{self.hidden_size}; use a divisor such as 16")
+            if not 1 <= int(self.selector_top_k) <= self.vocab_size:
+                raise ValueError(f"selector_top_k={self.selector_top_k} must be in 1..vocab_size={self.vocab_size}")
         self.block_size = check_block_size(self.block_size)
         if not self.target_layer_ids:
             self.target_layer_ids = default_target_layer_ids(self.num_target_layers, self.num_hidden_layers)
@@ -177,10 +204,13 @@ class DrafterConfig:
         c = self.resolved()
         rope = dict(c.rope_parameters)
         sliding = "sliding_attention" in c.layer_types
+        arch = ARCHITECTURES[c.architecture]
+        module = "modeling_dflash2" if c.architecture == "dflash2" else "modeling_dflash"
+        dflash2 = {k: int(getattr(c, k)) for k in DFLASH2_FIELDS} if c.architecture == "dflash2" else {}
         return {
-            "architectures": ["DFlashDraftModel"],
+            "architectures": [arch],
             "model_type": "qwen3",
-            "auto_map": {"AutoModel": "modeling_dflash.DFlashDraftModel"},
+            "auto_map": {"AutoModel": f"{module}.{arch}"},
             "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
             "num_hidden_layers": c.num_hidden_layers, "num_attention_heads": c.num_attention_heads,
             "num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim,
@@ -194,7 +224,7 @@ class DrafterConfig:
             "block_size": c.block_size, "num_target_layers": c.num_target_layers,
             "target_layer_ids": list(c.target_layer_ids), "mask_token_id": c.mask_token_id,
             "dflash_config": {"mask_token_id": c.mask_token_id, "target_layer_ids": list(c.target_layer_ids),
-                              "block_size": c.block_size},
+                              "block_size": c.block_size, **dflash2},  # DFlash2 fields: dflash_config only
             "torch_dtype": "bfloat16", "dtype": "bfloat16",
         }
 
@@ -219,6 +249,15 @@ class DrafterConfig:
             rope = {**scaling, "rope_theta": float(d.get("rope_theta", 10000.0))}
             rope["rope_type"] = rope.pop("type", rope.get("rope_type", "default"))
         ids = list(pick("target_layer_ids") or [])
+        # DFlash2DraftModel -> dflash2; any other name (DFlashDraftModel, none) is read as DFlash, as before
+        architecture = "dflash2" if ARCHITECTURES["dflash2"] in (d.get("architectures") or []) else "dflash"
+        dflash2 = {}
+        if architecture == "dflash2":
+            absent = [k for k in DFLASH2_FIELDS if pick(k) is None]
+            if absent:
+                raise ValueError(f"{source}: a DFlash2DraftModel config needs dflash_config.{absent[0]} "
+                                 f"(all of {list(DFLASH2_FIELDS)})")
+            dflash2 = {k: int(pick(k)) for k in DFLASH2_FIELDS}
         num_target_layers = int(d.get("num_target_layers") or (max(ids) + 4))
         layer_types = list(d.get("layer_types") or [])
         sliding = d.get("sliding_window") if ("sliding_attention" in layer_types) else None
@@ -235,7 +274,7 @@ class DrafterConfig:
                 mask_token_id=pick("mask_token_id"), layer_types=layer_types, sliding_window=sliding,
                 input_embedding_scale=float(pick("input_embedding_scale", 1.0)),
                 attention_bias=bool(d.get("attention_bias", False)), hidden_act=d.get("hidden_act", "silu"),
-                initializer_range=d.get("initializer_range", 0.02))
+                initializer_range=d.get("initializer_range", 0.02), architecture=architecture, **dflash2)
         except ValueError as e:
             raise ValueError(f"{source}: {e}") from None
 

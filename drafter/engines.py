@@ -17,12 +17,19 @@ the engine file it comes from). The rest of this module turns that table into ru
 - Attention layout. ``full_attention`` layers are non-causal over context + block; ``sliding_attention`` layers
   are causal with a window of ``sliding_window`` keys including the query's own. ``is_causal`` and
   ``dflash_config.causal`` change that in vLLM only, so an export never writes them.
+- vLLM 0.24 serving rules (``VLLM_024_RULES``, each citing the vLLM file): a tap of the target's last layer is read
+  before its final norm, sliding-window drafter layers run as full attention (both refused by ``export --for
+  vllm``, warned otherwise and by ``eval --engine vllm``), num_speculative_tokens must be block_size - 1 by hand,
+  and a GGUF quantization_config in the target's config.json is stripped in a copy (``vllm_target_dir``).
 - Nothing else. Fields that only one engine reads (``output_multiplier``, ``final_logit_softcapping``,
   ``attention_sink_bias``, ``use_swa``, ``swa_window_size``, ``logit_scale``) are never written and are refused
   when a config to be trained or evaluated sets them.
 """
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 # field -> (what vLLM does with it, what SGLang does with it). vLLM: vllm/model_executor/models/qwen3_dflash.py
 # (the drafter), vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py (taps), vllm/v1/spec_decode/
@@ -80,6 +87,19 @@ ENGINE_FIELDS: dict[str, tuple[str, str]] = {
     "logit_scale": ("scales the drafter's logits", "not read"),
     # vLLM/SGLang --dtype auto follow the config: float32 configs are served in float16
     "dtype": ("serving dtype under --dtype auto", "serving dtype under --dtype auto"),
+    # DFlash2 (DrafterConfig.architecture = "dflash2"). vLLM: vllm/model_executor/models/registry.py maps
+    # "DFlash2DraftModel" to qwen3_dflash2.DFlash2Qwen3ForCausalLM (speculative method still "dflash");
+    # qwen3_dflash2.DFlash2Qwen3DecoderLayer reads config.dflash_config["conv_kernel_size"] / ["conv_group_size"]
+    # (dflash_config only, no top-level fallback) and convolves within blocks of 1 + num_speculative_tokens;
+    # qwen3_dflash2.DFlash2Qwen3Model reads dflash_config["selector_rank"] / ["selector_top_k"]; the weights are
+    # layers.{i}.{attention,mlp}_conv.{base_kernel,kernel_projection.weight} and candidate_selector.
+    # {predecessor_codebook,successor_codebook,hidden_projection.weight}, the reference's names. SGLang's DFlash2
+    # reader was not in the sources consulted: the export writes the reference's and vLLM's names.
+    "architectures": ("DFlash2DraftModel selects the DFlash2 drafter", "not verified"),
+    "dflash_config.conv_kernel_size": ("taps of the in-block convolution", "not verified"),
+    "dflash_config.conv_group_size": ("channels per dynamic tap", "not verified"),
+    "dflash_config.selector_rank": ("width of the selector codebooks", "not verified"),
+    "dflash_config.selector_top_k": ("candidates per draft position", "not verified"),
 }
 
 # Fields an export never writes, because the engines read them differently (or one reads them and the other
@@ -138,3 +158,106 @@ def check_one_engine_fields(config: dict, source: str = "config.json") -> None:
         if value != absent:
             raise ValueError(f"{source}: {name}={value!r} is read by one serving engine only (or differently by "
                              f"each: drafter/engines.py ENGINE_FIELDS); remove it")
+
+
+# ----------------------------------------------------------------------------- vLLM 0.24 serving rules
+# What vLLM 0.24.0 does that a drafter trained by dflashkit must be checked against, one row per rule:
+# rule -> (what vLLM 0.24 does, where in its wheel's vllm/ it is). `check_export_for` and `vllm_warnings` act on
+# them; `vllm_num_speculative_tokens` and `vllm_target_dir` are what `dflashkit eval --engine vllm` applies.
+VLLM_024_RULES: dict[str, tuple[str, str]] = {
+    "last_layer_tap": ("id L-1 is captured as hidden + residual before the final norm, where dflashkit and the "
+                       "reference read the final-norm output (HF hidden_states[L])",
+                       "model_executor/models/llama.py:411-420,427; qwen2.py:407-414,421; "
+                       "models/interfaces.py:1335-1337"),
+    "sliding_window": ("layer_types / sliding_window are not read: every drafter layer is full attention",
+                       "model_executor/models/qwen3_dflash.py:112-121"),
+    "block_size": ("block_size is not read; num_speculative_tokens is required and 1 + N tokens are queried per "
+                   "step, so N = block_size - 1 must be set by hand",
+                   "config/speculative.py:821-825; v1/spec_decode/dflash.py:109; "
+                   "v1/worker/gpu/spec_decode/dflash/speculator.py:43"),
+    "gguf_quantization_config": ("a target config.json whose quantization_config has quant_method gguf sends the "
+                                 "model down the GGUF loader", "config/model.py:976-1041"),
+}
+VLLM_VERSION = "0.24"  # the release the rules above were read from
+ENGINE_CHOICES = ("all", "vllm")  # `dflashkit export --for`: every engine, or vLLM 0.24 only
+
+
+def last_layer_tap_reason(target_layer_ids, num_target_layers: int) -> str | None:
+    """Why vLLM 0.24 would feed this drafter a different feature than it trained on (id L-1), or None."""
+    last = int(num_target_layers) - 1
+    if last not in [int(i) for i in target_layer_ids]:
+        return None
+    return (f"target_layer_ids {list(target_layer_ids)} include {last}, the target's last layer: vLLM "
+            f"{VLLM_VERSION} captures it before the final norm while training read it after "
+            f"({VLLM_024_RULES['last_layer_tap'][1]}); train with ids below {last} (the default ids stop at L-3)")
+
+
+def sliding_window_reason(layer_types) -> str | None:
+    """Why vLLM 0.24 serves this drafter differently from its training (sliding-window layers), or None."""
+    sliding = [i for i, t in enumerate(layer_types) if t == "sliding_attention"]
+    if not sliding:
+        return None
+    return (f"drafter layers {sliding} are sliding_attention: vLLM {VLLM_VERSION} ignores layer_types and "
+            f"sliding_window and serves them as full attention ({VLLM_024_RULES['sliding_window'][1]}), so "
+            f"acceptance there is lower than trained; train with full_attention layers for vLLM")
+
+
+def vllm_warnings(config) -> list[str]:
+    """What vLLM 0.24 would serve differently from training, for a DrafterConfig (empty when nothing)."""
+    reasons = [last_layer_tap_reason(config.target_layer_ids, config.num_target_layers),
+               sliding_window_reason(config.layer_types)]
+    return [r for r in reasons if r]
+
+
+def check_export_for(config, engine: str = "all", warn=print) -> None:
+    """Act on the vLLM rules at export: for ``engine="vllm"`` a rule that vLLM 0.24 breaks is a ValueError; for
+    every engine ("all") it is a warning passed to ``warn``."""
+    if engine not in ENGINE_CHOICES:
+        raise ValueError(f"--for {engine!r}: choose one of {', '.join(ENGINE_CHOICES)}")
+    for reason in vllm_warnings(config):
+        if engine == "vllm":
+            raise ValueError(f"export for vLLM refused: {reason}")
+        warn(f"warning: {reason}")
+
+
+def vllm_num_speculative_tokens(block_size: int, requested: int | None = None, warn=print) -> int:
+    """num_speculative_tokens for vLLM: block_size - 1 unless ``requested`` says otherwise (then a warning)."""
+    default = int(block_size) - 1
+    if requested is None or int(requested) == default:
+        return default
+    if int(requested) < 1:
+        raise ValueError(f"--num-speculative-tokens must be >= 1, got {requested}")
+    warn(f"warning: --num-speculative-tokens {requested} differs from block_size - 1 = {default}: a DFlash drafter "
+         f"proposes differently with another number of mask tokens, so acceptance changes (it was trained on "
+         f"blocks of {block_size})")
+    return int(requested)
+
+
+def vllm_serve_command(target: str, drafter: str, block_size: int) -> str:
+    """The `vllm serve` line for a drafter: num_speculative_tokens = block_size - 1 (vLLM reads no block_size)."""
+    spec = {"method": "dflash", "model": str(drafter), "num_speculative_tokens": int(block_size) - 1}
+    return f"vllm serve {target} --speculative-config '{json.dumps(spec)}'"
+
+
+def is_gguf_quantized(config: dict) -> bool:
+    """True when a target config.json carries the GGUF quantization_config that save_pretrained leaves."""
+    quant = config.get("quantization_config")
+    return isinstance(quant, dict) and str(quant.get("quant_method", "")).lower() == "gguf"
+
+
+def vllm_target_dir(target_dir, scratch) -> tuple[Path, bool]:
+    """(directory to give vLLM, whether it is a stripped copy). A target whose config.json has a GGUF
+    quantization_config is served from a copy under ``scratch``: every other file symlinked, config.json
+    rewritten without that key (the weights there are already plain tensors)."""
+    source = Path(target_dir)
+    config = json.loads((source / "config.json").read_text())
+    if not is_gguf_quantized(config):
+        return source, False
+    copy = Path(scratch) / f"{source.name}-without-gguf-config"
+    copy.mkdir(parents=True, exist_ok=True)
+    for item in source.iterdir():
+        if item.name != "config.json" and not (copy / item.name).exists():
+            (copy / item.name).symlink_to(item.resolve())
+    del config["quantization_config"]
+    (copy / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return copy, True

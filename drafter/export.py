@@ -8,6 +8,10 @@ An export directory holds:
   alike, engines.py), ``dtype`` = the weights' dtype, ``auto_map`` -> the shipped ``modeling_dflash.py``, so
   ``AutoModel.from_pretrained(dir, trust_remote_code=True)`` works without dflashkit (``spec_generate`` included).
 
+An existing directory at the export path is replaced only when it is a drafter export (``export_dir_problem``)
+or the caller passes ``overwrite``; a file there is an error (``dflashkit/outputs.py``). The files get the
+umask's usual modes (0644 / 0755), so a server running as another user can read them.
+
 Loading is strict: every tensor the config implies must be present with the shape it implies, and nothing else;
 a mismatch names the tensor, both shapes and the config field to check. Only safetensors are read.
 """
@@ -17,17 +21,20 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+
+from dflashkit.outputs import check_output_dir, describe_foreign, foreign_entries, make_temp_dir, save_safetensors
+from dflashkit.untrusted import contained_file
 
 from .config import DrafterConfig
 from .modeling_dflash import DFlashDraftModel
+from .modeling_dflash2 import DFlash2DraftModel
 
 MODELING_FILE = Path(__file__).with_name("modeling_dflash.py")
+MODELING_FILE_DFLASH2 = Path(__file__).with_name("modeling_dflash2.py")  # imports modeling_dflash.py: both ship
 # Which config field fixes each tensor's shape: named in load errors.
 SHAPE_FIELDS = {
     "fc.weight": "hidden_size / target_layer_ids", "q_proj": "num_attention_heads / head_dim",
@@ -35,33 +42,57 @@ SHAPE_FIELDS = {
     "o_proj": "num_attention_heads / head_dim", "q_norm": "head_dim", "k_norm": "head_dim",
     "gate_proj": "intermediate_size", "up_proj": "intermediate_size", "down_proj": "intermediate_size",
 }
+# what save_drafter writes (modeling_dflash2.py for a DFlash2 drafter only)
+EXPORT_FILES = ("config.json", "model.safetensors", "modeling_dflash.py", "modeling_dflash2.py")
+DRAFTER_ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel")
+
+
+def export_dir_problem(path: Path) -> str | None:
+    """Why the existing directory ``path`` is not a drafter export that ``save_drafter`` may replace; None when
+    it is one: config.json naming a DFlash architecture, model.safetensors, and no other files."""
+    foreign = foreign_entries(path, lambda name: name in EXPORT_FILES)
+    if foreign:
+        return describe_foreign(foreign)
+    try:
+        architectures = json.loads((path / "config.json").read_text()).get("architectures") or []
+    except (OSError, ValueError, AttributeError):
+        return "no readable config.json"
+    if not set(architectures) & set(DRAFTER_ARCHITECTURES) or not (path / "model.safetensors").is_file():
+        return f"config.json architectures {architectures} and model.safetensors do not make a DFlash drafter"
+    return None
 
 
 def build_drafter(config: DrafterConfig, dtype: torch.dtype = torch.float32) -> DFlashDraftModel:
-    """A randomly initialised drafter for ``config``."""
-    model = DFlashDraftModel(config.resolved().to_hf()).to(dtype)
+    """A randomly initialised drafter for ``config`` (DFlash2DraftModel when ``architecture`` is dflash2)."""
+    cls = DFlash2DraftModel if config.architecture == "dflash2" else DFlashDraftModel
+    model = cls(config.resolved().to_hf()).to(dtype)
     model.dflash = config.resolved()
     return model
 
 
-def save_drafter(model: DFlashDraftModel, out_dir: str | os.PathLike, dtype: torch.dtype | None = None) -> Path:
-    """Write the export directory atomically (a temporary sibling renamed into place)."""
+def save_drafter(model: DFlashDraftModel, out_dir: str | os.PathLike, dtype: torch.dtype | None = None,
+                 overwrite: bool = False, flag: str = "--overwrite") -> Path:
+    """Write the export directory atomically (a temporary sibling renamed into place). An existing directory is
+    replaced only when it is an export (or ``overwrite``); ``flag`` is the option named in the refusal."""
     config: DrafterConfig = getattr(model, "dflash", None) or DrafterConfig.from_json_dict(model.config.to_dict())
     out = Path(out_dir)
+    check_output_dir(out, what="a drafter directory", problem=export_dir_problem, overwrite=overwrite, flag=flag)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    tmp = make_temp_dir(out.parent, prefix=f".{out.name}.")
     try:
         state = {k: (v.to(dtype) if dtype else v).detach().to("cpu").contiguous()
                  for k, v in model.state_dict().items() if not k.startswith("rotary_emb.")}
-        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        save_safetensors(state, tmp / "model.safetensors", metadata={"format": "pt"})
         cfg = config.to_json_dict()
         cfg["torch_dtype"] = cfg["dtype"] = str(state["fc.weight"].dtype).replace("torch.", "")
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
         shutil.copyfile(MODELING_FILE, tmp / "modeling_dflash.py")
+        if config.architecture == "dflash2":
+            shutil.copyfile(MODELING_FILE_DFLASH2, tmp / "modeling_dflash2.py")
         for f in tmp.iterdir():
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
-        if out.exists():
+        if out.is_dir():  # checked above: an export, an empty directory, or overwrite
             old = out.with_name(f".{out.name}.old")
             shutil.rmtree(old, ignore_errors=True)
             out.rename(old)
@@ -89,8 +120,24 @@ def read_drafter_config(path: str | os.PathLike) -> DrafterConfig:
 
 def _weight_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
-    if index.is_file():
-        return sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()})
+    if index.is_file():  # each file it names must lie inside the drafter directory (dflashkit/untrusted.py)
+        try:
+            weight_map = json.loads(index.read_text()).get("weight_map")
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{index}: not valid JSON ({e}); the file is damaged: restore it, or remove it to "
+                             "read the *.safetensors files of the directory") from None
+        except AttributeError:  # valid JSON, but not an object
+            weight_map = None
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"{index}: field weight_map is missing or not a mapping of tensor name -> file; the "
+                             "file is damaged: restore it, or remove it to read the *.safetensors files")
+        files = sorted({contained_file(path, f, source=index, field=f"weight_map[{name!r}]")
+                        for name, f in weight_map.items()})
+        missing = [f for f in files if not f.is_file()]
+        if missing:
+            raise FileNotFoundError(f"{index} names {missing[0].name}, which is not in {path}; the download is "
+                                    "incomplete: fetch the missing weight file")
+        return files
     files = sorted(path.glob("*.safetensors"))
     if not files:
         bad = sorted(p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt"))

@@ -202,10 +202,12 @@ class DFlashDraftModel(PreTrainedModel):
     base_model_prefix = "model"
     _no_split_modules = ["DFlashDecoderLayer"]
     supports_gradient_checkpointing = True
+    decoder_layer_cls = DFlashDecoderLayer  # a subclass (modeling_dflash2.py) swaps in its own layer
+    unsupported = UNSUPPORTED  # ... and the fields it implements leave this dict
 
     def __init__(self, config):
         super().__init__(config)
-        for name, absent in UNSUPPORTED.items():
+        for name, absent in self.unsupported.items():
             if dflash_field(config, name, absent) not in (absent, None):
                 raise ValueError(f"config sets {name}={dflash_field(config, name)!r}, which this DFlash drafter "
                                  f"file does not implement; load it with the code that trained it")
@@ -214,7 +216,7 @@ class DFlashDraftModel(PreTrainedModel):
                 or getattr(config, "is_neox_style", True) is False):
             raise ValueError(f"rope_parameters {rope}: this drafter file rotates the full head_dim in neox halves "
                              f"(1-D RoPE); partial, multimodal or interleaved RoPE is not implemented")
-        self.layers = nn.ModuleList(DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(self.decoder_layer_cls(config, i) for i in range(config.num_hidden_layers))
         self.target_layer_ids = [int(i) for i in dflash_field(config, "target_layer_ids")]
         self.block_size = int(dflash_field(config, "block_size", 16))
         self.mask_token_id = dflash_field(config, "mask_token_id")
@@ -303,10 +305,7 @@ class DFlashDraftModel(PreTrainedModel):
                               noise_embedding=noise, target_hidden=features, past_key_values=draft_cache,
                               use_cache=True)[:, 1 - size:]
                 _crop_to(draft_cache, start)
-                draft_logits = self.compute_logits(hidden, head)
-                draft_probs = _probs(draft_logits, temperature, top_p, top_k) if temperature > 0 else None
-                block[:, 1:] = (torch.argmax(draft_logits, -1) if draft_probs is None
-                                else torch.multinomial(draft_probs[0], 1).T)
+                block[:, 1:], draft_probs = self.draft_tokens(hidden, block[:, 0], head, temperature, top_p, top_k)
             res = target(block, position_ids=positions[:, start:start + size], use_cache=True,
                          output_hidden_states=size > 1, **{cache_kw: target_cache})
             if temperature > 0:
@@ -328,6 +327,15 @@ class DFlashDraftModel(PreTrainedModel):
             if size > 1:
                 features = self.context_features(res.hidden_states)[:, :produced]
         return out[:, :min(start + 1, max_length)]
+
+    def draft_tokens(self, hidden, anchor_ids, head, temperature: float, top_p: float, top_k: int):
+        """The block's draft tokens [b, B-1] from its final hidden states, and their sampling distribution over
+        the vocabulary (None when greedy): the argmax of the logits, or a sample of them."""
+        draft_logits = self.compute_logits(hidden, head)
+        if temperature <= 0:
+            return torch.argmax(draft_logits, -1), None
+        draft_probs = _probs(draft_logits, temperature, top_p, top_k)
+        return torch.multinomial(draft_probs[0], 1).T, draft_probs
 
     def context_features(self, hidden_states) -> torch.Tensor:
         """The tapped layers' outputs (HF hidden_states[i + 1]) concatenated on the feature axis."""

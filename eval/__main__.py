@@ -8,6 +8,10 @@ One GPU (bf16, Triton tree attention):
         --mode tree --tree-budget 64 --out runs/eval-tree
 Several reports side by side:
     dflashkit eval --compare runs/eval-chain runs/eval-tree --out runs/compare
+Served by vLLM in-process (pip install 'dflashkit[vllm]'; one GPU): tau from vLLM's counters, lossless
+agreement with and without the drafter, tok/s / TTFT / ITL per concurrency, prefix cache on and off, a verdict:
+    dflashkit eval --engine vllm --target /models/Qwen3-8B --drafter out/drafter --dataset builtin:mtbench \
+        --num-prompts 80 --concurrency 1 4 16 64 --prefix-caching on off --out runs/eval-vllm
 A running vLLM / SGLang server (concurrency sweep, tau from its metrics):
     dflashkit eval --server http://localhost:8000 --dataset builtin:mtbench --concurrency 1 4 16 --out runs/serve
 (The speculative engine is batch 1; multi-GPU targets load with --device-map auto.)
@@ -15,6 +19,8 @@ On one GPU the target's decode steps and the drafter's pass replay CUDA graphs (
 Greedy runs check losslessness against HF generate on the baseline prompts (--reference-prompts N: fewer).
 Ctrl-C, SIGTERM or --time-limit S: the current prompt finishes, the report of the prompts done is written,
 marked partial, and the command exits 1.
+One run per --out: a second eval into the same report directory stops at once naming the first (its lock file
+.dflashkit.lock holds the pid and host).
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+
+from dflashkit.errors import UserError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
                            'e.g. \'{"enable_thinking": false}\'')
     what.add_argument("--time-limit", type=float, default=None, metavar="S",
                       help="stop after the prompt running when S seconds have passed; write a partial report")
+    what.add_argument("--engine", choices=["dflashkit", "vllm"], default="dflashkit",
+                      help="dflashkit: its own live decoder (chain / tree); vllm: the pair inside vllm.LLM")
     decode = p.add_argument_group("decoding")
     decode.add_argument("--mode", choices=["chain", "tree"], default="chain")
     decode.add_argument("--tree-budget", type=int, default=64, help="tree mode: nodes per round incl. the root")
@@ -70,11 +80,22 @@ def build_parser() -> argparse.ArgumentParser:
     other.add_argument("--compare", nargs="+", metavar="REPORT_DIR", help="put several reports side by side")
     other.add_argument("--server", help="OpenAI-compatible server URL to sweep (vLLM, SGLang)")
     other.add_argument("--model", default=None, help="--server: model name (default: the server's first)")
-    other.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
+    other.add_argument("--concurrency", type=int, nargs="+", default=None,
+                       help="requests in flight per level (default --server: 1 2 4 8 16 32; --engine vllm: 1 4 16 64)")
+    served = p.add_argument_group("--engine vllm")
+    served.add_argument("--num-speculative-tokens", type=int, default=None,
+                        help="default block_size - 1 (vLLM reads no block_size); other values warn: acceptance changes")
+    served.add_argument("--prefix-caching", nargs="+", choices=["on", "off"], default=["on", "off"],
+                        help="vLLM's prefix cache for the multi-turn prompts (the first also serves the main run)")
+    served.add_argument("--gpu-memory-utilization", type=float, default=0.3, help="per vLLM engine")
+    served.add_argument("--max-model-len", type=int, default=None,
+                        help="default: the longest prompt (multi-turn included) + new tokens + one block")
+    served.add_argument("--enforce-eager", action="store_true", help="vLLM without CUDA graphs")
     other.add_argument("--timeout", type=float, default=300.0, help="--server: seconds per request")
     return p
 
-def _fail(message: str, status: int = 2) -> int:
+def _fail(message: str, status: int = 1) -> int:
+    """A run that ended but did not finish (exit 1); user errors raise UserError for dflashkit.cli.run_main."""
     print(f"dflashkit eval: {message}", file=sys.stderr)
     return status
 
@@ -88,21 +109,24 @@ def main(argv: list[str] | None = None) -> int:
     if args.server:
         from .serving import run_sweep
 
-        run_sweep(args.server, args.dataset, args.num_prompts, args.concurrency, args.max_new_tokens,
+        run_sweep(args.server, args.dataset, args.num_prompts, args.concurrency or [1, 2, 4, 8, 16, 32],
+                  args.max_new_tokens,
                   args.temperature, args.model, args.timeout, args.out)
         return 0
     if not (args.target and args.drafter and args.out):
-        return _fail("needs --target, --drafter and --out (or --compare / --server)")
+        raise UserError("needs --target, --drafter and --out (or --compare / --server)")
     for name in ("baseline_prompts", "reference_prompts"):
         if getattr(args, name) is not None and getattr(args, name) < 0:
-            return _fail(f"--{name.replace('_', '-')} must be 0 or more, got {getattr(args, name)}")
+            raise UserError(f"--{name.replace('_', '-')} must be 0 or more, got {getattr(args, name)}")
     try:
         template_kwargs = json.loads(args.chat_template_kwargs)
     except json.JSONDecodeError as error:
-        return _fail(f"--chat-template-kwargs {args.chat_template_kwargs!r} is not JSON ({error}); "
-                     'write e.g. \'{"enable_thinking": false}\'')
+        raise UserError(f"--chat-template-kwargs {args.chat_template_kwargs!r} is not JSON ({error}); "
+                        'write e.g. \'{"enable_thinking": false}\'') from None
     if not isinstance(template_kwargs, dict):
-        return _fail(f"--chat-template-kwargs must be a JSON object, got {args.chat_template_kwargs!r}")
+        raise UserError(f"--chat-template-kwargs must be a JSON object, got {args.chat_template_kwargs!r}")
+    if args.engine == "vllm":
+        return _main_vllm(args, template_kwargs)
     from .engine import DecodeConfig
     from .run import run_eval
 
@@ -110,15 +134,15 @@ def main(argv: list[str] | None = None) -> int:
                           tree_top_k=args.tree_top_k, temperature=args.temperature, top_p=args.top_p,
                           top_k=args.top_k, max_new_tokens=args.max_new_tokens, seed=args.seed,
                           attention_backend=args.attention_backend, cuda_graphs=not args.no_cuda_graphs)
-    try:
-        config.check()
+    config.check()  # user errors propagate to dflashkit.cli.run_main: one line, exit 2
+    from dflashkit.outputs import OutputLock
+
+    with OutputLock(args.out, "eval"):  # one run per report directory (dflashkit/outputs.py)
         report = run_eval(args.target, args.drafter, args.out, args.dataset, config, num_prompts=args.num_prompts,
                           baseline_prompts=args.baseline_prompts, max_prompt_tokens=args.max_prompt_tokens,
                           use_stop_tokens=not args.no_stop, device=args.device, device_map=args.device_map,
                           dtype=args.dtype, chat_template_kwargs=template_kwargs, time_limit_s=args.time_limit,
                           reference_prompts=args.reference_prompts)
-    except (ValueError, FileNotFoundError) as error:
-        return _fail(str(error))
     overall = report["overall"]
     speed = (f"speedup {overall['speedup']:.2f}x ({overall['speedup_per_token']:.2f}x per token, cost model "
              f"{overall['cost_model_speedup']:.2f}x); "
@@ -130,7 +154,24 @@ def main(argv: list[str] | None = None) -> int:
     if "partial" in report:
         partial = report["partial"]
         return _fail(f"stopped by {partial['reason']}: partial report of {partial['prompts_done']} of "
-                     f"{partial['prompts_planned']} prompts in {args.out}", 1)
+                     f"{partial['prompts_planned']} prompts in {args.out}")
+    return 0
+
+def _main_vllm(args, template_kwargs: dict) -> int:
+    from .vllm_engine import VllmEvalConfig, run_vllm_eval
+
+    if args.mode != "chain" or args.temperature != 0:
+        raise UserError("--engine vllm measures greedy chain drafting (vLLM's dflash): "
+                        "drop --mode tree and --temperature")
+    config = VllmEvalConfig(concurrency=args.concurrency or [1, 4, 16, 64],
+                            num_speculative_tokens=args.num_speculative_tokens, prefix_caching=args.prefix_caching,
+                            max_new_tokens=args.max_new_tokens, dtype=args.dtype or "bfloat16",
+                            gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
+                            enforce_eager=args.enforce_eager, seed=args.seed, use_stop_tokens=not args.no_stop)
+    report = run_vllm_eval(args.target, args.drafter, args.out, args.dataset, config, args.num_prompts,
+                           args.max_prompt_tokens, template_kwargs)  # user errors: dflashkit.cli.run_main
+    print(f"{report['verdict']['text']}\ntau {report['overall']['tau']:.3f} (vLLM); lossless "
+          f"{report['lossless']['identical']}/{report['lossless']['requests']} identical; report in {args.out}")
     return 0
 
 if __name__ == "__main__":

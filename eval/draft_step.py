@@ -12,10 +12,21 @@ Design choices:
 - After the first round C <= block size, so a step pads its context to the block size; padded rows are written
   to a scratch area at the end of the buffers and never seen. One step per block length Q (Q is the block size
   except at the end of a sequence); the first round (C = prompt length) runs eagerly.
-- Drafters with sliding-window layers (a causal mask over the key index) keep the eager DynamicCache path.
+- Every layer layout the drafter implements takes this path: the cache slot of a key is its position, so each
+  layer's rule is a mask over (query position, key slot) built on the device from the anchor's position alone
+  (static shapes): full-attention layers see every written slot; sliding-attention layers (window W) see key j
+  from query p iff j <= p and p - j < W, i.e. a window of context and causal inside the block, the rule of
+  train/block_mask.py (the drafter's `is_causal` override is honoured, as its eager default mask reads it).
+  A drafter with both kinds gets the mask dict keyed by layer type that its forward reads.
+- A pass returns a `Draft`: the logits (tree, sampling) and the greedy proposal. For a DFlash2 drafter that is
+  the candidate selector's path (`CandidateSelector.select`: its fixed loop over the block's positions, each
+  conditioned on the token chosen before it, runs inside the step, so on CUDA it is part of the captured graph);
+  for DFlash the argmax.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -24,8 +35,80 @@ from torch import nn
 from .graphs import capture_graph
 
 
+def layer_rules(drafter: nn.Module) -> dict[str, tuple[bool, int | None]] | None:
+    """{layer type: (causal, sliding window)} read from the drafter's attention layers, or None when a layer has
+    an attention this step does not know (it would then run eagerly)."""
+    rules: dict[str, tuple[bool, int | None]] = {}
+    for layer in getattr(drafter, "layers", []):
+        attn = getattr(layer, "self_attn", None)
+        kind = getattr(attn, "layer_type", None)
+        if kind not in ("full_attention", "sliding_attention"):
+            return None
+        window = attn.sliding_window
+        rule = (bool(attn.is_causal), None if window is None else int(window))
+        if rules.setdefault(kind, rule) != rule:
+            return None
+    return rules or None
+
+
+class Draft(NamedTuple):
+    """One drafter pass over a block of Q tokens."""
+
+    logits: torch.Tensor  # [Q - 1, V] draft logits of positions 1 .. Q-1 (the lm_head's dtype)
+    tokens: torch.Tensor  # [Q - 1] the greedy proposal: argmax (DFlash) or the candidate selector's path (DFlash2)
+    hidden: torch.Tensor  # [1, Q - 1, H] final states of positions 1 .. Q-1 (a sampled DFlash2 path walks them)
+
+
+def draft_from_hidden(drafter: nn.Module, hidden: torch.Tensor, lm_head: nn.Module, anchor: torch.Tensor) -> Draft:
+    """Logits and greedy proposal from the final states hidden [1, Q - 1, H] of positions 1 .. Q-1; anchor [1] is
+    the block's first token (the selector's first predecessor). The reference's rule: `propose` of a DFlash2
+    drafter on its own logits, else the argmax."""
+    logits = drafter.compute_logits(hidden.to(lm_head.weight.dtype), lm_head)
+    selector = getattr(drafter, "candidate_selector", None)
+    if selector is None:
+        return Draft(logits[0], logits[0].argmax(dim=-1), hidden)
+    tokens, _, _ = selector.select(hidden, logits, anchor)
+    return Draft(logits[0], tokens[0], hidden)
+
+
+def sample_selector_path(selector: nn.Module, draft: Draft, anchor: int, temperature: float,
+                         generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """A DFlash2 block sampled as the reference samples it (CandidateSelector.select with temperature > 0),
+    drawn from `generator`: position by position, softmax(scores / temperature) over the position's top-k
+    candidates given the token just drawn. Returns (tokens [Q - 1], their distributions [Q - 1, V]: each row the
+    candidates' probabilities scattered into the vocabulary, the q of speculative sampling)."""
+    unary, candidates = torch.topk(draft.logits, selector.top_k, dim=-1, sorted=False)
+    predecessor = torch.full((1,), anchor, dtype=torch.long, device=candidates.device)
+    tokens, rows = [], []
+    for position in range(candidates.shape[0]):
+        at = slice(position, position + 1)
+        scores = selector.pair_scores(draft.hidden[0, at], unary[at], candidates[at], predecessor)
+        probs = torch.softmax(scores.float() / temperature, dim=-1)
+        index = torch.multinomial(probs, 1, generator=generator)
+        predecessor = candidates[at].gather(-1, index)[:, 0]
+        tokens.append(predecessor)
+        rows.append(probs)
+    q = torch.zeros(draft.logits.shape, dtype=torch.float32, device=candidates.device)
+    return torch.cat(tokens), q.scatter(-1, candidates, torch.cat(rows))
+
+
 def supports_static_steps(drafter: nn.Module) -> bool:
-    return all(t == "full_attention" for t in (getattr(drafter.config, "layer_types", None) or []))
+    return layer_rules(drafter) is not None
+
+
+def visible_slots(query: torch.Tensor, key: torch.Tensor, written: torch.Tensor, causal: bool,
+                  window: int | None) -> torch.Tensor:
+    """Bool [1, 1, Q, S]: query position `query` [Q] may attend the key in slot (= position) `key` [S]; `written`
+    [S] marks the slots that hold this pass's keys. The drafter's eager default mask, in positions."""
+    q, k = query[:, None], key[None, :]
+    visible = written[None, :].expand(q.shape[0], -1)
+    if causal:
+        visible = visible & (k <= q)
+    if window is not None:
+        visible = visible & (q - k < window)
+        if not causal:
+            visible = visible & (k - q < window)
+    return visible[None, None]
 
 
 class StaticDraftCache:
@@ -60,7 +143,7 @@ class DraftStep:
         self.block_index = torch.arange(size, device=device)
         self.key_index = torch.arange(owner.cache.max_len, device=device)
         self.graph = None
-        self.logits = None
+        self.draft: Draft | None = None  # the captured step's outputs (CUDA graphs)
 
     def load(self, anchor: int, context: torch.Tensor, start: int) -> None:
         count = context.shape[0]
@@ -69,7 +152,7 @@ class DraftStep:
         self.start.fill_(start)
         self.block[0, 0].fill_(anchor)
 
-    def _compute(self) -> torch.Tensor:
+    def _compute(self) -> Draft:
         o, cache = self.owner, self.owner.cache
         cached = self.start - self.count  # L: context rows of earlier rounds
         real = self.rows < self.count
@@ -77,23 +160,26 @@ class DraftStep:
         positions = torch.cat([context_positions, self.start + self.block_index]).view(1, -1)
         scratch = cache.max_len - self.context_rows + self.rows
         cache.slots = torch.cat([torch.where(real, cached + self.rows, scratch), self.start + self.block_index])
-        mask = (self.key_index < self.start + self.size).view(1, 1, 1, -1)
+        written, query = self.key_index < self.start + self.size, self.start + self.block_index
+        masks = {kind: visible_slots(query, self.key_index, written, causal, window)
+                 for kind, (causal, window) in o.rules.items()}
+        mask = next(iter(masks.values())) if len(masks) == 1 else masks
         noise = F.embedding(self.block, o.embed_weight) * o.embed_scale
         hidden = o.drafter(position_ids=positions, attention_mask=mask, noise_embedding=noise.to(o.drafter.dtype),
                            target_hidden=self.context, past_key_values=cache, use_cache=True)
-        return o.drafter.compute_logits(hidden[:, 1 - self.size:, :].to(o.lm_head.weight.dtype), o.lm_head)[0]
+        return draft_from_hidden(o.drafter, hidden[:, 1 - self.size:, :], o.lm_head, self.block[:, 0])
 
-    def run(self) -> torch.Tensor:
+    def run(self) -> Draft:
         if not self.use_graph:
             return self._compute()
         if self.graph is None:
-            self.graph, self.logits = capture_graph(self._compute, self.owner.device, self.owner.graph_pool)
+            self.graph, self.draft = capture_graph(self._compute, self.owner.device, self.owner.graph_pool)
         self.graph.replay()
-        return self.logits
+        return self.draft
 
 
 class StaticDrafter:
-    """The drafter with a static context cache; `logits(anchor, context, start, size)` as the eager pass."""
+    """The drafter with a static context cache; `draft(anchor, context, start, size)` as the eager pass."""
 
     def __init__(self, drafter: nn.Module, embed_weight: torch.Tensor, embed_scale: float, lm_head: nn.Module,
                  mask_token_id: int, block_size: int, cuda_graphs: bool):
@@ -101,6 +187,10 @@ class StaticDrafter:
         self.mask_token_id, self.block_size = mask_token_id, block_size
         self.device = embed_weight.device
         self.feature_size = drafter.fc.in_features
+        self.rules = layer_rules(drafter)  # {layer type: (causal, window)}: the masks a pass builds
+        if self.rules is None:
+            raise ValueError("this drafter has an attention layout the static draft step does not know; "
+                             "decode it with static_draft=False")
         self.use_graphs = cuda_graphs and self.device.type == "cuda"
         self.graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self.cache = StaticDraftCache(0)
@@ -129,8 +219,9 @@ class StaticDrafter:
             step.run()
 
     @torch.inference_mode()
-    def logits(self, anchor: int, context: torch.Tensor, start: int, size: int) -> torch.Tensor:
-        """Drafter logits [size - 1, V] for positions start+1 .. start+size-1; context: [C, K*H] new rows."""
+    def draft(self, anchor: int, context: torch.Tensor, start: int, size: int) -> Draft:
+        """The pass for positions start+1 .. start+size-1 (logits [size - 1, V], greedy proposal [size - 1]);
+        context: [C, K*H] new rows."""
         if context.shape[0] > self.block_size:  # the first round: the prompt's features, once per sequence
             step = DraftStep(self, context.shape[0], size, use_graph=False)
         else:

@@ -2,8 +2,9 @@
 
 One round (batch 1, as the reference `dflash_generate`):
   1. the drafter sees the new context features (the target layer outputs of the tokens accepted last round) and
-     the block [anchor, MASK x (B-1)]; it keeps its own DynamicCache of context K/V, cropped back to the anchor;
-  2. chain: argmax (or a sample) per draft position; tree: best-first top-k tree up to the node budget;
+     the block [anchor, MASK x (B-1)]; it keeps its own cache of context K/V, holding nothing past the anchor;
+  2. chain: argmax (or a sample) per draft position, or for a DFlash2 drafter its candidate selector's path (the
+     reference's `propose`; chain only); tree: best-first top-k tree up to the node budget;
   3. one target forward over all candidate nodes (tree attention, positions = prefix length + depth);
   4. accept the longest path the target agrees with, plus the bonus token (eval/acceptance.py);
   5. keep only the accepted nodes' K/V (compaction) and pass their features on as the next context.
@@ -13,8 +14,9 @@ compared round by round. The baseline runs the same verifier one token per step:
 On CUDA the target's steps after the prefill (AR step, chain block, tree padded to the budget; eval/verifier.py)
 and the drafter's pass (eval/draft_step.py) replay CUDA graphs, captured once per shape on static caches
 (`cuda_graphs=False` for eager); the CPU runs the same code eagerly; `prepare(max_prompt_len)` captures every
-shape a run can take before it starts. Drafters with sliding-window layers keep a transformers DynamicCache,
-cropped back to the anchor, eagerly.
+shape a run can take before it starts. Every drafter layout takes that static step (sliding-window layers get
+their window and in-block causality as a mask over cache slots); `static_draft=False` runs the reference's way
+instead (a transformers DynamicCache cropped back to the anchor, eagerly), the cross-check the tests compare with.
 Host work per round is kept small, since at a few ms per step it weighs: a greedy chain round leaves the drafts
 on the device (drafter -> argmax -> target step) and reads the device once, drafts and target argmax together,
 before the acceptance walk on the host; a tree round reads the drafter's top-k (the tree grows on the host) and
@@ -34,7 +36,7 @@ from torch import nn
 from dflashkit.drafter.config import check_block_size
 
 from .acceptance import greedy_accept, sampled_accept_chain, sampling_probs
-from .draft_step import StaticDrafter, supports_static_steps
+from .draft_step import Draft, StaticDrafter, draft_from_hidden, sample_selector_path, supports_static_steps
 from .tree import DraftTree, build_tree
 
 
@@ -51,6 +53,7 @@ class DecodeConfig:
     stop_token_ids: tuple[int, ...] = ()  # generation ends after one of these (it is kept)
     attention_backend: str = "auto"  # tree attention: auto (Triton on CUDA), triton, torch
     cuda_graphs: bool = True  # replay the target's decode steps as CUDA graphs (CUDA only; the CPU runs eagerly)
+    static_draft: bool = True  # drafter pass on a static cache (graph-captured on CUDA); False = DynamicCache, eager
     seed: int = 0  # sampling generator seed (reset per prompt)
 
     def check(self) -> None:
@@ -81,6 +84,20 @@ class GenerationResult:
     verify_s: float = 0.0  # the rest of the rounds: target forwards, acceptance, commit (AR: the steps)
 
 
+DFLASH2_TREE_REFUSAL = ("tree mode grows its tree from one distribution per draft position; a DFlash2 drafter's "
+                        "candidate selector scores each position given the token chosen before it (one path), so "
+                        "decode DFlash2 drafters with --mode chain")
+
+
+def check_dflash2(config: DecodeConfig, block_size: int, trained_block_size: int) -> None:
+    """What the evaluator decodes of a DFlash2 drafter: chains (greedy or sampled) up to its trained block."""
+    if config.mode == "tree":
+        raise ValueError(DFLASH2_TREE_REFUSAL)
+    if block_size > trained_block_size:
+        raise ValueError(f"block_size {block_size} > the DFlash2 drafter's block_size {trained_block_size}: its "
+                         f"in-block convolutions span one trained block; use --block-size <= {trained_block_size}")
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -106,6 +123,9 @@ class SpeculativeDecoder:
         self.lm_head = self.model.get_output_embeddings()
         self.embed_scale = float(getattr(drafter, "input_embedding_scale", 1.0))
         self.mask_token_id = int(drafter.mask_token_id)
+        self.selector = getattr(drafter, "candidate_selector", None)  # DFlash2: proposals are the selector's path
+        if self.selector is not None:
+            check_dflash2(config, self.block_size, drafter.block_size)
         from .verifier import TargetVerifier, is_hybrid
 
         if is_hybrid(self.model):
@@ -121,8 +141,8 @@ class SpeculativeDecoder:
         # start and end of a round's draft on the device (CUDA): its share of the round without a host sync
         self._events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if self.device.type == "cuda" \
             else None
-        self.static_drafter = None  # full-attention drafters: static context cache, CUDA graphs on CUDA
-        if supports_static_steps(drafter):
+        self.static_drafter = None  # static context cache, CUDA graphs on CUDA (every layout the drafter has)
+        if config.static_draft and supports_static_steps(drafter):
             self.static_drafter = StaticDrafter(drafter, self.embed_weight, self.embed_scale, self.lm_head,
                                                 self.mask_token_id, self.block_size,
                                                 config.cuda_graphs and getattr(self.verifier, "cuda_graphs", True))
@@ -189,10 +209,10 @@ class SpeculativeDecoder:
         result.decode_s = result.verify_s = time.perf_counter() - start
         return result
 
-    def _draft(self, anchor: int, context: torch.Tensor, draft_cache, start: int, size: int) -> torch.Tensor:
-        """Drafter logits [size - 1, V] for positions start+1 .. start+size-1."""
+    def _draft(self, anchor: int, context: torch.Tensor, draft_cache, start: int, size: int) -> Draft:
+        """The drafter's pass for positions start+1 .. start+size-1 (logits and greedy proposal)."""
         if self.static_drafter is not None:
-            return self.static_drafter.logits(anchor, context, start, size)
+            return self.static_drafter.draft(anchor, context, start, size)
         block = torch.full((1, size), self.mask_token_id, dtype=torch.long, device=self.device)
         block[0, 0] = anchor
         noise = F.embedding(block, self.embed_weight) * self.embed_scale
@@ -201,18 +221,20 @@ class SpeculativeDecoder:
                               target_hidden=context.unsqueeze(0).to(self.drafter.dtype),
                               past_key_values=draft_cache, use_cache=True)
         _crop(draft_cache, start)
-        return self.drafter.compute_logits(hidden[:, 1 - size:, :].to(self.lm_head.weight.dtype), self.lm_head)[0]
+        return draft_from_hidden(self.drafter, hidden[:, 1 - size:, :], self.lm_head, block[:, 0])
 
-    def _propose(self, anchor: int, draft_logits: torch.Tensor):
+    def _propose(self, anchor: int, draft: Draft):
         """The round's candidates: a DraftTree grown on the host (tree mode), or the drafted tokens, left on the
         device (chain), with the drafter's distribution they were sampled from (sampling; else None)."""
         cfg = self.config
         if cfg.mode == "tree":
-            return build_tree(anchor, draft_logits, cfg.tree_budget, cfg.tree_top_k), None
+            return build_tree(anchor, draft.logits, cfg.tree_budget, cfg.tree_top_k), None
+        if cfg.temperature > 0 and self.selector is not None:
+            return sample_selector_path(self.selector, draft, anchor, cfg.temperature, self.generator)
         if cfg.temperature > 0:
-            probs = self._probs(draft_logits)
+            probs = self._probs(draft.logits)
             return torch.multinomial(probs, 1, generator=self.generator)[:, 0], probs
-        return draft_logits.argmax(dim=-1), None
+        return draft.tokens, None
 
     def _verify(self, anchor: int, candidates, draft_probs) -> tuple[DraftTree, list[int], int, torch.Tensor]:
         """One target forward over the candidates; (the round's tree, accepted path of node indices, the next
@@ -242,7 +264,7 @@ class SpeculativeDecoder:
         first, _, context, prefill_s = self._prefill(prompt_ids)
         result = GenerationResult(len(prompt_ids), [first], prefill_s=prefill_s)
         draft_cache = None
-        if self.static_drafter is None:  # sliding-window drafters: a growing cache, cropped back to the anchor
+        if self.static_drafter is None:  # static_draft=False: a growing cache, cropped back to the anchor
             draft_cache = DynamicCache(config=self.drafter.config)
             if hasattr(draft_cache, "activate_past_recording"):
                 draft_cache.activate_past_recording()  # sliding drafter layers must be croppable

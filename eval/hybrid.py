@@ -23,7 +23,7 @@ TREE_REFUSAL = ("tree verification is not supported for hybrid targets (linear-a
 
 
 def _cache_kwargs(model: nn.Module, cache) -> dict:
-    from dflashkit.target.loading import cache_kwargs
+    from dflashkit.targets.loading import cache_kwargs
 
     return cache_kwargs(model, cache)
 
@@ -72,7 +72,7 @@ class HybridChainVerifier:
     (the model's own cache grows and is cropped, so its steps are not captured as CUDA graphs)."""
 
     def __init__(self, model: nn.Module, layer_ids: list[int]):
-        from dflashkit.target.loading import find_decoder
+        from dflashkit.targets.loading import find_decoder
 
         self.model = model
         self.decoder = find_decoder(model)

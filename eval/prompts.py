@@ -7,7 +7,7 @@ Design choices:
   the record are dropped: the target writes its own. MT-bench contributes its first turn.
 - Records with only "text" (or "prompt") are used as a single user turn.
 - The chat template is applied with add_generation_prompt=True and the run's template kwargs through
-  dflashkit.target.chat_template.render_chat, the call extraction and training render with; the text is then
+  dflashkit.targets.chat_template.render_chat, the call extraction and training render with; the text is then
   tokenized without added special tokens, as extraction does. A tokenizer without a template gets the raw text.
 """
 
@@ -48,7 +48,7 @@ def opening_turns(record: dict, where: str) -> list[dict]:
 
 
 def render(tokenizer, messages: list[dict], template_kwargs: dict | None = None) -> list[int]:
-    from dflashkit.target.chat_template import render_chat
+    from dflashkit.targets.chat_template import render_chat
 
     if getattr(tokenizer, "chat_template", None):
         text = render_chat(tokenizer, messages, add_generation_prompt=True, template_kwargs=template_kwargs)

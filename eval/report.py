@@ -116,6 +116,10 @@ SUMMARY_FIELDS = [("tau", "τ"), ("rounds", "rounds"), ("mean_nodes_per_round", 
 
 
 def render_markdown(report: dict) -> str:
+    if report.get("engine") == "vllm":  # `eval --engine vllm`: its verdict, concurrency and prefix-cache tables
+        from .serving_verdict import render_vllm_markdown
+
+        return render_vllm_markdown(report)
     from .lossless import describe
 
     args = report["args"]
@@ -163,6 +167,10 @@ def write_plots(report: dict, out_dir: Path) -> list[str]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    if report.get("engine") == "vllm":
+        from .serving_verdict import write_vllm_plots
+
+        return write_vllm_plots(report, out_dir)
     overall, written = report["overall"], []
     fig, ax = plt.subplots(figsize=(5, 3.2))
     histogram = overall["acceptance_histogram"]

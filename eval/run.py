@@ -107,7 +107,7 @@ def run_eval(target: str, drafter: str, out: str | Path, datasets: list[str], co
     from tqdm import tqdm
 
     from dflashkit.drafter import load_drafter
-    from dflashkit.target.loading import load_target
+    from dflashkit.targets.loading import load_target
 
     from .lossless import classify, reference_greedy_batch
     from .prompts import load_prompts

@@ -24,6 +24,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from dflashkit.errors import UserError
+
 VLLM_DRAFTS = "vllm:spec_decode_num_drafts_total"
 VLLM_ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
 SGLANG_ACCEPT_LENGTH = "sglang:spec_accept_length"
@@ -82,8 +84,26 @@ def tau_from_metrics(before: dict | None, after: dict | None) -> tuple[float | N
 
 
 def list_models(base_url: str, timeout: float = 10.0) -> list[str]:
-    with urllib.request.urlopen(base_url.rstrip("/") + "/v1/models", timeout=timeout) as response:
-        return [m["id"] for m in json.loads(response.read())["data"]]
+    """The model ids the server lists (GET /v1/models). A server that cannot be reached, or that answers
+    something other than ``{"data": [{"id": ...}, ...]}``, is a UserError naming the URL."""
+    url = base_url.rstrip("/") + "/v1/models"
+    fix = "is --server the base URL of an OpenAI-compatible server (vLLM, SGLang), e.g. http://localhost:8000?"
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            body = response.read()
+    except urllib.error.HTTPError as error:
+        raise UserError(f"{url}: HTTP {error.code} {error.reason}; {fix}") from None
+    except (urllib.error.URLError, OSError, ValueError) as error:  # refused, unknown host, timeout, bad URL
+        raise UserError(f"{url}: no answer ({getattr(error, 'reason', error)}); start the server, or fix "
+                        "--server (the base URL of a vLLM / SGLang server, e.g. http://localhost:8000)") from None
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise UserError(f"{url}: the answer is not JSON ({error}); {fix}") from None
+    models = data.get("data") if isinstance(data, dict) else None
+    if not isinstance(models, list) or not all(isinstance(m, dict) and isinstance(m.get("id"), str) for m in models):
+        raise UserError(f'{url}: expected {{"data": [{{"id": MODEL}}, ...]}}, got {body[:80]!r}; {fix}')
+    return [m["id"] for m in models]
 
 
 def stream_chat(base_url: str, model: str, messages: list[dict], max_tokens: int, temperature: float,
@@ -160,7 +180,10 @@ def run_level(base_url: str, model: str, conversations: list[list[dict]], concur
 
 def sweep(base_url: str, conversations: list[list[dict]], levels: list[int], max_tokens: int,
           temperature: float = 0.0, model: str | None = None, timeout: float = 300.0, progress=None) -> dict:
-    model = model or list_models(base_url)[0]
+    models = list_models(base_url)  # asked first: an unreachable or foreign server stops here, in one line
+    if not model and not models:
+        raise UserError(f"{base_url.rstrip('/')}/v1/models lists no model; pass --model NAME")
+    model = model or models[0]
     out = {"server": base_url, "model": model, "max_tokens": max_tokens, "temperature": temperature,
            "prompts": len(conversations), "levels": []}
     for level in levels:

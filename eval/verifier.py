@@ -21,12 +21,12 @@ Design choices:
   from a device tensor (the drafts never visit the host); a tree step gets tokens, parents and depths in one
   staged copy and builds the ancestor mask inside the step. Padded tree nodes are roots of their own (parent
   -1): real nodes never see them, and they are never committed. `prepare(shapes)` captures steps before a run.
-- Layer features come from dflashkit.target.capture.LayerCapture in its hooks-only mode (early_exit=False): the
+- Layer features come from dflashkit.targets.capture.LayerCapture in its hooks-only mode (early_exit=False): the
   one capture implementation, so eval reads exactly what extraction and training read (layer i's output is
   Hugging Face hidden_states[i + 1]; layer L - 1 is the final-norm output).
 - Logits are computed here, not by the model: the decoder's final hidden state (after the final norm) times an
   fp32 copy of the lm_head weight, in fp32 (and the target's final softcap, if any). Every acceptance decision
-  takes the argmax of these fp32 logits (DESIGN.md, numerics); the fp32 copy is made once per verifier.
+  takes the argmax of these fp32 logits (docs/ARCHITECTURE.md, numerics); the fp32 copy is made once per verifier.
 - Hybrid targets (linear-attention / recurrent layers) cannot drop a rejected suffix from a recurrent state, so
   `HybridChainVerifier` keeps the model's own cache, snapshots the recurrent states before each forward, and on a
   partial acceptance restores them, crops the attention layers and re-runs the accepted tokens: exact, chain only.
@@ -97,13 +97,6 @@ def register_tree_attention() -> None:
     AttentionInterface.register(ATTENTION_NAME, tree_attention_function)
 
 
-def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The text decoder's layer list (layer i's output is Hugging Face hidden_states[i + 1])."""
-    from dflashkit.target.loading import find_decoder
-
-    return find_decoder(model).layers
-
-
 def is_hybrid(model: nn.Module) -> bool:
     """True when some decoder layers are not attention (linear attention, Mamba, short convolutions)."""
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
@@ -112,8 +105,8 @@ def is_hybrid(model: nn.Module) -> bool:
 
 
 def capture_parts(model: nn.Module) -> SimpleNamespace:
-    """What dflashkit.target.capture.LayerCapture needs of a target, for a bare Hugging Face model."""
-    from dflashkit.target.loading import find_decoder
+    """What dflashkit.targets.capture.LayerCapture needs of a target, for a bare Hugging Face model."""
+    from dflashkit.targets.loading import find_decoder
 
     decoder = find_decoder(model)
     return SimpleNamespace(model=model, layers=decoder.layers, final_norm=decoder.norm,
@@ -140,7 +133,7 @@ class FP32Head:
 
 def open_capture(model: nn.Module, layer_ids: list[int]):
     """LayerCapture in hooks-only mode, entered (hooks on); leave it with .__exit__()."""
-    from dflashkit.target.capture import LayerCapture
+    from dflashkit.targets.capture import LayerCapture
 
     return LayerCapture(capture_parts(model), layer_ids, early_exit=False).__enter__()
 
@@ -223,7 +216,7 @@ class TargetVerifier:
     def __init__(self, model: nn.Module, layer_ids: list[int], backend: str = "auto", cuda_graphs: bool = True):
         if is_hybrid(model):
             raise ValueError(f"{type(model).__name__} has non-attention layers; use HybridChainVerifier")
-        from dflashkit.target.loading import find_decoder
+        from dflashkit.targets.loading import find_decoder
 
         register_tree_attention()
         self.model = model

@@ -6,7 +6,8 @@ One GPU:
     dflashkit extract --target /models/Qwen3-8B --data chats.jsonl --out runs/q3 --max-length 4096 --codec fp8
 Several GPUs (each rank takes every world_size-th sample and writes its own shards; rank 0 merges the manifest):
     accelerate launch --num_processes 8 -m dflashkit.extract --target /models/Qwen3-8B --data chats.jsonl --out runs/q3
-A run killed at any point continues with the same command plus --resume.
+A run killed at any point continues with the same command plus --resume; --overwrite replaces what --out holds.
+One run per --out: a second one stops at once naming the first (pid, host); the ranks of one launch share it.
 
 Design choices:
 - Samples are ordered by their index in the data. Rank r takes the indices i with i % world_size == r, in windows
@@ -35,9 +36,10 @@ from pathlib import Path
 import torch
 
 from dflashkit.drafter.config import DEFAULT_NUM_HIDDEN_LAYERS
+from dflashkit.errors import UserError
 
 from . import batching
-from .chat import SKIP_REASONS, BadSample, ChatConfig, TemplateError, chat_template_hash, tokenizer_hash
+from .chat import SKIP_REASONS, BadSample, ChatConfig, chat_template_hash, tokenizer_hash
 from .shards import CODECS, MANIFEST, SCHEMA_VERSION, update_totals, write_manifest
 from .writer import ShardWriteError, ShardWriter, merge_manifests, prepare_resume
 
@@ -107,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--codec", choices=CODECS, default="bf16", help="feature storage: bf16, or fp8 e4m3 + scale")
     g.add_argument("--store-last-hidden", action="store_true", help="also store the final-norm output")
     g.add_argument("--resume", action="store_true", help="continue a killed run in --out")
+    g.add_argument("--overwrite", action="store_true",
+                   help="replace what --out holds (an earlier extraction or other files; a file at --out is never "
+                        "replaced)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
@@ -158,7 +163,43 @@ def _summary(manifest: dict, out: Path, seconds: float, tokens_this_run: int) ->
             f"  skipped: {skipped}\n  notes: {notes}\n  written to {out}")
 
 
-def extract(target: str, data: list[str], out, *, layer_ids: list[int] | None = None,
+def extraction_problem(path: Path) -> str | None:
+    """Why the directory ``path`` does not hold an extraction (files this command writes), or None."""
+    from dflashkit.outputs import describe_foreign, foreign_entries
+
+    def owned(name: str) -> bool:
+        return (name == MANIFEST or (name.startswith("manifest.rank") and name.endswith(".json"))
+                or (name.startswith("shard-") and name.endswith(".safetensors"))
+                or (name.startswith((".shard-", ".manifest")) and name.endswith(".tmp")))
+
+    foreign = foreign_entries(path, owned)
+    return describe_foreign(foreign) if foreign else None
+
+
+def _clear_output(out: Path, rank: int, world: int) -> None:
+    """--overwrite: rank 0 empties --out (all but the lock) before any rank writes."""
+    import shutil
+
+    from dflashkit.outputs import LOCK_NAME
+
+    if rank == 0:
+        for p in out.iterdir():
+            if p.name != LOCK_NAME:
+                shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+    _barrier(world)
+
+
+def extract(target: str, data: list[str], out, *, overwrite: bool = False, **kwargs) -> dict:
+    """Extract the features of ``target`` for the records of ``data`` into shards in ``out``; return the
+    manifest. The keyword arguments are the command's flags (see ``build_parser`` and ``_extract``);
+    ``overwrite`` replaces what ``out`` holds. The run holds the lock on ``out`` (dflashkit/outputs.py)."""
+    from dflashkit.outputs import OutputLock
+
+    with OutputLock(out, "extract"):
+        return _extract(target, data, out, overwrite=overwrite, **kwargs)
+
+
+def _extract(target: str, data: list[str], out, *, overwrite: bool = False, layer_ids: list[int] | None = None,
             num_taps: int = DEFAULT_NUM_HIDDEN_LAYERS,
             dtype: str | None = None, device: str | None = None, device_map: str | None = None,
             trust_remote_code: bool = False, split: str | None = None, limit: int | None = None,
@@ -172,11 +213,11 @@ def extract(target: str, data: list[str], out, *, layer_ids: list[int] | None = 
     manifest. The parameters are the command's flags (see ``build_parser``); ``chat_template`` is the path of a
     Jinja file, ``chat_template_kwargs`` a dict, sizes are bytes."""
     from dflashkit.drafter import check_target_layer_ids
-    from dflashkit.target.capture import LayerCapture
-    from dflashkit.target.loading import load_target
+    from dflashkit.targets.capture import LayerCapture
+    from dflashkit.targets.loading import load_target
 
     from .chat import check_template
-    from .sources import describe_sources
+    from .sources import check_has_records, describe_sources
 
     rank, world, local_rank = _dist()
     out = Path(out)
@@ -192,7 +233,15 @@ def extract(target: str, data: list[str], out, *, layer_ids: list[int] | None = 
                      chat_template=Path(chat_template).read_text() if chat_template else None)
     if not resume and out.exists() and ((out / MANIFEST).exists() or any(out.glob("shard-*.safetensors"))
                                         or any(out.glob("manifest.rank*.json"))):
-        raise ValueError(f"{out} already holds an extraction: add --resume to continue it, or pick another --out")
+        if not overwrite:
+            raise ValueError(f"{out} already holds an extraction: add --resume to continue it, --overwrite to replace "
+                             f"it, or pick another --out")
+    if resume and overwrite:
+        raise ValueError("--resume continues what --out holds and --overwrite replaces it: pass one of them")
+    from dflashkit.outputs import check_output_dir
+
+    replace = check_output_dir(out, what="an extraction", problem=extraction_problem, overwrite=overwrite)
+    check_has_records(data, split)  # an empty data file stops here, before the target is loaded
 
     target = load_target(target, dtype=torch_dtype, device=device, device_map=device_map,
                          trust_remote_code=trust_remote_code)
@@ -222,6 +271,8 @@ def extract(target: str, data: list[str], out, *, layer_ids: list[int] | None = 
             manifest["shards"] = old["shards"]
             done = {i for s in old["shards"] for i in s["sample_indices"]}
 
+    if replace and overwrite:
+        _clear_output(out, rank, world)
     writer = ShardWriter(out, manifest, rank=rank, world_size=world, shard_bytes=shard_size,
                          staging_bytes=staging_size)
     skipped = {r: 0 for r in SKIP_REASONS}
@@ -304,14 +355,9 @@ def main(argv=None) -> int:
                 max_batch_size=args.max_batch_size, bucket_window=args.bucket_window,
                 tokenize_workers=args.tokenize_workers, shard_size=args.shard_size,
                 staging_size=args.staging_size, codec=args.codec, store_last_hidden=args.store_last_hidden,
-                resume=args.resume, progress=not args.no_progress)
-    except BadSample as e:
-        print(f"dflashkit extract: error: {e}\n  fix the record, or pass --on-bad skip to skip and count such "
-              "records", file=sys.stderr)
-        return 2
-    except (ValueError, FileNotFoundError, TemplateError) as e:  # bad input (dflashkit/errors.py)
-        print(f"dflashkit extract: error: {e}", file=sys.stderr)
-        return 2
+                resume=args.resume, overwrite=args.overwrite, progress=not args.no_progress)
+    except BadSample as e:  # other user errors propagate to dflashkit.cli.run_main (one line, exit 2)
+        raise UserError(f"{e}; fix the record, or pass --on-bad skip to skip and count such records") from None
     except ShardWriteError as e:  # a failure: the disk, not the input
         print(f"dflashkit extract: error: {e}", file=sys.stderr)
         return 1

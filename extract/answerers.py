@@ -26,7 +26,7 @@ class TargetGenerator:
                  top_p: float = 1.0, top_k: int = 0, max_prompt_length: int | None = None, batch_size: int = 16,
                  dtype: str | None = None, device: str | None = None, cuda_graph: bool = True,
                  decode_attention: str = "triton"):
-        from dflashkit.target.loading import load_target
+        from dflashkit.targets.loading import load_target
 
         from .generator import SlotGenerator, supports_slots
 

@@ -28,7 +28,7 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 
-from dflashkit.target.chat_template import render_chat
+from dflashkit.targets.chat_template import render_chat
 
 # ShareGPT / OpenAI role names -> template roles
 ROLE_ALIASES = {"user": "user", "human": "user", "system": "system", "assistant": "assistant", "gpt": "assistant",

@@ -153,7 +153,7 @@ def atomic_write(path: Path, data, pause_name: str | None = None, sha256=None) -
     buffers = _byte_views(data)
     tmp = _temporary(path)
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)  # the umask decides (0644 under 022)
         try:
             _write_buffers(fd, buffers)
         finally:
@@ -175,7 +175,7 @@ def write_unnamed(directory: Path, data) -> int:
     """Write ``data`` (as ``atomic_write`` does) into a new file of ``directory`` that has no name yet (Linux
     ``O_TMPFILE``), fsync it, and return its descriptor for ``publish``. Until then the file is in no directory:
     a crash leaves nothing behind, so such files can be written ahead, several at once."""
-    fd = os.open(directory, os.O_TMPFILE | os.O_WRONLY, 0o644)
+    fd = os.open(directory, os.O_TMPFILE | os.O_WRONLY, 0o666)  # the umask decides
     try:
         _write_buffers(fd, _byte_views(data))
     except BaseException:

@@ -45,7 +45,7 @@ from collections import deque
 import numpy as np
 import torch
 
-from dflashkit.target.loading import cache_kwargs
+from dflashkit.targets.loading import cache_kwargs
 
 from .decode_attention import triton_available
 from .slot_cache import ATTENTION_NAME, SlotCache, SlotDecode, register_attention

@@ -33,6 +33,10 @@ Design choices:
   several ranks each writes ``<out>.rank<r>-of-<world>`` (resumed the same way) and rank 0 merges them, by
   index, into --out at the end. Greedy output is the same either way (up to bf16 rounding between batch
   shapes); sampled output is seeded per conversation (--seed + index) on a server, per chunk locally.
+- An existing --out is continued only with --resume and only when it is regenerate's output; --overwrite
+  starts it afresh; a directory at --out is an error. One run per --out: the run holds the lock file
+  ``<out>.lock`` beside it (not a lock on the directory, so several runs can write files into one folder); the
+  ranks of one launch share it (dflashkit/outputs.py).
 """
 
 from __future__ import annotations
@@ -44,6 +48,8 @@ import sys
 from pathlib import Path
 
 import torch
+
+from dflashkit.errors import UserError
 
 from .answerers import ServerGenerator, TargetGenerator
 from .chat import BadSample, normalize_record
@@ -74,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--limit", type=int, default=None, help="only the first N records")
     g.add_argument("--out", required=True, help="output JSONL")
     g.add_argument("--resume", action="store_true", help="continue a killed run into the same --out")
+    g.add_argument("--overwrite", action="store_true", help="start --out afresh, replacing what it holds")
     g.add_argument("--on-bad", choices=("skip", "fail"), default="skip", help="a bad record: skip it, or stop")
     g = p.add_argument_group("generation")
     g.add_argument("--max-new-tokens", type=positive_int, default=1024, help="longest answer per turn")
@@ -104,6 +111,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # ---------------------------------------------------------------- output file
+
+
+def check_regenerated(out: Path) -> None:
+    """--resume: ``out`` must be regenerate's output (its first row has ``index`` and ``messages``)."""
+    if not out.exists() or not out.stat().st_size:
+        return
+    with open(out, "rb") as f:
+        first = f.readline()
+    try:
+        row = json.loads(first)
+        ok = isinstance(row, dict) and "index" in row and "messages" in row
+    except ValueError:
+        ok = not first.endswith(b"\n")  # one cut line: a run killed while writing its first row
+    if not ok:
+        raise ValueError(f"{out}: line 1 is not a row that dflashkit regenerate writes (index, messages); pick "
+                         f"another --out, or pass --overwrite to replace it")
 
 
 def done_indices(out: Path) -> set[int]:
@@ -177,7 +200,17 @@ def _barrier(world: int) -> None:
     dist.barrier()
 
 
-def regenerate(data: list[str], out, *, target: str | None = None, server: str | None = None,
+def regenerate(data: list[str], out, *, overwrite: bool = False, **kwargs) -> dict:
+    """Answer every user turn of the conversations of ``data`` into the JSONL file ``out`` (see ``_regenerate``);
+    ``overwrite`` starts ``out`` afresh. The run holds the lock ``<out>.lock`` (dflashkit/outputs.py)."""
+    from dflashkit.outputs import OutputLock, check_output_file
+
+    check_output_file(out, "the output of dflashkit regenerate")
+    with OutputLock(out, "regenerate", sidecar=True):
+        return _regenerate(data, out, overwrite=overwrite, **kwargs)
+
+
+def _regenerate(data: list[str], out, *, overwrite: bool = False, target: str | None = None, server: str | None = None,
                model: str | None = None, api_key: str = "", split: str | None = None, limit: int | None = None,
                resume: bool = False, on_bad: str = "skip", max_new_tokens: int = 1024, temperature: float = 0.0,
                top_p: float = 1.0, top_k: int = 0, seed: int = 0, chat_template_kwargs: dict | None = None,
@@ -198,8 +231,17 @@ def regenerate(data: list[str], out, *, target: str | None = None, server: str |
     out = Path(out)
     data = [str(data)] if isinstance(data, (str, Path)) else [str(d) for d in data]
     path = part_path(out, rank, world) if world > 1 else out
+    if resume and overwrite:
+        raise ValueError("--resume continues --out and --overwrite replaces it: pass one of them")
+    if overwrite:  # each rank its own part; rank 0 the merged file
+        for p in {path, out} if rank == 0 else {path}:
+            p.unlink(missing_ok=True)
     if not resume and any(p.exists() and p.stat().st_size for p in (out, path)):
-        raise ValueError(f"{out} exists: add --resume to continue it, or pick another --out")
+        raise ValueError(f"{out} exists: add --resume to continue it, --overwrite to replace it, or pick another "
+                         f"--out")
+    if resume:
+        for p in {out, path}:
+            check_regenerated(p)
     done = (done_indices(out) | done_indices(path)) if resume else set()
     template_kwargs = dict(chat_template_kwargs or {})
     sampling = dict(template_kwargs=template_kwargs, max_new_tokens=max_new_tokens,
@@ -316,19 +358,16 @@ def main(argv=None) -> int:
             raise ValueError(f"--chat-template-kwargs {args.chat_template_kwargs!r} is not JSON ({e}); "
                              """write e.g. '{"enable_thinking": false}'""") from None
         regenerate(args.data, args.out, target=args.target, server=args.server, model=args.model,
-                   api_key=args.api_key, split=args.split, limit=args.limit, resume=args.resume, on_bad=args.on_bad,
+                   api_key=args.api_key, split=args.split, limit=args.limit, resume=args.resume,
+                   overwrite=args.overwrite, on_bad=args.on_bad,
                    max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                    top_k=args.top_k, seed=args.seed, chat_template_kwargs=template_kwargs,
                    max_prompt_length=args.max_prompt_length, max_turns=args.max_turns, batch_size=args.batch_size,
                    chunk_factor=args.chunk_factor, cuda_graph=not args.no_cuda_graph,
                    concurrency=args.concurrency, dtype=args.dtype, device=args.device,
                    progress=not args.no_progress, decode_attention=args.decode_attention)
-    except BadSample as e:
-        print(f"dflashkit regenerate: error: {e}\n  fix the record, or pass --on-bad skip", file=sys.stderr)
-        return 2
-    except (ValueError, FileNotFoundError) as e:  # bad input (dflashkit/errors.py)
-        print(f"dflashkit regenerate: error: {e}", file=sys.stderr)
-        return 2
+    except BadSample as e:  # other user errors propagate to dflashkit.cli.run_main (one line, exit 2)
+        raise UserError(f"{e}; fix the record, or pass --on-bad skip") from None
     except KeyboardInterrupt:
         print(f"dflashkit regenerate: stopped; the conversations answered so far are in {args.out} (or its rank "
               "parts): run the same command with --resume to continue", file=sys.stderr)

@@ -106,12 +106,69 @@ def read_manifest(path) -> dict:
         raise FileNotFoundError(f"{file} not found: {hint}")
     try:
         manifest = json.loads(file.read_text())
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{file}: not valid JSON ({e}); the file is damaged") from None
+    return check_manifest(manifest, file)
+
+
+# what every manifest entry of a shard holds, and its JSON type
+SHARD_FIELDS = {"file": str, "samples": int, "tokens": int, "bytes": int, "sha256": str, "sample_indices": list}
+
+
+def _kind(value) -> str:
+    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", type(None): "null"}.get(
+        type(value), "a number")
+
+
+def _check_type(value, kind: type, where: str, fix: str) -> None:
+    if isinstance(value, bool) and kind is not bool or not isinstance(value, kind):
+        raise ValueError(f"{where} is {_kind(value)} ({str(value)[:40]!r}), expected {_kind(kind())}; {fix}")
+
+
+def check_manifest(manifest, file) -> dict:
+    """``manifest`` (parsed from ``file``) if it has the fields and types the reader and ``verify`` use; else a
+    one-line ValueError naming the file and the field. A manifest is read before any shard is opened, so a
+    damaged or foreign one stops here rather than deep inside the reader."""
+    fix = "the manifest is damaged or not written by dflashkit; re-extract"
+    if not isinstance(manifest, dict):
+        raise ValueError(f"{file}: the top level is {_kind(manifest)}, a manifest is an object; {fix}")
     if manifest.get("schema_version") != SCHEMA_VERSION:
         raise ValueError(f"{file}: schema_version {manifest.get('schema_version')!r}, this dflashkit reads "
                          f"{SCHEMA_VERSION}; re-extract with this version")
+    for key, kind in (("target_layer_ids", list), ("hidden_size", int), ("codec", str), ("shards", list)):
+        if key not in manifest:
+            raise ValueError(f"{file}: field {key} is missing; {fix}")
+        _check_type(manifest[key], kind, f"{file}: field {key}", fix)
+    for k, layer in enumerate(manifest["target_layer_ids"]):
+        _check_type(layer, int, f"{file}: target_layer_ids[{k}]", fix)
+    if manifest["codec"] not in CODECS:
+        raise ValueError(f"{file}: codec {manifest['codec']!r} is not one of {CODECS}; {fix}")
+    for k, entry in enumerate(manifest["shards"]):
+        where = f"{file}: shards[{k}]"
+        _check_type(entry, dict, where, fix)
+        for key, kind in SHARD_FIELDS.items():
+            if key not in entry:
+                raise ValueError(f"{where}.{key} is missing; {fix}")
+            _check_type(entry[key], kind, f"{where}.{key}", fix)
+        for key in ("samples", "tokens", "bytes"):
+            if entry[key] < 0:
+                raise ValueError(f"{where}.{key} is {entry[key]}, a count is never negative; {fix}")
+        if len(entry["sha256"]) != 64 or any(c not in "0123456789abcdef" for c in entry["sha256"]):
+            raise ValueError(f"{where}.sha256 is {entry['sha256'][:70]!r}, expected 64 hex digits; {fix}")
+        if len(entry["sample_indices"]) != entry["samples"]:
+            raise ValueError(f"{where}.sample_indices lists {len(entry['sample_indices'])} samples, samples says "
+                             f"{entry['samples']}; {fix}")
+        for i in entry["sample_indices"]:
+            _check_type(i, int, f"{where}.sample_indices", fix)
     return manifest
+
+
+def shard_path(directory, entry: dict, k: int, manifest_file=None) -> Path:
+    """The file of the manifest's ``k``-th shard ``entry``, kept inside ``directory`` (dflashkit/untrusted.py)."""
+    from dflashkit.untrusted import contained_file
+
+    return contained_file(directory, entry["file"], source=manifest_file or Path(directory) / MANIFEST,
+                          field=f"shards[{k}].file")
 
 
 def shard_name(rank: int, seq: int) -> str:
@@ -220,6 +277,9 @@ class ShardDataset(torch.utils.data.Dataset):
     """Samples of a shard directory: ``ds[i]`` -> dict(input_ids, loss_mask, hidden[, last_hidden], sample_index).
 
     Reads only the requested sample's bytes (memory-mapped). ``hidden`` is bf16 [T, K*H] (fp8 decoded).
+    Samples are numbered in the order of their ``sample_index`` (their order in the source data), whatever order
+    extraction wrote them in (it batches by length, several ranks interleave): ``ds[i]`` of a shard directory is
+    the i-th sample online training reads from the same data, so both paths split, shuffle and anchor alike.
     A directory whose extraction has not finished is refused unless ``allow_incomplete``.
     """
 
@@ -229,22 +289,29 @@ class ShardDataset(torch.utils.data.Dataset):
         if not self.manifest.get("complete", False) and not allow_incomplete:
             raise ValueError(f"{self.dir}: the extraction has not finished (manifest complete=false); finish it "
                              "with `dflashkit extract ... --resume`, or pass allow_incomplete=True")
-        self.shards, self.lengths, self.sample_indices, self._starts, self._offsets = [], [], [], [], []
-        for entry in self.manifest["shards"]:
-            path = self.dir / entry["file"]
+        self.shards, self._starts, self._offsets = [], [], []
+        lengths, indices = [], []  # in file order
+        for k, entry in enumerate(self.manifest["shards"]):
+            path = shard_path(self.dir, entry, k)
             if not path.exists():
                 raise FileNotFoundError(f"{path} is listed in {self.dir / MANIFEST} but missing; "
                                         f"run `dflashkit verify {self.dir}`")
+            if path.stat().st_size != entry["bytes"]:
+                raise ValueError(f"{path}: {path.stat().st_size} bytes, {self.dir / MANIFEST} says "
+                                 f"{entry['bytes']} (truncated or replaced); run `dflashkit verify {self.dir}`")
             shard = _MappedShard(path)
             offsets = shard.array("offsets").astype(np.int64)
             if len(offsets) != entry["samples"] + 1:
                 raise ValueError(f"{path}: {len(offsets) - 1} samples, the manifest says {entry['samples']}; "
                                  f"run `dflashkit verify {self.dir}`")
-            self._starts.append(len(self.lengths))
+            self._starts.append(len(lengths))
             self.shards.append(shard)
             self._offsets.append(offsets)
-            self.lengths += np.diff(offsets).tolist()
-            self.sample_indices += shard.array("sample_index").tolist()
+            lengths += np.diff(offsets).tolist()
+            indices += shard.array("sample_index").tolist()
+        self._order = np.argsort(np.asarray(indices, dtype=np.int64), kind="stable")  # dataset i -> file position
+        self.lengths = [lengths[j] for j in self._order]
+        self.sample_indices = [indices[j] for j in self._order]
         self.has_last_hidden = bool(self.shards) and "last_hidden" in self.shards[0].table
 
     def __len__(self) -> int:
@@ -254,8 +321,9 @@ class ShardDataset(torch.utils.data.Dataset):
         if not -len(self) <= i < len(self):
             raise IndexError(f"sample {i} of {len(self)}")
         i %= len(self)
-        s = bisect.bisect_right(self._starts, i) - 1
-        shard, local = self.shards[s], i - self._starts[s]
+        j = int(self._order[i])  # where the sample lies in the files
+        s = bisect.bisect_right(self._starts, j) - 1
+        shard, local = self.shards[s], j - self._starts[s]
         lo, hi = int(self._offsets[s][local]), int(self._offsets[s][local + 1])
         out = {"input_ids": shard.tensor("input_ids", lo, hi).long(),
                "loss_mask": shard.tensor("loss_mask", lo, hi).bool(),

@@ -20,6 +20,7 @@ import gzip
 import hashlib
 import json
 import os
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -41,20 +42,25 @@ class SourceItem:
 
 
 def _iter_jsonl(path: Path, opener=open) -> Iterator[tuple[str, dict | None, tuple[str, str] | None]]:
-    with opener(path, "rb") as f:
-        for line_no, raw in enumerate(f, 1):
-            where = f"{path}:{line_no}"
-            if not raw.strip():
-                continue
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                yield where, None, ("not_utf8", f"byte {e.start} of the line is not UTF-8")
-                continue
-            try:
-                yield where, json.loads(text), None
-            except json.JSONDecodeError as e:
-                yield where, None, ("malformed_json", f"{e.msg} at column {e.colno}")
+    line_no = 0
+    try:
+        with opener(path, "rb") as f:
+            for line_no, raw in enumerate(f, 1):
+                where = f"{path}:{line_no}"
+                if not raw.strip():
+                    continue
+                try:
+                    text = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    yield where, None, ("not_utf8", f"byte {e.start} of the line is not UTF-8")
+                    continue
+                try:
+                    yield where, json.loads(text), None
+                except json.JSONDecodeError as e:
+                    yield where, None, ("malformed_json", f"{e.msg} at column {e.colno}")
+    except (EOFError, gzip.BadGzipFile, zlib.error) as e:  # a cut or damaged .gz; the records before it are kept
+        raise ValueError(f"{path}: the compressed data is cut or damaged after line {line_no} ({e}); download or "
+                         "compress the file again") from None
 
 
 def _iter_json_array(text: str, name: str, allow_cut_tail: bool = False):
@@ -112,14 +118,19 @@ def _iter_json(path: Path):
 
 
 def _iter_parquet(path: Path):
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    f = pq.ParquetFile(path)
     row = 0
-    for batch in f.iter_batches(batch_size=1024):
-        for rec in batch.to_pylist():
-            yield f"{path}:row {row}", rec, None
-            row += 1
+    try:
+        f = pq.ParquetFile(path)
+        for batch in f.iter_batches(batch_size=1024):
+            for rec in batch.to_pylist():
+                yield f"{path}:row {row}", rec, None
+                row += 1
+    except (pa.ArrowException, OSError) as e:  # not Parquet, cut, or a damaged page; rows before it are kept
+        raise ValueError(f"{path}: not a readable Parquet file at row {row} ({e}); write or download the file "
+                         "again") from None
 
 
 def _iter_saved_dataset(path: Path, split: str | None):
@@ -228,6 +239,15 @@ def iter_records(specs: list[str] | str, split: str | None = None) -> Iterator[S
         for where, rec, bad in stream:
             yield SourceItem(index, where, rec, bad)
             index += 1
+
+
+def check_has_records(specs: list[str] | str, split: str | None = None) -> None:
+    """ValueError when the sources hold no record at all (an empty file); reads only up to the first record, so
+    a command can stop before it loads a target."""
+    specs = [specs] if isinstance(specs, str) else list(specs)
+    if next(iter_records(specs, split), None) is None:
+        raise ValueError(f"data {', '.join(specs)}: no record (an empty file?); give a .jsonl/.json/.parquet file "
+                         "with one chat record per line, array element or row")
 
 
 def describe_sources(specs: list[str] | str) -> list[dict]:

@@ -23,7 +23,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .shards import MANIFEST, _MappedShard, decode_features, read_manifest, read_shard_header, sha256_file
+from .shards import (
+    MANIFEST,
+    _MappedShard,
+    decode_features,
+    read_manifest,
+    read_shard_header,
+    sha256_file,
+    shard_path,
+)
 
 _CHUNK = 1 << 16  # tokens per NaN/Inf check step
 
@@ -32,8 +40,8 @@ def check_shard(path: Path, entry: dict, manifest: dict) -> list[str]:
     """Problems of one shard (empty list: fine)."""
     if not path.exists():
         return ["missing"]
-    size = path.stat().st_size
-    if size != entry.get("bytes", size):
+    size = path.stat().st_size  # checked before hashing: a listed file is a regular file (shards.shard_path)
+    if size != entry["bytes"]:
         return [f"size {size} bytes, the manifest says {entry['bytes']} (truncated or replaced)"]
     if sha256_file(path) != entry["sha256"]:
         return ["sha256 differs from the manifest (the file was changed or damaged: a flipped byte?)"]
@@ -91,6 +99,45 @@ def check_shard(path: Path, entry: dict, manifest: dict) -> list[str]:
     return problems
 
 
+def target_num_layers(manifest: dict) -> int | None:
+    """The decoder layer count of the manifest's target when its config.json is on this machine (an HF directory,
+    or the cached conversion of a GGUF / testbed target), else None. Reads only that JSON file."""
+    import json
+
+    from dflashkit.targets.loading import cache_root, gguf_cache_dir
+
+    target = manifest.get("target")
+    spec = str(target.get("path") or "") if isinstance(target, dict) else ""
+    if not spec:
+        return None
+    if spec.startswith("testbed:"):
+        candidates = [cache_root() / "testbed" / spec.removeprefix("testbed:")]
+    elif spec.endswith(".gguf"):
+        candidates = [gguf_cache_dir(Path(spec))] if Path(spec).is_file() else []
+    else:
+        candidates = [Path(spec).expanduser()]
+    for directory in candidates:
+        try:
+            config = json.loads((directory / "config.json").read_text())
+            config = config.get("text_config") or config
+            return int(config["num_hidden_layers"])
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            continue
+    return None
+
+
+def layer_id_problems(manifest: dict, file: Path) -> list[str]:
+    """``target_layer_ids`` against the manifest's ``num_target_layers`` and the target's own config."""
+    ids = manifest["target_layer_ids"]
+    problems = []
+    for source, layers in (("its num_target_layers", manifest.get("num_target_layers")),
+                           ("its target's config.json", target_num_layers(manifest))):
+        if isinstance(layers, int) and not isinstance(layers, bool) and any(not 0 <= i < layers for i in ids):
+            problems.append(f"{file}: target_layer_ids {ids} lie outside the {layers} decoder layers of {source} "
+                            f"(ids 0..{layers - 1}); the manifest does not fit this target: re-extract")
+    return problems
+
+
 def verify_dataset(path) -> tuple[list[str], list[str]]:
     """(errors, notes) for a shard directory; errors name the shard."""
     path = Path(path)
@@ -99,9 +146,15 @@ def verify_dataset(path) -> tuple[list[str], list[str]]:
     except (FileNotFoundError, ValueError) as e:
         return [str(e)], []
     errors, notes, seen = [], [], {}
-    for entry in manifest.get("shards", []):
-        for problem in check_shard(path / entry["file"], entry, manifest):
-            errors.append(f"{path / entry['file']}: {problem}")
+    errors += layer_id_problems(manifest, path / MANIFEST)
+    for k, entry in enumerate(manifest["shards"]):
+        try:
+            file = shard_path(path, entry, k)
+        except ValueError as e:  # named outside the directory, or not a regular file: never opened
+            errors.append(str(e))
+            continue
+        for problem in check_shard(file, entry, manifest):
+            errors.append(f"{file}: {problem}")
         for i in entry.get("sample_indices", []):
             if i in seen:
                 errors.append(f"{path / entry['file']}: sample {i} also in {seen[i]}")
@@ -109,7 +162,7 @@ def verify_dataset(path) -> tuple[list[str], list[str]]:
     totals = manifest.get("totals", {})
     if totals.get("samples") not in (None, len(seen)) or totals.get("shards") not in (None, len(manifest["shards"])):
         errors.append(f"{path / MANIFEST}: totals {totals} do not add up over the listed shards")
-    listed = {e["file"] for e in manifest.get("shards", [])}
+    listed = {e["file"] for e in manifest["shards"]}
     extra = sorted(p.name for p in path.glob("shard-*.safetensors") if p.name not in listed)
     if extra:
         notes.append(f"{len(extra)} shard file(s) not in the manifest (left by a killed run; --resume removes "
@@ -119,10 +172,14 @@ def verify_dataset(path) -> tuple[list[str], list[str]]:
     return errors, notes
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dflashkit verify", description=__doc__.split("\n\n")[0])
     parser.add_argument("dir", help="a shard directory written by `dflashkit extract`")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     errors, notes = verify_dataset(args.dir)
     for note in notes:
         print(f"note: {note}")

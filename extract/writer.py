@@ -56,6 +56,7 @@ from .shards import (
     decode_features,
     encode_features,
     rank_manifest_name,
+    read_manifest,
     safetensors_parts,
     shard_line,
     shard_name,
@@ -368,10 +369,10 @@ def prepare_resume(out_dir, rank: int, world_size: int) -> dict | None:
     part = out_dir / rank_manifest_name(rank, world_size)
     manifest = None
     if part.exists():
-        manifest = json.loads(part.read_text())
+        manifest = read_manifest(part)  # checked: a damaged manifest is one line naming the file and field
     elif (out_dir / MANIFEST).exists():
-        manifest = json.loads((out_dir / MANIFEST).read_text())
-        manifest["shards"] = [s for s in manifest["shards"] if s["rank"] == rank]
+        manifest = read_manifest(out_dir / MANIFEST)
+        manifest["shards"] = [s for s in manifest["shards"] if s.get("rank", 0) == rank]
     listed = {s["file"] for s in manifest["shards"]} if manifest else set()
     for p in out_dir.glob(f"shard-r{rank:03d}-*.safetensors"):
         if p.name not in listed:  # renamed by a run killed before it updated the manifest: redo its samples

@@ -145,7 +145,7 @@ def save_tiny_target(family: str, out_dir: Path, seed: int = 0) -> Path:
 @functools.lru_cache(maxsize=1)
 def smollm2_tokenizer():
     """The testbed's tokenizer (ChatML template), from the cached conversion of the packaged GGUF."""
-    from dflashkit.target.loading import resolve_target_dir
+    from dflashkit.targets.loading import resolve_target_dir
 
     model_dir, _ = resolve_target_dir("testbed:smollm2")
     return tf.AutoTokenizer.from_pretrained(model_dir)
@@ -210,7 +210,7 @@ def load_records(specs, split=None, limit=None) -> list:
 
 def capture_features(target, input_ids, attention_mask, target_layer_ids, store_last_hidden: bool = False):
     """One batch through ``LayerCapture``: (hidden [b, T, K*H], last_hidden [b, T, H] or None)."""
-    from dflashkit.target.capture import LayerCapture
+    from dflashkit.targets.capture import LayerCapture
 
     with LayerCapture(target, target_layer_ids, store_last_hidden) as capture:
         return capture(input_ids, attention_mask)
@@ -240,7 +240,7 @@ def make_shards(path: Path, target_dir: Path, num_samples: int = 12, lengths=(24
     """
     from dflashkit.extract.shards import SCHEMA_VERSION, update_totals, write_manifest
     from dflashkit.extract.writer import ShardWriter
-    from dflashkit.target.loading import identity_of
+    from dflashkit.targets.loading import identity_of
 
     target = tf.AutoModelForCausalLM.from_pretrained(target_dir).eval()
     cfg = target.config

@@ -4,8 +4,8 @@ padding (either side) changes nothing for real tokens, and the forward really st
 import pytest
 import torch
 
-from dflashkit.target.capture import LayerCapture, check_layer_ids, positions_from_mask
-from dflashkit.target.loading import load_target
+from dflashkit.targets.capture import LayerCapture, check_layer_ids, positions_from_mask
+from dflashkit.targets.loading import load_target
 
 from conftest import TINY_FAMILIES, capture_features, save_tiny_target
 

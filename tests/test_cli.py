@@ -48,7 +48,7 @@ def test_every_module_entry_point_goes_through_run_main():
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    folders = {"dflashkit": "dflashkit", "drafter": "drafter", "target": "target", "extract": "extract",
+    folders = {"dflashkit": "dflashkit", "drafter": "drafter", "targets": "targets", "extract": "extract",
                "train": "train", "eval": "eval"}
     for name, (module, _) in COMMANDS.items():
         if name == "demo":  # the demo's stages are these commands; its own errors are user errors of its flags

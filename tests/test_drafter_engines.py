@@ -16,8 +16,8 @@ import transformers as tf
 
 from dflashkit.drafter import DrafterConfig, build_drafter, save_drafter
 from dflashkit.drafter.engines import UNSERVABLE
-from dflashkit.target.capture import LayerCapture
-from dflashkit.target.loading import FAMILIES, load_target
+from dflashkit.targets.capture import LayerCapture
+from dflashkit.targets.loading import FAMILIES, load_target
 from dflashkit.train.block_mask import build_block_masks
 
 from tests.conftest import noisy_norms, tiny_tokenizer

@@ -126,7 +126,7 @@ def test_spec_generate_gives_the_reference_tokens_on_the_testbed(tmp_path):
     (SmolLM2 testbed, fp32, CPU): greedy, and sampled with one seed (same random draws in the same order)."""
     from transformers import AutoModel
 
-    from dflashkit.target.loading import load_target
+    from dflashkit.targets.loading import load_target
 
     target = load_target("testbed:smollm2")
     torch.manual_seed(0)

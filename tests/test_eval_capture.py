@@ -1,5 +1,5 @@
 """Eval reads the same layer features as extraction and training: the chain verifier and the hybrid verifier
-capture through dflashkit.target.capture, with layer L - 1 (the last one) among the ids, so its feature is the
+capture through dflashkit.targets.capture, with layer L - 1 (the last one) among the ids, so its feature is the
 final-norm output there too (not the raw layer output)."""
 
 import pytest
@@ -7,7 +7,7 @@ import torch
 
 from dflashkit.eval.hybrid import HybridChainVerifier
 from dflashkit.eval.verifier import TargetVerifier, is_hybrid
-from dflashkit.target.loading import load_target
+from dflashkit.targets.loading import load_target
 
 from conftest import capture_features, save_tiny_target
 

@@ -7,8 +7,9 @@ import pytest
 import torch
 import transformers as tf
 
+from dflashkit.cli import run_main
 from dflashkit.drafter import DrafterConfig, build_drafter, save_drafter
-from dflashkit.eval.__main__ import main
+from dflashkit.eval.__main__ import main as eval_main
 from dflashkit.eval.prompts import load_prompts
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -18,7 +19,7 @@ NEW = 6
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    from dflashkit.target.loading import resolve_target_dir
+    from dflashkit.targets.loading import resolve_target_dir
 
     root = tmp_path_factory.mktemp("eval_cli")
     tokenizer = tf.AutoTokenizer.from_pretrained(resolve_target_dir("testbed:smollm2")[0])
@@ -31,6 +32,11 @@ def pair(tmp_path_factory):
     drafter = build_drafter(DrafterConfig.for_target(config, num_hidden_layers=1, block_size=4, mask_token_id=0))
     save_drafter(drafter, root / "drafter")
     return root, tokenizer
+
+
+def main(argv):
+    """The command as `dflashkit eval` runs it: a user error is one line on stderr and exit status 2."""
+    return run_main("dflashkit eval", eval_main, argv)
 
 
 def _run(root, out, *extra):

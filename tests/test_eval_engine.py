@@ -12,7 +12,7 @@ from transformers import DynamicCache, LlamaForCausalLM
 
 from dflashkit.drafter import DrafterConfig, build_drafter, save_drafter
 from dflashkit.eval.engine import DecodeConfig, SpeculativeDecoder
-from dflashkit.target.loading import cache_kwargs
+from dflashkit.targets.loading import cache_kwargs
 
 from conftest import VOCAB, prompts, tiny_target_config
 

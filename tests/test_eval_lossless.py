@@ -91,7 +91,7 @@ def test_batched_reference_equals_one_prompt_calls():
 def test_testbed_has_no_mismatch(dtype):
     """SmolLM2-135M (the testbed), two MT-bench prompts, chain and tree: no mismatch against HF generate."""
     from dflashkit.eval.prompts import load_prompts
-    from dflashkit.target.loading import load_target
+    from dflashkit.targets.loading import load_target
 
     target = load_target("testbed:smollm2", dtype=dtype)
     torch.manual_seed(0)

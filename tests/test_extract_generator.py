@@ -13,7 +13,7 @@ from test_extract_regenerate import RECORDS
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from dflashkit.extract.generator import SlotGenerator, sample_next, supports_slots
-from dflashkit.target.loading import load_target
+from dflashkit.targets.loading import load_target
 
 from conftest import TINY_FAMILIES, save_tiny_chat_target, save_tiny_target
 
@@ -169,7 +169,11 @@ def test_sampled_tokens_follow_the_warped_distribution(tiny_root):
 
 
 def test_bad_generation_flags_say_what_to_give(tmp_path, capsys):
-    from dflashkit.extract.regenerate import main
+    from dflashkit.cli import run_main
+    from dflashkit.extract.regenerate import main as regenerate_main
+
+    def main(argv):
+        return run_main("dflashkit regenerate", regenerate_main, argv)
 
     flags = ["--target", str(tmp_path), "--data", str(tmp_path / "x.jsonl"), "--out", str(tmp_path / "o.jsonl")]
     assert main([*flags, "--top-p", "0"]) == 2  # a user error

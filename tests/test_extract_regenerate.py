@@ -10,8 +10,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import torch
 
+from dflashkit.cli import run_main
 from dflashkit.extract.__main__ import main as extract_main
-from dflashkit.extract.regenerate import main
+from dflashkit.extract.regenerate import main as regenerate_main
 from dflashkit.extract.shards import read_manifest
 
 from conftest import hf_model as _hf_model
@@ -25,6 +26,11 @@ RECORDS = [
     {"text": "no conversation here"},
     {"messages": [{"role": "user", "content": "hotel india kilo lima mike"}]},
 ]
+
+
+def main(argv):
+    """The command as `dflashkit regenerate` runs it: a user error is one line on stderr and exit status 2."""
+    return run_main("dflashkit regenerate", regenerate_main, argv)
 
 
 @pytest.fixture(scope="module")

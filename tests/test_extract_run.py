@@ -8,7 +8,9 @@ import json
 import pytest
 import torch
 
-from dflashkit.extract.__main__ import extract, main
+from dflashkit.cli import run_main
+from dflashkit.extract.__main__ import extract
+from dflashkit.extract.__main__ import main as extract_main
 from dflashkit.extract.chat import ChatConfig, encode_record
 from dflashkit.extract.shards import FP8_ABS_ERR, FP8_REL_ERR, ShardDataset, read_manifest
 from dflashkit.extract.verify import verify_dataset
@@ -17,6 +19,11 @@ from conftest import chat_records, save_tiny_chat_target, smollm2_tokenizer, wri
 from conftest import hf_model as _hf_model
 
 LAYERS = [0, 2, 3]
+
+
+def main(argv):
+    """The command as `dflashkit extract` runs it: a user error is one line on stderr and exit status 2."""
+    return run_main("dflashkit extract", extract_main, argv)
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import pytest
 import torch
 import transformers as tf
 
-from dflashkit.target.loading import FAMILIES, load_target, load_target_head
+from dflashkit.targets.loading import FAMILIES, load_target, load_target_head
 
 from conftest import TINY_FAMILIES, save_tiny_target, tiny_family_config, tiny_tokenizer
 
@@ -110,7 +110,7 @@ def test_identity_hashes(tiny_dirs, tmp_path):
 def test_default_layer_ids_follow_the_reference():
     from dflash.model import build_target_layer_ids
 
-    from dflashkit.target.loading import Target
+    from dflashkit.targets.loading import Target
 
     for num_layers, n in [(30, 5), (36, 5), (28, 3), (48, 1)]:
         stub = Target(*([None] * 7), layers=[None] * num_layers, embed_tokens=None, embedding_scale=1.0,
@@ -152,7 +152,7 @@ def test_families_cover_the_supported_model_types():
 
 
 def test_cache_kwargs_follow_the_forward_signature(tiny_dirs):
-    from dflashkit.target.loading import cache_kwargs
+    from dflashkit.targets.loading import cache_kwargs
 
     class OldStyle(torch.nn.Module):
         def forward(self, input_ids, past_key_values=None):

@@ -5,7 +5,7 @@ import pytest
 import transformers as tf
 
 from dflashkit.drafter import DrafterConfig
-from dflashkit.target.loading import resolve_mask_token_id
+from dflashkit.targets.loading import resolve_mask_token_id
 
 from conftest import tiny_tokenizer
 

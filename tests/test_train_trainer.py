@@ -272,8 +272,15 @@ def test_init_from_a_drafter_directory(tiny_run, tmp_path):
 
 
 def test_cli_reports_bad_input_without_a_traceback(tmp_path, capsys):
-    from dflashkit.train.__main__ import main
-    from dflashkit.train.export import main as export_main
+    from dflashkit.cli import run_main
+    from dflashkit.train.__main__ import main as train_main
+    from dflashkit.train.export import main as export_command
+
+    def main(argv):
+        return run_main("dflashkit train", train_main, argv)
+
+    def export_main(argv):
+        return run_main("dflashkit export", export_command, argv)
 
     assert main(["--recipe", str(RECIPES / "smollm2-135m-cpu.yaml")]) == 2
     assert "dflashkit train: error: shards: no shard directory given" in capsys.readouterr().err

@@ -38,7 +38,6 @@ same command resumes from it, and `dflashkit export` exports it.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 from .config import load_config
@@ -60,22 +59,25 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    overrides = list(args.overrides)
-    for flag in ("shards", "target", "output_dir", "init_from", "resume", "loss"):
-        value = getattr(args, flag)
-        if value is not None:
-            overrides.append(f"{flag}={value}")
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line; ``key=value`` overrides may come before, between or after the flags."""
+    return build_parser().parse_intermixed_args(argv)
+
+
+def config_from_args(args: argparse.Namespace):
+    """The TrainConfig of a parsed command line: the recipe, the overrides, then the flags."""
+    flags = {flag: getattr(args, flag) for flag in ("shards", "target", "output_dir", "init_from", "resume", "loss")
+             if getattr(args, flag) is not None}  # taken as they are: a flag's value is never parsed as YAML
     if args.data:
-        overrides.append("data=" + json.dumps(args.data))  # a YAML flow list
+        flags["data"] = list(args.data)
+    return load_config(args.recipe, list(args.overrides), **flags)
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = config_from_args(parse_args(argv))
     from .trainer import train
 
-    try:
-        train(load_config(args.recipe, overrides))
-    except (ValueError, FileNotFoundError) as e:  # bad input: the message names the field or file and the fix
-        print(f"dflashkit train: error: {e}", file=sys.stderr)
-        return 2
+    train(cfg)  # a user error propagates to dflashkit.cli.run_main: one line, exit 2
     return 0
 
 

@@ -3,7 +3,8 @@
 Design choices:
 - A position p can anchor a block when ``loss_mask[p]`` and ``loss_mask[p + 1]`` both hold: the anchor token
   belongs to a trained (assistant) span and so does at least the first token the block predicts.
-- Training draws ``num_anchors`` of those positions without replacement (all of them when there are fewer)
+- Training draws ``num_anchors`` of those positions without replacement (all of them when there are fewer;
+  or, with ``anchor_density``, a number proportional to the sequence's tokens: ``anchor_count``)
   and returns them sorted, so block n of the packed pass starts at the n-th smallest anchor (this keeps the
   block mask close to causal, which flex_attention exploits).
 - Every draw takes an explicit ``torch.Generator`` seeded from (run seed, epoch, sample index): the anchors of
@@ -33,6 +34,16 @@ def sample_generator(seed: int, *keys: int) -> torch.Generator:
     g = torch.Generator()
     g.manual_seed(s)
     return g
+
+
+def anchor_count(num_tokens: int, num_anchors: int, anchor_density: float = 0.0) -> int:
+    """Blocks to draw for a sequence of ``num_tokens`` tokens: ``num_anchors``, or with ``anchor_density`` > 0
+    round(anchor_density * num_tokens) (at least 1). A function of the sequence alone, so a packed micro-batch of
+    T tokens holds about anchor_density * T blocks whichever sequences share it, and packing, re-sharding or
+    resuming never changes a sample's draw (a budget split over the sequences of each micro-batch would)."""
+    if anchor_density <= 0:
+        return int(num_anchors)
+    return max(1, int(round(float(anchor_density) * int(num_tokens))))
 
 
 def sample_anchors(loss_mask: torch.Tensor, num_anchors: int = 512,

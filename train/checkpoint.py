@@ -37,9 +37,9 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from dflashkit.extract.shards import fsync_dir, pause_point, sha256_file
+from dflashkit.outputs import save_safetensors
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 FORMAT = "dflashkit-train-checkpoint-v1"
@@ -291,12 +291,12 @@ def save_checkpoint(accelerator, model, optimizer, trainer_state: dict, output_d
     accelerator.wait_for_everyone()
     rank = accelerator.process_index
     rng_tensors, rng_info = rng_state()
-    save_file(rng_tensors, str(tmp / f"rng-rank{rank}.safetensors"))
+    save_safetensors(rng_tensors, tmp / f"rng-rank{rank}.safetensors")
     (tmp / f"rng-rank{rank}.json").write_text(json.dumps(rng_info))
     if accelerator.is_main_process:
-        save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp / "model.safetensors"),
-                  metadata={"format": "pt"})
-        save_file({k: v.contiguous() for k, v in opt.items()}, str(tmp / "optimizer.safetensors"))
+        save_safetensors({k: v.contiguous() for k, v in weights.items()}, tmp / "model.safetensors",
+                         metadata={"format": "pt"})
+        save_safetensors({k: v.contiguous() for k, v in opt.items()}, tmp / "optimizer.safetensors")
         state = dict(trainer_state, optimizer=opt_json, world_size=accelerator.num_processes)
         (tmp / "trainer.json").write_text(json.dumps(_jsonable(state), indent=1))
     accelerator.wait_for_everyone()

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dflashkit.drafter.config import (
+    ARCHITECTURES,
     DEFAULT_BLOCK_SIZE,
     DEFAULT_NUM_HIDDEN_LAYERS,
     check_block_size,
@@ -54,18 +55,32 @@ class TrainConfig:
     layer_types: list = field(default_factory=list)  # per drafter layer; empty -> all full_attention
     sliding_window: int | None = None  # window of sliding_attention layers
     drafter: dict = field(default_factory=dict)  # extra DrafterConfig fields, e.g. {intermediate_size: 4096}
+    drafter_architecture: str = "dflash"  # "dflash", or "dflash2": in-block convolutions + candidate selector
+    # (drafter/modeling_dflash2.py; its sizes are DrafterConfig fields, e.g. drafter: {selector_top_k: 16})
+    selector_loss_weight: float = 1.0  # dflash2: weight of the selector term added to the block loss
+    # (train/selector_loss.py; 1.0 as NeMo Automodel's DFlash2 recipe)
     # --- objective
     loss: str = "dpace"  # "ce" | "dpace" | "kl" (train/loss.py documents each; dpace won the comparison in RESULTS.md)
     gamma: float = 7.0  # position decay exp(-(k-1)/gamma) of ce and kl
     dpace_alpha: float = 0.5  # D-PACE confidence smoothing (paper Eq. 7)
     kl_weight: float = 0.5  # kl: share of KL(target || draft) in the per-position loss (rest is CE)
     num_anchors: int = 512  # blocks drawn per sequence (fewer when the sequence has fewer candidates)
+    anchor_density: float = 0.0  # 0 -> num_anchors per sequence; > 0 -> round(anchor_density * tokens) blocks per
+    # sequence instead (at least 1, at most its candidates), so a packed micro-batch of T tokens holds about
+    # anchor_density * T blocks (0.375: 3072 per 8192 tokens); per sequence, so packing never changes a sample's draw
+    labels: str = "data"  # block labels: "data" (the data's next tokens) or "target_argmax" (the target's greedy
+    # choice at each position, argmax lm_head(last_hidden); offline it needs shards with last_hidden)
     loss_chunk_tokens: int = 2048  # logit rows alive at once in the chunked lm_head + loss
     # --- optimisation
     epochs: int = 6  # passes over the training split
     max_steps: int = 0  # 0 -> the epochs decide; > 0 stops after that many optimizer steps (announced)
     lr: float = 6e-4  # peak learning rate
-    min_lr_ratio: float = 0.0  # cosine floor as a fraction of lr
+    lr_schedule: str = "cosine"  # after warmup: "cosine" or "linear" decay to min_lr_ratio * lr
+    min_lr_ratio: float = 0.0  # floor of the decay as a fraction of lr
+    optimizer: str = "adamw"  # "adamw", or "muon": Muon on the drafter's 2-D weight matrices, AdamW on the rest
+    # (train/muon.py; single process or DDP; refused under FSDP and DeepSpeed, which shard or flatten the matrices)
+    muon_lr: float = 0.0  # peak lr of the Muon matrices; 0 -> lr (Muon's update is scaled to AdamW's RMS)
+    muon_momentum: float = 0.95  # Muon's Nesterov momentum
     warmup_ratio: float = 0.04  # fraction of all steps with linear warmup
     weight_decay: float = 0.0  # AdamW decoupled weight decay (norm weights are never decayed)
     adam_betas: list = field(default_factory=lambda: [0.9, 0.95])  # AdamW betas
@@ -89,6 +104,8 @@ class TrainConfig:
     keep_last: int = 3  # checkpoints kept (older ones are deleted)
     resume: str = "auto"  # "auto" (latest complete checkpoint in output_dir), "none", or a checkpoint dir
     export_dir: str = ""  # where the final drafter is exported; empty -> output_dir/export
+    overwrite: bool = False  # write into an output_dir that holds files not of a training run, and replace an
+    # export_dir that is not a drafter export (a file at either path is never replaced; dflashkit/outputs.py)
     # --- tracking
     log_every: int = 10  # optimizer steps between metric logs
     eval_every: int = 500  # optimizer steps between held-out evaluations (0: only at the end)
@@ -108,17 +125,43 @@ class TrainConfig:
             raise ValueError(f"target_dtype: {self.target_dtype!r}; use auto, bfloat16, float16 or float32")
         if int(self.target_batch_tokens) < 1:
             raise ValueError(f"target_batch_tokens must be >= 1, got {self.target_batch_tokens}")
+        if self.drafter_architecture not in ARCHITECTURES:
+            raise ValueError(f"drafter_architecture: {self.drafter_architecture!r}; use one of {sorted(ARCHITECTURES)}")
+        if "architecture" in self.drafter:
+            raise ValueError("drafter: {architecture: ...} is set by drafter_architecture; move it there")
+        if float(self.selector_loss_weight) < 0:
+            raise ValueError(f"selector_loss_weight must be >= 0, got {self.selector_loss_weight}")
         if self.loss not in LOSSES:
             raise ValueError(f"loss: {self.loss!r} is not one of {LOSSES}")
         if self.mixed_precision not in ("bf16", "no"):
             raise ValueError(f"mixed_precision: {self.mixed_precision!r}; use 'bf16' or 'no'")
+        if self.optimizer not in ("adamw", "muon"):
+            raise ValueError(f"optimizer: {self.optimizer!r}; use 'adamw' or 'muon'")
+        if self.lr_schedule not in ("cosine", "linear"):
+            raise ValueError(f"lr_schedule: {self.lr_schedule!r}; use 'cosine' or 'linear'")
+        if self.labels not in ("data", "target_argmax"):
+            raise ValueError(f"labels: {self.labels!r}; use 'data' or 'target_argmax'")
+        if not 0.0 <= self.anchor_density <= 1.0:
+            raise ValueError(f"anchor_density must be in [0, 1] (blocks per token; 0 = num_anchors per sequence), "
+                             f"got {self.anchor_density}")
+        if not 0.0 <= self.muon_momentum < 1.0:
+            raise ValueError(f"muon_momentum must be in [0, 1), got {self.muon_momentum}")
         if self.attention not in ("auto", "flex", "dense", "split"):
             raise ValueError(f"attention: {self.attention!r}; use 'auto', 'flex', 'dense' or 'split'")
         check_block_size(self.block_size)  # bounds of the drafter's fields live in drafter/config.py
         check_num_hidden_layers(self.num_hidden_layers)
-        for name in ("epochs", "grad_accum", "num_anchors", "keep_last", "loss_chunk_tokens"):
+        for name in ("epochs", "grad_accum", "num_anchors", "keep_last", "loss_chunk_tokens", "max_length",
+                     "eval_anchors", "log_every"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name, zero in (("max_steps", "the epochs decide"), ("eval_samples", "no held-out evaluation"),
+                           ("num_workers", "read in the training process"), ("data_limit", "every record"),
+                           ("tokenize_workers", "inline"), ("save_every", "only at the end"),
+                           ("eval_every", "only at the end")):
+            if int(getattr(self, name)) < 0:
+                raise ValueError(f"{name} must be >= 0 (0: {zero}), got {getattr(self, name)}")
+        if not self.lr >= 0:  # 0 keeps the starting weights (a check of init_from)
+            raise ValueError(f"lr must be >= 0, got {self.lr}")
         if int(self.micro_batch_tokens) < 0:
             raise ValueError(f"micro_batch_tokens must be >= 0 (0: one sequence per micro-batch), "
                              f"got {self.micro_batch_tokens}")
@@ -136,7 +179,11 @@ def parse_override(item: str) -> tuple[str, object]:
         raise ValueError(f"override {item!r}: expected key=value (e.g. lr=3e-4)")
     key, raw = item.split("=", 1)
     key = key.strip().lstrip("-").replace("-", "_")
-    value = yaml.safe_load(raw) if raw.strip() else ""
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as e:
+        raise ValueError(f"override {item!r}: the value is not YAML ({getattr(e, 'problem', None) or e}); quote "
+                         f"it, e.g. {key}='\"{raw}\"'") from None
     return key, value
 
 

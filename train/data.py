@@ -34,7 +34,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
-from .anchors import eval_anchors, sample_anchors, sample_generator
+from .anchors import anchor_count, eval_anchors, sample_anchors, sample_generator
 
 PAD_MULTIPLE = 128  # context and block tokens are padded to multiples of flex_attention's tile
 
@@ -160,7 +160,7 @@ def pack_blocks(input_ids: torch.Tensor, loss_mask: torch.Tensor, hidden: torch.
 def collate_blocks(samples: list[dict], *, block_size: int, mask_token_id: int, num_anchors: int, seed: int,
                    epoch: int = 0, max_length: int | None = None, use_last_hidden: bool = False,
                    fixed_anchors: bool = False, check_finite: bool = True, scale: float = 1.0,
-                   pad_multiple: int = PAD_MULTIPLE) -> PackedBlocks:
+                   pad_multiple: int = PAD_MULTIPLE, anchor_density: float = 0.0) -> PackedBlocks:
     """One packed micro-batch from per-sample dicts: truncate, check, draw each sample's anchors, pack.
 
     Each dict holds ``input_ids`` [T] and ``loss_mask`` [T] (on the CPU), ``hidden`` [T, K*H] (any device),
@@ -168,6 +168,8 @@ def collate_blocks(samples: list[dict], *, block_size: int, mask_token_id: int, 
     the anchors, so the same sample draws the same anchors however it is packed). ``check_finite`` looks for
     NaN/Inf in the features (stored shards; it costs a host sync when the features live on a GPU).
     ``fixed_anchors``: the held-out anchors (train/anchors.eval_anchors) instead of a per-epoch draw.
+    ``anchor_density`` > 0: each sample draws round(anchor_density * its tokens) anchors instead of ``num_anchors``
+    (train/anchors.anchor_count; held-out anchors keep ``num_anchors``).
     """
     if not samples:
         raise ValueError("collate_blocks needs at least one sample")
@@ -190,7 +192,8 @@ def collate_blocks(samples: list[dict], *, block_size: int, mask_token_id: int, 
         if fixed_anchors:
             anchors = eval_anchors(mask, block_size, num_anchors, seed, index)
         else:
-            anchors = sample_anchors(mask, num_anchors, sample_generator(seed, epoch, index))
+            anchors = sample_anchors(mask, anchor_count(ids.numel(), num_anchors, anchor_density),
+                                     sample_generator(seed, epoch, index))
         ids_l.append(ids), mask_l.append(mask), hid_l.append(hidden), last_l.append(last)
         anc_l.append(anchors), index_l.append(index)
     return pack_sequences(ids_l, mask_l, hid_l, anc_l, block_size, mask_token_id,
@@ -256,11 +259,11 @@ class BlockSource(torch.utils.data.Dataset):
 
     def __init__(self, dataset, slots: list[tuple[object, bool]], *, block_size: int, mask_token_id: int,
                  num_anchors: int, seed: int, epoch: int, max_length: int | None, use_last_hidden: bool,
-                 fixed_anchors: bool = False):
+                 fixed_anchors: bool = False, anchor_density: float = 0.0):
         self.dataset, self.slots = dataset, slots
         self.options = dict(block_size=block_size, mask_token_id=mask_token_id, num_anchors=num_anchors, seed=seed,
                             epoch=epoch, max_length=max_length, use_last_hidden=use_last_hidden,
-                            fixed_anchors=fixed_anchors)
+                            fixed_anchors=fixed_anchors, anchor_density=anchor_density)
 
     def __len__(self):
         return len(self.slots)

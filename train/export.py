@@ -3,11 +3,15 @@
     python -m dflashkit.train.export runs/smollm2/checkpoints/step-00001200 drafters/smollm2
     python -m dflashkit.train.export runs/smollm2 drafters/smollm2          # newest complete checkpoint
     python -m dflashkit.train.export CKPT DIR --dtype float32           # default bfloat16
+    python -m dflashkit.train.export CKPT DIR --overwrite   # DIR holds something else: replace it anyway
+    python -m dflashkit.train.export CKPT DIR --for vllm                # refuse what vLLM 0.24 serves unlike training
 
 The checkpoint's fp32 master weights and its DrafterConfig (trainer.json) are loaded into a fresh drafter and
 written with ``dflashkit.drafter.save_drafter`` in bfloat16 (the published drafters' dtype; a float32 config
 would make SGLang and vLLM serve the drafter in float16), with the config's ``dtype`` set to the weights';
-an incomplete or corrupted checkpoint is refused.
+an incomplete or corrupted checkpoint is refused. vLLM 0.24's rules (drafter/engines.py VLLM_024_RULES): a tap
+of the last target layer or sliding-window drafter layers are warned about, or refused with ``--for vllm``; the
+printed serve command sets num_speculative_tokens = block_size - 1.
 """
 
 from __future__ import annotations
@@ -56,26 +60,46 @@ def load_checkpoint_drafter(path: str | os.PathLike, dtype: torch.dtype = torch.
     return model.to(dtype).eval()
 
 
-def export_checkpoint(path: str | os.PathLike, out_dir: str | os.PathLike, dtype: torch.dtype = torch.bfloat16) -> Path:
+def export_checkpoint(path: str | os.PathLike, out_dir: str | os.PathLike, dtype: torch.dtype = torch.bfloat16,
+                      engine: str = "all", overwrite: bool = False, flag: str = "--overwrite") -> Path:
+    """engine: "all" (warn about what vLLM 0.24 serves differently) or "vllm" (refuse it); drafter/engines.py.
+    An existing ``out_dir`` is replaced only when it holds an export, or with ``overwrite`` (``flag``: the option
+    the refusal names); checked before the checkpoint is read."""
     from dflashkit.drafter import save_drafter
+    from dflashkit.drafter.engines import check_export_for
+    from dflashkit.drafter.export import export_dir_problem
+    from dflashkit.outputs import check_output_dir
 
-    return save_drafter(load_checkpoint_drafter(path, dtype), out_dir)
+    check_output_dir(out_dir, what="a drafter directory", problem=export_dir_problem, overwrite=overwrite, flag=flag)
+    model = load_checkpoint_drafter(path, dtype)
+    check_export_for(model.dflash, engine, warn=lambda message: print(message, file=sys.stderr))
+    return save_drafter(model, out_dir, overwrite=overwrite, flag=flag)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="dflashkit export", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("checkpoint", help="a checkpoint dir (…/checkpoints/step-N) or a run output dir (newest)")
     ap.add_argument("out_dir", help="where to write the drafter directory")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16",
                     help="weight dtype of the export (default bfloat16; config.json's dtype follows it)")
-    args = ap.parse_args(argv)
-    try:
-        out = export_checkpoint(args.checkpoint, args.out_dir, DTYPES[args.dtype])
-    except (ValueError, FileNotFoundError) as e:
-        print(f"dflashkit export: error: {e}", file=sys.stderr)
-        return 2
+    ap.add_argument("--for", dest="engine", choices=["all", "vllm"], default="all",
+                    help="all: an export every engine loads (warns what vLLM 0.24 serves differently); vllm: "
+                         "refuse a drafter vLLM 0.24 would serve unlike its training (drafter/engines.py)")
+    ap.add_argument("--overwrite", action="store_true",
+                    help="replace out_dir even when it is not a drafter export (a file there is never replaced)")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    out = export_checkpoint(args.checkpoint, args.out_dir, DTYPES[args.dtype], args.engine,
+                            overwrite=args.overwrite)  # errors: cli.run_main
     print(f"exported {resolve_checkpoint(args.checkpoint)} -> {out}")
+    from dflashkit.drafter import read_drafter_config
+    from dflashkit.drafter.engines import vllm_serve_command
+
+    print("serve with vLLM: " + vllm_serve_command("TARGET", out, read_drafter_config(out).block_size))
     return 0
 
 

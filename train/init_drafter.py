@@ -9,6 +9,8 @@ so the drafter written here is the one `dflashkit train` would start from.
         --mask-token-id 16
     dflashkit init-drafter --target /models/Qwen3-8B --out drafter0 --recipe recipes/qwen3-8b.yaml
     python -m dflashkit.train.init_drafter --target /models/Qwen3-8B --out drafter0 target_layer_ids=[1,9,17,25,33]
+
+--out is replaced only when it already holds a drafter export (or is empty); --overwrite replaces any directory.
 """
 
 from __future__ import annotations
@@ -43,11 +45,14 @@ def parse_layer_types(text: str | None, num_layers: int) -> list[str] | None:
     return [LAYER_TYPE_NAMES[p] for p in parts]
 
 
-def init_drafter(cfg: TrainConfig, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16):
+def init_drafter(cfg: TrainConfig, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16, overwrite: bool = False):
     """Build a new drafter for ``cfg.target`` as training does (seeded by ``cfg.seed``) and export it to
-    ``out_dir``; returns (export path, DrafterConfig)."""
+    ``out_dir`` (replaced only when it is an export, or with ``overwrite``); returns (export path,
+    DrafterConfig)."""
     from dflashkit.drafter import save_drafter
-    from dflashkit.target.loading import load_target_head
+    from dflashkit.drafter.export import export_dir_problem
+    from dflashkit.outputs import check_output_dir
+    from dflashkit.targets.loading import load_target_head
 
     from .trainer import build_model
 
@@ -55,13 +60,14 @@ def init_drafter(cfg: TrainConfig, out_dir: str | Path, dtype: torch.dtype = tor
         raise UserError("target: no target given; pass --target (an HF model dir, a .gguf file or testbed:smollm2)")
     if cfg.init_from:
         raise UserError(f"init_from={cfg.init_from}: init-drafter writes a new drafter; drop init_from")
+    check_output_dir(out_dir, what="a drafter directory", problem=export_dir_problem, overwrite=overwrite)
     torch.manual_seed(cfg.seed)
     head = load_target_head(cfg.target)
     model, dcfg = build_model(cfg, {}, head)
-    return save_drafter(model, out_dir, dtype=dtype), dcfg
+    return save_drafter(model, out_dir, dtype=dtype, overwrite=overwrite), dcfg
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="dflashkit init-drafter", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", required=True, help="HF model dir, .gguf file or testbed:smollm2")
@@ -75,15 +81,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sliding-window", type=int, help="window of sliding layers")
     ap.add_argument("--seed", type=int, help="init seed (= seed; default 0)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    ap.add_argument("--overwrite", action="store_true",
+                    help="replace --out even when it is not a drafter export (a file there is never replaced)")
     ap.add_argument("overrides", nargs="*", metavar="key=value", help="any TrainConfig field (train/config.py)")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line; ``key=value`` overrides may come before, between or after the flags."""
+    return build_parser().parse_intermixed_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     flags = {"target": args.target, "num_hidden_layers": args.num_layers, "block_size": args.block_size,
              "target_layer_ids": args.target_layer_ids, "mask_token_id": args.mask_token_id,
              "sliding_window": args.sliding_window, "seed": args.seed}
     cfg = load_config(args.recipe, args.overrides, **{k: v for k, v in flags.items() if v is not None})
     if args.layer_types:
         cfg.layer_types = parse_layer_types(args.layer_types, cfg.num_hidden_layers)
-    out, dcfg = init_drafter(cfg, args.out, dtype=getattr(torch, args.dtype))
+    out, dcfg = init_drafter(cfg, args.out, dtype=getattr(torch, args.dtype), overwrite=args.overwrite)
     summary = {k: v for k, v in dcfg.to_json_dict().items()
                if k in ("hidden_size", "num_hidden_layers", "block_size", "target_layer_ids", "mask_token_id",
                         "layer_types", "sliding_window", "vocab_size")}

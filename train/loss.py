@@ -13,7 +13,7 @@ loss_mask[a+k] holds. Three objectives, chosen by one flag (``variant``):
   the number of blocks with at least one valid label, as the paper's author asked in sgl-project/SpecForge
   issue #828 (dividing by sum(w) would cancel the credit mass).
 - ``kl``: soft labels. The target's distribution for token a+k is lm_head(last_hidden[a+k-1]), where
-  ``last_hidden`` is the target's final-norm output that extraction stores (target/capture.py), so only the
+  ``last_hidden`` is the target's final-norm output that extraction stores (targets/capture.py), so only the
   lm_head is applied here. Per position
   (1 - kl_weight) * CE_k + kl_weight * KL(p_target || q_draft), with the ``ce`` decay weights and normaliser.
 
@@ -82,6 +82,7 @@ class BlockLossOutput:
     tau_sum: torch.Tensor  # sum over counted blocks of 1 + leading run of correct positions
     runs: torch.Tensor  # [N] per block, its leading run of correct positions (0 for blocks with no valid label)
     blocks: torch.Tensor  # counted blocks: those with at least one valid label
+    selector: object = None  # DFlash2: the selector term of the same pass (train/selector_loss.py), else None
 
 
 def _logit_stats(logits: torch.Tensor, labels: torch.Tensor, acc: torch.dtype):

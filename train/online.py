@@ -5,9 +5,9 @@ Design choices:
 - ``OnlineFeatures`` looks like a ``ShardDataset`` to the trainer: ``ds[i]`` is the same dict (``input_ids``,
   ``loss_mask``, ``hidden`` [T, K*H] bf16, optional ``last_hidden`` [T, H], ``sample_index``), so the same
   collate, anchors, masks, losses, held-out split, checkpoints and resume apply to both paths.
-- Sample ``i`` is the i-th good record of the data in record order (bad records are skipped and counted). A shard
-  directory extracted with ``--bucket-window 1`` holds its samples in the same order, so the two paths number
-  (and therefore split, shuffle and anchor) samples identically.
+- Sample ``i`` is the i-th good record of the data in record order (bad records are skipped and counted). A
+  ``ShardDataset`` numbers its samples the same way (by ``sample_index``, whatever order extraction wrote them
+  in), so the two paths split, shuffle and anchor samples identically.
 - Records are rendered and masked once, at start, by ``extract.batching`` (the code extraction runs; optional
   worker processes). Token ids stay on the CPU; only features live on the training device.
 - The target is loaded per process (each rank holds its own frozen replica; it is never given to accelerate, so
@@ -44,7 +44,7 @@ def resolve_target_dtype(name: str, device: torch.device) -> torch.dtype:
 
 def check_drafter_matches_target(dcfg, target) -> None:
     """The online counterpart of the shard manifest check: the drafter config against the live target."""
-    from dflashkit.target.capture import check_layer_ids
+    from dflashkit.targets.capture import check_layer_ids
 
     for key, live in (("hidden_size", target.hidden_size), ("num_target_layers", target.num_layers),
                       ("vocab_size", target.vocab_size)):
@@ -60,7 +60,7 @@ def target_head_of(target, dtype: torch.dtype):
     """The target's embedding, final norm and lm_head as a ``TargetHead`` sharing the live target's tensors."""
     from torch import nn
 
-    from dflashkit.target.loading import TargetHead
+    from dflashkit.targets.loading import TargetHead
 
     embed = nn.Embedding.from_pretrained(target.embed_tokens.weight, freeze=True)  # plain rows: TargetHead scales
     head = TargetHead(embed, target.final_norm, target.lm_head, target.embedding_scale, target.config,
@@ -184,7 +184,7 @@ class OnlineFeatures(torch.utils.data.Dataset):
 
     def __init__(self, target, samples: list, target_layer_ids, *, store_last_hidden: bool, batch_tokens: int,
                  device):
-        from dflashkit.target.capture import LayerCapture
+        from dflashkit.targets.capture import LayerCapture
 
         self.target, self.samples, self.device = target, samples, torch.device(device)
         self.store_last_hidden = bool(store_last_hidden)
@@ -258,11 +258,14 @@ def open_online(cfg, device, compute_dtype: torch.dtype, say=print, rank: int = 
     The live manifest holds what a shard manifest would (layer ids asked for, hidden size, layers, vocab) for
     ``build_model``; the caller then checks the drafter with ``check_drafter_matches_target`` and makes
     ``OnlineFeatures`` with the drafter's layer ids."""
-    from dflashkit.target.loading import load_target, load_target_head
+    from dflashkit.targets.loading import load_target, load_target_head
 
     if not cfg.target:
         raise ValueError("target: online training (data=...) needs the target to run; pass --target (an HF "
                          "directory, a .gguf file or testbed:smollm2)")
+    from dflashkit.extract.sources import check_has_records
+
+    check_has_records(list(cfg.data))  # an empty data file stops here, before the target is loaded
     dtype = resolve_target_dtype(cfg.target_dtype, torch.device(device))
     target = load_target(cfg.target, dtype=dtype, device=device)
     target.model.requires_grad_(False).eval()

@@ -33,6 +33,7 @@ import torch
 from .block_mask import build_block_masks
 from .data import BlockSource, PackedBlocks, block_loader
 from .loss import BlockLossOutput, block_loss, loss_denominator
+from .selector_loss import predecessor_ids, selector_loss
 
 
 def mask_backend(attention: str, device: torch.device) -> str:
@@ -61,37 +62,71 @@ def compile_layers(model, dynamic: bool | None = True) -> None:
 
 
 def draft_hidden(model, head, batch: PackedBlocks, *, block_size: int, layer_types: list[str],
-                 sliding_window: int | None, backend: str = "dense") -> torch.Tensor:
-    """The drafter's final hidden states at draft positions 1..B-1 of every block: [N, B-1, H]."""
+                 sliding_window: int | None, backend: str = "dense", selector_targets: dict | None = None):
+    """The drafter's final hidden states at draft positions 1..B-1 of every block: [N, B-1, H]; with
+    ``selector_targets`` (DFlash2) also the selector's (scores, candidate_ids) from the same forward."""
     n = batch.anchors.numel()
     mask = build_block_masks(batch.anchors, batch.ctx_len, block_size, layer_types, sliding_window, backend,
                              context_start=batch.context_start)
     noise = head.embed(batch.block_ids)
+    extra = {} if selector_targets is None else {"selector_targets": selector_targets}
     hidden = model(position_ids=batch.position_ids, attention_mask=mask, noise_embedding=noise,
-                   target_hidden=batch.target_hidden)
+                   target_hidden=batch.target_hidden, **extra)
+    if selector_targets is not None:
+        hidden, scores = hidden
+        return hidden.view(n, block_size, -1)[:, 1:], scores
     return hidden.view(n, block_size, -1)[:, 1:]
+
+
+@torch.no_grad()
+def target_argmax_labels(head, batch: PackedBlocks, chunk_tokens: int = 2048) -> torch.Tensor:
+    """The target's greedy choice for every label of ``batch``: label k of the block at a becomes
+    argmax lm_head(last_hidden[a+k-1]) where the label is valid (0 elsewhere, as the data labels). The logits are
+    taken once per context row (fewer rows than labels), in the lm_head's dtype as the ``kl`` teacher's, then
+    compared in fp32."""
+    if batch.last_hidden is None:
+        raise ValueError("labels=target_argmax needs the target's last_hidden in every micro-batch; extract the "
+                         "shards with --store-last-hidden, train online, or use labels=data")
+    weight, bias = head.lm_head.weight, head.lm_head.bias
+    rows = batch.last_hidden
+    choice = torch.empty(rows.shape[0], dtype=torch.long, device=rows.device)
+    for s in range(0, rows.shape[0], chunk_tokens):
+        logits = torch.nn.functional.linear(rows[s:s + chunk_tokens].to(weight.dtype), weight, bias)
+        choice[s:s + chunk_tokens] = logits.float().argmax(-1)
+    return torch.where(batch.valid, choice[batch.teacher_index], torch.zeros_like(batch.labels))
 
 
 def forward_blocks(model, head, batch: PackedBlocks, *, block_size: int, layer_types: list[str],
                    sliding_window: int | None, backend: str = "dense", variant: str = "ce", gamma: float = 7.0,
                    dpace_alpha: float = 0.5, kl_weight: float = 0.5, chunk_tokens: int = 2048,
-                   fused_loss: bool = False) -> BlockLossOutput:
-    """The un-normalised block loss (and metrics) of one packed micro-batch (fused_loss: train/loss.py)."""
+                   fused_loss: bool = False, labels: str = "data") -> BlockLossOutput:
+    """The un-normalised block loss (and metrics) of one packed micro-batch (fused_loss: train/loss.py);
+    ``labels="target_argmax"``: against the target's greedy tokens (``target_argmax_labels``), not the data's."""
+    targets = target_argmax_labels(head, batch, chunk_tokens) if labels == "target_argmax" else batch.labels
+    dflash2 = hasattr(getattr(model, "module", model), "candidate_selector")  # DFlash2: + the selector term
+    sel = None if not dflash2 else dict(lm_head_weight=head.lm_head.weight.detach(), chunk_tokens=chunk_tokens,
+                                        lm_head_bias=None if head.lm_head.bias is None else head.lm_head.bias.detach(),
+                                        predecessor_ids=predecessor_ids(batch.block_ids, targets))
     hidden = draft_hidden(model, head, batch, block_size=block_size, layer_types=layer_types,
-                          sliding_window=sliding_window, backend=backend)
+                          sliding_window=sliding_window, backend=backend, selector_targets=sel)
+    if dflash2:
+        hidden, (scores, candidates) = hidden
     teacher = None
     if variant == "kl":
         teacher = batch.last_hidden[batch.teacher_index]  # stored after the target's final norm
-    return block_loss(hidden, head.lm_head.weight, batch.labels, batch.valid, variant=variant, gamma=gamma,
-                      dpace_alpha=dpace_alpha, kl_weight=kl_weight, teacher_hidden=teacher,
-                      lm_head_bias=head.lm_head.bias, chunk_tokens=chunk_tokens, fused=fused_loss)
+    out = block_loss(hidden, head.lm_head.weight, targets, batch.valid, variant=variant, gamma=gamma,
+                     dpace_alpha=dpace_alpha, kl_weight=kl_weight, teacher_hidden=teacher,
+                     lm_head_bias=head.lm_head.bias, chunk_tokens=chunk_tokens, fused=fused_loss)
+    if dflash2:
+        out.selector = selector_loss(scores, candidates, targets, batch.valid, gamma)
+    return out
 
 
 class MetricSums:
     """Additive sums of one or more passes; ``reduce`` sums them across ranks, ``metrics`` divides."""
 
     def __init__(self, positions: int, device):
-        self.t = torch.zeros(6 + 2 * positions, dtype=torch.float64, device=device)
+        self.t = torch.zeros(6 + 2 * positions + 5, dtype=torch.float64, device=device)  # + 5 selector sums
         self.p = positions
         self.host_tokens = 0  # context tokens, counted on the host (joins t[5] in reduce)
 
@@ -102,7 +137,11 @@ class MetricSums:
         vals = [out.loss_sum.detach(), denom, out.ce_sum, out.tau_sum, out.blocks]
         self.t[:5] += torch.stack([v.to(torch.float64) for v in vals]).to(self.t.device)
         self.t[6:6 + p] += out.correct.to(self.t)
-        self.t[6 + p:] += out.counted.to(self.t)
+        self.t[6 + p:6 + 2 * p] += out.counted.to(self.t)
+        if out.selector is not None:  # DFlash2: loss, normaliser, labels among the candidates, chosen, labels
+            s = out.selector
+            vals = [s.loss_sum.detach(), s.weight_sum, s.in_candidates, s.correct, s.counted]
+            self.t[6 + 2 * p:] += torch.stack([v.to(torch.float64) for v in vals]).to(self.t.device)
         self.host_tokens += int(tokens)
 
     def reduce(self, accelerator) -> "MetricSums":
@@ -119,8 +158,9 @@ class MetricSums:
     def metrics(self, prefix: str) -> dict:
         t, p = self.t.tolist(), self.p
         loss, denom, ce, tau, blocks = t[:5]
-        counted = t[6 + p:]
+        counted = t[6 + p:6 + 2 * p]
         correct = t[6:6 + p]
+        sel_loss, sel_weight, sel_in, sel_correct, sel_counted = t[6 + 2 * p:]
         out = {f"{prefix}/loss": loss / denom if denom else float("nan"),
                f"{prefix}/ce": ce / sum(counted) if sum(counted) else float("nan"),
                # tau_sim is the held-out figure (docs/ARCHITECTURE.md); on training blocks the same count is train/tau
@@ -128,6 +168,10 @@ class MetricSums:
                f"{prefix}/acc": sum(correct) / sum(counted) if sum(counted) else float("nan")}
         for k in range(p):
             out[f"{prefix}/acc_{k + 1}"] = correct[k] / counted[k] if counted[k] else float("nan")
+        if sel_counted:  # DFlash2 (train/selector_loss.py): the term, its candidate recall, its teacher-forced acc
+            out.update({f"{prefix}/selector_loss": sel_loss / sel_weight,
+                        f"{prefix}/selector_recall": sel_in / sel_counted,
+                        f"{prefix}/selector_acc": sel_correct / sel_counted})
         return out
 
 

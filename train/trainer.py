@@ -12,9 +12,11 @@ Design choices:
   micro-batches (known from the anchors alone) and these are summed across ranks. Each micro-batch then
   back-propagates ``loss_sum * W * G / global_denominator`` (accelerate divides by G, DDP/ZeRO average over W),
   so the update equals the single-process one on the same samples.
-- The learning rate is a pure function of the step (linear warmup, then cosine to ``min_lr_ratio``), set
-  on the optimizer before each step: resuming needs only the step number.
+- The learning rate is a pure function of the step (linear warmup, then cosine or linear decay to
+  ``min_lr_ratio``), set on the optimizer before each step: resuming needs only the step number.
 - ``max_steps`` shorter than the epochs is announced at start and recorded in summary.json.
+- One run per ``output_dir``: it must be empty, a training run's, or ``overwrite=true``, and is locked while the
+  run lives (ranks of one launch share the lock; dflashkit/outputs.py); ``export_dir`` is checked at start.
 - SIGTERM / SIGINT (train/checkpoint.StopRequest): the ranks vote in the step's one collective, stop at the
   same step boundary, write a checkpoint there and return ``preempted`` (the command exits 0).
 """
@@ -40,19 +42,22 @@ from .step import MetricSums, compile_layers, evaluate, forward_blocks, mask_bac
 from .tracking import Tracker
 
 
-def lr_at(step: int, total_steps: int, warmup_steps: int, min_lr_ratio: float) -> float:
-    """Multiplier on the peak lr for optimizer step ``step`` (0-based)."""
+def lr_at(step: int, total_steps: int, warmup_steps: int, min_lr_ratio: float, schedule: str = "cosine") -> float:
+    """Multiplier on the peak lr for optimizer step ``step`` (0-based): linear warmup, then ``schedule``
+    ("cosine" or "linear") from 1 down to ``min_lr_ratio``."""
     if warmup_steps > 0 and step < warmup_steps:
         return (step + 1) / warmup_steps
     progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+    if schedule == "linear":
+        return min_lr_ratio + (1.0 - min_lr_ratio) * (1.0 - min(1.0, progress))
     return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 
 def resolve_mask_token(cfg: TrainConfig, head) -> int:
-    """cfg.mask_token_id, else the tokenizer's mask token or a spare row (the one resolver, target/loading.py)."""
+    """cfg.mask_token_id, else the tokenizer's mask token or a spare row (the one resolver, targets/loading.py)."""
     from transformers import AutoTokenizer
 
-    from dflashkit.target.loading import resolve_mask_token_id
+    from dflashkit.targets.loading import resolve_mask_token_id
 
     tokenizer = None if cfg.mask_token_id is not None else AutoTokenizer.from_pretrained(head.model_dir)
     return resolve_mask_token_id(tokenizer, head.config, cfg.mask_token_id)
@@ -67,12 +72,16 @@ def build_model(cfg: TrainConfig, manifest: dict, head):
         if cfg.mask_token_id is not None and model.dflash.mask_token_id != cfg.mask_token_id:
             raise ValueError(f"mask_token_id={cfg.mask_token_id} but the drafter in {cfg.init_from} was trained with "
                              f"{model.dflash.mask_token_id}; drop mask_token_id to keep the drafter's")
+        if model.dflash.architecture != cfg.drafter_architecture:
+            raise ValueError(f"drafter_architecture={cfg.drafter_architecture} but the drafter in {cfg.init_from} is "
+                             f"{model.dflash.architecture}; set drafter_architecture={model.dflash.architecture}")
         return model.train(), model.dflash
     dcfg = DrafterConfig.for_target(
         head.config, num_hidden_layers=cfg.num_hidden_layers, block_size=cfg.block_size,
         target_layer_ids=list(cfg.target_layer_ids or manifest.get("target_layer_ids") or []),
         mask_token_id=resolve_mask_token(cfg, head), layer_types=list(cfg.layer_types),
-        sliding_window=cfg.sliding_window, input_embedding_scale=float(head.embedding_scale), **cfg.drafter)
+        sliding_window=cfg.sliding_window, input_embedding_scale=float(head.embedding_scale),
+        architecture=cfg.drafter_architecture, **cfg.drafter)
     return build_drafter(dcfg).train(), dcfg
 
 
@@ -105,14 +114,14 @@ def _configure_deepspeed(accelerator, cfg: TrainConfig) -> None:
 
 def verify_shards(shard_dir: str, rank: int, world: int) -> None:
     """Refuse to train on damaged shards: each rank checks every world-th shard (size, sha256, layout, NaN)."""
-    from dflashkit.extract.shards import read_manifest
+    from dflashkit.extract.shards import read_manifest, shard_path
     from dflashkit.extract.verify import check_shard
 
-    manifest = read_manifest(shard_dir)
+    manifest = read_manifest(shard_dir)  # a malformed manifest, or a shard named outside shard_dir: one line
+    files = [shard_path(shard_dir, entry, k) for k, entry in enumerate(manifest["shards"])]  # every rank: all stop
     problems = []
-    for entry in manifest["shards"][rank::world]:
-        problems += [f"{Path(shard_dir) / entry['file']}: {p}"
-                     for p in check_shard(Path(shard_dir) / entry["file"], entry, manifest)]
+    for k in range(rank, len(files), world):
+        problems += [f"{files[k]}: {p}" for p in check_shard(files[k], manifest["shards"][k], manifest)]
     if problems:
         raise ValueError("refusing to train on damaged shards:\n  " + "\n  ".join(problems) +
                          f"\nre-extract them (`dflashkit verify {shard_dir}` lists every problem)")
@@ -141,11 +150,44 @@ def _param_groups(model, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+RUN_FILES = ("checkpoints", "export", "metrics.jsonl", "summary.json", "token-cache", "tb", "wandb", "wandb-run-id")
+
+
+def check_output_paths(cfg: TrainConfig) -> Path:
+    """Refuse, before any work, an output_dir that holds files of something else and an export_dir that is not a
+    drafter export (unless ``overwrite``); a file at either path always. Returns the export directory."""
+    from dflashkit.drafter.export import export_dir_problem
+    from dflashkit.outputs import check_output_dir, describe_foreign, foreign_entries
+
+    out_dir = Path(cfg.output_dir)
+    export_dir = Path(cfg.export_dir or out_dir / "export")
+    owned = {*RUN_FILES, export_dir.name} if export_dir.parent == out_dir else set(RUN_FILES)
+
+    def run_dir_problem(path: Path) -> str | None:
+        foreign = foreign_entries(path, lambda name: name in owned)
+        return describe_foreign(foreign) if foreign else None
+
+    check_output_dir(out_dir, what="a training run directory", problem=run_dir_problem, overwrite=cfg.overwrite,
+                     flag="overwrite=true", forcing="write into it anyway")
+    check_output_dir(export_dir, what="a drafter directory", problem=export_dir_problem, overwrite=cfg.overwrite,
+                     flag="overwrite=true")
+    return export_dir
+
+
 def train(cfg: TrainConfig) -> dict:
+    """Train as ``cfg`` says (the module docstring), holding the lock on ``cfg.output_dir`` throughout."""
+    from dflashkit.outputs import OutputLock
+
+    check_output_paths(cfg)
+    with OutputLock(cfg.output_dir, "train"):
+        return _train(cfg)
+
+
+def _train(cfg: TrainConfig) -> dict:
     from accelerate.utils import set_seed
 
     from dflashkit.extract.shards import ShardDataset, check_manifest_matches
-    from dflashkit.target.loading import load_target_head
+    from dflashkit.targets.loading import load_target_head
 
     # --- setup --------------------------------------------------------------------------------------------
     online = bool(cfg.data)  # the target runs in the loop (train/online.py) instead of shards being read
@@ -172,15 +214,19 @@ def train(cfg: TrainConfig) -> dict:
         head = load_target_head(head_spec, dtype=compute_dtype, device=accelerator.device)
     set_seed(cfg.seed)  # the drafter's initial weights depend on the seed alone, whatever loading consumed
     model, dcfg = build_model(cfg, manifest, head)
+    use_last_hidden = cfg.loss == "kl" or cfg.labels == "target_argmax"  # the target's final hidden states
     if online:
         check_drafter_matches_target(dcfg, target)
-        dataset = OnlineFeatures(target, samples, dcfg.target_layer_ids, store_last_hidden=cfg.loss == "kl",
+        dataset = OnlineFeatures(target, samples, dcfg.target_layer_ids, store_last_hidden=use_last_hidden,
                                  batch_tokens=cfg.target_batch_tokens, device=accelerator.device)
     else:
         check_manifest_matches(manifest, dcfg, target_identity(head))
     if cfg.loss == "kl" and not dataset.has_last_hidden:
         raise ValueError(f"loss=kl needs last_hidden in the shards of {cfg.shards}; re-extract them with "
                          f"--store-last-hidden, or use loss=dpace (the default) or ce")
+    if cfg.labels == "target_argmax" and not dataset.has_last_hidden:
+        raise ValueError(f"labels=target_argmax needs last_hidden in the shards of {cfg.shards}; re-extract them "
+                         f"with --store-last-hidden, train online (--target T --data FILE), or use labels=data")
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing = True
     train_idx, eval_idx = split_indices(len(dataset), cfg.eval_samples, cfg.seed)
@@ -206,8 +252,17 @@ def train(cfg: TrainConfig) -> dict:
             f"({total_steps / spe:.2f} of {cfg.epochs} epochs)")
 
     # --- optimizer, backend -------------------------------------------------------------------------------
-    optimizer = torch.optim.AdamW(_param_groups(model, cfg.weight_decay), lr=cfg.lr,
-                                  betas=tuple(cfg.adam_betas), eps=cfg.adam_eps)
+    if cfg.optimizer == "muon":  # train/muon.py: Muon on the 2-D matrices, AdamW on the rest
+        from .muon import Muon, muon_param_groups
+
+        if backend_name in ("FSDP", "DEEPSPEED"):
+            raise ValueError(f"optimizer=muon needs whole weight matrices on every rank, and {backend_name} "
+                             f"shards or flattens them; use the DDP accelerate config, or optimizer=adamw")
+        optimizer = Muon(muon_param_groups(model, lr=cfg.lr, muon_lr=cfg.muon_lr, weight_decay=cfg.weight_decay),
+                         lr=cfg.lr, momentum=cfg.muon_momentum, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps)
+    else:
+        optimizer = torch.optim.AdamW(_param_groups(model, cfg.weight_decay), lr=cfg.lr,
+                                      betas=tuple(cfg.adam_betas), eps=cfg.adam_eps)
     model, optimizer = accelerator.prepare(model, optimizer)
     if cfg.compile:  # per decoder layer, dynamic shapes from the start (train/step.compile_layers)
         compile_layers(accelerator.unwrap_model(model))
@@ -259,21 +314,24 @@ def train(cfg: TrainConfig) -> dict:
             dataset.plan([i for item, _ in slots for i in (item if isinstance(item, list) else [item])])
         source = BlockSource(dataset, slots, block_size=dcfg.block_size, mask_token_id=dcfg.mask_token_id,
                              num_anchors=cfg.num_anchors, seed=cfg.seed, epoch=epoch, max_length=cfg.max_length,
-                             use_last_hidden=cfg.loss == "kl")
+                             use_last_hidden=use_last_hidden, anchor_density=cfg.anchor_density)
         loader = block_loader(source, num_workers=0 if online else cfg.num_workers,
                               pin_memory=accelerator.device.type == "cuda" and not online)
         for _ in range(len(slots) // G):
             if step >= total_steps:
                 break
             micro = [next(loader).to(accelerator.device, non_blocking=True) for _ in range(G)]
-            factor = lr_at(step, total_steps, warmup, cfg.min_lr_ratio)
-            for group in optimizer.param_groups:
-                group["lr"] = cfg.lr * factor
+            factor = lr_at(step, total_steps, warmup, cfg.min_lr_ratio, cfg.lr_schedule)
+            for group in optimizer.param_groups:  # Muon's groups carry their own peak lr (muon_lr)
+                group["lr"] = group.get("base_lr", cfg.lr) * factor
             denoms = [loss_denominator(m.valid, cfg.loss, cfg.gamma) * m.scale for m in micro]
-            # one collective: the global loss denominator and the ranks' votes to stop (all stop at the same step)
+            # DFlash2's selector term is normalised by the decay-weighted count of valid labels (selector_loss.py)
+            sel_denoms = [loss_denominator(m.valid, "ce", cfg.gamma) * m.scale for m in micro]
+            # one collective: the global loss denominators and the ranks' votes to stop (all stop at the same step)
             votes = torch.stack([torch.stack(denoms).sum().float().to(accelerator.device),
-                                 torch.tensor(float(stop.requested), device=accelerator.device)])
-            global_denom, stop_votes = accelerator.reduce(votes, reduction="sum")
+                                 torch.tensor(float(stop.requested), device=accelerator.device),
+                                 torch.stack(sel_denoms).sum().float().to(accelerator.device)])
+            global_denom, stop_votes, global_sel_denom = accelerator.reduce(votes, reduction="sum")
             if stop_votes > 0:
                 stop.agreed = True
                 break
@@ -281,9 +339,14 @@ def train(cfg: TrainConfig) -> dict:
             for m, d in zip(micro, denoms):
                 with accelerator.accumulate(model):
                     out = forward_blocks(model, head, m, variant=cfg.loss, gamma=cfg.gamma,
-                                         dpace_alpha=cfg.dpace_alpha, kl_weight=cfg.kl_weight, **common)
+                                         dpace_alpha=cfg.dpace_alpha, kl_weight=cfg.kl_weight, labels=cfg.labels,
+                                         **common)
                     weight = m.scale * world * G / global_denom.clamp_min(1e-12)
-                    accelerator.backward(out.loss_sum * weight)
+                    loss = out.loss_sum * weight
+                    if out.selector is not None:  # DFlash2: + selector_loss_weight * the selector term
+                        loss = loss + out.selector.loss_sum * (cfg.selector_loss_weight * m.scale * world * G
+                                                               / global_sel_denom.clamp_min(1e-12))
+                    accelerator.backward(loss)
                     if accelerator.sync_gradients:
                         if cfg.max_grad_norm > 0:
                             grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
@@ -339,7 +402,7 @@ def train(cfg: TrainConfig) -> dict:
     if accelerator.is_main_process:
         from .export import export_checkpoint
 
-        export_checkpoint(final, export_dir)
+        export_checkpoint(final, export_dir, overwrite=cfg.overwrite, flag="overwrite=true")
     summary = {"step": step, "planned_steps": planned, "stopped_by_max_steps": total_steps < planned,
                "epochs_completed": epoch, "checkpoint": str(final), "export_dir": str(export_dir), **last_eval}
     if accelerator.is_main_process:

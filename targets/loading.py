@@ -186,7 +186,7 @@ def family_of(model_dir: Path) -> Family:
         raise ValueError(
             f"{Path(model_dir) / 'config.json'}: model_type {model_type!r} is not supported. dflashkit knows "
             f"where the decoder layers, input embedding (and its scale), final norm and lm_head are for: "
-            f"{', '.join(FAMILIES)}. A new family needs a FAMILIES entry in target/loading.py (its final-norm "
+            f"{', '.join(FAMILIES)}. A new family needs a FAMILIES entry in targets/loading.py (its final-norm "
             "class and embedding scale) and its tests.")
     return FAMILIES[model_type]
 
@@ -281,7 +281,7 @@ def find_decoder(model: nn.Module) -> nn.Module:
             return module
     raise ValueError(f"{type(model).__name__}: found no text decoder with `layers`, `embed_tokens` and `norm` at "
                      f"{' or '.join('model.' + p for p in _DECODER_PATHS)}; this architecture needs its own "
-                     "FAMILIES entry and layout in target/loading.py")
+                     "FAMILIES entry and layout in targets/loading.py")
 
 
 def load_target(spec: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
@@ -341,7 +341,16 @@ def _tensor_files(model_dir: Path) -> dict[str, Path]:
     """tensor name -> safetensors file, from the index json when there is one, else from the file headers."""
     index = sorted(Path(model_dir).glob("*.safetensors.index.json"))
     if index:
-        weight_map = json.loads(index[0].read_text())["weight_map"]
+        try:
+            weight_map = json.loads(index[0].read_text()).get("weight_map")
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{index[0]}: not valid JSON ({e}); the file is damaged: restore it (or download the "
+                             "model again)") from None
+        except AttributeError:  # valid JSON, but not an object
+            weight_map = None
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index[0]}: field weight_map is missing or not a mapping of tensor name -> file; the "
+                             "file is damaged: restore it (or download the model again)")
         return {name: Path(model_dir) / file for name, file in weight_map.items()}
     names = {}
     for file in _safetensors_files(model_dir):

@@ -1,0 +1,313 @@
+"""The drafter served by vLLM on one GPU: τ(vLLM) vs τ(dflashkit eval), lossless agreement, the concurrency
+table with and without the drafter, prefix cache on vs off, and a projection to a memory-bound 8B target.
+
+One H200 (`. /tmp/vllm-site/vllm-env.sh` first; the testbed target and a trained drafter; the dflashkit eval
+report of the same drafter on the same prompts, run beforehand):
+    python bench/bench_vllm.py --target /root/testbed/smollm2-bf16 --drafter out/drafter \\
+        --dflashkit-report runs/eval-chain/report.json --out bench/results/vllm
+CPU toy (the CPU twin of vllm.LLM, eval/vllm_standin.py; a tiny random pair; modelled step times):
+    python bench/bench_vllm.py --standin --out /tmp/bench_vllm_toy
+
+Parts (--parts, default all), each writing its own JSON in --out (a failed part writes <part>.error.json with its
+traceback and the others still run):
+- serve -> a_tau.json, b_lossless.json, c_concurrency.json, d_prefix_caching.json (+ the report dir serve/): one
+  `dflashkit eval --engine vllm` run (eval/vllm_engine.py) over MT-bench (80 prompts, 256 new tokens, greedy):
+  (a) τ from vLLM's counters over every prompt once vs the dflashkit report's τ, and their ratio; (b) outputs
+  with vs without the drafter; (c) output tok/s, TTFT and ITL per concurrency 1 … 128 with and without the drafter
+  (a level takes --max-requests-per-level prompts, cycled to fill its waves); (d) τ and speed on MT-bench turn 2
+  with vLLM's prefix cache on and off.
+- projection -> e_projection_times.json: a random-weight Qwen3-8B-shaped target (config.json only; vLLM's
+  load_format="dummy" fills the weights, skip_tokenizer_init with prompt token ids, so no tokenizer) and a
+  5-layer drafter of its dims (config written by dflashkit's DrafterConfig; --projection-drafter-weights also
+  writes random weights with save_drafter). Measured: vLLM's time per decode step at each concurrency, with and
+  without the drafter (steady decode: c random 128-token prompts, 128 new tokens, no stop, 15 speculative tokens).
+- projection_model -> e_projection.json (also written by projection when (a) exists): the speedup an 8B user
+  would see, E[accepted + 1] x t_AR_step / t_spec_step, with E[accepted + 1] = 1 + sum_k p_k from the testbed
+  drafter's per-position acceptance measured by (a) (a random drafter's own acceptance is not used). Modelled.
+  The projection can run first, alone on the GPU, and its model after the serve part.
+- server -> f_server.json: `dflashkit eval --server` (eval/serving.py) against `vllm serve` on 127.0.0.1, or
+  why it could not start (this slim vLLM has no Rust frontend; the Python one needs uvicorn).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+PARTS = ("serve", "projection", "projection_model", "server")
+QWEN3_8B = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=4096, intermediate_size=12288,
+                num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                hidden_act="silu", torch_dtype="bfloat16", bos_token_id=151643, eos_token_id=151645)
+TOY_8B = dict(QWEN3_8B, hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, vocab_size=300, max_position_embeddings=512, bos_token_id=0,
+              eos_token_id=1)
+
+
+def write_json(out: Path, name: str, data: dict) -> None:
+    (out / f"{name}.json").write_text(json.dumps(data, indent=2) + "\n")
+    print(f"{name}: {json.dumps(data)[:300]}")
+
+
+def api_for(args):
+    from dflashkit.eval.vllm_engine import VllmApi, real_vllm_api
+
+    if not args.standin:
+        return real_vllm_api()
+    from dflashkit.eval import vllm_standin
+
+    clock = vllm_standin.ModelledClock()
+    return VllmApi(lambda **kw: vllm_standin.LLM(clock=clock, **kw), vllm_standin.SamplingParams, clock)
+
+
+def toy_pair(root: Path) -> tuple[str, str, str]:
+    """A 6-token random Llama with a word tokenizer, a random drafter for it, and two-turn chats (CPU toy)."""
+    import torch
+    import transformers as tf
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from dflashkit.drafter import DrafterConfig, build_drafter, save_drafter
+
+    torch.manual_seed(0)
+    config = tf.LlamaConfig(vocab_size=6, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                            initializer_range=1.0)
+    tf.LlamaForCausalLM(config).save_pretrained(root / "target")
+    vocab = {t: i for i, t in enumerate(["<unk>", "<pad>", "<s>", "</s>", "w0", "w1"])}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tf.PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", pad_token="<pad>",
+                               eos_token="</s>").save_pretrained(root / "target")
+    save_drafter(build_drafter(DrafterConfig.for_target(config, num_hidden_layers=1, block_size=4, mask_token_id=5,
+                                                        initializer_range=0.02)), root / "drafter")
+    g = torch.Generator().manual_seed(1)
+
+    def words(n: int) -> str:
+        return " ".join(f"w{int(i)}" for i in torch.randint(0, 2, (n,), generator=g))
+
+    with open(root / "chats.jsonl", "w") as f:
+        for k in range(8):
+            f.write(json.dumps({"id": f"toy{k}", "messages": [{"role": "user", "content": words(10)},
+                                                             {"role": "user", "content": words(6)}]}) + "\n")
+    return str(root / "target"), str(root / "drafter"), str(root / "chats.jsonl")
+
+
+# ----------------------------------------------------------------------------- (a)-(d)
+def part_serve(args, out: Path) -> None:
+    from dflashkit.eval.vllm_engine import VllmEvalConfig, run_vllm_eval
+
+    config = VllmEvalConfig(concurrency=args.concurrency, prefix_caching=["on", "off"],
+                            max_new_tokens=args.max_new_tokens, gpu_memory_utilization=args.gpu_memory_utilization,
+                            max_model_len=args.max_model_len, max_requests_per_level=args.max_requests_per_level)
+    report = run_vllm_eval(args.target, args.drafter, out / "serve", args.dataset, config, args.num_prompts,
+                           api=api_for(args))
+    parts = {"a_tau": lambda: tau_comparison(report, args.dflashkit_report),
+             "b_lossless": lambda: report["lossless"],
+             "c_concurrency": lambda: {"verdict": report["verdict"], "levels": report["concurrency"],
+                                       "max_new_tokens": args.max_new_tokens, "prompts": report["prompts"]},
+             "d_prefix_caching": lambda: report["prefix_caching"]}
+    for name, build in parts.items():
+        guarded(out, name, lambda: write_json(out, name, build()))
+
+
+def tau_comparison(report: dict, dflashkit_report: str | None) -> dict:
+    acc = report["acceptance"] or {}
+    out = {"tau_vllm": acc.get("tau"), "per_position_acceptance_vllm": acc.get("per_position_acceptance"),
+           "drafts": acc.get("drafts"), "num_speculative_tokens": report["num_speculative_tokens"],
+           "prompts": report["prompts"], "measured": "vLLM spec-decode counters, every prompt once"}
+    if dflashkit_report:
+        other = json.loads(Path(dflashkit_report).read_text())
+        tau = other["overall"]["tau"]
+        out.update({"tau_dflashkit": tau, "dflashkit_report": str(dflashkit_report),
+                    "per_position_acceptance_dflashkit": other["overall"].get("per_position_acceptance"),
+                    "ratio_vllm_over_dflashkit": acc["tau"] / tau if acc.get("tau") and tau else None,
+                    "within_3_percent": abs(acc["tau"] / tau - 1) <= 0.03 if acc.get("tau") and tau else None})
+    return out
+
+
+# ----------------------------------------------------------------------------- (e)
+def projection_dirs(root: Path, standin: bool, drafter_weights: bool) -> tuple[Path, Path]:
+    """The 8B-shaped target dir (config.json; CPU toy: a tiny random Qwen3 with weights) and its 5-layer drafter."""
+    import torch
+    import transformers as tf
+
+    from dflashkit.drafter import DrafterConfig, build_drafter, save_drafter
+
+    shape = TOY_8B if standin else QWEN3_8B
+    target, drafter = root / "target", root / "drafter"
+    target.mkdir(parents=True, exist_ok=True)
+    hf = tf.Qwen3Config(**{k: v for k, v in shape.items() if k not in ("architectures", "model_type")})
+    if standin:
+        tf.Qwen3ForCausalLM(hf).save_pretrained(target)
+    else:
+        (target / "config.json").write_text(json.dumps(shape, indent=2) + "\n")
+    dcfg = DrafterConfig.for_target(hf, num_hidden_layers=5, block_size=16, mask_token_id=shape["vocab_size"] - 1)
+    if standin or drafter_weights:
+        save_drafter(build_drafter(dcfg), drafter, dtype=None if standin else torch.bfloat16)
+    else:
+        drafter.mkdir(parents=True, exist_ok=True)
+        (drafter / "config.json").write_text(json.dumps(dcfg.to_json_dict(), indent=2) + "\n")
+    return target, drafter
+
+
+def part_projection(args, out: Path) -> None:
+    """The measured half: vLLM's time per decode step of the 8B-shaped pair, with and without the drafter
+    (e_projection_times.json); then the model (part_projection_model) if the testbed acceptance (a) exists."""
+    from dflashkit.eval.vllm_engine import close_engine, timed_generate
+
+    num_spec = 15  # block_size 16 - 1, as the README's serve command sets it
+    target, drafter = projection_dirs(out / "projection", args.standin, args.projection_drafter_weights)
+    api = api_for(args)
+    levels = args.concurrency
+    vocab = (TOY_8B if args.standin else QWEN3_8B)["vocab_size"]
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    prompts = [(f"random{k}", torch.randint(10, vocab - 10, (args.projection_prompt_tokens,), generator=g).tolist())
+               for k in range(max(levels))]
+    params = api.sampling_params(max_tokens=args.projection_new_tokens, temperature=0.0, ignore_eos=True,
+                                 **({} if args.standin else {"detokenize": False}))
+    spec = {"method": "dflash", "model": str(drafter), "num_speculative_tokens": num_spec}
+    steps = {}
+    for with_drafter in (False, True):
+        llm = api.llm_factory(model=str(target), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
+                              gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
+                              max_num_seqs=max(levels), disable_log_stats=False, enable_prefix_caching=False,
+                              speculative_config=spec if with_drafter else None)
+        timed_generate(llm, api, prompts[:1], 1, params)  # warm-up
+        for c in levels:
+            run = timed_generate(llm, api, prompts[:c], c, params)
+            decode_steps = run["acceptance"]["drafts"] if with_drafter and run["acceptance"] else run["decode_tokens"]
+            steps.setdefault(str(c), {})["spec" if with_drafter else "ar"] = {
+                "step_ms": 1e3 * run["decode_s_sum"] / max(decode_steps, 1), "requests": c,
+                "decode_steps": decode_steps, "output_tokens_per_s": run["output_tokens_per_s"]}
+        close_engine(llm, api)
+    write_json(out, "e_projection_times", {
+        "target_shape": TOY_8B if args.standin else QWEN3_8B, "drafter_layers": 5, "num_speculative_tokens": num_spec,
+        "measured": "vLLM's time per decode step with and without the drafter at each concurrency (random weights: "
+        "load_format=dummy; steady decode, no stop)", "raw": steps, "standin": args.standin})
+    if (out / "a_tau.json").exists():
+        part_projection_model(args, out)
+
+
+def part_projection_model(args, out: Path) -> None:
+    """The modelled half: speedup = E[accepted+1] x t_AR_step / t_spec_step per concurrency, E[accepted+1] from
+    the testbed drafter's per-position acceptance in vLLM (a) and the step times of part_projection."""
+    tau_file, times_file = out / "a_tau.json", out / "e_projection_times.json"
+    for f, part in ((tau_file, "serve"), (times_file, "projection")):
+        if not f.exists():
+            raise FileNotFoundError(f"{f}: the projection model needs it; run the {part} part first")
+    per_pos = json.loads(tau_file.read_text())["per_position_acceptance_vllm"]
+    times = json.loads(times_file.read_text())
+    expected = 1.0 + sum(per_pos)  # E[accepted + 1] = 1 + sum_k P(position k accepted)
+    rows = [{"concurrency": int(c), "t_ar_step_ms": s["ar"]["step_ms"], "t_spec_step_ms": s["spec"]["step_ms"],
+             "spec_over_ar_step": s["spec"]["step_ms"] / s["ar"]["step_ms"],
+             "projected_speedup": expected * s["ar"]["step_ms"] / s["spec"]["step_ms"]}
+            for c, s in sorted(times["raw"].items(), key=lambda kv: int(kv[0]))]
+    write_json(out, "e_projection", {
+        **{k: v for k, v in times.items() if k != "raw"},
+        "modelled": "speedup = E[accepted+1] x t_AR_step / t_spec_step, E[accepted+1] = 1 + sum of the testbed "
+        "drafter's per-position acceptance (a)",
+        "expected_tokens_per_step": expected, "per_position_acceptance": per_pos, "levels": rows, "raw": times["raw"]})
+
+
+# ----------------------------------------------------------------------------- (f)
+def part_server(args, out: Path) -> None:
+    import importlib.util
+    import urllib.request
+
+    if args.standin:
+        write_json(out, "f_server", {"ran": False, "why": "a CPU toy run (--standin) has no vLLM server"})
+        return
+    missing = [m for m in ("uvicorn", "fastapi", "vllm.entrypoints.openai.api_server")
+               if importlib.util.find_spec(m) is None]
+    if missing:  # the slim vLLM has no Rust frontend; the Python one needs these
+        write_json(out, "f_server", {"ran": False, "why": f"vllm serve cannot start: missing modules {missing}"})
+        return
+    port = 8731
+    spec = json.dumps({"method": "dflash", "model": args.drafter,
+                       "num_speculative_tokens": json.loads((Path(args.drafter) / "config.json").read_text())
+                       .get("block_size", 16) - 1})
+    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", args.target, "--host", "127.0.0.1", "--port",
+           str(port), "--speculative-config", spec, "--gpu-memory-utilization", str(args.gpu_memory_utilization),
+           "--max-model-len", str(args.max_model_len)]
+    log = open(out / "f_server.log", "w")
+    server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                              env=dict(os.environ, VLLM_USE_RUST_FRONTEND="0"))
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and server.poll() is None:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2)
+                break
+            except OSError:
+                time.sleep(2)
+        if server.poll() is not None or time.monotonic() >= deadline:
+            tail = (out / "f_server.log").read_text()[-2000:]
+            write_json(out, "f_server", {"ran": False, "why": f"vllm serve did not come up: {tail}"})
+            return
+        from dflashkit.eval.serving import run_sweep
+
+        result = run_sweep(f"http://127.0.0.1:{port}", args.dataset, args.num_prompts, [1, 4, 16, 64],
+                           args.max_new_tokens, out=out / "server")
+        write_json(out, "f_server", {"ran": True, **result})
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+        log.close()
+
+
+def guarded(out: Path, name: str, run) -> bool:
+    """Run one part; on failure its traceback goes to <name>.error.json and the caller goes on."""
+    try:
+        run()
+        return True
+    except Exception as error:  # one failed part must not lose the others
+        write_json(out, f"{name}.error", {"error": f"{type(error).__name__}: {error}",
+                                          "traceback": traceback.format_exc()})
+        return False
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--target")
+    p.add_argument("--drafter")
+    p.add_argument("--out", required=True)
+    p.add_argument("--dflashkit-report", help="report.json of `dflashkit eval` (chain) on the same prompts")
+    p.add_argument("--standin", action="store_true", help="CPU toy: the CPU twin of vllm.LLM, a tiny random pair")
+    p.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
+    p.add_argument("--dataset", nargs="+", default=["builtin:mtbench"])
+    p.add_argument("--num-prompts", type=int, default=80)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128])
+    p.add_argument("--max-requests-per-level", type=int, default=32, help="prompts per level, cycled to fill waves")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.25)
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--projection-prompt-tokens", type=int, default=128)
+    p.add_argument("--projection-new-tokens", type=int, default=128)
+    p.add_argument("--projection-drafter-weights", action="store_true",
+                   help="write the 8B drafter's random weights (2 GB) instead of config.json alone")
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.standin and not (args.target and args.drafter):
+        args.target, args.drafter, chats = toy_pair(out / "toy")
+        args.dataset = [chats]
+    if "serve" in args.parts or "server" in args.parts:
+        if not (args.target and args.drafter):
+            p.error("--target and --drafter are needed (or --standin)")
+    started, ok = time.perf_counter(), True
+    for name in args.parts:
+        ok &= guarded(out, name, lambda: globals()[f"part_{name}"](args, out))
+    write_json(out, "timing", {"total_s": time.perf_counter() - started, "parts": args.parts, "ok": ok})
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,336 @@
+"""The recipe study: train one drafter per recipe variant (online, side by side on one GPU), evaluate each export
+live (chain, MT-bench), and tabulate tau, per-position acceptance, steps and wall times.
+
+One H200, the testbed (bench/testbed_data.py, then `dflashkit regenerate --max-turns 1 --max-new-tokens 256`):
+    python bench/recipe_study.py --target /root/testbed/smollm2-bf16 --data regen.jsonl --out bench/results/study \\
+        --variants default,muon,anchors_per_token,tokens_8k --epochs 1 --parallel 4
+    python bench/recipe_study.py ... --variants default,muon,mine:lr=1e-3,optimizer=muon --epochs 3 --parallel 3
+CPU toy (a check that every stage runs, not a measurement; tests/test_bench_recipe_study.py):
+    python bench/recipe_study.py --target TINY_DIR --data chats.jsonl --out /tmp/study --variants default,muon \\
+        --epochs 1 --parallel 2 --device cpu --num-prompts 2 --max-new-tokens 8 \\
+        --extra-overrides max_steps=2,num_hidden_layers=1,compile=false,mixed_precision=no
+
+Each variant is `python -m dflashkit.train --recipe R --target T --data D output_dir=... epochs=N <extra overrides>
+<the variant's overrides>` followed by `python -m dflashkit.eval --target T --drafter <its export> --dataset
+builtin:mtbench --mode chain ...`; up to --parallel variants run at once (tau does not depend on timing; wall
+times and tokens/s of runs sharing a GPU are not comparable with solo runs). A variant's failure is recorded in the
+results and does not stop the others. As soon as a run writes its summary.json / metrics.jsonl, or its eval its
+report.json, they are copied to OUT/results/NAME/ (checkpoints stay under OUT/work/), and OUT/results.json and
+OUT/results.md are rewritten, so a session can copy results out stage by stage. A variant whose results are
+already in OUT is not run again (--rerun runs it again).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SLIDING_4_FULL_1 = "[sliding_attention,sliding_attention,sliding_attention,sliding_attention,full_attention]"
+
+# name -> TrainConfig overrides on top of the recipe (`{epochs}` is --epochs). Each comment says what is compared.
+VARIANTS: dict[str, list[str]] = {
+    "default": [],  # today's TrainConfig + recipe: AdamW, 512 anchors per sequence, 16k tokens per step, cosine
+    "muon": ["optimizer=muon"],  # Muon on the 2-D matrices, AdamW on the rest, same lr (train/muon.py)
+    "anchors_per_token": ["anchor_density=0.375"],  # 3072 blocks per 8192 packed tokens instead of 512 per sequence
+    "tokens_8k": ["micro_batch_tokens=8192"],  # 8k tokens per optimizer step instead of 16k: twice the steps
+    "linear_decay": ["lr_schedule=linear"],  # linear decay to min_lr after warmup instead of cosine
+    # 4 sliding-window layers (causal in the block) + 1 full, as recipes/qwen3.6-27b.yaml; vLLM 0.24 serves such a
+    # drafter as full attention (docs/ARCHITECTURE.md), so a win here is not a default for vLLM users
+    "sliding_window": [f"layer_types={SLIDING_4_FULL_1}", "sliding_window=2048"],
+    "target_argmax": ["labels=target_argmax"],  # labels = the target's greedy token at each position, not the data's
+    "kl": ["loss=kl", "kl_weight=0.5"],  # half KL(target || draft) on the target's distribution, half CE
+    "lr_1e3": ["lr=1e-3"],  # a higher peak lr (6e-4 today)
+    "longer": ["epochs={double_epochs}"],  # twice the epochs (longer training on the same data)
+    "dflash2": ["drafter_architecture=dflash2"],  # the DFlash2 drafter (in-block convolutions + candidate selector)
+}
+
+
+def say(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def split_top_level(text: str, sep: str = ",") -> list[str]:
+    """Split at ``sep`` outside brackets and braces (so ``layer_types=[a,b]`` stays one item)."""
+    parts, depth, cur = [], 0, ""
+    for ch in text:
+        depth += ch in "[{"
+        depth -= ch in "]}"
+        if ch == sep and depth == 0:
+            parts.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    parts.append(cur)
+    return [p.strip() for p in parts if p.strip()]
+
+
+def parse_variants(specs: list[str]) -> dict[str, list[str]]:
+    """``default,muon,mine:lr=1e-3,loss=kl`` -> {default: [...], muon: [...], mine: [lr=1e-3, loss=kl]}: a name
+    from VARIANTS, or ``name:key=value`` starting a new variant whose further ``key=value`` items follow it."""
+    chosen: dict[str, list[str]] = {}
+    current = None
+    for spec in specs:
+        for item in split_top_level(spec):
+            if ":" in item.split("=", 1)[0]:
+                name, first = item.split(":", 1)
+                current = name.strip()
+                if not current or "=" not in first:
+                    raise ValueError(f"--variants {item!r}: write NAME:key=value[,key=value...]")
+                if current in chosen:
+                    raise ValueError(f"--variants: {current!r} is given twice; pick another name")
+                chosen[current] = [first.strip()]
+            elif "=" in item:
+                if current is None:
+                    raise ValueError(f"--variants {item!r}: a key=value belongs to a variant; write NAME:{item}")
+                chosen[current].append(item)
+            else:
+                if item not in VARIANTS:
+                    raise ValueError(f"--variants: unknown variant {item!r}; known: {', '.join(VARIANTS)} "
+                                     f"(or define one as NAME:key=value,...)")
+                chosen[item], current = list(VARIANTS[item]), None
+    if not chosen:
+        raise ValueError("--variants: name at least one variant")
+    return chosen
+
+
+def run_logged(cmd: list[str], log: Path, env: dict, time_limit: float | None) -> tuple[int, float, bool]:
+    """Run ``cmd`` with its output in ``log``; after ``time_limit`` seconds send SIGINT (training checkpoints and
+    stops, eval writes a partial report). Returns (exit status, wall seconds, stopped by the limit)."""
+    start = time.perf_counter()
+    with open(log, "w") as out:
+        out.write(" ".join(cmd) + "\n\n")
+        out.flush()
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+        stopped = False
+        try:
+            proc.wait(timeout=time_limit)
+        except subprocess.TimeoutExpired:
+            stopped = True
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=300)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    return proc.returncode, time.perf_counter() - start, stopped
+
+
+def log_tail(log: Path, lines: int = 3) -> str:
+    text = log.read_text(errors="replace").strip().splitlines()[1:] if log.is_file() else []  # [0]: the command
+    return " | ".join(t for t in text if t.strip())[-600:] if len(text) <= lines else " | ".join(text[-lines:])[-600:]
+
+
+def train_numbers(run_dir: Path) -> dict:
+    """Steps, held-out metrics and tokens/s from a run's summary.json and metrics.jsonl."""
+    out: dict = {}
+    summary = run_dir / "summary.json"
+    if summary.is_file():
+        s = json.loads(summary.read_text())
+        out.update({k: s.get(k) for k in ("step", "planned_steps", "epochs_completed", "stopped_by_max_steps")})
+        out.update({k: v for k, v in s.items() if k.startswith("eval/")})
+    rates, last_step = [], None
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.is_file():
+        for line in metrics.read_text().splitlines():
+            row = json.loads(line) if line.strip() else {}
+            if "tokens_per_s" in row:
+                rates.append(float(row["tokens_per_s"]))
+            last_step = row.get("step", last_step)
+    if rates:  # the first window holds the compilation: the median is the steady rate
+        out["train_tokens_per_s_median"] = statistics.median(rates)
+        out["train_tokens_per_s_windows"] = len(rates)
+    out.setdefault("step", last_step)
+    return out
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    done = sorted(p for p in (run_dir / "checkpoints").glob("step-*") if (p / "checkpoint.json").is_file())
+    return done[-1] if done else None
+
+
+class Study:
+    def __init__(self, args, variants: dict[str, list[str]]):
+        self.args, self.variants = args, variants
+        self.out = Path(args.out)
+        self.work = Path(args.work_dir) if args.work_dir else self.out / "work"
+        self.results_path = self.out / "results.json"
+        self.lock = threading.Lock()
+        self.rows: dict[str, dict] = {}
+        if self.results_path.is_file() and not args.rerun:
+            self.rows = json.loads(self.results_path.read_text()).get("variants", {})
+        self.env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+        self.env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // max(1, args.parallel))))
+        if args.device == "cpu":
+            self.env["CUDA_VISIBLE_DEVICES"] = ""  # training picks the GPU when it sees one
+
+    # --- results on disk ---------------------------------------------------------------------------------------
+    def record(self, name: str, **fields) -> None:
+        with self.lock:
+            self.rows.setdefault(name, {}).update(fields)
+            self.out.mkdir(parents=True, exist_ok=True)
+            study = {k: v for k, v in vars(self.args).items() if k not in ("func",)}
+            tmp = self.results_path.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"study": study, "variants": self.rows}, indent=1))
+            tmp.replace(self.results_path)
+            (self.out / "results.md").write_text(markdown_table(self.rows))
+
+    def keep(self, name: str, *files: Path) -> None:
+        """Copy a run's small result files into OUT/results/NAME/ (checkpoints stay in the work dir)."""
+        dest = self.out / "results" / name
+        dest.mkdir(parents=True, exist_ok=True)
+        for f in files:
+            if f.is_file():
+                shutil.copy2(f, dest / f.name)
+
+    # --- one variant: train, export, evaluate --------------------------------------------------------------
+    def run_variant(self, name: str) -> None:
+        a = self.args
+        overrides = [o.format(epochs=a.epochs, double_epochs=2 * a.epochs) for o in self.variants[name]]
+        previous = self.rows.get(name, {})
+        if previous.get("status") == "done" and not a.rerun:
+            say(f"{name}: done in an earlier run of the study (tau {previous.get('tau')}); --rerun runs it again")
+            return
+        run_dir, eval_dir = self.work / "train" / name, self.work / "eval" / name
+        if a.rerun:  # from scratch; otherwise an unfinished run resumes from its checkpoints (resume=auto)
+            shutil.rmtree(run_dir, ignore_errors=True)
+        shutil.rmtree(eval_dir, ignore_errors=True)
+        logs = self.out / "results" / name
+        logs.mkdir(parents=True, exist_ok=True)
+        self.record(name, overrides=overrides, status="training", error=None)
+        cmd = [sys.executable, "-m", "dflashkit.train", "--recipe", a.recipe, "--target", a.target,
+               *[x for d in a.data for x in ("--data", d)], f"output_dir={run_dir}", f"epochs={a.epochs}",
+               "wandb=false", "progress=false", *a.extra_overrides, *overrides]
+        say(f"{name}: training ({' '.join(overrides) or 'no overrides'})")
+        rc, wall, stopped = run_logged(cmd, logs / "train.log", self.env, a.train_time_limit)
+        self.keep(name, run_dir / "summary.json", run_dir / "metrics.jsonl")
+        numbers = train_numbers(run_dir)
+        self.record(name, train_rc=rc, train_wall_s=round(wall, 1), train_stopped_by_time_limit=stopped, **numbers)
+        export = run_dir / "export"
+        if rc != 0 or not (export / "config.json").is_file():
+            ckpt = latest_checkpoint(run_dir) if rc == 0 else None
+            if ckpt is None:  # failed, or stopped before its first checkpoint
+                say(f"{name}: training failed (exit {rc}) after {wall:.0f} s: {log_tail(logs / 'train.log')}")
+                self.record(name, status="train_failed", error=log_tail(logs / "train.log"))
+                return
+            say(f"{name}: stopped at {ckpt.name} by the time limit; exporting that checkpoint")
+            rc_x, _, _ = run_logged([sys.executable, "-m", "dflashkit.train.export", str(ckpt), str(export)],
+                                    logs / "export.log", self.env, None)
+            if rc_x != 0:
+                self.record(name, status="export_failed", error=log_tail(logs / "export.log"))
+                return
+        say(f"{name}: trained in {wall:.0f} s ({numbers.get('step')} steps); evaluating")
+        self.record(name, status="evaluating")
+        cmd = [sys.executable, "-m", "dflashkit.eval", "--target", a.target, "--drafter", str(export),
+               "--dataset", *a.dataset, "--num-prompts", str(a.num_prompts), "--mode", "chain",
+               "--max-new-tokens", str(a.max_new_tokens), "--dtype", a.dtype,
+               "--baseline-prompts", str(a.baseline_prompts), "--out", str(eval_dir)]
+        if a.device:
+            cmd += ["--device", a.device]
+        if a.eval_time_limit:
+            cmd += ["--time-limit", str(a.eval_time_limit)]
+        rc, wall, _ = run_logged(cmd, logs / "eval.log", self.env, None)
+        self.keep(name, eval_dir / "report.json", eval_dir / "report.md")
+        report_path = eval_dir / "report.json"
+        if not report_path.is_file():
+            say(f"{name}: eval failed (exit {rc}) after {wall:.0f} s: {log_tail(logs / 'eval.log')}")
+            self.record(name, status="eval_failed", eval_rc=rc, eval_wall_s=round(wall, 1),
+                        error=log_tail(logs / "eval.log"))
+            return
+        report = json.loads(report_path.read_text())
+        overall = report["overall"]
+        self.record(name, status="done" if rc == 0 else "eval_partial", eval_rc=rc, eval_wall_s=round(wall, 1),
+                    tau=overall["tau"], rounds=overall.get("rounds"),
+                    per_position_acceptance=overall.get("per_position_acceptance"),
+                    eval_partial="partial" in report)
+        say(f"{name}: tau {overall['tau']:.3f} (eval {wall:.0f} s)")
+
+    def run(self) -> dict:
+        say(f"study: {len(self.variants)} variant(s) {', '.join(self.variants)}, {self.args.parallel} at a time; "
+            f"results in {self.out}")
+        with ThreadPoolExecutor(max_workers=max(1, self.args.parallel)) as pool:
+            futures = {name: pool.submit(self.run_variant, name) for name in self.variants}
+            for name, fut in futures.items():
+                try:
+                    fut.result()
+                except Exception as error:  # a harness bug in one variant must not hide the others' results
+                    self.record(name, status="harness_error", error=f"{type(error).__name__}: {error}")
+                    say(f"{name}: harness error {type(error).__name__}: {error}")
+        print(markdown_table({k: self.rows[k] for k in self.variants if k in self.rows}))
+        return self.rows
+
+
+def markdown_table(rows: dict[str, dict], positions: int = 6) -> str:
+    head = ["variant", "overrides", "τ", *[f"acc_{k}" for k in range(1, positions + 1)], "steps", "train s",
+            "tokens/s", "eval s", "τ_walk (held-out)", "status"]
+
+    def num(v, fmt):
+        return format(v, fmt) if isinstance(v, (int, float)) else ""
+
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, r in rows.items():
+        acc = list(r.get("per_position_acceptance") or [])[:positions]
+        cells = [name, " ".join(r.get("overrides") or []) or "(recipe)", num(r.get("tau"), ".3f"),
+                 *[num(x, ".3f") for x in acc + [None] * (positions - len(acc))], num(r.get("step"), "d"),
+                 num(r.get("train_wall_s"), ".0f"), num(r.get("train_tokens_per_s_median"), ".0f"),
+                 num(r.get("eval_wall_s"), ".0f"), num(r.get("eval/tau_walk"), ".3f"), r.get("status", "")]
+        lines.append("| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    what = p.add_argument_group("what to train")
+    what.add_argument("--target", required=True, help="the target (HF dir, .gguf, testbed:smollm2)")
+    what.add_argument("--data", required=True, action="append", help="chat data for online training (repeatable)")
+    what.add_argument("--recipe", default=str(ROOT / "recipes" / "smollm2-135m.yaml"))
+    what.add_argument("--variants", action="append", default=[],
+                      help=f"comma-separated: names from {{{','.join(VARIANTS)}}} or NAME:key=value,key=value")
+    what.add_argument("--epochs", type=int, default=3)
+    what.add_argument("--extra-overrides", default="", help="key=value,... applied to every run before the "
+                                                            "variant's own (toy sizes, max_steps)")
+    run = p.add_argument_group("how to run")
+    run.add_argument("--out", required=True, help="results.json, results.md, results/NAME/ (logs, reports)")
+    run.add_argument("--work-dir", default="", help="run and eval directories (default OUT/work)")
+    run.add_argument("--parallel", type=int, default=1, help="variants trained (and evaluated) at once")
+    run.add_argument("--rerun", action="store_true", help="run again the variants already done in OUT")
+    run.add_argument("--train-time-limit", type=float, default=None, metavar="S",
+                     help="stop a training after S seconds (it checkpoints; that checkpoint is exported)")
+    run.add_argument("--eval-time-limit", type=float, default=None, metavar="S", help="eval --time-limit")
+    ev = p.add_argument_group("evaluation (dflashkit eval)")
+    ev.add_argument("--dataset", nargs="+", default=["builtin:mtbench"])
+    ev.add_argument("--num-prompts", type=int, default=80, help="per dataset (80 = all of MT-bench)")
+    ev.add_argument("--max-new-tokens", type=int, default=256)
+    ev.add_argument("--dtype", default=None, help="default: bfloat16, float32 with --device cpu")
+    ev.add_argument("--device", default=None, help="cpu: train and evaluate on the CPU (default: the GPU)")
+    ev.add_argument("--baseline-prompts", type=int, default=0,
+                    help="autoregressive baseline prompts (0: tau only; speedups of parallel runs mean little)")
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    args.extra_overrides = split_top_level(args.extra_overrides)
+    args.dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
+    try:
+        variants = parse_variants(args.variants or ["default"])
+    except ValueError as error:
+        print(f"recipe_study: error: {error}", file=sys.stderr)
+        return 2
+    rows = Study(args, variants).run()
+    return 0 if all(rows.get(n, {}).get("status") == "done" for n in variants) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,259 @@
+"""Output paths: what a command may replace, the file modes it writes, and one run per output.
+
+Design choices:
+- **Replace only your own kind.** A command replaces an existing output only when it holds what that command
+  writes: the caller passes a recogniser (``drafter/export.py: export_dir_problem``, the trainer's run
+  directory, an extraction) that says why a directory is *not* of its kind, or None. Anything else stops with one
+  line naming the path and the flag that forces it (``--overwrite``; ``overwrite=true`` for train). A regular
+  file or a symbolic link at an output directory's path is always an error: it is never renamed or removed.
+- **Modes follow the umask.** Temporary directories are made with ``os.mkdir`` (mode 0777 less the umask), not
+  ``tempfile.mkdtemp`` (0700); files that a library creates private (safetensors' ``save_file`` makes 0600) are
+  given 0666 less the umask. Under the usual umask 022 exports, shards and checkpoints are 0644 / 0755, so a
+  serving process running as another user can read them.
+- **One run per output.** ``OutputLock`` is a lock file (``.dflashkit.lock`` inside an output directory, or
+  ``NAME.lock`` beside an output file) holding the holder's pid, host, start time, command and launch id, kept
+  under ``flock`` while the run lives. A second run stops at once naming the holder. The kernel drops the
+  ``flock`` when the holder dies, so a lock left by a dead process on this host is taken over with a note; a
+  lock written on another host whose ``flock`` this host cannot see is refused with the path to delete.
+- **Ranks of one launch share the lock.** Under torchrun / ``accelerate launch`` (``WORLD_SIZE`` > 1) the launch
+  id is the rendezvous run id and the master's address and port, which every rank of one launch has and two
+  launches running at the same time cannot share (the second could not bind the port). A rank that finds the
+  lock held by its own launch goes on; whichever rank wrote the lock removes it at exit.
+- Release on exit: the lock is a context manager and also registered with ``atexit`` (a user error, a
+  SIGTERM-driven checkpoint exit and a normal return all remove it; a killed process leaves a stale lock that
+  the next run takes over).
+
+This module imports nothing of the project but ``errors``, so every package may use it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import errno
+import json
+import os
+import secrets
+import socket
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from .errors import UserError
+
+LOCK_NAME = ".dflashkit.lock"  # the lock file inside a locked output directory
+_READ_TRIES = 200  # reads of a lock file another rank is writing right now (10 ms apart) before giving up
+
+
+# --------------------------------------------------------------------------- file modes
+def current_umask() -> int:
+    """This process's umask (Linux: read from /proc, which changes nothing; elsewhere set and restored)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def honour_umask(path: str | os.PathLike) -> None:
+    """Give a file the mode an ordinary ``open`` would (0666 less the umask; directories 0777 less it)."""
+    path = Path(path)
+    os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~current_umask())
+
+
+def make_temp_dir(parent: str | os.PathLike, prefix: str) -> Path:
+    """A new, uniquely named directory in ``parent`` whose mode follows the umask (unlike ``mkdtemp``'s 0700)."""
+    parent = Path(parent)
+    for _ in range(100):
+        path = parent / f"{prefix}{secrets.token_hex(4)}"
+        try:
+            os.mkdir(path, 0o777)
+            return path
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"{parent}: could not make a temporary directory {prefix}*")
+
+
+def save_safetensors(tensors: dict, path: str | os.PathLike, metadata: dict | None = None) -> None:
+    """``safetensors.torch.save_file`` with the file's mode following the umask (save_file makes it 0600)."""
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path), metadata=metadata)
+    honour_umask(path)
+
+
+# --------------------------------------------------------------------------- what may be replaced
+def check_output_dir(path: str | os.PathLike, *, what: str, problem: Callable[[Path], str | None],
+                     overwrite: bool, flag: str = "--overwrite", forcing: str = "replace it") -> bool:
+    """Whether ``path`` may be written as ``what`` (e.g. "a drafter directory"); True when something is there to
+    replace. ``problem(path)`` says why an existing, non-empty directory is not of that kind (None: it is).
+    Raises a one-line ``UserError`` for a file or link in the way (always) and for a directory of another kind
+    (unless ``overwrite``); ``forcing`` says what ``flag`` does."""
+    path = Path(path)
+    if path.is_symlink() or (path.exists() and not path.is_dir()):
+        kind = "a symbolic link" if path.is_symlink() else "a file"
+        raise UserError(f"{path}: {kind} is in the way of {what}; move it away or pick another path "
+                        f"(it is never replaced, {flag} or not)")
+    if not path.is_dir() or not [p for p in path.iterdir() if p.name != LOCK_NAME]:
+        return False
+    if overwrite:
+        return True
+    reason = problem(path)
+    if reason is None:
+        return True
+    raise UserError(f"{path}: not {what} ({reason}); pick another path, or pass {flag} to {forcing}")
+
+
+def foreign_entries(path: Path, owned: Callable[[str], bool]) -> list[str]:
+    """Names in directory ``path`` that ``owned(name)`` does not claim (the lock file is always claimed)."""
+    return sorted(p.name for p in path.iterdir() if p.name != LOCK_NAME and not owned(p.name))
+
+
+def describe_foreign(names: list[str]) -> str:
+    return f"it holds {names[:4]}{' ...' if len(names) > 4 else ''}"
+
+
+def check_output_file(path: str | os.PathLike, what: str) -> None:
+    """An output file's path must not be a directory."""
+    path = Path(path)
+    if path.is_dir():
+        raise UserError(f"{path}: a directory is in the way of {what}; give a file path")
+
+
+# --------------------------------------------------------------------------- one run per output
+def launch_id() -> str | None:
+    """What the ranks of one torchrun / accelerate launch share; None for a single process."""
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) <= 1:
+        return None
+    return (f"{os.environ.get('TORCHELASTIC_RUN_ID', '-')}@{os.environ.get('MASTER_ADDR', '')}:"
+            f"{os.environ.get('MASTER_PORT', '')}")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _try_flock(fd: int) -> bool | None:
+    """True: this process now holds the lock; False: another process does; None: the file system has no flock."""
+    import fcntl
+
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError as e:
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            return False
+        if e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+            return None
+        raise
+
+
+def _read_holder(path: Path, wait: bool) -> dict | None:
+    """The lock file's record; None when it is gone or (``wait`` False) empty. With ``wait`` (another process holds
+    the lock and may be writing its record right now) an empty or partly written file is read again."""
+    for _ in range(_READ_TRIES if wait else 1):
+        try:
+            text = path.read_text()
+        except FileNotFoundError:
+            return None
+        try:
+            holder = json.loads(text)
+            if isinstance(holder, dict) and "pid" in holder:
+                return holder
+        except json.JSONDecodeError:
+            pass
+        if wait:
+            time.sleep(0.01)
+    return {"pid": "?", "host": "?", "since": "?", "command": "?", "launch": None} if wait else None
+
+
+def _describe(holder: dict) -> str:
+    return f"pid {holder.get('pid')} on {holder.get('host')}, since {holder.get('since')}"
+
+
+class OutputLock:
+    """An exclusive lock on one output (see the module docstring); ``with OutputLock(dir, "train"):``.
+
+    ``target``: the output directory (the lock file goes inside it, the directory is created) or, with
+    ``sidecar=True``, an output file (the lock is ``NAME.lock`` beside it)."""
+
+    def __init__(self, target: str | os.PathLike, command: str, *, sidecar: bool = False):
+        self.target = Path(target)
+        self.command = command  # the holder's command, named to a second run
+        self.path = self.target.with_name(self.target.name + ".lock") if sidecar else self.target / LOCK_NAME
+        self.fd: int | None = None  # open while this process holds the lock
+        self.shared = False  # True: another rank of this launch holds it
+
+    def __enter__(self) -> OutputLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def acquire(self) -> None:
+        if self.path.parent.exists() and not self.path.parent.is_dir():
+            raise UserError(f"{self.path.parent}: a file is in the way of the output of dflashkit {self.command}; "
+                            f"move it away or pick another path")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        me = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%d %H:%M:%S"),
+              "command": self.command, "launch": launch_id()}
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+            got = _try_flock(fd)
+            if not os.path.exists(self.path) or os.fstat(fd).st_ino != os.stat(self.path).st_ino:
+                os.close(fd)  # the holder removed the file between our open and flock: try the new one
+                continue
+            holder = _read_holder(self.path, wait=got is False)
+            if holder is None and got is False:
+                os.close(fd)
+                continue
+            ours = holder is not None and me["launch"] is not None and holder.get("launch") == me["launch"]
+            elsewhere = holder is not None and holder.get("host") != me["host"]  # flock cannot see that host
+            alive = got is False or (got is None and holder is not None and not elsewhere
+                                     and _pid_alive(int(holder["pid"])))
+            if ours and (alive or elsewhere):
+                os.close(fd)  # another rank of this launch holds it: share
+                self.shared = True
+                return
+            if alive:
+                os.close(fd)
+                raise UserError(f"{self.target} is in use by another dflashkit {holder.get('command')} run "
+                                f"({_describe(holder)}; lock {self.path}); wait for it to end or pick another output")
+            if elsewhere:
+                os.close(fd)
+                raise UserError(f"{self.target} is locked by a dflashkit {holder.get('command')} run on another "
+                                f"host ({_describe(holder)}; lock {self.path}); if that run has ended, delete "
+                                f"{self.path}")
+            if holder is not None and not ours:
+                print(f"note: {self.path}: took over the lock of a dflashkit {holder.get('command')} run that is no "
+                      f"longer running ({_describe(holder)})", file=sys.stderr)
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, (json.dumps(me) + "\n").encode(), 0)
+            os.fsync(fd)
+            honour_umask(self.path)
+            self.fd = fd
+            atexit.register(self.release)
+            return
+
+    def release(self) -> None:
+        """Remove the lock if this process wrote it (idempotent)."""
+        if self.fd is None:
+            return
+        try:
+            if os.path.exists(self.path) and os.stat(self.path).st_ino == os.fstat(self.fd).st_ino:
+                os.unlink(self.path)
+        finally:
+            os.close(self.fd)
+            self.fd = None
+            atexit.unregister(self.release)

@@ -1,0 +1,147 @@
+"""The verdict of a served run (`dflashkit eval --engine vllm`) in words, and its report.md and plots.
+
+Design choices:
+- Faster means a level's output tok/s with the drafter exceeds the same requests' without it (speedup > 1).
+  The verdict names the largest concurrency up to which every level is faster, or says that none is.
+- The τ a level would need is a model, said as one: a speculative step yields τ tokens where an autoregressive
+  step yields one, so speedup_c ≈ τ_c · t_AR,c / t_spec,c, and the τ that would make speedup_c = 1 at the step
+  times measured there is τ_c / speedup_c (it ignores that a different drafter changes the step time, and
+  that τ cannot exceed num_speculative_tokens + 1).
+- report.md starts with the verdict, then the settings (with the serve command: num_speculative_tokens =
+  block_size - 1) and warnings, acceptance, lossless agreement, the concurrency table and prefix caching.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def _x(value) -> str:
+    return "—" if value is None else f"{value:.2f}×"
+
+
+def verdict(rows: list[dict], max_tau: float | None = None) -> dict:
+    """rows: per concurrency level (ascending), each with concurrency, speedup and tau (None without drafts)."""
+    for row in rows:
+        row["tau_needed"] = row["tau"] / row["speedup"] if row.get("tau") and row.get("speedup") else None
+    faster = [r["concurrency"] for r in rows if r["speedup"] > 1]
+    slower = [r for r in rows if r["speedup"] <= 1]
+    up_to = None
+    for r in rows:
+        if r["speedup"] <= 1:
+            break
+        up_to = r["concurrency"]
+    lo, hi = rows[0], rows[-1]
+    span = f"{_x(lo['speedup'])} at concurrency {lo['concurrency']}"
+    if len(rows) > 1:
+        span += f" … {_x(hi['speedup'])} at {hi['concurrency']}"
+
+    def needs(r) -> str:
+        if r.get("tau_needed") is None:
+            return f"at concurrency {r['concurrency']} no τ was measured"
+        beyond = (f", more than a block allows ({max_tau:g})" if max_tau and r["tau_needed"] > max_tau else "")
+        return (f"at concurrency {r['concurrency']} it would need τ ≈ {r['tau_needed']:.2f} (measured "
+                f"{r['tau']:.2f}{beyond})")
+
+    model = ("(model: speedup ≈ τ·t_AR/t_spec step at the step times measured at each level, so the τ needed "
+             "for speedup 1 is τ/speedup)")
+    if not faster:
+        text = (f"Serving with the drafter is never faster on this target: speedup {span}. "
+                f"To break even, {needs(lo)}; {needs(hi)} {model}.")
+    elif not slower:
+        text = f"Serving with the drafter is faster at every concurrency measured: speedup {span}."
+    elif up_to is not None and all(r["speedup"] <= 1 for r in rows if r["concurrency"] > up_to):
+        first_slow = slower[0]
+        text = (f"Serving with the drafter is faster up to concurrency {up_to} and slower from concurrency "
+                f"{first_slow['concurrency']} on: speedup {span}. To break even, {needs(first_slow)}"
+                + (f"; {needs(hi)}" if hi is not first_slow else "") + f" {model}.")
+    else:
+        text = (f"Serving with the drafter is faster at concurrency {', '.join(map(str, faster))} and slower at "
+                f"{', '.join(str(r['concurrency']) for r in slower)}: speedup {span}. To break even, "
+                f"{needs(slower[0])} {model}.")
+    return {"text": text, "faster_up_to": up_to, "faster_at": faster,
+            "tau_needed": {str(r["concurrency"]): r["tau_needed"] for r in rows}}
+
+
+def _table(rows: list[list], header: list[str]) -> str:
+    def cell(v):
+        return "—" if v is None else f"{v:.3f}" if isinstance(v, float) else str(v)
+
+    return "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+                     + ["| " + " | ".join(cell(c) for c in row) + " |" for row in rows])
+
+
+def _ms(seconds) -> float | None:
+    return None if seconds is None else 1e3 * seconds
+
+
+def render_vllm_markdown(report: dict) -> str:
+    args, acc = report["args"], report.get("acceptance") or {}
+    parts = ["# Served by vLLM: verdict", "", f"**{report['verdict']['text']}**", "",
+             f"target `{report['target']['path']}`, drafter `{report['drafter']['path']}`, vLLM "
+             f"{report['versions'].get('vllm')}, greedy, {args['max_new_tokens']} new tokens, {report['prompts']} "
+             f"prompts ({', '.join(args['datasets'])}), block size {report['block_size']}, num_speculative_tokens "
+             f"{report['num_speculative_tokens']} (block_size − 1 = {report['block_size'] - 1}), prefix caching "
+             f"{args['prefix_caching'][0]} for the main run", "",
+             f"Serve command: `{report['serve_command']}`", ""]
+    if report["target"].get("gguf_quantization_config_stripped"):
+        parts += ["The target's config.json carries a GGUF quantization_config: vLLM was given a copy without it.", ""]
+    parts += [f"- {w}" for w in report.get("warnings", [])] + ([""] if report.get("warnings") else [])
+    parts += ["## Acceptance (vLLM's spec-decode counters; every prompt once, submitted together)",
+              f"τ = {acc.get('tau', 1.0):.3f} over {acc.get('drafts', 0)} drafts", "",
+              _table([[k + 1, v] for k, v in enumerate(acc.get("per_position_acceptance", []))],
+                     ["draft position", "accepted"]), ""]
+    loss = report["lossless"]
+    parts += ["## Lossless (greedy outputs with vs without the drafter, every prompt once)",
+              f"{loss['identical']} of {loss['requests']} requests identical.", ""]
+    if loss["divergences"]:
+        parts += [_table([[d["prompt"], d["token_index"], d["drafter_tokens"], d["baseline_tokens"]]
+                          for d in loss["divergences"]], ["prompt", "first differing token", "tokens (drafter)",
+                                                          "tokens (no drafter)"]), ""]
+    rows = [[r["concurrency"], r["requests"], r["drafter"]["output_tokens_per_s"],
+             r["no_drafter"]["output_tokens_per_s"], r["speedup"], _ms(r["drafter"]["ttft_mean_s"]),
+             _ms(r["no_drafter"]["ttft_mean_s"]), _ms(r["drafter"]["itl_mean_s"]), _ms(r["no_drafter"]["itl_mean_s"]),
+             r["tau"], r.get("tau_needed"), f"{r['lossless']['identical']}/{r['lossless']['requests']}"]
+            for r in report["concurrency"]]
+    parts += ["## Concurrency (c requests submitted together, in waves)",
+              _table(rows, ["concurrency", "requests", "tok/s drafter", "tok/s no drafter", "speedup",
+                            "TTFT ms drafter", "TTFT ms no drafter", "ITL ms drafter", "ITL ms no drafter", "τ",
+                            "τ needed (model)", "identical"]), ""]
+    prefix = report["prefix_caching"]
+    parts += ["## Prefix caching (multi-turn: turn 2 after the target's turn-1 answer)"]
+    if "skipped" in prefix:
+        parts += [f"Skipped: {prefix['skipped']}.", ""]
+    else:
+        parts += [_table([[k, v["requests"], v["tau"], v["drafter_tokens_per_s"], v["no_drafter_tokens_per_s"],
+                           v["speedup"]] for k, v in prefix.items()],
+                         ["prefix cache", "requests", "τ", "tok/s drafter", "tok/s no drafter", "speedup"]), ""]
+    return "\n".join(parts)
+
+
+def write_vllm_plots(report: dict, out_dir: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def save(fig, path: Path) -> str:
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        return path.name
+
+    rows, written = report["concurrency"], []
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    ax.plot([r["concurrency"] for r in rows], [r["speedup"] for r in rows], marker="o")
+    ax.axhline(1.0, color="grey", linestyle="--", linewidth=1)
+    ax.set_xscale("log", base=2)
+    ax.set(xlabel="concurrency (requests submitted together)", ylabel="speedup (tok/s ratio)",
+           title="vLLM: with / without the drafter")
+    written.append(save(fig, out_dir / "speedup_vs_concurrency.png"))
+    curve = (report.get("acceptance") or {}).get("per_position_acceptance", [])
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    ax.plot(range(1, len(curve) + 1), curve, marker="o")
+    ax.set(xlabel="draft position", ylabel="fraction of drafts accepted", ylim=(0, 1.02),
+           title=f"vLLM τ = {report['overall']['tau']:.2f}")
+    written.append(save(fig, out_dir / "per_position_acceptance.png"))
+    return written

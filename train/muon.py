@@ -1,0 +1,134 @@
+"""Muon for the drafter's weight matrices, AdamW for everything else, in one optimizer.
+
+Muon (K. Jordan et al., "Muon: An optimizer for hidden layers in neural networks", 2024,
+kellerjordan.github.io/posts/muon) replaces the update of a 2-D weight by the orthogonalised Nesterov momentum:
+the momentum matrix M = U S V^T is mapped to about U V^T by five Newton-Schulz iterations of the quintic
+X <- a X + (b A + c A^2) X, A = X X^T, with (a, b, c) = (3.4445, -4.7750, 2.0315), which push every singular
+value into roughly [0.7, 1.2] in few steps (they need not converge to 1). The update is then scaled by
+0.2 * sqrt(max(m, n)), which gives it the RMS of a typical AdamW update, so AdamW's learning rate and weight decay
+carry over (J. Liu et al., "Muon is Scalable for LLM Training" (Moonlight), arXiv:2502.16982, section 2.2).
+
+Design choices:
+- One ``torch.optim.Optimizer`` with two kinds of parameter group (``use_muon`` True / False), so accelerate
+  prepares it like AdamW and the checkpoint code saves it like AdamW (per-parameter tensors: ``momentum_buffer``
+  for Muon, ``exp_avg`` / ``exp_avg_sq`` / ``step`` for AdamW; group fields are plain numbers).
+- Which parameters: every 2-D matrix of the drafter layers and ``fc`` (``muon_param_groups``); norm weights,
+  biases, other 1-D or n-D tensors and embedding-like tables (a name containing ``embed``) stay on AdamW, as the
+  Muon authors recommend. Muon matrices take the decoupled weight decay; norms never do (as the AdamW path).
+- Newton-Schulz runs in fp32 on the parameter's device (the drafter's matrices are small next to the target).
+- Data parallelism: under DDP every rank holds the all-reduced gradient and the whole matrix, so every rank
+  computes the same update. FSDP and DeepSpeed ZeRO hand the optimizer flattened or sharded pieces, on which the
+  orthogonalisation of the whole matrix cannot be computed; the trainer refuses that combination, and ``step``
+  refuses a Muon parameter that is not a matrix.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # the quintic of Jordan et al.: fast growth of small singular values
+NS_STEPS = 5  # Newton-Schulz iterations per update
+RMS_MATCH = 0.2  # Moonlight: update * 0.2 * sqrt(max(m, n)) has AdamW's update RMS
+
+
+@torch.no_grad()
+def newton_schulz(g: torch.Tensor, steps: int = NS_STEPS, eps: float = 1e-7) -> torch.Tensor:
+    """About U V^T for g = U S V^T (singular values mapped into ~[0.7, 1.2]), computed in fp32."""
+    if g.ndim != 2:
+        raise ValueError(f"Newton-Schulz orthogonalises matrices; got a tensor of shape {tuple(g.shape)}")
+    a, b, c = NS_COEFFICIENTS
+    x = g.float()
+    tall = x.shape[0] > x.shape[1]
+    if tall:  # iterate on the wide orientation: A = X X^T is the smaller Gram matrix
+        x = x.T
+    x = x / (x.norm() + eps)  # spectral norm <= Frobenius norm <= 1: inside the iteration's basin
+    for _ in range(steps):
+        gram = x @ x.T
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return x.T if tall else x
+
+
+def muon_param_groups(model, *, lr: float, muon_lr: float, weight_decay: float) -> list[dict]:
+    """Muon for the 2-D matrices (layers, fc), AdamW for the rest; ``base_lr`` is each group's peak lr."""
+    matrices, decay, no_decay = [], [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        if p.ndim == 2 and "embed" not in name:
+            matrices.append(p)
+        elif p.ndim >= 2:
+            decay.append(p)
+        else:
+            no_decay.append(p)  # norms are never decayed
+    muon_lr = muon_lr or lr
+    groups = [{"params": matrices, "use_muon": True, "lr": muon_lr, "base_lr": muon_lr, "weight_decay": weight_decay},
+              {"params": decay, "use_muon": False, "lr": lr, "base_lr": lr, "weight_decay": weight_decay},
+              {"params": no_decay, "use_muon": False, "lr": lr, "base_lr": lr, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon on groups with ``use_muon=True`` (2-D parameters), AdamW on the others (module docstring)."""
+
+    def __init__(self, param_groups, *, lr: float = 6e-4, momentum: float = 0.95, nesterov: bool = True,
+                 ns_steps: int = NS_STEPS, betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.0):
+        defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps, betas=tuple(betas), eps=eps,
+                        weight_decay=weight_decay, use_muon=False)
+        super().__init__(param_groups, defaults)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            if group["use_muon"]:
+                self._muon_group(group)
+            else:
+                self._adamw_group(group)
+        return loss
+
+    def _muon_group(self, group: dict) -> None:
+        lr, mu, wd = float(group["lr"]), float(group["momentum"]), float(group["weight_decay"])
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            if p.ndim != 2:
+                raise ValueError(f"optimizer=muon got a parameter of shape {tuple(p.shape)} in a Muon group: the "
+                                 f"backend flattened or sharded it (FSDP, DeepSpeed ZeRO); use optimizer=adamw there")
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32)
+            buf = state["momentum_buffer"]
+            grad = p.grad.float()
+            buf.mul_(mu).add_(grad)  # M_t = mu M_{t-1} + G_t
+            direction = grad.add(buf, alpha=mu) if group["nesterov"] else buf  # Nesterov: G_t + mu M_t
+            update = newton_schulz(direction, int(group["ns_steps"]))
+            update.mul_(RMS_MATCH * math.sqrt(max(p.shape)))
+            if wd:
+                p.mul_(1.0 - lr * wd)
+            p.add_(update.to(p.dtype), alpha=-lr)
+
+    def _adamw_group(self, group: dict) -> None:
+        lr, wd, eps = float(group["lr"]), float(group["weight_decay"]), float(group["eps"])
+        beta1, beta2 = (float(b) for b in group["betas"])
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = self.state[p]
+            if "step" not in state:
+                state["step"] = torch.zeros((), dtype=torch.float32)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["step"] += 1
+            t = float(state["step"])
+            grad = p.grad
+            state["exp_avg"].lerp_(grad, 1.0 - beta1)
+            state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
+            if wd:
+                p.mul_(1.0 - lr * wd)
+            denom = (state["exp_avg_sq"] / (1.0 - beta2 ** t)).sqrt_().add_(eps)
+            p.addcdiv_(state["exp_avg"], denom, value=-lr / (1.0 - beta1 ** t))
