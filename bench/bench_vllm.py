@@ -159,7 +159,7 @@ def projection_dirs(root: Path, standin: bool, drafter_weights: bool) -> tuple[P
 def part_projection(args, out: Path) -> None:
     """The measured half: vLLM's time per decode step of the 8B-shaped pair, with and without the drafter
     (e_projection_times.json); then the model (part_projection_model) if the testbed acceptance (a) exists."""
-    from dflashkit.eval.vllm_engine import close_engine, timed_generate
+    from dflashkit.eval.vllm_engine import close_engine, start_engine, timed_generate
 
     num_spec = 15  # block_size 16 - 1, as the README's serve command sets it
     target, drafter = projection_dirs(out / "projection", args.standin, args.projection_drafter_weights)
@@ -176,7 +176,7 @@ def part_projection(args, out: Path) -> None:
     spec = {"method": "dflash", "model": str(drafter), "num_speculative_tokens": num_spec}
     steps = {}
     for with_drafter in (False, True):
-        llm = api.llm_factory(model=str(target), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
+        llm = start_engine(api, model=str(target), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
                               gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
                               max_num_seqs=max(levels), disable_log_stats=False, enable_prefix_caching=False,
                               speculative_config=spec if with_drafter else None)
@@ -200,10 +200,17 @@ def part_projection_model(args, out: Path) -> None:
     """The modelled half: speedup = E[accepted+1] x t_AR_step / t_spec_step per concurrency, E[accepted+1] from
     the testbed drafter's per-position acceptance in vLLM (a) and the step times of part_projection."""
     tau_file, times_file = out / "a_tau.json", out / "e_projection_times.json"
-    for f, part in ((tau_file, "serve"), (times_file, "projection")):
-        if not f.exists():
-            raise FileNotFoundError(f"{f}: the projection model needs it; run the {part} part first")
-    per_pos = json.loads(tau_file.read_text())["per_position_acceptance_vllm"]
+    if not times_file.exists():
+        raise FileNotFoundError(f"{times_file}: the projection model needs it; run the projection part first")
+    if tau_file.exists():
+        per_pos = json.loads(tau_file.read_text())["per_position_acceptance_vllm"]
+        source = f"vLLM's spec-decode counters ({tau_file.name})"
+    elif args.acceptance_report:  # no vLLM acceptance of the testbed drafter: the dflashkit eval report's
+        per_pos = json.loads(Path(args.acceptance_report).read_text())["overall"]["per_position_acceptance"]
+        source = f"dflashkit eval ({args.acceptance_report})"
+    else:
+        raise FileNotFoundError(f"{tau_file}: the projection model needs the testbed drafter's per-position "
+                                "acceptance; run the serve part first, or pass --acceptance-report REPORT.json")
     times = json.loads(times_file.read_text())
     expected = 1.0 + sum(per_pos)  # E[accepted + 1] = 1 + sum_k P(position k accepted)
     rows = [{"concurrency": int(c), "t_ar_step_ms": s["ar"]["step_ms"], "t_spec_step_ms": s["spec"]["step_ms"],
@@ -213,7 +220,7 @@ def part_projection_model(args, out: Path) -> None:
     write_json(out, "e_projection", {
         **{k: v for k, v in times.items() if k != "raw"},
         "modelled": "speedup = E[accepted+1] x t_AR_step / t_spec_step, E[accepted+1] = 1 + sum of the testbed "
-        "drafter's per-position acceptance (a)",
+        "drafter's per-position acceptance", "acceptance_source": source,
         "expected_tokens_per_step": expected, "per_position_acceptance": per_pos, "levels": rows, "raw": times["raw"]})
 
 
@@ -280,6 +287,8 @@ def main(argv=None) -> int:
     p.add_argument("--drafter")
     p.add_argument("--out", required=True)
     p.add_argument("--dflashkit-report", help="report.json of `dflashkit eval` (chain) on the same prompts")
+    p.add_argument("--acceptance-report", help="projection_model without (a): the per-position acceptance of "
+                   "this dflashkit eval report.json instead of vLLM's")
     p.add_argument("--standin", action="store_true", help="CPU toy: the CPU twin of vllm.LLM, a tiny random pair")
     p.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
     p.add_argument("--dataset", nargs="+", default=["builtin:mtbench"])

@@ -111,7 +111,7 @@ def run_logged(cmd: list[str], log: Path, env: dict, time_limit: float | None) -
     with open(log, "w") as out:
         out.write(" ".join(cmd) + "\n\n")
         out.flush()
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, cwd=log.parent, env=env, stdout=out, stderr=subprocess.STDOUT)
         stopped = False
         try:
             proc.wait(timeout=time_limit)

@@ -113,13 +113,26 @@ def wait_for_gpu_memory_to_settle(limit_s: float = 60.0) -> None:
     if shutil.which("nvidia-smi") is None:
         return
     query = ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"]
-    previous, deadline = None, time.monotonic() + limit_s
+    readings, deadline = [], time.monotonic() + limit_s
     while time.monotonic() < deadline:
         used = sum(int(x) for x in subprocess.run(query, capture_output=True, text=True).stdout.split() if x.isdigit())
-        if previous is not None and previous - used < 64:  # MiB freed in the last second
+        readings.append(used)
+        if len(readings) >= 5 and max(readings[-5:]) - min(readings[-5:]) < 16:  # MiB, steady for 4 s
             return
-        previous = used
         time.sleep(1.0)
+
+
+def start_engine(api: VllmApi, **kwargs):
+    """api.llm_factory(**kwargs), once more after the GPU settles if the engine core failed to start: seen on an
+    H200, the engine before it was still freeing memory while this one profiled (vllm/v1/worker/gpu_worker.py
+    asserts that free memory did not grow during its start-up profiling)."""
+    try:
+        return api.llm_factory(**kwargs)
+    except RuntimeError as error:
+        if "initialization failed" not in str(error):
+            raise
+        api.release()
+        return api.llm_factory(**kwargs)
 
 
 def close_engine(llm, api: VllmApi) -> None:
@@ -295,11 +308,12 @@ def run_vllm_eval(target: str, drafter: str, out: str | Path, datasets: list[str
 
     def engine(with_drafter: bool, prefix: str):
         t0 = time.perf_counter()
-        llm = api.llm_factory(model=str(served_dir), dtype=config.dtype, seed=config.seed,
-                              gpu_memory_utilization=config.gpu_memory_utilization, max_model_len=max_len,
-                              max_num_seqs=max(levels), enable_prefix_caching=prefix == "on",
-                              enforce_eager=config.enforce_eager, disable_log_stats=False,
-                              speculative_config=spec_config if with_drafter else None)
+        kwargs = dict(model=str(served_dir), dtype=config.dtype, seed=config.seed,
+                      gpu_memory_utilization=config.gpu_memory_utilization, max_model_len=max_len,
+                      max_num_seqs=max(levels), enable_prefix_caching=prefix == "on",
+                      enforce_eager=config.enforce_eager, disable_log_stats=False,
+                      speculative_config=spec_config if with_drafter else None)
+        llm = start_engine(api, **kwargs)
         engine_s[f"{'drafter' if with_drafter else 'no_drafter'}_{prefix}_start"] = time.perf_counter() - t0
         return llm
 

@@ -220,7 +220,7 @@ def _regenerate(data: list[str], out, *, overwrite: bool = False, target: str | 
     """Answer every user turn of the conversations of ``data`` with ``target`` (a local model) or ``server`` (an
     OpenAI-compatible URL) into the JSONL file ``out``; return the counts. The parameters are the command's flags
     (see ``build_parser``); ``chat_template_kwargs`` is a dict."""
-    from .sources import iter_records
+    from .sources import check_has_records, iter_records
 
     if bool(target) == bool(server):
         raise ValueError("give either --target (a local model) or --server (an OpenAI-compatible URL)")
@@ -243,6 +243,7 @@ def _regenerate(data: list[str], out, *, overwrite: bool = False, target: str | 
         for p in {out, path}:
             check_regenerated(p)
     done = (done_indices(out) | done_indices(path)) if resume else set()
+    check_has_records(data, split)  # an empty data file stops here, before the target is loaded or a server asked
     template_kwargs = dict(chat_template_kwargs or {})
     sampling = dict(template_kwargs=template_kwargs, max_new_tokens=max_new_tokens,
                     temperature=temperature, top_p=top_p, top_k=top_k)

@@ -3,7 +3,9 @@
     python -m dflashkit.extract.verify runs/smollm2-shards
     dflashkit verify runs/smollm2-shards
 
-Checks, per shard listed in manifest.json: the file exists, its size and sha256 match the manifest (catches
+Checks: the manifest's fields and types, its target_layer_ids against the target's layer count (the manifest's, and
+the target's config.json when it is on this machine); per shard listed: the file is a regular file inside the
+directory (no '..', absolute path or link out), its size and then its sha256 match the manifest (catches
 truncation and flipped bytes), the safetensors header fits the file, every tensor has the shape and dtype the
 format requires (offsets [S+1] from 0 to N, ids/mask [N], hidden [N, K*H], scales [N] for fp8), the sample
 indices equal the manifest's, token ids lie inside the vocabulary, and features hold no NaN/Inf. Across shards:

@@ -359,3 +359,30 @@ def run_in_interpreter(script: str, *args: str):
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def forward_without_dflashkit(export_dir: Path, inputs: dict, work: Path, class_name: str) -> torch.Tensor:
+    """The exported drafter's forward on ``inputs`` in a child interpreter where importing dflashkit or dflash
+    fails, as on a machine without them: loaded with transformers' AutoModel and the modeling file the export
+    ships (``trust_remote_code``); ``class_name`` is the class it must be."""
+    from safetensors.torch import load_file, save_file
+
+    save_file({k: v.contiguous() for k, v in inputs.items()}, str(work / "x.safetensors"))
+    code = textwrap.dedent(f"""
+        import sys, importlib.abc
+        class Block(importlib.abc.MetaPathFinder):
+            def find_spec(self, name, path=None, target=None):
+                if name.split('.')[0] in ('dflashkit', 'dflash'):
+                    raise ImportError('blocked: ' + name)
+        sys.meta_path.insert(0, Block())
+        import torch
+        from safetensors.torch import load_file, save_file
+        from transformers import AutoModel
+        m = AutoModel.from_pretrained({str(export_dir)!r}, trust_remote_code=True, dtype=torch.float32).eval()
+        assert type(m).__name__ == {class_name!r}, type(m)
+        x = load_file({str(work / 'x.safetensors')!r})
+        with torch.no_grad():
+            save_file({{'y': m(**x).contiguous()}}, {str(work / 'y.safetensors')!r})
+    """)
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=work)
+    return load_file(str(work / "y.safetensors"))["y"]

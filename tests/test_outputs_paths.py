@@ -148,6 +148,25 @@ def test_exports_checkpoints_and_shards_follow_the_umask(tmp_path):
     assert seen["file"] >= 8 and seen["dir"] >= 3
 
 
+def test_the_online_token_cache_follows_the_umask(tmp_path):
+    """output_dir/token-cache/ of online training (safetensors' save_file alone writes 0600)."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from dflashkit.train.online import read_token_cache, write_token_cache
+
+    samples = [SimpleNamespace(input_ids=np.arange(5), loss_mask=np.ones(5, dtype=bool), index=i) for i in range(2)]
+    old = os.umask(0o022)
+    try:
+        write_token_cache(tmp_path / "cache" / "tokens.safetensors", samples, {})
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "cache" / "tokens.safetensors").stat().st_mode) == 0o644
+    samples_back, _ = read_token_cache(tmp_path / "cache" / "tokens.safetensors", say=pytest.fail)
+    assert [s.input_ids.tolist() for s in samples_back] == [list(range(5))] * 2
+
+
 # --------------------------------------------------------------------------- extract and regenerate
 @pytest.fixture(scope="module")
 def chat_target(tmp_path_factory):

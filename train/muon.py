@@ -12,9 +12,10 @@ Design choices:
 - One ``torch.optim.Optimizer`` with two kinds of parameter group (``use_muon`` True / False), so accelerate
   prepares it like AdamW and the checkpoint code saves it like AdamW (per-parameter tensors: ``momentum_buffer``
   for Muon, ``exp_avg`` / ``exp_avg_sq`` / ``step`` for AdamW; group fields are plain numbers).
-- Which parameters: every 2-D matrix of the drafter layers and ``fc`` (``muon_param_groups``); norm weights,
-  biases, other 1-D or n-D tensors and embedding-like tables (a name containing ``embed``) stay on AdamW, as the
-  Muon authors recommend. Muon matrices take the decoupled weight decay; norms never do (as the AdamW path).
+- Which parameters: the weight of every ``nn.Linear`` (the drafter layers' projections and ``fc``; DFlash2's
+  kernel and selector projections) (``muon_param_groups``); norm weights, biases, n-D tensors and tables indexed
+  by token (embeddings, DFlash2's codebooks: plain 2-D parameters, not linear maps) stay on AdamW, as the Muon
+  authors recommend. Muon matrices take the decoupled weight decay; norms never do (as the AdamW path).
 - Newton-Schulz runs in fp32 on the parameter's device (the drafter's matrices are small next to the target).
 - Data parallelism: under DDP every rank holds the all-reduced gradient and the whole matrix, so every rank
   computes the same update. FSDP and DeepSpeed ZeRO hand the optimizer flattened or sharded pieces, on which the
@@ -50,13 +51,21 @@ def newton_schulz(g: torch.Tensor, steps: int = NS_STEPS, eps: float = 1e-7) -> 
     return x.T if tall else x
 
 
+def check_backend(backend_name: str) -> None:
+    """Refuse the backends that hand the optimizer sharded or flattened matrices (accelerate's names)."""
+    if backend_name in ("FSDP", "DEEPSPEED"):
+        raise ValueError(f"optimizer=muon needs whole weight matrices on every rank, and {backend_name} shards or "
+                         f"flattens them; use the DDP accelerate config, or optimizer=adamw")
+
+
 def muon_param_groups(model, *, lr: float, muon_lr: float, weight_decay: float) -> list[dict]:
-    """Muon for the 2-D matrices (layers, fc), AdamW for the rest; ``base_lr`` is each group's peak lr."""
+    """Muon for the weights of the linear maps, AdamW for the rest; ``base_lr`` is each group's peak lr."""
+    linear = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Linear)}
     matrices, decay, no_decay = [], [], []
-    for name, p in model.named_parameters():
+    for _name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        if p.ndim == 2 and "embed" not in name:
+        if id(p) in linear and p.ndim == 2:
             matrices.append(p)
         elif p.ndim >= 2:
             decay.append(p)

@@ -146,6 +146,8 @@ def write_token_cache(path: Path, samples: list, skipped: dict) -> None:
 
     from safetensors.numpy import save_file
 
+    from dflashkit.outputs import honour_umask
+
     lengths = np.array([len(s.input_ids) for s in samples], dtype=np.int64)
     arrays = {"input_ids": np.concatenate([s.input_ids for s in samples]).astype(np.int32),
               "loss_mask": np.concatenate([s.loss_mask for s in samples]).astype(np.uint8),
@@ -154,6 +156,7 @@ def write_token_cache(path: Path, samples: list, skipped: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
     save_file(arrays, str(tmp), metadata={"skipped": json.dumps(skipped), "format": str(TOKEN_CACHE_FORMAT)})
+    honour_umask(tmp)  # save_file writes 0600; the run's other files follow the umask
     os.replace(tmp, path)
 
 

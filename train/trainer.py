@@ -253,11 +253,9 @@ def _train(cfg: TrainConfig) -> dict:
 
     # --- optimizer, backend -------------------------------------------------------------------------------
     if cfg.optimizer == "muon":  # train/muon.py: Muon on the 2-D matrices, AdamW on the rest
-        from .muon import Muon, muon_param_groups
+        from .muon import Muon, check_backend, muon_param_groups
 
-        if backend_name in ("FSDP", "DEEPSPEED"):
-            raise ValueError(f"optimizer=muon needs whole weight matrices on every rank, and {backend_name} "
-                             f"shards or flattens them; use the DDP accelerate config, or optimizer=adamw")
+        check_backend(backend_name)
         optimizer = Muon(muon_param_groups(model, lr=cfg.lr, muon_lr=cfg.muon_lr, weight_decay=cfg.weight_decay),
                          lr=cfg.lr, momentum=cfg.muon_momentum, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps)
     else:
