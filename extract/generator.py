@@ -16,8 +16,8 @@ Design choices:
   sinks or soft-capping run the flash-decoding kernel of decode_attention.py instead, which reads each slot's
   columns up to its own position (the positions reach it as the model's ``slot_decode`` keyword, which the
   forward hands to every attention call), so a step reads the live lengths rather than every slot up to the
-  longest one; a free slot (waiting for a refill, or done at the end of a run) reads one column. On an H200 it
-  made regeneration of the testbed 1.76x faster at 1,024 slots and 2.05x at 2,048 (BENCHMARKS.md). Elsewhere
+  longest one; a free slot (waiting for a refill, or done at the end of a run) reads one column (its speed-up
+  on an H200: BENCHMARKS.md, "Regeneration"). Elsewhere
   (CPU, no Triton), and for a model whose layers all have sinks or soft-capping, the SDPA path runs; "sdpa"
   asks for it everywhere.
 - Prompts are prefilled in length buckets (longest first, left padding, rows rolled into cache columns 0..L-1),

@@ -59,12 +59,14 @@ def test_speculative_decoding_has_no_mismatch(dtype):
         assert out["mismatches"] == 0, out["divergences"]
         if dtype == torch.float32:
             assert out["exact_match_rate"] == 1.0
-        # the check catches a wrong token: change one where the reference was sure
+        # the check catches a wrong token: change one where the reference was sure (in the reference's own
+        # tokens: in bf16 a speculative output may already have parted from it at an earlier tie, and a run is
+        # compared only up to its first divergence)
         sure = max(range(NEW), key=lambda i: references[0].margins[i])
-        wrong = list(spec[0].tokens)
+        wrong = list(references[0].tokens)
         wrong[sure] = (wrong[sure] + 1) % VOCAB
         bad = classify(["0"], [wrong], references[:1], dtype)
-        assert bad["mismatches"] == 1 and bad["divergences"][0]["token_index"] <= sure
+        assert bad["mismatches"] == 1 and bad["divergences"][0]["token_index"] == sure
     assert target.config._attn_implementation == "sdpa"
 
 

@@ -49,10 +49,10 @@ def compile_layers(model, dynamic: bool | None = True) -> None:
     for symbolic sizes from the first call (``dynamic=True``).
 
     Every packed micro-batch has its own context and block counts. Left to decide itself (``dynamic=None``), a
-    compiled layer is specialised to the first shape and recompiled with dynamic sizes at the next one; on an
-    H200 at the testbed shape that recompiled graph ran the flex_attention forward kernel at 4.6 ms per call
-    against 1.8 ms in a layer compiled dynamic from the start, on the same inputs, with the backward 4.0 against
-    4.7 ms (bench/bench_train_throughput.py --layer-probe). ``dynamic=None`` keeps the old behaviour (for the
+    compiled layer is specialised to the first shape and recompiled with dynamic sizes at the next one, and that
+    recompiled graph ran the flex_attention kernels far slower than a layer compiled dynamic from the start, on
+    the same inputs (BENCHMARKS.md, bench/bench_train_throughput.py --layer-probe). ``dynamic=None`` keeps the
+    old behaviour (for the
     comparison). Every layer can be compiled many times over a run; the dynamo cache limit is raised for that."""
     import torch._dynamo as dynamo
 
