@@ -100,7 +100,8 @@ DRAFTER=$R/work-arch/train/default/export
 REPORT=$O/arch/results/default/report.json
 if [ -f "$DRAFTER/config.json" ]; then
   if [ "$SCALE" = toy ]; then
-    stage vllm-serve 600 "$PY" "$ROOT/bench/bench_vllm.py" --parts serve projection_model --out "$O/vllm" "${VLLM[@]}"
+    stage vllm-serve 600 "$PY" "$ROOT/bench/bench_vllm.py" --parts serve projection --out "$O/vllm" "${VLLM[@]}" \
+      --projection-new-tokens 8
   else
     stage vllm-serve 540 "${VENV[@]}" "$ROOT/bench/bench_vllm.py" --parts serve --target "$T" --drafter "$DRAFTER" \
       --dflashkit-report "$REPORT" --dataset "$D/mtbench.jsonl" --out "$O/vllm" "${VLLM[@]}"
