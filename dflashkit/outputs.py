@@ -34,6 +34,7 @@ import json
 import os
 import secrets
 import socket
+import stat
 import sys
 import time
 from collections.abc import Callable
@@ -129,8 +130,10 @@ def launch_id() -> str | None:
     """What the ranks of one torchrun / accelerate launch share; None for a single process."""
     if int(os.environ.get("WORLD_SIZE", "1") or 1) <= 1:
         return None
-    return (f"{os.environ.get('TORCHELASTIC_RUN_ID', '-')}@{os.environ.get('MASTER_ADDR', '')}:"
-            f"{os.environ.get('MASTER_PORT', '')}")
+    addr = os.environ.get("MASTER_ADDR", "")
+    if addr in ("", "localhost", "::1") or addr.startswith("127."):  # single-node defaults repeat on every host
+        addr = f"{addr}/{socket.gethostname()}"
+    return f"{os.environ.get('TORCHELASTIC_RUN_ID', '-')}@{addr}:{os.environ.get('MASTER_PORT', '')}"
 
 
 def _pid_alive(pid: int) -> bool:
@@ -209,7 +212,14 @@ class OutputLock:
         me = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%d %H:%M:%S"),
               "command": self.command, "launch": launch_id()}
         while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+            try:  # never through a symbolic link, never a device or FIFO: the lock file is ours or refused
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o666)
+            except OSError as error:
+                raise UserError(f"{self.path}: cannot be used as the lock of dflashkit {self.command} ({error}); "
+                                f"move it away") from None
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                os.close(fd)
+                raise UserError(f"{self.path}: not a regular file, so not a dflashkit lock; move it away")
             got = _try_flock(fd)
             if not os.path.exists(self.path) or os.fstat(fd).st_ino != os.stat(self.path).st_ino:
                 os.close(fd)  # the holder removed the file between our open and flock: try the new one
@@ -218,6 +228,9 @@ class OutputLock:
             if holder is None and got is False:
                 os.close(fd)
                 continue
+            if holder is None and os.fstat(fd).st_size:  # no one holds it and it is no lock record: a user's file
+                os.close(fd)
+                raise UserError(f"{self.path}: not a dflashkit lock (no lock record in it); move it away")
             ours = holder is not None and me["launch"] is not None and holder.get("launch") == me["launch"]
             elsewhere = holder is not None and holder.get("host") != me["host"]  # flock cannot see that host
             alive = got is False or (got is None and holder is not None and not elsewhere

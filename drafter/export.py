@@ -93,9 +93,8 @@ def save_drafter(model: DFlashDraftModel, out_dir: str | os.PathLike, dtype: tor
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
         if out.is_dir():  # checked above: an export, an empty directory, or overwrite
-            old = out.with_name(f".{out.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            out.rename(old)
+            old = make_temp_dir(out.parent, f".{out.name}.old-")  # a fresh name: nothing of the user's is touched
+            out.rename(old / out.name)
             tmp.rename(out)
             shutil.rmtree(old, ignore_errors=True)
         else:

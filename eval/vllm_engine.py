@@ -320,7 +320,12 @@ def run_vllm_eval(target: str, drafter: str, out: str | Path, datasets: list[str
     def sweep(llm) -> dict:
         runs = {"all": timed_generate(llm, api, prompts, len(prompts), params)}  # every prompt once: tau, lossless
         cap = config.max_requests_per_level
-        return runs | {c: timed_generate(llm, api, level_requests(prompts, c, cap), c, params) for c in levels}
+        out = {}
+        for c in levels:  # each level from a cold prefix cache: the "all" run has prefilled every prompt
+            if hasattr(llm, "reset_prefix_cache"):
+                llm.reset_prefix_cache()
+            out[c] = timed_generate(llm, api, level_requests(prompts, c, cap), c, params)
+        return runs | out
 
     def second_turns(llm, answers: list[list[int]] | None = None) -> tuple[dict, list]:
         first = llm.generate([{"prompt_token_ids": ids} for _, ids in turn1], params, use_tqdm=False)

@@ -175,6 +175,11 @@ class LLM:
                 self._counts["per_pos"][k] += 1
         return result.tokens, list(result.acceptance_lengths)
 
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's LLM.reset_prefix_cache: forget every cached prompt."""
+        self._seen.clear()
+        return True
+
     def _cached_prefix(self, prompt: list[int]) -> int:
         best = 0
         for seen in self._seen if self.prefix_caching else []:

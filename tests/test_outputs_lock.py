@@ -171,3 +171,37 @@ def test_sigterm_checkpoint_exit_releases_the_lock(tiny, tmp_path):
             proc.kill()
     assert proc.returncode == 0, err.decode()[-2000:]
     assert "stopped by SIGTERM" in err.decode() and not (out / LOCK_NAME).exists()
+
+
+def test_a_file_of_the_users_at_the_lock_path_is_refused_and_kept(tmp_path):
+    """A regular file that holds no lock record, or a symbolic link, where the lock goes: one line, nothing changed."""
+    from dflashkit.errors import UserError
+
+    notes = tmp_path / "notes.jsonl.lock"
+    notes.write_text("my own notes\n")
+    with pytest.raises(UserError, match="not a dflashkit lock"):
+        OutputLock(tmp_path / "notes.jsonl", "regenerate", sidecar=True).acquire()
+    assert notes.read_text() == "my own notes\n"
+    precious = tmp_path / "precious.txt"
+    precious.write_text("keep me\n")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / LOCK_NAME).symlink_to(precious)
+    with pytest.raises(UserError, match="lock"):
+        OutputLock(tmp_path / "out", "train").acquire()
+    assert precious.read_text() == "keep me\n" and (tmp_path / "out" / LOCK_NAME).is_symlink()
+
+
+def test_single_node_launches_on_two_hosts_do_not_share_a_launch_id(monkeypatch):
+    """torchrun's defaults (run id none, 127.0.0.1:29500) are the same on every node: the host tells them apart."""
+    from dflashkit import outputs
+
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    monkeypatch.setattr(outputs.socket, "gethostname", lambda: "node-a")
+    a = outputs.launch_id()
+    monkeypatch.setattr(outputs.socket, "gethostname", lambda: "node-b")
+    assert a != outputs.launch_id() and "node-a" in a
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.1")  # a real rendezvous address is the same on every node of a launch
+    assert outputs.launch_id() == "none@10.0.0.1:29500"

@@ -58,16 +58,22 @@ def check_backend(backend_name: str) -> None:
                          f"flattens them; use the DDP accelerate config, or optimizer=adamw")
 
 
+def never_decayed(name: str, p) -> bool:
+    """Norm weights and DFlash2's base convolution kernels (initialised to the identity tap: decay would pull the
+    layers' convolutions towards zero) get no weight decay."""
+    return p.ndim < 2 or name.endswith("base_kernel")
+
+
 def muon_param_groups(model, *, lr: float, muon_lr: float, weight_decay: float) -> list[dict]:
     """Muon for the weights of the linear maps, AdamW for the rest; ``base_lr`` is each group's peak lr."""
     linear = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Linear)}
     matrices, decay, no_decay = [], [], []
-    for _name, p in model.named_parameters():
+    for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
         if id(p) in linear and p.ndim == 2:
             matrices.append(p)
-        elif p.ndim >= 2:
+        elif p.ndim >= 2 and not never_decayed(name, p):
             decay.append(p)
         else:
             no_decay.append(p)  # norms are never decayed

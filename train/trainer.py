@@ -145,8 +145,10 @@ def target_identity(head) -> dict:
 
 def _param_groups(model, weight_decay: float) -> list[dict]:
     decay, no_decay = [], []
-    for _name, p in model.named_parameters():
-        (no_decay if p.ndim < 2 else decay).append(p)  # norms are never decayed
+    from .muon import never_decayed
+
+    for name, p in model.named_parameters():
+        (no_decay if never_decayed(name, p) else decay).append(p)  # norms, DFlash2's base kernels
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
