@@ -173,11 +173,12 @@ def acceptance(before: dict, after: dict) -> dict | None:
 
 def agreement(names: list[str], with_drafter: list[list[int]], without: list[list[int]]) -> dict:
     """Greedy outputs with and without the drafter, request by request: identical count, first divergences."""
+    from .lossless import first_divergence
+
     divergences = []
     for name, a, b in zip(names, with_drafter, without):
         if a != b:
-            first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-            divergences.append({"prompt": name, "token_index": first, "drafter_tokens": len(a),
+            divergences.append({"prompt": name, "token_index": first_divergence(a, b), "drafter_tokens": len(a),
                                 "baseline_tokens": len(b)})
     return {"requests": len(names), "identical": len(names) - len(divergences),
             "identical_rate": (len(names) - len(divergences)) / max(len(names), 1), "divergences": divergences[:20]}

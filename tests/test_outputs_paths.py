@@ -131,7 +131,7 @@ def test_exports_checkpoints_and_shards_follow_the_umask(tmp_path):
     from dflashkit.train.config import TrainConfig
     from dflashkit.train.trainer import train
 
-    old = os.umask(0o022)
+    old = os.umask(0o027)  # not 022: a hard-coded 0644 / 0755 would pass that
     try:
         target = make_tiny_target(tmp_path / "target")
         shards = make_shards(tmp_path / "shards", target, num_samples=4)
@@ -143,7 +143,7 @@ def test_exports_checkpoints_and_shards_follow_the_umask(tmp_path):
         for p in [root, *root.rglob("*")]:
             mode = stat.S_IMODE(p.stat().st_mode)
             kind = "dir" if p.is_dir() else "file"
-            assert mode == (0o755 if kind == "dir" else 0o644), f"{p}: {oct(mode)}"
+            assert mode == (0o750 if kind == "dir" else 0o640), f"{p}: {oct(mode)}"
             seen[kind] += 1
     assert seen["file"] >= 8 and seen["dir"] >= 3
 
@@ -157,12 +157,12 @@ def test_the_online_token_cache_follows_the_umask(tmp_path):
     from dflashkit.train.online import read_token_cache, write_token_cache
 
     samples = [SimpleNamespace(input_ids=np.arange(5), loss_mask=np.ones(5, dtype=bool), index=i) for i in range(2)]
-    old = os.umask(0o022)
+    old = os.umask(0o027)  # not 022: a hard-coded 0644 / 0755 would pass that
     try:
         write_token_cache(tmp_path / "cache" / "tokens.safetensors", samples, {})
     finally:
         os.umask(old)
-    assert stat.S_IMODE((tmp_path / "cache" / "tokens.safetensors").stat().st_mode) == 0o644
+    assert stat.S_IMODE((tmp_path / "cache" / "tokens.safetensors").stat().st_mode) == 0o640
     samples_back, _ = read_token_cache(tmp_path / "cache" / "tokens.safetensors", say=pytest.fail)
     assert [s.input_ids.tolist() for s in samples_back] == [list(range(5))] * 2
 
