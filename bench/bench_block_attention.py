@@ -64,9 +64,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from dflashkit.train.block_mask import dense_block_mask, flex_block_mask
+from dflashkit.train.block_mask import dense_block_mask, flex_block_mask, split_block_mask
 from dflashkit.train.data import collate_blocks
-from dflashkit.train.split_attention import SplitBlockMask, split_block_mask
+from dflashkit.train.split_attention import SplitBlockMask
 
 KO_SETS = ["128x64_w4_s3", "64x128_w4_s3", "128x128_w8_s3", "64x64_w4_s3", "128x128_w4_s3_tma"]
 GPU_VARIANTS = ["flex", "flex_dynamic", "flex_contiguous", *(f"flex_ko_{s}" for s in KO_SETS), "split", "split_eager",

@@ -52,12 +52,13 @@ from pathlib import Path
 
 import torch
 
-from dflashkit.extract.__main__ import parse_size
-from dflashkit.extract.batching import real_token_index
-from dflashkit.extract.shards import encode_features
-from dflashkit.extract.writer import WRITER_THREADS, ShardWriter
+from dflashkit.extract.data.batching import real_token_index
+from dflashkit.extract.run import parse_size
+from dflashkit.extract.shards.format import encode_features
+from dflashkit.extract.shards.writer import WRITER_THREADS, ShardWriter
 from dflashkit.targets.capture import LayerCapture
-from dflashkit.targets.loading import Target, find_decoder, load_target
+from dflashkit.targets.loading import Target, load_target
+from dflashkit.targets.runtime.parts import parts_of
 
 
 def random_target(config, device, dtype, label: str) -> Target:
@@ -65,10 +66,7 @@ def random_target(config, device, dtype, label: str) -> Target:
 
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
-    dec = find_decoder(model)
-    return Target(model=model, tokenizer=None, config=config, path=label, model_dir=Path("."), family="qwen3",
-                  decoder=dec, layers=dec.layers, embed_tokens=dec.embed_tokens, embedding_scale=1.0,
-                  final_norm=dec.norm, lm_head=model.lm_head)
+    return Target(**parts_of(model), tokenizer=None, path=label, model_dir=Path("."), family="qwen3")
 
 
 def qwen3_config(toy: bool):

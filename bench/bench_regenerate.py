@@ -39,9 +39,9 @@ from pathlib import Path
 import torch
 
 from dflashkit.extract.answerers import TargetGenerator
-from dflashkit.extract.chat import BadSample, normalize_record, render
+from dflashkit.extract.data.chat import BadSample, normalize_record, render
+from dflashkit.extract.data.sources import iter_records
 from dflashkit.extract.generator import SlotGenerator
-from dflashkit.extract.sources import iter_records
 
 
 def save_toy_target(out: Path) -> None:

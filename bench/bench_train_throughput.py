@@ -12,7 +12,7 @@ and MFU; context tokens/s throughout (real tokens of the packed sequences, paddi
 Defaults: the testbed shape (5 drafter layers, block 16, 512 anchors, sequences of 256-1024 tokens, 8192 tokens
 per micro-batch, G=2); --qwen3-8b packs 4096 tokens per micro-batch.
 
-One optimizer step is the trainer's (train/trainer.py): G micro-batches (--grad-accum), each a packed run of
+One optimizer step is the trainer's (train/train_step.py): G micro-batches (--grad-accum), each a packed run of
 whole sequences under --micro-batch-tokens (train/data.collate_blocks: anchors per sequence, block mask kept
 inside each sequence), the global loss denominator summed over micro-batches (and ranks), per micro-batch
 forward_blocks + backward, gradient clipping at 1.0, AdamW. Drafter fp32 master weights under bf16 autocast,
@@ -59,10 +59,11 @@ import torch.distributed as dist
 
 from dflashkit.drafter import DrafterConfig, build_drafter, default_target_layer_ids
 from dflashkit.targets.capture import LayerCapture
-from dflashkit.targets.loading import Target, find_decoder, load_target
+from dflashkit.targets.loading import Target, load_target
+from dflashkit.targets.runtime.parts import parts_of
 from dflashkit.train.data import PackedBlocks, collate_blocks, pack_order
+from dflashkit.train.drafter_pass import compile_layers, forward_blocks, mask_backend
 from dflashkit.train.loss import loss_denominator
-from dflashkit.train.step import compile_layers, forward_blocks, mask_backend
 
 PEAK_BF16 = 989e12
 
@@ -89,10 +90,7 @@ def random_target(kind: str, device, dtype, layers: int | None) -> Target:
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
-    dec = find_decoder(model)
-    return Target(model=model, tokenizer=None, config=cfg, path=f"random:{kind}", model_dir=Path("."), family="",
-                  decoder=dec, layers=dec.layers, embed_tokens=dec.embed_tokens, embedding_scale=1.0,
-                  final_norm=dec.norm, lm_head=model.lm_head)
+    return Target(**parts_of(model), tokenizer=None, path=f"random:{kind}", model_dir=Path("."), family="")
 
 
 def make_pool(n: int, min_len: int, max_len: int, vocab: int, seed: int) -> list[dict]:
@@ -437,8 +435,7 @@ def main(argv=None):
         from transformers import Qwen3Config
 
         from dflashkit.drafter.modeling_dflash import DFlashDecoderLayer
-        from dflashkit.train.block_mask import flex_block_mask
-        from dflashkit.train.split_attention import split_block_mask
+        from dflashkit.train.block_mask import flex_block_mask, split_block_mask
 
         m0 = offline_micro(micro_of_step[0][0])
         fresh_mask = flex_block_mask(m0.anchors.clone(), m0.ctx_len, dcfg.block_size, None, m0.context_start.clone())

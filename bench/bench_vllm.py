@@ -40,7 +40,7 @@ import time
 import traceback
 from pathlib import Path
 
-PARTS = ("serve", "projection", "projection_model", "server")
+PARTS = ("serve", "tau", "projection", "projection_model", "server")
 QWEN3_8B = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=4096, intermediate_size=12288,
                 num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
                 max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
@@ -116,6 +116,17 @@ def part_serve(args, out: Path) -> None:
         guarded(out, name, lambda: write_json(out, name, build()))
 
 
+def part_tau(args, out: Path) -> None:
+    """(a) again from the serve part's report, against a `dflashkit eval` report written after it (the GPU run
+    serves the drafter first and evaluates it with dflashkit later, beside another training)."""
+    served = out / "serve" / "report.json"
+    if not served.is_file():
+        raise FileNotFoundError(f"{served}: the tau part reads the serve part's report; run --parts serve first")
+    if not args.dflashkit_report:
+        raise ValueError("--parts tau compares with a dflashkit eval report: give --dflashkit-report")
+    write_json(out, "a_tau", tau_comparison(json.loads(served.read_text()), args.dflashkit_report))
+
+
 def tau_comparison(report: dict, dflashkit_report: str | None) -> dict:
     acc = report["acceptance"] or {}
     out = {"tau_vllm": acc.get("tau"), "per_position_acceptance_vllm": acc.get("per_position_acceptance"),
@@ -123,9 +134,18 @@ def tau_comparison(report: dict, dflashkit_report: str | None) -> dict:
            "prompts": report["prompts"], "measured": "vLLM spec-decode counters, every prompt once"}
     if dflashkit_report:
         other = json.loads(Path(dflashkit_report).read_text())
-        tau = other["overall"]["tau"]
+        served = report["args"]["datasets"]
+        # the dflashkit report may hold more datasets than were served (MT-bench and HumanEval): compare on the
+        # served one; its overall figures only when it holds exactly the served set
+        same = other.get("datasets", {}).get(served[0]) if len(served) == 1 else None
+        if same is None and sorted(other.get("datasets", {})) != sorted(served):
+            raise ValueError(f"{dflashkit_report}: its datasets {sorted(other.get('datasets', {}))} are not the "
+                             f"served {served}: evaluate the same prompts")
+        scope = same or other["overall"]
+        tau = scope["tau"]
         out.update({"tau_dflashkit": tau, "dflashkit_report": str(dflashkit_report),
-                    "per_position_acceptance_dflashkit": other["overall"].get("per_position_acceptance"),
+                    "dflashkit_scope": served[0] if same is not None else "overall",
+                    "per_position_acceptance_dflashkit": scope.get("per_position_acceptance"),
                     "ratio_vllm_over_dflashkit": acc["tau"] / tau if acc.get("tau") and tau else None,
                     "within_3_percent": abs(acc["tau"] / tau - 1) <= 0.03 if acc.get("tau") and tau else None})
     return out
@@ -290,7 +310,8 @@ def main(argv=None) -> int:
     p.add_argument("--acceptance-report", help="projection_model without (a): the per-position acceptance of "
                    "this dflashkit eval report.json instead of vLLM's")
     p.add_argument("--standin", action="store_true", help="CPU toy: the CPU twin of vllm.LLM, a tiny random pair")
-    p.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
+    p.add_argument("--parts", nargs="+", choices=PARTS, default=[p for p in PARTS if p != "tau"],
+                   help="default: all but tau (serve writes a_tau.json itself when given --dflashkit-report)")
     p.add_argument("--dataset", nargs="+", default=["builtin:mtbench"])
     p.add_argument("--num-prompts", type=int, default=80)
     p.add_argument("--max-new-tokens", type=int, default=256)

@@ -17,7 +17,9 @@ times and tokens/s of runs sharing a GPU are not comparable with solo runs). A v
 results and does not stop the others. As soon as a run writes its summary.json / metrics.jsonl, or its eval its
 report.json, they are copied to OUT/results/NAME/ (checkpoints stay under OUT/work/), and OUT/results.json and
 OUT/results.md are rewritten, so a session can copy results out stage by stage. A variant whose results are
-already in OUT is not run again (--rerun runs it again).
+already in OUT is not run again (--rerun runs it again). `--stage train` stops each variant at its export
+(status "trained") and a later `--stage eval` over the same OUT evaluates those exports, so the GPU can serve other
+work in between (bench/testbed_engine_run.sh).
 """
 
 from __future__ import annotations
@@ -202,9 +204,15 @@ class Study:
             say(f"{name}: done in an earlier run of the study (tau {previous.get('tau')}); --rerun runs it again")
             return
         run_dir, eval_dir = self.work / "train" / name, self.work / "eval" / name
+        if a.stage == "eval":  # the export of an earlier `--stage train` of this study
+            if previous.get("status") != "trained" or not (run_dir / "export" / "config.json").is_file():
+                say(f"{name}: --stage eval needs the export of an earlier --stage train in {run_dir}; skipped")
+                self.record(name, status="eval_failed", error="no export of an earlier --stage train")
+                return
+            self.evaluate(name, run_dir / "export", eval_dir)
+            return
         if a.rerun:  # from scratch; otherwise an unfinished run resumes from its checkpoints (resume=auto)
             shutil.rmtree(run_dir, ignore_errors=True)
-        shutil.rmtree(eval_dir, ignore_errors=True)
         logs = self.out / "results" / name
         logs.mkdir(parents=True, exist_ok=True)
         self.record(name, overrides=overrides, status="training", error=None)
@@ -229,7 +237,17 @@ class Study:
             if rc_x != 0:
                 self.record(name, status="export_failed", error=log_tail(logs / "export.log"))
                 return
+        if a.stage == "train":
+            say(f"{name}: trained in {wall:.0f} s ({numbers.get('step')} steps); --stage eval evaluates it")
+            self.record(name, status="trained")
+            return
         say(f"{name}: trained in {wall:.0f} s ({numbers.get('step')} steps); evaluating")
+        self.evaluate(name, export, eval_dir)
+
+    def evaluate(self, name: str, export: Path, eval_dir: Path) -> None:
+        a = self.args
+        logs = self.out / "results" / name
+        shutil.rmtree(eval_dir, ignore_errors=True)
         self.record(name, status="evaluating")
         cmd = [sys.executable, "-m", "dflashkit.eval", "--target", a.target, "--drafter", str(export),
                "--dataset", *a.dataset, "--num-prompts", str(a.num_prompts), "--mode", "chain",
@@ -305,6 +323,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--work-dir", default="", help="run and eval directories (default OUT/work)")
     run.add_argument("--parallel", type=int, default=1, help="variants trained (and evaluated) at once")
     run.add_argument("--rerun", action="store_true", help="run again the variants already done in OUT")
+    run.add_argument("--stage", choices=["all", "train", "eval"], default="all",
+                     help="train: train and export only (status 'trained'); eval: evaluate the exports of an "
+                          "earlier --stage train over the same OUT and work dir (the GPU free for other work between)")
     run.add_argument("--train-time-limit", type=float, default=None, metavar="S",
                      help="stop a training after S seconds (it checkpoints; that checkpoint is exported)")
     run.add_argument("--eval-time-limit", type=float, default=None, metavar="S", help="eval --time-limit")
@@ -329,7 +350,8 @@ def main(argv=None) -> int:
         print(f"recipe_study: error: {error}", file=sys.stderr)
         return 2
     rows = Study(args, variants).run()
-    return 0 if all(rows.get(n, {}).get("status") == "done" for n in variants) else 1
+    finished = "trained" if args.stage == "train" else "done"
+    return 0 if all(rows.get(n, {}).get("status") == finished for n in variants) else 1
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ import argparse
 import json
 from pathlib import Path
 
-from dflashkit.extract.sources import iter_records
+from dflashkit.extract.data.sources import iter_records
 
 
 def first_turn(record: dict) -> dict | None:

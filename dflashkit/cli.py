@@ -18,7 +18,7 @@ from dflashkit.errors import USER_ERRORS
 COMMANDS = {
     "regenerate": ("dflashkit.extract.regenerate", "rewrite assistant turns with the target's own answers"),
     "extract": ("dflashkit.extract.__main__", "capture target-layer features into sharded datasets"),
-    "verify": ("dflashkit.extract.verify", "check a shard directory: sha256, shapes, NaN/Inf, manifest"),
+    "verify": ("dflashkit.extract.shards.verify", "check a shard directory: sha256, shapes, NaN/Inf, manifest"),
     "init-drafter": ("dflashkit.train.init_drafter", "write a randomly initialised drafter export for a target"),
     "train": ("dflashkit.train.__main__", "train a drafter, online (target in the loop) or on feature shards"),
     "export": ("dflashkit.train.export", "export a training checkpoint as a drafter directory"),

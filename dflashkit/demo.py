@@ -55,7 +55,7 @@ def regenerate(**kwargs) -> dict:
 
 def extract(**kwargs) -> dict:
     """Target-layer features into shards (dflashkit.extract)."""
-    from dflashkit.extract.__main__ import extract as run_extraction
+    from dflashkit.extract.run import extract as run_extraction
 
     return run_extraction(**kwargs)
 

@@ -81,7 +81,9 @@ def default_mask(q_len: int, k_len: int, causal: bool, window: int | None, devic
 
 
 _FLEX = []  # the compiled flex_attention, built on first use (eager flex_attention is a slow reference path)
-FLEX_TILE = 128  # flex_attention's tile on both axes; training packs are padded to multiples of it
+# flex_attention's tile on both axes, the project's one copy of it (train/ imports it: block masks, packing);
+# training packs are padded to multiples of it
+FLEX_TILE = 128
 
 
 def autocast_inputs(q, k, v):

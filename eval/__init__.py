@@ -1,11 +1,12 @@
 """Acceptance evaluation: live speculative decoding (chain and tree), tree attention, reports, serving sweeps.
 
 `dflashkit eval` (or `python -m dflashkit.eval`) is the command. Modules, one concept each:
-acceptance (the acceptance rule, greedy and sampled), tree (draft trees and ancestor masks), tree_attention
+acceptance (the greedy acceptance walk over a tree), tree (draft trees and ancestor masks), tree_attention
 (the PyTorch twin and the dispatch), tree_attention_triton (the Triton kernel), verifier (the target with its
 own KV cache, plugged in through transformers' attention registry), kv_cache (that cache and the compaction of
-kept nodes), graphs (CUDA-graph capture and staged host inputs), hybrid (chain verification for targets with
-recurrent layers), draft_step (the drafter's pass on a static cache, CUDA graphs), engine (the round loop and the
-autoregressive baseline), lossless (the check against HF generate), stopping (signals, time limit), run (one
-evaluation run), prompts, report, serving.
+kept nodes), hybrid (chain verification for targets with recurrent layers), draft_step (the drafter's pass on a
+static cache, CUDA graphs), engine (the round loop and the autoregressive baseline), lossless (the check against
+HF generate), run (one evaluation run), prompts, report, serving. The static cache, graph capture, sampling and
+the target's parts come from the target runtime (dflashkit/targets/runtime/); stop requests from
+dflashkit/stopping.py.
 """

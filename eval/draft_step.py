@@ -32,7 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .graphs import capture_graph
+from dflashkit.targets.runtime.graphs import capture_graph
+from dflashkit.targets.runtime.static_cache import StaticKV
 
 
 def layer_rules(drafter: nn.Module) -> dict[str, tuple[bool, int | None]] | None:
@@ -111,22 +112,16 @@ def visible_slots(query: torch.Tensor, key: torch.Tensor, written: torch.Tensor,
     return visible[None, None]
 
 
-class StaticDraftCache:
-    """Per-layer K/V buffers [1, Hkv, max_len, d]; update() writes at `slots` and returns the whole buffers."""
+class StaticDraftCache(StaticKV):
+    """The runtime's static K/V [1, Hkv, max_len, d] as the drafter's `past_key_values`: update() writes at
+    `slots` and returns the whole buffers."""
 
     def __init__(self, max_len: int):
-        self.max_len = max_len
-        self.keys: dict[int, torch.Tensor] = {}
-        self.values: dict[int, torch.Tensor] = {}
+        super().__init__(max_len, fix="evaluate shorter prompts or fewer --max-new-tokens")
         self.slots: torch.Tensor | None = None  # set by the step before each forward
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
-        if layer_idx not in self.keys:
-            self.keys[layer_idx] = key.new_zeros(*key.shape[:2], self.max_len, key.shape[-1])
-            self.values[layer_idx] = value.new_zeros(*value.shape[:2], self.max_len, value.shape[-1])
-        self.keys[layer_idx].index_copy_(2, self.slots, key)
-        self.values[layer_idx].index_copy_(2, self.slots, value)
-        return self.keys[layer_idx], self.values[layer_idx]
+        return self.write(layer_idx, key, value, self.slots)
 
 
 class DraftStep:

@@ -34,8 +34,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflashkit.drafter.config import check_block_size
+from dflashkit.targets.loading import target_parts
+from dflashkit.targets.runtime.parts import attention_only
+from dflashkit.targets.runtime.sampling import sampled_accept_chain, sampling_probs
 
-from .acceptance import greedy_accept, sampled_accept_chain, sampling_probs
+from .acceptance import greedy_accept
 from .draft_step import Draft, StaticDrafter, draft_from_hidden, sample_selector_path, supports_static_steps
 from .tree import DraftTree, build_tree
 
@@ -114,28 +117,29 @@ class SpeculativeDecoder:
 
     def __init__(self, target, drafter: nn.Module, config: DecodeConfig):
         config.check()
-        self.model = target if isinstance(target, nn.Module) else target.model  # a CausalLM or a dflashkit Target
+        parts = target_parts(target)  # a CausalLM or a dflashkit Target: its parts, found once
+        self.model = parts.model
         self.drafter = drafter.eval()
         self.config = config
         self.block_size = config.block_size or drafter.block_size
         self.device = next(self.model.parameters()).device
-        self.embed_weight = self.model.get_input_embeddings().weight
-        self.lm_head = self.model.get_output_embeddings()
+        self.embed_weight = parts.embed_tokens.weight
+        self.lm_head = parts.lm_head
         self.embed_scale = float(getattr(drafter, "input_embedding_scale", 1.0))
         self.mask_token_id = int(drafter.mask_token_id)
         self.selector = getattr(drafter, "candidate_selector", None)  # DFlash2: proposals are the selector's path
         if self.selector is not None:
             check_dflash2(config, self.block_size, drafter.block_size)
-        from .verifier import TargetVerifier, is_hybrid
+        from .verifier import TargetVerifier
 
-        if is_hybrid(self.model):
+        if not attention_only(parts):
             from .hybrid import TREE_REFUSAL, HybridChainVerifier
 
             if config.mode == "tree":
                 raise ValueError(TREE_REFUSAL)
-            self.verifier = HybridChainVerifier(self.model, drafter.target_layer_ids)
+            self.verifier = HybridChainVerifier(parts, drafter.target_layer_ids)
         else:
-            self.verifier = TargetVerifier(self.model, drafter.target_layer_ids, config.attention_backend,
+            self.verifier = TargetVerifier(parts, drafter.target_layer_ids, config.attention_backend,
                                            config.cuda_graphs)
         self.generator = torch.Generator(device=self.device)
         # start and end of a round's draft on the device (CUDA): its share of the round without a host sync

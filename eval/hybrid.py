@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dflashkit.targets.loading import target_parts
+
 from .verifier import FP32Head, open_capture
 
 TREE_REFUSAL = ("tree verification is not supported for hybrid targets (linear-attention or recurrent layers "
@@ -71,14 +73,13 @@ class HybridChainVerifier:
     only; commit returns None (the kept nodes are always the leading ones); eager
     (the model's own cache grows and is cropped, so its steps are not captured as CUDA graphs)."""
 
-    def __init__(self, model: nn.Module, layer_ids: list[int]):
-        from dflashkit.targets.loading import find_decoder
-
-        self.model = model
-        self.decoder = find_decoder(model)
-        self.head = FP32Head(model)
-        self.capture = open_capture(model, layer_ids)
-        self.device = next(model.parameters()).device
+    def __init__(self, target, layer_ids: list[int]):
+        parts = target_parts(target)  # a TargetParts / Target, or a bare HF model
+        self.model = parts.model
+        self.decoder = parts.decoder
+        self.head = FP32Head(parts)
+        self.capture = open_capture(parts, layer_ids)
+        self.device = next(self.model.parameters()).device
         self.cache = None
         self._length = 0
         self._pending: tuple[torch.Tensor, list[dict]] | None = None

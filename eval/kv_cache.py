@@ -1,8 +1,8 @@
 """The target's KV cache during verification: preallocated per-layer buffers, and the compaction of kept nodes.
 
 Design choices:
-- One [b, Hkv, max_len, d] buffer per layer, allocated on the first write (its shape comes from the layer), so
-  every attention layer of any decoder fits; slots [0, length) are committed, the rest is free.
+- The runtime's static cache (targets/runtime/static_cache.py: one [b, Hkv, max_len, d] buffer per layer,
+  allocated on the first write, shaped after the layer); slots [0, length) are committed, the rest is free.
 - A forward writes its nodes at slots [P, P + N) and commits nothing. Keeping a path of nodes that are not the
   leading ones (a tree round) moves their K/V to slots P, P + 1, ... (`Compaction`): one gather and one scatter
   per layer and buffer, captured as one CUDA graph per node count on CUDA, run eagerly on the CPU.
@@ -12,41 +12,28 @@ from __future__ import annotations
 
 import torch
 
-from .graphs import Staging, capture_graph
+from dflashkit.targets.runtime.graphs import Staging, capture_graph
+from dflashkit.targets.runtime.static_cache import StaticKV
 
 
-class KVCache:
-    """Preallocated per-layer K/V of one batch of sequences; slots [0, length) are committed."""
+class KVCache(StaticKV):
+    """The runtime's static K/V for one batch of sequences; slots [0, length) are committed."""
 
     def __init__(self, max_len: int = 0):
-        self.max_len = max_len  # slots per layer (prompt + new tokens + one round of nodes)
-        self.keys: dict[int, torch.Tensor] = {}
-        self.values: dict[int, torch.Tensor] = {}
+        super().__init__(max_len, fix="evaluate shorter prompts or fewer --max-new-tokens")
         self.length = 0  # committed tokens
 
     def reserve(self, max_len: int) -> None:
         """Make room for max_len slots (buffers are reallocated on the next write when they grow; reset first)."""
         if max_len > self.max_len:
             self.max_len = max_len
-            self.keys.clear()
-            self.values.clear()
+            self.clear()
             self.length = 0
 
     def check_room(self, n: int) -> None:
         if self.length + n > self.max_len:
             raise RuntimeError(f"KV cache of {self.max_len} slots is full ({self.length} kept + {n} new); "
                                "reserve() prompt length + max_new_tokens + one round of nodes")
-
-    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store this round's K/V [b, Hkv, N, d] at `slots` (a device tensor, [N]); return the whole buffers."""
-        if layer not in self.keys:
-            b, hkv, _, d = key.shape
-            self.keys[layer] = key.new_zeros(b, hkv, self.max_len, d)
-            self.values[layer] = value.new_zeros(b, hkv, self.max_len, value.shape[-1])
-        self.keys[layer].index_copy_(2, slots, key)
-        self.values[layer].index_copy_(2, slots, value)
-        return self.keys[layer], self.values[layer]
 
     def reset(self) -> None:
         self.length = 0

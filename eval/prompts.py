@@ -1,7 +1,7 @@
 """Evaluation prompts: the opening user turn of each record, rendered with the target's chat template.
 
 Design choices:
-- Records come from dflashkit.extract.sources (builtin:mtbench, builtin:humaneval, builtin:sharegpt, .jsonl /
+- Records come from dflashkit.extract.data.sources (builtin:mtbench, builtin:humaneval, builtin:sharegpt, .jsonl /
   .json / .parquet files), so eval and extraction read data the same way.
 - A prompt is everything up to and including the first user turn (system turns before it kept); answers in
   the record are dropped: the target writes its own. MT-bench contributes its first turn.
@@ -59,7 +59,7 @@ def render(tokenizer, messages: list[dict], template_kwargs: dict | None = None)
 def load_prompts(spec: str, tokenizer, num_prompts: int | None = None, max_prompt_tokens: int | None = None,
                  template_kwargs: dict | None = None) -> list[Prompt]:
     """The first num_prompts usable prompts of a dataset spec (bad records are skipped)."""
-    from dflashkit.extract.sources import iter_records
+    from dflashkit.extract.data.sources import iter_records
 
     prompts = []
     for item in iter_records(spec):

@@ -9,7 +9,7 @@ Design choices:
   on neither side of the speedup. report["timing"] says where the run's wall time went, in seconds: load,
   prepare, reference, warm_up, speculative, baseline, other (report.json holds all but `report`, the writing of
   the report itself, which only the returned dict has).
-- A stop request (Ctrl-C, SIGTERM, time limit; eval/stopping.py) is honoured between prompts: the report then
+- A stop request (Ctrl-C, SIGTERM, time limit; dflashkit/stopping.py) is honoured between prompts: the report then
   covers the prompts done and says it is partial (report["partial"]); the caller exits non-zero. Once every
   prompt is done, a stop request no longer interrupts anything: the report is written in full.
 - Chat template kwargs render the prompts through the same call as extraction and training; when the drafter's
@@ -27,8 +27,9 @@ from pathlib import Path
 
 import torch
 
+from dflashkit.stopping import StopRequest
+
 from .engine import DecodeConfig, SpeculativeDecoder
-from .stopping import StopRequest
 
 
 def _versions(device) -> dict:

@@ -212,7 +212,7 @@ def run_sweep(server: str, datasets: list[str], num_prompts: int, concurrency: l
               temperature: float = 0.0, model: str | None = None, timeout: float = 300.0,
               out: str | Path | None = None) -> dict:
     """`dflashkit eval --server URL`: prompts from the datasets, results in out (serving.json, serving.md)."""
-    from dflashkit.extract.sources import iter_records
+    from dflashkit.extract.data.sources import iter_records
 
     from .prompts import opening_turns
 

@@ -16,7 +16,7 @@ Design choices:
 - Every step after the prefill (AR step, chain block, tree) runs on static buffers (`StaticStep`, one per shape:
   a chain of N nodes, or a tree padded to the budget) whose inputs are filled in place; the prefix length is a
   device tensor, positions and cache slots are derived from it inside the step, and the kernel's key range is
-  bounded by the cache size, not the prefix. On CUDA the step is captured once as a CUDA graph (eval/graphs.py)
+  bounded by the cache size, not the prefix. On CUDA the step is captured once as a CUDA graph (runtime/graphs.py)
   and replayed; on the CPU, or with cuda_graphs=False, the same code runs eagerly. A chain step takes its tokens
   from a device tensor (the drafts never visit the host); a tree step gets tokens, parents and depths in one
   staged copy and builds the ancestor mask inside the step. Padded tree nodes are roots of their own (parent
@@ -36,19 +36,21 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .graphs import Staging, capture_graph
+from dflashkit.targets.loading import target_parts
+from dflashkit.targets.runtime.graphs import Staging, capture_graph
+from dflashkit.targets.runtime.parts import TargetParts, attention_only
+from dflashkit.targets.runtime.static_cache import register_attention
+
 from .kv_cache import Compaction, KVCache
 from .tree import ancestor_mask
 from .tree_attention import tree_attention
 
 ATTENTION_NAME = "tree_attention"
-ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention"}
 
 
 @dataclass
@@ -92,37 +94,17 @@ def tree_attention_function(module: nn.Module, query, key, value, attention_mask
 
 
 def register_tree_attention() -> None:
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(ATTENTION_NAME, tree_attention_function)
-
-
-def is_hybrid(model: nn.Module) -> bool:
-    """True when some decoder layers are not attention (linear attention, Mamba, short convolutions)."""
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    layer_types = getattr(config, "layer_types", None) or []
-    return any(t not in ATTENTION_LAYER_TYPES for t in layer_types)
-
-
-def capture_parts(model: nn.Module) -> SimpleNamespace:
-    """What dflashkit.targets.capture.LayerCapture needs of a target, for a bare Hugging Face model."""
-    from dflashkit.targets.loading import find_decoder
-
-    decoder = find_decoder(model)
-    return SimpleNamespace(model=model, layers=decoder.layers, final_norm=decoder.norm,
-                           num_layers=len(decoder.layers))
+    register_attention(ATTENTION_NAME, tree_attention_function)
 
 
 class FP32Head:
     """logits = final hidden state (upcast) @ lm_head weight (fp32 copy), then the target's final softcap."""
 
-    def __init__(self, model: nn.Module):
-        lm_head = model.get_output_embeddings()
-        self.weight = lm_head.weight.detach().float()  # the same tensor when the target is fp32
-        bias = getattr(lm_head, "bias", None)
+    def __init__(self, parts: TargetParts):
+        self.weight = parts.lm_head.weight.detach().float()  # the same tensor when the target is fp32
+        bias = getattr(parts.lm_head, "bias", None)
         self.bias = bias.detach().float() if bias is not None else None
-        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-        self.softcap = getattr(config, "final_logit_softcapping", None)
+        self.softcap = getattr(parts.config, "final_logit_softcapping", None)
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = F.linear(hidden.float(), self.weight, self.bias)
@@ -131,11 +113,11 @@ class FP32Head:
         return logits
 
 
-def open_capture(model: nn.Module, layer_ids: list[int]):
+def open_capture(parts: TargetParts, layer_ids: list[int]):
     """LayerCapture in hooks-only mode, entered (hooks on); leave it with .__exit__()."""
     from dflashkit.targets.capture import LayerCapture
 
-    return LayerCapture(capture_parts(model), layer_ids, early_exit=False).__enter__()
+    return LayerCapture(parts, layer_ids, early_exit=False).__enter__()
 
 
 class StaticStep:
@@ -213,18 +195,18 @@ class TargetVerifier:
     reserve(n) before a sequence makes room for n cache slots; prepare(shapes) captures the static steps of a run.
     """
 
-    def __init__(self, model: nn.Module, layer_ids: list[int], backend: str = "auto", cuda_graphs: bool = True):
-        if is_hybrid(model):
+    def __init__(self, target, layer_ids: list[int], backend: str = "auto", cuda_graphs: bool = True):
+        parts = target_parts(target)  # a TargetParts / Target, or a bare HF model
+        model = parts.model
+        if not attention_only(parts):
             raise ValueError(f"{type(model).__name__} has non-attention layers; use HybridChainVerifier")
-        from dflashkit.targets.loading import find_decoder
-
         register_tree_attention()
         self.model = model
-        self.decoder = find_decoder(model)
-        self.head = FP32Head(model)
+        self.decoder = parts.decoder
+        self.head = FP32Head(parts)
         self.backend = backend
         self.cache = KVCache()
-        self.capture = open_capture(model, layer_ids)
+        self.capture = open_capture(parts, layer_ids)
         spread = len({str(d) for d in (getattr(model, "hf_device_map", None) or {}).values()}) > 1
         self.cuda_graphs = cuda_graphs and not spread  # replay decode steps as CUDA graphs (one CUDA device)
         self.steps: dict[tuple[int, bool], StaticStep] = {}  # (nodes, chain) -> its static step

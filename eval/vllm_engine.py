@@ -125,7 +125,9 @@ def wait_for_gpu_memory_to_settle(limit_s: float = 60.0) -> None:
 def start_engine(api: VllmApi, **kwargs):
     """api.llm_factory(**kwargs), once more after the GPU settles if the engine core failed to start: seen on an
     H200, the engine before it was still freeing memory while this one profiled (vllm/v1/worker/gpu_worker.py
-    asserts that free memory did not grow during its start-up profiling)."""
+    asserts that free memory did not grow during its start-up profiling). The first try waits for the GPU to
+    settle too: a process that ran on it just before may still be freeing its memory."""
+    wait_for_gpu_memory_to_settle()
     try:
         return api.llm_factory(**kwargs)
     except RuntimeError as error:
@@ -224,7 +226,7 @@ def timed_generate(llm, api: VllmApi, requests: list[tuple[str, list[int]]], wav
 
 def multi_turn_prompts(datasets: list[str], num_prompts: int) -> list[tuple[str, list[dict], str]]:
     """(id, opening turns, second user turn) of the records that have a second user turn (MT-bench does)."""
-    from dflashkit.extract.sources import iter_records
+    from dflashkit.extract.data.sources import iter_records
 
     from .prompts import opening_turns
 

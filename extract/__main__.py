@@ -9,57 +9,22 @@ Several GPUs (each rank takes every world_size-th sample and writes its own shar
 A run killed at any point continues with the same command plus --resume; --overwrite replaces what --out holds.
 One run per --out: a second one stops at once naming the first (pid, host); the ranks of one launch share it.
 
-Design choices:
-- Samples are ordered by their index in the data. Rank r takes the indices i with i % world_size == r, in windows
-  of --bucket-window samples; each window is sorted by length and cut into batches of at most --batch-tokens
-  padded tokens (length bucketing). The plan depends only on the data and these flags, so a resumed run re-plans
-  the same batches and skips those whose samples a shard already holds.
-- Features are captured by ``capture.LayerCapture`` (hooks, early exit) and packed to real tokens (an index
-  gather, no wait for the device) before they leave the device; ``writer.ShardWriter`` copies them to host
-  staging buffers and writes several shards at once on background threads, so the forward waits only for a
-  full disk queue.
-- Tokenizing (chat template rendering) can run in worker processes (--tokenize-workers), one window ahead of
-  the forward passes.
-- Bad records are skipped and counted by reason (--on-bad skip) or stop the run naming file:line (--on-bad fail).
+The run itself (how samples are batched, captured and written) is ``dflashkit.extract.run``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
 import sys
-import time
-from pathlib import Path
-
-import torch
 
 from dflashkit.drafter.config import DEFAULT_NUM_HIDDEN_LAYERS
 from dflashkit.errors import UserError
-
-from . import batching
-from .chat import SKIP_REASONS, BadSample, ChatConfig, chat_template_hash, tokenizer_hash
-from .shards import CODECS, MANIFEST, SCHEMA_VERSION, update_totals, write_manifest
-from .writer import ShardWriteError, ShardWriter, merge_manifests, prepare_resume
-
-# manifest fields a resumed run must agree on (dotted paths)
-RESUME_FIELDS = ("target.config_hash", "target.weights_hash", "tokenizer_hash", "chat_template_hash",
-                 "template_kwargs", "target_layer_ids", "codec", "store_last_hidden", "data", "args.max_length",
-                 "args.overlong", "args.limit", "args.split", "args.bucket_window", "world_size")
-
-
-def parse_size(text: str) -> int:
-    """'512MB' / '2GB' / '64KB' (powers of 1024) or a plain byte count -> bytes."""
-    t = text.strip().upper().removesuffix("IB").removesuffix("B")
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}.get(t[-1:], 1)
-    try:
-        value = float(t[:-1] if mult > 1 else t) * mult
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"size {text!r}: use a number of bytes or e.g. 512MB, 2GB") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"size {text!r} must be positive")
-    return int(value)
+from dflashkit.extract.data.chat import BadSample
+from dflashkit.extract.run import extract, parse_size
+from dflashkit.extract.shards.format import CODECS
+from dflashkit.extract.shards.writer import ShardWriteError
 
 
 def parse_layer_ids(text: str) -> list[int]:
@@ -114,227 +79,6 @@ def build_parser() -> argparse.ArgumentParser:
                         "replaced)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
-
-
-def _dist():
-    """(rank, world_size, local_rank); joins the process group when launched with several processes."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world == 1:
-        return 0, 1, 0
-    import datetime
-
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend, timeout=datetime.timedelta(hours=6))
-    return dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0"))
-
-
-def _barrier(world: int):
-    if world > 1:
-        import torch.distributed as dist
-
-        dist.barrier()
-
-
-def _get(d: dict, dotted: str):
-    for part in dotted.split("."):
-        d = d.get(part) if isinstance(d, dict) else None
-    return d
-
-
-def _check_resume(old: dict, new: dict, out: Path) -> None:
-    for field in RESUME_FIELDS:
-        if _get(old, field) != _get(new, field):
-            raise ValueError(f"--resume: {out} was extracted with {field}={_get(old, field)!r}, this run has "
-                             f"{_get(new, field)!r}; resume with the original settings or write to a new --out")
-
-
-def _summary(manifest: dict, out: Path, seconds: float, tokens_this_run: int) -> str:
-    t = manifest["totals"]
-    skipped = ", ".join(f"{k} {v}" for k, v in sorted(manifest["skipped"].items()) if v) or "none"
-    notes = ", ".join(f"{k} {v}" for k, v in sorted(manifest.get("notes", {}).items()) if v) or "none"
-    return (f"extract: {t['samples']} samples, {t['tokens']} tokens ({t['loss_tokens']} supervised), "
-            f"{t['shards']} shards, {t['bytes'] / 2**20:.1f} MiB, {t['bytes_per_token'] or 0:.0f} bytes/token "
-            f"({manifest['codec']}), {tokens_this_run / max(seconds, 1e-9):.0f} tokens/s in this run\n"
-            f"  skipped: {skipped}\n  notes: {notes}\n  written to {out}")
-
-
-def extraction_problem(path: Path) -> str | None:
-    """Why the directory ``path`` does not hold an extraction (files this command writes), or None."""
-    from dflashkit.outputs import describe_foreign, foreign_entries
-
-    def owned(name: str) -> bool:
-        return (name == MANIFEST or (name.startswith("manifest.rank") and name.endswith(".json"))
-                or (name.startswith("shard-") and name.endswith(".safetensors"))
-                or (name.startswith((".shard-", ".manifest")) and name.endswith(".tmp")))
-
-    foreign = foreign_entries(path, owned)
-    return describe_foreign(foreign) if foreign else None
-
-
-def _clear_output(out: Path, rank: int, world: int) -> None:
-    """--overwrite: rank 0 empties --out (all but the lock) before any rank writes."""
-    import shutil
-
-    from dflashkit.outputs import LOCK_NAME
-
-    if rank == 0:
-        for p in out.iterdir():
-            if p.name != LOCK_NAME:
-                shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
-    _barrier(world)
-
-
-def extract(target: str, data: list[str], out, *, overwrite: bool = False, **kwargs) -> dict:
-    """Extract the features of ``target`` for the records of ``data`` into shards in ``out``; return the
-    manifest. The keyword arguments are the command's flags (see ``build_parser`` and ``_extract``);
-    ``overwrite`` replaces what ``out`` holds. The run holds the lock on ``out`` (dflashkit/outputs.py)."""
-    from dflashkit.outputs import OutputLock
-
-    with OutputLock(out, "extract"):
-        return _extract(target, data, out, overwrite=overwrite, **kwargs)
-
-
-def _extract(target: str, data: list[str], out, *, overwrite: bool = False, layer_ids: list[int] | None = None,
-            num_taps: int = DEFAULT_NUM_HIDDEN_LAYERS,
-            dtype: str | None = None, device: str | None = None, device_map: str | None = None,
-            trust_remote_code: bool = False, split: str | None = None, limit: int | None = None,
-            chat_template: str | None = None, chat_template_kwargs: dict | None = None,
-            max_length: int | None = None, overlong: str = "truncate", on_bad: str = "skip",
-            batch_tokens: int = 16384, max_batch_size: int = 64, bucket_window: int = 4096,
-            tokenize_workers: int = 0, shard_size: int = 512 << 20, staging_size: int = 4 << 30,
-            codec: str = "bf16", store_last_hidden: bool = False, resume: bool = False,
-            progress: bool = True) -> dict:
-    """Extract the features of ``target`` for the records of ``data`` into shards in ``out``; return the
-    manifest. The parameters are the command's flags (see ``build_parser``); ``chat_template`` is the path of a
-    Jinja file, ``chat_template_kwargs`` a dict, sizes are bytes."""
-    from dflashkit.drafter import check_target_layer_ids
-    from dflashkit.targets.capture import LayerCapture
-    from dflashkit.targets.loading import load_target
-
-    from .chat import check_template
-    from .sources import check_has_records, describe_sources
-
-    rank, world, local_rank = _dist()
-    out = Path(out)
-    data = [str(data)] if isinstance(data, (str, Path)) else [str(d) for d in data]
-    if not device:
-        device = f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
-    torch_dtype = getattr(torch, dtype or ("bfloat16" if str(device).startswith("cuda") else "float32"))
-    if device_map and world > 1:
-        raise ValueError("--device-map spreads one target over the GPUs of one process; with several processes "
-                         "each rank loads its own copy on its GPU: drop --device-map or launch one process")
-    template_kwargs = dict(chat_template_kwargs or {})
-    cfg = ChatConfig(max_length=max_length, overlong=overlong, template_kwargs=template_kwargs,
-                     chat_template=Path(chat_template).read_text() if chat_template else None)
-    if not resume and out.exists() and ((out / MANIFEST).exists() or any(out.glob("shard-*.safetensors"))
-                                        or any(out.glob("manifest.rank*.json"))):
-        if not overwrite:
-            raise ValueError(f"{out} already holds an extraction: add --resume to continue it, --overwrite to replace "
-                             f"it, or pick another --out")
-    if resume and overwrite:
-        raise ValueError("--resume continues what --out holds and --overwrite replaces it: pass one of them")
-    from dflashkit.outputs import check_output_dir
-
-    replace = check_output_dir(out, what="an extraction", problem=extraction_problem, overwrite=overwrite)
-    check_has_records(data, split)  # an empty data file stops here, before the target is loaded
-
-    target = load_target(target, dtype=torch_dtype, device=device, device_map=device_map,
-                         trust_remote_code=trust_remote_code)
-    # default taps: evenly spaced (docs/ARCHITECTURE.md); a target too shallow for that many distinct taps gets fewer
-    layer_ids = list(layer_ids) if layer_ids else sorted(set(target.default_layer_ids(num_taps)))
-    layer_ids = check_target_layer_ids(layer_ids, target.num_layers)
-    tok = target.tokenizer
-    if cfg.chat_template or getattr(tok, "chat_template", None):
-        check_template(tok, cfg)  # fails here, before any work, when assistant spans cannot be marked
-    manifest = {
-        "schema_version": SCHEMA_VERSION, "format": "dflashkit-shards", "complete": False,
-        "target": target.identity(), "family": target.family, "tokenizer_hash": tokenizer_hash(tok),
-        "chat_template_hash": chat_template_hash(tok, cfg), "template_kwargs": template_kwargs,
-        "target_layer_ids": layer_ids, "num_target_layers": target.num_layers, "hidden_size": target.hidden_size,
-        "vocab_size": target.vocab_size, "feature_dim": len(layer_ids) * target.hidden_size, "codec": codec,
-        "store_last_hidden": bool(store_last_hidden), "dtype": str(torch_dtype).removeprefix("torch."),
-        "data": describe_sources(data), "world_size": world,
-        "args": {"max_length": max_length, "overlong": overlong, "on_bad": on_bad, "limit": limit, "split": split,
-                 "batch_tokens": batch_tokens, "max_batch_size": max_batch_size, "bucket_window": bucket_window,
-                 "shard_size": shard_size},
-        "skipped": {}, "notes": {}, "shards": []}
-    done: set[int] = set()
-    if resume:
-        old = prepare_resume(out, rank, world)
-        if old is not None:
-            _check_resume(old, manifest, out)
-            manifest["shards"] = old["shards"]
-            done = {i for s in old["shards"] for i in s["sample_indices"]}
-
-    if replace and overwrite:
-        _clear_output(out, rank, world)
-    writer = ShardWriter(out, manifest, rank=rank, world_size=world, shard_bytes=shard_size,
-                         staging_bytes=staging_size)
-    skipped = {r: 0 for r in SKIP_REASONS}
-    notes = {"dropped_leading_assistant_turns": 0, "truncated": 0}
-    started = time.time()
-    total = batching.count_rank_records(data, split, limit, rank, world)
-    bar = None
-    if rank == 0 and progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=total * world if total is not None else None, unit="sample", dynamic_ncols=True,
-                   desc="extract", initial=len(done) * world)
-    tokens_done = 0
-    try:
-        with LayerCapture(target, layer_ids, store_last_hidden=store_last_hidden) as capture:
-            windows = batching.encoded_windows(data, split, limit, bucket_window, tokenize_workers, tok, cfg, rank,
-                                               world)
-            for window in windows:
-                for bad in window.bad:
-                    if on_bad == "fail":
-                        raise BadSample(bad.reason, bad.detail, bad.where)
-                    skipped[bad.reason] += 1
-                for s in window.samples:
-                    notes["dropped_leading_assistant_turns"] += s.dropped_leading_turns
-                    notes["truncated"] += int(s.truncated)
-                counts = {"skipped": dict(skipped), "notes": dict(notes)}
-                for batch in batching.plan_batches(window.samples, batch_tokens, max_batch_size):
-                    todo = [s for s in batch if s.index not in done]
-                    if todo:
-                        ids, _ = batching.pad_batch(todo, device)
-                        hidden, last_hidden = capture(ids)  # right padding: no mask needed (pad_batch)
-                        lengths = [len(s.input_ids) for s in todo]
-                        keep = batching.real_token_index(lengths, ids.shape[1], hidden.device)
-                        writer.add_batch([s.index for s in todo], lengths, [t for s in todo for t in s.input_ids],
-                                         [m for s in todo for m in s.loss_mask],
-                                         hidden.flatten(0, 1).index_select(0, keep),
-                                         last_hidden.flatten(0, 1).index_select(0, keep)
-                                         if last_hidden is not None else None,
-                                         where=[s.where for s in todo], counts=counts)
-                        tokens_done += sum(lengths)
-                    if bar is not None:
-                        bar.update(len(batch) * world)
-                        bar.set_postfix_str(f"{tokens_done * world / max(time.time() - started, 1e-9):,.0f} tok/s")
-        manifest = writer.close()
-    except BaseException:
-        writer.abort()
-        raise
-    finally:
-        if bar is not None:
-            bar.close()
-    manifest.update(skipped=skipped, notes=notes, complete=True)
-    update_totals(manifest)
-    write_manifest(writer.manifest_path, manifest)
-    _barrier(world)
-    if world > 1:
-        if rank == 0:
-            manifest = merge_manifests(out, world, manifest)
-        _barrier(world)
-        manifest = json.loads((out / MANIFEST).read_text())
-    if rank == 0:
-        print(_summary(manifest, out, time.time() - started, tokens_done * world), file=sys.stderr)
-    return manifest
 
 
 def main(argv=None) -> int:

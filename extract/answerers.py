@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from .chat import BadSample, ChatConfig, end_of_turn_token, render
+from dflashkit.extract.data.chat import BadSample, ChatConfig, end_of_turn_token, render
 
 Chunk = list[tuple[int, list[dict]]]  # conversations answered together: (record index, its turns)
 
@@ -27,8 +27,9 @@ class TargetGenerator:
                  dtype: str | None = None, device: str | None = None, cuda_graph: bool = True,
                  decode_attention: str = "triton"):
         from dflashkit.targets.loading import load_target
+        from dflashkit.targets.runtime.parts import attention_only
 
-        from .generator import SlotGenerator, supports_slots
+        from .generator import SlotGenerator
 
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         torch_dtype = getattr(torch, dtype or ("bfloat16" if device.startswith("cuda") else "float32"))
@@ -44,8 +45,8 @@ class TargetGenerator:
         self.device = device
         self.name = self.target.path
         self.slots = None
-        if supports_slots(self.target.model):
-            self.slots = SlotGenerator(self.target.model, self.stop_ids, num_slots=batch_size,
+        if attention_only(self.target):
+            self.slots = SlotGenerator(self.target, self.stop_ids, num_slots=batch_size,
                                        temperature=temperature, top_p=top_p, top_k=top_k, cuda_graph=cuda_graph,
                                        decode_attention=decode_attention)
 

@@ -30,11 +30,11 @@ Design choices:
 - The decode step (forward, sampling, position update) is one function. On a GPU it is captured as a CUDA
   graph (per attended length) and replayed; on the CPU (and where capture fails, e.g. data-dependent MoE
   routing) the same function runs eagerly, so the CPU tests cover the captured maths.
-- Sampling follows Hugging Face's order: temperature, top-k, top-p; a token is drawn as argmax(p / E) with
-  E ~ Exp(1) (the exponential-race form of a categorical draw), from the default generator seeded per call.
-  Greedy takes the argmax of float32 logits.
+- Sampling (temperature, top-k, top-p; an exponential-race draw from the default generator, seeded per call;
+  greedy: the argmax of float32 logits) is the target runtime's (dflashkit/targets/runtime/sampling.py).
 - Targets with recurrent layers (linear attention: Qwen3.5, Qwen3-Next) have state that is not a K/V cache;
-  ``supports_slots`` says no for them and ``regenerate`` uses Hugging Face ``generate`` instead.
+  ``attention_only`` (targets/runtime/parts.py) says no for them and ``regenerate`` uses Hugging Face
+  ``generate`` instead.
 """
 
 from __future__ import annotations
@@ -45,45 +45,14 @@ from collections import deque
 import numpy as np
 import torch
 
-from dflashkit.targets.loading import cache_kwargs
+from dflashkit.targets.loading import cache_kwargs, target_parts
+from dflashkit.targets.runtime.graphs import capture_graph
+from dflashkit.targets.runtime.parts import attention_only, layer_types
+from dflashkit.targets.runtime.sampling import sample_next
+from dflashkit.targets.runtime.static_cache import AttentionSwitch
 
 from .decode_attention import triton_available
-from .slot_cache import ATTENTION_NAME, SlotCache, SlotDecode, register_attention
-
-_ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention"}
-
-
-def _text_config(config):
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
-
-
-def supports_slots(model) -> bool:
-    """True when every decoder layer is (full or sliding-window) attention, i.e. its state is a K/V cache."""
-    layer_types = getattr(_text_config(model.config), "layer_types", None) or ["full_attention"]
-    return set(layer_types) <= _ATTENTION_LAYER_TYPES
-
-
-# ---------------------------------------------------------------- sampling
-
-
-def sample_next(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
-    """Next token per row from [B, V] logits: argmax if temperature == 0, else a draw after HF's warpers."""
-    logits = logits.float()
-    if temperature <= 0:
-        return logits.argmax(dim=-1)
-    logits = logits / temperature
-    if 0 < top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1)  # ascending
-        remove = sorted_logits.softmax(dim=-1).cumsum(dim=-1) <= 1 - top_p
-        remove[..., -1] = False  # the most likely token always stays
-        logits = logits.masked_fill(remove.scatter(-1, order, remove), float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    race = torch.empty_like(probs).exponential_(1.0).clamp_min_(torch.finfo(torch.float32).tiny)  # never 0 / 0
-    return (probs / race).argmax(dim=-1)
-
+from .slot_cache import ATTENTION_NAME, SlotCache, SlotDecode, register_slot_attention
 
 # ---------------------------------------------------------------- the generator
 
@@ -91,7 +60,7 @@ def sample_next(logits: torch.Tensor, temperature: float, top_k: int, top_p: flo
 class SlotGenerator:
     """Continuous-batching generation over `num_slots` static cache rows (see the module docstring)."""
 
-    def __init__(self, model, stop_ids: list[int], num_slots: int = 64, temperature: float = 0.0,
+    def __init__(self, target, stop_ids: list[int], num_slots: int = 64, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, cuda_graph: bool = True, prefill_tokens: int = 32768,
                  length_step: int = 128, decode_attention: str = "triton"):
         if decode_attention not in ("sdpa", "triton"):
@@ -99,22 +68,22 @@ class SlotGenerator:
         if num_slots < 1 or length_step < 1 or prefill_tokens < 1:
             raise ValueError(f"num_slots ({num_slots}), length_step ({length_step}) and prefill_tokens "
                              f"({prefill_tokens}) must be >= 1")
-        if not supports_slots(model):
+        parts = target_parts(target)  # a Target, or a bare HF model
+        model = parts.model
+        if not attention_only(parts):
             raise ValueError(f"{type(model).__name__} has non-attention layers (linear attention); use Hugging "
                              "Face generate for it")
-        register_attention()
+        register_slot_attention()
         self.model, self.stop_ids, self.num_slots = model, set(stop_ids), num_slots
         self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
         self.prefill_tokens = prefill_tokens  # padded prompt tokens per prefill forward
         self.length_step = length_step  # cache length and attended lengths are multiples of it (one graph each)
         self.device = next(model.parameters()).device
-        self.dtype = model.get_input_embeddings().weight.dtype  # the activations' dtype
-        text = _text_config(model.config)
-        window = getattr(text, "sliding_window", None)
-        sliding = "sliding_attention" in (getattr(text, "layer_types", None) or [])
-        self.window = int(window) if (sliding and window) else None
-        layer_types = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
-        self.layer_windows = tuple(self.window if t == "sliding_attention" else None for t in layer_types)
+        self.dtype = parts.embed_tokens.weight.dtype  # the activations' dtype
+        types = layer_types(parts.config)
+        window = getattr(parts.config, "sliding_window", None)
+        self.window = int(window) if ("sliding_attention" in types and window) else None
+        self.layer_windows = tuple(self.window if t == "sliding_attention" else None for t in types)
         # the kernel where it can run (a GPU; any device under TRITON_INTERPRET=1), else the SDPA path
         self.decode_attention = "triton" if decode_attention == "triton" and triton_available(self.device) else "sdpa"
         self.kernel_layers = 0  # how many layers the last traced decode step ran through the kernel
@@ -127,8 +96,7 @@ class SlotGenerator:
         self.cache: SlotCache | None = None
         self._graphs: dict[int, object] = {}  # attended length -> captured decode step
         self._pool = None  # the graphs share one memory pool
-        self._configs = list({id(c): c for c in [model.config, *(getattr(m, "config", None) for m in model.modules())]
-                              if c is not None and hasattr(c, "_attn_implementation")}.values())
+        self._attention = AttentionSwitch(model)  # our attention function for our forwards only
         self.tok = torch.zeros(num_slots, dtype=torch.long, device=self.device)  # the token each slot feeds next
         self.pos = torch.zeros(num_slots, dtype=torch.long, device=self.device)  # its position (= cache column)
         # which slots hold a request (the decode kernel reads one column of the others; the SDPA path ignores it)
@@ -141,22 +109,14 @@ class SlotGenerator:
         return {"full_attention": allowed_full, "sliding_attention": allowed_window}
 
     def _forward(self, input_ids, position_ids, mask, **attention_kwargs):
-        impl = self._configs_with_impl(ATTENTION_NAME)
+        # the model is shared (e.g. with Hugging Face generate), so the switch lasts for one forward only
+        previous = self._attention.set(ATTENTION_NAME)
         try:
             out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
                              logits_to_keep=1, **cache_kwargs(self.model, self.cache), **attention_kwargs)
         finally:
-            self._configs_with_impl(impl)
+            self._attention.set(previous)
         return out.logits[:, -1]
-
-    def _configs_with_impl(self, names):
-        """Point every config of the model at attention `names` (one name, or one per config); return the old ones.
-
-        The model is shared (e.g. with Hugging Face generate), so the switch lasts for one forward only."""
-        old = [c._attn_implementation for c in self._configs]
-        for c, name in zip(self._configs, names if isinstance(names, list) else [names] * len(self._configs)):
-            c._attn_implementation = name
-        return old
 
     # ---- the decode step: the function the CUDA graph captures
     def _decode_step(self, length: int) -> None:
@@ -180,7 +140,7 @@ class SlotGenerator:
                 print(f"generator: no layer of {type(self.model).__name__} ran the decode kernel; decoding with "
                       "SDPA", file=sys.stderr)
                 self.decode_attention = "sdpa"
-        self.tok.copy_(sample_next(logits, self.temperature, self.top_k, self.top_p))
+        self.tok.copy_(sample_next(logits, self.temperature, self.top_p, self.top_k))
         self.pos.copy_(columns + 1)
 
     def _step(self, length: int) -> None:
@@ -194,15 +154,7 @@ class SlotGenerator:
     def _capture(self, length: int) -> None:
         saved = (self.tok.clone(), self.pos.clone())
         try:
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):  # warm-up outside the graph (allocations, lazy inits)
-                    self._decode_step(length)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                self._decode_step(length)
+            graph, _ = capture_graph(lambda: self._decode_step(length), self.device, self._pool)
             self._pool = graph.pool()
             self._graphs[length], self.graphed = graph, True
         except RuntimeError as e:  # e.g. MoE routing that needs the host: run the same step eagerly
@@ -234,7 +186,7 @@ class SlotGenerator:
         self.cache.prefill(torch.tensor(slots, dtype=torch.long, device=self.device), shift)
         mask = self._masks(full[:, None], None if window is None else window[:, None])
         logits = self._forward(ids.to(self.device), positions, mask)
-        first = sample_next(logits, self.temperature, self.top_k, self.top_p)
+        first = sample_next(logits, self.temperature, self.top_p, self.top_k)
         index = torch.tensor(slots, dtype=torch.long, device=self.device)
         self.tok[index] = first
         self.pos[index] = torch.tensor(lengths, dtype=torch.long, device=self.device)

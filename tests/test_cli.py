@@ -54,5 +54,5 @@ def test_every_module_entry_point_goes_through_run_main():
         if name == "demo":  # the demo's stages are these commands; its own errors are user errors of its flags
             continue
         package, *rest = module.split(".")[1:]
-        path = root / folders[package] / (rest[0] + ".py" if rest else "__init__.py")
+        path = root / folders[package] / ("/".join(rest) + ".py" if rest else "__init__.py")
         assert f'run_main("dflashkit {name}", main)' in path.read_text(), f"{path}: use dflashkit.cli.run_main"

@@ -27,8 +27,8 @@ def test_stage_calls_chain_the_run_directory(tmp_path):
 def test_every_keyword_is_a_parameter_of_its_library_function(tmp_path):
     from dflashkit.demo import evaluate
     from dflashkit.eval.run import run_eval
-    from dflashkit.extract.__main__ import extract
     from dflashkit.extract.regenerate import regenerate
+    from dflashkit.extract.run import extract
     from dflashkit.train.config import load_config
 
     def binds(function, kwargs, partial=False):

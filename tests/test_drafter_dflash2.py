@@ -143,12 +143,12 @@ def test_export_loads_with_automodel_without_dflashkit(tmp_path):
 def test_the_base_convolution_kernels_are_never_weight_decayed():
     """They start as the identity tap: decay would pull each layer's convolutions towards zero (AdamW and Muon)."""
     from dflashkit.train.muon import muon_param_groups
-    from dflashkit.train.trainer import _param_groups
+    from dflashkit.train.setup import param_groups
 
     model = build_drafter(DrafterConfig.for_target(TARGET, block_size=4, mask_token_id=319, num_hidden_layers=1,
                                                    **DFLASH2))
     names = {id(p): n for n, p in model.named_parameters()}
-    for groups in (_param_groups(model, 0.1), muon_param_groups(model, lr=1e-3, muon_lr=0.0, weight_decay=0.1)):
+    for groups in (param_groups(model, 0.1), muon_param_groups(model, lr=1e-3, muon_lr=0.0, weight_decay=0.1)):
         decayed = {names[id(p)] for g in groups if g["weight_decay"] for p in g["params"]}
         kernels = {n for n in names.values() if n.endswith("base_kernel")}
         assert kernels and not kernels & decayed and "layers.0.self_attn.q_proj.weight" in decayed

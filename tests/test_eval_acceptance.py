@@ -5,8 +5,9 @@ import math
 
 import torch
 
-from dflashkit.eval.acceptance import greedy_accept, sampled_accept_chain
+from dflashkit.eval.acceptance import greedy_accept
 from dflashkit.eval.tree import DraftTree, ancestor_mask, build_tree
+from dflashkit.targets.runtime.sampling import sampled_accept_chain
 
 
 def test_greedy_accept_walks_the_tree():

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from dflashkit.eval.hybrid import HybridChainVerifier
-from dflashkit.eval.verifier import TargetVerifier, is_hybrid
+from dflashkit.eval.verifier import TargetVerifier
 from dflashkit.targets.loading import load_target
+from dflashkit.targets.runtime.parts import attention_only
 
 from conftest import capture_features, save_tiny_target
 
@@ -18,7 +19,7 @@ LAYER_IDS = [3, 1]  # 4 layers: 3 is L - 1, and out of order as a drafter may li
 
 
 def _verifier(target):
-    if is_hybrid(target.model):
+    if not attention_only(target.model):
         return HybridChainVerifier(target.model, LAYER_IDS)
     verifier = TargetVerifier(target.model, LAYER_IDS, backend="torch")
     verifier.reserve(64)
@@ -28,7 +29,7 @@ def _verifier(target):
 @pytest.mark.parametrize("family", ["llama", "qwen3_5_text"])
 def test_verifier_features_equal_extraction_features(family, tmp_path):
     target = load_target(save_tiny_target(family, tmp_path / family))
-    assert is_hybrid(target.model) == (family == "qwen3_5_text")
+    assert (not attention_only(target.model)) == (family == "qwen3_5_text")
     sequence = torch.randint(4, 244, (20,), generator=torch.Generator().manual_seed(0))
     extracted, _ = capture_features(target, sequence[None], None, LAYER_IDS)  # what extraction stores
     extracted = extracted[0]

@@ -129,7 +129,7 @@ def test_mismatched_drafter_is_refused(pair, tmp_path, capsys):
 def test_chat_template_kwargs_render_as_extraction_does(pair):
     from test_extract_chat import QWEN3
 
-    from dflashkit.extract.chat import ChatConfig, render
+    from dflashkit.extract.data.chat import ChatConfig, render
 
     _, tokenizer = pair
     qwen = tf.AutoTokenizer.from_pretrained(tokenizer.name_or_path)

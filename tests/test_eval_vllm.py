@@ -174,3 +174,19 @@ def test_bench_vllm_runs_every_part_on_the_twin(tmp_path):
         assert row["projected_speedup"] == pytest.approx(
             projection["expected_tokens_per_step"] * row["t_ar_step_ms"] / row["t_spec_step_ms"])
     assert json.loads((tmp_path / "f_server.json").read_text())["ran"] is False
+
+    # (a) afterwards: the tau part compares the serve report with a dflashkit eval of the same pair and prompts,
+    # which the twin (dflashkit's own chain decoder inside) must match
+    from dflashkit.eval.__main__ import main as eval_main
+
+    assert eval_main(["--target", str(tmp_path / "toy" / "target"), "--drafter", str(tmp_path / "toy" / "drafter"),
+                      "--dataset", str(tmp_path / "toy" / "chats.jsonl"), "--num-prompts", "3",
+                      "--max-new-tokens", "6", "--device", "cpu", "--dtype", "float32", "--baseline-prompts", "0",
+                      "--out", str(tmp_path / "dk")]) == 0
+    assert bench.main(["--parts", "tau", "--out", str(tmp_path), "--dflashkit-report",
+                       str(tmp_path / "dk" / "report.json")]) == 0
+    tau = json.loads((tmp_path / "a_tau.json").read_text())
+    assert tau["tau_dflashkit"] == pytest.approx(tau["tau_vllm"]) and tau["within_3_percent"] is True
+    assert tau["dflashkit_scope"] == str(tmp_path / "toy" / "chats.jsonl")  # the served dataset's own tau
+    assert bench.main(["--parts", "tau", "--out", str(tmp_path / "empty")]) == 1
+    assert "run --parts serve first" in (tmp_path / "empty" / "tau.error.json").read_text()

@@ -12,7 +12,7 @@ import functools
 
 import pytest
 
-from dflashkit.extract.chat import (
+from dflashkit.extract.data.chat import (
     BadSample,
     ChatConfig,
     NoChatTemplate,

@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from dflashkit.extract.__main__ import main
-from dflashkit.extract.shards import ShardDataset, read_manifest
-from dflashkit.extract.verify import verify_dataset
+from dflashkit.extract.shards.manifest import read_manifest
+from dflashkit.extract.shards.reader import ShardDataset
+from dflashkit.extract.shards.verify import verify_dataset
 
 from conftest import chat_records, save_tiny_chat_target, write_jsonl
 from tests.conftest import run_until_paused

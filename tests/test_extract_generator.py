@@ -12,8 +12,10 @@ import torch
 from test_extract_regenerate import RECORDS
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from dflashkit.extract.generator import SlotGenerator, sample_next, supports_slots
+from dflashkit.extract.generator import SlotGenerator
 from dflashkit.targets.loading import load_target
+from dflashkit.targets.runtime.parts import attention_only
+from dflashkit.targets.runtime.sampling import sample_next
 
 from conftest import TINY_FAMILIES, save_tiny_chat_target, save_tiny_target
 
@@ -56,7 +58,7 @@ def test_greedy_equals_hf_generate(family, tiny_root):
 def test_recurrent_families_are_left_to_hf_generate(tiny_root):
     for family in ("qwen3_5_text", "qwen3_next"):
         model = load_target(save_tiny_target(family, tiny_root / family)).model
-        assert not supports_slots(model)
+        assert not attention_only(model)
         with pytest.raises(ValueError, match="linear attention"):
             SlotGenerator(model, [3])
 
@@ -185,12 +187,12 @@ def test_bad_generation_flags_say_what_to_give(tmp_path, capsys):
 
 def test_sample_next_greedy_and_seeded():
     logits = torch.randn(5, 50)
-    assert torch.equal(sample_next(logits, 0.0, 0, 1.0), logits.argmax(-1))
+    assert torch.equal(sample_next(logits, 0.0, top_k=0, top_p=1.0), logits.argmax(-1))
     torch.manual_seed(3)
-    a = sample_next(logits, 1.0, 10, 0.9)
+    a = sample_next(logits, 1.0, top_k=10, top_p=0.9)
     torch.manual_seed(3)
-    assert torch.equal(a, sample_next(logits, 1.0, 10, 0.9))
-    assert (sample_next(logits, 1.0, 1, 1.0) == logits.argmax(-1)).all()  # top-k 1 is greedy
+    assert torch.equal(a, sample_next(logits, 1.0, top_k=10, top_p=0.9))
+    assert (sample_next(logits, 1.0, top_k=1, top_p=1.0) == logits.argmax(-1)).all()  # top-k 1 is greedy
 
 
 @pytest.mark.slow

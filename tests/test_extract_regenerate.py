@@ -13,7 +13,7 @@ import torch
 from dflashkit.cli import run_main
 from dflashkit.extract.__main__ import main as extract_main
 from dflashkit.extract.regenerate import main as regenerate_main
-from dflashkit.extract.shards import read_manifest
+from dflashkit.extract.shards.manifest import read_manifest
 
 from conftest import hf_model as _hf_model
 from conftest import run_until_paused, save_tiny_chat_target, smollm2_tokenizer

@@ -9,11 +9,13 @@ import pytest
 import torch
 
 from dflashkit.cli import run_main
-from dflashkit.extract.__main__ import extract
 from dflashkit.extract.__main__ import main as extract_main
-from dflashkit.extract.chat import ChatConfig, encode_record
-from dflashkit.extract.shards import FP8_ABS_ERR, FP8_REL_ERR, ShardDataset, read_manifest
-from dflashkit.extract.verify import verify_dataset
+from dflashkit.extract.data.chat import ChatConfig, encode_record
+from dflashkit.extract.run import extract
+from dflashkit.extract.shards.format import FP8_ABS_ERR, FP8_REL_ERR
+from dflashkit.extract.shards.manifest import read_manifest
+from dflashkit.extract.shards.reader import ShardDataset
+from dflashkit.extract.shards.verify import verify_dataset
 
 from conftest import chat_records, save_tiny_chat_target, smollm2_tokenizer, write_jsonl
 from conftest import hf_model as _hf_model

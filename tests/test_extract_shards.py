@@ -7,19 +7,12 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from dflashkit.extract.shards import (
-    FP8_ABS_ERR,
-    FP8_REL_ERR,
-    ShardDataset,
-    bytes_per_token,
-    check_manifest_matches,
-    decode_features,
-    encode_features,
-    read_manifest,
-)
-from dflashkit.extract.verify import main as verify_main
-from dflashkit.extract.verify import verify_dataset
-from dflashkit.extract.writer import ShardWriteError, ShardWriter
+from dflashkit.extract.shards.format import FP8_ABS_ERR, FP8_REL_ERR, bytes_per_token, decode_features, encode_features
+from dflashkit.extract.shards.manifest import check_manifest_matches, read_manifest
+from dflashkit.extract.shards.reader import ShardDataset
+from dflashkit.extract.shards.verify import main as verify_main
+from dflashkit.extract.shards.verify import verify_dataset
+from dflashkit.extract.shards.writer import ShardWriteError, ShardWriter
 
 K, H = 3, 16
 
@@ -101,7 +94,7 @@ def test_reader_touches_only_the_requested_sample(tmp_path):
     samples = _samples(6)
     m = _write(tmp_path, samples, shard_bytes=10**9, batch=6)  # one shard
     ds = ShardDataset(tmp_path)
-    from dflashkit.extract.shards import read_shard_header
+    from dflashkit.extract.shards.format import read_shard_header
 
     table, _, _ = read_shard_header(tmp_path / m["shards"][0]["file"])
     _, _, start, end = table["hidden"]
@@ -190,7 +183,8 @@ def test_shard_file_is_what_safetensors_writes_and_its_hash_is_the_files(tmp_pat
 
     import safetensors.torch
 
-    from dflashkit.extract.shards import atomic_write, safetensors_parts
+    from dflashkit.extract.shards.format import safetensors_parts
+    from dflashkit.files import atomic_write
 
     g = torch.Generator().manual_seed(3)
     blocks = {"hidden": [torch.randn(n, 6, generator=g).to(torch.float8_e4m3fn) for n in (3, 0, 5)],
@@ -230,7 +224,7 @@ def _in_thread(fn, *args):
 
 
 def test_staging_pool_reuses_buffers_and_a_full_pool_waits_for_one_to_come_back():
-    from dflashkit.extract.staging import StagingPool
+    from dflashkit.extract.shards.staging import StagingPool
 
     pool = StagingPool(limit=2048)
     a = pool.take(1000, pin=False)
@@ -286,7 +280,7 @@ def _write_counted(path, samples, writer_threads, staging_bytes, codec="fp8"):
 
 
 def test_several_shards_in_flight_write_the_same_bytes_and_manifests_as_one(tmp_path, monkeypatch):
-    import dflashkit.extract.writer as writer_module
+    import dflashkit.extract.shards.writer as writer_module
 
     samples = _samples(41, seed=5)
     written = {}  # run -> every manifest as written, in order
@@ -352,7 +346,7 @@ def test_shards_complete_before_a_nan_batch_are_written_and_listed(tmp_path):
 def test_a_file_written_unnamed_has_no_name_until_published(tmp_path):
     import os
 
-    from dflashkit.extract.files import publish, unnamed_files_work, write_unnamed
+    from dflashkit.files import publish, unnamed_files_work, write_unnamed
 
     if not unnamed_files_work(tmp_path / ".probe.tmp"):
         pytest.skip("no O_TMPFILE here: shards are written in turn by atomic_write (tested above)")
@@ -375,7 +369,7 @@ def test_buffers_are_written_in_few_large_calls_and_whole_when_a_call_writes_les
     import os
     import random
 
-    import dflashkit.extract.files as files
+    import dflashkit.files as files
 
     rng = random.Random(0)
     parts = [os.urandom(n) for n in (5, 0, 300, 1, 64, 1000, 7)]

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from dflashkit.extract.sources import describe_sources, iter_records
+from dflashkit.extract.data.sources import describe_sources, iter_records
 
 from conftest import load_records
 

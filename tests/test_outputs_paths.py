@@ -174,7 +174,7 @@ def chat_target(tmp_path_factory):
 
 
 def test_extract_refuses_foreign_files_and_overwrite_replaces_an_extraction(chat_target, tmp_path, capsys):
-    from dflashkit.extract.shards import read_manifest
+    from dflashkit.extract.shards.manifest import read_manifest
 
     data = write_jsonl(tmp_path / "d.jsonl", chat_records(3))
     out = tmp_path / "out"

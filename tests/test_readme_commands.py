@@ -91,7 +91,7 @@ def test_the_extraction_finds_the_documented_commands():
     assert len(readme) >= 12
     modules = {m for _, m, _ in readme}
     assert {"dflashkit.train.__main__", "dflashkit.extract.__main__", "dflashkit.extract.regenerate",
-            "dflashkit.extract.verify", "dflashkit.train.export", "dflashkit.eval.__main__"} <= modules
+            "dflashkit.extract.shards.verify", "dflashkit.train.export", "dflashkit.eval.__main__"} <= modules
     assert any("--init-from" in argv and "lr=1e-4" in argv for _, _, argv in readme)
 
 
@@ -122,4 +122,4 @@ def test_a_readme_command_that_names_an_unknown_field_fails(monkeypatch):
     with pytest.raises(ValueError, match="unknown field 'learning_rate'"):
         parse("dflashkit.train.__main__", ["--recipe", "recipes/qwen3-8b.yaml", "shards=d", "learning_rate=1"])
     with pytest.raises(pytest.fail.Exception, match="rejects"):
-        parse("dflashkit.extract.verify", ["a", "b"])
+        parse("dflashkit.extract.shards.verify", ["a", "b"])

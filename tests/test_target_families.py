@@ -113,8 +113,9 @@ def test_default_layer_ids_follow_the_reference():
     from dflashkit.targets.loading import Target
 
     for num_layers, n in [(30, 5), (36, 5), (28, 3), (48, 1)]:
-        stub = Target(*([None] * 7), layers=[None] * num_layers, embed_tokens=None, embedding_scale=1.0,
-                      final_norm=None, lm_head=None)
+        stub = Target(model=None, config=None, decoder=None, layers=[None] * num_layers, embed_tokens=None,
+                      embedding_scale=1.0, final_norm=None, lm_head=None, tokenizer=None, path=None, model_dir=None,
+                      family=None)
         assert stub.default_layer_ids(n) == build_target_layer_ids(num_layers, n)
 
 

@@ -5,15 +5,15 @@ import json
 import pytest
 import torch
 
-from dflashkit.train.data import epoch_order, pack_blocks, rank_slots, split_indices, steps_per_epoch
+from dflashkit.train.data import epoch_order, pack_sequences, rank_slots, split_indices, steps_per_epoch
 
 
 # --------------------------------------------------------------------------- tests of train/data.py
-def test_pack_blocks_layout():
+def test_pack_sequences_lays_out_one_sequence():
     ids = torch.arange(100, 110)
     mask = torch.tensor([0, 0, 1, 1, 1, 1, 0, 1, 1, 1], dtype=torch.bool)
     hidden = torch.randn(10, 6)
-    p = pack_blocks(ids, mask, hidden, torch.tensor([2, 8]), block_size=4, mask_token_id=7)
+    p = pack_sequences([ids], [mask], [hidden], [torch.tensor([2, 8])], block_size=4, mask_token_id=7)
     assert p.block_ids.tolist() == [[102, 7, 7, 7, 108, 7, 7, 7]]
     assert p.position_ids.tolist() == [list(range(10)) + [2, 3, 4, 5, 8, 9, 10, 11]]
     assert p.labels.tolist() == [[103, 104, 105], [109, 0, 0]]
@@ -21,9 +21,10 @@ def test_pack_blocks_layout():
     assert p.valid.tolist() == [[True, True, True], [True, False, False]]
     assert p.teacher_index.tolist() == [[2, 3, 4], [8, 9, 9]]
     assert p.target_hidden.shape == (1, 10, 6)
-    masked = pack_blocks(ids, mask, hidden, torch.tensor([4]), 4, 7)
+    masked = pack_sequences([ids], [mask], [hidden], [torch.tensor([4])], 4, 7)
     assert masked.valid.tolist() == [[True, False, True]]  # label at 6 is outside the loss mask
-    empty = pack_blocks(ids, torch.zeros(10, dtype=torch.bool), hidden, torch.zeros(0, dtype=torch.long), 4, 7)
+    no_anchor = torch.zeros(0, dtype=torch.long)
+    empty = pack_sequences([ids], [torch.zeros(10, dtype=torch.bool)], [hidden], [no_anchor], 4, 7)
     assert empty.anchors.tolist() == [0] and not empty.valid.any()
 
 
@@ -58,7 +59,7 @@ def test_rank_slots_cover_each_sample_once(world, accum):
 
 
 def test_builders_write_readable_shards(tiny_run):
-    from dflashkit.extract.shards import ShardDataset
+    from dflashkit.extract.shards.reader import ShardDataset
 
     _, shards = tiny_run
     ds = ShardDataset(shards)

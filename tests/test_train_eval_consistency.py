@@ -2,7 +2,7 @@
 
 S = prompt + the target's own greedy continuation (HF generate). Training path: features of S by the one
 capture (targets/capture.py LayerCapture, as extraction and online training compute them), blocks at chosen
-anchors packed by train/data.py (with training's padding), the drafter pass of train/step.py and the argmax of
+anchors packed by train/data.py (with training's padding), the drafter pass of train/drafter_pass.py and the argmax of
 the lm_head logits at draft positions 1..B-1, as train/loss.py takes it. Eval path: the live chain decoder
 (eval/engine.py) on a prefix of S. Its prefill produces the token after the prompt, which is the first round's
 anchor: a prompt S[:a] gives a first block anchored at a, seeing the features of S[:a] (strictly before the
@@ -23,8 +23,9 @@ from dflashkit.targets.capture import LayerCapture
 from dflashkit.targets.loading import load_target, load_target_head
 from dflashkit.train.anchors import sample_anchors, sample_generator
 from dflashkit.train.data import PAD_MULTIPLE, pack_sequences
+from dflashkit.train.drafter_pass import draft_hidden
+from dflashkit.train.evaluate import chain_walk, evaluate
 from dflashkit.train.loss import block_loss, loss_denominator
-from dflashkit.train.step import chain_walk, draft_hidden, evaluate
 
 from conftest import make_tiny_target, tiny_tokenizer
 

@@ -14,8 +14,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 def test_compiled_flex_equals_dense_on_cuda():
     from dflashkit.drafter import DrafterConfig, build_drafter
-    from dflashkit.train.data import pack_blocks
-    from dflashkit.train.step import compile_layers, forward_blocks
+    from dflashkit.train.data import pack_sequences
+    from dflashkit.train.drafter_pass import compile_layers, forward_blocks
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -38,7 +38,7 @@ def test_compiled_flex_equals_dense_on_cuda():
         mask = torch.ones(L, dtype=torch.bool)
         anchors = torch.sort(torch.randperm(L - 1)[:24]).values
         anchors[0] = 0
-        batch = pack_blocks(ids, mask, torch.randn(L, 2 * H), anchors, B, V - 1).to("cuda")
+        batch = pack_sequences([ids], [mask], [torch.randn(L, 2 * H)], [anchors], B, V - 1).to("cuda")
         outs = {}
         for name, model, backend in (("dense", dense_model, "dense"), ("flex", flex_model, "flex")):
             model.zero_grad()

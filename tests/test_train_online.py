@@ -11,7 +11,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from dflashkit.extract.shards import ShardDataset  # noqa: E402
+from dflashkit.extract.shards.reader import ShardDataset  # noqa: E402
 from dflashkit.train.config import load_config  # noqa: E402
 from dflashkit.train.tracking import read_metrics  # noqa: E402
 from dflashkit.train.trainer import train  # noqa: E402

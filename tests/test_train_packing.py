@@ -10,8 +10,8 @@ import torch
 from dflashkit.drafter import DrafterConfig, build_drafter
 from dflashkit.train.block_mask import TILE, block_tiles, dense_block_mask, flex_block_mask
 from dflashkit.train.data import collate_blocks, pack_order, pack_sequences
+from dflashkit.train.drafter_pass import compile_layers, forward_blocks
 from dflashkit.train.loss import block_loss, loss_denominator
-from dflashkit.train.step import compile_layers, forward_blocks
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_train_step import Head  # noqa: E402

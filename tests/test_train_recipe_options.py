@@ -15,10 +15,11 @@ from test_train_online import chat_run, losses, overrides  # noqa: E402, F401  (
 from dflashkit.train.anchors import anchor_candidates, anchor_count  # noqa: E402
 from dflashkit.train.config import load_config  # noqa: E402
 from dflashkit.train.data import collate_blocks  # noqa: E402
+from dflashkit.train.drafter_pass import target_argmax_labels  # noqa: E402
 from dflashkit.train.muon import RMS_MATCH, Muon, check_backend, muon_param_groups, newton_schulz  # noqa: E402
-from dflashkit.train.step import target_argmax_labels  # noqa: E402
+from dflashkit.train.setup import lr_at  # noqa: E402
 from dflashkit.train.tracking import read_metrics  # noqa: E402
-from dflashkit.train.trainer import lr_at, train  # noqa: E402
+from dflashkit.train.trainer import train  # noqa: E402
 
 from conftest import ACCELERATE_LAUNCH, ROOT, as_argv, make_shards, make_tiny_target, run_checked, tiny_overrides  # noqa: E402
 

@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from dflashkit.drafter.modeling_dflash import attend
-from dflashkit.train.block_mask import block_tiles, build_block_masks, dense_block_mask
+from dflashkit.train.block_mask import block_tiles, build_block_masks, dense_block_mask, split_block_mask
 from dflashkit.train.config import load_config
 from dflashkit.train.data import collate_blocks
+from dflashkit.train.drafter_pass import forward_blocks
 from dflashkit.train.loss import loss_denominator
-from dflashkit.train.split_attention import SplitBlockMask, context_attention, split_block_mask
-from dflashkit.train.step import forward_blocks
+from dflashkit.train.split_attention import SplitBlockMask, context_attention
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_train_packing import make_samples, tile_truth, tiny_drafter  # noqa: E402

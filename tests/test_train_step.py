@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from dflashkit.drafter import DrafterConfig, build_drafter
-from dflashkit.train.data import pack_blocks
-from dflashkit.train.step import forward_blocks
+from dflashkit.train.data import pack_sequences
+from dflashkit.train.drafter_pass import forward_blocks
 
 
 class Head(torch.nn.Module):
@@ -59,7 +59,7 @@ def test_packed_pass_equals_per_block_loop(layer_types, window):
     mask[9] = False
     hidden = torch.randn(L, 2 * H, dtype=torch.float64)
     anchors = torch.tensor([0, 2, 3, 7, 12])  # anchor 0 (no context), overlaps, a partial tail past the end
-    batch = pack_blocks(ids, mask, hidden, anchors, B, V - 1)
+    batch = pack_sequences([ids], [mask], [hidden], [anchors], B, V - 1)
     h_packed = {}
     hook = model.norm.register_forward_hook(lambda m, i, o: h_packed.update(h=o))
     out = forward_blocks(model, head, batch, block_size=B, layer_types=layer_types, sliding_window=window,
@@ -82,7 +82,7 @@ def test_packed_gradients_equal_per_block_loop():
     ids, mask = torch.randint(1, V, (L,)), torch.ones(L, dtype=torch.bool)
     hidden = torch.randn(L, H, dtype=torch.float64)
     anchors = torch.tensor([1, 4, 5, 8])
-    out = forward_blocks(model, head, pack_blocks(ids, mask, hidden, anchors, B, 0), block_size=B,
+    out = forward_blocks(model, head, pack_sequences([ids], [mask], [hidden], [anchors], B, 0), block_size=B,
                          layer_types=["full_attention"], sliding_window=None, chunk_tokens=2)
     out.loss_sum.backward()
     packed = {n: p.grad.clone() for n, p in model.named_parameters()}

@@ -12,8 +12,9 @@ import torch
 
 from dflashkit.train.checkpoint import list_checkpoints, verify_checkpoint
 from dflashkit.train.config import load_config
+from dflashkit.train.setup import lr_at
 from dflashkit.train.tracking import read_metrics
-from dflashkit.train.trainer import lr_at, train
+from dflashkit.train.trainer import train
 
 from tests.conftest import as_argv, run_until_paused, tiny_overrides
 
@@ -201,7 +202,7 @@ def _with_tokenizer(target: Path, out: Path) -> Path:
 
 
 def test_bad_configuration_fails_before_work_naming_the_field(tiny_run, tmp_path):
-    from dflashkit.extract.shards import read_manifest, write_manifest
+    from dflashkit.extract.shards.manifest import read_manifest, write_manifest
 
     target, shards = tiny_run
     cases = [({"target_layer_ids": [0, 99]}, r"target_layer_ids \[0, 99\]: \[99\] outside 0\.\.3"),
@@ -228,7 +229,8 @@ def test_bad_configuration_fails_before_work_naming_the_field(tiny_run, tmp_path
 def test_nan_features_are_refused(tiny_run, tmp_path):
     import hashlib
 
-    from dflashkit.extract.shards import read_manifest, read_shard_header, write_manifest
+    from dflashkit.extract.shards.format import read_shard_header
+    from dflashkit.extract.shards.manifest import read_manifest, write_manifest
 
     _, shards = tiny_run
     copy = tmp_path / "shards"

@@ -14,8 +14,10 @@ import pytest
 
 from dflashkit.cli import main as cli
 from dflashkit.drafter import DrafterConfig, build_drafter, load_drafter, save_drafter
-from dflashkit.extract.shards import ShardDataset, read_manifest, sha256_file
-from dflashkit.extract.verify import verify_dataset
+from dflashkit.extract.shards.manifest import read_manifest
+from dflashkit.extract.shards.reader import ShardDataset
+from dflashkit.extract.shards.verify import verify_dataset
+from dflashkit.files import sha256_file
 
 from conftest import ROOT, tiny_overrides
 

@@ -14,7 +14,7 @@ import threading
 import pytest
 
 from dflashkit.cli import main as cli
-from dflashkit.extract.sources import iter_records
+from dflashkit.extract.data.sources import iter_records
 from dflashkit.train.config import load_config
 
 from conftest import ROOT, chat_records, make_tiny_target, write_jsonl

@@ -27,7 +27,8 @@ Design choices:
 - A padding block (``anchors[n] == context_start[n]``) sees only its own block: no query row is ever empty.
 - A model with both layer types gets a dict ``{"full_attention": mask, "sliding_attention": mask}``.
 - The "split" backend (train/split_attention.py) attends to the context and to the block separately; its
-  context part uses the same tiles with the block keys left out (``block_keys=False``).
+  mask (``split_block_mask``) is built here, its context part from the same tiles with the block keys left out
+  (``block_keys=False``); split_attention.py holds only the attention arithmetic and imports nothing from here.
 """
 
 from __future__ import annotations
@@ -36,7 +37,11 @@ from typing import Callable
 
 import torch
 
-TILE = 128  # flex_attention's tile (BlockMask BLOCK_SIZE) on both axes
+from dflashkit.drafter.modeling_dflash import FLEX_TILE
+
+from .split_attention import SplitBlockMask
+
+TILE = FLEX_TILE  # flex_attention's tile (BlockMask BLOCK_SIZE) on both axes, the drafter's one constant
 
 
 def block_mask_mod(anchors: torch.Tensor, ctx_len: int, block_size: int, sliding_window: int | None = None,
@@ -152,6 +157,28 @@ def flex_block_mask(anchors: torch.Tensor, ctx_len: int, block_size: int, slidin
                                     seq_lengths=(q_len, int(ctx_len) + (q_len if block_keys else 0)))
 
 
+def split_block_mask(anchors: torch.Tensor, ctx_len: int, block_size: int, sliding_window: int | None = None,
+                     context_start: torch.Tensor | None = None, context: str = "auto",
+                     kernel_options: dict | None = None) -> SplitBlockMask:
+    """The split form's mask for one layer type (the signature of the builders above): the
+    context part's mask, and the block layout for the in-block part (train/split_attention.py).
+
+    context: how the context part is computed: "flex" (a BlockMask over the context keys), "dense" (a bool
+    mask; differentiable on the CPU, where flex_attention has no backward) or "auto" (flex on CUDA, else dense).
+    """
+    if context not in ("auto", "flex", "dense"):
+        raise ValueError(f"split context backend must be 'auto', 'flex' or 'dense', got {context!r}")
+    if context == "auto":
+        context = "flex" if anchors.device.type == "cuda" else "dense"
+    ctx_mask = None
+    if int(ctx_len) > 0 and context == "flex":
+        ctx_mask = flex_block_mask(anchors, ctx_len, block_size, sliding_window, context_start, block_keys=False)
+    elif int(ctx_len) > 0:
+        full = dense_block_mask(anchors, ctx_len, block_size, sliding_window, context_start)
+        ctx_mask = full[..., :int(ctx_len)].contiguous()
+    return SplitBlockMask(ctx_mask, ctx_len, block_size, sliding_window, kernel_options)
+
+
 def build_block_masks(anchors: torch.Tensor, ctx_len: int, block_size: int, layer_types: list[str],
                       sliding_window: int | None = None, backend: str = "dense",
                       context_start: torch.Tensor | None = None):
@@ -163,10 +190,7 @@ def build_block_masks(anchors: torch.Tensor, ctx_len: int, block_size: int, laye
     """
     if backend not in ("dense", "flex", "split"):
         raise ValueError(f"mask backend must be 'dense', 'flex' or 'split', got {backend!r}")
-    if backend == "split":
-        from .split_attention import split_block_mask as build
-    else:
-        build = dense_block_mask if backend == "dense" else flex_block_mask
+    build = {"dense": dense_block_mask, "flex": flex_block_mask, "split": split_block_mask}[backend]
     types = set(layer_types) or {"full_attention"}
     masks = {}
     if "full_attention" in types:

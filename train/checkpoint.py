@@ -18,10 +18,10 @@ Design choices:
   directory without a valid ``checkpoint.json``, or whose files do not match it, is never loaded;
   ``--resume auto`` skips it (with a warning naming it) and takes the newest complete one.
 - keep-last-k deletes the oldest complete checkpoints after a new one is in place.
-- Preemption: ``StopRequest`` turns SIGTERM / SIGINT into a flag. The trainer reads it at the next step
-  boundary (all ranks vote in the step's one collective, so they stop at the same step), writes a checkpoint
-  at that step and returns; the command exits 0 saying how to resume. A second signal acts as it would
-  without the handler (the checkpoint write is atomic either way).
+- Preemption: ``dflashkit.stopping.StopRequest`` turns SIGTERM / SIGINT into a flag. The trainer reads it at
+  the next step boundary (all ranks vote in the step's one collective, so they stop at the same step), writes a
+  checkpoint at that step and returns; the command exits 0 saying how to resume. A second signal acts as it
+  would without the handler (the checkpoint write is atomic either way).
 """
 
 from __future__ import annotations
@@ -31,14 +31,12 @@ import os
 import random
 import re
 import shutil
-import signal
-import threading
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
-from dflashkit.extract.shards import fsync_dir, pause_point, sha256_file
+from dflashkit.files import fsync_dir, pause_point, sha256_file
 from dflashkit.outputs import save_safetensors
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
@@ -88,43 +86,6 @@ def latest_checkpoint(output_dir: str | os.PathLike, warn=print) -> Path | None:
             return path
         warn(f"skipping checkpoint {path}: {problem}")
     return None
-
-
-# --------------------------------------------------------------------------- preemption
-class StopRequest:
-    """SIGTERM / SIGINT -> ``requested`` (this process got one); ``agreed`` is set by the trainer once the
-    ranks have voted to stop. Handlers are installed by ``__enter__`` (main thread only) and restored by
-    ``__exit__`` or by the first signal."""
-
-    SIGNALS = ("SIGTERM", "SIGINT")
-
-    def __init__(self):
-        self.signal_name: str | None = None  # the signal received, e.g. "SIGTERM"
-        self.agreed = False  # every rank has stopped at the same step
-        self._previous: dict = {}
-
-    @property
-    def requested(self) -> bool:
-        return self.signal_name is not None
-
-    def _handle(self, signum, frame) -> None:
-        self.signal_name = signal.Signals(signum).name
-        self._restore()
-
-    def _restore(self) -> None:
-        for sig, previous in self._previous.items():
-            signal.signal(sig, previous)
-        self._previous.clear()
-
-    def __enter__(self) -> "StopRequest":
-        if threading.current_thread() is threading.main_thread():
-            for name in self.SIGNALS:
-                sig = getattr(signal, name)
-                self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._restore()
 
 
 # --------------------------------------------------------------------------- gathering full state

@@ -34,9 +34,11 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
+from dflashkit.drafter.modeling_dflash import FLEX_TILE
+
 from .anchors import anchor_count, eval_anchors, sample_anchors, sample_generator
 
-PAD_MULTIPLE = 128  # context and block tokens are padded to multiples of flex_attention's tile
+PAD_MULTIPLE = FLEX_TILE  # context and block tokens are padded to multiples of flex_attention's tile
 
 
 @dataclass
@@ -146,15 +148,6 @@ def pack_sequences(input_ids: list[torch.Tensor], loss_mask: list[torch.Tensor],
                         labels=labels, valid=valid, teacher_index=teacher, last_hidden=last, scale=float(scale),
                         sample_indices=list(sample_indices or [-1] * len(lens)), context_offsets=offsets,
                         block_offsets=block_offsets)
-
-
-def pack_blocks(input_ids: torch.Tensor, loss_mask: torch.Tensor, hidden: torch.Tensor, anchors: torch.Tensor,
-                block_size: int, mask_token_id: int, last_hidden: torch.Tensor | None = None,
-                scale: float = 1.0, sample_index: int = -1) -> PackedBlocks:
-    """The blocks of one sequence, unpadded. A sequence without any anchor gets one all-invalid block at 0."""
-    return pack_sequences([input_ids], [loss_mask], [hidden.reshape(input_ids.numel(), -1)], [anchors.reshape(-1)],
-                          block_size, mask_token_id, None if last_hidden is None else [last_hidden], scale,
-                          [sample_index])
 
 
 def collate_blocks(samples: list[dict], *, block_size: int, mask_token_id: int, num_anchors: int, seed: int,

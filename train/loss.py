@@ -18,28 +18,36 @@ loss_mask[a+k] holds. Three objectives, chosen by one flag (``variant``):
   (1 - kl_weight) * CE_k + kl_weight * KL(p_target || q_draft), with the ``ce`` decay weights and normaliser.
 
 Design choices:
-- Never materialise [blocks*(B-1), vocab] fp32 logits: a custom autograd function walks the blocks in chunks,
-  computes the logits, the loss and d(loss)/d(hidden) of each chunk at once (the lm_head is frozen, so no
-  weight gradient), keeps only the [*, H] gradient and returns it in backward. Cost: one lm_head forward and
-  one input-gradient matmul per token, no recomputation. Chunks hold whole blocks (D-PACE needs the block).
+- One engine for the three (``chunked_logit_statistics``): it walks the blocks in chunks through the lm_head and
+  computes from each chunk's logits what every objective needs: the logsumexp, the label's logit (so CE) and
+  the argmax, and for ``kl`` the teacher's distribution over the same rows. An objective is then only a small
+  ``Objective``: its per-position weights (``ce_weights``, ``dpace_weights``) and the share ``soft`` of its
+  term on the teacher (``kl_weight`` for kl, 0 otherwise); the gradient of every objective is
+  ``w * (softmax - (1 - soft) * onehot(label) - soft * p_target)``.
+- Never materialise [blocks*(B-1), vocab] fp32 logits: a custom autograd function runs the engine, which
+  computes the loss and d(loss)/d(hidden) of each chunk at once (the lm_head is frozen, so no weight gradient),
+  keeps only the [*, H] gradient and returns it in backward. Cost: one lm_head forward and one input-gradient
+  matmul per token, no recomputation. Chunks hold whole blocks (D-PACE needs the block).
 - The function returns the *un-normalised* weighted sum. The trainer divides by the global denominator
   (``loss_denominator`` summed over all micro-batches of the step and over all ranks), so gradient
   accumulation and data parallelism give exactly the single-process gradient.
-- ``fused=True`` (CUDA training with ``compile``) runs the ce and dpace chunks through two small compiled
-  kernels: one reads the lm_head's logits for logsumexp, label logit and argmax, one writes the logit gradient
-  in the lm_head's dtype. The eager path keeps fp32 logits and several full passes over them (~44 bytes per
-  logit against ~10 fused), which makes the loss memory-bound on the vocabulary; it stays the reference and the
-  CPU path, and tests hold the fused one to it.
+- ``fused=True`` (CUDA training with ``compile``) is a backend of the same engine: its two logit functions
+  (``_logit_stats``: logsumexp, label logit and argmax in one read of the lm_head's logits; ``_logit_grad``: the
+  logit gradient in the lm_head's dtype) run compiled, so the upcast happens in registers (~10 bytes per logit
+  against ~44 eager, where the loss is memory-bound on the vocabulary). ``kl`` stays eager (its teacher
+  distribution is an fp32 [rows, vocab] tensor anyway). Eager is the reference and the CPU path; tests hold the
+  fused one to it.
 - Metrics come out of the same pass: per-position correct/valid counts and the tau_sim sum (1 + leading run of
   positions whose argmax equals the label; an invalid label ends the run) over the blocks that have at least
   one valid label (padding blocks of a packed micro-batch have none and count nowhere), and each block's run
-  (held-out evaluation replays live decoding from them: train/step.py). All of them stay on the device:
+  (held-out evaluation replays live decoding from them: train/evaluate.py). All of them stay on the device:
   nothing here waits for the GPU.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -85,17 +93,44 @@ class BlockLossOutput:
     selector: object = None  # DFlash2: the selector term of the same pass (train/selector_loss.py), else None
 
 
+# --------------------------------------------------------------------------- the objectives
+@dataclass(frozen=True)
+class Objective:
+    """What one objective asks of the engine: the weight of each position (detached) and the share ``soft`` of
+    its per-position term on the teacher's distribution: term = (1 - soft) * CE + soft * KL(p_target || q)."""
+
+    weights: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # (ce, valid, decay) -> [n, P]
+    soft: float = 0.0  # 0 for hard labels (ce, dpace); kl_weight for kl
+
+
+def ce_weights(ce: torch.Tensor, valid: torch.Tensor, decay: torch.Tensor) -> torch.Tensor:
+    return decay * valid  # the fixed decay exp(-(k-1)/gamma) on valid labels (ce and kl)
+
+
+def objective(variant: str, dpace_alpha: float = 0.5, kl_weight: float = 0.5) -> Objective:
+    """The objective named by ``variant`` (the module notes)."""
+    if variant == "dpace":
+        return Objective(lambda ce, valid, decay: dpace_weights(ce, valid, dpace_alpha))
+    return Objective(ce_weights, soft=float(kl_weight) if variant == "kl" else 0.0)
+
+
+# --------------------------------------------------------------------------- the engine and its two backends
 def _logit_stats(logits: torch.Tensor, labels: torch.Tensor, acc: torch.dtype):
     """Per row: logsumexp, the label's logit and the argmax, reading the logits once (upcast in registers)."""
     x = logits.to(acc)
     return torch.logsumexp(x, dim=-1), x.gather(-1, labels.unsqueeze(-1)).squeeze(-1), x.argmax(-1)
 
 
-def _logit_grad(logits: torch.Tensor, lse: torch.Tensor, labels: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """w * (softmax - onehot(label)) in the logits' dtype."""
+def _logit_grad(logits: torch.Tensor, lse: torch.Tensor, labels: torch.Tensor, w: torch.Tensor,
+                hard: float = 1.0, teacher_p: torch.Tensor | None = None) -> torch.Tensor:
+    """d(w * term)/d(logits) = w * (softmax - hard * onehot(label) - p_target) in the logits' dtype, where
+    ``hard`` = 1 - soft and ``teacher_p`` is the teacher's distribution already times ``soft`` (kl only)."""
     x = logits.to(lse.dtype)
     onehot = torch.arange(x.shape[-1], device=x.device) == labels.unsqueeze(-1)
-    return ((torch.exp(x - lse.unsqueeze(-1)) - onehot.to(x.dtype)) * w.unsqueeze(-1)).to(logits.dtype)
+    g = torch.exp(x - lse.unsqueeze(-1)) - hard * onehot.to(x.dtype)
+    if teacher_p is not None:
+        g = g - teacher_p
+    return (g * w.unsqueeze(-1)).to(logits.dtype)
 
 
 _COMPILED: dict = {}
@@ -107,92 +142,77 @@ def _compiled(fn):
     return _COMPILED[fn]
 
 
+def chunked_logit_statistics(hidden, weight, bias, labels, valid, teacher, obj: Objective, gamma: float,
+                             chunk: int, fused: bool, need_grad: bool):
+    """The engine: walk ``chunk`` blocks at a time through the lm_head and compute, from each chunk's logits,
+    what every objective needs (logsumexp, the label's logit, the argmax; the teacher's distribution when
+    ``obj.soft``), then the weighted loss, the metrics and d(loss)/d(hidden).
+
+    Returns (loss_sum, ce_sum, correct, counted, tau_sum, runs, grad or None). ``fused``: the logit statistics
+    and the logit gradient run as compiled kernels (the same functions, compiled).
+    """
+    n_blocks, p, h = hidden.shape
+    acc = torch.promote_types(hidden.dtype, torch.float32)  # fp32 logits (fp64 when the inputs are)
+    dev = hidden.device
+    stats, logit_grad = (_compiled(_logit_stats), _compiled(_logit_grad)) if fused else (_logit_stats, _logit_grad)
+    grad = torch.zeros(hidden.shape, dtype=acc, device=dev) if need_grad else None
+    decay = position_decay(p + 1, gamma, dev, acc)
+    loss_sum, ce_sum, tau_sum = (torch.zeros((), dtype=acc, device=dev) for _ in range(3))
+    correct, counted = torch.zeros(p, dtype=acc, device=dev), torch.zeros(p, dtype=acc, device=dev)
+    runs = torch.zeros(n_blocks, dtype=acc, device=dev)
+    for s in range(0, n_blocks, chunk):
+        e = min(n_blocks, s + chunk)
+        lab, ok = labels[s:e], valid[s:e]
+        val = ok.to(acc)
+        raw = F.linear(hidden[s:e].reshape(-1, h).to(weight.dtype), weight, bias)  # [rows, V], lm_head dtype
+        lse, tgt, top = stats(raw, lab.reshape(-1), acc)
+        ce = (lse - tgt).view(e - s, p) * val
+        term, teacher_p = ce, None
+        if obj.soft:  # the teacher's distribution over the same rows (kl)
+            t_logp = torch.log_softmax(F.linear(teacher[s:e].reshape(-1, h).to(weight.dtype), weight, bias).to(acc),
+                                       dim=-1)
+            teacher_p = t_logp.exp()
+            # KL(p_t || q) = sum_v p_t (log p_t - x_v) + lse, as sum_v p_t = 1
+            kl = ((teacher_p * (t_logp - raw.to(acc))).sum(-1) + lse).view(e - s, p) * val
+            term = (1.0 - obj.soft) * ce + obj.soft * kl
+            del t_logp
+        w = obj.weights(ce, val, decay)
+        # -- the one metrics block
+        loss_sum += (w * term).sum()
+        ce_sum += ce.sum()
+        hit = (top.view(e - s, p) == lab) & ok
+        correct += hit.sum(0).to(acc)
+        counted += val.sum(0)
+        runs[s:e] = torch.cumprod(hit.to(acc), dim=-1).sum(-1)
+        tau_sum += ((1.0 + runs[s:e]) * ok.any(-1)).sum()
+        if need_grad:
+            soft_p = None if teacher_p is None else teacher_p.mul_(obj.soft)
+            g = logit_grad(raw, lse, lab.reshape(-1), w.reshape(-1), 1.0 - obj.soft, soft_p)
+            grad[s:e] = (g @ weight).to(acc).view(e - s, p, h)
+            del g
+        del raw, teacher_p
+    return loss_sum, ce_sum, correct, counted, tau_sum, runs, grad
+
+
 class _ChunkedBlockLoss(torch.autograd.Function):
+    """The engine as an autograd function: the forward computes the gradient with the loss (the lm_head is
+    frozen: no weight gradient), the backward scales it."""
+
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, valid, teacher, variant, gamma, alpha, kl_weight, chunk, fused):
-        n_blocks, p, h = hidden.shape
+    def forward(ctx, hidden, weight, bias, labels, valid, teacher, obj, gamma, chunk, fused):
         need_grad = ctx.needs_input_grad[0]
-        acc = torch.promote_types(hidden.dtype, torch.float32)  # fp32 logits (fp64 when the inputs are)
-        grad = torch.zeros(hidden.shape, dtype=acc, device=hidden.device) if need_grad else None
-        decay = position_decay(p + 1, gamma, hidden.device, acc)
-        loss_sum = torch.zeros((), dtype=acc, device=hidden.device)
-        ce_sum = torch.zeros_like(loss_sum)
-        correct = torch.zeros(p, dtype=acc, device=hidden.device)
-        counted = torch.zeros_like(correct)
-        tau_sum = torch.zeros_like(loss_sum)
-        runs = torch.zeros(n_blocks, dtype=acc, device=hidden.device)
-        w_mat = weight
-        for s in range(0, n_blocks, chunk):
-            e = min(n_blocks, s + chunk)
-            hs = hidden[s:e].reshape(-1, h).to(w_mat.dtype)
-            if fused and variant != "kl":
-                lab, val = labels[s:e], valid[s:e].to(acc)
-                raw = F.linear(hs, w_mat, bias)
-                lse, tgt, top = _compiled(_logit_stats)(raw, lab.reshape(-1), acc)
-                ce = (lse - tgt).view(e - s, p) * val
-                w = dpace_weights(ce, val, alpha) if variant == "dpace" else decay * val
-                loss_sum += (w * ce).sum()
-                ce_sum += ce.sum()
-                hit = (top.view(e - s, p) == lab) & valid[s:e]
-                correct += hit.sum(0).to(acc)
-                counted += val.sum(0)
-                runs[s:e] = torch.cumprod(hit.to(acc), dim=-1).sum(-1)
-                tau_sum += ((1.0 + runs[s:e]) * valid[s:e].any(-1)).sum()
-                if need_grad:
-                    g = _compiled(_logit_grad)(raw, lse, lab.reshape(-1), w.reshape(-1))
-                    grad[s:e] = (g @ w_mat).to(acc).view(e - s, p, h)
-                del raw
-                continue
-            logits = F.linear(hs, w_mat, bias).to(acc).view(e - s, p, -1)
-            logp = torch.log_softmax(logits, dim=-1)
-            lab = labels[s:e]
-            val = valid[s:e].to(acc)
-            ce = -logp.gather(-1, lab.unsqueeze(-1)).squeeze(-1) * val
-            if variant == "dpace":
-                w = dpace_weights(ce, val, alpha)
-            else:
-                w = decay * val
-            per_pos = ce
-            teacher_p = None
-            if variant == "kl":
-                t_logits = F.linear(teacher[s:e].reshape(-1, h).to(w_mat.dtype), w_mat, bias).to(acc)
-                t_logp = torch.log_softmax(t_logits, dim=-1).view(e - s, p, -1)
-                teacher_p = t_logp.exp()
-                kl = (teacher_p * (t_logp - logp)).sum(-1) * val
-                per_pos = (1.0 - kl_weight) * ce + kl_weight * kl
-                del t_logits, t_logp
-            loss_sum += (w * per_pos).sum()
-            ce_sum += ce.sum()
-            hit = (logits.argmax(-1) == lab) & valid[s:e]
-            correct += hit.sum(0).float()
-            counted += val.sum(0)
-            runs[s:e] = torch.cumprod(hit.to(acc), dim=-1).sum(-1)
-            tau_sum += ((1.0 + runs[s:e]) * valid[s:e].any(-1)).sum()
-            if need_grad:
-                # d/dlogits of w*((1-b)CE + b*KL) = w * (softmax - (1-b)*onehot - b*p_target)
-                g = logp.exp_()
-                del logits
-                if teacher_p is not None:
-                    g.sub_(teacher_p, alpha=kl_weight)
-                    hard = 1.0 - kl_weight
-                else:
-                    hard = 1.0
-                g.scatter_add_(-1, lab.unsqueeze(-1), torch.full_like(w.unsqueeze(-1), -hard))
-                g.mul_(w.unsqueeze(-1))
-                grad[s:e] = (g.view(-1, g.shape[-1]).to(w_mat.dtype) @ w_mat).to(acc).view(e - s, p, h)
-                del g
+        *sums, grad = chunked_logit_statistics(hidden, weight, bias, labels, valid, teacher, obj, gamma, chunk,
+                                               fused, need_grad)
         ctx.save_for_backward(grad if need_grad else torch.zeros(0))
         ctx.hidden_dtype = hidden.dtype
-        ctx.mark_non_differentiable(ce_sum, correct, counted, tau_sum, runs)
-        return loss_sum, ce_sum, correct, counted, tau_sum, runs
+        ctx.mark_non_differentiable(*sums[1:])
+        return tuple(sums)
 
     @staticmethod
     def backward(ctx, grad_loss, *unused):
         (grad,) = ctx.saved_tensors
-        g = None
-        if ctx.needs_input_grad[0]:
-            g = (grad * grad_loss).to(ctx.hidden_dtype)
-        return g, None, None, None, None, None, None, None, None, None, None, None
+        g = (grad * grad_loss).to(ctx.hidden_dtype) if ctx.needs_input_grad[0] else None
+        return g, None, None, None, None, None, None, None, None, None
 
 
 def block_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, *,
@@ -212,12 +232,15 @@ def block_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch
         raise ValueError("loss variant 'kl' needs last_hidden in the shards (extract with --store-last-hidden)")
     if not 0.0 <= kl_weight <= 1.0:
         raise ValueError(f"kl_weight must be in [0, 1], got {kl_weight}")
+    if variant == "dpace" and not 0.0 < dpace_alpha <= 1.0:
+        raise ValueError(f"dpace_alpha must be in (0, 1], got {dpace_alpha}")
+    obj = objective(variant, float(dpace_alpha), float(kl_weight))
     p = hidden.shape[1]
     chunk = max(1, int(chunk_tokens) // max(1, p))
     teacher = teacher_hidden if variant == "kl" else None
     out = _ChunkedBlockLoss.apply(hidden, lm_head_weight.detach(),
                                   None if lm_head_bias is None else lm_head_bias.detach(),
-                                  labels, valid.bool(), teacher, variant, float(gamma), float(dpace_alpha),
-                                  float(kl_weight), chunk, bool(fused))
+                                  labels, valid.bool(), teacher, obj, float(gamma), chunk,
+                                  bool(fused) and not obj.soft)
     return BlockLossOutput(*out, blocks=valid.any(-1).sum())
 

@@ -8,7 +8,7 @@ Design choices:
 - Sample ``i`` is the i-th good record of the data in record order (bad records are skipped and counted). A
   ``ShardDataset`` numbers its samples the same way (by ``sample_index``, whatever order extraction wrote them
   in), so the two paths split, shuffle and anchor samples identically.
-- Records are rendered and masked once, at start, by ``extract.batching`` (the code extraction runs; optional
+- Records are rendered and masked once, at start, by ``extract.data.batching`` (the code extraction runs; optional
   worker processes). Token ids stay on the CPU; only features live on the training device.
 - The target is loaded per process (each rank holds its own frozen replica; it is never given to accelerate, so
   DDP / FSDP / DeepSpeed wrap only the drafter), in eval mode without gradients, bf16 on a GPU. Its features
@@ -71,14 +71,14 @@ def target_head_of(target, dtype: torch.dtype):
 def encode_data(specs: list[str], tokenizer, *, max_length: int | None, chat_template: str, template_kwargs: dict,
                 limit: int | None, tokenize_workers: int, say=print, cache_dir: str | None = None,
                 write_cache: bool = True) -> list:
-    """Every good record of ``specs`` as an ``extract.batching.Sample``, in record order (bad ones counted).
+    """Every good record of ``specs`` as an ``extract.data.batching.Sample``, in record order (bad ones counted).
 
     With ``cache_dir`` the token ids are kept in ``cache_dir/<key>.safetensors`` (``write_cache``: this process
     writes it; one rank is enough) and read from there next time: a resumed or restarted run skips rendering
     and tokenizing. The key covers the data files (path, size, modification time), the tokenizer, the chat
     settings and the chat code itself, so any change re-encodes."""
-    from dflashkit.extract import batching
-    from dflashkit.extract.chat import SKIP_REASONS, ChatConfig, check_template
+    from dflashkit.extract.data import batching
+    from dflashkit.extract.data.chat import SKIP_REASONS, ChatConfig, check_template
 
     template = Path(chat_template).read_text() if chat_template else None
     cfg = ChatConfig(max_length=max_length, overlong="truncate", template_kwargs=dict(template_kwargs),
@@ -123,7 +123,7 @@ def token_cache_key(specs: list[str], tokenizer, cfg, limit: int | None) -> str:
     import json
     from dataclasses import asdict
 
-    from dflashkit.extract import chat, sources
+    from dflashkit.extract.data import chat, sources
 
     files = []
     for spec in specs:
@@ -166,7 +166,7 @@ def read_token_cache(path: Path, say=print):
 
     from safetensors import safe_open
 
-    from dflashkit.extract.batching import Sample
+    from dflashkit.extract.data.batching import Sample
 
     try:
         with safe_open(str(path), framework="numpy") as f:
@@ -232,7 +232,7 @@ class OnlineFeatures(torch.utils.data.Dataset):
 
     def features(self, indices: list[int]) -> dict[int, dict]:
         """Run the target once on these samples: {index: sample dict}."""
-        from dflashkit.extract.batching import pad_batch
+        from dflashkit.extract.data.batching import pad_batch
 
         todo = [self.samples[i] for i in indices]
         ids, _ = pad_batch(todo, self.device)
@@ -266,7 +266,7 @@ def open_online(cfg, device, compute_dtype: torch.dtype, say=print, rank: int = 
     if not cfg.target:
         raise ValueError("target: online training (data=...) needs the target to run; pass --target (an HF "
                          "directory, a .gguf file or testbed:smollm2)")
-    from dflashkit.extract.sources import check_has_records
+    from dflashkit.extract.data.sources import check_has_records
 
     check_has_records(list(cfg.data))  # an empty data file stops here, before the target is loaded
     dtype = resolve_target_dtype(cfg.target_dtype, torch.device(device))

@@ -20,6 +20,8 @@ Design choices:
 - The matmuls run in the inputs' dtype (fp32 accumulation); the in-block softmax and the merge in float32.
 - The mask object carries its own ``attend(q, k, v, scale)``: the drafter calls it for a mask that is neither a
   tensor nor a BlockMask (drafter/modeling_dflash.py), so the model file needs no knowledge of this form.
+- This module holds the attention arithmetic only and imports nothing of the mask rules: the mask object is
+  built where the rules live (train/block_mask.py ``split_block_mask``), which imports this one.
 - On CUDA the context part runs the compiled flex_attention (compiled with the layer when the layer is).
   Elsewhere it runs from a dense bool mask with plain tensor ops (flex_attention has no backward on the CPU);
   both give the same (out, lse), which the tests check.
@@ -29,8 +31,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.attention.flex_attention as fa
-
-from .block_mask import dense_block_mask, flex_block_mask
 
 _FLEX = {}  # the compiled flex_attention (CUDA), built on first use
 _AUX = getattr(fa, "AuxRequest", None)  # torch >= 2.9 asks for the log-sum-exp with return_aux=AuxRequest(lse=True)
@@ -122,24 +122,3 @@ class SplitBlockMask:
             return out_b.to(q.dtype)
         out_c, lse_c = context_attention(q, k[:, :, :L], v[:, :, :L], self.context_mask, scale, self.kernel_options)
         return merge_attention(out_c, lse_c, out_b, lse_b, q.dtype)
-
-
-def split_block_mask(anchors: torch.Tensor, ctx_len: int, block_size: int, sliding_window: int | None = None,
-                     context_start: torch.Tensor | None = None, context: str = "auto",
-                     kernel_options: dict | None = None) -> SplitBlockMask:
-    """The split form's mask for one layer type (the signature of block_mask.py's builders).
-
-    context: how the context part is computed: "flex" (a BlockMask over the context keys), "dense" (a bool
-    mask; differentiable on the CPU, where flex_attention has no backward) or "auto" (flex on CUDA, else dense).
-    """
-    if context not in ("auto", "flex", "dense"):
-        raise ValueError(f"split context backend must be 'auto', 'flex' or 'dense', got {context!r}")
-    if context == "auto":
-        context = "flex" if anchors.device.type == "cuda" else "dense"
-    ctx_mask = None
-    if int(ctx_len) > 0 and context == "flex":
-        ctx_mask = flex_block_mask(anchors, ctx_len, block_size, sliding_window, context_start, block_keys=False)
-    elif int(ctx_len) > 0:
-        full = dense_block_mask(anchors, ctx_len, block_size, sliding_window, context_start)
-        ctx_mask = full[..., :int(ctx_len)].contiguous()
-    return SplitBlockMask(ctx_mask, ctx_len, block_size, sliding_window, kernel_options)

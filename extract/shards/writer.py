@@ -9,14 +9,14 @@ Design choices:
 - The path of the bytes: ``add_batch`` encodes the features on the device and starts their copy into a reused
   host staging buffer (pinned memory, on a side CUDA stream, so the next forward runs during the copy) and
   returns. A collector thread waits for the copy, checks the features are finite and groups batches into shards;
-  once a shard's worth is there, it lays out the file (``shards.safetensors_parts``: the header, then views of
+  once a shard's worth is there, it lays out the file (``format.safetensors_parts``: the header, then views of
   the staging buffers; no joining copy), starts its sha256 on a thread pool and queues it. ``WRITER_THREADS``
   writer threads each take the next shard and write it from the same buffers while it is hashed. So several
   shards are in flight: written and hashed at once (sha256 runs at ~1.2 GB/s per thread, slower than a fast
   disk; one thread cannot keep the disk busy while it waits for fsyncs), more collecting in staging buffers. A
   shard's buffers are reused once its bytes are on disk; the forward waits only when ``staging_bytes`` are all
   full, i.e. when the disk is the bound.
-- Shards are written ahead as unnamed files (``files.write_unnamed``: Linux O_TMPFILE, fsynced, in no
+- Shards are written ahead as unnamed files (``dflashkit.files.write_unnamed``: Linux O_TMPFILE, fsynced, in no
   directory) and then named and listed one at a time, in sequence order (``files.publish``: temporary name,
   rename, directory fsync; then the manifest). The directory goes through exactly the states of writing one
   shard after another: at most one temporary file, at most one renamed shard the manifest does not list yet,
@@ -26,7 +26,7 @@ Design choices:
 - The interpreter lock: a GPU-bound forward's thread holds it nearly always (its kernel launches block with it
   held once the GPU's queue is full), so a thread here that gives it up (any system call, hash update or torch
   op) gets it back only at the switch interval, ~5 ms. Hence few, large system calls per shard
-  (``files._write_buffers``), and nothing long that holds the lock: rewriting the manifest encodes only the new
+  (``dflashkit/files.py``), and nothing long that holds the lock: rewriting the manifest encodes only the new
   shard's line and the fields (the lines of the shards listed before are kept), not every entry again.
 - Errors on the threads (disk full, NaN/Inf features) are raised in the caller at its next call. Shards complete
   before a NaN/Inf batch are still written; after a failed write, in sequence order, nothing more is.
@@ -48,16 +48,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .files import atomic_write, pause_point, publish, sha256_of, unnamed_files_work, write_unnamed
-from .shards import (
+from dflashkit.files import atomic_write, pause_point, publish, sha256_of, unnamed_files_work, write_unnamed
+
+from .format import decode_features, encode_features, safetensors_parts
+from .manifest import (
     MANIFEST,
     SCHEMA_VERSION,
     TOTALLED,
-    decode_features,
-    encode_features,
     rank_manifest_name,
     read_manifest,
-    safetensors_parts,
     shard_line,
     shard_name,
     totals,

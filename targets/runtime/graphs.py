@@ -1,9 +1,12 @@
-"""What the static decode steps share: capturing a step as a CUDA graph, and staging the host's small inputs.
+"""What every static step of the runtime shares (the slot generator's decode step, the verifier's steps and
+compaction, the drafter's pass): capturing a step as a CUDA graph, and staging the host's small inputs.
 
 Design choices:
 - A step is a function of static buffers. On CUDA it is captured once (two warm-up calls on a side stream for the
   allocator, kernels and lazy initialisation, then the captured call) and replayed; on the CPU, or with CUDA
-  graphs off, the same function runs eagerly: one code path, so the CPU tests cover what the GPU replays.
+  graphs off, the same function runs eagerly: one code path, so the CPU tests cover what the GPU replays. Steps
+  that replay one after another may share a memory pool (``pool``); a step whose outputs must outlive the next
+  one's temporaries gets its own.
 - Inputs that only the host knows (a tree's tokens and parents, the nodes a round keeps) are written into a
   pinned host buffer and copied to the device without waiting (`Staging`); an event keeps the host from
   rewriting the buffer before that copy has run. On the CPU the host buffer is the device buffer: no copy.

@@ -1,6 +1,6 @@
 """``dflashkit verify DIR``: check a shard directory before training on it.
 
-    python -m dflashkit.extract.verify runs/smollm2-shards
+    python -m dflashkit.extract.shards.verify runs/smollm2-shards
     dflashkit verify runs/smollm2-shards
 
 Checks: the manifest's fields and types, its target_layer_ids against the target's layer count (the manifest's, and
@@ -25,15 +25,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .shards import (
-    MANIFEST,
-    _MappedShard,
-    decode_features,
-    read_manifest,
-    read_shard_header,
-    sha256_file,
-    shard_path,
-)
+from dflashkit.files import sha256_file
+
+from .format import MappedShard, decode_features, read_shard_header
+from .manifest import MANIFEST, read_manifest, shard_path
 
 _CHUNK = 1 << 16  # tokens per NaN/Inf check step
 
@@ -42,14 +37,14 @@ def check_shard(path: Path, entry: dict, manifest: dict) -> list[str]:
     """Problems of one shard (empty list: fine)."""
     if not path.exists():
         return ["missing"]
-    size = path.stat().st_size  # checked before hashing: a listed file is a regular file (shards.shard_path)
+    size = path.stat().st_size  # checked before hashing: a listed file is a regular file (manifest.shard_path)
     if size != entry["bytes"]:
         return [f"size {size} bytes, the manifest says {entry['bytes']} (truncated or replaced)"]
     if sha256_file(path) != entry["sha256"]:
         return ["sha256 differs from the manifest (the file was changed or damaged: a flipped byte?)"]
     try:
         read_shard_header(path)
-        shard = _MappedShard(path)
+        shard = MappedShard(path)
     except ValueError as e:
         return [str(e)]
     problems = []

@@ -1,0 +1,112 @@
+"""The drafter's pass over one packed micro-batch (one or more sequences and all their blocks): the block
+mask, the drafter's forward and the block loss of its draft positions; used by training and held-out
+evaluation alike.
+
+Design choices:
+- The block ids are embedded with the target's embedding (times its embedding scale) and every block of the
+  micro-batch goes through the drafter in one forward with the packed block mask (train/block_mask.py), which
+  keeps each block inside its own sequence. Only draft positions 1..B-1 reach the lm_head; position 0 (the
+  anchor) predicts nothing.
+- Nothing in a training pass waits for the GPU: masks are built on the device and the loss's metric sums stay
+  there (train/metrics.py reduces them for a log line).
+- A DFlash2 drafter computes its selector's teacher-forced scores inside the same forward (so DDP and FSDP see
+  every parameter used there), unless the selector's term has weight 0 (``selector=False``): then neither the
+  scores nor their extra lm_head pass are computed (train/selector_loss.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .block_mask import build_block_masks
+from .data import PackedBlocks
+from .loss import BlockLossOutput, block_loss
+from .selector_loss import predecessor_ids, selector_loss
+
+
+def mask_backend(attention: str, device: torch.device) -> str:
+    """"dense" (SDPA bool mask; the CPU path), "flex" (BlockMask; on CUDA the drafter runs a compiled
+    flex_attention that skips fully masked tiles) or "split" (train/split_attention.py)."""
+    if attention != "auto":
+        return attention
+    return "flex" if device.type == "cuda" else "dense"
+
+
+def compile_layers(model, dynamic: bool | None = True) -> None:
+    """``torch.compile`` each decoder layer of the drafter (the fastest compiled unit measured, BENCHMARKS.md),
+    for symbolic sizes from the first call (``dynamic=True``).
+
+    Every packed micro-batch has its own context and block counts. Left to decide itself (``dynamic=None``), a
+    compiled layer is specialised to the first shape and recompiled with dynamic sizes at the next one, and that
+    recompiled graph ran the flex_attention kernels far slower than a layer compiled dynamic from the start, on
+    the same inputs (BENCHMARKS.md, bench/bench_train_throughput.py --layer-probe). ``dynamic=None`` keeps the
+    old behaviour (for the
+    comparison). Every layer can be compiled many times over a run; the dynamo cache limit is raised for that."""
+    import torch._dynamo as dynamo
+
+    dynamo.config.cache_size_limit = max(dynamo.config.cache_size_limit, 64)
+    for layer in model.layers:
+        layer.compile(dynamic=dynamic)
+
+
+def draft_hidden(model, head, batch: PackedBlocks, *, block_size: int, layer_types: list[str],
+                 sliding_window: int | None, backend: str = "dense", selector_targets: dict | None = None):
+    """The drafter's final hidden states at draft positions 1..B-1 of every block: [N, B-1, H]; with
+    ``selector_targets`` (DFlash2) also the selector's (scores, candidate_ids) from the same forward."""
+    n = batch.anchors.numel()
+    mask = build_block_masks(batch.anchors, batch.ctx_len, block_size, layer_types, sliding_window, backend,
+                             context_start=batch.context_start)
+    noise = head.embed(batch.block_ids)
+    extra = {} if selector_targets is None else {"selector_targets": selector_targets}
+    hidden = model(position_ids=batch.position_ids, attention_mask=mask, noise_embedding=noise,
+                   target_hidden=batch.target_hidden, **extra)
+    if selector_targets is not None:
+        hidden, scores = hidden
+        return hidden.view(n, block_size, -1)[:, 1:], scores
+    return hidden.view(n, block_size, -1)[:, 1:]
+
+
+@torch.no_grad()
+def target_argmax_labels(head, batch: PackedBlocks, chunk_tokens: int = 2048) -> torch.Tensor:
+    """The target's greedy choice for every label of ``batch``: label k of the block at a becomes
+    argmax lm_head(last_hidden[a+k-1]) where the label is valid (0 elsewhere, as the data labels). The logits are
+    taken once per context row (fewer rows than labels), in the lm_head's dtype as the ``kl`` teacher's, then
+    compared in fp32."""
+    if batch.last_hidden is None:
+        raise ValueError("labels=target_argmax needs the target's last_hidden in every micro-batch; extract the "
+                         "shards with --store-last-hidden, train online, or use labels=data")
+    weight, bias = head.lm_head.weight, head.lm_head.bias
+    rows = batch.last_hidden
+    choice = torch.empty(rows.shape[0], dtype=torch.long, device=rows.device)
+    for s in range(0, rows.shape[0], chunk_tokens):
+        logits = torch.nn.functional.linear(rows[s:s + chunk_tokens].to(weight.dtype), weight, bias)
+        choice[s:s + chunk_tokens] = logits.float().argmax(-1)
+    return torch.where(batch.valid, choice[batch.teacher_index], torch.zeros_like(batch.labels))
+
+
+def forward_blocks(model, head, batch: PackedBlocks, *, block_size: int, layer_types: list[str],
+                   sliding_window: int | None, backend: str = "dense", variant: str = "ce", gamma: float = 7.0,
+                   dpace_alpha: float = 0.5, kl_weight: float = 0.5, chunk_tokens: int = 2048,
+                   fused_loss: bool = False, labels: str = "data", selector: bool = True) -> BlockLossOutput:
+    """The un-normalised block loss (and metrics) of one packed micro-batch (fused_loss: train/loss.py);
+    ``labels="target_argmax"``: against the target's greedy tokens (``target_argmax_labels``), not the data's;
+    ``selector=False``: a DFlash2 drafter's selector term is not computed (``out.selector`` is None)."""
+    targets = target_argmax_labels(head, batch, chunk_tokens) if labels == "target_argmax" else batch.labels
+    # DFlash2: + the selector term
+    dflash2 = selector and hasattr(getattr(model, "module", model), "candidate_selector")
+    sel = None if not dflash2 else dict(lm_head_weight=head.lm_head.weight.detach(), chunk_tokens=chunk_tokens,
+                                        lm_head_bias=None if head.lm_head.bias is None else head.lm_head.bias.detach(),
+                                        predecessor_ids=predecessor_ids(batch.block_ids, targets))
+    hidden = draft_hidden(model, head, batch, block_size=block_size, layer_types=layer_types,
+                          sliding_window=sliding_window, backend=backend, selector_targets=sel)
+    if dflash2:
+        hidden, (scores, candidates) = hidden
+    teacher = None
+    if variant == "kl":
+        teacher = batch.last_hidden[batch.teacher_index]  # stored after the target's final norm
+    out = block_loss(hidden, head.lm_head.weight, targets, batch.valid, variant=variant, gamma=gamma,
+                     dpace_alpha=dpace_alpha, kl_weight=kl_weight, teacher_hidden=teacher,
+                     lm_head_bias=head.lm_head.bias, chunk_tokens=chunk_tokens, fused=fused_loss)
+    if dflash2:
+        out.selector = selector_loss(scores, candidates, targets, batch.valid, gamma)
+    return out

@@ -1,0 +1,110 @@
+"""Held-out evaluation: loss, per-position accuracy and tau_sim at fixed anchors, and the live chain walk.
+
+Design choices:
+- Held-out metrics always use the ``ce`` objective, whatever the training loss, so runs with different loss
+  variants are compared on the same number. Anchors are fixed per sample (train/anchors.eval_anchors), so
+  the same checkpoint gives the same numbers on every run.
+- ``evaluate`` works with or without an Accelerator: every rank runs the same number of passes (padding
+  passes count zero), which ZeRO-3 and FSDP need, and the sums are reduced across ranks.
+- tau_sim averages the acceptance length over anchors drawn uniformly, but live decoding does not visit
+  anchors uniformly: a round that accepts r drafts skips the next r positions, so easy stretches get few rounds
+  and hard ones many, and the live tau (tokens / rounds) is close to a harmonic, not an arithmetic, mean of the
+  per-anchor lengths. ``evaluate`` therefore also replays the chain walk (``chain_walk``) over every anchor of
+  each held-out assistant turn: start at the turn's first token, accept the run found there, move to the bonus
+  token, and so on, with the engine's rules at the end of the turn. On target-written (greedy) data this is
+  exactly what live greedy chain decoding of the same prompt does (tests/test_train_eval_consistency.py), so
+  ``eval/tau_walk`` and ``eval/walk_accept_k`` (fraction of rounds whose draft position k was accepted, the
+  report's per-position acceptance) are the held-out numbers to compare with an eval report.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .data import BlockSource, block_loader
+from .drafter_pass import forward_blocks
+from .loss import loss_denominator
+from .metrics import MetricSums
+
+
+def chain_walk(anchors: list[int], runs: list[int], block_size: int) -> tuple[int, int, list[int]]:
+    """Live greedy chain decoding replayed over one sequence: (rounds, tokens produced, accepted[k] = rounds whose
+    draft position k + 1 was accepted).
+
+    ``anchors`` must be every anchor candidate of the sequence (train/anchors.anchor_candidates, ascending) and
+    ``runs`` each one's leading run of correct draft positions. Consecutive candidates s..t form one assistant
+    turn ending at e = t + 1 (its end-of-turn token): rounds start at s; a round at a produces
+    min(1 + run, e - a) tokens (the engine stops at the end-of-turn token and drops the bonus after it) and the
+    next round starts at the token after them, until a reaches e.
+    """
+    accepted = [0] * (block_size - 1)
+    run_of = dict(zip(anchors, runs))
+    rounds = tokens = 0
+    i = 0
+    while i < len(anchors):
+        j = i
+        while j + 1 < len(anchors) and anchors[j + 1] == anchors[j] + 1:
+            j += 1
+        a, end = anchors[i], anchors[j] + 1
+        while a < end:
+            r = int(run_of[a])
+            produced = min(1 + r, end - a)
+            rounds, tokens = rounds + 1, tokens + produced
+            for k in range(min(r, block_size - 1)):
+                accepted[k] += 1
+            a += produced
+        i = j + 1
+    return rounds, tokens, accepted
+
+
+@torch.no_grad()
+def evaluate(model, head, dataset, indices: list[int], *, block_size: int, layer_types: list[str],
+             sliding_window: int | None, mask_token_id: int, num_anchors: int, seed: int, gamma: float = 7.0,
+             max_length: int | None = None, backend: str = "dense", chunk_tokens: int = 2048,
+             fused_loss: bool = False, selector: bool = True, accelerator=None, device=None) -> dict:
+    """Held-out loss (ce objective), per-position accuracy and tau_sim at fixed anchors, and the chain walk's
+    tau_walk and per-position acceptance; ``selector``: DFlash2's selector metrics too (train/drafter_pass.py)."""
+    world = accelerator.num_processes if accelerator is not None else 1
+    rank = accelerator.process_index if accelerator is not None else 0
+    device = device or (accelerator.device if accelerator is not None else torch.device("cpu"))
+    per_rank = math.ceil(len(indices) / world) if indices else 0
+    slots = [(indices[i * world + rank], False) if i * world + rank < len(indices) else (indices[0], True)
+             for i in range(per_rank)]
+    source = BlockSource(dataset, slots, block_size=block_size, mask_token_id=mask_token_id,
+                         num_anchors=num_anchors, seed=seed, epoch=0, max_length=max_length,
+                         use_last_hidden=False, fixed_anchors=True)
+    was_training = model.training
+    model.eval()
+    sums = MetricSums(block_size - 1, device)
+    for batch in block_loader(source):
+        batch = batch.to(device)
+        out = forward_blocks(model, head, batch, block_size=block_size, layer_types=layer_types,
+                             sliding_window=sliding_window, backend=backend, variant="ce", gamma=gamma,
+                             chunk_tokens=chunk_tokens, fused_loss=fused_loss, selector=selector)
+        sums.add(out, loss_denominator(batch.valid, "ce", gamma), batch.scale, batch.num_tokens)
+    walk = torch.zeros(1 + block_size, dtype=torch.float64, device=device)  # rounds, tokens, accepted[k]
+    every = BlockSource(dataset, slots, block_size=block_size, mask_token_id=mask_token_id, num_anchors=1 << 40,
+                        seed=seed, epoch=0, max_length=max_length, use_last_hidden=False)  # all candidates
+    for batch in block_loader(every):  # padding passes run too (every rank the same passes), and count nothing
+        batch = batch.to(device)
+        out = forward_blocks(model, head, batch, block_size=block_size, layer_types=layer_types,
+                             sliding_window=sliding_window, backend=backend, variant="ce", gamma=gamma,
+                             chunk_tokens=chunk_tokens, fused_loss=fused_loss, selector=False)  # runs only
+        if batch.scale == 0.0:
+            continue
+        anchors, runs = batch.anchors.tolist(), out.runs.tolist()
+        for s in range(len(batch.block_offsets) - 1):
+            lo, hi, start = batch.block_offsets[s], batch.block_offsets[s + 1], batch.context_offsets[s]
+            rounds, tokens, accepted = chain_walk([a - start for a in anchors[lo:hi]], runs[lo:hi], block_size)
+            walk += torch.tensor([rounds, tokens, *accepted], dtype=torch.float64, device=device)
+    model.train(was_training)
+    metrics = sums.reduce(accelerator).metrics("eval")
+    if accelerator is not None and accelerator.num_processes > 1:
+        walk = accelerator.reduce(walk, reduction="sum")
+    rounds, tokens, *accepted = walk.tolist()
+    metrics["eval/tau_walk"] = tokens / rounds if rounds else float("nan")
+    for k, n in enumerate(accepted):
+        metrics[f"eval/walk_accept_{k + 1}"] = n / rounds if rounds else float("nan")
+    return metrics

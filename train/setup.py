@@ -1,0 +1,324 @@
+"""Training setup: the configuration -> the accelerator, the data (shards, or the live target: train/online.py),
+the target's head, the drafter, the optimizer, the learning-rate schedule and the resumed position, gathered
+in one ``TrainRun`` for the loop (train/trainer.py).
+
+Design choices:
+- accelerate drives the backend (single process, DDP, FSDP, DeepSpeed ZeRO-2/3, chosen by the accelerate
+  config passed to ``accelerate launch``) and bf16 autocast; only the drafter and its optimizer are prepared.
+  The target head stays outside: frozen, replicated on every rank, never sharded, never checkpointed.
+- The drafter's initial weights depend on the seed alone: the seed is set again after the data and the target
+  are loaded, whatever they consumed.
+- The learning rate is a pure function of the step (``lr_at``: linear warmup, then cosine or linear decay to
+  ``min_lr_ratio``): resuming needs only the step number.
+- Every check that can refuse the run (shards, manifest against drafter and target, loss against the data)
+  runs here, before the first step.
+- ``max_steps`` shorter than the epochs is announced at start (and recorded in summary.json).
+- A DFlash2 drafter trained with ``selector_loss_weight=0`` keeps its selector as initialised: those
+  parameters are frozen before the backend wraps the drafter, so no pass computes the selector's scores and
+  DDP waits for no gradient of them.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .checkpoint import latest_checkpoint, load_checkpoint
+from .config import TrainConfig
+from .data import epoch_order, pack_order, split_indices, steps_per_epoch
+from .drafter_pass import compile_layers, mask_backend
+
+
+def lr_at(step: int, total_steps: int, warmup_steps: int, min_lr_ratio: float, schedule: str = "cosine") -> float:
+    """Multiplier on the peak lr for optimizer step ``step`` (0-based): linear warmup, then ``schedule``
+    ("cosine" or "linear") from 1 down to ``min_lr_ratio``."""
+    if warmup_steps > 0 and step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+    if schedule == "linear":
+        return min_lr_ratio + (1.0 - min_lr_ratio) * (1.0 - min(1.0, progress))
+    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+def resolve_mask_token(cfg: TrainConfig, head) -> int:
+    """cfg.mask_token_id, else the tokenizer's mask token or a spare row (the one resolver, targets/loading.py)."""
+    from transformers import AutoTokenizer
+
+    from dflashkit.targets.loading import resolve_mask_token_id
+
+    tokenizer = None if cfg.mask_token_id is not None else AutoTokenizer.from_pretrained(head.model_dir)
+    return resolve_mask_token_id(tokenizer, head.config, cfg.mask_token_id)
+
+
+def build_model(cfg: TrainConfig, manifest: dict, head):
+    """A new drafter sized for the target, or the one in ``init_from``; returns (model, DrafterConfig)."""
+    from dflashkit.drafter import DrafterConfig, build_drafter, load_drafter
+
+    if cfg.init_from:
+        model = load_drafter(cfg.init_from)
+        if cfg.mask_token_id is not None and model.dflash.mask_token_id != cfg.mask_token_id:
+            raise ValueError(f"mask_token_id={cfg.mask_token_id} but the drafter in {cfg.init_from} was trained with "
+                             f"{model.dflash.mask_token_id}; drop mask_token_id to keep the drafter's")
+        if model.dflash.architecture != cfg.drafter_architecture:
+            raise ValueError(f"drafter_architecture={cfg.drafter_architecture} but the drafter in {cfg.init_from} is "
+                             f"{model.dflash.architecture}; set drafter_architecture={model.dflash.architecture}")
+        return model.train(), model.dflash
+    dcfg = DrafterConfig.for_target(
+        head.config, num_hidden_layers=cfg.num_hidden_layers, block_size=cfg.block_size,
+        target_layer_ids=list(cfg.target_layer_ids or manifest.get("target_layer_ids") or []),
+        mask_token_id=resolve_mask_token(cfg, head), layer_types=list(cfg.layer_types),
+        sliding_window=cfg.sliding_window, input_embedding_scale=float(head.embedding_scale),
+        architecture=cfg.drafter_architecture, **cfg.drafter)
+    return build_drafter(dcfg).train(), dcfg
+
+
+def make_accelerator(cfg: TrainConfig):
+    """An Accelerator for the launch environment. On a machine without CUDA, accelerate forms a process group
+    only when told: cpu=True for plain data parallelism (gloo), or the gloo backend named for DeepSpeed."""
+    from accelerate import Accelerator
+    from accelerate.utils import InitProcessGroupKwargs
+
+    kw = dict(mixed_precision=cfg.mixed_precision, gradient_accumulation_steps=cfg.grad_accum)
+    if not torch.cuda.is_available():
+        if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+            kw["kwargs_handlers"] = [InitProcessGroupKwargs(backend="gloo")]
+        else:
+            kw["cpu"] = True
+    return Accelerator(**kw)
+
+
+def configure_deepspeed(accelerator, cfg: TrainConfig) -> None:
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    if plugin is None:
+        return
+    c = plugin.deepspeed_config
+    c["train_micro_batch_size_per_gpu"] = 1
+    c["gradient_accumulation_steps"] = cfg.grad_accum
+    c["train_batch_size"] = accelerator.num_processes * cfg.grad_accum
+    c["gradient_clipping"] = cfg.max_grad_norm
+    c.setdefault("zero_allow_untested_optimizer", True)
+
+
+def verify_shards(shard_dir: str, rank: int, world: int) -> None:
+    """Refuse to train on damaged shards: each rank checks every world-th shard (size, sha256, layout, NaN)."""
+    from dflashkit.extract.shards.manifest import read_manifest, shard_path
+    from dflashkit.extract.shards.verify import check_shard
+
+    manifest = read_manifest(shard_dir)  # a malformed manifest, or a shard named outside shard_dir: one line
+    files = [shard_path(shard_dir, entry, k) for k, entry in enumerate(manifest["shards"])]  # every rank: all stop
+    problems = []
+    for k in range(rank, len(files), world):
+        problems += [f"{files[k]}: {p}" for p in check_shard(files[k], manifest["shards"][k], manifest)]
+    if problems:
+        raise ValueError("refusing to train on damaged shards:\n  " + "\n  ".join(problems) +
+                         f"\nre-extract them (`dflashkit verify {shard_dir}` lists every problem)")
+
+
+def target_identity(head) -> dict:
+    """What to compare with the manifest's target: the config; the weight files for an HF directory (a GGUF
+    target is converted per dtype, so its converted files differ between dtypes); the tokenizer when the
+    target directory has one."""
+    ident = head.identity()
+    if str(head.path).startswith("testbed:") or str(head.path).endswith(".gguf"):
+        ident.pop("weights_hash", None)
+    if any((Path(head.model_dir) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+        from transformers import AutoTokenizer
+
+        from dflashkit.extract.data.chat import tokenizer_hash
+
+        ident["tokenizer_hash"] = tokenizer_hash(AutoTokenizer.from_pretrained(head.model_dir))
+    return ident
+
+
+def param_groups(model, weight_decay: float) -> list[dict]:
+    """AdamW's groups: weight decay on every parameter but the norms and DFlash2's base kernels."""
+    decay, no_decay = [], []
+    from .muon import never_decayed
+
+    for name, p in model.named_parameters():
+        if not p.requires_grad:  # a frozen part (DFlash2's selector when its term has weight 0)
+            continue
+        (no_decay if never_decayed(name, p) else decay).append(p)  # norms, DFlash2's base kernels
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+RUN_FILES = ("checkpoints", "export", "metrics.jsonl", "summary.json", "token-cache", "tb", "wandb", "wandb-run-id")
+
+
+def check_output_paths(cfg: TrainConfig) -> Path:
+    """Refuse, before any work, an output_dir that holds files of something else and an export_dir that is not a
+    drafter export (unless ``overwrite``); a file at either path always. Returns the export directory."""
+    from dflashkit.drafter.export import export_dir_problem
+    from dflashkit.outputs import check_output_dir, describe_foreign, foreign_entries
+
+    out_dir = Path(cfg.output_dir)
+    export_dir = Path(cfg.export_dir or out_dir / "export")
+    owned = {*RUN_FILES, export_dir.name} if export_dir.parent == out_dir else set(RUN_FILES)
+
+    def run_dir_problem(path: Path) -> str | None:
+        foreign = foreign_entries(path, lambda name: name in owned)
+        return describe_foreign(foreign) if foreign else None
+
+    check_output_dir(out_dir, what="a training run directory", problem=run_dir_problem, overwrite=cfg.overwrite,
+                     flag="overwrite=true", forcing="write into it anyway")
+    check_output_dir(export_dir, what="a drafter directory", problem=export_dir_problem, overwrite=cfg.overwrite,
+                     flag="overwrite=true")
+    return export_dir
+
+
+@dataclass
+class TrainRun:
+    """Everything the loop needs, built by ``setup``; ``step``, ``epoch`` and ``done`` are its position."""
+
+    cfg: TrainConfig
+    accelerator: object  # accelerate.Accelerator
+    dataset: object  # ShardDataset, or online.OnlineFeatures (the target runs in the loop)
+    head: object  # the target's frozen embedding / norm / lm_head (targets/loading.TargetHead)
+    model: torch.nn.Module  # the drafter, prepared by accelerate
+    dcfg: object  # its DrafterConfig
+    optimizer: torch.optim.Optimizer  # prepared by accelerate
+    train_idx: list  # training sample indices
+    eval_idx: list  # held-out sample indices
+    packs: list  # per epoch, its micro-batches (lists of sample indices) in order
+    planned: int  # optimizer steps of all epochs
+    total_steps: int  # the steps this run trains (planned, or max_steps when shorter)
+    warmup: int  # warmup steps of the schedule
+    pass_options: dict  # the drafter pass's fixed arguments (train/drafter_pass.forward_blocks)
+    use_last_hidden: bool  # the samples carry the target's final hidden states (kl loss, target_argmax labels)
+    online: bool  # features come from the target in the loop
+    resumed_from: Path | None = None  # the checkpoint the run resumed from
+    step: int = 0  # optimizer steps taken
+    epoch: int = 0  # current epoch
+    done: int = 0  # micro-batches of the current epoch consumed (all ranks)
+
+    def lr_factor(self) -> float:
+        """The schedule's multiplier on the peak lr for the next step."""
+        c = self.cfg
+        return lr_at(self.step, self.total_steps, self.warmup, c.min_lr_ratio, c.lr_schedule)
+
+    def trainer_state(self) -> dict:
+        """What a checkpoint records of the run besides the weights and the optimizer (train/checkpoint.py)."""
+        return {"step": self.step, "epoch": self.epoch, "epoch_samples_done": self.done,
+                "samples_per_step": self.accelerator.num_processes * self.cfg.grad_accum,
+                "config": self.cfg.to_dict(), "drafter_config": self.dcfg.to_json_dict()}
+
+
+def build_optimizer(cfg: TrainConfig, model, backend_name: str) -> torch.optim.Optimizer:
+    """AdamW, or Muon on the 2-D matrices and AdamW on the rest (train/muon.py)."""
+    if cfg.optimizer == "muon":
+        from .muon import Muon, check_backend, muon_param_groups
+
+        check_backend(backend_name)
+        return Muon(muon_param_groups(model, lr=cfg.lr, muon_lr=cfg.muon_lr, weight_decay=cfg.weight_decay),
+                    lr=cfg.lr, momentum=cfg.muon_momentum, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps)
+    return torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=tuple(cfg.adam_betas),
+                             eps=cfg.adam_eps)
+
+
+def setup(cfg: TrainConfig) -> TrainRun:
+    """Build the run ``cfg`` describes, resumed where its checkpoint says (``resume``)."""
+    from accelerate.utils import set_seed
+
+    from dflashkit.extract.shards.manifest import check_manifest_matches
+    from dflashkit.extract.shards.reader import ShardDataset
+    from dflashkit.targets.loading import load_target_head
+
+    # --- accelerator ------------------------------------------------------------------------------------
+    online = bool(cfg.data)  # the target runs in the loop (train/online.py) instead of shards being read
+    if not cfg.shards and not online:
+        raise ValueError("shards: no shard directory given; pass shards=DIR (a directory `dflashkit extract` "
+                         "wrote), or --target T --data FILE to train online")
+    accelerator = make_accelerator(cfg)
+    configure_deepspeed(accelerator, cfg)
+    say = accelerator.print
+    world, rank, G = accelerator.num_processes, accelerator.process_index, cfg.grad_accum
+    set_seed(cfg.seed)
+    compute_dtype = torch.bfloat16 if cfg.mixed_precision == "bf16" else torch.float32
+
+    # --- data, target head, drafter -----------------------------------------------------------------------
+    if online:  # each rank loads its own frozen target; accelerate never sees it
+        from .online import OnlineFeatures, check_drafter_matches_target, open_online
+
+        target, head, manifest, samples = open_online(cfg, accelerator.device, compute_dtype, say, rank)
+    else:
+        if cfg.verify_shards:
+            verify_shards(cfg.shards, rank, world)
+        dataset = ShardDataset(cfg.shards)
+        manifest = dataset.manifest
+        head_spec = cfg.target or manifest["target"]["path"]
+        head = load_target_head(head_spec, dtype=compute_dtype, device=accelerator.device)
+    set_seed(cfg.seed)  # the drafter's initial weights depend on the seed alone, whatever loading consumed
+    model, dcfg = build_model(cfg, manifest, head)
+    use_last_hidden = cfg.loss == "kl" or cfg.labels == "target_argmax"  # the target's final hidden states
+    if online:
+        check_drafter_matches_target(dcfg, target)
+        dataset = OnlineFeatures(target, samples, dcfg.target_layer_ids, store_last_hidden=use_last_hidden,
+                                 batch_tokens=cfg.target_batch_tokens, device=accelerator.device)
+    else:
+        check_manifest_matches(manifest, dcfg, target_identity(head))
+    if cfg.loss == "kl" and not dataset.has_last_hidden:
+        raise ValueError(f"loss=kl needs last_hidden in the shards of {cfg.shards}; re-extract them with "
+                         f"--store-last-hidden, or use loss=dpace (the default) or ce")
+    if cfg.labels == "target_argmax" and not dataset.has_last_hidden:
+        raise ValueError(f"labels=target_argmax needs last_hidden in the shards of {cfg.shards}; re-extract them "
+                         f"with --store-last-hidden, train online (--target T --data FILE), or use labels=data")
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing = True
+    selector = cfg.selector_loss_weight > 0
+    if not selector and hasattr(model, "candidate_selector"):  # DFlash2 without its selector term
+        model.candidate_selector.requires_grad_(False)
+
+    # --- the order of the data and the length of the run ------------------------------------------------
+    train_idx, eval_idx = split_indices(len(dataset), cfg.eval_samples, cfg.seed)
+    packs = [pack_order(epoch_order(train_idx, cfg.seed, e), dataset.lengths, cfg.micro_batch_tokens, cfg.max_length)
+             for e in range(cfg.epochs)]  # the micro-batches of each epoch (lists of samples)
+    spe = steps_per_epoch(len(packs[0]), world, G)
+    planned = sum(steps_per_epoch(len(p), world, G) for p in packs)
+    total_steps = min(planned, cfg.max_steps) if cfg.max_steps else planned
+    warmup = int(round(cfg.warmup_ratio * total_steps))
+    backend_name = str(accelerator.distributed_type).split(".")[-1]
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and backend_name != "FSDP":
+        say(f"note: the accelerate config asks for FSDP, but accelerate runs it as {backend_name} on "
+            f"{accelerator.device.type} (it shards only on GPUs): every process holds the whole drafter")
+    say(f"dflashkit train ({backend_name}, {accelerator.device.type}): {'online, ' if online else ''}"
+        f"{len(train_idx)} training / {len(eval_idx)} "
+        f"held-out samples, {world} process(es) x "
+        f"{G} micro-batches ({f'<= {cfg.micro_batch_tokens} tokens' if cfg.micro_batch_tokens else 'one sequence'} "
+        f"each) per step, "
+        f"{spe} steps in epoch 0, {cfg.epochs} epochs = "
+        f"{planned} steps")
+    if total_steps < planned:
+        say(f"NOTE: max_steps={cfg.max_steps} stops training after {total_steps} of {planned} steps "
+            f"({total_steps / spe:.2f} of {cfg.epochs} epochs)")
+
+    # --- optimizer, backend -------------------------------------------------------------------------------
+    optimizer = build_optimizer(cfg, model, backend_name)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    if cfg.compile:  # per decoder layer, dynamic shapes from the start (train/drafter_pass.compile_layers)
+        compile_layers(accelerator.unwrap_model(model))
+    backend = mask_backend(cfg.attention, accelerator.device)
+    say(f"attention mask: {backend}{' (compiled drafter layers)' if cfg.compile else ''}")
+    pass_options = dict(block_size=dcfg.block_size, layer_types=dcfg.layer_types, sliding_window=dcfg.sliding_window,
+                        backend=backend, chunk_tokens=cfg.loss_chunk_tokens, selector=selector,
+                        fused_loss=cfg.compile and accelerator.device.type == "cuda")  # compiled logit kernels
+    run = TrainRun(cfg=cfg, accelerator=accelerator, dataset=dataset, head=head, model=model, dcfg=dcfg,
+                   optimizer=optimizer, train_idx=train_idx, eval_idx=eval_idx, packs=packs, planned=planned,
+                   total_steps=total_steps, warmup=warmup, pass_options=pass_options,
+                   use_last_hidden=use_last_hidden, online=online)
+
+    # --- resume -------------------------------------------------------------------------------------------
+    ckpt = None
+    if cfg.resume == "auto":
+        ckpt = latest_checkpoint(Path(cfg.output_dir), warn=say)
+    elif cfg.resume not in ("none", ""):
+        ckpt = Path(cfg.resume)
+    if ckpt is not None:
+        state = load_checkpoint(ckpt, accelerator, model, optimizer)
+        run.step, run.epoch, run.done = state["step"], state["epoch"], state["epoch_samples_done"]
+        run.resumed_from = ckpt
+        say(f"resumed from {ckpt} (step {run.step}, epoch {run.epoch}, {run.done} micro-batches into the epoch)")
+    return run
