@@ -13,6 +13,11 @@ from recipe_study import VARIANTS, main, parse_variants  # noqa: E402
 
 from conftest import chat_records, save_tiny_chat_target, write_jsonl  # noqa: E402
 
+# every toy run: a 1-layer drafter of a tiny target, 2 steps (a check that the stages run, not a measurement)
+TOY = ("max_steps=2,num_hidden_layers=1,block_size=4,compile=false,mixed_precision=no,micro_batch_tokens=400,"
+       "max_length=160,eval_samples=2,eval_anchors=4,save_every=0,log_every=1,num_workers=0,"
+       "drafter={intermediate_size: 64}")
+
 
 def test_variants_from_the_table_and_the_command_line():
     got = parse_variants(["default,muon", "mine:lr=1e-3,layer_types=[full_attention,sliding_attention],loss=kl"])
@@ -30,12 +35,9 @@ def test_toy_study_trains_evaluates_and_tabulates_each_variant(tmp_path, capsys)
     target = save_tiny_chat_target(tmp_path / "target")
     data = write_jsonl(tmp_path / "chats.jsonl", chat_records(16, seed=5))
     out = tmp_path / "study"
-    toy = ("max_steps=2,num_hidden_layers=1,block_size=4,compile=false,mixed_precision=no,micro_batch_tokens=400,"
-           "max_length=160,eval_samples=2,eval_anchors=4,save_every=0,log_every=1,num_workers=0,"
-           "drafter={intermediate_size: 64}")
     rc = main(["--target", target, "--data", data, "--out", str(out), "--epochs", "1", "--parallel", "2",
                "--variants", "default,mix:optimizer=muon,anchor_density=0.2,bad:loss=nope", "--device", "cpu",
-               "--num-prompts", "2", "--max-new-tokens", "8", "--extra-overrides", toy])
+               "--num-prompts", "2", "--max-new-tokens", "8", "--extra-overrides", TOY])
     assert rc == 1  # one variant failed
     log = capsys.readouterr().out
     assert "mix: training (optimizer=muon anchor_density=0.2)" in log and "bad: training failed" in log
@@ -57,7 +59,7 @@ def test_toy_study_trains_evaluates_and_tabulates_each_variant(tmp_path, capsys)
     assert all(f"| {name} |" in table for name in results)
     # a second study over the same OUT keeps the finished variants and does not run them again
     rc = main(["--target", target, "--data", data, "--out", str(out), "--variants", "default", "--device", "cpu",
-               "--extra-overrides", toy])
+               "--extra-overrides", TOY])
     assert rc == 0 and "default: done in an earlier run" in capsys.readouterr().out
 
 
@@ -66,11 +68,8 @@ def test_train_stage_then_eval_stage_over_the_same_out(tmp_path, capsys):
     target = save_tiny_chat_target(tmp_path / "target")
     data = write_jsonl(tmp_path / "chats.jsonl", chat_records(12, seed=9))
     out = tmp_path / "study"
-    toy = ("max_steps=2,num_hidden_layers=1,block_size=4,compile=false,mixed_precision=no,micro_batch_tokens=400,"
-           "max_length=160,eval_samples=2,eval_anchors=4,save_every=0,log_every=1,num_workers=0,"
-           "drafter={intermediate_size: 64}")
     common = ["--target", target, "--data", data, "--out", str(out), "--epochs", "1", "--device", "cpu",
-              "--num-prompts", "2", "--max-new-tokens", "8", "--extra-overrides", toy]
+              "--num-prompts", "2", "--max-new-tokens", "8", "--extra-overrides", TOY]
     assert main([*common, "--variants", "default", "--stage", "eval"]) == 1  # nothing trained yet
     assert "needs the export of an earlier --stage train" in capsys.readouterr().out
     assert main([*common, "--variants", "default", "--stage", "train", "--rerun"]) == 0
