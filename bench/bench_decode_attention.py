@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from dflashkit.extract.decode_attention import decode_attention, decode_attention_reference, triton_available
-from dflashkit.extract.slot_cache import grouped_attention
+from dflashkit.extract.generation.decode_attention import decode_attention, decode_attention_reference, triton_available
+from dflashkit.extract.generation.slot_cache import grouped_attention
 
 
 def timed(fn, iters: int, device: torch.device) -> float:
@@ -91,7 +91,7 @@ def main(argv=None) -> dict:
                   "error": (decode_attention(q, k, v, positions, scale, args.window).float() - twin).abs().max().item()}
     best = None
     if args.sweep:
-        from dflashkit.extract.decode_attention_triton import decode_attention_triton
+        from dflashkit.extract.generation.decode_attention_triton import decode_attention_triton
 
         for block_n, warps, stages in itertools.product((32, 64, 128), (2, 4, 8), (1, 2, 3, 4)):
             def call():

@@ -38,10 +38,10 @@ from pathlib import Path
 
 import torch
 
-from dflashkit.extract.answerers import TargetGenerator
 from dflashkit.extract.data.chat import BadSample, normalize_record, render
 from dflashkit.extract.data.sources import iter_records
-from dflashkit.extract.generator import SlotGenerator
+from dflashkit.extract.generation.answerers import TargetGenerator
+from dflashkit.extract.generation.generator import SlotGenerator
 
 
 def save_toy_target(out: Path) -> None:

@@ -2,9 +2,9 @@
 target's layer features (through ``dflashkit.targets``) and store them as verifiable shards.
 
 Three parts: chat data (``extract.data``: sources, chat rendering and masks, batching), the generation front end
-(``regenerate``, ``answerers``, ``generator``, ``slot_cache``, ``decode_attention``), and feature shards
-(``extract.shards``: format, manifest, reader, writer, verify). ``run`` is one extraction run, joining them;
-``__main__`` is its command.
+(``extract.generation``: answerers, the slot generator, its cache and decode attention; ``regenerate`` is its
+command), and feature shards (``extract.shards``: format, manifest, reader, writer, verify). ``run`` is one
+extraction run, joining them; ``__main__`` is its command.
 
 The modules are imported on demand; this package imports nothing heavy on its own.
 """

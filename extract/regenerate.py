@@ -20,8 +20,8 @@ Design choices:
 - System and user turns are kept; every user turn gets the target's answer to the conversation so far (its own
   earlier answers included), so multi-turn data and prompt-only data (MT-bench) are treated alike.
 - A local target (--target) answers --batch-size x --chunk-factor conversations at a time through
-  ``generator.SlotGenerator`` (--batch-size cache slots, continuous batching, a CUDA-graph decode step on a
-  GPU): a conversation's next turn is queued as soon as its previous answer ends. A target with recurrent
+  ``generation.generator.SlotGenerator`` (--batch-size cache slots, continuous batching, a CUDA-graph decode
+  step on a GPU): a conversation's next turn is queued as soon as its previous answer ends. A target with recurrent
   layers (Qwen3.5, Qwen3-Next) goes through Hugging Face ``generate`` in left-padded batches, one turn of every
   conversation per round. Generation stops at the template's end-of-turn token and the tokenizer's eos. A server
   gets one request per turn, several conversations in flight; its ``reasoning_content`` (thinking models) is
@@ -54,7 +54,7 @@ from dflashkit.extract.data.chat import BadSample, normalize_record
 from dflashkit.files import pause_point
 from dflashkit.stopping import StopRequest
 
-from .answerers import ServerGenerator, TargetGenerator
+from .generation.answerers import ServerGenerator, TargetGenerator
 
 
 def positive_int(text: str) -> int:

@@ -6,8 +6,8 @@ import textwrap
 import pytest
 import torch
 
-from dflashkit.extract.decode_attention import decode_attention_reference
-from dflashkit.extract.slot_cache import grouped_attention
+from dflashkit.extract.generation.decode_attention import decode_attention_reference
+from dflashkit.extract.generation.slot_cache import grouped_attention
 
 from tests.conftest import INTERPRETER_PREAMBLE, run_in_interpreter
 
@@ -51,8 +51,8 @@ def test_twin_with_a_window_of_one_is_the_own_value():
 
 KERNEL_SCRIPT = INTERPRETER_PREAMBLE + textwrap.dedent("""
     from test_extract_decode_attention import _case, masked_grouped
-    from dflashkit.extract.decode_attention import decode_attention, decode_attention_reference
-    from dflashkit.extract.decode_attention_triton import decode_attention_triton
+    from dflashkit.extract.generation.decode_attention import decode_attention, decode_attention_reference
+    from dflashkit.extract.generation.decode_attention_triton import decode_attention_triton
     errors = []
     cases = [(1, None, None, 0), (3, None, None, 1), (3, None, 3, 2), (1, 9, 2, 3), (3, 20, None, 4),
              (3, 1, 3, 5), (2, None, 4, 6)]
@@ -83,7 +83,7 @@ def test_triton_kernel_matches_twin_and_grouped_attention_in_interpreter():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_triton_kernel_matches_twin_on_cuda():
     pytest.importorskip("triton", reason="triton is not installed")
-    from dflashkit.extract.decode_attention_triton import decode_attention_triton
+    from dflashkit.extract.generation.decode_attention_triton import decode_attention_triton
 
     for dtype, tolerance in ((torch.float32, 2e-3), (torch.bfloat16, 3e-2), (torch.float16, 5e-3)):
         for group, window, slots in ((3, None, 1024), (3, None, 40), (1, 100, 40), (3, 7, 8)):
@@ -97,8 +97,8 @@ def test_triton_kernel_matches_twin_on_cuda():
 GENERATOR_SCRIPT = INTERPRETER_PREAMBLE + textwrap.dedent("""
     from transformers import AutoModelForCausalLM
     from conftest import tiny_family_config
-    import dflashkit.extract.generator as generator
-    import dflashkit.extract.slot_cache as slot_cache
+    import dflashkit.extract.generation.generator as generator
+    import dflashkit.extract.generation.slot_cache as slot_cache
     calls = []
     kernel = slot_cache.decode_attention
     def counted(*args):

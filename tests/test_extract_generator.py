@@ -12,7 +12,7 @@ import torch
 from test_extract_regenerate import RECORDS
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from dflashkit.extract.generator import SlotGenerator
+from dflashkit.extract.generation.generator import SlotGenerator
 from dflashkit.targets.loading import load_target
 from dflashkit.targets.runtime.parts import attention_only
 from dflashkit.targets.runtime.sampling import sample_next
@@ -70,7 +70,7 @@ def test_regenerate_answers_a_recurrent_target_through_hf_generate(tmp_path):
     from test_extract_chat import smollm2_tokenizer
     from test_extract_regenerate import greedy_reference
 
-    from dflashkit.extract.answerers import TargetGenerator
+    from dflashkit.extract.generation.answerers import TargetGenerator
     from dflashkit.extract.regenerate import main
 
     torch.manual_seed(0)

@@ -27,7 +27,8 @@ MAY_IMPORT = {
     "targets": ("helpers", "drafter"),
     "extract.data": ("helpers", "drafter", "targets"),  # chat data: records, rendering, batching
     "extract.shards": ("helpers", "drafter", "targets"),  # shard format, manifest, reader, writer, verify
-    "extract": ("helpers", "drafter", "targets", "extract.data", "extract.shards"),  # generation, the run
+    "extract.generation": ("helpers", "drafter", "targets", "extract.data"),  # answerers, slot generator
+    "extract": ("helpers", "drafter", "targets", "extract.data", "extract.shards", "extract.generation"),  # run
     "train": ("helpers", "drafter", "targets", "extract.data", "extract.shards"),
     "eval": ("helpers", "drafter", "targets", "extract.data.sources"),  # no train, no other extract module
     "commands": ("*",),  # the `dflashkit` command's own subcommands (demo, __main__)
@@ -224,7 +225,12 @@ def test_the_checker_catches_each_kind_of_violation():
                                                    dflashkit__extract__shards__writer="")),
         "shards import the generation front end": (
             "room extract.shards may import only helpers, drafter, targets",
-            _tree(dflashkit__extract__shards__writer="from ..generator import g", dflashkit__extract__generator="")),
+            _tree(dflashkit__extract__shards__writer="from ..generation.generator import g",
+                  dflashkit__extract__generation__generator="")),
+        "the generation front end imports shards": (
+            "room extract.generation may import only helpers, drafter, targets, extract.data",
+            _tree(dflashkit__extract__generation__answerers="from ..shards import writer",
+                  dflashkit__extract__shards__writer="")),
         "a command module": ("a command module", _tree(bench__b="from dflashkit.extract.__main__ import main",
                                                        dflashkit__extract____main__="")),
         "a private name": ("a private name", _tree(dflashkit__extract__shards__verify="from .format import _NP",

@@ -8,7 +8,7 @@ import transformers as tf
 
 from dflashkit.eval.draft_step import StaticDraftCache
 from dflashkit.eval.kv_cache import KVCache
-from dflashkit.extract.slot_cache import SlotCache
+from dflashkit.extract.generation.slot_cache import SlotCache
 from dflashkit.targets.runtime.static_cache import AttentionSwitch, StaticKV
 
 

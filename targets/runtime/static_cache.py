@@ -1,7 +1,7 @@
 """The static K/V cache of the runtime, and how an attention function of ours is plugged into a Hugging Face model.
 
-Used by the slot generator (extract/slot_cache.py: a row per slot), the verifier (eval/kv_cache.py: one sequence,
-slots committed in order) and the drafter's static pass (eval/draft_step.py); each keeps only its layout.
+Used by the slot generator (extract/generation/slot_cache.py: a row per slot), the verifier (eval/kv_cache.py: one
+sequence, slots committed in order) and the drafter's static pass (eval/draft_step.py); each keeps only its layout.
 
 Design choices:
 - ``StaticKV``: per layer, one K and one V buffer ``[rows, kv_heads, max_len, head_dim]``, allocated on the

@@ -1,5 +1,5 @@
-"""The slot generator's K/V cache and the attention function it registers with transformers (extract/generator.py
-drives both).
+"""The slot generator's K/V cache and the attention function it registers with transformers
+(extract/generation/generator.py drives both).
 
 - ``SlotCache`` holds, per layer, K and V for a fixed number of slots, written at explicit (slot, column) places:
   the runtime's static cache (targets/runtime/static_cache.py) with a row per slot.
