@@ -12,9 +12,10 @@ Design choices:
   per-anchor lengths. ``evaluate`` therefore also replays the chain walk (``chain_walk``) over every anchor of
   each held-out assistant turn: start at the turn's first token, accept the run found there, move to the bonus
   token, and so on, with the engine's rules at the end of the turn. On target-written (greedy) data this is
-  exactly what live greedy chain decoding of the same prompt does (tests/test_train_eval_consistency.py), so
-  ``eval/tau_walk`` and ``eval/walk_accept_k`` (fraction of rounds whose draft position k was accepted, the
-  report's per-position acceptance) are the held-out numbers to compare with an eval report.
+  exactly what live greedy chain decoding of the same prompt does
+  (tests/integration/test_train_eval_consistency.py), so ``eval/tau_walk`` and ``eval/walk_accept_k`` (fraction
+  of rounds whose draft position k was accepted, the report's per-position acceptance) are the held-out numbers
+  to compare with an eval report.
 """
 
 from __future__ import annotations

@@ -13,7 +13,8 @@ Design choices:
   draft is kept the bonus is drawn from p after the last one. The emitted tokens are distributed as the target's
   own samples (lossless).
 - drafter/modeling_dflash.py ships inside exports and imports nothing of dflashkit, so it keeps its own copy of
-  the filter and the rejection rule; tests/test_runtime_sampling.py checks the two give the same outputs.
+  the filter and the rejection rule; tests/unit/targets/test_runtime_sampling.py checks the two give the same
+  outputs.
 """
 
 from __future__ import annotations

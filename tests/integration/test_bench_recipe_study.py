@@ -1,0 +1,83 @@
+"""bench/recipe_study.py at toy size on the CPU: real online trainings of a tiny target with the testbed's tokenizer,
+real live evaluations of their exports, and a results file whose tau values are those of the eval reports."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parents[2] / "bench"))
+from recipe_study import VARIANTS, main, parse_variants  # noqa: E402
+
+from support.chat_data import chat_records, save_tiny_chat_target, write_jsonl
+
+# every toy run: a 1-layer drafter of a tiny target, 2 steps (a check that the stages run, not a measurement)
+TOY = ("max_steps=2,num_hidden_layers=1,block_size=4,compile=false,mixed_precision=no,micro_batch_tokens=400,"
+       "max_length=160,eval_samples=2,eval_anchors=4,save_every=0,log_every=1,num_workers=0,"
+       "drafter={intermediate_size: 64}")
+
+
+def test_variants_from_the_table_and_the_command_line():
+    got = parse_variants(["default,muon", "mine:lr=1e-3,layer_types=[full_attention,sliding_attention],loss=kl"])
+    assert got == {"default": [], "muon": ["optimizer=muon"],
+                   "mine": ["lr=1e-3", "layer_types=[full_attention,sliding_attention]", "loss=kl"]}
+    assert parse_variants(["sliding_window"])["sliding_window"] == VARIANTS["sliding_window"]
+    for bad, message in (("nope", "unknown variant 'nope'"), ("lr=1e-3", "belongs to a variant"),
+                         ("x:lr", "NAME:key=value"), ("a:lr=1,a:lr=2", "given twice")):
+        with pytest.raises(ValueError, match=message):
+            parse_variants([bad])
+
+
+@pytest.mark.slow
+def test_toy_study_trains_evaluates_and_tabulates_each_variant(tmp_path, capsys):
+    target = save_tiny_chat_target(tmp_path / "target")
+    data = write_jsonl(tmp_path / "chats.jsonl", chat_records(16, seed=5))
+    out = tmp_path / "study"
+    rc = main(["--target", target, "--data", data, "--out", str(out), "--epochs", "1", "--parallel", "2",
+               "--variants", "default,mix:optimizer=muon,anchor_density=0.2,bad:loss=nope", "--device", "cpu",
+               "--num-prompts", "2", "--max-new-tokens", "8", "--extra-overrides", TOY])
+    assert rc == 1  # one variant failed
+    log = capsys.readouterr().out
+    assert "mix: training (optimizer=muon anchor_density=0.2)" in log and "bad: training failed" in log
+    results = json.loads((out / "results.json").read_text())["variants"]
+    assert set(results) == {"default", "mix", "bad"}
+    assert results["bad"]["status"] == "train_failed" and "loss" in results["bad"]["error"]
+    for name in ("default", "mix"):
+        row = results[name]
+        assert row["status"] == "done", row
+        report = json.loads((out / "results" / name / "report.json").read_text())  # copied from the eval
+        assert row["tau"] == report["overall"]["tau"] and 1.0 <= row["tau"] <= 4.0
+        assert row["per_position_acceptance"] == report["overall"]["per_position_acceptance"]
+        assert len(row["per_position_acceptance"]) == 3 and row["step"] == 2
+        assert row["train_wall_s"] > 0 and row["eval_wall_s"] > 0 and row["train_tokens_per_s_median"] > 0
+        assert (out / "results" / name / "summary.json").is_file()
+        assert (out / "results" / name / "metrics.jsonl").is_file()
+    assert results["mix"]["overrides"] == ["optimizer=muon", "anchor_density=0.2"]
+    table = (out / "results.md").read_text()
+    assert all(f"| {name} |" in table for name in results)
+    # a second study over the same OUT keeps the finished variants and does not run them again
+    rc = main(["--target", target, "--data", data, "--out", str(out), "--variants", "default", "--device", "cpu",
+               "--extra-overrides", TOY])
+    assert rc == 0 and "default: done in an earlier run" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_train_stage_then_eval_stage_over_the_same_out(tmp_path, capsys):
+    target = save_tiny_chat_target(tmp_path / "target")
+    data = write_jsonl(tmp_path / "chats.jsonl", chat_records(12, seed=9))
+    out = tmp_path / "study"
+    common = ["--target", target, "--data", data, "--out", str(out), "--epochs", "1", "--device", "cpu",
+              "--num-prompts", "2", "--max-new-tokens", "8", "--extra-overrides", TOY]
+    assert main([*common, "--variants", "default", "--stage", "eval"]) == 1  # nothing trained yet
+    assert "needs the export of an earlier --stage train" in capsys.readouterr().out
+    assert main([*common, "--variants", "default", "--stage", "train", "--rerun"]) == 0
+    assert "--stage eval evaluates it" in capsys.readouterr().out
+    row = json.loads((out / "results.json").read_text())["variants"]["default"]
+    assert row["status"] == "trained" and row["step"] == 2 and "tau" not in row
+    assert not (out / "results" / "default" / "report.json").exists()
+    assert main([*common, "--variants", "default", "--stage", "eval"]) == 0
+    assert "default: training" not in capsys.readouterr().out  # evaluated without training again
+    row = json.loads((out / "results.json").read_text())["variants"]["default"]
+    report = json.loads((out / "results" / "default" / "report.json").read_text())
+    assert row["status"] == "done" and row["step"] == 2 and row["tau"] == report["overall"]["tau"]

@@ -1,0 +1,253 @@
+"""The import DAG of docs/ARCHITECTURE.md, held by reading every module's imports with ``ast`` (nothing is imported).
+
+Every ``.py`` file of the mapped folders (pyproject.toml ``[tool.setuptools.package-dir]``) and of ``bench/`` is
+parsed; every ``import`` / ``from ... import`` in it counts, at module level or inside a function (a lazy import
+is still a dependency). Four rules:
+- rooms: a module imports, besides its own room, only what its room's row of ``MAY_IMPORT`` lists;
+- commands: no module imports a command module (``__main__``); ``dflashkit.cli`` reaches them by name;
+- private names: no module imports another module's ``_name`` (nor a module whose name starts with ``_``);
+- cycles: the graph of module imports has no cycle.
+A self-test feeds the checker small synthetic trees that break each rule and checks it names the break.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+from support.paths import ROOT
+
+# The rooms, a name prefix each (under `dflashkit.`): a module is in the room of its longest prefix of its name.
+# Row: what a room's modules may import besides their own room ("*": any module of the project).
+MAY_IMPORT = {
+    "helpers": ("helpers",),  # the top-level helpers (HELPERS): import only each other
+    "drafter.modeling_dflash": (),  # modeling_dflash*.py ship inside exports: they run without dflashkit
+    "drafter": ("helpers", "drafter.modeling_dflash"),
+    "targets": ("helpers", "drafter"),
+    "extract.data": ("helpers", "drafter", "targets"),  # chat data: records, rendering, batching
+    "extract.shards": ("helpers", "drafter", "targets"),  # shard format, manifest, reader, writer, verify
+    "extract.generation": ("helpers", "drafter", "targets", "extract.data"),  # answerers, slot generator
+    "extract": ("helpers", "drafter", "targets", "extract.data", "extract.shards", "extract.generation"),  # run
+    "train": ("helpers", "drafter", "targets", "extract.data", "extract.shards"),
+    "eval": ("helpers", "drafter", "targets", "extract.data.sources"),  # no train, no other extract module
+    "commands": ("*",),  # the `dflashkit` command's own subcommands (demo, __main__)
+    "bench": ("*",),  # benchmark scripts
+}
+HELPERS = ("dflashkit", "dflashkit.errors", "dflashkit.untrusted", "dflashkit.outputs", "dflashkit.files",
+           "dflashkit.stopping", "dflashkit.cli")  # every room may import these
+COMMANDS = ("dflashkit.demo", "dflashkit.__main__")  # top-level modules of the "commands" room
+
+
+# ---------------------------------------------------------------- reading the tree
+
+
+def package_folders(root: Path = ROOT) -> dict[str, str]:
+    """import name -> folder, from pyproject.toml's ``[tool.setuptools.package-dir]``."""
+    section = (root / "pyproject.toml").read_text().split("[tool.setuptools.package-dir]")[1].split("\n[")[0]
+    folders = dict(re.findall(r'^"([\w.]+)" = "([\w./]+)"', section, flags=re.M))
+    assert "dflashkit.extract" in folders, "pyproject.toml: no [tool.setuptools.package-dir] mapping found"
+    return folders
+
+
+def project_sources(root: Path = ROOT) -> dict[str, tuple[str, bool]]:
+    """module name -> (source, is_package) for every module of the project (and bench/ as ``bench.*``)."""
+    folders = {**package_folders(root), "bench": "bench"}
+    modules = {}
+    for package, folder in folders.items():
+        for path in sorted((root / folder).rglob("*.py")):
+            parts = path.relative_to(root / folder).with_suffix("").parts
+            if any(p.startswith(".") or p == "__pycache__" for p in parts):
+                continue
+            is_package = parts[-1] == "__init__"
+            name = ".".join((package, *(parts[:-1] if is_package else parts)))
+            modules[name] = (path.read_text(), is_package)
+    return modules
+
+
+def imports_of(name: str, source: str, is_package: bool, known: set[str]) -> list[tuple[str, str | None, int]]:
+    """(imported module, imported name or None, line) for each import of ``source``. ``from M import x`` where
+    ``M.x`` is a module in ``known`` counts as an import of that module."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            out += [(a.name, None, node.lineno) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = name.split(".") if is_package else name.split(".")[:-1]
+                base = base[:len(base) - (node.level - 1)]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module
+            for a in node.names:
+                sub = f"{module}.{a.name}"
+                out.append((sub, None, node.lineno) if sub in known else (module, a.name, node.lineno))
+    return out
+
+
+def room_of(module: str) -> str | None:
+    """The room of a project module (None: not the project's)."""
+    if module in HELPERS:
+        return "helpers"
+    if module in COMMANDS:
+        return "commands"
+    if module == "bench" or module.startswith("bench."):
+        return "bench"
+    if not module.startswith("dflashkit."):
+        return None
+    rest = module.removeprefix("dflashkit.")
+    rooms = [r for r in MAY_IMPORT if rest == r or rest.startswith(r)]
+    return max(rooms, key=len) if rooms else None
+
+
+def _matches(module: str, entry: str) -> bool:
+    """Whether ``module`` is in the room ``entry`` (or is the module ``entry``, or inside that package)."""
+    full = f"dflashkit.{entry}"
+    return room_of(module) == entry or module == full or module.startswith(full + ".")
+
+
+def _private(part: str) -> bool:
+    return part.startswith("_") and not (part.startswith("__") and part.endswith("__"))
+
+
+# ---------------------------------------------------------------- the rules
+
+
+def violations(modules: dict[str, tuple[str, bool]]) -> list[str]:
+    """Every break of the four rules in ``modules`` (name -> (source, is_package)), one line each."""
+    known = set(modules)
+    found, graph = [], {m: set() for m in modules}
+    for name, (source, is_package) in sorted(modules.items()):
+        room = room_of(name)
+        for module, imported, line in imports_of(name, source, is_package, known):
+            target = room_of(module)
+            if target is None:
+                continue  # not the project's (the standard library, torch, ...)
+            where = f"{name} (line {line}) imports {module}" + (f".{imported}" if imported else "")
+            if module.split(".")[-1] == "__main__" and module != name:
+                found.append(f"{where}: a command module; import the library module it calls")
+            if (imported and _private(imported)) or any(_private(p) for p in module.split(".")):
+                found.append(f"{where}: a private name; give it a public name in its module")
+            allowed = MAY_IMPORT.get(room, ())
+            if target != room and "*" not in allowed and not any(_matches(module, e) for e in allowed):
+                found.append(f"{where}: room {room} may import only {', '.join(allowed) or 'nothing of the project'}"
+                             " (tests/integration/test_import_dag.py MAY_IMPORT)")
+            if module in graph and module != name:
+                graph[name].add(module)
+    found += [f"import cycle: {' -> '.join(c)}" for c in cycles(graph)]
+    return found
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle (as a path back to its start) for each strongly connected group of more than one module."""
+    index, low, stack, on_stack, groups = {}, {}, [], set(), []
+
+    def visit(v):  # Tarjan's algorithm
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                groups.append(set(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    out = []
+    for group in groups:  # walk inside the group from its first module until a module repeats
+        path = [min(group)]
+        while True:
+            nxt = min(w for w in graph[path[-1]] if w in group)
+            if nxt in path:
+                out.append(path[path.index(nxt):] + [nxt])
+                break
+            path.append(nxt)
+    return out
+
+
+# ---------------------------------------------------------------- the tests
+
+
+def test_the_project_keeps_the_import_dag():
+    modules = project_sources()
+    assert {"dflashkit.drafter.config", "dflashkit.extract.shards.reader", "dflashkit.train.trainer",
+            "dflashkit.eval.run", "bench.bench_extract"} <= set(modules)
+    unplaced = sorted(m for m in modules if room_of(m) is None)
+    assert not unplaced, f"modules in no room of MAY_IMPORT: {unplaced}"
+    found = violations(modules)
+    assert not found, "\n".join(found)
+
+
+def test_every_package_is_listed_for_a_non_editable_install():
+    # `pip install .` ships only the packages pyproject.toml lists; the editable install finds the rest by itself
+    listed = re.search(r"^packages = \[([^\]]*)\]", (ROOT / "pyproject.toml").read_text(), flags=re.M)
+    listed = set(re.findall(r'"([\w.]+)"', listed.group(1)))
+    packages = {m for m, (_, is_package) in project_sources().items() if is_package}
+    assert "dflashkit.extract.shards" in packages
+    assert packages - listed == set(), f"add to pyproject.toml [tool.setuptools] packages: {sorted(packages - listed)}"
+
+
+def _tree(**sources) -> dict[str, tuple[str, bool]]:
+    """Synthetic modules: keyword ``dflashkit__eval__run`` is module ``dflashkit.eval.run``."""
+    return {k.replace("__", "."): (v, False) for k, v in sources.items()}
+
+
+def test_the_checker_catches_each_kind_of_violation():
+    clean = _tree(dflashkit__errors="", dflashkit__drafter__config="from dflashkit.errors import UserError",
+                  dflashkit__targets__loading="from dflashkit.drafter.config import x",
+                  dflashkit__extract__data__sources="def f():\n    from dflashkit.targets.loading import y",
+                  dflashkit__eval__run="from dflashkit.extract.data.sources import f",
+                  dflashkit__train__trainer="from dflashkit.extract.data import sources",
+                  dflashkit__extract__run="from ..drafter import config")
+    assert violations(clean) == []
+    breaks = {
+        "drafter imports train": ("room drafter may import only helpers",
+                                  _tree(dflashkit__drafter__config="from dflashkit.train import loss",
+                                        dflashkit__train__loss="")),
+        "eval imports a train internal": ("room eval may import only",
+                                          _tree(dflashkit__eval__run="def f():\n    import dflashkit.train.step",
+                                                dflashkit__train__step="")),
+        "eval imports an extract internal": ("room eval may import only",
+                                             _tree(dflashkit__eval__run="from dflashkit.extract.shards import writer",
+                                                   dflashkit__extract__shards__writer="")),
+        "shards import the generation front end": (
+            "room extract.shards may import only helpers, drafter, targets",
+            _tree(dflashkit__extract__shards__writer="from ..generation.generator import g",
+                  dflashkit__extract__generation__generator="")),
+        "the generation front end imports shards": (
+            "room extract.generation may import only helpers, drafter, targets, extract.data",
+            _tree(dflashkit__extract__generation__answerers="from ..shards import writer",
+                  dflashkit__extract__shards__writer="")),
+        "a command module": ("a command module", _tree(bench__b="from dflashkit.extract.__main__ import main",
+                                                       dflashkit__extract____main__="")),
+        "a private name": ("a private name", _tree(dflashkit__extract__shards__verify="from .format import _NP",
+                                                   dflashkit__extract__shards__format="")),
+        "a shipped modeling file uses a helper": (
+            "room drafter.modeling_dflash may import only nothing",
+            _tree(dflashkit__drafter__modeling_dflash="from dflashkit.errors import UserError", dflashkit__errors="")),
+        "a cycle": ("import cycle: dflashkit.train.a -> dflashkit.train.b -> dflashkit.train.a",
+                    _tree(dflashkit__train__a="from . import b", dflashkit__train__b="def f():\n    from .a import x")),
+    }
+    for what, (expected, tree) in breaks.items():
+        found = violations(tree)
+        assert any(expected in line for line in found), f"{what}: not caught ({found})"
+
+
+def test_the_table_in_architecture_md_is_the_tests_table():
+    text = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
+    rows = re.findall(r"^\| `([a-z_.]+)` \| ([^|]*) \|", text, flags=re.M)
+    documented = {room: tuple(re.findall(r"`([a-z_.*]+)`", allowed)) for room, allowed in rows if room in MAY_IMPORT}
+    assert documented == MAY_IMPORT, "docs/ARCHITECTURE.md's import table differs from MAY_IMPORT"

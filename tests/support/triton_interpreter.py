@@ -1,0 +1,38 @@
+"""Scripts run as ``python -c SCRIPT TESTS_DIR ...`` with TRITON_INTERPRET=1: Triton kernels on the CPU."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+# The start of such a script: it makes the interpreter work with numpy >= 2.4 and puts the tests folder (so
+# ``support``) and the repository on sys.path.
+INTERPRETER_PREAMBLE = textwrap.dedent("""
+    import json, os, sys, torch
+    import numpy
+    if tuple(int(x) for x in numpy.__version__.split(".")[:2]) >= (2, 4):
+        # the interpreter turns 1-element arrays into loop bounds with int(), which numpy >= 2.4 refuses
+        import triton.runtime.interpreter as interp
+        original = interp._patch_lang_tensor
+        def patched(tensor, scope):
+            original(tensor, scope)
+            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+        interp._patch_lang_tensor = patched
+    sys.path[:0] = [sys.argv[1], os.path.dirname(sys.argv[1])]
+""")
+
+
+def run_in_interpreter(script: str, *args: str):
+    """Run ``script`` (INTERPRETER_PREAMBLE + the test's own lines) under TRITON_INTERPRET=1 in a fresh process
+    and return the JSON its last line prints; skip where Triton is not installed."""
+    pytest.importorskip("triton", reason="triton is not installed")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    tests_dir = Path(__file__).resolve().parents[1]
+    run = subprocess.run([sys.executable, "-c", script, str(tests_dir), *args], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])

@@ -1,0 +1,58 @@
+"""One exit-status convention for every command (dflashkit/errors.py): a user error prints one line that names
+the file or field and the fix, and exits 2; a failure keeps its traceback and exits 1."""
+
+import subprocess
+import sys
+
+import pytest
+
+from dflashkit.cli import COMMANDS, main, run_main
+from dflashkit.errors import UserError
+
+from support.paths import ROOT
+
+
+def test_user_errors_are_one_line_and_exit_2(capsys):
+    def bad_flag(argv):
+        raise UserError("--widgets: 3 is too many; pass at most 2")
+
+    def missing_file(argv):
+        raise FileNotFoundError("recipe r.yaml: no such file (see recipes/*.yaml)")
+
+    assert run_main("dflashkit x", bad_flag, []) == 2
+    assert capsys.readouterr().err == "dflashkit x: error: --widgets: 3 is too many; pass at most 2\n"
+    assert run_main("dflashkit x", missing_file, []) == 2
+    assert capsys.readouterr().err == "dflashkit x: error: recipe r.yaml: no such file (see recipes/*.yaml)\n"
+
+
+def test_failures_propagate_with_their_traceback():
+    def crash(argv):
+        raise RuntimeError("worker died")
+
+    with pytest.raises(RuntimeError, match="worker died"):
+        run_main("dflashkit x", crash, [])
+
+
+def test_dispatcher_and_module_entry_points_agree(capsys):
+    assert main(["no-such-command"]) == 2
+    assert "commands: regenerate" in capsys.readouterr().err
+    assert main(["init-drafter", "--target", "t", "--out", "o", "--layer-types", "diagonal"]) == 2
+    assert capsys.readouterr().err == ("dflashkit init-drafter: error: --layer-types: unknown ['diagonal']; use full, "
+                                       "sliding or a comma list of them\n")
+    # the same command as `python -m`: same line, same status, no traceback
+    proc = subprocess.run([sys.executable, "-m", "dflashkit.train.init_drafter", "--target", "t", "--out", "o",
+                           "--layer-types", "diagonal"], capture_output=True, text=True)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.splitlines()[-1].startswith("dflashkit init-drafter: error: --layer-types: unknown")
+
+
+def test_every_module_entry_point_goes_through_run_main():
+    root = ROOT
+    folders = {"dflashkit": "dflashkit", "drafter": "drafter", "targets": "targets", "extract": "extract",
+               "train": "train", "eval": "eval"}
+    for name, (module, _) in COMMANDS.items():
+        if name == "demo":  # the demo's stages are these commands; its own errors are user errors of its flags
+            continue
+        package, *rest = module.split(".")[1:]
+        path = root / folders[package] / ("/".join(rest) + ".py" if rest else "__init__.py")
+        assert f'run_main("dflashkit {name}", main)' in path.read_text(), f"{path}: use dflashkit.cli.run_main"

