@@ -120,14 +120,17 @@ def override_key(item: str) -> str:
 
 
 def combine_winners(rows: dict[str, dict], margin: float, exclude=NOT_COMBINED) -> tuple[list[str], list[str]]:
-    """The winners of a screening study: every finished variant whose live tau beats the ``default`` row's by more
+    """The winners of a screening study: every evaluated variant whose live tau beats the ``default`` row's by more
     than ``margin``, best first, with the variants in ``exclude`` left out; where two winners set the same key
-    (``lr=1e-3`` and ``lr=1.2e-3``) only the better one is kept. Returns (winner names, their overrides)."""
+    (``lr=1e-3`` and ``lr=1.2e-3``) only the better one is kept. Returns (winner names, their overrides).
+    A row cut by the eval time limit (``eval_partial``) counts with the tau of the prompts it finished (the first
+    ones, in the dataset's order): the GPU run of RESULTS.md cut every screen row at 69-76 of 80 prompts."""
+    evaluated = ("done", "eval_partial")
     base = rows.get("default", {})
-    if base.get("status") != "done" or not isinstance(base.get("tau"), (int, float)):
-        raise ValueError("--combine: the screening results have no finished 'default' row to compare with")
+    if base.get("status") not in evaluated or not isinstance(base.get("tau"), (int, float)):
+        raise ValueError("--combine: the screening results have no evaluated 'default' row to compare with")
     done = [(r["tau"], name) for name, r in rows.items() if name != "default" and name not in exclude
-            and r.get("status") == "done" and isinstance(r.get("tau"), (int, float))]
+            and r.get("status") in evaluated and isinstance(r.get("tau"), (int, float))]
     names, overrides, keys = [], [], set()
     for tau, name in sorted(done, reverse=True):
         own = list(rows[name].get("overrides") or [])

@@ -38,13 +38,17 @@ def test_combining_the_winners_of_a_screen():
             "kl": {"status": "done", "tau": 1.505, "overrides": ["loss=kl", "kl_weight=0.5"]},  # within the margin
             "linear_decay": {"status": "done", "tau": 1.40, "overrides": ["lr_schedule=linear"]},  # a loser
             "sliding_window": {"status": "done", "tau": 1.90, "overrides": ["sliding_window=2048"]},  # not combined
-            "tokens_8k": {"status": "eval_failed", "overrides": ["micro_batch_tokens=8192"]}}  # no tau
+            "tokens_8k": {"status": "eval_failed", "overrides": ["micro_batch_tokens=8192"]},  # no tau
+            "anchors": {"status": "train_failed", "tau": 9.9, "overrides": ["anchor_density=0.2"]}}  # not evaluated
     assert "sliding_window" in NOT_COMBINED and "extra_answers" in NOT_COMBINED
     assert combine_winners(rows, margin=0.01) == (["muon", "lr_1e3"], ["optimizer=muon", "lr=1e-3"])
     assert combine_winners(rows, margin=0.09) == (["muon"], ["optimizer=muon"])
     assert combine_winners(rows, margin=0.01, exclude=()) == (
         ["sliding_window", "muon", "lr_1e3"], ["sliding_window=2048", "optimizer=muon", "lr=1e-3"])
-    with pytest.raises(ValueError, match="no finished 'default' row"):
+    partial = {**rows, "default": {**rows["default"], "status": "eval_partial"},  # cut by the eval time limit
+               "muon": {**rows["muon"], "status": "eval_partial"}}
+    assert combine_winners(partial, margin=0.01) == (["muon", "lr_1e3"], ["optimizer=muon", "lr=1e-3"])
+    with pytest.raises(ValueError, match="no evaluated 'default' row"):
         combine_winners({k: v for k, v in rows.items() if k != "default"}, margin=0.01)
 
 
