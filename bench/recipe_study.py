@@ -19,7 +19,9 @@ report.json, they are copied to OUT/results/NAME/ (checkpoints stay under OUT/wo
 OUT/results.md are rewritten, so a session can copy results out stage by stage. A variant whose results are
 already in OUT is not run again (--rerun runs it again). `--stage train` stops each variant at its export
 (status "trained") and a later `--stage eval` over the same OUT evaluates those exports, so the GPU can serve other
-work in between (bench/testbed_engine_run.sh).
+work in between (bench/testbed_engine_run.sh). `--combine SCREEN/results.json` adds `combo`, every variant of an
+earlier (screening) study that beat its `default` row, at once (bench/testbed_recipe_run.sh: a 1-epoch screen, then
+the combination at 3 epochs).
 """
 
 from __future__ import annotations
@@ -53,9 +55,16 @@ VARIANTS: dict[str, list[str]] = {
     "target_argmax": ["labels=target_argmax"],  # labels = the target's greedy token at each position, not the data's
     "kl": ["loss=kl", "kl_weight=0.5"],  # half KL(target || draft) on the target's distribution, half CE
     "lr_1e3": ["lr=1e-3"],  # a higher peak lr (6e-4 today)
+    "lr_2x": ["lr=1.2e-3"],  # twice the peak lr
     "longer": ["epochs={double_epochs}"],  # twice the epochs (longer training on the same data)
     "dflash2": ["drafter_architecture=dflash2"],  # the DFlash2 drafter (in-block convolutions + candidate selector)
+    # more target-written data from the same prompts: a sampled answer per prompt beside the greedy one
+    # (`--extra-data`, e.g. `dflashkit regenerate --temperature 0.8 --top-p 0.95 --seed 1`); not equal data
+    "extra_answers": ["data+={extra_data}"],
 }
+# variants that never go into a combination of winners (--combine): a layout vLLM 0.24 serves differently
+# (docs/ARCHITECTURE.md), more data or more epochs than the study compares at, another architecture
+NOT_COMBINED = ("sliding_window", "extra_answers", "longer", "dflash2")
 
 
 def say(message: str) -> None:
@@ -104,6 +113,49 @@ def parse_variants(specs: list[str]) -> dict[str, list[str]]:
     if not chosen:
         raise ValueError("--variants: name at least one variant")
     return chosen
+
+
+def override_key(item: str) -> str:
+    return item.split("=", 1)[0].strip()
+
+
+def combine_winners(rows: dict[str, dict], margin: float, exclude=NOT_COMBINED) -> tuple[list[str], list[str]]:
+    """The winners of a screening study: every evaluated variant whose live tau beats the ``default`` row's by more
+    than ``margin``, best first, with the variants in ``exclude`` left out; where two winners set the same key
+    (``lr=1e-3`` and ``lr=1.2e-3``) only the better one is kept. Returns (winner names, their overrides).
+    A row cut by the eval time limit (``eval_partial``) counts with the tau of the prompts it finished (the first
+    ones, in the dataset's order): the GPU run of RESULTS.md cut every screen row at 69-76 of 80 prompts."""
+    evaluated = ("done", "eval_partial")
+    base = rows.get("default", {})
+    if base.get("status") not in evaluated or not isinstance(base.get("tau"), (int, float)):
+        raise ValueError("--combine: the screening results have no evaluated 'default' row to compare with")
+    done = [(r["tau"], name) for name, r in rows.items() if name != "default" and name not in exclude
+            and r.get("status") in evaluated and isinstance(r.get("tau"), (int, float))]
+    names, overrides, keys = [], [], set()
+    for tau, name in sorted(done, reverse=True):
+        own = list(rows[name].get("overrides") or [])
+        if tau <= base["tau"] + margin or not own or keys & {override_key(o) for o in own}:
+            continue
+        names.append(name)
+        overrides += own
+        keys |= {override_key(o) for o in own}
+    return names, overrides
+
+
+def combined_variants(results_json: Path, margin: float) -> dict[str, list[str]]:
+    """``combo`` = every winner of the screen in ``results_json`` at once; with two or more winners also
+    ``combo_minus_W`` = the combination without its weakest winner W (what the last one adds)."""
+    rows = json.loads(Path(results_json).read_text()).get("variants", {})
+    names, overrides = combine_winners(rows, margin)
+    if not names:
+        return {}
+    out = {"combo": overrides}
+    if len(names) >= 2:
+        weakest = set(rows[names[-1]].get("overrides") or [])
+        out[f"combo_minus_{names[-1]}"] = [o for o in overrides if o not in weakest]
+    say(f"--combine: winners over default (tau {rows['default']['tau']:.3f} + {margin}): "
+        + (", ".join(f"{n} {rows[n]['tau']:.3f}" for n in names)) + f" -> combo: {' '.join(overrides)}")
+    return out
 
 
 def run_logged(cmd: list[str], log: Path, env: dict, time_limit: float | None) -> tuple[int, float, bool]:
@@ -198,7 +250,14 @@ class Study:
     # --- one variant: train, export, evaluate --------------------------------------------------------------
     def run_variant(self, name: str) -> None:
         a = self.args
-        overrides = [o.format(epochs=a.epochs, double_epochs=2 * a.epochs) for o in self.variants[name]]
+        items = [o.format(epochs=a.epochs, double_epochs=2 * a.epochs, extra_data=a.extra_data)
+                 for o in self.variants[name]]
+        extra_data = [o.split("=", 1)[1] for o in items if o.startswith("data+=")]  # more --data for this one
+        overrides = [o for o in items if not o.startswith("data+=")]
+        if any(not d for d in extra_data):
+            self.record(name, overrides=items, status="train_failed", error="data+= needs a path (--extra-data)")
+            say(f"{name}: data+= without a path: give --extra-data")
+            return
         previous = self.rows.get(name, {})
         if previous.get("status") == "done" and not a.rerun:
             say(f"{name}: done in an earlier run of the study (tau {previous.get('tau')}); --rerun runs it again")
@@ -215,11 +274,12 @@ class Study:
             shutil.rmtree(run_dir, ignore_errors=True)
         logs = self.out / "results" / name
         logs.mkdir(parents=True, exist_ok=True)
-        self.record(name, overrides=overrides, status="training", error=None)
+        self.record(name, overrides=items, status="training", error=None)
         cmd = [sys.executable, "-m", "dflashkit.train", "--recipe", a.recipe, "--target", a.target,
-               *[x for d in a.data for x in ("--data", d)], f"output_dir={run_dir}", f"epochs={a.epochs}",
+               *[x for d in [*a.data, *extra_data] for x in ("--data", d)], f"output_dir={run_dir}",
+               f"epochs={a.epochs}",
                "wandb=false", "progress=false", *a.extra_overrides, *overrides]
-        say(f"{name}: training ({' '.join(overrides) or 'no overrides'})")
+        say(f"{name}: training ({' '.join(items) or 'no overrides'})")
         rc, wall, stopped = run_logged(cmd, logs / "train.log", self.env, a.train_time_limit)
         self.keep(name, run_dir / "summary.json", run_dir / "metrics.jsonl")
         numbers = train_numbers(run_dir)
@@ -316,6 +376,13 @@ def build_parser() -> argparse.ArgumentParser:
     what.add_argument("--variants", action="append", default=[],
                       help=f"comma-separated: names from {{{','.join(VARIANTS)}}} or NAME:key=value,key=value")
     what.add_argument("--epochs", type=int, default=3)
+    what.add_argument("--extra-data", default="", help="chat data that variants with data+={extra_data} train on "
+                                                        "besides --data (extra_answers)")
+    what.add_argument("--combine", default="", metavar="RESULTS_JSON",
+                      help="add the variants 'combo' (every winner of that screening study over its default row at "
+                           "once) and, with two or more winners, 'combo_minus_W' (without the weakest W)")
+    what.add_argument("--combine-margin", type=float, default=0.01,
+                      help="a winner beats the default's tau by more than this")
     what.add_argument("--extra-overrides", default="", help="key=value,... applied to every run before the "
                                                             "variant's own (toy sizes, max_steps)")
     run = p.add_argument_group("how to run")
@@ -345,10 +412,18 @@ def main(argv=None) -> int:
     args.extra_overrides = split_top_level(args.extra_overrides)
     args.dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
     try:
-        variants = parse_variants(args.variants or ["default"])
-    except ValueError as error:
+        variants = parse_variants(args.variants or ["default"]) if args.variants or not args.combine else {}
+        if args.combine:
+            combined = combined_variants(Path(args.combine), args.combine_margin)
+            if not combined:
+                say(f"--combine: no variant of {args.combine} beats its default by more than "
+                    f"{args.combine_margin}; nothing to combine")
+            variants.update(combined)
+    except (ValueError, OSError) as error:
         print(f"recipe_study: error: {error}", file=sys.stderr)
         return 2
+    if not variants:
+        return 0
     rows = Study(args, variants).run()
     finished = "trained" if args.stage == "train" else "done"
     return 0 if all(rows.get(n, {}).get("status") == finished for n in variants) else 1

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "bench"))
-from recipe_study import VARIANTS, main, parse_variants  # noqa: E402
+from recipe_study import NOT_COMBINED, VARIANTS, combine_winners, main, parse_variants  # noqa: E402
 
 from support.chat_data import chat_records, save_tiny_chat_target, write_jsonl
 
@@ -27,6 +27,28 @@ def test_variants_from_the_table_and_the_command_line():
                          ("x:lr", "NAME:key=value"), ("a:lr=1,a:lr=2", "given twice")):
         with pytest.raises(ValueError, match=message):
             parse_variants([bad])
+
+
+def test_combining_the_winners_of_a_screen():
+    rows = {"default": {"status": "done", "tau": 1.50, "overrides": []},
+            "muon": {"status": "done", "tau": 1.60, "overrides": ["optimizer=muon"]},
+            "lr_1e3": {"status": "done", "tau": 1.58, "overrides": ["lr=1e-3"]},
+            "lr_2x": {"status": "done", "tau": 1.55, "overrides": ["lr=1.2e-3"]},  # same key as a better winner
+            "kl": {"status": "done", "tau": 1.505, "overrides": ["loss=kl", "kl_weight=0.5"]},  # within the margin
+            "linear_decay": {"status": "done", "tau": 1.40, "overrides": ["lr_schedule=linear"]},  # a loser
+            "sliding_window": {"status": "done", "tau": 1.90, "overrides": ["sliding_window=2048"]},  # not combined
+            "tokens_8k": {"status": "eval_failed", "overrides": ["micro_batch_tokens=8192"]},  # no tau
+            "anchors": {"status": "train_failed", "tau": 9.9, "overrides": ["anchor_density=0.2"]}}  # not evaluated
+    assert "sliding_window" in NOT_COMBINED and "extra_answers" in NOT_COMBINED
+    assert combine_winners(rows, margin=0.01) == (["muon", "lr_1e3"], ["optimizer=muon", "lr=1e-3"])
+    assert combine_winners(rows, margin=0.09) == (["muon"], ["optimizer=muon"])
+    assert combine_winners(rows, margin=0.01, exclude=()) == (
+        ["sliding_window", "muon", "lr_1e3"], ["sliding_window=2048", "optimizer=muon", "lr=1e-3"])
+    partial = {**rows, "default": {**rows["default"], "status": "eval_partial"},  # cut by the eval time limit
+               "muon": {**rows["muon"], "status": "eval_partial"}}
+    assert combine_winners(partial, margin=0.01) == (["muon", "lr_1e3"], ["optimizer=muon", "lr=1e-3"])
+    with pytest.raises(ValueError, match="no evaluated 'default' row"):
+        combine_winners({k: v for k, v in rows.items() if k != "default"}, margin=0.01)
 
 
 @pytest.mark.slow
@@ -81,3 +103,31 @@ def test_train_stage_then_eval_stage_over_the_same_out(tmp_path, capsys):
     row = json.loads((out / "results.json").read_text())["variants"]["default"]
     report = json.loads((out / "results" / "default" / "report.json").read_text())
     assert row["status"] == "done" and row["step"] == 2 and row["tau"] == report["overall"]["tau"]
+
+
+@pytest.mark.slow
+def test_combined_winners_and_extra_data_are_trained(tmp_path, capsys):
+    target = save_tiny_chat_target(tmp_path / "target")
+    data = write_jsonl(tmp_path / "chats.jsonl", chat_records(12, seed=3))
+    sampled = write_jsonl(tmp_path / "sampled.jsonl", chat_records(12, seed=4))
+    screen = tmp_path / "screen.json"  # a screening study's results (its taus are the input here)
+    screen.write_text(json.dumps({"variants": {
+        "default": {"status": "done", "tau": 1.20, "overrides": []},
+        "muon": {"status": "done", "tau": 1.35, "overrides": ["optimizer=muon"]},
+        "mix": {"status": "done", "tau": 1.25, "overrides": ["anchor_density=0.2"]}}}))
+    out = tmp_path / "study"
+    rc = main(["--target", target, "--data", data, "--out", str(out), "--epochs", "1", "--device", "cpu",
+               "--variants", "extra_answers", "--extra-data", sampled, "--combine", str(screen),
+               "--combine-margin", "0.1", "--num-prompts", "2", "--max-new-tokens", "8", "--extra-overrides", TOY])
+    assert rc == 0
+    assert "winners over default (tau 1.200 + 0.1): muon 1.350 -> combo: optimizer=muon" in capsys.readouterr().out
+    results = json.loads((out / "results.json").read_text())["variants"]
+    assert set(results) == {"extra_answers", "combo"}  # mix is within the margin: no combo_minus_* either
+    assert results["combo"]["overrides"] == ["optimizer=muon"] and results["combo"]["status"] == "done"
+    assert results["extra_answers"]["status"] == "done"
+    command = (out / "results" / "extra_answers" / "train.log").read_text().splitlines()[0]
+    assert f"--data {data} --data {sampled}" in command and "data+=" not in command
+    # without a sampled set the extra_answers row cannot run, and says why
+    rc = main(["--target", target, "--data", data, "--out", str(tmp_path / "bad"), "--variants", "extra_answers",
+               "--device", "cpu", "--extra-overrides", TOY])
+    assert rc == 1 and "data+= without a path: give --extra-data" in capsys.readouterr().out
