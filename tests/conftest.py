@@ -5,8 +5,10 @@ modules by file path, so test modules never import each other).
 - _seed: every test starts from torch seed 0.
 - one_thread: one torch thread for a module of tiny models (``pytestmark = pytest.mark.usefixtures("one_thread")``).
 - tiny_run: the tiny training target and its feature shards, once per session.
-- fresh_accelerate_state: accelerate's class-level state reset after a test that trains in this process.
+- fresh_accelerate_state (autouse): accelerate's class-level state reset after every test.
 """
+
+import sys
 
 import pytest
 import torch
@@ -38,11 +40,14 @@ def tiny_run(tmp_path_factory):
     return target, make_shards(root / "shards", target)
 
 
-@pytest.fixture
+@pytest.fixture(autouse=True)
 def fresh_accelerate_state():
-    """For tests that run several trainings in one process: accelerate keeps its state in class attributes."""
+    """After every test: accelerate keeps its state (mixed precision, device) in class attributes, so a training
+    in one test would otherwise fix them for the next (on a GPU a bf16 training made the packing tests' fp32 runs
+    fail, RESULTS.md "The recipe study")."""
     yield
-    from accelerate.state import AcceleratorState, GradientState
+    if "accelerate.state" in sys.modules:
+        from accelerate.state import AcceleratorState, GradientState
 
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()

@@ -21,7 +21,6 @@ from support.chat_data import chat_records, write_jsonl
 from support.paths import ROOT
 from support.tiny_targets import make_tiny_target
 
-pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")
 NO_TARGET = "no-such-target-dir"  # a run that got as far as loading a target would fail on this name instead
 
 

@@ -23,8 +23,6 @@ from support.processes import run_until_paused
 from support.shards import make_shards
 from support.tiny_targets import make_tiny_target
 
-pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")
-
 HOLDER = """
 import pathlib, sys, time
 from dflashkit.outputs import OutputLock

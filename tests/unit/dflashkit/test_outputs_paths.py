@@ -16,8 +16,6 @@ from support.shards import make_shards
 from support.tiny_targets import make_tiny_target
 from support.training import tiny_overrides
 
-pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")
-
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):

@@ -22,8 +22,6 @@ from dflashkit.files import sha256_file
 from support.paths import ROOT
 from support.training import tiny_overrides
 
-pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")
-
 
 def copy_shards(tiny_run, tmp_path) -> Path:
     _, shards = tiny_run

@@ -15,7 +15,6 @@ from support.packed_blocks import Head, drafter_pass, make_samples, tiny_drafter
 from support.training import online_overrides, tiny_overrides
 from support.training import train_losses as losses
 
-pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")
 DFLASH2 = {"selector_rank": 8, "selector_top_k": 8, "conv_group_size": 8}
 
 

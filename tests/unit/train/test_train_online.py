@@ -23,8 +23,6 @@ from support.training import as_argv
 from support.training import online_overrides as overrides
 from support.training import train_losses as losses
 
-pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")
-
 
 def test_token_cache_gives_the_same_samples_and_follows_the_data(chat_run, tmp_path):
     """A second encoding reads the cache (same samples, same skip counts); a changed data file, other chat
@@ -98,10 +96,12 @@ def test_online_features_equal_the_extracted_ones_with_layer_l_minus_1(chat_run)
     batched.close()
 
 
-@pytest.mark.parametrize("loss,packed", [("kl", False), ("dpace", False), ("dpace", True)])
-def test_online_training_equals_extract_then_train_shards(chat_run, tmp_path, capsys, loss, packed):
+@pytest.mark.parametrize("loss,packed,optimizer", [("kl", False, "adamw"), ("dpace", False, "adamw"),
+                                                   ("dpace", True, "adamw"), ("dpace", True, "muon")])
+def test_online_training_equals_extract_then_train_shards(chat_run, tmp_path, capsys, loss, packed, optimizer):
     target_dir, data, shards = chat_run
     pack = dict(micro_batch_tokens=2 * MAX_LENGTH) if packed else {}  # packed: several sequences per micro-batch
+    pack["optimizer"] = optimizer  # muon: the testbed recipe's optimizer (RESULTS.md "The recipe study")
     offline = train(load_config(None, [], **overrides(tmp_path / "offline", shards=str(shards), loss=loss, **pack)))
     capsys.readouterr()
     online = train(load_config(None, [], **overrides(tmp_path / "online", target=target_dir, data=[data],

@@ -161,8 +161,9 @@ def even_shards(tmp_path_factory):
     return make_shards(root / "shards", target, num_samples=12, lengths=(32, 32))
 
 
-@pytest.mark.parametrize("anchor_density", [0.0, 0.2])  # 0: num_anchors per sequence; 0.2: per token
-def test_packed_run_equals_unpacked_run(even_shards, tmp_path, anchor_density):
+# anchor_density 0: num_anchors per sequence; 0.2: per token. muon: the testbed recipe's optimizer
+@pytest.mark.parametrize("anchor_density,optimizer", [(0.0, "adamw"), (0.2, "adamw"), (0.0, "muon")])
+def test_packed_run_equals_unpacked_run(even_shards, tmp_path, anchor_density, optimizer):
     """12 samples of 32 tokens, 2 held out: packing 3 per micro-batch (G=1) trains, step by step, on the same
     samples with the same anchors as one sequence per micro-batch with G=3, so every logged loss agrees."""
     from accelerate.state import AcceleratorState, GradientState
@@ -176,7 +177,8 @@ def test_packed_run_equals_unpacked_run(even_shards, tmp_path, anchor_density):
     for name, kw in (("packed", dict(micro_batch_tokens=96, grad_accum=1, epochs=1)),
                      ("unpacked", dict(micro_batch_tokens=0, grad_accum=3, epochs=1))):
         summaries[name] = train(load_config(None, [], **tiny_overrides(even_shards, tmp_path / name, **kw,
-                                                                       anchor_density=anchor_density)))
+                                                                       anchor_density=anchor_density,
+                                                                       optimizer=optimizer)))
         AcceleratorState._reset_state(reset_partial_state=True)
         GradientState._reset_state()
     a, b = train_losses(tmp_path / "packed"), train_losses(tmp_path / "unpacked")

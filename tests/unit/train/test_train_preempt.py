@@ -16,8 +16,6 @@ from support.paths import ROOT
 from support.processes import ACCELERATE_LAUNCH, run_until_paused
 from support.training import as_argv, tiny_overrides, train_losses
 
-pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")
-
 
 def overrides(shards, out, **kw) -> dict:
     return tiny_overrides(shards, out, **{"epochs": 1, "keep_last": 5, **kw})

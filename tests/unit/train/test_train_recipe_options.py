@@ -26,8 +26,6 @@ from support.training import as_argv, tiny_overrides
 from support.training import online_overrides as overrides
 from support.training import train_losses as losses
 
-pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")
-
 
 def with_singular_values(m: int, n: int, values: torch.Tensor, seed: int = 0):
     g = torch.Generator().manual_seed(seed)

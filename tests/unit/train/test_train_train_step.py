@@ -18,7 +18,6 @@ from dflashkit.train.trainer import train
 from support.packed_blocks import Head
 from support.training import tiny_overrides
 
-pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")
 V, H, B = 40, 32, 4
 
 

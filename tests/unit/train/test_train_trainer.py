@@ -21,8 +21,6 @@ from support.processes import run_until_paused
 from support.shards import make_shards
 from support.training import as_argv, tiny_overrides, train_losses
 
-pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")
-
 RECIPES = ROOT / "recipes"
 
 
