@@ -27,19 +27,7 @@ D=${DATA:-.cache/gpu}
 R=${RUN:-/root/run}
 SCALE=${SCALE:-full}
 EPOCHS=${EPOCHS:-3}
-O=$R/out
-mkdir -p "$R" "$O"
-# every command runs from the run directory, with the scripts by absolute path: `python -m dflashkit...` from the
-# checkout's root would import its dflashkit/ folder (the command and version only) where dflashkit is not
-# installed but put on PYTHONPATH (bench/import_path.sh)
-ROOT=$(cd "$(dirname "$0")/.." && pwd)
-D=$(cd "$D" && pwd)
-R=$(cd "$R" && pwd)
-O=$R/out
-PY=${PYTHON:-python3}
-case $PY in */*) PY=$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY") ;; esac
-cd "$R" || exit 1
-export TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+. "$(dirname "$0")/run_lib.sh"  # ROOT, D, R, O, PY; the shell in $R; stage()
 if [ "$SCALE" = toy ]; then
   DEV=(--device cpu); SLOTS=8; NEW=16; LIMIT=(--limit 24); EVAL=(--num-prompts 2 --max-new-tokens 16)
   EXTRA=max_steps=3,num_hidden_layers=1,compile=false,mixed_precision=no,micro_batch_tokens=1024,num_anchors=8,eval_samples=2,max_length=256
@@ -53,16 +41,6 @@ else
 fi
 HE="$D/humaneval.jsonl"
 
-stage() {  # stage NAME SECONDS COMMAND...: run under a time limit (SIGINT first), log, record rc and wall time
-  local name=$1 limit=$2; shift 2
-  local start; start=$(date +%s)
-  echo "[$(date +%T)] $name: $*" >> "$R/stages.txt"
-  timeout -s INT -k 60 "$limit" "$@" > "$R/$name.log" 2>&1
-  local rc=$?
-  echo "[$(date +%T)] $name: rc=$rc $(( $(date +%s) - start )) s" >> "$R/stages.txt"
-  cp "$R/$name.log" "$O/$name.log" 2>/dev/null
-  return $rc
-}
 VENV=(bash "$ROOT/bench/vllm_env.sh" "$PY")  # the slim vLLM's environment (../shared/vllm/README.md)
 gpu_idle() {  # until no process computes on the GPU (at most 120 s): vLLM's start-up profiling must run alone
   command -v nvidia-smi > /dev/null || return 0

@@ -31,15 +31,8 @@ SCALE=${SCALE:-full}
 EPOCHS=${EPOCHS:-3}
 SCREEN_EPOCHS=${SCREEN_EPOCHS:-1}
 PAR=${PAR:-3}
-mkdir -p "$R/out"
-ROOT=$(cd "$(dirname "$0")/.." && pwd)
-D=$(cd "$D" && pwd)
-R=$(cd "$R" && pwd)
-O=$R/out
-PY=${PYTHON:-python3}
-case $PY in */*) PY=$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY") ;; esac
-cd "$R" || exit 1  # not the checkout's root: its dflashkit/ folder would shadow the installed namespace
-export TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+. "$(dirname "$0")/run_lib.sh"  # ROOT, D, R, O, PY; the shell in $R; stage()
+export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 SCREEN=${SCREEN:-default,muon,tokens_8k,lr_2x,kl,linear_decay,anchors_per_token,sliding_window}
 if [ "$SCALE" = toy ]; then
   DEV=(--device cpu); SLOTS=8; NEW=16; LIMIT=(--limit 24); EVAL=(--num-prompts 2 --max-new-tokens 8)
@@ -51,16 +44,6 @@ else
   L_SCREEN=${L_SCREEN:-600}; L_FULL=${L_FULL:-840}; L_EVAL=${L_EVAL:-600}; TESTS=${TESTS:-1}
 fi
 
-stage() {  # stage NAME SECONDS COMMAND...: run under a time limit (SIGINT first), log, record rc and wall time
-  local name=$1 limit=$2; shift 2
-  local start; start=$(date +%s)
-  echo "[$(date +%T)] $name: $*" >> "$R/stages.txt"
-  timeout -s INT -k 60 "$limit" "$@" > "$R/$name.log" 2>&1
-  local rc=$?
-  echo "[$(date +%T)] $name: rc=$rc $(( $(date +%s) - start )) s" >> "$R/stages.txt"
-  cp "$R/$name.log" "$O/$name.log" 2>/dev/null
-  return $rc
-}
 study() {  # NAME EPOCHS LIMIT ARGS...: one bench/recipe_study.py over its own OUT and work dir
   local name=$1 epochs=$2 limit=$3; shift 3
   stage "study-$name" $(( 2 * limit + L_EVAL + 300 )) "$PY" "$ROOT/bench/recipe_study.py" --target "$T" \

@@ -1,0 +1,26 @@
+# Shared by the one-GPU run scripts (bench/testbed_engine_run.sh, bench/testbed_recipe_run.sh): sourced, not run.
+# Takes D (data dir) and R (run dir) as the caller set them; leaves ROOT (the checkout), D, R and O ($R/out)
+# absolute, PY (PYTHON, default python3, absolute when given as a path), and the shell in $R. Every command runs
+# from the run directory with the scripts by absolute path: `python -m dflashkit...` from the checkout's root would
+# import its dflashkit/ folder (the command and version only) where dflashkit is put on PYTHONPATH rather than
+# installed (bench/import_path.sh).
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+mkdir -p "$R/out"
+D=$(cd "$D" && pwd)
+R=$(cd "$R" && pwd)
+O=$R/out
+PY=${PYTHON:-python3}
+case $PY in */*) PY=$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY") ;; esac
+cd "$R" || exit 1
+export TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+
+stage() {  # stage NAME SECONDS COMMAND...: run under a time limit (SIGINT first), log, record rc and wall time
+  local name=$1 limit=$2; shift 2
+  local start; start=$(date +%s)
+  echo "[$(date +%T)] $name: $*" >> "$R/stages.txt"
+  timeout -s INT -k 60 "$limit" "$@" > "$R/$name.log" 2>&1
+  local rc=$?
+  echo "[$(date +%T)] $name: rc=$rc $(( $(date +%s) - start )) s" >> "$R/stages.txt"
+  cp "$R/$name.log" "$O/$name.log" 2>/dev/null
+  return $rc
+}
