@@ -44,10 +44,15 @@ SLIDING_4_FULL_1 = "[sliding_attention,sliding_attention,sliding_attention,slidi
 
 # name -> TrainConfig overrides on top of the recipe (`{epochs}` is --epochs). Each comment says what is compared.
 VARIANTS: dict[str, list[str]] = {
-    "default": [],  # today's TrainConfig + recipe: AdamW, 512 anchors per sequence, 16k tokens per step, cosine
+    # the recipe as it is (recipes/smollm2-135m.yaml: 8k tokens per step and Muon since the study of 2026-12-02;
+    # 16k and AdamW before, the rows of RESULTS.md's first screen); 512 anchors per sequence, cosine
+    "default": [],
+    "seed_1": ["seed=1"],  # the default again with another seed (init, split, data order, anchors): the noise
     "muon": ["optimizer=muon"],  # Muon on the 2-D matrices, AdamW on the rest, same lr (train/muon.py)
+    "adamw": ["optimizer=adamw"],  # AdamW on every weight (the recipe's optimizer before the study)
     "anchors_per_token": ["anchor_density=0.375"],  # 3072 blocks per 8192 packed tokens instead of 512 per sequence
-    "tokens_8k": ["micro_batch_tokens=8192"],  # 8k tokens per optimizer step instead of 16k: twice the steps
+    "tokens_8k": ["micro_batch_tokens=8192"],  # 8k tokens per optimizer step (16k before the study): twice the steps
+    "tokens_4k": ["micro_batch_tokens=4096"],  # 4k tokens per step (TrainConfig's default): twice the steps of 8k
     "linear_decay": ["lr_schedule=linear"],  # linear decay to min_lr after warmup instead of cosine
     # 4 sliding-window layers (causal in the block) + 1 full, as recipes/qwen3.6-27b.yaml; vLLM 0.24 serves such a
     # drafter as full attention (docs/ARCHITECTURE.md), so a win here is not a default for vLLM users
@@ -65,6 +70,11 @@ VARIANTS: dict[str, list[str]] = {
 # variants that never go into a combination of winners (--combine): a layout vLLM 0.24 serves differently
 # (docs/ARCHITECTURE.md), more data or more epochs than the study compares at, another architecture
 NOT_COMBINED = ("sliding_window", "extra_answers", "longer", "dflash2")
+
+
+def is_replicate(overrides) -> bool:
+    """A row that only changes the seed: the default again, a measure of the noise and never a winner."""
+    return bool(overrides) and all(override_key(o) == "seed" for o in overrides)
 
 
 def say(message: str) -> None:
@@ -119,18 +129,32 @@ def override_key(item: str) -> str:
     return item.split("=", 1)[0].strip()
 
 
+def evaluated(row: dict) -> bool:
+    return row.get("status") in ("done", "eval_partial") and isinstance(row.get("tau"), (int, float))
+
+
+def screen_margin(rows: dict[str, dict], margin: float) -> float:
+    """``margin``, or the largest |tau(replicate) - tau(default)| of the screen's seed replicates if larger."""
+    base = rows["default"]["tau"]
+    spread = [abs(r["tau"] - base) for r in rows.values() if evaluated(r) and is_replicate(r.get("overrides"))]
+    return max([margin, *spread])
+
+
 def combine_winners(rows: dict[str, dict], margin: float, exclude=NOT_COMBINED) -> tuple[list[str], list[str]]:
     """The winners of a screening study: every evaluated variant whose live tau beats the ``default`` row's by more
-    than ``margin``, best first, with the variants in ``exclude`` left out; where two winners set the same key
+    than the margin, best first, with the variants in ``exclude`` left out; where two winners set the same key
     (``lr=1e-3`` and ``lr=1.2e-3``) only the better one is kept. Returns (winner names, their overrides).
+    The margin is ``margin`` or, where the screen has replicates of the default (rows that only set ``seed``), the
+    largest distance between a replicate's tau and the default's, whichever is larger: a winner must beat the
+    default by more than a change of seed moves it. Replicates are never winners.
     A row cut by the eval time limit (``eval_partial``) counts with the tau of the prompts it finished (the first
     ones, in the dataset's order): the GPU run of RESULTS.md cut every screen row at 69-76 of 80 prompts."""
-    evaluated = ("done", "eval_partial")
     base = rows.get("default", {})
-    if base.get("status") not in evaluated or not isinstance(base.get("tau"), (int, float)):
+    if not evaluated(base):
         raise ValueError("--combine: the screening results have no evaluated 'default' row to compare with")
+    margin = screen_margin(rows, margin)
     done = [(r["tau"], name) for name, r in rows.items() if name != "default" and name not in exclude
-            and r.get("status") in evaluated and isinstance(r.get("tau"), (int, float))]
+            and evaluated(r) and not is_replicate(r.get("overrides"))]
     names, overrides, keys = [], [], set()
     for tau, name in sorted(done, reverse=True):
         own = list(rows[name].get("overrides") or [])
@@ -153,7 +177,8 @@ def combined_variants(results_json: Path, margin: float) -> dict[str, list[str]]
     if len(names) >= 2:
         weakest = set(rows[names[-1]].get("overrides") or [])
         out[f"combo_minus_{names[-1]}"] = [o for o in overrides if o not in weakest]
-    say(f"--combine: winners over default (tau {rows['default']['tau']:.3f} + {margin}): "
+    margin = screen_margin(rows, margin)
+    say(f"--combine: winners over default (tau {rows['default']['tau']:.3f} + {margin:.3f}): "
         + (", ".join(f"{n} {rows[n]['tau']:.3f}" for n in names)) + f" -> combo: {' '.join(overrides)}")
     return out
 
@@ -382,7 +407,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="add the variants 'combo' (every winner of that screening study over its default row at "
                            "once) and, with two or more winners, 'combo_minus_W' (without the weakest W)")
     what.add_argument("--combine-margin", type=float, default=0.01,
-                      help="a winner beats the default's tau by more than this")
+                      help="a winner beats the default's tau by more than this (or by more than a seed replicate of the default "
+                           "differs from it, if the screen has one: a row NAME:seed=N)")
     what.add_argument("--extra-overrides", default="", help="key=value,... applied to every run before the "
                                                             "variant's own (toy sizes, max_steps)")
     run = p.add_argument_group("how to run")
@@ -417,7 +443,7 @@ def main(argv=None) -> int:
             combined = combined_variants(Path(args.combine), args.combine_margin)
             if not combined:
                 say(f"--combine: no variant of {args.combine} beats its default by more than "
-                    f"{args.combine_margin}; nothing to combine")
+                    f"{args.combine_margin} (or than a seed replicate differs from it); nothing to combine")
             variants.update(combined)
     except (ValueError, OSError) as error:
         print(f"recipe_study: error: {error}", file=sys.stderr)

@@ -4,13 +4,13 @@
 #   0. (background, beside the rest) the CUDA tests of the GPU paths: static draft step and graph replay, DFlash2,
 #      the decode-attention kernel, training on the GPU, tree attention, packing;
 #   1. the first user turn of every testbed ShareGPT conversation answered by the target (greedy, 256 new tokens);
-#   2. (background) a second, sampled answer to each of those prompts (temperature 0.8, top-p 0.95, seed 1), then
-#      the extra_answers row of the screen, which trains on both;
-#   3. the screen: each variant trained online for SCREEN_EPOCHS epoch(s), PAR at a time, each evaluated live as it
-#      ends (chain, greedy, bf16, MT-bench 80, 256 new tokens); beside it the default recipe for EPOCHS epochs
-#      (the same run's baseline);
-#   4. the screen's winners combined (recipe_study --combine: every variant that beat the default's tau, at once)
-#      and trained for EPOCHS epochs, then evaluated the same way.
+#   2. (background; EXTRA_ROW=0 leaves it out) a second, sampled answer to each of those prompts (temperature 0.8,
+#      top-p 0.95, seed 1), then the extra_answers row of the screen, which trains on both;
+#   3. the screen: each variant of SCREEN trained online for SCREEN_EPOCHS epoch(s), PAR at a time, each evaluated
+#      live as it ends (chain, greedy, bf16, MT-bench 80, 256 new tokens); beside it the variants of FULL (default:
+#      the recipe as it is) for EPOCHS epochs, one after another (FULL= leaves them out);
+#   4. (COMBINE=0 leaves it out) the screen's winners combined (recipe_study --combine: every variant that beat the
+#      default's tau by more than a seed replicate moves it, at once), trained for EPOCHS epochs, evaluated the same.
 #
 #   python bench/testbed_data.py --out .cache/gpu --sharegpt 0        # here, where the testbed packages are
 #   export PYTHONPATH=$(bash bench/import_path.sh):/tmp/site           # H200: the checkout's code, the wheels
@@ -33,11 +33,14 @@ SCREEN_EPOCHS=${SCREEN_EPOCHS:-1}
 PAR=${PAR:-3}
 . "$(dirname "$0")/run_lib.sh"  # ROOT, D, R, O, PY; the shell in $R; stage()
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
-SCREEN=${SCREEN:-default,muon,tokens_8k,lr_2x,kl,linear_decay,anchors_per_token,sliding_window}
+SCREEN=${SCREEN:-default,seed_1,tokens_4k,linear_decay,anchors_per_token,sliding_window}
+FULL=${FULL-default}
+EXTRA_ROW=${EXTRA_ROW:-1}
+COMBINE=${COMBINE:-1}
 if [ "$SCALE" = toy ]; then
   DEV=(--device cpu); SLOTS=8; NEW=16; LIMIT=(--limit 24); EVAL=(--num-prompts 2 --max-new-tokens 8)
   EXTRA=max_steps=2,num_hidden_layers=1,compile=false,mixed_precision=no,micro_batch_tokens=1024,num_anchors=8,eval_samples=2,max_length=256,save_every=0
-  SCREEN=default,muon,lr_2x; PAR=2; L_SCREEN=600; L_FULL=600; L_EVAL=300; TESTS=0
+  SCREEN=${TOY_SCREEN:-default,seed_1,muon}; PAR=2; L_SCREEN=600; L_FULL=600; L_EVAL=300; TESTS=0
 else
   DEV=(); SLOTS=2048; NEW=256; LIMIT=(); EVAL=(--num-prompts 80 --max-new-tokens 256)
   EXTRA=max_length=2048,eval_samples=64,eval_every=0,save_every=100,keep_last=1,tokenize_workers=4
@@ -76,20 +79,23 @@ regen() {  # NAME OUT ARGS...
 echo "regenerated conversations: $(wc -l < "$R/regen.jsonl")" >> "$R/stages.txt"
 
 # --- 2. a sampled second answer per prompt, then the extra_answers row (background) -----------------------------
-(
-  [ -s "$R/regen_s1.jsonl" ] || regen regenerate-sampled "$R/regen_s1.jsonl" --temperature 0.8 --top-p 0.95 --seed 1
-  echo "sampled conversations: $(wc -l < "$R/regen_s1.jsonl")" >> "$R/stages.txt"
-  study extra "$SCREEN_EPOCHS" "$L_SCREEN" --variants extra_answers --extra-data "$R/regen_s1.jsonl"
-) &
-EXTRA_PID=$!
+if [ "$EXTRA_ROW" = 1 ]; then
+  (
+    [ -s "$R/regen_s1.jsonl" ] || regen regenerate-sampled "$R/regen_s1.jsonl" --temperature 0.8 --top-p 0.95 --seed 1
+    echo "sampled conversations: $(wc -l < "$R/regen_s1.jsonl")" >> "$R/stages.txt"
+    study extra "$SCREEN_EPOCHS" "$L_SCREEN" --variants extra_answers --extra-data "$R/regen_s1.jsonl"
+  ) &
+fi
 
-# --- 3. the screen, and beside it the default recipe for EPOCHS epochs ------------------------------------------------
-study full-default "$EPOCHS" "$L_FULL" --variants default &
-FULL_PID=$!
+# --- 3. the screen, and beside it the FULL variants for EPOCHS epochs -------------------------------------------------
+if [ -n "$FULL" ]; then
+  study full "$EPOCHS" "$L_FULL" --variants "$FULL" &
+fi
 study screen "$SCREEN_EPOCHS" "$L_SCREEN" --variants "$SCREEN" --parallel "$PAR"
 
 # --- 4. the winners at EPOCHS epochs --------------------------------------------------------------------------------
-study full-combo "$EPOCHS" "$L_FULL" --combine "$O/screen/results.json" --parallel 2
-wait $FULL_PID $EXTRA_PID
+if [ "$COMBINE" = 1 ]; then
+  study full-combo "$EPOCHS" "$L_FULL" --combine "$O/screen/results.json" --parallel 2
+fi
 wait
 echo "[$(date +%T)] all done" >> "$R/stages.txt"

@@ -51,6 +51,24 @@ def test_combining_the_winners_of_a_screen():
         combine_winners({k: v for k, v in rows.items() if k != "default"}, margin=0.01)
 
 
+def test_a_seed_replicate_of_the_default_widens_the_margin_and_never_wins():
+    rows = {"default": {"status": "done", "tau": 1.50, "overrides": []},
+            "seed_1": {"status": "done", "tau": 1.57, "overrides": ["seed=1"]},  # the noise: 0.07
+            "muon": {"status": "done", "tau": 1.60, "overrides": ["optimizer=muon"]},  # beyond it
+            "lr_1e3": {"status": "done", "tau": 1.56, "overrides": ["lr=1e-3"]}}  # within it
+    assert combine_winners(rows, margin=0.01) == (["muon"], ["optimizer=muon"])
+    # a replicate below the default widens the margin as much as one above it
+    below = {**rows, "seed_1": {**rows["seed_1"], "tau": 1.45}}
+    assert combine_winners(below, margin=0.01) == (["muon", "lr_1e3"], ["optimizer=muon", "lr=1e-3"])
+    # a replicate that was not evaluated says nothing about the noise
+    lost = {**rows, "seed_1": {"status": "train_failed", "overrides": ["seed=1"]}}
+    assert combine_winners(lost, margin=0.01) == (["muon", "lr_1e3"], ["optimizer=muon", "lr=1e-3"])
+    # a row that sets the seed and something else is a variant, not a replicate
+    mixed = {**rows, "seed_1": {**rows["seed_1"], "overrides": ["seed=1", "lr=2e-3"], "tau": 1.70}}
+    assert combine_winners(mixed, margin=0.01)[0] == ["seed_1", "muon"]
+    assert VARIANTS["seed_1"] == ["seed=1"] and VARIANTS["tokens_4k"] == ["micro_batch_tokens=4096"]
+
+
 @pytest.mark.slow
 def test_toy_study_trains_evaluates_and_tabulates_each_variant(tmp_path, capsys):
     target = save_tiny_chat_target(tmp_path / "target")
@@ -120,7 +138,7 @@ def test_combined_winners_and_extra_data_are_trained(tmp_path, capsys):
                "--variants", "extra_answers", "--extra-data", sampled, "--combine", str(screen),
                "--combine-margin", "0.1", "--num-prompts", "2", "--max-new-tokens", "8", "--extra-overrides", TOY])
     assert rc == 0
-    assert "winners over default (tau 1.200 + 0.1): muon 1.350 -> combo: optimizer=muon" in capsys.readouterr().out
+    assert "winners over default (tau 1.200 + 0.100): muon 1.350 -> combo: optimizer=muon" in capsys.readouterr().out
     results = json.loads((out / "results.json").read_text())["variants"]
     assert set(results) == {"extra_answers", "combo"}  # mix is within the margin: no combo_minus_* either
     assert results["combo"]["overrides"] == ["optimizer=muon"] and results["combo"]["status"] == "done"
