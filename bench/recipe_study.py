@@ -407,8 +407,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="add the variants 'combo' (every winner of that screening study over its default row at "
                            "once) and, with two or more winners, 'combo_minus_W' (without the weakest W)")
     what.add_argument("--combine-margin", type=float, default=0.01,
-                      help="a winner beats the default's tau by more than this (or by more than a seed replicate of the default "
-                           "differs from it, if the screen has one: a row NAME:seed=N)")
+                      help="a winner beats the default's tau by more than this (or by more than a seed "
+                           "replicate of the default differs from it, if the screen has one: a row NAME:seed=N)")
     what.add_argument("--extra-overrides", default="", help="key=value,... applied to every run before the "
                                                             "variant's own (toy sizes, max_steps)")
     run = p.add_argument_group("how to run")
