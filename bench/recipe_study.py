@@ -44,8 +44,8 @@ SLIDING_4_FULL_1 = "[sliding_attention,sliding_attention,sliding_attention,slidi
 
 # name -> TrainConfig overrides on top of the recipe (`{epochs}` is --epochs). Each comment says what is compared.
 VARIANTS: dict[str, list[str]] = {
-    # the recipe as it is (recipes/smollm2-135m.yaml: 8k tokens per step and Muon since the study of 2026-12-02;
-    # 16k and AdamW before, the rows of RESULTS.md's first screen); 512 anchors per sequence, cosine
+    # the recipe as it is (recipes/smollm2-135m.yaml: 16k tokens per step and AdamW in RESULTS.md's first screen,
+    # 8k and Muon in its second, 4k and Muon since); 512 anchors per sequence, cosine
     "default": [],
     "seed_1": ["seed=1"],  # the default again with another seed (init, split, data order, anchors): the noise
     "muon": ["optimizer=muon"],  # Muon on the 2-D matrices, AdamW on the rest, same lr (train/muon.py)

@@ -41,7 +41,7 @@ if [ "$SCALE" = toy ]; then   # minutes on a CPU: a check that every stage runs,
   DT=float32; L_REGEN=600; L_TRAIN=600; L_TRAIN_LONG=600; L_EVAL=600; L_EVAL_SMALL=600; BENCH=0; EPOCHS=2
 else
   LIMIT_CONV=0; NEW=256; BATCH=${BATCH:-1024}; EVAL_PROMPTS=164; EVAL_NEW=256; MAXLEN=2048; STEPS=${STEPS:-1200}
-  # the recipe's tokens per step and optimizer (8k, Muon since RESULTS.md "The recipe study"; the runs of
+  # the recipe's tokens per step and optimizer (4k, Muon since RESULTS.md "The recipe study"; the runs of
   # 2026-11-30 in RESULTS.md had micro_batch_tokens=16384 and AdamW: add those here to repeat them)
   TRAIN_EXTRA=(grad_accum=1 eval_samples=64 eval_every=0 save_every=100 keep_last=4
                tokenize_workers=4

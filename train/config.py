@@ -89,8 +89,9 @@ class TrainConfig:
     grad_accum: int = 1  # micro-batches per rank per optimizer step
     micro_batch_tokens: int = 4096  # context tokens per micro-batch: whole sequences packed end to end (a longer
     # sequence alone); blocks never see another sequence. 0 -> one sequence per micro-batch. Memory grows with the
-    # blocks of all packed sequences (up to num_anchors each, ~0.85 per token for short answers): small drafters
-    # run faster with more (16384 for the SmolLM2 testbed); lower it if a step runs out of GPU memory
+    # blocks of all packed sequences (up to num_anchors each, ~0.85 per token for short answers); lower it if a step
+    # runs out of GPU memory. More tokens per step run faster per token, but with little data the number of steps
+    # binds: on the SmolLM2 testbed 4096 beat 8192 and 16384 at equal data (RESULTS.md "The recipe study")
     mixed_precision: str = "bf16"  # "bf16" (autocast, fp32 master weights) or "no"
     seed: int = 0  # model init, split, data order and anchors
     gradient_checkpointing: bool = False  # recompute drafter layers in backward (long sequences)

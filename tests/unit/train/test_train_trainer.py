@@ -168,6 +168,8 @@ def test_recipes_load_with_their_stated_values():
     hybrid = load_config(str(RECIPES / "qwen3.6-27b.yaml"))
     assert hybrid.layer_types == ["sliding_attention"] * 4 + ["full_attention"] and hybrid.sliding_window == 2048
     assert load_config(str(RECIPES / "smollm2-135m-cpu.yaml")).mixed_precision == "no"
+    testbed = load_config(str(RECIPES / "smollm2-135m.yaml"))  # the recipe study's winners (RESULTS.md)
+    assert (testbed.micro_batch_tokens, testbed.optimizer, testbed.layer_types) == (4096, "muon", [])
     cfg = load_config(str(RECIPES / "qwen3-8b.yaml"), ["lr=1e-4", "loss=ce", "layer_types=[]"])
     assert (cfg.lr, cfg.loss) == (1e-4, "ce")
     with pytest.raises(ValueError, match="unknown field 'learning_rate'"):
