@@ -38,7 +38,8 @@ if [ "$SCALE" = toy ]; then   # minutes on a CPU: a check that every stage runs,
   LIMIT_CONV=12; NEW=24; BATCH=8; EVAL_PROMPTS=2; EVAL_NEW=16; MAXLEN=256; STEPS=6
   TRAIN_EXTRA=(num_hidden_layers=1 num_anchors=16 mixed_precision=no compile=false micro_batch_tokens=512
                eval_samples=2 save_every=2 keep_last=10)
-  DT=float32; L_REGEN=600; L_TRAIN=600; L_TRAIN_LONG=600; L_EVAL=600; L_EVAL_SMALL=600; BENCH=0; EPOCHS=2
+  DT=float32; L_REGEN=${L_REGEN:-600}; L_TRAIN=${L_TRAIN:-600}; L_TRAIN_LONG=${L_TRAIN_LONG:-600}
+  L_EVAL=${L_EVAL:-600}; L_EVAL_SMALL=${L_EVAL_SMALL:-600}; BENCH=0; EPOCHS=2
 else
   LIMIT_CONV=0; NEW=256; BATCH=${BATCH:-1024}; EVAL_PROMPTS=164; EVAL_NEW=256; MAXLEN=2048; STEPS=${STEPS:-1200}
   # the recipe's tokens per step and optimizer (4k, Muon since RESULTS.md "The recipe study"; the runs of
