@@ -32,7 +32,8 @@ if [ "$SCALE" = toy ]; then
   DEV=(--device cpu); SLOTS=8; NEW=16; LIMIT=(--limit 24); EVAL=(--num-prompts 2 --max-new-tokens 16)
   EXTRA=max_steps=3,num_hidden_layers=1,compile=false,mixed_precision=no,micro_batch_tokens=1024,num_anchors=8,eval_samples=2,max_length=256
   VLLM=(--standin --num-prompts 2 --max-new-tokens 8 --concurrency 1 2 --max-requests-per-level 2)
-  PROJ=(--standin --concurrency 1 2 --projection-new-tokens 8); L_TRAIN=900; L_TRAIN2=900; L_EVAL=600
+  PROJ=(--standin --concurrency 1 2 --projection-new-tokens 8); L_TRAIN=${L_TRAIN:-900}; L_TRAIN2=${L_TRAIN2:-900}
+  L_EVAL=${L_EVAL:-600}
 else
   DEV=(); SLOTS=2048; NEW=256; LIMIT=(); EVAL=(--num-prompts 200 --max-new-tokens 256)
   EXTRA=max_length=2048,eval_samples=64,eval_every=0,save_every=200,keep_last=2,tokenize_workers=4
