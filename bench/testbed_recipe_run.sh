@@ -41,7 +41,7 @@ COMBINE=${COMBINE:-1}
 if [ "$SCALE" = toy ]; then
   DEV=(--device cpu); SLOTS=8; NEW=16; LIMIT=(--limit 24); EVAL=(--num-prompts 2 --max-new-tokens 8)
   EXTRA=max_steps=2,num_hidden_layers=1,compile=false,mixed_precision=no,micro_batch_tokens=1024,num_anchors=8,eval_samples=2,max_length=256,save_every=0
-  SCREEN=${TOY_SCREEN:-default,seed_1,muon}; PAR=2; L_SCREEN=${L_SCREEN:-600}; L_FULL=${L_FULL:-600}
+  SCREEN=${TOY_SCREEN:-default,seed_1,adamw}; PAR=2; L_SCREEN=${L_SCREEN:-600}; L_FULL=${L_FULL:-600}
   L_EVAL=${L_EVAL:-300}; TESTS=0
 else
   DEV=(); SLOTS=2048; NEW=256; LIMIT=(); EVAL=(--num-prompts 80 --max-new-tokens 256)
