@@ -25,6 +25,11 @@ traceback and the others still run):
   would see, E[accepted + 1] x t_AR_step / t_spec_step, with E[accepted + 1] = 1 + sum_k p_k from the testbed
   drafter's per-position acceptance measured by (a) (a random drafter's own acceptance is not used). Modelled.
   The projection can run first, alone on the GPU, and its model after the serve part.
+- tau_k -> g_tau_per_k.json: τ and per-position acceptance in vLLM for each drafter of --drafters at each
+  num_speculative_tokens of --ks (one engine per pair, every prompt once, all at once, prefix cache off,
+  eager: τ does not depend on timing), and for each pair the τ of its first j positions at the largest k
+  (E[accepted within the first j] + 1), so a drafter's loss at small k is read beside what the same drafter
+  gets from those positions in full blocks. A causal-in-block drafter (dflash_config.causal) should lose nothing.
 - server -> f_server.json: `dflashkit eval --server` (eval/serving.py) against `vllm serve` on 127.0.0.1, or
   why it could not start (this slim vLLM has no Rust frontend; the Python one needs uvicorn).
 """
@@ -40,7 +45,7 @@ import time
 import traceback
 from pathlib import Path
 
-PARTS = ("serve", "tau", "projection", "projection_model", "server")
+PARTS = ("serve", "tau", "projection", "projection_model", "server", "tau_k")
 QWEN3_8B = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=4096, intermediate_size=12288,
                 num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
                 max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
@@ -149,6 +154,67 @@ def tau_comparison(report: dict, dflashkit_report: str | None) -> dict:
                     "ratio_vllm_over_dflashkit": acc["tau"] / tau if acc.get("tau") and tau else None,
                     "within_3_percent": abs(acc["tau"] / tau - 1) <= 0.03 if acc.get("tau") and tau else None})
     return out
+
+
+# ----------------------------------------------------------------------------- (g)
+def served_prompts(target: str, datasets: list[str], num_prompts: int, scratch: str):
+    """(served target dir, prompts as (name, token ids), stop ids) as `dflashkit eval --engine vllm` builds them."""
+    from transformers import AutoTokenizer
+
+    from dflashkit.drafter import engines as rules
+    from dflashkit.eval.prompts import load_prompts
+    from dflashkit.eval.vllm_engine import target_stop_ids
+    from dflashkit.targets.loading import resolve_target_dir
+
+    target_dir, _ = resolve_target_dir(target)
+    served, _ = rules.vllm_target_dir(target_dir, scratch)
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    prompts = [(f"{spec}#{p.id}", p.input_ids) for spec in datasets
+               for p in load_prompts(spec, tokenizer, num_prompts, None, {})]
+    return served, prompts, target_stop_ids(target_dir, tokenizer)
+
+
+def first_positions_tau(per_position: list[float], j: int) -> float:
+    """E[accepted + 1] counting only the first j draft positions (acceptance of position k implies all before)."""
+    return 1.0 + sum(per_position[:j])
+
+
+def part_tau_k(args, out: Path) -> None:
+    import tempfile
+
+    from dflashkit.eval.vllm_engine import close_engine, start_engine, timed_generate
+
+    drafters = dict(item.split("=", 1) for item in args.drafters) if args.drafters else {"drafter": args.drafter}
+    api = api_for(args)
+    scratch = tempfile.TemporaryDirectory(prefix="bench-vllm-")
+    served, prompts, stop = served_prompts(args.target, args.dataset, args.num_prompts, scratch.name)
+    params = api.sampling_params(max_tokens=args.max_new_tokens, temperature=0.0, stop_token_ids=stop)
+    rows = []
+    for name, drafter in drafters.items():
+        for k in sorted(set(args.ks)):
+            spec = {"method": "dflash", "model": str(Path(drafter).resolve()), "num_speculative_tokens": k}
+            t0 = time.perf_counter()
+            llm = start_engine(api, model=str(served), dtype="bfloat16", seed=0, enforce_eager=True,
+                               gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
+                               max_num_seqs=len(prompts), enable_prefix_caching=False, disable_log_stats=False,
+                               speculative_config=spec)
+            run = timed_generate(llm, api, prompts, len(prompts), params)
+            close_engine(llm, api)
+            acc = run["acceptance"] or {}
+            rows.append({"drafter": name, "path": drafter, "k": k, "tau": acc.get("tau"), "drafts": acc.get("drafts"),
+                         "per_position_acceptance": acc.get("per_position_acceptance"),
+                         "output_tokens": run["output_tokens"], "engine_s": time.perf_counter() - t0})
+            print(f"tau_k: {name} k={k} tau={acc.get('tau')}", flush=True)
+    scratch.cleanup()
+    for row in rows:  # the same drafter's first k positions when served with the largest k
+        full = max((r for r in rows if r["drafter"] == row["drafter"]), key=lambda r: r["k"])
+        if full["per_position_acceptance"] and row["tau"]:
+            row["tau_first_k_at_max_k"] = first_positions_tau(full["per_position_acceptance"], row["k"])
+            row["ratio_to_first_k_at_max_k"] = row["tau"] / row["tau_first_k_at_max_k"]
+    write_json(out, "g_tau_per_k", {"rows": rows, "prompts": len(prompts), "datasets": args.dataset,
+                                    "max_new_tokens": args.max_new_tokens, "standin": args.standin,
+                                    "measured": "vLLM spec-decode counters; one engine per (drafter, k), eager, "
+                                    "prefix cache off, every prompt once, all submitted together"})
 
 
 # ----------------------------------------------------------------------------- (e)
@@ -305,6 +371,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--target")
     p.add_argument("--drafter")
+    p.add_argument("--drafters", nargs="+", metavar="NAME=DIR", help="tau_k: several drafters (default: --drafter)")
+    p.add_argument("--ks", type=int, nargs="+", default=[1, 3, 7, 15], help="tau_k: num_speculative_tokens values")
     p.add_argument("--out", required=True)
     p.add_argument("--dflashkit-report", help="report.json of `dflashkit eval` (chain) on the same prompts")
     p.add_argument("--acceptance-report", help="projection_model without (a): the per-position acceptance of "
@@ -329,8 +397,8 @@ def main(argv=None) -> int:
     if args.standin and not (args.target and args.drafter):
         args.target, args.drafter, chats = toy_pair(out / "toy")
         args.dataset = [chats]
-    if "serve" in args.parts or "server" in args.parts:
-        if not (args.target and args.drafter):
+    if {"serve", "server", "tau_k"} & set(args.parts):
+        if not (args.target and (args.drafter or args.drafters)):
             p.error("--target and --drafter are needed (or --standin)")
     started, ok = time.perf_counter(), True
     for name in args.parts:

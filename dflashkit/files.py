@@ -9,7 +9,8 @@ Design choices:
   GPU-bound forward does, nearly always), a writer thread gets it back only at the switch interval (5 ms), so
   16 MB chunks cost a shard of 671 MB ~0.4 s of waiting; 256 MB chunks ~25 ms.
 - ``atomic_write``: a crash leaves either the old file or the new one, plus at most a temporary file that a
-  resumed run removes.
+  resumed run removes. Temporary names are the file's name with a dot before and ``.tmp`` after, its end replaced
+  by a hash where that would pass the file system's name limit (``fitted_name``).
 - ``write_unnamed`` + ``publish`` (Linux ``O_TMPFILE``): the bytes are written and fsynced into a file that is in
   no directory, then linked under the temporary name and renamed like ``atomic_write``. Several such files can be
   written at once and named one at a time, in order: the directory goes through the states of writing them one
@@ -22,6 +23,8 @@ import hashlib
 import os
 import sys
 from pathlib import Path
+
+from dflashkit.errors import UserError
 
 
 def sha256_file(path: Path, block: int = 1 << 24) -> str:
@@ -137,8 +140,46 @@ def _write_buffers(fd: int, buffers: list[memoryview]) -> None:
     os.fsync(fd)
 
 
+NAME_MAX = 255  # bytes in a file name where the file system cannot be asked (ext4, xfs, btrfs: 255)
+
+
+def name_limit(directory: Path) -> int:
+    """The longest file name, in bytes, that ``directory``'s file system allows."""
+    try:
+        return int(os.pathconf(directory, "PC_NAME_MAX"))
+    except (OSError, ValueError):
+        return NAME_MAX
+
+
+def check_name_length(path: str | os.PathLike) -> None:
+    """UserError when a name on ``path`` that does not exist yet is longer than its file system allows (the
+    nearest existing folder's limit), before any call that would fail on it with ENAMETOOLONG."""
+    path = Path(os.path.abspath(path))
+    existing = next((p for p in path.parents if p.is_dir()), Path("/"))
+    limit = name_limit(existing)
+    for part in path.relative_to(existing).parts:
+        size = len(os.fsencode(part))
+        if size > limit:
+            raise UserError(f"{path}: the name {part[:40]}... is {size} bytes, more than the {limit} its file "
+                            f"system allows; pick a shorter name")
+
+
+def fitted_name(name: str, extra: int, limit: int = NAME_MAX) -> str:
+    """``name``, or, when ``extra`` more bytes around it would pass ``limit``, its beginning + ``~`` + 8 hex digits
+    of its sha256: a temporary or sibling name made from a name the file system allows never passes its limit,
+    stays recognisable, and differs between names that share their beginning."""
+    if len(os.fsencode(name)) + extra <= limit:
+        return name
+    digest = hashlib.sha256(os.fsencode(name)).hexdigest()[:8]
+    head = name
+    while head and len(os.fsencode(head)) + extra + 1 + len(digest) > limit:
+        head = head[:-1]  # whole characters: a name of multi-byte characters is never cut inside one
+    return f"{head}~{digest}"
+
+
 def _temporary(path: Path) -> Path:
-    return path.with_name(f".{path.name}.tmp")
+    """``.NAME.tmp`` beside ``path``, shortened where NAME is close to the file system's limit (``fitted_name``)."""
+    return path.with_name(f".{fitted_name(path.name, len('..tmp'), name_limit(path.parent))}.tmp")
 
 
 def atomic_write(path: Path, data, pause_name: str | None = None, sha256=None) -> str:

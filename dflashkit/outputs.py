@@ -19,6 +19,10 @@ Design choices:
   id is the rendezvous run id and the master's address and port, which every rank of one launch has and two
   launches running at the same time cannot share (the second could not bind the port). A rank that finds the
   lock held by its own launch goes on; whichever rank wrote the lock removes it at exit.
+- **Blocked paths are one line, early.** Before a command makes or writes its output, the nearest existing
+  directory on the way to it must be a directory this process may write: a file where a directory should be, a
+  directory without write permission and a read-only file system stop with one line naming the path and the fix
+  (``check_writable``), instead of an ``OSError`` traceback from a ``mkdir`` or ``open`` later on.
 - Release on exit: the lock is a context manager and also registered with ``atexit`` (a user error, a
   SIGTERM-driven checkpoint exit and a normal return all remove it; a killed process leaves a stale lock that
   the next run takes over).
@@ -41,6 +45,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .errors import UserError
+from .files import check_name_length
 
 LOCK_NAME = ".dflashkit.lock"  # the lock file inside a locked output directory
 _READ_TRIES = 200  # reads of a lock file another rank is writing right now (10 ms apart) before giving up
@@ -76,6 +81,8 @@ def make_temp_dir(parent: str | os.PathLike, prefix: str) -> Path:
             return path
         except FileExistsError:
             continue
+        except OSError as error:  # no permission, a read-only file system: one line, not a traceback
+            raise blocked_error(error, parent, "a temporary directory") or error from None
     raise FileExistsError(f"{parent}: could not make a temporary directory {prefix}*")
 
 
@@ -87,18 +94,81 @@ def save_safetensors(tensors: dict, path: str | os.PathLike, metadata: dict | No
     honour_umask(path)
 
 
+# --------------------------------------------------------------------------- paths that cannot be written
+# errno values of a write refused by permissions or by a read-only mount: the user's to fix, not a failure
+_BLOCKED = (errno.EACCES, errno.EPERM, errno.EROFS)
+
+
+def _nearest_existing(path: Path) -> Path:
+    """``path`` or its closest ancestor that exists (``lexists``: a dangling link counts as being there)."""
+    for candidate in (path, *path.parents):
+        if os.path.lexists(candidate):
+            return candidate
+    return Path(path.anchor or ".")
+
+
+def _not_writable(directory: Path) -> str | None:
+    """Why this process cannot create entries in the existing ``directory``, or None when it can."""
+    try:
+        if os.statvfs(directory).f_flag & os.ST_RDONLY:
+            return "on a read-only file system"
+    except OSError:
+        pass
+    effective = os.access in os.supports_effective_ids  # set-uid runs: what the kernel will check
+    if not os.access(directory, os.W_OK | os.X_OK, effective_ids=effective):
+        return f"not writable by this user (mode {stat.S_IMODE(os.stat(directory).st_mode):o})"
+    return None
+
+
+def check_writable(path: str | os.PathLike, what: str, *, beside: bool = False) -> None:
+    """One-line ``UserError`` when ``path`` (a directory or file a command is about to make or write) cannot be
+    written: the closest existing directory on the way is a file, is not writable, or lies on a read-only file
+    system. ``beside``: the command also writes next to ``path`` (a temporary sibling renamed into place), so the
+    parent must be writable even when ``path`` exists."""
+    path = Path(path)
+    places = [path.parent] if beside or not path.is_dir() else [path]
+    if beside and path.is_dir():
+        places.append(path)
+    for place in places:
+        found = _nearest_existing(place)
+        if not found.is_dir():
+            kind = "a file" if found.is_file() else "not a directory"
+            raise UserError(f"{path}: {found} is {kind}, so {what} cannot be made there; move it away or pick "
+                            f"another path")
+        reason = _not_writable(found)
+        if reason:
+            raise UserError(f"{path}: cannot write {what} there: {found} is {reason}; pick a path on a writable "
+                            f"file system or make {found} writable")
+
+
+def blocked_error(error: OSError, path: str | os.PathLike, what: str) -> UserError | None:
+    """The one-line ``UserError`` for an ``OSError`` that a blocked path raised (no permission, read-only file
+    system, a file where a directory should be), or None for other failures (a full disk stays a failure)."""
+    if error.errno in _BLOCKED:
+        return UserError(f"{path}: cannot write {what} there ({error.strerror}: {error.filename}); pick a path on a "
+                         f"writable file system or make it writable")
+    if error.errno in (errno.ENOTDIR, errno.EEXIST):
+        return UserError(f"{path}: a file is in the way of {what} ({error.filename}); move it away or pick "
+                         f"another path")
+    return None
+
+
 # --------------------------------------------------------------------------- what may be replaced
 def check_output_dir(path: str | os.PathLike, *, what: str, problem: Callable[[Path], str | None],
-                     overwrite: bool, flag: str = "--overwrite", forcing: str = "replace it") -> bool:
+                     overwrite: bool, flag: str = "--overwrite", forcing: str = "replace it",
+                     beside: bool = False) -> bool:
     """Whether ``path`` may be written as ``what`` (e.g. "a drafter directory"); True when something is there to
     replace. ``problem(path)`` says why an existing, non-empty directory is not of that kind (None: it is).
-    Raises a one-line ``UserError`` for a file or link in the way (always) and for a directory of another kind
-    (unless ``overwrite``); ``forcing`` says what ``flag`` does."""
+    Raises a one-line ``UserError`` for a file or link in the way (always), for a path that cannot be written
+    (``check_writable``; ``beside``: the output is written as a temporary sibling and renamed into place) and for a
+    directory of another kind (unless ``overwrite``); ``forcing`` says what ``flag`` does."""
     path = Path(path)
+    check_name_length(path)
     if path.is_symlink() or (path.exists() and not path.is_dir()):
         kind = "a symbolic link" if path.is_symlink() else "a file"
         raise UserError(f"{path}: {kind} is in the way of {what}; move it away or pick another path "
                         f"(it is never replaced, {flag} or not)")
+    check_writable(path, what, beside=beside)
     if not path.is_dir() or not [p for p in path.iterdir() if p.name != LOCK_NAME]:
         return False
     if overwrite:
@@ -121,8 +191,13 @@ def describe_foreign(names: list[str]) -> str:
 def check_output_file(path: str | os.PathLike, what: str) -> None:
     """An output file's path must not be a directory."""
     path = Path(path)
+    check_name_length(path)
     if path.is_dir():
         raise UserError(f"{path}: a directory is in the way of {what}; give a file path")
+    check_writable(path, what)
+    if path.is_file() and not os.access(path, os.W_OK):
+        raise UserError(f"{path}: cannot write {what} there: the file is not writable by this user; make it "
+                        f"writable or pick another path")
 
 
 # --------------------------------------------------------------------------- one run per output
@@ -205,10 +280,14 @@ class OutputLock:
         self.release()
 
     def acquire(self) -> None:
+        what = f"the output of dflashkit {self.command}"
         if self.path.parent.exists() and not self.path.parent.is_dir():
-            raise UserError(f"{self.path.parent}: a file is in the way of the output of dflashkit {self.command}; "
-                            f"move it away or pick another path")
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+            raise UserError(f"{self.path.parent}: a file is in the way of {what}; move it away or pick another path")
+        check_writable(self.path.parent, what)  # where the lock file (and the output) go
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise blocked_error(error, self.path.parent, what) or error from None
         me = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%d %H:%M:%S"),
               "command": self.command, "launch": launch_id()}
         while True:

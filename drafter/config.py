@@ -6,7 +6,13 @@ Design choices:
   the target's rope_theta, the one RoPE vLLM and SGLang apply alike (engines.py says what each engine reads).
 - ``target_layer_ids`` name decoder layers; the feature of layer i is that layer's output
   (Hugging Face ``hidden_states[i + 1]``). Defaults follow the reference: evenly spaced from layer 1 to L-3.
-- Defaults and bounds of taps, block size and layer count are defined here once (DEFAULT_*, check_*).
+  They must be strictly increasing: vLLM and SGLang collect the taps in layer order, the reference and
+  training concatenate them in list order, so only an increasing list means one feature layout everywhere.
+- Defaults and bounds of taps, block size and layer count are defined here once (DEFAULT_*, check_*); a count
+  is a whole number (not a string, a bool or 4.7).
+- ``config.json`` is read as untrusted input: every field's type is checked first, and a damaged or foreign
+  file is one line naming the field (``from_json_dict``); an unknown ``architectures`` or a missing mask token
+  id is refused, not guessed.
 - The exported config is a Qwen3 config (``model_type: "qwen3"``) plus the DFlash fields; the DFlash fields live
   both at top level and under ``dflash_config``, because vLLM, SGLang and the reference read them from either.
 """
@@ -14,8 +20,11 @@ Design choices:
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from dataclasses import dataclass, field
 from typing import Any
+
+from dflashkit.errors import UserError
 
 from . import engines
 
@@ -53,41 +62,68 @@ def default_target_layer_ids(num_target_layers: int, n: int) -> list[int]:
     """Evenly spaced taps from layer 1 to L-3: ``round(1 + j*(L-4)/(n-1))``; one tap: ``L // 2``
     (docs/ARCHITECTURE.md).
 
-    The same formula as the reference's and SGLang's ``build_target_layer_ids``."""
+    The same formula as the reference's and SGLang's ``build_target_layer_ids``, each layer once: a target too
+    shallow for n distinct taps gets fewer (the engines collect a layer once, however often it is listed)."""
     if n < 1:
         raise ValueError(f"the number of target layers to tap must be >= 1, got {n}")
     if n == 1:
         return [num_target_layers // 2]
     start, end = 1, num_target_layers - 3
-    return [round(start + j * (end - start) / (n - 1)) for j in range(n)]
+    return sorted({round(start + j * (end - start) / (n - 1)) for j in range(n)})
 
 
-def check_target_layer_ids(target_layer_ids, num_target_layers: int) -> list[int]:
-    """The ids as ints, each a decoder layer of the target, none repeated; ValueError naming the fix otherwise."""
-    ids = [int(i) for i in target_layer_ids]
+def check_whole_number(value, field: str) -> int:
+    """``value`` as an int; UserError naming ``field`` for a string, a bool, a fraction or anything else (a float
+    with no fraction, 16.0, is taken as the int it is)."""
+    whole = isinstance(value, numbers.Integral) or (isinstance(value, float) and value.is_integer())
+    if isinstance(value, bool) or not whole:
+        raise UserError(f"{field} is {value!r}; it must be a whole number (e.g. 16)")
+    return int(value)
+
+
+def check_target_layer_ids(target_layer_ids, num_target_layers: int | None = None,
+                           field: str = "target_layer_ids") -> list[int]:
+    """The ids as a list of ints, strictly increasing, each a decoder layer of the target (range checked when
+    ``num_target_layers`` is given); ValueError naming ``field`` and the fix otherwise.
+
+    Strictly increasing because the engines collect the taps while looping over the target's layers (vLLM's and
+    SGLang's aux hidden states come in layer order) while the reference and training concatenate them in list
+    order: only an increasing list means the same feature layout everywhere."""
+    if isinstance(target_layer_ids, (str, bytes, dict)) or not hasattr(target_layer_ids, "__iter__"):
+        raise UserError(f"{field} is {target_layer_ids!r}; it must be a list of decoder layer ids in increasing "
+                        f"order, e.g. [1, 9, 17]")
+    ids = [check_whole_number(i, f"{field}[{n}]") for n, i in enumerate(target_layer_ids)]
     if not ids:
-        raise ValueError("target_layer_ids is empty; name at least one decoder layer, or leave it unset for "
-                         "the default (default_target_layer_ids)")
-    bad = [i for i in ids if not 0 <= i < num_target_layers]
+        raise UserError(f"{field} is empty; name at least one decoder layer, or leave it unset for "
+                        "the default (default_target_layer_ids)")
+    bad = [i for i in ids if i < 0 or (num_target_layers is not None and i >= num_target_layers)]
+    if bad and num_target_layers is None:
+        raise UserError(f"{field} {ids}: {bad} negative; a decoder layer id is >= 0")
     if bad:
-        raise ValueError(f"target_layer_ids {ids}: {bad} outside 0..{num_target_layers - 1} (the target has "
-                         f"{num_target_layers} decoder layers; id i is layer i's output, HF hidden_states[i + 1]); "
-                         f"use ids in that range")
+        raise UserError(f"{field} {ids}: {bad} outside 0..{num_target_layers - 1} (the target has "
+                        f"{num_target_layers} decoder layers; id i is layer i's output, HF hidden_states[i + 1]); "
+                        f"use ids in that range")
     if len(set(ids)) != len(ids):
-        raise ValueError(f"target_layer_ids {ids} repeats a layer; give each layer once")
+        raise UserError(f"{field} {ids} repeats a layer; give each layer once, in increasing order")
+    if ids != sorted(ids):
+        raise UserError(f"{field} {ids} are not in increasing order: vLLM and SGLang concatenate the taps in layer "
+                        f"order, training in list order; list them as {sorted(ids)} (a drafter trained with "
+                        f"another order cannot be served as trained)")
     return ids
 
 
-def check_block_size(block_size: int) -> int:
-    if int(block_size) < MIN_BLOCK_SIZE:
-        raise ValueError(f"block_size must be >= {MIN_BLOCK_SIZE} (anchor + at least one draft), got {block_size}")
-    return int(block_size)
+def check_block_size(block_size: int, field: str = "block_size") -> int:
+    block_size = check_whole_number(block_size, field)
+    if block_size < MIN_BLOCK_SIZE:
+        raise UserError(f"{field} must be >= {MIN_BLOCK_SIZE} (anchor + at least one draft), got {block_size}")
+    return block_size
 
 
-def check_num_hidden_layers(num_hidden_layers: int) -> int:
-    if int(num_hidden_layers) < 1:
-        raise ValueError(f"num_hidden_layers (drafter layers) must be >= 1, got {num_hidden_layers}")
-    return int(num_hidden_layers)
+def check_num_hidden_layers(num_hidden_layers: int, field: str = "num_hidden_layers") -> int:
+    num_hidden_layers = check_whole_number(num_hidden_layers, field)
+    if num_hidden_layers < 1:
+        raise UserError(f"{field} (drafter layers) must be >= 1, got {num_hidden_layers}")
+    return num_hidden_layers
 
 
 @dataclass
@@ -109,6 +145,9 @@ class DrafterConfig:
     mask_token_id: int | None = None  # id of the MASK filler in the block; must match training and serving
     layer_types: list[str] = field(default_factory=list)  # per drafter layer; empty -> all "full_attention"
     sliding_window: int | None = None  # window of the sliding_attention layers (keys a query may see)
+    # True: every layer is causal inside the block (full context), so the first j proposals are the same for any
+    # number of speculative tokens k >= j an engine asks for; exported as is_causal + dflash_config.causal
+    causal: bool = False
     input_embedding_scale: float = 1.0  # must be 1: the engines feed the block's raw embedding rows (engines.py)
     attention_bias: bool = False  # bias in q/k/v/o projections (Qwen3: none)
     hidden_act: str = "silu"  # SwiGLU activation
@@ -121,7 +160,7 @@ class DrafterConfig:
     selector_top_k: int = DEFAULT_SELECTOR_TOP_K  # candidates per draft position the selector chooses among
 
     def __post_init__(self):
-        check_num_hidden_layers(self.num_hidden_layers)
+        self.num_hidden_layers = check_num_hidden_layers(self.num_hidden_layers)
         if self.architecture not in ARCHITECTURES:
             raise ValueError(f"architecture={self.architecture!r}; use one of {sorted(ARCHITECTURES)}")
         if self.architecture == "dflash2":
@@ -147,7 +186,11 @@ class DrafterConfig:
             raise ValueError(f"layer_types: unknown {sorted(unknown)}; use {LAYER_TYPES}")
         if "sliding_attention" in self.layer_types and not self.sliding_window:
             raise ValueError("layer_types has sliding_attention layers but sliding_window is not set")
-        if self.mask_token_id is not None and not 0 <= int(self.mask_token_id) < self.vocab_size:
+        if not isinstance(self.causal, bool):
+            raise UserError(f"causal={self.causal!r}; it must be true or false")
+        if self.mask_token_id is not None:
+            self.mask_token_id = check_whole_number(self.mask_token_id, "mask_token_id")
+        if self.mask_token_id is not None and not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(f"mask_token_id {self.mask_token_id} is outside the target's vocabulary "
                              f"(0..{self.vocab_size - 1}); pick an id the embedding has a row for")
         engines.check_rope_parameters(self.rope_parameters)
@@ -207,6 +250,9 @@ class DrafterConfig:
         arch = ARCHITECTURES[c.architecture]
         module = "modeling_dflash2" if c.architecture == "dflash2" else "modeling_dflash"
         dflash2 = {k: int(getattr(c, k)) for k in DFLASH2_FIELDS} if c.architecture == "dflash2" else {}
+        # causal-in-block: vLLM reads dflash_config.causal, SGLang and the reference the top-level is_causal
+        # (drafter/engines.py); both are written, and neither for the non-causal default
+        causal = {"causal": True} if c.causal else {}
         return {
             "architectures": [arch],
             "model_type": "qwen3",
@@ -224,57 +270,51 @@ class DrafterConfig:
             "block_size": c.block_size, "num_target_layers": c.num_target_layers,
             "target_layer_ids": list(c.target_layer_ids), "mask_token_id": c.mask_token_id,
             "dflash_config": {"mask_token_id": c.mask_token_id, "target_layer_ids": list(c.target_layer_ids),
-                              "block_size": c.block_size, **dflash2},  # DFlash2 fields: dflash_config only
+                              "block_size": c.block_size, **dflash2, **causal},  # DFlash2 fields: here only
+            **({"is_causal": True} if c.causal else {}),
             "torch_dtype": "bfloat16", "dtype": "bfloat16",
         }
 
     @classmethod
     def from_json_dict(cls, d: dict, source: str = "config.json") -> "DrafterConfig":
-        """Read our export or a reference-format drafter config (DFlash fields top level or in dflash_config)."""
-        dflash = d.get("dflash_config") or {}
+        """Read our export or a reference-format drafter config (DFlash fields top level or in dflash_config).
+        Every field's type is checked first (``_checked_fields``), so a damaged file is one line naming the field."""
+        d, dflash = _checked_fields(d, source)
         engines.check_one_engine_fields(d, source)
-
-        def pick(name, default=None):
-            return dflash.get(name, d.get(name, default))
-
         missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
-                   if k not in d]
+                   if d.get(k) is None]
         if missing:
             raise ValueError(f"{source}: missing field(s) {missing}; is this a DFlash drafter config.json?")
-        if "num_target_layers" not in d and not pick("target_layer_ids"):
+        raw_ids, where = _dflash_field(d, dflash, "target_layer_ids")
+        ids = [] if raw_ids is None else check_target_layer_ids(raw_ids, field=f"{source}: {where}")
+        if "num_target_layers" not in d and not ids:
             raise ValueError(f"{source}: needs num_target_layers or dflash_config.target_layer_ids")
-        rope = d.get("rope_parameters")
-        if not isinstance(rope, dict) or "rope_theta" not in rope:
-            scaling = d.get("rope_scaling") if isinstance(d.get("rope_scaling"), dict) else {}
-            rope = {**scaling, "rope_theta": float(d.get("rope_theta", 10000.0))}
-            rope["rope_type"] = rope.pop("type", rope.get("rope_type", "default"))
-        ids = list(pick("target_layer_ids") or [])
-        # DFlash2DraftModel -> dflash2; any other name (DFlashDraftModel, none) is read as DFlash, as before
-        architecture = "dflash2" if ARCHITECTURES["dflash2"] in (d.get("architectures") or []) else "dflash"
-        dflash2 = {}
-        if architecture == "dflash2":
-            absent = [k for k in DFLASH2_FIELDS if pick(k) is None]
-            if absent:
-                raise ValueError(f"{source}: a DFlash2DraftModel config needs dflash_config.{absent[0]} "
-                                 f"(all of {list(DFLASH2_FIELDS)})")
-            dflash2 = {k: int(pick(k)) for k in DFLASH2_FIELDS}
-        num_target_layers = int(d.get("num_target_layers") or (max(ids) + 4))
+        mask_token_id, where = _dflash_field(d, dflash, "mask_token_id")
+        if mask_token_id is None:
+            raise UserError(f"{source}: no mask_token_id (dflash_config.mask_token_id); a drafter cannot draft "
+                            f"without the id of the MASK token it was trained with: set it to that id")
+        mask_token_id = check_whole_number(mask_token_id, f"{source}: {where}")
+        block_size, where = _dflash_field(d, dflash, "block_size", DEFAULT_BLOCK_SIZE)
+        block_size = check_block_size(block_size, f"{source}: {where}")
+        architecture = _architecture(d, source)
+        dflash2 = _dflash2_fields(d, dflash, source) if architecture == "dflash2" else {}
         layer_types = list(d.get("layer_types") or [])
-        sliding = d.get("sliding_window") if ("sliding_attention" in layer_types) else None
+        causal = engines.causal_in_block(d, source)
         try:
             return cls(
-                hidden_size=d["hidden_size"], num_target_layers=num_target_layers, vocab_size=d["vocab_size"],
-                intermediate_size=d.get("intermediate_size", 0), num_hidden_layers=d["num_hidden_layers"],
-                num_attention_heads=d["num_attention_heads"],
+                hidden_size=d["hidden_size"], num_target_layers=d.get("num_target_layers") or (max(ids) + 4),
+                vocab_size=d["vocab_size"], intermediate_size=d.get("intermediate_size", 0),
+                num_hidden_layers=d["num_hidden_layers"], num_attention_heads=d["num_attention_heads"],
                 num_key_value_heads=d.get("num_key_value_heads") or d["num_attention_heads"],
                 head_dim=d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"],
                 rms_norm_eps=d.get("rms_norm_eps", 1e-6),
-                max_position_embeddings=d.get("max_position_embeddings", 32768), rope_parameters=rope,
-                target_layer_ids=ids, block_size=int(pick("block_size", DEFAULT_BLOCK_SIZE)),
-                mask_token_id=pick("mask_token_id"), layer_types=layer_types, sliding_window=sliding,
-                input_embedding_scale=float(pick("input_embedding_scale", 1.0)),
+                max_position_embeddings=d.get("max_position_embeddings", 32768), rope_parameters=_json_rope(d),
+                target_layer_ids=ids, block_size=block_size, mask_token_id=mask_token_id, layer_types=layer_types,
+                sliding_window=d.get("sliding_window") if "sliding_attention" in layer_types else None,
+                input_embedding_scale=float(_dflash_field(d, dflash, "input_embedding_scale", 1.0)[0]),
                 attention_bias=bool(d.get("attention_bias", False)), hidden_act=d.get("hidden_act", "silu"),
-                initializer_range=d.get("initializer_range", 0.02), architecture=architecture, **dflash2)
+                initializer_range=d.get("initializer_range", 0.02), architecture=architecture, causal=causal,
+                **dflash2)
         except ValueError as e:
             raise ValueError(f"{source}: {e}") from None
 
@@ -286,3 +326,79 @@ class DrafterConfig:
         for k in ("architectures", "model_type", "torch_dtype", "dtype", "rope_theta", "rope_scaling"):
             d.pop(k)
         return Qwen3Config(**d)
+
+
+# ----------------------------------------------------------------------------- reading config.json
+# config.json fields that must hold a whole number when present (>= 1 for the first four); their other bounds are
+# DrafterConfig's checks
+JSON_WHOLE_FIELDS = ("hidden_size", "num_attention_heads", "vocab_size", "num_hidden_layers", "intermediate_size",
+                     "num_key_value_heads", "head_dim", "max_position_embeddings", "num_target_layers",
+                     "sliding_window")
+JSON_REAL_FIELDS = ("rms_norm_eps", "initializer_range", "rope_theta")  # numbers when present
+JSON_LIST_FIELDS = ("architectures", "layer_types")  # lists of names when present
+
+
+def _checked_fields(d, source: str) -> tuple[dict, dict]:
+    """config.json's top level (whole-number fields as ints) and its ``dflash_config`` ({} when absent), after
+    checking the type of every field read from them; UserError naming ``source`` and the field otherwise."""
+    if not isinstance(d, dict):
+        raise UserError(f"{source} holds a JSON {type(d).__name__}, not an object of config fields; it is not a "
+                        f"drafter config.json: restore it or export the drafter again")
+    dflash = d.get("dflash_config")
+    if dflash is not None and not isinstance(dflash, dict):
+        raise UserError(f"{source}: dflash_config is {dflash!r}; it must be an object such as "
+                        '{"mask_token_id": 5, "target_layer_ids": [1, 9, 17], "block_size": 16}')
+    d = dict(d)
+    for n, name in enumerate(JSON_WHOLE_FIELDS):
+        if d.get(name) is not None:
+            d[name] = check_whole_number(d[name], f"{source}: {name}")
+            if n < 4 and d[name] < 1:
+                raise UserError(f"{source}: {name} is {d[name]}; it must be >= 1")
+    for name in JSON_REAL_FIELDS:
+        if d.get(name) is not None and (isinstance(d[name], bool) or not isinstance(d[name], (int, float))):
+            raise UserError(f"{source}: {name} is {d[name]!r}; it must be a number")
+    for name in JSON_LIST_FIELDS:
+        value = d.get(name)
+        if value is not None and not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+            raise UserError(f"{source}: {name} is {value!r}; it must be a list of names")
+    return d, dflash or {}
+
+
+def _dflash_field(d: dict, dflash: dict, name: str, default=None) -> tuple[Any, str]:
+    """A DFlash field's value and where it was read: ``dflash_config`` first, else the top level (the engines
+    and the reference read either)."""
+    if name in dflash:
+        return dflash[name], f"dflash_config.{name}"
+    return d.get(name, default), name
+
+
+def _architecture(d: dict, source: str) -> str:
+    """The architecture ``architectures`` names; none named (a bare Qwen3 config dict) is read as DFlash."""
+    names = d.get("architectures") or []
+    by_name = {name: arch for arch, name in ARCHITECTURES.items()}
+    if names and (len(set(names)) != 1 or names[0] not in by_name):
+        raise UserError(f"{source}: architectures {names} is not a DFlash drafter; it must be one of "
+                        f"{[[name] for name in by_name]}")
+    return by_name[names[0]] if names else "dflash"
+
+
+def _dflash2_fields(d: dict, dflash: dict, source: str) -> dict:
+    """The DFlash2 fields of a DFlash2DraftModel config, each a whole number."""
+    out = {}
+    for name in DFLASH2_FIELDS:
+        value, where = _dflash_field(d, dflash, name)
+        if value is None:
+            raise ValueError(f"{source}: a DFlash2DraftModel config needs dflash_config.{name} "
+                             f"(all of {list(DFLASH2_FIELDS)})")
+        out[name] = check_whole_number(value, f"{source}: {where}")
+    return out
+
+
+def _json_rope(d: dict) -> dict:
+    """rope_parameters, or the legacy rope_theta / rope_scaling in that form."""
+    rope = d.get("rope_parameters")
+    if not isinstance(rope, dict) or "rope_theta" not in rope:
+        scaling = d.get("rope_scaling") if isinstance(d.get("rope_scaling"), dict) else {}
+        rope = {**scaling, "rope_theta": float(d.get("rope_theta", 10000.0))}
+        rope["rope_type"] = rope.pop("type", rope.get("rope_type", "default"))
+    return rope

@@ -15,8 +15,11 @@ the engine file it comes from). The rest of this module turns that table into ru
   ``input_embedding_scale``. A target whose embedding scales (Gemma 3) therefore gets two different blocks from
   the two engines: it is refused (``unservable_reason``).
 - Attention layout. ``full_attention`` layers are non-causal over context + block; ``sliding_attention`` layers
-  are causal with a window of ``sliding_window`` keys including the query's own. ``is_causal`` and
-  ``dflash_config.causal`` change that in vLLM only, so an export never writes them.
+  are causal with a window of ``sliding_window`` keys including the query's own. The causal-in-block layout
+  (``DrafterConfig.causal``: every layer sees the whole context and is causal inside the block) is read from two
+  fields, one per engine: vLLM 0.24 reads only ``dflash_config.causal``, SGLang and the reference only the
+  top-level ``is_causal``. An export of that layout writes both true; a config that sets only one, or sets them
+  differently, or sets either false, is refused (``causal_in_block``): engines would run it differently.
 - vLLM 0.24 serving rules (``VLLM_024_RULES``, each citing the vLLM file): a tap of the target's last layer is read
   before its final norm, sliding-window drafter layers run as full attention (both refused by ``export --for
   vllm``, warned otherwise and by ``eval --engine vllm``), num_speculative_tokens must be block_size - 1 by hand,
@@ -30,6 +33,8 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+
+from dflashkit.errors import UserError
 
 # field -> (what vLLM does with it, what SGLang does with it). vLLM: vllm/model_executor/models/qwen3_dflash.py
 # (the drafter), vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py (taps), vllm/v1/spec_decode/
@@ -56,16 +61,20 @@ ENGINE_FIELDS: dict[str, tuple[str, str]] = {
     "rope_parameters": ("the drafter's RoPE: every key honoured", "rope_theta and rope_scaling; rotary dim = head_dim"),
     # qwen3_dflash.DFlashQwen3DecoderLayer: is_neox_style (default True); models/dflash: rope_is_neox_style
     "is_neox_style": ("rotate halves (True) or pairs", "rotate halves (True) or pairs"),
-    # qwen3_dflash._resolve_layer_attention: sliding layers get the window, mixed sliding/full layers need
-    # VLLM_USE_V2_MODEL_RUNNER=1; models/dflash._get_dflash_layer_attention_params: full -> ENCODER_ONLY
-    # (non-causal), sliding -> DECODER (causal) with window_left = sliding_window - 1
-    "layer_types": ("per layer: full (non-causal) or sliding (causal, windowed)",
+    # vLLM 0.24: qwen3_dflash.py:112-121,165-263 never read layer_types / sliding_window (every layer full
+    # attention; VLLM_024_RULES["sliding_window"]). models/dflash._get_dflash_layer_attention_params (:166-191):
+    # full -> ENCODER_ONLY (non-causal) unless is_causal, sliding -> DECODER (causal) with window_left =
+    # sliding_window - 1; without layer_types every layer is non-causal and is_causal is ignored (:170-171)
+    "layer_types": ("not read (0.24): every layer full attention",
                     "per layer: full (non-causal) or sliding (causal, windowed)"),
-    "sliding_window": ("keys a sliding query sees, itself included (dflash_config.swa_window_size wins)",
-                       "keys a sliding query sees, itself included"),
-    # qwen3_dflash._dflash_layer_causal: is_causal, else dflash_config.causal, overrides every layer
-    "is_causal": ("overrides the causality of every layer", "not read"),
-    "dflash_config.causal": ("overrides the causality of every layer", "not read"),
+    "sliding_window": ("not read (0.24)", "keys a sliding query sees, itself included"),
+    # vLLM 0.24 never reads is_causal; SGLang models/dflash.py:157-163 reads it from the text config (with
+    # layer_types present); the reference dflash 0.1.0 model.py:363-367 too
+    "is_causal": ("not read (0.24)", "true: full_attention layers causal inside the block, no window"),
+    # V1 runner: v1/spec_decode/dflash.py:71,178-195,305-307; V2: v1/worker/gpu/spec_decode/dflash/utils.py:11-31,
+    # speculator.py:49,93,346-351; the queries are the last 1 + k keys, bottom-right causal over context + block
+    "dflash_config.causal": ("true: every layer causal inside the block, whole context (V1 and V2 runners)",
+                             "not read"),
     # qwen3_dflash: Qwen2MLP(hidden_act) (silu only); models/dflash.DFlashMLP: anything but silu is an error
     "hidden_act": ("SwiGLU activation (silu only)", "SwiGLU activation (silu only)"),
     # both: bias on q/k/v and on o_proj
@@ -105,7 +114,7 @@ ENGINE_FIELDS: dict[str, tuple[str, str]] = {
 # Fields an export never writes, because the engines read them differently (or one reads them and the other
 # does not), with the value that means "absent". A config setting another value is refused.
 ONE_ENGINE_FIELDS: dict[str, object] = {
-    "is_causal": None, "causal": None, "output_multiplier": 1.0, "final_logit_softcapping": None,
+    "output_multiplier": 1.0, "final_logit_softcapping": None,
     "attention_sink_bias": False, "use_swa": False, "swa_window_size": None, "logit_scale": 1.0,
     "eagle_aux_hidden_state_layer_ids": None,
 }
@@ -158,6 +167,25 @@ def check_one_engine_fields(config: dict, source: str = "config.json") -> None:
         if value != absent:
             raise ValueError(f"{source}: {name}={value!r} is read by one serving engine only (or differently by "
                              f"each: drafter/engines.py ENGINE_FIELDS); remove it")
+
+
+def causal_in_block(config: dict, source: str = "config.json") -> bool:
+    """Whether a config.json declares the causal-in-block layout: ``is_causal`` (SGLang, the reference) and
+    ``dflash_config.causal`` (vLLM) both true. Neither set: False. UserError for anything else, since then the
+    engines would run the block differently (one causal, another not)."""
+    dflash = config.get("dflash_config") or {}
+    pair = {"is_causal": config.get("is_causal"), "dflash_config.causal": dflash.get("causal")}
+    for name, value in pair.items():
+        if value is not None and not isinstance(value, bool):
+            raise UserError(f"{source}: {name} is {value!r}; it must be true or false")
+    if pair["is_causal"] is None and pair["dflash_config.causal"] is None:
+        return False
+    if pair["is_causal"] is True and pair["dflash_config.causal"] is True:
+        return True
+    raise UserError(f"{source}: is_causal={pair['is_causal']} and dflash_config.causal={pair['dflash_config.causal']}"
+                    f": vLLM reads only dflash_config.causal, SGLang and the reference only is_causal, so the engines "
+                    f"would run this block differently; set both true for a drafter trained causal inside the "
+                    f"block, remove both for one trained non-causal")
 
 
 # ----------------------------------------------------------------------------- vLLM 0.24 serving rules

@@ -10,22 +10,38 @@ An export directory holds:
 
 An existing directory at the export path is replaced only when it is a drafter export (``export_dir_problem``)
 or the caller passes ``overwrite``; a file there is an error (``dflashkit/outputs.py``). The files get the
-umask's usual modes (0644 / 0755), so a server running as another user can read them.
+umask's usual modes (0644 / 0755), so a server running as another user can read them. Weights with NaN or Inf
+are never written.
 
-Loading is strict: every tensor the config implies must be present with the shape it implies, and nothing else;
-a mismatch names the tensor, both shapes and the config field to check. Only safetensors are read.
+Writing is two renames: the new export is written to ``.NAME.XXXXXXXX``, the old one moved to
+``.NAME.old-XXXXXXXX/NAME``, the new one renamed to NAME (sibling names shortened with a hash to fit the file
+system's limit). A running export holds an flock on its temporary directories; a killed one leaves them
+unheld, and the next export to NAME moves a moved-aside export back to a missing NAME, removes the rest and says
+so, while loading a missing NAME whose previous export was moved aside says where it is.
+
+Loading is strict: the weights are ``model.safetensors`` or the files ``model.safetensors.index.json`` names
+(any other ``*.safetensors`` is ignored, with a note), each tensor stored once, a float, finite; every tensor
+the config implies must be present with the shape it implies, and nothing else; a mismatch names the tensor,
+both shapes and the config field to check. config.json's fields are checked by type (``DrafterConfig
+.from_json_dict``). Only safetensors are read; a damaged file is one line naming it.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import os
+import re
 import shutil
+import sys
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
+from dflashkit.errors import UserError
+from dflashkit.files import check_name_length, fitted_name, name_limit, pause_point
 from dflashkit.outputs import check_output_dir, describe_foreign, foreign_entries, make_temp_dir, save_safetensors
 from dflashkit.untrusted import contained_file
 
@@ -73,40 +89,161 @@ def build_drafter(config: DrafterConfig, dtype: torch.dtype = torch.float32) -> 
 def save_drafter(model: DFlashDraftModel, out_dir: str | os.PathLike, dtype: torch.dtype | None = None,
                  overwrite: bool = False, flag: str = "--overwrite") -> Path:
     """Write the export directory atomically (a temporary sibling renamed into place). An existing directory is
-    replaced only when it is an export (or ``overwrite``); ``flag`` is the option named in the refusal."""
+    replaced only when it is an export (or ``overwrite``); ``flag`` is the option named in the refusal. What an
+    interrupted export to the same path left is recovered or removed first (``recover_interrupted_export``);
+    weights that are not finite are refused before anything is written."""
     config: DrafterConfig = getattr(model, "dflash", None) or DrafterConfig.from_json_dict(model.config.to_dict())
     out = Path(out_dir)
+    state = {k: (v.to(dtype) if dtype else v).detach().to("cpu").contiguous()
+             for k, v in model.state_dict().items() if not k.startswith("rotary_emb.")}
+    check_finite(state, f"the drafter to export to {out}", dtype)
+    check_name_length(out)
+    if out.parent.is_dir():
+        recover_interrupted_export(out)
     check_output_dir(out, what="a drafter directory", problem=export_dir_problem, overwrite=overwrite, flag=flag)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = make_temp_dir(out.parent, prefix=f".{out.name}.")
+    tmp = make_temp_dir(out.parent, prefix=f".{_sibling_stem(out)}.")
+    held = _hold(tmp)  # while held, another export's recovery leaves this directory alone
     try:
-        state = {k: (v.to(dtype) if dtype else v).detach().to("cpu").contiguous()
-                 for k, v in model.state_dict().items() if not k.startswith("rotary_emb.")}
-        save_safetensors(state, tmp / "model.safetensors", metadata={"format": "pt"})
-        cfg = config.to_json_dict()
-        cfg["torch_dtype"] = cfg["dtype"] = str(state["fc.weight"].dtype).replace("torch.", "")
-        (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-        shutil.copyfile(MODELING_FILE, tmp / "modeling_dflash.py")
-        if config.architecture == "dflash2":
-            shutil.copyfile(MODELING_FILE_DFLASH2, tmp / "modeling_dflash2.py")
-        for f in tmp.iterdir():
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
+        _write_export(tmp, state, config)
+        pause_point("export-copy-written")  # crash tests: a kill here leaves the full copy
         if out.is_dir():  # checked above: an export, an empty directory, or overwrite
-            old = make_temp_dir(out.parent, f".{out.name}.old-")  # a fresh name: nothing of the user's is touched
-            out.rename(old / out.name)
-            tmp.rename(out)
+            old = make_temp_dir(out.parent, f".{_sibling_stem(out)}.old-")  # a fresh name: nothing of the user's
+            held_old = _hold(old)
+            try:
+                out.rename(old / out.name)
+                pause_point("export-between-renames")  # crash tests: a kill here leaves no NAME, only .NAME.old-*
+                tmp.rename(out)
+            finally:
+                os.close(held_old)
             shutil.rmtree(old, ignore_errors=True)
         else:
             tmp.rename(out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        os.close(held)
     return out
 
 
+def _write_export(directory: Path, state: dict[str, torch.Tensor], config: DrafterConfig) -> None:
+    """The export's files in ``directory``, each fsynced."""
+    save_safetensors(state, directory / "model.safetensors", metadata={"format": "pt"})
+    cfg = config.to_json_dict()
+    cfg["torch_dtype"] = cfg["dtype"] = str(state["fc.weight"].dtype).replace("torch.", "")
+    (directory / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    shutil.copyfile(MODELING_FILE, directory / "modeling_dflash.py")
+    if config.architecture == "dflash2":
+        shutil.copyfile(MODELING_FILE_DFLASH2, directory / "modeling_dflash2.py")
+    for f in directory.iterdir():
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+
+
+def check_finite(state: dict[str, torch.Tensor], what: str, dtype: torch.dtype | None = None) -> None:
+    """UserError naming the first tensor of ``state`` that holds NaN or Inf (``what`` says whose tensors)."""
+    for name, tensor in state.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(_checkable(tensor)).all()):
+            cast = (f" once cast to {str(dtype).replace('torch.', '')} (a wider --dtype may hold them)"
+                    if dtype is not None else "")
+            raise UserError(f"{what}: tensor {name} holds NaN or Inf values{cast}; the training that wrote it "
+                            f"diverged: use a checkpoint from before the divergence")
+
+
+def _checkable(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.float() if tensor.element_size() == 1 else tensor  # isfinite has no 8-bit float kernels
+
+
+# ----------------------------------------------------------------------------- interrupted exports
+# save_drafter's temporary names beside NAME: ``.NAME.XXXXXXXX`` (the new export being written) and
+# ``.NAME.old-XXXXXXXX/NAME`` (the previous export, between the two renames); XXXXXXXX: make_temp_dir's 4 random
+# bytes. NAME is shortened (``fitted_name``) so that the longer of the two fits the file system's name limit.
+_OLD_PREFIX = "old-"
+_RANDOM_PART = "[0-9a-f]{8}"
+
+
+def _sibling_stem(out: Path) -> str:
+    return fitted_name(out.name, len(f"..{_OLD_PREFIX}") + 8, name_limit(out.parent))
+
+
+def _hold(directory: Path) -> int:
+    """An exclusive flock on ``directory``, held until the returned descriptor is closed (the kernel drops it when
+    the process dies, so a killed export's directories are free)."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):  # no flock there: nothing is held
+            os.close(fd)
+            raise
+    return fd
+
+
+def _held_by_another(directory: Path) -> bool:
+    """Whether a running export holds ``directory`` (``_hold``)."""
+    try:
+        fd = _hold(directory)
+    except OSError:
+        return True
+    os.close(fd)
+    return False
+
+
+def interrupted_export_leftovers(out: Path) -> tuple[list[Path], list[Path]]:
+    """What interrupted exports to ``out`` left beside it and no running export holds: temporary copies whose
+    files are all export files, and directories holding nothing but a moved-aside previous export ``NAME``
+    (newest first)."""
+    stem = re.escape(_sibling_stem(out))
+    copy_name = re.compile(rf"\.{stem}\.{_RANDOM_PART}")
+    old_name = re.compile(rf"\.{stem}\.{_OLD_PREFIX}{_RANDOM_PART}")
+    copies, olds = [], []
+    for entry in out.parent.iterdir() if out.parent.is_dir() else ():
+        if entry.is_symlink() or not entry.is_dir():
+            continue
+        if copy_name.fullmatch(entry.name) and not foreign_entries(entry, lambda name: name in EXPORT_FILES):
+            copies.append(entry)
+        elif old_name.fullmatch(entry.name) and not foreign_entries(entry, lambda name: name == out.name):
+            olds.append(entry)
+    olds.sort(key=lambda p: p.stat().st_mtime_ns, reverse=True)
+    return ([p for p in sorted(copies) if not _held_by_another(p)],
+            [p for p in olds if not _held_by_another(p)])
+
+
+def recover_interrupted_export(out: Path) -> None:
+    """Undo what an export to ``out`` killed midway left, and say so on stderr: a previous export moved aside
+    while ``out`` is missing goes back to ``out`` (this export then replaces it as usual); a moved-aside export
+    that ``out`` already replaced and any temporary copy are removed."""
+    copies, olds = interrupted_export_leftovers(out)
+    restored, removed = None, [p.name for p in copies + olds]
+    for old in olds:
+        if (old / out.name).is_dir() and not os.path.lexists(out):
+            (old / out.name).rename(out)
+            restored = old
+    for leftover in copies + olds:
+        shutil.rmtree(leftover)
+    if restored is not None:
+        print(f"note: {out}: moved back from {restored.name}, where an interrupted export had left it",
+              file=sys.stderr)
+    if removed:
+        print(f"note: {out.parent}: removed {removed}, left by an interrupted export to {out.name}", file=sys.stderr)
+
+
+def _moved_aside(path: Path) -> Path | None:
+    """The previous export that an interrupted export moved from the missing ``path`` (``.NAME.old-*/NAME``)."""
+    if os.path.lexists(path) or not path.parent.is_dir():
+        return None
+    olds = interrupted_export_leftovers(path)[1]
+    return next((old / path.name for old in olds if (old / path.name).is_dir()), None)
+
+
+# ----------------------------------------------------------------------------- loading
 def read_drafter_config(path: str | os.PathLike) -> DrafterConfig:
     cfg_file = Path(path) / "config.json"
+    moved = _moved_aside(Path(path))
+    if moved is not None:
+        raise UserError(f"{path} is missing: an export to it was interrupted after moving the previous export to "
+                        f"{moved}; move that back to {path}, or run dflashkit export to {path} again")
     if not cfg_file.is_file():
         raise FileNotFoundError(f"{cfg_file}: no config.json; a drafter directory needs config.json and "
                                 f"model.safetensors (write one with `dflashkit init-drafter` or `dflashkit export`)")
@@ -114,50 +251,91 @@ def read_drafter_config(path: str | os.PathLike) -> DrafterConfig:
         data = json.loads(cfg_file.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{cfg_file}: not valid JSON (line {e.lineno}: {e.msg})") from None
+    except UnicodeDecodeError:
+        raise UserError(f"{cfg_file}: not text (not UTF-8); the file is damaged: restore it or export the "
+                        f"drafter again") from None
     return DrafterConfig.from_json_dict(data, source=str(cfg_file))
 
 
 def _weight_files(path: Path) -> list[Path]:
+    """The files a drafter's weights come from: those ``model.safetensors.index.json`` names, else
+    ``model.safetensors``; any other ``*.safetensors`` there is never read (a note names it)."""
     index = path / "model.safetensors.index.json"
-    if index.is_file():  # each file it names must lie inside the drafter directory (dflashkit/untrusted.py)
-        try:
-            weight_map = json.loads(index.read_text()).get("weight_map")
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ValueError(f"{index}: not valid JSON ({e}); the file is damaged: restore it, or remove it to "
-                             "read the *.safetensors files of the directory") from None
-        except AttributeError:  # valid JSON, but not an object
-            weight_map = None
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise ValueError(f"{index}: field weight_map is missing or not a mapping of tensor name -> file; the "
-                             "file is damaged: restore it, or remove it to read the *.safetensors files")
-        files = sorted({contained_file(path, f, source=index, field=f"weight_map[{name!r}]")
-                        for name, f in weight_map.items()})
-        missing = [f for f in files if not f.is_file()]
-        if missing:
-            raise FileNotFoundError(f"{index} names {missing[0].name}, which is not in {path}; the download is "
-                                    "incomplete: fetch the missing weight file")
-        return files
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        bad = sorted(p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt"))
-        hint = f" (found {bad}: pickle files are never loaded; convert them to safetensors)" if bad else ""
-        raise FileNotFoundError(f"{path}: no *.safetensors weights{hint}")
+    files = _indexed_files(path, index) if index.is_file() else [path / "model.safetensors"]
+    if not files[0].is_file():
+        pickles = sorted(p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt"))
+        other = sorted(p.name for p in path.glob("*.safetensors"))
+        hint = (f" (found {pickles}: pickle files are never loaded; convert them to safetensors)" if pickles else
+                f" (found {other}, which is not read: rename the file that holds the weights to "
+                f"model.safetensors)" if other else "")
+        raise FileNotFoundError(f"{path}: no model.safetensors weights{hint}")
+    stray = sorted(p.name for p in path.glob("*.safetensors") if p not in files)
+    if stray:
+        print(f"note: {path}: ignored {stray}: a drafter's weights are model.safetensors or the files "
+              f"model.safetensors.index.json names", file=sys.stderr)
     return files
+
+
+def _indexed_files(path: Path, index: Path) -> list[Path]:
+    """The files ``index``'s weight_map names, each inside the drafter directory (dflashkit/untrusted.py)."""
+    try:
+        weight_map = json.loads(index.read_text()).get("weight_map")
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{index}: not valid JSON ({e}); the file is damaged: restore it, or remove it to "
+                         "read model.safetensors") from None
+    except AttributeError:  # valid JSON, but not an object
+        weight_map = None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ValueError(f"{index}: field weight_map is missing or not a mapping of tensor name -> file; the "
+                         "file is damaged: restore it, or remove it to read model.safetensors")
+    files = sorted({contained_file(path, f, source=index, field=f"weight_map[{name!r}]")
+                    for name, f in weight_map.items()})
+    missing = [f for f in files if not f.is_file()]
+    if missing:
+        raise FileNotFoundError(f"{index} names {missing[0].name}, which is not in {path}; the download is "
+                                "incomplete: fetch the missing weight file")
+    return files
+
+
+def _file_tensors(f: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the safetensors file ``f``; one line naming the file when it is damaged or cut short."""
+    try:
+        with safe_open(str(f), framework="pt") as sf:
+            return {key: sf.get_tensor(key) for key in sf.keys()}
+    except SafetensorError as e:
+        reason = (str(e).splitlines() or ["unreadable"])[0]
+        raise UserError(f"{f}: not a readable safetensors file ({reason}); it is damaged or cut short: export "
+                        f"the drafter again (or download it again)") from None
+
+
+def _read_weights(path: Path, expected: set[str]) -> dict[str, torch.Tensor]:
+    """The drafter's tensors by name (``model.`` prefixes dropped), each stored once, float and finite."""
+    loaded: dict[str, torch.Tensor] = {}
+    stored_in: dict[str, Path] = {}
+    for f in _weight_files(path):
+        tensors = _file_tensors(f)
+        for key, tensor in tensors.items():
+            name = key[len("model."):] if key.startswith("model.") and key[6:] in expected else key
+            if name in loaded:
+                raise UserError(f"{path}: tensor {name} is stored twice ({stored_in[name].name} and {f.name}), so "
+                                f"which one is meant is unknown; keep it in one file")
+            if not tensor.is_floating_point():
+                raise UserError(f"{f}: tensor {key} is {str(tensor.dtype).replace('torch.', '')}; drafter "
+                                f"weights are floats (bfloat16, float16, float32): export the drafter again")
+            loaded[name], stored_in[name] = tensor, f
+        check_finite(tensors, str(f))
+    return loaded
 
 
 def load_drafter(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
                  device: str | torch.device = "cpu") -> DFlashDraftModel:
-    """Load an export (ours or a published reference-format drafter); strict on names and shapes."""
+    """Load an export (ours or a published reference-format drafter); strict on names, shapes, dtypes and
+    values: every weight a finite float, each stored once."""
     path = Path(path)
     config = read_drafter_config(path)
     model = build_drafter(config, dtype=dtype)
     expected = {k: v for k, v in model.state_dict().items() if not k.startswith("rotary_emb.")}
-    loaded: dict[str, torch.Tensor] = {}
-    for f in _weight_files(path):
-        with safe_open(str(f), framework="pt") as sf:
-            for key in sf.keys():
-                name = key[len("model."):] if key.startswith("model.") and key[6:] in expected else key
-                loaded[name] = sf.get_tensor(key)
+    loaded = _read_weights(path, set(expected))
     missing = sorted(set(expected) - set(loaded))
     unexpected = sorted(set(loaded) - set(expected))
     if missing or unexpected:

@@ -20,16 +20,50 @@ Greedy runs check losslessness against HF generate on the baseline prompts (--re
 Ctrl-C, SIGTERM or --time-limit S: the current prompt finishes, the report of the prompts done is written,
 marked partial, and the command exits 1.
 One run per --out: a second eval into the same report directory stops at once naming the first (its lock file
-.dflashkit.lock holds the pid and host).
+.dflashkit.lock holds the pid and host). --out must be new or empty: a directory holding an earlier report or
+files of yours is refused before the target loads (--overwrite writes the report there anyway, replacing only
+eval's own files of the same names).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
+from contextlib import contextmanager
 
 from dflashkit.errors import UserError
+
+# eval's numeric flags: dest -> (lowest allowed, whether the lowest itself is allowed, highest allowed or None,
+# what the number is); each is checked before anything loads
+FLAG_RANGES = {
+    "num_prompts": (1, True, None, "prompts per dataset"),
+    "baseline_prompts": (0, True, None, "0: no autoregressive baseline"),
+    "reference_prompts": (0, True, None, "0: no lossless check"),
+    "max_prompt_tokens": (1, True, None, "prompt tokens kept"),
+    "time_limit": (0, True, None, "seconds; 0 stops after the first prompt, no flag: no limit"),
+    "tree_budget": (2, True, None, "nodes per round: the root and at least one draft"),
+    "tree_top_k": (1, True, None, "candidates per draft position"),
+    "temperature": (0, True, None, "0: greedy"),
+    "top_p": (0, False, 1, "1: off"),
+    "top_k": (0, True, None, "0: off"),
+    "max_new_tokens": (1, True, None, "new tokens per prompt"),
+    "block_size": (2, True, None, "the anchor and at least one draft"),
+    "concurrency": (1, True, None, "requests in flight"),
+    "num_speculative_tokens": (1, True, None, "drafts per step"),
+    "gpu_memory_utilization": (0, False, 1, "share of the GPU"),
+    "max_model_len": (1, True, None, "tokens"),
+    "timeout": (0, False, None, "seconds per request"),
+}
+# flags that one engine does not read (dest -> who reads it): given to the other, they are refused, not ignored
+ENGINE_ONLY = {
+    "dflashkit": {"concurrency": "--server and --engine vllm", "num_speculative_tokens": "--engine vllm",
+                  "max_model_len": "--engine vllm"},
+    "vllm": {"block_size": "the dflashkit engine (with vLLM: --num-speculative-tokens)",
+             "time_limit": "the dflashkit engine", "baseline_prompts": "the dflashkit engine",
+             "reference_prompts": "the dflashkit engine"},
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,7 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="lossless check against HF generate on the first N baseline prompts of each dataset "
                            "(default: all of them; the reference is slow)")
     what.add_argument("--max-prompt-tokens", type=int, default=None, help="keep only the last N prompt tokens")
-    what.add_argument("--out", help="report directory (report.json, report.md, PNG plots)")
+    what.add_argument("--out", help="report directory (report.json, report.md, PNG plots); new or empty")
+    what.add_argument("--overwrite", action="store_true",
+                      help="write into an --out that holds files (an earlier report, files of yours): eval's files "
+                           "of the same names are replaced, nothing else is touched")
     what.add_argument("--chat-template-kwargs", default="{}",
                       help='JSON of extra chat template variables (as extraction and training), '
                            'e.g. \'{"enable_thinking": false}\'')
@@ -94,30 +131,100 @@ def build_parser() -> argparse.ArgumentParser:
     other.add_argument("--timeout", type=float, default=300.0, help="--server: seconds per request")
     return p
 
+
 def _fail(message: str, status: int = 1) -> int:
     """A run that ended but did not finish (exit 1); user errors raise UserError for dflashkit.cli.run_main."""
     print(f"dflashkit eval: {message}", file=sys.stderr)
     return status
 
+
+def _range_text(low, inclusive: bool, high) -> str:
+    if high is not None:
+        return f"in {'[' if inclusive else '('}{low}, {high}]"
+    return f"{'>=' if inclusive else '>'} {low}"
+
+
+def check_numeric_flags(args) -> None:
+    """Every numeric flag in its range (``FLAG_RANGES``); one line naming the first flag that is not."""
+    for dest, (low, inclusive, high, meaning) in FLAG_RANGES.items():
+        given = getattr(args, dest)
+        for value in given if isinstance(given, list) else [given]:
+            if value is None:
+                continue
+            above = value >= low if inclusive else value > low
+            if not (math.isfinite(value) and above and (high is None or value <= high)):
+                raise UserError(f"--{dest.replace('_', '-')} must be {_range_text(low, inclusive, high)} "
+                                f"({meaning}), got {value}")
+
+
+def check_engine_flags(args) -> None:
+    """A flag the chosen engine does not read is refused: it would be ignored without a word."""
+    for dest, reader in ENGINE_ONLY[args.engine].items():
+        if getattr(args, dest) is not None:
+            raise UserError(f"--{dest.replace('_', '-')} is read by {reader}, not by --engine {args.engine}: "
+                            "drop it, or pick the engine that reads it")
+
+
+def check_block_size_flag(args) -> None:
+    """--block-size may shorten the drafter's blocks, never lengthen them: it drafts only the positions it was
+    trained on. Reads the drafter's config.json only, before the target loads."""
+    from dflashkit.drafter import read_drafter_config
+
+    trained = read_drafter_config(args.drafter).block_size
+    if args.block_size is not None and args.block_size > trained:
+        raise UserError(f"--block-size {args.block_size} is larger than the drafter's block_size {trained} "
+                        f"({args.drafter}/config.json): it was trained to draft {trained - 1} tokens per block; use "
+                        f"--block-size {trained} or less, or leave it out")
+
+
+@contextmanager
+def report_dir(out: str | None, overwrite: bool):
+    """The lock on --out (one eval per report directory), then the check that --out may take a report: new or
+    empty, or --overwrite (eval/report.py report_dir_problem). Nothing when there is no --out."""
+    if out is None:
+        yield
+        return
+    import os
+
+    from dflashkit.outputs import OutputLock, check_output_dir
+
+    from .report import report_dir_problem
+
+    made = not os.path.lexists(out)
+    try:
+        with OutputLock(out, "eval"):
+            check_output_dir(out, what="a new report directory", problem=report_dir_problem, overwrite=overwrite,
+                             forcing="write the report into it anyway (eval's files of the same names are "
+                                     "replaced, nothing else)")
+            yield
+    finally:
+        if made:  # a run that stopped before writing anything leaves no empty directory behind
+            try:
+                os.rmdir(out)
+            except OSError:  # not empty (the report), or already gone
+                pass
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    check_numeric_flags(args)
     if args.compare:
-        from .report import compare_reports
+        from .report import compare_reports, read_report
 
-        print(compare_reports(args.compare, args.out))
+        for path in args.compare:  # every report readable before --out is touched
+            read_report(path)
+        with report_dir(args.out, args.overwrite):
+            print(compare_reports(args.compare, args.out))
         return 0
     if args.server:
         from .serving import run_sweep
 
-        run_sweep(args.server, args.dataset, args.num_prompts, args.concurrency or [1, 2, 4, 8, 16, 32],
-                  args.max_new_tokens,
-                  args.temperature, args.model, args.timeout, args.out)
+        with report_dir(args.out, args.overwrite):
+            run_sweep(args.server, args.dataset, args.num_prompts, args.concurrency or [1, 2, 4, 8, 16, 32],
+                      args.max_new_tokens, args.temperature, args.model, args.timeout, args.out)
         return 0
     if not (args.target and args.drafter and args.out):
         raise UserError("needs --target, --drafter and --out (or --compare / --server)")
-    for name in ("baseline_prompts", "reference_prompts"):
-        if getattr(args, name) is not None and getattr(args, name) < 0:
-            raise UserError(f"--{name.replace('_', '-')} must be 0 or more, got {getattr(args, name)}")
     try:
         template_kwargs = json.loads(args.chat_template_kwargs)
     except json.JSONDecodeError as error:
@@ -125,24 +232,36 @@ def main(argv: list[str] | None = None) -> int:
                         'write e.g. \'{"enable_thinking": false}\'') from None
     if not isinstance(template_kwargs, dict):
         raise UserError(f"--chat-template-kwargs must be a JSON object, got {args.chat_template_kwargs!r}")
+    check_engine_flags(args)
     if args.engine == "vllm":
-        return _main_vllm(args, template_kwargs)
+        config = _vllm_config(args)
+        with report_dir(args.out, args.overwrite):
+            return _main_vllm(args, config, template_kwargs)
     from .engine import DecodeConfig
-    from .run import run_eval
 
     config = DecodeConfig(mode=args.mode, block_size=args.block_size, tree_budget=args.tree_budget,
                           tree_top_k=args.tree_top_k, temperature=args.temperature, top_p=args.top_p,
                           top_k=args.top_k, max_new_tokens=args.max_new_tokens, seed=args.seed,
                           attention_backend=args.attention_backend, cuda_graphs=not args.no_cuda_graphs)
     config.check()  # user errors propagate to dflashkit.cli.run_main: one line, exit 2
-    from dflashkit.outputs import OutputLock
+    with report_dir(args.out, args.overwrite):
+        check_block_size_flag(args)  # reads the drafter's config.json: a bad one stops here, before the target
+        report = _run_local(args, config, template_kwargs)
+    return _summary(report, args.out)
 
-    with OutputLock(args.out, "eval"):  # one run per report directory (dflashkit/outputs.py)
-        report = run_eval(args.target, args.drafter, args.out, args.dataset, config, num_prompts=args.num_prompts,
-                          baseline_prompts=args.baseline_prompts, max_prompt_tokens=args.max_prompt_tokens,
-                          use_stop_tokens=not args.no_stop, device=args.device, device_map=args.device_map,
-                          dtype=args.dtype, chat_template_kwargs=template_kwargs, time_limit_s=args.time_limit,
-                          reference_prompts=args.reference_prompts)
+
+def _run_local(args, config, template_kwargs: dict) -> dict:
+    from .run import run_eval
+
+    return run_eval(args.target, args.drafter, args.out, args.dataset, config, num_prompts=args.num_prompts,
+                    baseline_prompts=args.baseline_prompts, max_prompt_tokens=args.max_prompt_tokens,
+                    use_stop_tokens=not args.no_stop, device=args.device, device_map=args.device_map,
+                    dtype=args.dtype, chat_template_kwargs=template_kwargs, time_limit_s=args.time_limit,
+                    reference_prompts=args.reference_prompts)
+
+
+def _summary(report: dict, out: str) -> int:
+    """The run's numbers in one line; exit 1 when a stop request left the report partial."""
     overall = report["overall"]
     speed = (f"speedup {overall['speedup']:.2f}x ({overall['speedup_per_token']:.2f}x per token, cost model "
              f"{overall['cost_model_speedup']:.2f}x); "
@@ -150,15 +269,17 @@ def main(argv: list[str] | None = None) -> int:
              if "speedup" in overall else "no autoregressive baseline (--baseline-prompts 0)")
     lossless = overall.get("lossless")
     check = f"; lossless: {lossless['mismatches']} mismatches, {lossless['ties']} ties" if lossless else ""
-    print(f"tau {overall['tau']:.3f} over {overall['rounds']} rounds; {speed}{check}; report in {args.out}")
+    print(f"tau {overall['tau']:.3f} over {overall['rounds']} rounds; {speed}{check}; report in {out}")
     if "partial" in report:
         partial = report["partial"]
         return _fail(f"stopped by {partial['reason']}: partial report of {partial['prompts_done']} of "
-                     f"{partial['prompts_planned']} prompts in {args.out}")
+                     f"{partial['prompts_planned']} prompts in {out}")
     return 0
 
-def _main_vllm(args, template_kwargs: dict) -> int:
-    from .vllm_engine import VllmEvalConfig, run_vllm_eval
+
+def _vllm_config(args):
+    """The settings of `--engine vllm`, checked before --out is touched."""
+    from .vllm_engine import VllmEvalConfig
 
     if args.mode != "chain" or args.temperature != 0:
         raise UserError("--engine vllm measures greedy chain drafting (vLLM's dflash): "
@@ -168,11 +289,19 @@ def _main_vllm(args, template_kwargs: dict) -> int:
                             max_new_tokens=args.max_new_tokens, dtype=args.dtype or "bfloat16",
                             gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
                             enforce_eager=args.enforce_eager, seed=args.seed, use_stop_tokens=not args.no_stop)
+    config.check()
+    return config
+
+
+def _main_vllm(args, config, template_kwargs: dict) -> int:
+    from .vllm_engine import run_vllm_eval
+
     report = run_vllm_eval(args.target, args.drafter, args.out, args.dataset, config, args.num_prompts,
                            args.max_prompt_tokens, template_kwargs)  # user errors: dflashkit.cli.run_main
     print(f"{report['verdict']['text']}\ntau {report['overall']['tau']:.3f} (vLLM); lossless "
           f"{report['lossless']['identical']}/{report['lossless']['requests']} identical; report in {args.out}")
     return 0
+
 
 if __name__ == "__main__":
     from dflashkit.cli import run_main

@@ -17,7 +17,10 @@ Design choices:
 - The lossless check (greedy runs) is eval/lossless.py's, against an independent reference; report.md says it
   in words. A partial run (stopped early) says so at the top.
 - matplotlib is imported only when plots are written, with the Agg backend (no display needed).
-- `compare_reports` reads several report.json files and writes one side-by-side table (and a tau plot).
+- `compare_reports` reads several report.json files and writes one side-by-side table (and a tau plot); a
+  report.json that is not JSON, or lacks a field the table reads, is named with the field, in one line.
+- A report directory holds only eval's files (`REPORT_FILES`): `dflashkit eval` refuses an --out that holds
+  anything else, or an earlier report, unless --overwrite (`report_dir_problem`); nothing of the user's is replaced.
 """
 
 from __future__ import annotations
@@ -26,6 +29,11 @@ import json
 from pathlib import Path
 
 from .engine import GenerationResult
+
+# every file `dflashkit eval` writes into --out, in any of its modes (local and vLLM reports, --server, --compare)
+REPORT_FILES = ("report.json", "report.md", "acceptance_histogram.png", "per_position_acceptance.png",
+                "tau_per_dataset.png", "speedup_vs_concurrency.png", "serving.json", "serving.md", "compare.md",
+                "tau_compare.png")
 
 
 def _mean(values) -> float:
@@ -212,12 +220,78 @@ def write_report(report: dict, out_dir: str | Path, plots: bool = True) -> Path:
     return out
 
 
+def report_dir_problem(path: Path) -> str | None:
+    """Why the existing, non-empty directory ``path`` may not take a new report without --overwrite: files eval
+    did not write, or an earlier eval's report (a measurement that is not replaced unasked). Never None: only an
+    empty or new directory is written without --overwrite (dflashkit/outputs.py check_output_dir)."""
+    from dflashkit.outputs import describe_foreign, foreign_entries
+
+    foreign = foreign_entries(path, lambda name: name in REPORT_FILES)
+    if foreign:
+        return f"{describe_foreign(foreign)}, which eval does not write"
+    names = foreign_entries(path, lambda name: False)
+    return (f"it already holds {', '.join(names[:4])}{' ...' if len(names) > 4 else ''}: an earlier report, or "
+            "files of yours of those names")
+
+
+# what --compare reads of a report.json: field (keys from the top) -> (JSON types allowed, the name of that kind)
+COMPARED_FIELDS = {("args",): (dict, "an object"), ("block_size",): (int, "an integer"),
+                   ("datasets",): (dict, "an object"), ("overall",): (dict, "an object"),
+                   ("overall", "tau"): ((int, float), "a number")}
+
+
+def _field_name(keys: tuple) -> str:
+    """``overall.tau``; a dataset's name (a path may hold dots) in brackets: ``datasets["p.jsonl"].tau``."""
+    name = keys[0]
+    for key in keys[1:]:
+        name += f".{key}" if key.isidentifier() else f"[{json.dumps(key)}]"
+    return name
+
+
+def _report_field_problem(report: dict, keys: tuple, kinds: tuple) -> str | None:
+    value = report
+    for key in keys:
+        if not isinstance(value, dict) or key not in value:
+            return f"field {_field_name(keys)} is missing"
+        value = value[key]
+    allowed, kind = kinds
+    if isinstance(value, bool) or not isinstance(value, allowed):
+        return f"field {_field_name(keys)} is {json.dumps(value)[:40]}, expected {kind}"
+    return None
+
+
+def check_report(report, file: Path) -> dict:
+    """The fields --compare reads, with their types; a one-line ValueError naming the file and the field."""
+    fix = "give a report directory written by `dflashkit eval --out DIR`, or run that eval again"
+    if not isinstance(report, dict):
+        raise ValueError(f"{file}: holds a JSON {type(report).__name__}, not a report object; {fix}")
+    fields = dict(COMPARED_FIELDS)
+    if isinstance(report.get("datasets"), dict):
+        for name, numbers in report["datasets"].items():
+            fields[("datasets", name)] = (dict, "an object")
+            if isinstance(numbers, dict) and "tau" in numbers:
+                fields[("datasets", name, "tau")] = ((int, float), "a number")
+    for keys, kinds in fields.items():
+        problem = _report_field_problem(report, keys, kinds)
+        if problem:
+            raise ValueError(f"{file}: {problem}; {fix}")
+    return report
+
+
 def read_report(path: str | Path) -> dict:
     path = Path(path)
     file = path / "report.json" if path.is_dir() else path
-    if not file.exists():
+    if not file.is_file():
         raise ValueError(f"{file}: no report.json here; give directories written by `dflashkit eval --out DIR`")
-    return json.loads(file.read_text())
+    try:
+        report = json.loads(file.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{file}: not valid JSON (line {error.lineno}: {error.msg}); give a report directory written "
+                         "by `dflashkit eval --out DIR`, or run that eval again") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{file}: not UTF-8 text, so not a report.json of `dflashkit eval`; give a report "
+                         "directory written by `dflashkit eval --out DIR`") from None
+    return check_report(report, file)
 
 
 def compare_reports(paths: list[str], out_dir: str | Path | None = None) -> str:

@@ -178,6 +178,8 @@ def _extract(target: str, data: list[str], out, *, overwrite: bool = False, laye
 
     replace = check_output_dir(out, what="an extraction", problem=extraction_problem, overwrite=overwrite)
     check_has_records(data, split)  # an empty data file stops here, before the target is loaded
+    if layer_ids:
+        check_target_layer_ids(list(layer_ids))  # order and duplicates now; the range once the target is loaded
 
     target = load_target(target, dtype=torch_dtype, device=device, device_map=device_map,
                          trust_remote_code=trust_remote_code)

@@ -32,7 +32,10 @@ Every field of train/config.py:TrainConfig can be set in the recipe or as key=va
 (``lr=3e-4 loss=dpace epochs=2``); the flags below are shorthands for the common ones.
 
 SIGTERM or SIGINT (a scheduler's preemption, Ctrl-C) writes a checkpoint at the current step and exits 0; the
-same command resumes from it, and `dflashkit export` exports it.
+same command resumes from it, and `dflashkit export` exports it. A loss, gradient norm or weight that becomes NaN
+or Inf stops the run at that step with exit status 1, naming the step and the last finite checkpoint; nothing
+of the diverged run is saved or exported. resume=none into an earlier run's output_dir is refused (overwrite=true
+deletes that run and starts over).
 """
 
 from __future__ import annotations
@@ -75,9 +78,16 @@ def config_from_args(args: argparse.Namespace):
 
 def main(argv: list[str] | None = None) -> int:
     cfg = config_from_args(parse_args(argv))
+    from .run_dir import main_process
+    from .train_step import TrainingDiverged
     from .trainer import train
 
-    train(cfg)  # a user error propagates to dflashkit.cli.run_main: one line, exit 2
+    try:
+        train(cfg)  # a user error propagates to dflashkit.cli.run_main: one line, exit 2
+    except TrainingDiverged as e:  # valid input, failed run: one line (every rank stopped alike), exit 1
+        if main_process():
+            print(f"dflashkit train: error: {e}", file=sys.stderr, flush=True)
+        return 1
     return 0
 
 

@@ -25,6 +25,9 @@ Design choices:
 - Anchors may overlap (blocks of nearby anchors cover the same positions) and a block may run past the end of
   its sequence (a partial tail): the mask only depends on the anchor, so neither needs a special case.
 - A padding block (``anchors[n] == context_start[n]``) sees only its own block: no query row is ever empty.
+- Causal-in-block drafters (``DrafterConfig.causal``): full-attention layers see their whole context and are
+  causal inside the block. That is the sliding rule with a window no sequence reaches (``CAUSAL_WINDOW``), so
+  every backend below builds it through the sliding-window path that its tests already cover.
 - A model with both layer types gets a dict ``{"full_attention": mask, "sliding_attention": mask}``.
 - The "split" backend (train/split_attention.py) attends to the context and to the block separately; its
   mask (``split_block_mask``) is built here, its context part from the same tiles with the block keys left out
@@ -42,6 +45,7 @@ from dflashkit.drafter.modeling_dflash import FLEX_TILE
 from .split_attention import SplitBlockMask
 
 TILE = FLEX_TILE  # flex_attention's tile (BlockMask BLOCK_SIZE) on both axes, the drafter's one constant
+CAUSAL_WINDOW = 1 << 30  # the window of a causal-in-block full-attention layer: longer than any context + block
 
 
 def block_mask_mod(anchors: torch.Tensor, ctx_len: int, block_size: int, sliding_window: int | None = None,
@@ -181,8 +185,9 @@ def split_block_mask(anchors: torch.Tensor, ctx_len: int, block_size: int, slidi
 
 def build_block_masks(anchors: torch.Tensor, ctx_len: int, block_size: int, layer_types: list[str],
                       sliding_window: int | None = None, backend: str = "dense",
-                      context_start: torch.Tensor | None = None):
-    """The ``attention_mask`` argument of the drafter for one packed pass.
+                      context_start: torch.Tensor | None = None, causal: bool = False):
+    """The ``attention_mask`` argument of the drafter for one packed pass; ``causal``: the full-attention layers
+    are causal inside the block (a causal-in-block drafter).
 
     backend: "dense" (bool tensor, any device), "flex" (BlockMask; CUDA) or "split" (a mask that attends
     itself: context through flex_attention, each block densely; train/split_attention.py). Returns one mask
@@ -194,7 +199,8 @@ def build_block_masks(anchors: torch.Tensor, ctx_len: int, block_size: int, laye
     types = set(layer_types) or {"full_attention"}
     masks = {}
     if "full_attention" in types:
-        masks["full_attention"] = build(anchors, ctx_len, block_size, None, context_start)
+        masks["full_attention"] = build(anchors, ctx_len, block_size, CAUSAL_WINDOW if causal else None,
+                                        context_start)
     if "sliding_attention" in types:
         if not sliding_window:
             raise ValueError("layer_types has sliding_attention layers but sliding_window is not set")

@@ -17,7 +17,10 @@ Design choices:
 - Atomicity: files go to ``.tmp-step-XXXXXXXX/`` (fsync'd), ``checkpoint.json`` last, then one rename. A
   directory without a valid ``checkpoint.json``, or whose files do not match it, is never loaded;
   ``--resume auto`` skips it (with a warning naming it) and takes the newest complete one.
-- keep-last-k deletes the oldest complete checkpoints after a new one is in place.
+- keep-last-k deletes the oldest complete checkpoints after a new one is in place: only ones of an earlier step
+  than the one just written, which is always kept (a later step's checkpoint is never this run's older one).
+- A checkpoint altered after it was written (checkpoint.json, trainer.json's fields, the RNG files) is refused
+  in one line naming the file and field (``check_trainer_state``), never a TypeError halfway through a resume.
 - Preemption: ``dflashkit.stopping.StopRequest`` turns SIGTERM / SIGINT into a flag. The trainer reads it at
   the next step boundary (all ranks vote in the step's one collective, so they stop at the same step), writes a
   checkpoint at that step and returns; the command exits 0 saying how to resume. A second signal acts as it
@@ -36,6 +39,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from dflashkit.errors import UserError
 from dflashkit.files import fsync_dir, pause_point, sha256_file
 from dflashkit.outputs import save_safetensors
 
@@ -47,19 +51,32 @@ def checkpoints_root(output_dir: str | os.PathLike) -> Path:
     return Path(output_dir) / "checkpoints"
 
 
+REQUIRED_FILES = ("model.safetensors", "optimizer.safetensors", "trainer.json")  # what every checkpoint lists
+
+
 def verify_checkpoint(path: str | os.PathLike, hashes: bool = True) -> str | None:
     """None when the checkpoint is complete and intact, else the reason it is not."""
     path = Path(path)
+    if not path.is_dir():
+        return "no such directory"
     meta_file = path / "checkpoint.json"
     if not meta_file.is_file():
         return "no checkpoint.json (the write did not finish)"
     try:
         meta = json.loads(meta_file.read_text())
-    except json.JSONDecodeError as e:
-        return f"checkpoint.json is not valid JSON (line {e.lineno})"
-    if meta.get("format") != FORMAT:
-        return f"checkpoint.json format {meta.get('format')!r}, expected {FORMAT!r}"
-    for name, info in meta.get("files", {}).items():
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        return f"checkpoint.json is not valid JSON ({e})"
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+        return f"checkpoint.json format {found!r}, expected {FORMAT!r}"
+    files = meta.get("files")
+    if not isinstance(files, dict) or not set(REQUIRED_FILES) <= set(files):
+        return f"checkpoint.json field files does not list {list(REQUIRED_FILES)}"
+    for name, info in files.items():
+        # names are plain file names of this directory; each entry holds the file's size and sha256
+        if not isinstance(name, str) or "/" in name or name in ("", ".", "..") or not isinstance(info, dict) \
+                or not isinstance(info.get("bytes"), int) or not isinstance(info.get("sha256"), str):
+            return f"checkpoint.json field files[{name!r}] is not {{bytes: int, sha256: str}} for a file here"
         f = path / name
         if not f.is_file():
             return f"{name} is missing"
@@ -68,6 +85,11 @@ def verify_checkpoint(path: str | os.PathLike, hashes: bool = True) -> str | Non
         if hashes and sha256_file(f) != info["sha256"]:
             return f"{name} does not match its sha256 in checkpoint.json (corrupted)"
     return None
+
+
+def checkpoint_step(path: Path) -> int:
+    """The step of a step directory's name (``step-00001200`` -> 1200)."""
+    return int(STEP_DIR.match(path.name).group(1))
 
 
 def list_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
@@ -154,8 +176,10 @@ def full_state(model, optimizer) -> tuple[dict, dict, dict]:
     return weights, opt, {"param_groups": _jsonable(groups)}
 
 
-def load_full_state(model, optimizer, weights: dict, opt: dict, opt_json: dict) -> None:
-    """Put full tensors back into a (possibly sharded) model and optimizer; every rank must call it."""
+def load_full_state(model, optimizer, weights: dict, opt: dict, opt_json: dict,
+                    source: str | os.PathLike = "trainer.json") -> None:
+    """Put full tensors back into a (possibly sharded) model and optimizer; every rank must call it. ``source``
+    (the trainer.json ``opt_json`` was read from) is named when its optimizer groups do not fit."""
     if _is_deepspeed(model):
         from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
@@ -189,14 +213,29 @@ def load_full_state(model, optimizer, weights: dict, opt: dict, opt_json: dict) 
     missing = sorted(k for k in current if k not in weights and not k.startswith("rotary_emb."))
     if missing:
         raise ValueError(f"checkpoint lacks drafter tensors {missing[:5]}: it was written for another drafter")
+    groups = opt_json["param_groups"]
+    check_param_groups(groups, getattr(optimizer, "optimizer", optimizer), source)
     set_model_state_dict(model, full, options=opts)
     state: dict = {}
     for key, value in opt.items():
         name, field = key[len("state."):].rsplit(".", 1)
         state.setdefault(name, {})[field] = value
-    groups = opt_json["param_groups"]
     set_optimizer_state_dict(model, getattr(optimizer, "optimizer", optimizer),
                              {"state": state, "param_groups": groups}, options=opts)
+
+
+def check_param_groups(groups: list, optimizer, source) -> None:
+    """The saved optimizer groups must pair one to one with ``optimizer``'s, each naming as many parameters."""
+    if len(groups) != len(optimizer.param_groups):
+        raise UserError(f"{source}: field optimizer.param_groups has {len(groups)} groups, this run's optimizer has "
+                        f"{len(optimizer.param_groups)}; resume with the optimizer the checkpoint was written with "
+                        f"(optimizer=adamw or muon, as in its config), or start a new run")
+    for k, (saved, group) in enumerate(zip(groups, optimizer.param_groups)):
+        params = saved.get("params")
+        if not isinstance(params, list) or len(params) != len(group["params"]):
+            raise UserError(f"{source}: field optimizer.param_groups[{k}].params does not list this drafter's "
+                            f"{len(group['params'])} parameters; the checkpoint was altered or written for another "
+                            f"drafter: use another checkpoint")
 
 
 def _jsonable(x):
@@ -277,16 +316,59 @@ def save_checkpoint(accelerator, model, optimizer, trainer_state: dict, output_d
             shutil.rmtree(final)
         tmp.rename(final)
         fsync_dir(root)
-        complete = [p for p in list_checkpoints(output_dir) if verify_checkpoint(p, hashes=False) is None]
-        for old in complete[:-keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
+        rotate_checkpoints(output_dir, step, keep_last)
         pause_point(f"checkpoint-{step}-saved")
     accelerator.wait_for_everyone()
     return final
 
 
+def rotate_checkpoints(output_dir: str | os.PathLike, step: int, keep_last: int) -> None:
+    """Keep the checkpoint of ``step`` and the ``keep_last - 1`` newest complete ones before it; delete older ones.
+    A checkpoint of a later step is never deleted: it is not an older one of this run (the run directory's
+    checks refuse a run that would mix with one, train/run_dir.py), and rotation must not guess."""
+    older = [p for p in list_checkpoints(output_dir)
+             if checkpoint_step(p) < step and verify_checkpoint(p, hashes=False) is None]
+    for old in older[:max(0, len(older) - (keep_last - 1))]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
 def read_trainer_state(path: str | os.PathLike) -> dict:
-    return json.loads((Path(path) / "trainer.json").read_text())
+    """trainer.json of a checkpoint; a file that is not a JSON object is refused naming it."""
+    source = Path(path) / "trainer.json"
+    try:
+        state = json.loads(source.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"{source}: not valid JSON ({e}); the checkpoint is damaged: use another checkpoint") from None
+    if not isinstance(state, dict):
+        raise UserError(f"{source}: a {type(state).__name__}, not a JSON object; the checkpoint is damaged: use "
+                        f"another checkpoint")
+    return state
+
+
+# trainer.json fields a resume reads, and what each must be
+RESUME_FIELDS = {"step": "a whole number >= 0", "epoch": "a whole number >= 0",
+                 "epoch_samples_done": "a whole number >= 0", "drafter_config": "an object",
+                 "optimizer": "an object with a list param_groups of objects"}
+
+
+def _field_ok(name: str, value) -> bool:
+    if name == "drafter_config":
+        return isinstance(value, dict)
+    if name == "optimizer":
+        groups = value.get("param_groups") if isinstance(value, dict) else None
+        return isinstance(groups, list) and bool(groups) and all(isinstance(g, dict) for g in groups)
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def check_trainer_state(state: dict, path: str | os.PathLike, fields=tuple(RESUME_FIELDS)) -> dict:
+    """``state`` (trainer.json of checkpoint ``path``) when its ``fields`` are what they must be, else one line
+    naming the file and the field: a checkpoint edited by hand or by another tool is refused before it is used."""
+    for name in fields:
+        if name not in state or not _field_ok(name, state[name]):
+            got = "missing" if name not in state else f"{state[name]!r}"[:60]
+            raise UserError(f"{Path(path) / 'trainer.json'}: field {name} is {got}, expected {RESUME_FIELDS[name]}; "
+                            f"the checkpoint was altered: use another checkpoint (or write it again by training)")
+    return state
 
 
 def read_weights(path: str | os.PathLike) -> dict:
@@ -294,21 +376,31 @@ def read_weights(path: str | os.PathLike) -> dict:
         return {k: f.get_tensor(k) for k in f.keys()}
 
 
-def load_checkpoint(path: str | os.PathLike, accelerator, model, optimizer) -> dict:
-    """Restore weights, optimizer and this rank's RNG; returns trainer.json. Refuses incomplete checkpoints."""
+def nonfinite_tensor(weights: dict) -> str | None:
+    """The name of the first tensor holding NaN or Inf, else None."""
+    return next((name for name, t in weights.items() if t.is_floating_point() and not torch.isfinite(t).all()), None)
+
+
+def load_checkpoint(path: str | os.PathLike, accelerator, model, optimizer, verified: bool = False) -> dict:
+    """Restore weights, optimizer and this rank's RNG; returns trainer.json. Refuses incomplete checkpoints
+    (``verified``: the caller has just verified it, train/run_dir.resume_point)."""
     path = Path(path)
-    problem = verify_checkpoint(path)
+    problem = None if verified else verify_checkpoint(path)
     if problem is not None:
-        raise ValueError(f"checkpoint {path} cannot be loaded: {problem}")
-    state = read_trainer_state(path)
+        raise UserError(f"checkpoint {path} cannot be loaded: {problem}")
+    state = check_trainer_state(read_trainer_state(path), path)
     weights = read_weights(path)
     with safe_open(str(path / "optimizer.safetensors"), framework="pt") as f:
         opt = {k: f.get_tensor(k) for k in f.keys()}
-    load_full_state(model, optimizer, weights, opt, state["optimizer"])
+    load_full_state(model, optimizer, weights, opt, state["optimizer"], source=path / "trainer.json")
     rank = accelerator.process_index
     rng_file = path / f"rng-rank{rank}.safetensors"
     if rng_file.is_file():
         with safe_open(str(rng_file), framework="pt") as f:
             tensors = {k: f.get_tensor(k) for k in f.keys()}
-        set_rng_state(tensors, json.loads((path / f"rng-rank{rank}.json").read_text()))
+        try:
+            set_rng_state(tensors, json.loads((path / f"rng-rank{rank}.json").read_text()))
+        except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as e:
+            raise UserError(f"{path}: rng-rank{rank}.* cannot be read back ({type(e).__name__}: {e}); the checkpoint "
+                            f"was altered: use another checkpoint") from None
     return state

@@ -2,7 +2,10 @@
 
 Design choices:
 - A recipe is a flat YAML mapping whose keys are the fields below (unknown keys are an error that names the
-  key and the recipe file), so a recipe can be read next to this file.
+  key and the recipe file), so a recipe can be read next to this file. Everything in it is checked when it is
+  read, before anything loads: YAML that does not parse (the line), a value of the wrong type (an int field
+  takes 4, not 4.7 or true; floats are finite; lists and mappings are YAML's), and ``drafter:``'s keys and values
+  against DrafterConfig; the message names the recipe file and the field.
 - Overrides on the command line use the same names (``lr=3e-4 loss=dpace``); values are parsed as YAML
   (numbers, booleans, lists ``[1,2]``, ``null``).
 - Training length is set in epochs. ``max_steps`` exists for smoke runs and benchmarks; when it stops a run
@@ -12,6 +15,7 @@ Design choices:
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,6 +26,7 @@ from dflashkit.drafter.config import (
     check_block_size,
     check_num_hidden_layers,
 )
+from dflashkit.errors import UserError
 
 LOSSES = ("ce", "dpace", "kl")
 
@@ -54,6 +59,7 @@ class TrainConfig:
     mask_token_id: int | None = None  # None -> the tokenizer's mask token, else a spare embedding row
     layer_types: list = field(default_factory=list)  # per drafter layer; empty -> all full_attention
     sliding_window: int | None = None  # window of sliding_attention layers
+    causal: bool = False  # every layer causal inside the block (whole context): one drafter for every k served
     drafter: dict = field(default_factory=dict)  # extra DrafterConfig fields, e.g. {intermediate_size: 4096}
     drafter_architecture: str = "dflash"  # "dflash", or "dflash2": in-block convolutions + candidate selector
     # (drafter/modeling_dflash2.py; its sizes are DrafterConfig fields, e.g. drafter: {selector_top_k: 16})
@@ -128,8 +134,10 @@ class TrainConfig:
             raise ValueError(f"target_batch_tokens must be >= 1, got {self.target_batch_tokens}")
         if self.drafter_architecture not in ARCHITECTURES:
             raise ValueError(f"drafter_architecture: {self.drafter_architecture!r}; use one of {sorted(ARCHITECTURES)}")
-        if "architecture" in self.drafter:
-            raise ValueError("drafter: {architecture: ...} is set by drafter_architecture; move it there")
+        check_drafter_fields(self.drafter, self.drafter_architecture)
+        for f in dataclasses.fields(self):
+            if str(f.type) == "float" and not math.isfinite(float(getattr(self, f.name))):
+                raise ValueError(f"{f.name} must be a finite number, got {getattr(self, f.name)}")
         if float(self.selector_loss_weight) < 0:
             raise ValueError(f"selector_loss_weight must be >= 0, got {self.selector_loss_weight}")
         if self.loss not in LOSSES:
@@ -173,6 +181,52 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
 
+# DrafterConfig fields that a recipe's ``drafter:`` mapping does not set, and where they come from instead
+DRAFTER_SET_ELSEWHERE = {
+    "hidden_size": "the target", "num_target_layers": "the target", "vocab_size": "the target",
+    "input_embedding_scale": "the target", "architecture": "drafter_architecture",
+    **{name: name for name in ("num_hidden_layers", "block_size", "target_layer_ids", "mask_token_id", "layer_types",
+                               "sliding_window", "causal")}}
+DRAFTER_POSITIVE_FLOATS = ("rms_norm_eps", "initializer_range")
+
+
+def check_drafter_fields(drafter, architecture: str) -> None:
+    """``drafter:`` (extra DrafterConfig fields) must map DrafterConfig field names, not set elsewhere, to values
+    of their types: ints >= 1 (not 4.7, not true), positive finite floats; DFlash2's fields need dflash2. Refused
+    before anything loads, instead of a TypeError once the target and the data have."""
+    from dflashkit.drafter.config import DFLASH2_FIELDS, DrafterConfig
+
+    if not isinstance(drafter, dict):
+        raise ValueError(f"drafter: {drafter!r} is not a mapping; write e.g. drafter: {{intermediate_size: 4096}}")
+    kinds = {f.name: str(f.type) for f in dataclasses.fields(DrafterConfig)}
+    for key, value in drafter.items():
+        if key in DRAFTER_SET_ELSEWHERE:
+            source = DRAFTER_SET_ELSEWHERE[key]
+            raise ValueError(f"drafter: {{{key}: ...}} is set by the target; drop it" if source == "the target" else
+                             f"drafter: {{{key}: ...}} is set by the field {source}; move it there ({source}: ...)")
+        if key not in kinds:
+            raise ValueError(f"drafter: unknown field {key!r}; the fields are DrafterConfig's in drafter/config.py: "
+                             f"{sorted(k for k in kinds if k not in DRAFTER_SET_ELSEWHERE)}")
+        if key in DFLASH2_FIELDS and architecture != "dflash2":
+            raise ValueError(f"drafter.{key} is a DFlash2 field, unused by drafter_architecture={architecture}; drop "
+                             f"it or set drafter_architecture=dflash2")
+        check_drafter_value(key, value, kinds[key])
+
+
+def check_drafter_value(key: str, value, kind: str) -> None:
+    """One ``drafter:`` value against its DrafterConfig type, by the rules of check_drafter_fields."""
+    whole = isinstance(value, int) and not isinstance(value, bool)
+    if kind == "int" and not (whole and value >= 1):
+        raise ValueError(f"drafter.{key}: {value!r} is not a whole number >= 1")
+    if kind == "float" and not (isinstance(value, (int, float)) and not isinstance(value, bool)
+                                and math.isfinite(value) and (value > 0 or key not in DRAFTER_POSITIVE_FLOATS)):
+        raise ValueError(f"drafter.{key}: {value!r} is not a finite number > 0")
+    if kind == "bool" and not isinstance(value, bool):
+        raise ValueError(f"drafter.{key}: {value!r} is not true or false")
+    if kind in ("str", "dict") and not isinstance(value, str if kind == "str" else dict):
+        raise ValueError(f"drafter.{key}: {value!r} is not a {'string' if kind == 'str' else 'mapping'}")
+
+
 def parse_override(item: str) -> tuple[str, object]:
     import yaml
 
@@ -188,42 +242,102 @@ def parse_override(item: str) -> tuple[str, object]:
     return key, value
 
 
-def load_config(recipe: str | None = None, overrides: list[str] | tuple = (), **kwargs) -> TrainConfig:
-    """Recipe YAML, then ``key=value`` overrides, then keyword arguments (tests)."""
+def read_recipe(recipe: str) -> dict:
+    """A recipe file's fields; a missing file, YAML that does not parse, or anything but a mapping of known
+    fields is refused naming the file (and the line), before anything loads."""
     import yaml
 
+    path = Path(recipe)
+    if not path.is_file():
+        raise FileNotFoundError(f"recipe {recipe}: no such file (see recipes/*.yaml)")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8-sig")) or {}
+    except UnicodeDecodeError as e:
+        raise UserError(f"{recipe}: not UTF-8 text ({e.reason} at byte {e.start}); save the recipe as UTF-8") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+        raise UserError(f"{recipe}: not valid YAML ({where}{getattr(e, 'problem', None) or e}); fix that line (a "
+                        f"recipe is a mapping of TrainConfig fields, `lr: 6e-4`)") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{recipe}: a recipe is a mapping of TrainConfig fields (`lr: 6e-4` per line), not a "
+                        f"{type(data).__name__}")
+    known = {f.name for f in dataclasses.fields(TrainConfig)}
+    unknown = sorted(str(k) for k in data if k not in known)
+    if unknown:
+        raise UserError(f"{recipe}: unknown field(s) {unknown}; the fields are listed in train/config.py")
+    return data
+
+
+def coerce(value, kind: str, name: str):
+    """``value`` as a TrainConfig field of type ``kind`` (YAML reads 6e-4 as a string; an int field takes 4 but
+    not 4.7 or true); ValueError naming the field when it is not one."""
+    if kind == "str" and isinstance(value, bool):  # YAML 1.1 reads an unquoted no / yes as a boolean
+        return "no" if value is False else "yes"
+    if kind == "str":
+        if isinstance(value, (list, dict)):
+            raise ValueError(f"{name}: {value!r} is not a string")
+        return str(value)  # a run_name of 2024 is YAML's number
+    if kind == "bool":
+        if isinstance(value, bool) or value in (0, 1):
+            return bool(value)
+        raise ValueError(f"{name}: {value!r} is not a boolean; use true or false")
+    if kind in ("list", "dict"):
+        if kind == "list" and isinstance(value, tuple):
+            return list(value)
+        if name == "data" and isinstance(value, str) or isinstance(value, list if kind == "list" else dict):
+            return value
+        example = "[1, 9, 17]" if kind == "list" else "{key: value}"
+        raise ValueError(f"{name}: {value!r} is not a {kind}; write it as YAML, e.g. {name}={example}")
+    noun = "a float" if kind == "float" else "an int"
+    if kind in ("int", "int | None", "float") and isinstance(value, bool):
+        raise ValueError(f"{name}: {value!r} is not {noun}")
+    try:
+        if kind == "float":
+            number = float(value)
+            if not math.isfinite(number):
+                raise ValueError(f"{name}: {value!r} is not a finite number")
+            return number
+        if kind in ("int", "int | None"):
+            number = float(value) if isinstance(value, (float, str)) else value
+            if isinstance(number, float) and not number.is_integer():
+                raise ValueError(f"{name}: {value!r} is not a whole number")
+            return int(number)
+    except (TypeError, OverflowError):
+        raise ValueError(f"{name}: {value!r} is not {noun}") from None
+    except ValueError as e:
+        if str(e).startswith(f"{name}: "):
+            raise
+        raise ValueError(f"{name}: {value!r} is not {noun}") from None
+    return value
+
+
+def load_config(recipe: str | None = None, overrides: list[str] | tuple = (), **kwargs) -> TrainConfig:
+    """Recipe YAML, then ``key=value`` overrides, then keyword arguments (tests). A bad value read from the
+    recipe is refused naming the recipe file too."""
     values: dict = {}
+    origin: dict = {}  # field -> the recipe file it was read from (named in errors)
     known = {f.name for f in dataclasses.fields(TrainConfig)}
     if recipe:
-        path = Path(recipe)
-        if not path.is_file():
-            raise FileNotFoundError(f"recipe {recipe}: no such file (see recipes/*.yaml)")
-        data = yaml.safe_load(path.read_text()) or {}
-        if not isinstance(data, dict):
-            raise ValueError(f"{recipe}: a recipe is a mapping of TrainConfig fields")
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"{recipe}: unknown field(s) {unknown}; the fields are listed in train/config.py")
-        values.update(data)
+        values.update(read_recipe(recipe))
+        origin = dict.fromkeys(values, recipe)
     for item in overrides:
         key, value = parse_override(item)
         if key not in known:
             raise ValueError(f"override {item!r}: unknown field {key!r}; the fields are listed in train/config.py")
         values[key] = value
+        origin.pop(key, None)
     values.update(kwargs)
-    # YAML reads 6e-4 as a string; coerce scalar fields to their declared types
+    for key in kwargs:
+        origin.pop(key, None)
     for f in dataclasses.fields(TrainConfig):
-        v = values.get(f.name)
-        if v is None or f.name not in values:
+        if values.get(f.name) is None:
             continue
-        kind = str(f.type)
+        prefix = f"{origin[f.name]}: " if f.name in origin else ""
         try:
-            if kind == "str" and isinstance(v, bool):  # YAML 1.1 reads an unquoted no / yes as a boolean
-                values[f.name] = "no" if v is False else "yes"
-            elif kind == "float":
-                values[f.name] = float(v)
-            elif kind == "int":
-                values[f.name] = int(v)
-        except (TypeError, ValueError):
-            raise ValueError(f"{f.name}: {v!r} is not a {kind}") from None
+            values[f.name] = coerce(values[f.name], str(f.type), f.name)
+            if f.name == "drafter":
+                check_drafter_fields(values["drafter"], values.get("drafter_architecture", "dflash"))
+        except ValueError as e:
+            raise UserError(f"{prefix}{e}") from None
     return TrainConfig(**values)

@@ -50,12 +50,13 @@ def compile_layers(model, dynamic: bool | None = True) -> None:
 
 
 def draft_hidden(model, head, batch: PackedBlocks, *, block_size: int, layer_types: list[str],
-                 sliding_window: int | None, backend: str = "dense", selector_targets: dict | None = None):
+                 sliding_window: int | None, backend: str = "dense", selector_targets: dict | None = None,
+                 causal: bool = False):
     """The drafter's final hidden states at draft positions 1..B-1 of every block: [N, B-1, H]; with
     ``selector_targets`` (DFlash2) also the selector's (scores, candidate_ids) from the same forward."""
     n = batch.anchors.numel()
     mask = build_block_masks(batch.anchors, batch.ctx_len, block_size, layer_types, sliding_window, backend,
-                             context_start=batch.context_start)
+                             context_start=batch.context_start, causal=causal)
     noise = head.embed(batch.block_ids)
     extra = {} if selector_targets is None else {"selector_targets": selector_targets}
     hidden = model(position_ids=batch.position_ids, attention_mask=mask, noise_embedding=noise,
@@ -87,10 +88,12 @@ def target_argmax_labels(head, batch: PackedBlocks, chunk_tokens: int = 2048) ->
 def forward_blocks(model, head, batch: PackedBlocks, *, block_size: int, layer_types: list[str],
                    sliding_window: int | None, backend: str = "dense", variant: str = "ce", gamma: float = 7.0,
                    dpace_alpha: float = 0.5, kl_weight: float = 0.5, chunk_tokens: int = 2048,
-                   fused_loss: bool = False, labels: str = "data", selector: bool = True) -> BlockLossOutput:
+                   fused_loss: bool = False, labels: str = "data", selector: bool = True,
+                   causal: bool = False) -> BlockLossOutput:
     """The un-normalised block loss (and metrics) of one packed micro-batch (fused_loss: train/loss.py);
     ``labels="target_argmax"``: against the target's greedy tokens (``target_argmax_labels``), not the data's;
-    ``selector=False``: a DFlash2 drafter's selector term is not computed (``out.selector`` is None)."""
+    ``selector=False``: a DFlash2 drafter's selector term is not computed (``out.selector`` is None);
+    ``causal``: a causal-in-block drafter's mask (train/block_mask.py)."""
     targets = target_argmax_labels(head, batch, chunk_tokens) if labels == "target_argmax" else batch.labels
     # DFlash2: + the selector term
     dflash2 = selector and hasattr(getattr(model, "module", model), "candidate_selector")
@@ -98,7 +101,7 @@ def forward_blocks(model, head, batch: PackedBlocks, *, block_size: int, layer_t
                                         lm_head_bias=None if head.lm_head.bias is None else head.lm_head.bias.detach(),
                                         predecessor_ids=predecessor_ids(batch.block_ids, targets))
     hidden = draft_hidden(model, head, batch, block_size=block_size, layer_types=layer_types,
-                          sliding_window=sliding_window, backend=backend, selector_targets=sel)
+                          sliding_window=sliding_window, backend=backend, selector_targets=sel, causal=causal)
     if dflash2:
         hidden, (scores, candidates) = hidden
     teacher = None

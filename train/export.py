@@ -9,7 +9,8 @@
 The checkpoint's fp32 master weights and its DrafterConfig (trainer.json) are loaded into a fresh drafter and
 written with ``dflashkit.drafter.save_drafter`` in bfloat16 (the published drafters' dtype; a float32 config
 would make SGLang and vLLM serve the drafter in float16), with the config's ``dtype`` set to the weights';
-an incomplete or corrupted checkpoint is refused. vLLM 0.24's rules (drafter/engines.py VLLM_024_RULES): a tap
+an incomplete, corrupted or altered checkpoint (trainer.json checked field by field) and one holding NaN or Inf
+weights are refused. vLLM 0.24's rules (drafter/engines.py VLLM_024_RULES): a tap
 of the last target layer or sliding-window drafter layers are warned about, or refused with ``--for vllm``; the
 printed serve command sets num_speculative_tokens = block_size - 1.
 """
@@ -23,7 +24,16 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import latest_checkpoint, read_trainer_state, read_weights, verify_checkpoint
+from dflashkit.errors import UserError
+
+from .checkpoint import (
+    check_trainer_state,
+    latest_checkpoint,
+    nonfinite_tensor,
+    read_trainer_state,
+    read_weights,
+    verify_checkpoint,
+)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -48,10 +58,14 @@ def load_checkpoint_drafter(path: str | os.PathLike, dtype: torch.dtype = torch.
     problem = verify_checkpoint(path)
     if problem is not None:
         raise ValueError(f"checkpoint {path} cannot be exported: {problem}")
-    state = read_trainer_state(path)
+    state = check_trainer_state(read_trainer_state(path), path, fields=("drafter_config",))
     dcfg = DrafterConfig.from_json_dict(state["drafter_config"], source=f"{path}/trainer.json")
     model = build_drafter(dcfg)
     weights = read_weights(path)
+    bad = nonfinite_tensor(weights)
+    if bad is not None:  # training stops before writing such a checkpoint; this one was written otherwise
+        raise UserError(f"{path}/model.safetensors: tensor {bad} holds NaN or Inf; a diverged drafter is never "
+                        f"exported: export an earlier checkpoint")
     expected = {k for k in model.state_dict() if not k.startswith("rotary_emb.")}
     if set(weights) != expected:
         raise ValueError(f"{path}/model.safetensors: tensors {sorted(set(weights) ^ expected)[:6]} do not match the "

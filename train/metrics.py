@@ -3,6 +3,8 @@ line, then divided into the logged metrics (names as docs/ARCHITECTURE.md define
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .loss import BlockLossOutput
@@ -59,3 +61,9 @@ class MetricSums:
                         f"{prefix}/selector_recall": sel_in / sel_counted,
                         f"{prefix}/selector_acc": sel_correct / sel_counted})
         return out
+
+
+def json_safe(row: dict) -> dict:
+    """``row`` with NaN and Inf written as null: metrics.jsonl and summary.json are strict JSON (a bare NaN is not
+    JSON, and strict parsers reject the file); a metric with nothing to count, or a diverged step's loss, is null."""
+    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}

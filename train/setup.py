@@ -11,7 +11,10 @@ Design choices:
 - The learning rate is a pure function of the step (``lr_at``: linear warmup, then cosine or linear decay to
   ``min_lr_ratio``): resuming needs only the step number.
 - Every check that can refuse the run (shards, manifest against drafter and target, loss against the data)
-  runs here, before the first step.
+  runs here, before the first step; what can be checked before the target and the data load (the run
+  directory, the checkpoint to resume, the init_from drafter) is checked before setup (train/run_dir.py).
+- A resumed checkpoint must fit the run: its drafter's shape-defining fields, optimizer groups and position
+  within this run's epochs; else one line names the field.
 - ``max_steps`` shorter than the epochs is announced at start (and recorded in summary.json).
 - A DFlash2 drafter trained with ``selector_loss_weight=0`` keeps its selector as initialised: those
   parameters are frozen before the backend wraps the drafter, so no pass computes the selector's scores and
@@ -27,10 +30,18 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import latest_checkpoint, load_checkpoint
+from dflashkit.errors import UserError
+
+from .checkpoint import load_checkpoint
 from .config import TrainConfig
 from .data import epoch_order, pack_order, split_indices, steps_per_epoch
 from .drafter_pass import compile_layers, mask_backend
+from .run_dir import ResumePoint, Start
+
+# drafter fields (config.json names) a resumed checkpoint must share with the run's drafter
+RESUME_DRAFTER_FIELDS = ("architectures", "hidden_size", "intermediate_size", "num_hidden_layers",
+                         "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size", "block_size",
+                         "target_layer_ids", "mask_token_id", "layer_types", "sliding_window", "is_causal")
 
 
 def lr_at(step: int, total_steps: int, warmup_steps: int, min_lr_ratio: float, schedule: str = "cosine") -> float:
@@ -54,25 +65,19 @@ def resolve_mask_token(cfg: TrainConfig, head) -> int:
     return resolve_mask_token_id(tokenizer, head.config, cfg.mask_token_id)
 
 
-def build_model(cfg: TrainConfig, manifest: dict, head):
-    """A new drafter sized for the target, or the one in ``init_from``; returns (model, DrafterConfig)."""
-    from dflashkit.drafter import DrafterConfig, build_drafter, load_drafter
+def build_model(cfg: TrainConfig, manifest: dict, head, init_model=None):
+    """A new drafter sized for the target, or ``init_model``: the ``init_from`` drafter, loaded and checked against
+    ``cfg`` before the target (train/run_dir.py); returns (model, DrafterConfig)."""
+    from dflashkit.drafter import DrafterConfig, build_drafter
 
-    if cfg.init_from:
-        model = load_drafter(cfg.init_from)
-        if cfg.mask_token_id is not None and model.dflash.mask_token_id != cfg.mask_token_id:
-            raise ValueError(f"mask_token_id={cfg.mask_token_id} but the drafter in {cfg.init_from} was trained with "
-                             f"{model.dflash.mask_token_id}; drop mask_token_id to keep the drafter's")
-        if model.dflash.architecture != cfg.drafter_architecture:
-            raise ValueError(f"drafter_architecture={cfg.drafter_architecture} but the drafter in {cfg.init_from} is "
-                             f"{model.dflash.architecture}; set drafter_architecture={model.dflash.architecture}")
-        return model.train(), model.dflash
+    if init_model is not None:
+        return init_model.train(), init_model.dflash
     dcfg = DrafterConfig.for_target(
         head.config, num_hidden_layers=cfg.num_hidden_layers, block_size=cfg.block_size,
         target_layer_ids=list(cfg.target_layer_ids or manifest.get("target_layer_ids") or []),
         mask_token_id=resolve_mask_token(cfg, head), layer_types=list(cfg.layer_types),
         sliding_window=cfg.sliding_window, input_embedding_scale=float(head.embedding_scale),
-        architecture=cfg.drafter_architecture, **cfg.drafter)
+        causal=cfg.causal, architecture=cfg.drafter_architecture, **cfg.drafter)
     return build_drafter(dcfg).train(), dcfg
 
 
@@ -146,30 +151,6 @@ def param_groups(model, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-RUN_FILES = ("checkpoints", "export", "metrics.jsonl", "summary.json", "token-cache", "tb", "wandb", "wandb-run-id")
-
-
-def check_output_paths(cfg: TrainConfig) -> Path:
-    """Refuse, before any work, an output_dir that holds files of something else and an export_dir that is not a
-    drafter export (unless ``overwrite``); a file at either path always. Returns the export directory."""
-    from dflashkit.drafter.export import export_dir_problem
-    from dflashkit.outputs import check_output_dir, describe_foreign, foreign_entries
-
-    out_dir = Path(cfg.output_dir)
-    export_dir = Path(cfg.export_dir or out_dir / "export")
-    owned = {*RUN_FILES, export_dir.name} if export_dir.parent == out_dir else set(RUN_FILES)
-
-    def run_dir_problem(path: Path) -> str | None:
-        foreign = foreign_entries(path, lambda name: name in owned)
-        return describe_foreign(foreign) if foreign else None
-
-    check_output_dir(out_dir, what="a training run directory", problem=run_dir_problem, overwrite=cfg.overwrite,
-                     flag="overwrite=true", forcing="write into it anyway")
-    check_output_dir(export_dir, what="a drafter directory", problem=export_dir_problem, overwrite=cfg.overwrite,
-                     flag="overwrite=true")
-    return export_dir
-
-
 @dataclass
 class TrainRun:
     """Everything the loop needs, built by ``setup``; ``step``, ``epoch`` and ``done`` are its position."""
@@ -191,6 +172,9 @@ class TrainRun:
     use_last_hidden: bool  # the samples carry the target's final hidden states (kl loss, target_argmax labels)
     online: bool  # features come from the target in the loop
     resumed_from: Path | None = None  # the checkpoint the run resumed from
+    last_saved: Path | None = None  # the run's newest checkpoint on disk (resumed from or written): finite
+    saved_step: int = -1  # the step of last_saved
+    nonfinite: torch.Tensor | None = None  # the last step's NaN/Inf flags, read by the next collective (train_step)
     step: int = 0  # optimizer steps taken
     epoch: int = 0  # current epoch
     done: int = 0  # micro-batches of the current epoch consumed (all ranks)
@@ -219,8 +203,9 @@ def build_optimizer(cfg: TrainConfig, model, backend_name: str) -> torch.optim.O
                              eps=cfg.adam_eps)
 
 
-def setup(cfg: TrainConfig) -> TrainRun:
-    """Build the run ``cfg`` describes, resumed where its checkpoint says (``resume``)."""
+def setup(cfg: TrainConfig, start: Start) -> TrainRun:
+    """Build the run ``cfg`` describes from ``start`` (train/run_dir.start_of_run: the checkpoint it resumes and
+    the init_from drafter, both already checked)."""
     from accelerate.utils import set_seed
 
     from dflashkit.extract.shards.manifest import check_manifest_matches
@@ -252,7 +237,7 @@ def setup(cfg: TrainConfig) -> TrainRun:
         head_spec = cfg.target or manifest["target"]["path"]
         head = load_target_head(head_spec, dtype=compute_dtype, device=accelerator.device)
     set_seed(cfg.seed)  # the drafter's initial weights depend on the seed alone, whatever loading consumed
-    model, dcfg = build_model(cfg, manifest, head)
+    model, dcfg = build_model(cfg, manifest, head, start.init_model)
     use_last_hidden = cfg.loss == "kl" or cfg.labels == "target_argmax"  # the target's final hidden states
     if online:
         check_drafter_matches_target(dcfg, target)
@@ -303,6 +288,7 @@ def setup(cfg: TrainConfig) -> TrainRun:
     backend = mask_backend(cfg.attention, accelerator.device)
     say(f"attention mask: {backend}{' (compiled drafter layers)' if cfg.compile else ''}")
     pass_options = dict(block_size=dcfg.block_size, layer_types=dcfg.layer_types, sliding_window=dcfg.sliding_window,
+                        causal=dcfg.causal,
                         backend=backend, chunk_tokens=cfg.loss_chunk_tokens, selector=selector,
                         fused_loss=cfg.compile and accelerator.device.type == "cuda")  # compiled logit kernels
     run = TrainRun(cfg=cfg, accelerator=accelerator, dataset=dataset, head=head, model=model, dcfg=dcfg,
@@ -311,14 +297,29 @@ def setup(cfg: TrainConfig) -> TrainRun:
                    use_last_hidden=use_last_hidden, online=online)
 
     # --- resume -------------------------------------------------------------------------------------------
-    ckpt = None
-    if cfg.resume == "auto":
-        ckpt = latest_checkpoint(Path(cfg.output_dir), warn=say)
-    elif cfg.resume not in ("none", ""):
-        ckpt = Path(cfg.resume)
-    if ckpt is not None:
-        state = load_checkpoint(ckpt, accelerator, model, optimizer)
-        run.step, run.epoch, run.done = state["step"], state["epoch"], state["epoch_samples_done"]
-        run.resumed_from = ckpt
-        say(f"resumed from {ckpt} (step {run.step}, epoch {run.epoch}, {run.done} micro-batches into the epoch)")
+    if start.resume is not None:
+        resume(run, start.resume)
     return run
+
+
+def resume(run: TrainRun, point: ResumePoint) -> None:
+    """Load ``point`` into the run (weights, optimizer, RNG) and take its position; refuse a checkpoint whose
+    drafter differs from this run's or whose position is outside this run's epochs."""
+    cfg, source = run.cfg, point.path / "trainer.json"
+    saved, current = point.state["drafter_config"], run.dcfg.to_json_dict()
+    differ = [f"{k} {saved[k]} (this run: {current[k]})" for k in RESUME_DRAFTER_FIELDS
+              if k in saved and k in current and saved[k] != current[k]]
+    if differ:
+        raise UserError(f"{source}: the checkpoint's drafter has {', '.join(differ)}; resume with the settings it "
+                        f"was written with, or start a new run in another output_dir")
+    epoch, done = point.state["epoch"], point.state["epoch_samples_done"]
+    if epoch < cfg.epochs and done >= len(run.packs[epoch]):
+        raise UserError(f"{source}: field epoch_samples_done is {done}, but epoch {epoch} of this run has "
+                        f"{len(run.packs[epoch])} micro-batches; resume with the data and settings the checkpoint "
+                        f"was written with, or use another checkpoint")
+    load_checkpoint(point.path, run.accelerator, run.model, run.optimizer, verified=True)
+    run.step, run.epoch, run.done = point.state["step"], epoch, done
+    run.resumed_from = run.last_saved = point.path
+    run.saved_step = run.step
+    run.accelerator.print(f"resumed from {point.path} (step {run.step}, epoch {run.epoch}, {run.done} micro-batches "
+                          f"into the epoch)")

@@ -2,7 +2,8 @@
 
 Design choices:
 - Only the main process logs. ``metrics.jsonl`` in the output dir is the record every other view is built from
-  (tests compare loss trajectories with it; RESULTS tables are read from it).
+  (tests compare loss trajectories with it; RESULTS tables are read from it). It is strict JSON: a NaN or Inf
+  metric (nothing to count, or the step a run diverged at) is written as null.
 - wandb and tensorboard are imported lazily; wandb runs in offline mode when no ``WANDB_API_KEY`` is set (the
   run can be synced later with ``wandb sync``). A missing wandb package is a warning, not an error (a run of
   days should not die for a dashboard; metrics.jsonl has everything); a missing tensorboard is an error.
@@ -13,6 +14,8 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+
+from .metrics import json_safe
 
 
 class Tracker:
@@ -62,7 +65,7 @@ class Tracker:
         if not self.enabled:
             return
         row = {"step": int(step), **{k: (float(v) if isinstance(v, (int, float)) else v) for k, v in metrics.items()}}
-        self.file.write(json.dumps(row) + "\n")
+        self.file.write(json.dumps(json_safe(row), allow_nan=False) + "\n")
         self.file.flush()
         if self.wandb_run is not None:
             self.wandb_run.log(metrics, step=int(step))

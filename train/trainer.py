@@ -13,9 +13,16 @@ Reads in three parts, as the modules it calls:
 Design choices:
 - ``max_steps`` shorter than the epochs is announced at start and recorded in summary.json.
 - One run per ``output_dir``: it must be empty, a training run's, or ``overwrite=true``, and is locked while the
-  run lives (ranks of one launch share the lock; dflashkit/outputs.py); ``export_dir`` is checked at start.
+  run lives (ranks of one launch share the lock; dflashkit/outputs.py); ``export_dir`` is checked at start; a
+  new run (``resume=none``) never shares a directory with an earlier one, and the checkpoint to resume is found
+  and checked before the target loads (train/run_dir.py).
 - SIGTERM / SIGINT (dflashkit/stopping.StopRequest): the ranks vote in the step's one collective, stop at the
   same step boundary, write a checkpoint there and return ``preempted`` (the command exits 0).
+- Divergence: a NaN or Inf loss or gradient norm rides in the next step's collective (train/train_step.py), and
+  before every eval, checkpoint and the export the last step and the weights are checked (``settle``); either
+  stops every rank with ``TrainingDiverged`` naming the step and the last finite checkpoint (the command exits
+  1). No non-finite checkpoint or export is written, so an earlier export stays as it was.
+- metrics.jsonl and summary.json are strict JSON: a NaN or Inf value is written as null.
 """
 
 from __future__ import annotations
@@ -32,41 +39,64 @@ from .checkpoint import save_checkpoint
 from .config import TrainConfig
 from .data import BlockSource, block_loader, rank_slots
 from .evaluate import evaluate
-from .metrics import MetricSums
-from .setup import TrainRun, check_output_paths, setup
+from .metrics import MetricSums, json_safe
+from .run_dir import Start, check_output_paths, start_of_run
+from .setup import TrainRun, setup
 from .tracking import Tracker
-from .train_step import train_step
+from .train_step import TrainingDiverged, check_finite, train_step
 
 
 def train(cfg: TrainConfig) -> dict:
-    """Train as ``cfg`` says (the module docstring), holding the lock on ``cfg.output_dir`` throughout."""
+    """Train as ``cfg`` says (the module docstring), holding the lock on ``cfg.output_dir`` throughout. Raises
+    ``TrainingDiverged`` when a loss, gradient norm or weight becomes NaN or Inf."""
     from dflashkit.outputs import OutputLock
 
-    check_output_paths(cfg)
+    check_output_paths(cfg)  # before any work: the run directory, the export directory, init_from
     with OutputLock(cfg.output_dir, "train"):
-        return _train(cfg)
+        return _train(cfg, start_of_run(cfg))  # the checkpoint to resume and the init_from drafter, checked
 
 
-def _train(cfg: TrainConfig) -> dict:
+def _train(cfg: TrainConfig, start: Start) -> dict:
     # --- setup: data, target head, drafter, optimizer, schedule, resume (train/setup.py) -----------------
-    run = setup(cfg)
-    accelerator = run.accelerator
-    out_dir = Path(cfg.output_dir)
-    tracker = Tracker(out_dir, cfg.to_dict(), enabled=accelerator.is_main_process, wandb=cfg.wandb,
-                      wandb_project=cfg.wandb_project, run_name=cfg.run_name, tensorboard=cfg.tensorboard,
-                      resume_step=run.step)
+    run = setup(cfg, start)
+    tracker = Tracker(Path(cfg.output_dir), cfg.to_dict(), enabled=run.accelerator.is_main_process,
+                      wandb=cfg.wandb, wandb_project=cfg.wandb_project, run_name=cfg.run_name,
+                      tensorboard=cfg.tensorboard, resume_step=run.step)
+    bar = progress_bar(run)
+    try:
+        # --- the loop: one train_step per optimizer step (train/train_step.py) ---------------------------
+        with StopRequest() as stop:  # SIGTERM / SIGINT: checkpoint at the next step boundary, then exit
+            train_loop(run, tracker, bar, stop)
+        bar.close()
+        # --- eval and save: preempted, the checkpoint alone; else the final eval, checkpoint and export --
+        settle(run)  # the last step's NaN/Inf flags, before its eval, checkpoint or export
+        if stop.agreed:
+            summary = preempted(run, stop)
+        else:
+            last_eval = held_out_eval(run)
+            tracker.log(last_eval, run.step)
+            summary = export_and_summarise(run, save_final(run), last_eval)
+    finally:
+        bar.close()
+        tracker.close()  # metrics.jsonl keeps the rows up to a divergence
+    run.accelerator.wait_for_everyone()
+    return summary
+
+
+def progress_bar(run: TrainRun):
     from tqdm.auto import tqdm
 
-    bar = tqdm(total=run.total_steps, initial=run.step,
-               disable=not (accelerator.is_main_process and cfg.progress), dynamic_ncols=True)
+    return tqdm(total=run.total_steps, initial=run.step, dynamic_ncols=True,
+                disable=not (run.accelerator.is_main_process and run.cfg.progress))
 
-    # --- the loop: one train_step per optimizer step (train/train_step.py) -------------------------------
+
+def train_loop(run: TrainRun, tracker: Tracker, bar, stop: StopRequest) -> None:
+    """Optimizer steps until the run's last step or a stop agreed by the ranks; logs, evaluates, checkpoints."""
+    cfg, accelerator = run.cfg, run.accelerator
     world, G = accelerator.num_processes, cfg.grad_accum
     run.model.train()
     sums, t0 = MetricSums(run.dcfg.block_size - 1, accelerator.device), time.perf_counter()
     last_eval: dict = {}
-    saved_at = run.step if run.resumed_from is not None else -1  # the step whose checkpoint is on disk
-    stop = StopRequest().__enter__()  # SIGTERM / SIGINT: checkpoint at the next step boundary, then exit
     while run.step < run.total_steps and run.epoch < cfg.epochs and not stop.agreed:
         batches, steps_left = epoch_batches(run)
         for _ in range(steps_left):
@@ -75,10 +105,14 @@ def _train(cfg: TrainConfig) -> dict:
             micro = [next(batches).to(accelerator.device, non_blocking=True) for _ in range(G)]
             factor = run.lr_factor()
             result = train_step(run.model, run.optimizer, accelerator, run.head, micro, cfg=cfg, lr_factor=factor,
-                                stop_requested=stop.requested, sums=sums, pass_options=run.pass_options)
+                                stop_requested=stop.requested, sums=sums, pass_options=run.pass_options,
+                                nonfinite=run.nonfinite)
+            if result.diverged:  # the previous step's, seen by every rank in this step's collective
+                raise diverged(run, result.diverged)
             if result.stopped:
                 stop.agreed = True
                 break
+            run.nonfinite = result.nonfinite
             run.step += 1
             run.done += world * G
             bar.update(1)
@@ -91,33 +125,51 @@ def _train(cfg: TrainConfig) -> dict:
                                 tok_s=f"{metrics['tokens_per_s']:.0f}")
                 sums, t0 = MetricSums(run.dcfg.block_size - 1, accelerator.device), time.perf_counter()
             if cfg.eval_every and run.step % cfg.eval_every == 0 and run.step < run.total_steps:
+                settle(run)
                 last_eval = held_out_eval(run)
                 tracker.log(last_eval, run.step)
             if run.done >= len(run.packs[run.epoch]):
                 run.epoch, run.done = run.epoch + 1, 0
             if cfg.save_every and run.step % cfg.save_every == 0:
-                save_checkpoint(accelerator, run.model, run.optimizer, run.trainer_state(), out_dir, cfg.keep_last)
-                saved_at = run.step
+                save(run)
             pause_point(f"step-{run.step}-done", until=lambda: stop.requested)  # test hook; returns on a stop
-    bar.close()
-    stop.__exit__()
 
-    # --- eval and save: preempted, the checkpoint alone; else the final eval, checkpoint and export ------
-    if stop.agreed:  # preempted: keep the step, leave the run unfinished
-        final = save_final(run, saved_at)
-        if accelerator.is_main_process:
-            print(f"dflashkit train: stopped by {stop.signal_name or 'a signal on another rank'} at step {run.step} "
-                  f"of {run.total_steps}; checkpoint {final} written. Resume with the same command (resume=auto, "
-                  f"the default); `dflashkit export {final} DIR` exports it as it is.", file=sys.stderr, flush=True)
-        tracker.close()
-        accelerator.wait_for_everyone()
-        return {"step": run.step, "planned_steps": run.planned, "preempted": True, "checkpoint": str(final)}
-    last_eval = held_out_eval(run)
-    tracker.log(last_eval, run.step)
-    summary = export_and_summarise(run, save_final(run, saved_at), last_eval)
-    tracker.close()
-    accelerator.wait_for_everyone()
-    return summary
+
+def settle(run: TrainRun) -> None:
+    """Raise ``TrainingDiverged`` (on every rank alike) when the last step's loss or gradient norm, or the weights,
+    are NaN or Inf: called before anything is evaluated or saved."""
+    what = check_finite(run.model, run.accelerator, run.nonfinite)
+    if what:
+        raise diverged(run, what)
+
+
+def diverged(run: TrainRun, what: str) -> TrainingDiverged:
+    """The one-line account of a divergence at the run's current step: what, where, the last good checkpoint."""
+    last = (f"resume=auto (the default) continues from the last finite checkpoint, {run.last_saved} (step "
+            f"{run.saved_step})" if run.last_saved is not None else
+            "no checkpoint was written before it, so the run starts over")
+    return TrainingDiverged(f"training diverged: {what} became NaN or Inf at step {run.step}; the run stopped there "
+                            f"and wrote no checkpoint or export of it. Lower lr (now {run.cfg.lr:g}) or raise "
+                            f"warmup_ratio and run again: {last}")
+
+
+def save(run: TrainRun) -> Path:
+    """The checkpoint of the run's current step, once its weights are known to be finite."""
+    settle(run)
+    run.last_saved = save_checkpoint(run.accelerator, run.model, run.optimizer, run.trainer_state(),
+                                     Path(run.cfg.output_dir), run.cfg.keep_last)
+    run.saved_step = run.step
+    return run.last_saved
+
+
+def preempted(run: TrainRun, stop: StopRequest) -> dict:
+    """A stop agreed by the ranks: the checkpoint of the current step (the run stays unfinished)."""
+    final = save_final(run)
+    if run.accelerator.is_main_process:
+        print(f"dflashkit train: stopped by {stop.signal_name or 'a signal on another rank'} at step {run.step} "
+              f"of {run.total_steps}; checkpoint {final} written. Resume with the same command (resume=auto, "
+              f"the default); `dflashkit export {final} DIR` exports it as it is.", file=sys.stderr, flush=True)
+    return {"step": run.step, "planned_steps": run.planned, "preempted": True, "checkpoint": str(final)}
 
 
 def epoch_batches(run: TrainRun):
@@ -157,13 +209,9 @@ def held_out_eval(run: TrainRun) -> dict:
                     accelerator=run.accelerator, **run.pass_options)
 
 
-def save_final(run: TrainRun, saved_at: int) -> Path:
-    """The checkpoint of the run's current step: written unless it is already on disk (``saved_at``)."""
-    out_dir = Path(run.cfg.output_dir)
-    if saved_at == run.step:
-        return out_dir / "checkpoints" / f"step-{run.step:08d}"
-    return save_checkpoint(run.accelerator, run.model, run.optimizer, run.trainer_state(), out_dir,
-                           run.cfg.keep_last)
+def save_final(run: TrainRun) -> Path:
+    """The checkpoint of the run's current step: written unless it is already on disk."""
+    return run.last_saved if run.saved_step == run.step else save(run)
 
 
 def export_and_summarise(run: TrainRun, final: Path, last_eval: dict) -> dict:
@@ -178,6 +226,7 @@ def export_and_summarise(run: TrainRun, final: Path, last_eval: dict) -> dict:
     summary = {"step": run.step, "planned_steps": run.planned, "stopped_by_max_steps": run.total_steps < run.planned,
                "epochs_completed": run.epoch, "checkpoint": str(final), "export_dir": str(export_dir), **last_eval}
     if accelerator.is_main_process:
-        (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-        accelerator.print(json.dumps(summary))
+        strict = json.dumps(json_safe(summary), indent=1, allow_nan=False)  # NaN and Inf as null
+        (out_dir / "summary.json").write_text(strict)
+        accelerator.print(json.dumps(json.loads(strict)))
     return summary

@@ -5,6 +5,8 @@ Design choices:
   records too. Extraction and regeneration order, split across ranks and resume by this index.
 - A record that cannot be read (a malformed JSON line, bytes that are not UTF-8) is still yielded, as a
   ``SourceItem`` with ``bad=(reason, detail)`` and its place ("file:line"), so the caller counts or fails on it.
+- A UTF-8 byte order mark at the start of a .jsonl / .jsonl.gz / .json file (as Windows editors write) is not
+  part of the first record: it is dropped, as ``utf-8-sig`` would.
 - JSON arrays are parsed object by object (``json.JSONDecoder.raw_decode``): a damaged element is reported
   with its line, and everything before it is kept.
 - Built-ins come from the installed testbed packages, read from their package data in place:
@@ -16,6 +18,7 @@ Design choices:
 
 from __future__ import annotations
 
+import codecs
 import gzip
 import hashlib
 import json
@@ -47,6 +50,8 @@ def _iter_jsonl(path: Path, opener=open) -> Iterator[tuple[str, dict | None, tup
         with opener(path, "rb") as f:
             for line_no, raw in enumerate(f, 1):
                 where = f"{path}:{line_no}"
+                if line_no == 1 and raw.startswith(codecs.BOM_UTF8):  # not part of the first record
+                    raw = raw[len(codecs.BOM_UTF8):]
                 if not raw.strip():
                     continue
                 try:
@@ -66,6 +71,7 @@ def _iter_jsonl(path: Path, opener=open) -> Iterator[tuple[str, dict | None, tup
 def _iter_json_array(text: str, name: str, allow_cut_tail: bool = False):
     """Objects of a JSON array, one by one; a damaged element is reported with its line, then parsing stops."""
     dec = json.JSONDecoder()
+    text = text.removeprefix("\ufeff")  # a byte order mark is not part of the first record
     i, n, line, line_pos = 0, len(text), 1, 0
 
     def line_at(pos):

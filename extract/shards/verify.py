@@ -10,7 +10,9 @@ truncation and flipped bytes), the safetensors header fits the file, every tenso
 format requires (offsets [S+1] from 0 to N, ids/mask [N], hidden [N, K*H], scales [N] for fp8), the sample
 indices equal the manifest's, token ids lie inside the vocabulary, and features hold no NaN/Inf. Across shards:
 no sample appears twice, the totals add up, and files the manifest does not list are reported.
-Exit code 0 when everything holds, 1 with each failing shard named otherwise.
+Exit code 0 when everything holds, 1 with each failing shard named otherwise. A path that is not a directory (a
+.jsonl data file, say) is no shard directory: one line says what verify expects, exit code 2 (its manifest.json
+stands for its directory).
 
 Design choice: the checks read shards through the same header parser as the reader, chunk by chunk, so a
 100 GB dataset is verified in bounded memory; sha256 is computed on the raw bytes, before any parsing.
@@ -25,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dflashkit.errors import UserError
 from dflashkit.files import sha256_file
 
 from .format import MappedShard, decode_features, read_shard_header
@@ -175,8 +178,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def shard_dir_argument(given: str) -> Path:
+    """The shard directory named on the command line (a manifest.json stands for its directory); a one-line
+    UserError for anything else, which is not a damaged shard directory but the wrong argument."""
+    path = Path(given)
+    expects = ("verify checks a shard directory written by `dflashkit extract --out DIR` (manifest.json and "
+               "shard-*.safetensors)")
+    if path.is_file() and path.name == MANIFEST:
+        return path.parent
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise UserError(f"{path}: a file, not a shard directory; {expects}: give that directory")
+    raise UserError(f"{path}: no such directory; {expects}: give that directory")
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    args.dir = str(shard_dir_argument(args.dir))
     errors, notes = verify_dataset(args.dir)
     for note in notes:
         print(f"note: {note}")

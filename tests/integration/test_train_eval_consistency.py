@@ -58,21 +58,21 @@ def setup(target_dir):
     return target, head, seq, hidden[0], loss_mask
 
 
-def make_drafter(head, layer_types, sliding_window, steps, setup_):
+def make_drafter(head, layer_types, sliding_window, steps, setup_, causal=False):
     """A drafter built as the trainer builds one, briefly trained on S so that drafts are often accepted."""
     _, _, seq, hidden, loss_mask = setup_
     torch.manual_seed(0)
     cfg = DrafterConfig.for_target(head.config, num_hidden_layers=len(layer_types), block_size=BLOCK,
                                    target_layer_ids=TAPS, mask_token_id=MASK, layer_types=layer_types,
                                    sliding_window=sliding_window, input_embedding_scale=float(head.embedding_scale),
-                                   intermediate_size=64)
+                                   intermediate_size=64, causal=causal)
     model = build_drafter(cfg).train()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     for step in range(steps):
         anchors = sample_anchors(loss_mask, 16, sample_generator(0, step, 0))
         batch = pack_sequences([seq], [loss_mask], [hidden], [anchors], BLOCK, MASK, pad_multiple=PAD_MULTIPLE)
         h = draft_hidden(model, head, batch, block_size=BLOCK, layer_types=cfg.layer_types,
-                         sliding_window=cfg.sliding_window)
+                         sliding_window=cfg.sliding_window, causal=cfg.causal)
         out = block_loss(h, head.lm_head.weight, batch.labels, batch.valid, variant="ce")
         opt.zero_grad()
         (out.loss_sum / loss_denominator(batch.valid, "ce", 7.0)).backward()
@@ -88,21 +88,22 @@ def training_drafts(model, cfg, head, seq, hidden, loss_mask, anchors: list[int]
     batch = pack_sequences([seq], [loss_mask], [hidden], [torch.tensor(sorted(set(anchors)))], BLOCK, MASK,
                            pad_multiple=PAD_MULTIPLE)
     h = draft_hidden(model, head, batch, block_size=BLOCK, layer_types=cfg.layer_types,
-                     sliding_window=cfg.sliding_window, backend=backend)
+                     sliding_window=cfg.sliding_window, backend=backend, causal=cfg.causal)
     n = len(set(anchors))
     top = F.linear(h[:n], head.lm_head.weight, head.lm_head.bias).float().argmax(-1)
     return {a: top[i].tolist() for i, a in enumerate(sorted(set(anchors)))}
 
 
-CASES = {"full": (["full_attention", "full_attention"], None),
-         "sliding": (["sliding_attention", "full_attention"], 3)}
+CASES = {"full": (["full_attention", "full_attention"], None, False),
+         "sliding": (["sliding_attention", "full_attention"], 3, False),
+         "causal": (["full_attention", "full_attention"], None, True)}  # causal inside the block
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_live_drafts_equal_training_drafts(setup, case, tmp_path):
     target, head, seq, hidden, loss_mask = setup
-    layer_types, window = CASES[case]
-    model, cfg = make_drafter(head, layer_types, window, steps=60, setup_=setup)
+    layer_types, window, causal = CASES[case]
+    model, cfg = make_drafter(head, layer_types, window, steps=60, setup_=setup, causal=causal)
     live = load_drafter(save_drafter(model, tmp_path / "drafter"))  # eval reads the export, as run_eval does
     rounds, checked, multi = [], 0, 0
     for p in (PROMPT, PROMPT + 5, PROMPT + 13):  # prompt S[:p]: the first block is anchored at p

@@ -8,6 +8,7 @@ read only config.json and the target, never DrafterConfig. Everything is packed 
 """
 
 import json
+import re
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ import transformers as tf
 
 from dflashkit.drafter import DrafterConfig, build_drafter, save_drafter
 from dflashkit.drafter.engines import UNSERVABLE
+from dflashkit.errors import UserError
 from dflashkit.targets.capture import LayerCapture
 from dflashkit.targets.loading import FAMILIES, load_target
 from dflashkit.train.block_mask import build_block_masks
@@ -78,7 +80,7 @@ def vllm_view(cfg: dict) -> dict:
     layers = []
     for i in range(cfg["num_hidden_layers"]):  # qwen3_dflash._resolve_layer_attention / _dflash_layer_causal
         sliding = bool(types) and types[i] == "sliding_attention"
-        causal = cfg.get("is_causal", dflash.get("causal"))
+        causal = dflash.get("causal")  # 0.24: only dflash_config.causal (v1/spec_decode/dflash.py:71,305-307)
         window = dflash.get("swa_window_size", cfg.get("sliding_window"))
         # Attention(per_layer_sliding_window=W): the flash-attn window (W - 1, 0)
         layers.append(dict(causal=sliding if causal is None else bool(causal),
@@ -105,8 +107,12 @@ def sglang_view(cfg: dict) -> dict:
     layers = []
     for i in range(cfg["num_hidden_layers"]):  # models/dflash._get_dflash_layer_attention_params
         sliding = bool(types) and types[i] == "sliding_attention"
-        # window_left = sliding_window - 1 (dflash_utils.get_dflash_attention_sliding_window_size)
-        layers.append(dict(causal=sliding, window_left=int(cfg["sliding_window"]) - 1 if sliding else None))
+        # window_left = sliding_window - 1 (dflash_utils.get_dflash_attention_sliding_window_size); is_causal from
+        # the text config, read only when layer_types is present: full layers causal when true, sliding ones
+        # non-causal when false (models/dflash.py:157-191)
+        causal = cfg.get("is_causal") if types else None
+        layers.append(dict(causal=sliding if causal is None else bool(causal),
+                           window_left=int(cfg["sliding_window"]) - 1 if sliding else None))
     return dict(
         # parse_dflash_draft_config: 0-based layer ids, captured before layer i + 1
         hidden_state_index=[i + 1 for i in dflash.get("target_layer_ids", cfg.get("target_layer_ids"))],
@@ -212,7 +218,8 @@ def training_forward(model, dcfg: DrafterConfig, target, token_ids, anchors):
     ids = torch.full((anchors.numel(), b), dcfg.mask_token_id)
     ids[:, 0] = token_ids[0, anchors]
     positions = torch.cat([torch.arange(token_ids.shape[1]), (anchors[:, None] + torch.arange(b)).reshape(-1)])
-    mask = build_block_masks(anchors, token_ids.shape[1], b, dcfg.layer_types, dcfg.sliding_window)
+    mask = build_block_masks(anchors, token_ids.shape[1], b, dcfg.layer_types, dcfg.sliding_window,
+                             causal=dcfg.causal)
     return model(position_ids=positions[None], attention_mask=mask, noise_embedding=target.embed(ids.reshape(1, -1)),
                  target_hidden=features)
 
@@ -233,6 +240,45 @@ def test_engines_reproduce_the_training_forward(model_type, tmp_path):
         for view in (vllm_view(exported), sglang_view(exported)):
             served = engine_forward(tmp_path / "d", view, states, embed, token_ids, anchors)
             assert torch.equal(served, trained), (model_type, view["embed"])
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_engines_reproduce_the_training_forward_of_a_causal_in_block_drafter(tmp_path, causal):
+    """The causal-in-block layout (every layer the whole context, causal inside the block) as vLLM 0.24 reads it
+    (dflash_config.causal) and as SGLang reads it (is_causal with layer_types); the non-causal default beside it."""
+    config, target = _tiny_target("qwen3", tmp_path / "target")
+    dcfg = DrafterConfig.for_target(config, mask_token_id=299, num_hidden_layers=2, block_size=4, causal=causal)
+    model = build_drafter(dcfg).eval()
+    save_drafter(model, tmp_path / "d")
+    exported = json.loads((tmp_path / "d" / "config.json").read_text())
+    assert (exported.get("is_causal"), exported["dflash_config"].get("causal")) == ((True, True) if causal
+                                                                                    else (None, None))
+    token_ids, anchors = torch.randint(4, 244, (1, 14)), torch.tensor([2, 5, 9, 13])
+    with torch.no_grad():
+        trained = training_forward(model, dcfg, target, token_ids, anchors)
+        states = target.model(token_ids, output_hidden_states=True).hidden_states
+        embed = target.model.get_input_embeddings()
+        for view in (vllm_view(exported), sglang_view(exported)):
+            assert [layer["causal"] for layer in view["layers"]] == [causal, causal]
+            assert torch.equal(engine_forward(tmp_path / "d", view, states, embed, token_ids, anchors), trained)
+
+
+@pytest.mark.parametrize("fields, problem", [
+    ({"is_causal": True}, "is_causal=True and dflash_config.causal=None"),
+    ({"dflash_config": {"causal": True}}, "is_causal=None and dflash_config.causal=True"),
+    ({"is_causal": True, "dflash_config": {"causal": False}}, "is_causal=True and dflash_config.causal=False"),
+    ({"is_causal": False, "dflash_config": {"causal": False}}, "is_causal=False and dflash_config.causal=False"),
+    ({"is_causal": "yes"}, "is_causal is 'yes'; it must be true or false"),
+])
+def test_a_causal_flag_only_one_engine_reads_is_refused(tmp_path, fields, problem):
+    save_drafter(build_drafter(DrafterConfig.for_target(target_config("qwen3"), mask_token_id=299)), tmp_path / "d")
+    data = json.loads((tmp_path / "d" / "config.json").read_text())
+    data.update({k: v for k, v in fields.items() if k != "dflash_config"})
+    data["dflash_config"].update(fields.get("dflash_config", {}))
+    with pytest.raises(UserError, match=re.escape(problem)):
+        DrafterConfig.from_json_dict(data)
+    data["is_causal"] = data["dflash_config"]["causal"] = True  # both true: the causal-in-block layout
+    assert DrafterConfig.from_json_dict(data).causal is True
 
 
 def test_the_check_fails_when_the_export_copies_a_qwen35_rope(tmp_path):

@@ -17,6 +17,7 @@ LAYOUTS = {
     "full": dict(num_hidden_layers=3),
     "mixed": dict(num_hidden_layers=3, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
                   sliding_window=5),
+    "causal": dict(num_hidden_layers=3, causal=True),  # causal inside the block, whole context (is_causal)
 }
 
 
@@ -58,6 +59,26 @@ def test_cached_decoding_matches_reference(tmp_path, layout):
             start += ctx
             for c in caches:  # keep only the context (negative crop works on transformers 5.17 and 5.24)
                 c.crop(start - c.get_seq_length())
+
+
+def test_a_causal_drafter_proposes_the_same_first_positions_for_any_block_length(tmp_path):
+    """Causal inside the block: the first j + 1 outputs of a block of B do not depend on the B - 1 - j positions
+    after them, in dflashkit's model and in the reference loaded from the export (what lets an engine ask for any
+    k <= B - 1 tokens); the non-causal default does depend on them."""
+    for causal in (True, False):
+        cfg = DrafterConfig.for_target(TARGET, block_size=8, mask_token_id=319, num_hidden_layers=2, causal=causal)
+        ours = build_drafter(cfg).eval()
+        save_drafter(ours, tmp_path / f"d{causal}")
+        theirs = ref.DFlashDraftModel.from_pretrained(str(tmp_path / f"d{causal}"), dtype=torch.float32).eval()
+        x = _inputs(cfg, ctx=9)
+        for model in (ours, theirs):
+            with torch.no_grad():
+                whole = model(**x)
+                for j in (1, 3):
+                    short = dict(x, position_ids=x["position_ids"][:, :9 + j + 1],
+                                 noise_embedding=x["noise_embedding"][:, :j + 1])
+                    err = rel_err(model(**short), whole[:, :j + 1])
+                    assert (err <= 1e-5) if causal else (err > 1e-3)
 
 
 def test_reference_saved_drafter_loads_into_dflashkit(tmp_path):

@@ -20,7 +20,10 @@ BLOCK, NEW, WINDOW = 4, 30, 3
 LAYOUTS = {
     "sliding": ["sliding_attention", "sliding_attention"],
     "mixed": ["sliding_attention", "full_attention"],
+    "causal": ["full_attention", "full_attention"],  # causal inside the block, whole context (CAUSAL)
 }
+CAUSAL = {"causal"}  # layouts built with DrafterConfig.causal
+PLAIN = {"plain": ["full_attention", "full_attention"]}  # the non-causal default, for comparisons
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
@@ -30,12 +33,13 @@ def target():
     return LlamaForCausalLM(tiny_target_config()).eval()
 
 
-def make_drafter(target, layer_types, device="cpu"):
+def make_drafter(target, layout, device="cpu"):
     torch.manual_seed(1)
+    layer_types = {**LAYOUTS, **PLAIN}[layout]
     window = WINDOW if "sliding_attention" in layer_types else None
     config = DrafterConfig.for_target(target.config, num_hidden_layers=len(layer_types), block_size=BLOCK,
                                       target_layer_ids=[1, 2], mask_token_id=VOCAB - 1, layer_types=layer_types,
-                                      sliding_window=window,
+                                      sliding_window=window, causal=layout in CAUSAL,
                                       initializer_range=0.3)  # large weights: proposals that depend on the keys
     return build_drafter(config).to(device).eval()
 
@@ -54,12 +58,15 @@ def rounds(results):
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_sliding_layouts_take_the_static_step(target, layout):
-    drafter = make_drafter(target, LAYOUTS[layout])
+    drafter = make_drafter(target, layout)
     decoder, _ = decode(target, drafter, n=1)
     static = decoder.static_drafter
     assert static is not None and set(static.steps) <= set(range(2, BLOCK + 1)) and BLOCK in static.steps
     assert sorted(static.rules) == sorted(set(LAYOUTS[layout]))
-    assert static.rules["sliding_attention"] == (True, WINDOW)  # causal with the window, as the drafter reads it
+    if "sliding_attention" in LAYOUTS[layout]:
+        assert static.rules["sliding_attention"] == (True, WINDOW)  # causal with the window, as the drafter reads it
+    if layout in CAUSAL:
+        assert static.rules["full_attention"] == (True, None)  # causal inside the block, no window
     assert set(static.cache.keys) == set(range(len(LAYOUTS[layout])))  # every layer's K/V in the static buffers
     eager = SpeculativeDecoder(target, drafter, DecodeConfig(max_new_tokens=NEW, static_draft=False))
     assert eager.static_drafter is None
@@ -69,7 +76,7 @@ def test_sliding_layouts_take_the_static_step(target, layout):
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 @pytest.mark.parametrize("mode", ["chain", "tree"])
 def test_static_step_proposes_what_the_eager_path_does(target, layout, mode):
-    drafter = make_drafter(target, LAYOUTS[layout])
+    drafter = make_drafter(target, layout)
     config = dict(mode=mode, tree_budget=10, tree_top_k=3)
     _, static = decode(target, drafter, **config)
     _, eager = decode(target, drafter, static_draft=False, **config)
@@ -83,7 +90,7 @@ def test_static_step_equals_reference_round_by_round(target, layout, tmp_path, m
     import dflash.model as ref
 
     monkeypatch.setattr(ref, "_cuda_time", time.perf_counter)  # the reference times with CUDA syncs
-    drafter = make_drafter(target, LAYOUTS[layout])
+    drafter = make_drafter(target, layout)
     save_drafter(drafter, tmp_path / "drafter")
     theirs = ref.DFlashDraftModel.from_pretrained(str(tmp_path / "drafter"), dtype=torch.float32).eval()
     _, ours = decode(target, drafter)
@@ -95,13 +102,14 @@ def test_static_step_equals_reference_round_by_round(target, layout, tmp_path, m
 
 def test_the_window_changes_the_proposals(target):
     """Without its window the same weights propose differently: the comparisons above do test the masks."""
-    sliding = make_drafter(target, LAYOUTS["sliding"])
-    full = make_drafter(target, ["full_attention", "full_attention"])
-    full.load_state_dict(sliding.state_dict())
-    _, a = decode(target, sliding)
+    full = make_drafter(target, "plain")
     _, b = decode(target, full)
-    assert [r.drafts for r in a] != [r.drafts for r in b]
-    assert len({tuple(d) for r in a for d in r.drafts}) > 5  # the proposals vary from round to round
+    for other in ("sliding", "causal"):  # a window, or causality inside the block, changes the proposals
+        drafter = make_drafter(target, other)
+        drafter.load_state_dict(full.state_dict())
+        _, a = decode(target, drafter)
+        assert [r.drafts for r in a] != [r.drafts for r in b]
+        assert len({tuple(d) for r in a for d in r.drafts}) > 5  # the proposals vary from round to round
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -110,7 +118,7 @@ def test_sliding_draft_step_replays_a_cuda_graph(layout):
     """On a GPU the sliding drafter's pass is captured and replayed, and proposes what the eager path does."""
     torch.manual_seed(0)
     gpu_target = LlamaForCausalLM(tiny_target_config()).cuda().eval()
-    drafter = make_drafter(gpu_target, LAYOUTS[layout], device="cuda")
+    drafter = make_drafter(gpu_target, layout, device="cuda")
     decoder, graphed = decode(gpu_target, drafter)
     assert all(step.graph is not None for step in decoder.static_drafter.steps.values())
     _, eager = decode(gpu_target, drafter, static_draft=False, cuda_graphs=False)

@@ -34,7 +34,7 @@ def test_capture_equals_output_hidden_states(family, side, targets):
     target = targets[family]
     samples = [torch.randint(4, 244, (n,)) for n in LENGTHS]
     ids, mask = _padded(samples, side)
-    layer_ids = [2, 0, 3, 1]  # every layer, the last one included, in a non-sorted order
+    layer_ids = [0, 1, 2, 3]  # every layer, the last one included (taps must be in layer order)
     hidden, last_hidden = capture_features(target, ids, mask, layer_ids, store_last_hidden=True)
     assert hidden.shape == (3, ids.shape[1], 4 * 64) and last_hidden.shape == (3, ids.shape[1], 64)
     with torch.no_grad():

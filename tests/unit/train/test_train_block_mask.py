@@ -85,6 +85,39 @@ def test_build_block_masks_per_layer_type():
         build_block_masks(a, 10, 4, ["sliding_attention"])
 
 
+@pytest.mark.parametrize("backend", ["dense", "flex", "split"])
+def test_a_causal_in_block_drafter_sees_its_whole_context_and_the_block_up_to_itself(backend):
+    """causal=True: the full-attention layers' rule becomes context j < a (every earlier token of the sequence)
+    and block key k <= query i, written here from that rule; every backend computes the same attention."""
+    anchors, L, B = [0, 3, 9, 13], 16, 4
+    rule = torch.zeros(len(anchors) * B, L + len(anchors) * B, dtype=torch.bool)
+    for n, a in enumerate(anchors):
+        for i in range(B):
+            rule[n * B + i, :a] = True
+            rule[n * B + i, L + n * B:L + n * B + i + 1] = True
+    a = torch.tensor(anchors)
+    dense = build_block_masks(a, L, B, ["full_attention"], causal=True)
+    assert torch.equal(dense[0, 0], rule)
+    assert not torch.equal(build_block_masks(a, L, B, ["full_attention"])[0, 0], rule)  # the default is not causal
+    mixed = build_block_masks(a, L, B, ["sliding_attention", "full_attention"], sliding_window=3, causal=True)
+    assert torch.equal(mixed["full_attention"][0, 0], rule)
+    assert torch.equal(mixed["sliding_attention"][0, 0], loop_reference(anchors, L, B, 3))
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, n, 8, generator=g) for n in (len(anchors) * B, L + len(anchors) * B,
+                                                             L + len(anchors) * B))
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=rule[None, None])
+    mask = build_block_masks(a, L, B, ["full_attention"], backend=backend, causal=True)
+    if backend == "flex":
+        from torch.nn.attention.flex_attention import flex_attention
+
+        got = flex_attention(q, k, v, block_mask=mask)
+    elif backend == "split":
+        got = mask.attend(q, k, v, scale=8 ** -0.5)  # SDPA's default scale for head dim 8
+    else:
+        got = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
 def test_anchor_candidates_and_sampling():
     mask = torch.tensor([0, 1, 1, 1, 0, 1, 1, 0, 1], dtype=torch.bool)
     assert anchor_candidates(mask).tolist() == [1, 2, 5]  # p with mask[p] and mask[p+1]; never the last token

@@ -172,7 +172,7 @@ def test_online_refusals_name_the_field(chat_run, tmp_path):
                                          r"has hidden_size=48"):
         train(load_config(None, [], **overrides(tmp_path / "e", target=target_dir, data=[data],
                                                 init_from=str(tmp_path / "drafter"), mask_token_id=None,
-                                                target_layer_ids=[])))
+                                                target_layer_ids=[], num_hidden_layers=1)))
     assert not any((tmp_path / x / "checkpoints").exists() for x in "bcde")
 
 

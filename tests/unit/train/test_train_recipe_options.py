@@ -263,3 +263,25 @@ def test_online_equals_offline_with_density_and_target_labels(chat_run, tmp_path
     wb = load_file(str(Path(online["checkpoint"]) / "model.safetensors"))
     for k in wa:
         assert torch.allclose(wa[k], wb[k], rtol=1e-5, atol=1e-6), k
+
+
+# --------------------------------------------------------------------------- causal inside the block
+def test_causal_option_trains_a_drafter_whose_export_every_engine_reads_as_causal(tiny_run, tmp_path):
+    """causal=true: the trained drafter is causal inside the block (its held-out walk computed with that mask),
+    its export declares it both ways (is_causal for SGLang and the reference, dflash_config.causal for vLLM) and
+    reads back as causal; the same run without it trains other weights."""
+    import json
+
+    from dflashkit.drafter import load_drafter
+
+    _, shards = tiny_run
+    causal = train(load_config(None, [], **tiny_overrides(shards, tmp_path / "causal", causal=True, max_steps=4)))
+    plain = train(load_config(None, [], **tiny_overrides(shards, tmp_path / "plain", max_steps=4)))
+    exported = json.loads((tmp_path / "causal" / "export" / "config.json").read_text())
+    assert exported["is_causal"] is True and exported["dflash_config"]["causal"] is True
+    assert load_drafter(tmp_path / "causal" / "export").dflash.causal is True
+    default = json.loads((tmp_path / "plain" / "export" / "config.json").read_text())
+    assert "is_causal" not in default and "causal" not in default["dflash_config"]
+    a = load_file(str(Path(causal["checkpoint"]) / "model.safetensors"))
+    b = load_file(str(Path(plain["checkpoint"]) / "model.safetensors"))
+    assert not torch.equal(a["fc.weight"], b["fc.weight"])  # same seed and data: the mask made the difference

@@ -1,0 +1,157 @@
+"""`dflashkit eval` refuses what it cannot honour in one line, before the target loads: an --out that holds files
+(yours, a drafter export, an earlier report) unless --overwrite, numeric flags out of range, a block size beyond
+the drafter's, flags the chosen engine does not read, and `--compare` of a report.json that is not one."""
+
+import json
+
+import pytest
+
+from dflashkit.cli import main as cli
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+NO_TARGET = "no-such-target-dir"  # a run that got as far as loading a target would fail on this name instead
+
+
+def error_line(capsys) -> str:
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert "Traceback" not in err and len(lines) == 1 and lines[0].startswith("dflashkit eval: error: "), err[-2000:]
+    return lines[0]
+
+
+def eval_argv(root, out, *extra, target=None) -> list[str]:
+    return ["eval", "--target", str(target or root / "target"), "--drafter", str(root / "drafter"), "--dataset",
+            "builtin:mtbench", "--num-prompts", "1", "--max-new-tokens", "4", "--baseline-prompts", "0", "--no-stop",
+            "--out", str(out), *extra]
+
+
+def contents(path) -> dict:
+    return {p.name: p.read_bytes() for p in path.iterdir()}
+
+
+# ----------------------------------------------------------------------------- --out
+def test_a_report_md_and_json_of_yours_are_not_replaced(chat_pair, tmp_path, capsys):
+    root, _ = chat_pair
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "report.md").write_text("# my review notes\n")
+    (out / "report.json").write_text('{"reviewer": "me"}\n')
+    before = contents(out)
+    assert cli(eval_argv(root, out)) == 2  # the real target: without the check this run writes its report here
+    line = error_line(capsys)
+    assert f"{out}: not a new report directory" in line and "report.json, report.md" in line
+    assert "pick another path, or pass --overwrite" in line
+    assert contents(out) == before
+
+
+def test_a_drafter_export_or_a_folder_of_other_files_is_refused_before_the_target_loads(chat_pair, tmp_path, capsys):
+    root, _ = chat_pair
+    drafter = root / "drafter"
+    before = contents(drafter)
+    assert cli(eval_argv(root, drafter, target=NO_TARGET)) == 2
+    line = error_line(capsys)
+    assert f"{drafter}: not a new report directory" in line and "config.json" in line and "--overwrite" in line
+    assert NO_TARGET not in line and contents(drafter) == before
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "todo.txt").write_text("x")
+    assert cli(eval_argv(root, notes, target=NO_TARGET)) == 2
+    assert "todo.txt" in error_line(capsys) and contents(notes) == {"todo.txt": b"x"}
+
+
+def test_overwrite_writes_the_report_beside_other_files_and_an_earlier_report_needs_it(chat_pair, tmp_path, capsys):
+    root, _ = chat_pair
+    out = tmp_path / "r"
+    out.mkdir()
+    (out / "notes.txt").write_text("keep me\n")
+    (out / "report.md").write_text("old\n")
+    assert cli(eval_argv(root, out, "--overwrite")) == 0
+    assert (out / "notes.txt").read_text() == "keep me\n"  # not eval's: never touched
+    assert json.loads((out / "report.json").read_text())["overall"]["prompts"] == 1
+    assert (out / "report.md").read_text() != "old\n"
+    capsys.readouterr()
+    fresh = tmp_path / "again"
+    assert cli(eval_argv(root, fresh)) == 0  # a new directory needs no flag
+    capsys.readouterr()
+    first = (fresh / "report.json").read_bytes()
+    assert cli(eval_argv(root, fresh)) == 2  # an earlier report is a measurement: not replaced unasked
+    line = error_line(capsys)
+    assert "an earlier report" in line and "--overwrite" in line and "pick another path" in line
+    assert (fresh / "report.json").read_bytes() == first
+
+
+# ----------------------------------------------------------------------------- numeric flags
+@pytest.mark.parametrize("extra,said", [
+    (["--num-prompts", "0"], "--num-prompts must be >= 1 (prompts per dataset), got 0"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1 (new tokens per prompt), got 0"),
+    (["--time-limit", "-5"], "--time-limit must be >= 0 (seconds;"),
+    (["--time-limit", "nan"], "--time-limit must be >= 0"),
+    (["--concurrency", "-4"], "--concurrency must be >= 1 (requests in flight), got -4"),
+    (["--concurrency", "4"], "--concurrency is read by --server and --engine vllm, not by --engine dflashkit"),
+    (["--max-prompt-tokens", "0"], "--max-prompt-tokens must be >= 1"),
+    (["--tree-budget", "1"], "--tree-budget must be >= 2"),
+    (["--tree-top-k", "0"], "--tree-top-k must be >= 1"),
+    (["--temperature", "-1"], "--temperature must be >= 0 (0: greedy)"),
+    (["--top-p", "0"], "--top-p must be in (0, 1]"),
+    (["--top-p", "1.5"], "--top-p must be in (0, 1]"),
+    (["--top-k", "-1"], "--top-k must be >= 0"),
+    (["--block-size", "1"], "--block-size must be >= 2"),
+    (["--reference-prompts", "-1"], "--reference-prompts must be >= 0"),
+    (["--engine", "vllm", "--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization must be in (0, 1]"),
+    (["--engine", "vllm", "--num-speculative-tokens", "0"], "--num-speculative-tokens must be >= 1"),
+    (["--engine", "vllm", "--max-model-len", "0"], "--max-model-len must be >= 1"),
+    (["--engine", "vllm", "--block-size", "3"], "--block-size is read by the dflashkit engine"),
+    (["--engine", "vllm", "--time-limit", "60"], "--time-limit is read by the dflashkit engine"),
+])
+def test_a_flag_out_of_range_is_named_before_the_target_loads(chat_pair, tmp_path, capsys, extra, said):
+    root, _ = chat_pair
+    out = tmp_path / "r"
+    assert cli(eval_argv(root, out, *extra, target=NO_TARGET)) == 2
+    line = error_line(capsys)
+    assert said in line and NO_TARGET not in line
+    assert not out.exists()  # nothing made for a refused run
+
+
+def test_a_block_size_beyond_the_drafters_is_refused(chat_pair, tmp_path, capsys):
+    root, _ = chat_pair
+    out = tmp_path / "r"
+    assert cli(eval_argv(root, out, "--block-size", "100", target=NO_TARGET)) == 2
+    line = error_line(capsys)
+    assert "--block-size 100 is larger than the drafter's block_size 4" in line and "--block-size 4 or less" in line
+    assert NO_TARGET not in line and not out.exists()
+
+
+def test_server_timeout_and_concurrency_are_checked_before_any_request(tmp_path, capsys):
+    """Port 9 (discard) would refuse the connection: the flags must be refused before it is tried."""
+    assert cli(["eval", "--server", "http://127.0.0.1:9", "--concurrency", "2", "0"]) == 2
+    assert "--concurrency must be >= 1" in error_line(capsys)
+    assert cli(["eval", "--server", "http://127.0.0.1:9", "--timeout", "0"]) == 2
+    assert "--timeout must be > 0 (seconds per request), got 0.0" in error_line(capsys)
+
+
+# ----------------------------------------------------------------------------- --compare
+GOOD = {"args": {"mode": "chain"}, "block_size": 4, "datasets": {"d.jsonl": {"tau": 2.0}}, "overall": {"tau": 2.0}}
+
+
+@pytest.mark.parametrize("text,said", [
+    ("{cut", "not valid JSON (line 1:"),
+    ("[1, 2]", "holds a JSON list, not a report object"),
+    (json.dumps({k: v for k, v in GOOD.items() if k != "overall"}), "field overall is missing"),
+    (json.dumps({**GOOD, "overall": {"rounds": 3}}), "field overall.tau is missing"),
+    (json.dumps({**GOOD, "overall": {"tau": "high"}}), 'field overall.tau is "high", expected a number'),
+    (json.dumps({**GOOD, "block_size": "4"}), 'field block_size is "4", expected an integer'),
+    (json.dumps({**GOOD, "datasets": {"d.jsonl": {"tau": None}}}), 'field datasets["d.jsonl"].tau is null'),
+    (json.dumps({**GOOD, "datasets": {"d.jsonl": 5}}), 'field datasets["d.jsonl"] is 5, expected an object'),
+])
+def test_compare_names_the_report_and_the_field(tmp_path, capsys, text, said):
+    good, bad = tmp_path / "good", tmp_path / "bad"
+    for path, body in ((good, json.dumps(GOOD)), (bad, text)):
+        path.mkdir()
+        (path / "report.json").write_text(body)
+    assert cli(["eval", "--compare", str(good), str(good)]) == 0
+    capsys.readouterr()
+    assert cli(["eval", "--compare", str(good), str(bad), "--out", str(tmp_path / "cmp")]) == 2
+    line = error_line(capsys)
+    assert f"{bad / 'report.json'}: {said}" in line and "dflashkit eval --out DIR" in line
+    assert not (tmp_path / "cmp").exists()
