@@ -394,7 +394,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    if args.standin and not (args.target and args.drafter):
+    if args.standin and not (args.target and (args.drafter or args.drafters)):
         args.target, args.drafter, chats = toy_pair(out / "toy")
         args.dataset = [chats]
     if {"serve", "server", "tau_k"} & set(args.parts):
