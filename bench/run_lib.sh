@@ -1,4 +1,5 @@
-# Shared by the one-GPU run scripts (bench/testbed_engine_run.sh, bench/testbed_recipe_run.sh): sourced, not run.
+# Shared by the one-GPU run scripts (bench/testbed_engine_run.sh, bench/testbed_recipe_run.sh,
+# bench/testbed_causal_run.sh): sourced, not run.
 # Takes D (data dir) and R (run dir) as the caller set them; leaves ROOT (the checkout), D, R and O ($R/out)
 # absolute, PY (PYTHON, default python3, absolute when given as a path), and the shell in $R. Every command runs
 # from the run directory with the scripts by absolute path: `python -m dflashkit...` from the checkout's root would
@@ -23,4 +24,15 @@ stage() {  # stage NAME SECONDS COMMAND...: run under a time limit (SIGINT first
   echo "[$(date +%T)] $name: rc=$rc $(( $(date +%s) - start )) s" >> "$R/stages.txt"
   cp "$R/$name.log" "$O/$name.log" 2>/dev/null
   return $rc
+}
+
+first_turns() {  # the first user turn of every conversation of $D/sharegpt.jsonl answered by the target ($T) into
+  # $R/regen.jsonl, unless there; takes NEW (new tokens), SLOTS, and the arrays DEV and LIMIT from the caller
+  if [ ! -s "$R/regen.jsonl" ]; then
+    [ -f "$D/sharegpt.jsonl" ] || gunzip -k "$D/sharegpt.jsonl.gz"
+    stage regenerate 420 "$PY" -m dflashkit.extract.regenerate --target "$T" --data "$D/sharegpt.jsonl" \
+      --out "$R/regen.jsonl" --max-turns 1 --max-new-tokens "$NEW" --batch-size "$SLOTS" --max-prompt-length 1024 \
+      --no-progress "${DEV[@]}" "${LIMIT[@]}"
+  fi
+  echo "regenerated conversations: $(wc -l < "$R/regen.jsonl")" >> "$R/stages.txt"
 }

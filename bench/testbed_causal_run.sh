@@ -40,13 +40,7 @@ VENV=(bash "$ROOT/bench/vllm_env.sh" "$PY")  # the slim vLLM's environment (../s
 echo "[$(date +%T)] start: scale $SCALE, $(nvidia-smi -L 2>/dev/null | wc -l) GPU(s)" >> "$R/stages.txt"
 
 # --- 1. the first user turn of every conversation answered by the target -------------------------------------------
-if [ ! -s "$R/regen.jsonl" ]; then
-  [ -f "$D/sharegpt.jsonl" ] || gunzip -k "$D/sharegpt.jsonl.gz"
-  stage regenerate 420 "$PY" -m dflashkit.extract.regenerate --target "$T" --data "$D/sharegpt.jsonl" \
-    --out "$R/regen.jsonl" --max-turns 1 --max-new-tokens "$NEW" --batch-size "$SLOTS" --max-prompt-length 1024 \
-    --no-progress "${DEV[@]}" "${LIMIT[@]}"
-fi
-echo "regenerated conversations: $(wc -l < "$R/regen.jsonl")" >> "$R/stages.txt"
+first_turns
 
 study() {  # STAGE LIMIT: both layouts through bench/recipe_study.py, side by side
   stage "$1-layouts" "$2" "$PY" "$ROOT/bench/recipe_study.py" --target "$T" --data "$R/regen.jsonl" \

@@ -59,13 +59,7 @@ echo "[$(date +%T)] start: scale $SCALE, $(nvidia-smi -L 2>/dev/null | wc -l) GP
   stage vllm-projection 420 "${VENV[@]}" "$ROOT/bench/bench_vllm.py" --parts projection --out "$O/vllm" "${PROJ[@]}"
 
 # --- 1. the first user turn of every conversation answered by the target -------------------------------------------
-if [ ! -s "$R/regen.jsonl" ]; then
-  [ -f "$D/sharegpt.jsonl" ] || gunzip -k "$D/sharegpt.jsonl.gz"
-  stage regenerate 420 "$PY" -m dflashkit.extract.regenerate --target "$T" --data "$D/sharegpt.jsonl" \
-    --out "$R/regen.jsonl" --max-turns 1 --max-new-tokens "$NEW" --batch-size "$SLOTS" --max-prompt-length 1024 \
-    --no-progress "${DEV[@]}" "${LIMIT[@]}"
-fi
-echo "regenerated conversations: $(wc -l < "$R/regen.jsonl")" >> "$R/stages.txt"
+first_turns
 
 study() {  # NAME STAGE LIMIT VARIANT: one architecture's run of bench/recipe_study.py (its own OUT and work dir)
   local name=$1 what=$2 limit=$3 variant=$4

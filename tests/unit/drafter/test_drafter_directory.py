@@ -201,7 +201,7 @@ def test_a_long_output_name_exports_and_exports_again(tmp_path, name):
 def test_an_output_name_longer_than_the_file_system_allows_is_one_line(tmp_path):
     with pytest.raises(UserError) as error:
         save_drafter(_model(), tmp_path / ("c" * 256))
-    assert "the name is 256 bytes, more than the 255 its file system allows" in _one_line(error)
+    assert "is 256 bytes, more than the 255 its file system allows" in _one_line(error)
 
 
 def test_a_durable_file_with_a_long_name_is_written(tmp_path):
