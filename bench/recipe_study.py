@@ -63,7 +63,8 @@ VARIANTS: dict[str, list[str]] = {
     "lr_2x": ["lr=1.2e-3"],  # twice the peak lr
     "longer": ["epochs={double_epochs}"],  # twice the epochs (longer training on the same data)
     "dflash2": ["drafter_architecture=dflash2"],  # the DFlash2 drafter (in-block convolutions + candidate selector)
-    "causal": ["causal=true"],  # causal inside the block, whole context: one drafter for every k (serving plan)
+    "causal": ["causal=true"],  # causal inside the block, whole context: one drafter for every k (the recipe's)
+    "non_causal": ["causal=false"],  # the block non-causal, as every recipe before the serving plan
     # more target-written data from the same prompts: a sampled answer per prompt beside the greedy one
     # (`--extra-data`, e.g. `dflashkit regenerate --temperature 0.8 --top-p 0.95 --seed 1`); not equal data
     "extra_answers": ["data+={extra_data}"],

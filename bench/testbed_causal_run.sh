@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # One H200 session for the serving plan's first question (RESULTS.md "A drafter for every k"): the
-# causal-in-block layout (DrafterConfig.causal: every layer sees the whole context, causal inside the block)
-# against today's non-causal default, same data, seed and recipe, served by vLLM at several
-# num_speculative_tokens. Stages, in order (a stage's results are in $RUN/out as soon as it ends):
+# causal-in-block layout (DrafterConfig.causal: every layer sees the whole context, causal inside the block; the
+# testbed recipe's since that run) against the non-causal block, same data, seed and recipe otherwise, served by
+# vLLM at several num_speculative_tokens. Stages, in order (a stage's results are in $RUN/out as soon as it ends):
 #   1. the first user turn of every testbed ShareGPT conversation answered by the target (256 new tokens);
 #   2. both layouts trained online for EPOCHS epochs side by side (bench/recipe_study.py --stage train, rows
-#      `default` and `causal`), each stopped at L_TRAIN seconds if not done (it checkpoints and exports);
+#      `causal` and `non_causal`), each stopped at L_TRAIN seconds if not done (it checkpoints and exports);
 #   3. vLLM alone on the GPU: tau and per-position acceptance of both exports at k = KS
 #      (bench/bench_vllm.py --parts tau_k: one engine per pair, MT-bench 80, greedy, 256 new tokens);
 #   4. (EVAL_STAGE=1) both exports in `dflashkit eval` (chain, MT-bench 80), side by side.
@@ -44,7 +44,7 @@ first_turns
 
 study() {  # STAGE LIMIT: both layouts through bench/recipe_study.py, side by side
   stage "$1-layouts" "$2" "$PY" "$ROOT/bench/recipe_study.py" --target "$T" --data "$R/regen.jsonl" \
-    --out "$O/layouts" --work-dir "$R/work" --variants default,causal --parallel 2 --epochs "$EPOCHS" \
+    --out "$O/layouts" --work-dir "$R/work" --variants causal,non_causal --parallel 2 --epochs "$EPOCHS" \
     --stage "$1" --train-time-limit "$L_TRAIN" --eval-time-limit "$L_EVAL" --extra-overrides "$EXTRA" \
     --dataset "$D/mtbench.jsonl" "${EVAL[@]}" "${DEV[@]}"
 }
@@ -54,7 +54,7 @@ study train $(( L_TRAIN + 300 ))
 
 # --- 3. vLLM alone: tau at each k for both exports -------------------------------------------------------------------
 stage vllm-tau-k "$L_VLLM" "${VENV[@]}" "$ROOT/bench/bench_vllm.py" --parts tau_k --target "$T" \
-  --drafters "default=$R/work/train/default/export" "causal=$R/work/train/causal/export" --ks $KS \
+  --drafters "causal=$R/work/train/causal/export" "non_causal=$R/work/train/non_causal/export" --ks $KS \
   --dataset "$D/mtbench.jsonl" --out "$O/vllm" "${VLLM[@]}"
 
 # --- 4. (EVAL_STAGE=1) dflashkit eval of both exports ----------------------------------------------------------------------

@@ -18,14 +18,14 @@ def test_the_causal_run_script_runs_every_stage_at_toy_scale(tmp_path):
                           TARGET="testbed:smollm2", DATA=str(data))
     assert {"regenerate", "train-layouts", "vllm-tau-k"} <= set(ends), ends
     rows = json.loads((run / "out" / "layouts" / "results.json").read_text())["variants"]
-    assert {name: rows[name]["status"] for name in ("default", "causal")} == {"default": "trained",
-                                                                              "causal": "trained"}
-    for name, causal in (("default", None), ("causal", True)):  # the layout reached the export
+    assert {name: rows[name]["status"] for name in ("non_causal", "causal")} == {"non_causal": "trained",
+                                                                                 "causal": "trained"}
+    for name, causal in (("non_causal", None), ("causal", True)):  # the layout reached the export
         config = json.loads((run / "work" / "train" / name / "export" / "config.json").read_text())
         assert config.get("is_causal") is causal and config["dflash_config"].get("causal") is causal
     served = json.loads((run / "out" / "vllm" / "g_tau_per_k.json").read_text())
     cells = {(row["drafter"], row["k"]): row for row in served["rows"]}
-    assert set(cells) == {(d, k) for d in ("default", "causal") for k in (1, 3)}
+    assert set(cells) == {(d, k) for d in ("non_causal", "causal") for k in (1, 3)}
     for row in cells.values():  # each engine drafted, with k positions per draft
         assert row["drafts"] > 0 and 1.0 <= row["tau"] <= 1 + row["k"]
         assert len(row["per_position_acceptance"]) == row["k"]
