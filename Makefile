@@ -1,4 +1,5 @@
-# Two commands for a fresh machine: `make demo` and `make test` (ruff, then pytest). Both (re)create .venv
+# Two commands for a fresh machine: `make demo` and `make test` (ruff, then pytest, one worker per CPU core with
+# pytest-xdist, each test module on one worker so its module fixtures are built once). Both (re)create .venv
 # idempotently; `make lint` runs ruff alone.
 SHELL := /bin/bash
 PYTHON ?= python3
@@ -40,7 +41,7 @@ demo: setup
 	$(VENV)/bin/dflashkit demo $(DEMO_ARGS)
 
 test: setup lint
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n auto --dist loadfile tests
 
 # ruff (pinned in the dev extra; its rules are in pyproject.toml)
 lint: setup

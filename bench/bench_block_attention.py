@@ -64,6 +64,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from dflashkit import launch
 from dflashkit.train.block_mask import dense_block_mask, flex_block_mask, split_block_mask
 from dflashkit.train.data import collate_blocks
 from dflashkit.train.split_attention import SplitBlockMask
@@ -300,9 +301,9 @@ def main(argv=None):
         args.num_seqs, args.min_len, args.max_len, args.num_anchors = 3, 60, 200, 24
         args.heads, args.kv_heads, args.head_dim, args.repeats, args.warmup = 3, 1, 16, 3, 1
         args.intermediate_size = 4 * args.heads * args.head_dim
-    dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() and not args.toy else "cpu"))
+    dev = launch.local_device(args.device or ("cpu" if args.toy else None))
     gpu = dev.type == "cuda"
-    dtype = torch.bfloat16 if gpu else torch.float32
+    dtype = launch.default_dtype(dev)
     if gpu:
         import torch._dynamo as dynamo
 

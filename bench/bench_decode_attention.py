@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from dflashkit import launch
 from dflashkit.extract.generation.decode_attention import decode_attention, decode_attention_reference, triton_available
 from dflashkit.extract.generation.slot_cache import grouped_attention
 
@@ -58,7 +59,7 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     if args.toy:
         args.slots, args.columns, args.dtype, args.iters = 8, 96, "float32", 3
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = launch.local_device()
     kernel = triton_available(device)
     if args.sweep and not kernel:
         ap.error("--sweep times the Triton kernel: run it on a GPU (or under TRITON_INTERPRET=1)")

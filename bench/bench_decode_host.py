@@ -146,15 +146,16 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default="bench/results/decode_host.json")
     args = parser.parse_args(argv)
 
+    from dflashkit import launch
     from dflashkit.eval.engine import DecodeConfig, SpeculativeDecoder
 
     torch.set_num_threads(args.threads)
-    device = torch.device("cuda" if args.target and torch.cuda.is_available() else "cpu")
+    device = launch.local_device(None if args.target else "cpu")  # the toy pair: host timing on the CPU
     if args.target:
         from dflashkit.drafter import load_drafter
         from dflashkit.targets.loading import load_target
 
-        dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+        dtype = launch.default_dtype(device, args.dtype)
         target = load_target(args.target, dtype=dtype, device=device).model
         drafter = load_drafter(args.drafter, dtype=dtype, device=device)
     else:

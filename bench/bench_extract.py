@@ -52,6 +52,7 @@ from pathlib import Path
 
 import torch
 
+from dflashkit import launch
 from dflashkit.extract.data.batching import real_token_index
 from dflashkit.extract.run import parse_size
 from dflashkit.extract.shards.format import encode_features
@@ -247,12 +248,12 @@ def main(argv=None):
         print_writer_only(results)
         print(f"wrote {args.out}")
         return
-    dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dev = launch.local_device(args.device)
     batch = args.batch or (2 if args.toy else 8)
     seq = args.seq or (64 if args.toy else 2048)
     n_batches = args.batches or (4 if args.toy else 16)
     shard_bytes = min(args.shard_size, 16 << 10) if args.toy else args.shard_size
-    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    dtype = launch.default_dtype(dev)
     torch.manual_seed(0)
     if args.target:
         target = load_target(args.target, dtype=dtype, device=dev)

@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from dflashkit import launch
 from dflashkit.extract.data.chat import BadSample, normalize_record, render
 from dflashkit.extract.data.sources import iter_records
 from dflashkit.extract.generation.answerers import TargetGenerator
@@ -142,25 +143,18 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     if bool(args.target) == args.toy:
         ap.error("give --target or --toy")
-    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    rank, world, _ = launch.ranks()
     if args.decode_attention == "compare" and world > 1:
         ap.error("--decode-attention compare runs on one rank: launch it without torchrun")
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    if world > 1:
-        import torch.distributed as dist
-
-        dist.init_process_group("gloo")
-    device = f"cuda:{local}" if torch.cuda.is_available() else "cpu"
+    launch.join_process_group("cpu")  # several ranks: gloo, their few collectives move CPU tensors
+    device = str(launch.local_device())
     target = args.target
     if args.toy:  # rank 0 writes it, every rank loads it
         run_id = os.environ.get("TORCHELASTIC_RUN_ID") if world > 1 else None
         toy = Path(tempfile.gettempdir()) / f"dflashkit-toy-{run_id}" if run_id else Path(tempfile.mkdtemp()) / "toy"
         if rank == 0:
             save_toy_target(toy)
-        if world > 1:
-            import torch.distributed as dist
-
-            dist.barrier()
+        launch.barrier()
         target = str(toy)
     gen = TargetGenerator(target, template_kwargs={}, max_new_tokens=args.max_new_tokens, batch_size=args.batch,
                           dtype=args.dtype, device=device, cuda_graph=not args.no_cuda_graph,
@@ -199,7 +193,7 @@ def main(argv=None) -> dict:
     if world > 1:
         import torch.distributed as dist
 
-        dist.barrier()
+        launch.barrier()
         mine = [p for i, p in enumerate(prompts) if i % world == rank]
         out, seconds = run_slots(gen, mine, args.max_new_tokens)
         stats = torch.tensor([seconds, float(sum(map(len, out)))], dtype=torch.float64)
@@ -210,7 +204,7 @@ def main(argv=None) -> dict:
             tps = stats[1].item() / wall.item()
             result["slots_all_ranks"] = {"seconds": wall.item(), "tokens": int(stats[1].item()),
                                          "tokens_per_s": tps, "scaling": tps / result["slots"]["tokens_per_s"]}
-        dist.destroy_process_group()
+        launch.leave_process_group()
     if rank == 0:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=2))

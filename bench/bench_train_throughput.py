@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 from contextlib import nullcontext
@@ -57,6 +56,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from dflashkit import launch
 from dflashkit.drafter import DrafterConfig, build_drafter, default_target_layer_ids
 from dflashkit.targets.capture import LayerCapture
 from dflashkit.targets.loading import Target, load_target
@@ -251,22 +251,17 @@ def main(argv=None):
     attentions = args.attention.split(",")
     if any(a not in ("auto", "flex", "dense", "split") for a in attentions):
         ap.error(f"--attention {args.attention}: each of auto, flex, dense, split")
-    if len(attentions) > 1 and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    if len(attentions) > 1 and launch.ranks().world_size > 1:
         ap.error("--attention with several values runs in one process only")
 
     # --- processes, device
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank, local = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
-    dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    rank, world, local = launch.ranks()
+    dev = launch.local_device(args.device)
     if dev.type == "cuda":
-        dev = torch.device("cuda", local)
         torch.cuda.set_device(dev)
-    if world > 1:  # rank 0 measures alone first while the others wait: a long timeout
-        from datetime import timedelta
-
-        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", timeout=timedelta(minutes=30))
+    launch.join_process_group(dev)  # several processes: rank 0 measures alone first while the others wait
     gpu = dev.type == "cuda"
-    dtype = torch.bfloat16 if gpu else torch.float32
+    dtype = launch.default_dtype(dev)
     autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if gpu else nullcontext
     compiled = gpu and not args.no_compile
 
@@ -512,7 +507,7 @@ def main(argv=None):
                 results["single"] = measure(model, ddp=False)
                 if args.profile:
                     profile(args.profile)
-            dist.barrier()
+            launch.barrier()
             ddp_model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local] if gpu else None)
             mine = measure(ddp_model, ddp=True)
             results["ddp"] = {}
@@ -530,8 +525,7 @@ def main(argv=None):
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(results, indent=2))
         print_table(results)
-    if world > 1:
-        dist.destroy_process_group()
+    launch.leave_process_group()
 
 
 def print_table(r: dict) -> None:

@@ -58,15 +58,16 @@ def main(argv=None):
     parser.add_argument("--backend", default="auto", choices=["auto", "triton", "torch"])
     parser.add_argument("--out", default="bench_verify_step.json")
     args = parser.parse_args(argv)
+    from dflashkit import launch
     from dflashkit.drafter import default_target_layer_ids
     from dflashkit.eval.tree import build_tree
     from dflashkit.eval.verifier import TargetVerifier
 
-    cuda = torch.cuda.is_available()
-    device = "cuda" if cuda else "cpu"
+    device = launch.local_device()
+    cuda = device.type == "cuda"
     if cuda:
         from triton.testing import do_bench
-    model = load_model(args.target, torch.bfloat16 if cuda else torch.float32, device)
+    model = load_model(args.target, launch.default_dtype(device), device)
     layers = model.config.num_hidden_layers
     layer_ids = default_target_layer_ids(layers, 5) if layers >= 12 else list(range(1, layers))  # toy: fewer taps
     rows = []

@@ -39,6 +39,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from dflashkit.errors import UserError
+
 ROOT = Path(__file__).resolve().parents[1]
 SLIDING_4_FULL_1 = "[sliding_attention,sliding_attention,sliding_attention,sliding_attention,full_attention]"
 
@@ -109,21 +111,21 @@ def parse_variants(specs: list[str]) -> dict[str, list[str]]:
                 name, first = item.split(":", 1)
                 current = name.strip()
                 if not current or "=" not in first:
-                    raise ValueError(f"--variants {item!r}: write NAME:key=value[,key=value...]")
+                    raise UserError(f"--variants {item!r}: write NAME:key=value[,key=value...]")
                 if current in chosen:
-                    raise ValueError(f"--variants: {current!r} is given twice; pick another name")
+                    raise UserError(f"--variants: {current!r} is given twice; pick another name")
                 chosen[current] = [first.strip()]
             elif "=" in item:
                 if current is None:
-                    raise ValueError(f"--variants {item!r}: a key=value belongs to a variant; write NAME:{item}")
+                    raise UserError(f"--variants {item!r}: a key=value belongs to a variant; write NAME:{item}")
                 chosen[current].append(item)
             else:
                 if item not in VARIANTS:
-                    raise ValueError(f"--variants: unknown variant {item!r}; known: {', '.join(VARIANTS)} "
-                                     f"(or define one as NAME:key=value,...)")
+                    raise UserError(f"--variants: unknown variant {item!r}; known: {', '.join(VARIANTS)} "
+                                    f"(or define one as NAME:key=value,...)")
                 chosen[item], current = list(VARIANTS[item]), None
     if not chosen:
-        raise ValueError("--variants: name at least one variant")
+        raise UserError("--variants: name at least one variant")
     return chosen
 
 
@@ -153,7 +155,7 @@ def combine_winners(rows: dict[str, dict], margin: float, exclude=NOT_COMBINED) 
     ones, in the dataset's order): the GPU run of RESULTS.md cut every screen row at 69-76 of 80 prompts."""
     base = rows.get("default", {})
     if not evaluated(base):
-        raise ValueError("--combine: the screening results have no evaluated 'default' row to compare with")
+        raise UserError("--combine: the screening results have no evaluated 'default' row to compare with")
     margin = screen_margin(rows, margin)
     done = [(r["tau"], name) for name, r in rows.items() if name != "default" and name not in exclude
             and evaluated(r) and not is_replicate(r.get("overrides"))]
@@ -447,7 +449,7 @@ def main(argv=None) -> int:
                 say(f"--combine: no variant of {args.combine} beats its default by more than "
                     f"{args.combine_margin} (or than a seed replicate differs from it); nothing to combine")
             variants.update(combined)
-    except (ValueError, OSError) as error:
+    except (UserError, json.JSONDecodeError, OSError) as error:  # the flags and the --combine file
         print(f"recipe_study: error: {error}", file=sys.stderr)
         return 2
     if not variants:

@@ -2,8 +2,8 @@
 
     dflashkit <command> [args...]      (each also runs as `python -m <module>`)
 
-Exit status, the same for every command (dflashkit/errors.py): 0 done, 2 a user error (one line that names the
-file or field and the fix), 1 a failure (with its traceback).
+Exit status, the same for every command (dflashkit/errors.py): 0 done, 2 a ``UserError`` (one line that names the
+file or field and the fix), 1 anything else, a ``ValueError`` included (a failure, with its traceback).
 """
 
 from __future__ import annotations
@@ -51,8 +51,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_main(prog: str, main: Callable[[list[str] | None], int | None], argv: list[str] | None = None) -> int:
-    """Run a command's ``main(argv)``: the one place where a user error becomes one line and exit status 2.
-    Other exceptions propagate (traceback, exit status 1). Each ``python -m dflashkit.X`` ends with
+    """Run a command's ``main(argv)``: the one place where a ``UserError`` becomes one line and exit status 2.
+    Every other exception propagates with its traceback (exit status 1), a plain ``ValueError`` or
+    ``FileNotFoundError`` too: those can be bugs. Each ``python -m dflashkit.X`` ends with
     ``sys.exit(run_main("dflashkit X", main))``."""
     try:
         return int(main(argv) or 0)

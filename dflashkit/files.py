@@ -1,5 +1,19 @@
-"""Durable files: written straight from memory buffers, atomically (temporary name, fsync, rename, directory
-fsync), or ahead of time without a name; the sha256 of what is written; the fault-injection hook of the crash tests.
+"""Durable files: every file of the project that must survive a crash is written through this module; the sha256
+of what is written; the fault-injection hook of the crash tests.
+
+The guarantee (stated here only): when a write returns, what it wrote is on the disk; a crash at any point leaves
+either what was there before or the whole new content, never a part of it, plus at most temporary names that the
+next run removes. One sequence keeps it: the bytes go to a temporary name, are fsynced, the temporary is renamed
+over the final name, and the directory holding that name is fsynced (so the rename survives too). Its shapes:
+- one file from memory: ``atomic_write`` (bytes, or buffers written one after another);
+- one file that a library writes to a path (safetensors' ``save_file``): ``atomic_write_with``;
+- files written ahead without a name, named later in order: ``write_unnamed`` + ``publish`` (shards);
+- a directory (a drafter export, a training checkpoint): its files written into a temporary directory beside it,
+  ``fsync_tree`` (every file, then the directory), one rename into place (the commit point), ``fsync_dir`` of the
+  parent;
+- an append log (regenerate's JSONL, continued by --resume): ``open_appending`` makes the file's name durable
+  before a line is written, ``sync`` after each batch of lines. The one shape that keeps the old content and adds
+  to it: a crash leaves every line synced so far plus at most one cut last line, which the reader drops.
 
 Design choices:
 - Buffers are written as they are (no joining copy), gathered or split into write calls of ``_CHUNK_BYTES``
@@ -22,6 +36,7 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from dflashkit.errors import UserError
@@ -36,13 +51,18 @@ def sha256_file(path: Path, block: int = 1 << 24) -> str:
     return h.hexdigest()
 
 
-def fsync_dir(path: Path) -> None:
-    """Make a rename inside ``path`` durable."""
+def fsync_file(path: Path) -> None:
+    """Make the bytes of the file ``path`` (written by this or another process) durable."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename (or a new name) inside the directory ``path`` durable."""
+    fsync_file(path)  # a directory opened read-only is fsynced as a file is
 
 
 def pause_point(name: str, until=None) -> None:
@@ -210,6 +230,54 @@ def atomic_write(path: Path, data, pause_name: str | None = None, sha256=None) -
         raise
     fsync_dir(path.parent)
     return digest
+
+
+def atomic_write_with(path: Path, write: Callable[[Path], None], pause_name: str | None = None) -> None:
+    """``atomic_write`` for a file that a library writes to a path: ``write(tmp)`` writes it under the temporary
+    name; it is then fsynced, renamed over ``path`` and the directory fsynced. ``pause_name``: a ``pause_point``
+    between the fsync and the rename (crash tests)."""
+    path = Path(path)
+    tmp = _temporary(path)
+    try:
+        write(tmp)
+        fsync_file(tmp)
+        if pause_name:
+            pause_point(pause_name)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def fsync_tree(directory: Path) -> None:
+    """fsync every file under ``directory``, then each directory (children first, ``directory`` last): all that
+    was written into it is durable before the caller renames it into place (and then fsyncs its parent). Symbolic
+    links are neither followed nor synced."""
+    for root, _, names in os.walk(directory, topdown=False):
+        for name in names:
+            if not os.path.islink(os.path.join(root, name)):
+                fsync_file(Path(root, name))
+        fsync_dir(Path(root))
+
+
+def open_appending(path: Path, encoding: str = "utf-8"):
+    """``path`` opened for appending text, created if missing, its name made durable (the directory fsynced)
+    before anything is written: an append log. Lines written are durable once ``sync`` returns."""
+    path = Path(path)
+    f = open(path, "a", encoding=encoding)
+    try:
+        fsync_dir(path.parent)
+    except BaseException:
+        f.close()
+        raise
+    return f
+
+
+def sync(f) -> None:
+    """Flush the open file ``f`` (``open_appending``) and fsync it: what was written to it is on the disk."""
+    f.flush()
+    os.fsync(f.fileno())
 
 
 def write_unnamed(directory: Path, data) -> int:

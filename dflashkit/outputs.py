@@ -200,6 +200,17 @@ def check_output_file(path: str | os.PathLike, what: str) -> None:
                         f"writable or pick another path")
 
 
+def check_resume_flags(out: str | os.PathLike, *, resume: bool, overwrite: bool, holds: str | None) -> None:
+    """The rule of a command whose killed run can be continued (extract, regenerate): ``--resume`` and
+    ``--overwrite`` exclude each other, and an output that already holds something (``holds`` says what: "an
+    extraction"; None: nothing) is written only when one of them says whether to continue or replace it."""
+    if resume and overwrite:
+        raise UserError("--resume continues what --out holds and --overwrite replaces it: pass one of them")
+    if holds is not None and not (resume or overwrite):
+        raise UserError(f"{out} already holds {holds}: add --resume to continue it, --overwrite to replace it, "
+                        f"or pick another --out")
+
+
 # --------------------------------------------------------------------------- one run per output
 def launch_id() -> str | None:
     """What the ranks of one torchrun / accelerate launch share; None for a single process."""

@@ -6,9 +6,10 @@ and eval/ build on it).
 
 from .config import DrafterConfig, check_target_layer_ids, default_target_layer_ids
 from .export import build_drafter, load_drafter, read_drafter_config, save_drafter
+from .kinds import KINDS, DrafterKind, drafter_kind, kind_for
 from .modeling_dflash import DFlashDraftModel
 from .modeling_dflash2 import CandidateSelector, DFlash2DraftModel, GroupedDynamicCausalConv
 
-__all__ = ["CandidateSelector", "DrafterConfig", "DFlash2DraftModel", "DFlashDraftModel", "GroupedDynamicCausalConv",
-           "build_drafter", "check_target_layer_ids", "default_target_layer_ids",
-           "load_drafter", "read_drafter_config", "save_drafter"]
+__all__ = ["KINDS", "CandidateSelector", "DrafterConfig", "DrafterKind", "DFlash2DraftModel", "DFlashDraftModel",
+           "GroupedDynamicCausalConv", "build_drafter", "check_target_layer_ids", "default_target_layer_ids",
+           "drafter_kind", "kind_for", "load_drafter", "read_drafter_config", "save_drafter"]

@@ -65,7 +65,7 @@ def default_target_layer_ids(num_target_layers: int, n: int) -> list[int]:
     The same formula as the reference's and SGLang's ``build_target_layer_ids``, each layer once: a target too
     shallow for n distinct taps gets fewer (the engines collect a layer once, however often it is listed)."""
     if n < 1:
-        raise ValueError(f"the number of target layers to tap must be >= 1, got {n}")
+        raise UserError(f"the number of target layers to tap must be >= 1, got {n}")
     if n == 1:
         return [num_target_layers // 2]
     start, end = 1, num_target_layers - 3
@@ -84,7 +84,7 @@ def check_whole_number(value, field: str) -> int:
 def check_target_layer_ids(target_layer_ids, num_target_layers: int | None = None,
                            field: str = "target_layer_ids") -> list[int]:
     """The ids as a list of ints, strictly increasing, each a decoder layer of the target (range checked when
-    ``num_target_layers`` is given); ValueError naming ``field`` and the fix otherwise.
+    ``num_target_layers`` is given); UserError naming ``field`` and the fix otherwise.
 
     Strictly increasing because the engines collect the taps while looping over the target's layers (vLLM's and
     SGLang's aux hidden states come in layer order) while the reference and training concatenate them in list
@@ -162,16 +162,16 @@ class DrafterConfig:
     def __post_init__(self):
         self.num_hidden_layers = check_num_hidden_layers(self.num_hidden_layers)
         if self.architecture not in ARCHITECTURES:
-            raise ValueError(f"architecture={self.architecture!r}; use one of {sorted(ARCHITECTURES)}")
+            raise UserError(f"architecture={self.architecture!r}; use one of {sorted(ARCHITECTURES)}")
         if self.architecture == "dflash2":
             if int(self.conv_kernel_size) < 1 or int(self.selector_rank) < 1:
-                raise ValueError(f"conv_kernel_size={self.conv_kernel_size} and selector_rank={self.selector_rank} "
-                                 f"must be >= 1")
+                raise UserError(f"conv_kernel_size={self.conv_kernel_size} and selector_rank={self.selector_rank} "
+                                f"must be >= 1")
             if int(self.conv_group_size) < 1 or self.hidden_size % int(self.conv_group_size):
-                raise ValueError(f"conv_group_size={self.conv_group_size} must divide hidden_size="
-                                 f"{self.hidden_size}; use a divisor such as 16")
+                raise UserError(f"conv_group_size={self.conv_group_size} must divide hidden_size="
+                                f"{self.hidden_size}; use a divisor such as 16")
             if not 1 <= int(self.selector_top_k) <= self.vocab_size:
-                raise ValueError(f"selector_top_k={self.selector_top_k} must be in 1..vocab_size={self.vocab_size}")
+                raise UserError(f"selector_top_k={self.selector_top_k} must be in 1..vocab_size={self.vocab_size}")
         self.block_size = check_block_size(self.block_size)
         if not self.target_layer_ids:
             self.target_layer_ids = default_target_layer_ids(self.num_target_layers, self.num_hidden_layers)
@@ -179,26 +179,26 @@ class DrafterConfig:
         if not self.layer_types:
             self.layer_types = ["full_attention"] * self.num_hidden_layers
         if len(self.layer_types) != self.num_hidden_layers:
-            raise ValueError(f"layer_types has {len(self.layer_types)} entries but num_hidden_layers is "
-                             f"{self.num_hidden_layers}; give one type per drafter layer")
+            raise UserError(f"layer_types has {len(self.layer_types)} entries but num_hidden_layers is "
+                            f"{self.num_hidden_layers}; give one type per drafter layer")
         unknown = set(self.layer_types) - set(LAYER_TYPES)
         if unknown:
-            raise ValueError(f"layer_types: unknown {sorted(unknown)}; use {LAYER_TYPES}")
+            raise UserError(f"layer_types: unknown {sorted(unknown)}; use {LAYER_TYPES}")
         if "sliding_attention" in self.layer_types and not self.sliding_window:
-            raise ValueError("layer_types has sliding_attention layers but sliding_window is not set")
+            raise UserError("layer_types has sliding_attention layers but sliding_window is not set")
         if not isinstance(self.causal, bool):
             raise UserError(f"causal={self.causal!r}; it must be true or false")
         if self.mask_token_id is not None:
             self.mask_token_id = check_whole_number(self.mask_token_id, "mask_token_id")
         if self.mask_token_id is not None and not 0 <= self.mask_token_id < self.vocab_size:
-            raise ValueError(f"mask_token_id {self.mask_token_id} is outside the target's vocabulary "
-                             f"(0..{self.vocab_size - 1}); pick an id the embedding has a row for")
+            raise UserError(f"mask_token_id {self.mask_token_id} is outside the target's vocabulary "
+                            f"(0..{self.vocab_size - 1}); pick an id the embedding has a row for")
         engines.check_rope_parameters(self.rope_parameters)
         if float(self.input_embedding_scale) != 1.0:
-            raise ValueError(f"input_embedding_scale={self.input_embedding_scale}: vLLM and SGLang read no such "
-                             f"field (drafter/engines.py); a drafter must train on the raw embedding rows")
+            raise UserError(f"input_embedding_scale={self.input_embedding_scale}: vLLM and SGLang read no such "
+                            f"field (drafter/engines.py); a drafter must train on the raw embedding rows")
         if self.hidden_act != "silu":
-            raise ValueError(f"hidden_act={self.hidden_act!r}; vLLM and SGLang serve DFlash drafters with silu only")
+            raise UserError(f"hidden_act={self.hidden_act!r}; vLLM and SGLang serve DFlash drafters with silu only")
 
     @property
     def num_taps(self) -> int:
@@ -211,10 +211,10 @@ class DrafterConfig:
                    layer_types: list[str] | None = None, sliding_window: int | None = None,
                    input_embedding_scale: float = 1.0, **overrides) -> "DrafterConfig":
         """A drafter sized like the target's layers (the published DFlash drafters are), with the RoPE the
-        engines apply (engines.drafter_rope_parameters); ValueError for a target that cannot be served faithfully."""
+        engines apply (engines.drafter_rope_parameters); UserError for a target that cannot be served faithfully."""
         reason = engines.unservable_reason(target_config)
         if reason:
-            raise ValueError(reason)
+            raise UserError(reason)
         tc = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
         heads = tc.num_attention_heads
         kw = dict(
@@ -284,11 +284,11 @@ class DrafterConfig:
         missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
                    if d.get(k) is None]
         if missing:
-            raise ValueError(f"{source}: missing field(s) {missing}; is this a DFlash drafter config.json?")
+            raise UserError(f"{source}: missing field(s) {missing}; is this a DFlash drafter config.json?")
         raw_ids, where = _dflash_field(d, dflash, "target_layer_ids")
         ids = [] if raw_ids is None else check_target_layer_ids(raw_ids, field=f"{source}: {where}")
         if "num_target_layers" not in d and not ids:
-            raise ValueError(f"{source}: needs num_target_layers or dflash_config.target_layer_ids")
+            raise UserError(f"{source}: needs num_target_layers or dflash_config.target_layer_ids")
         mask_token_id, where = _dflash_field(d, dflash, "mask_token_id")
         if mask_token_id is None:
             raise UserError(f"{source}: no mask_token_id (dflash_config.mask_token_id); a drafter cannot draft "
@@ -316,7 +316,7 @@ class DrafterConfig:
                 initializer_range=d.get("initializer_range", 0.02), architecture=architecture, causal=causal,
                 **dflash2)
         except ValueError as e:
-            raise ValueError(f"{source}: {e}") from None
+            raise UserError(f"{source}: {e}") from None
 
     def to_hf(self):
         """A transformers Qwen3Config carrying the DFlash fields (what DFlashDraftModel is built from)."""
@@ -388,8 +388,8 @@ def _dflash2_fields(d: dict, dflash: dict, source: str) -> dict:
     for name in DFLASH2_FIELDS:
         value, where = _dflash_field(d, dflash, name)
         if value is None:
-            raise ValueError(f"{source}: a DFlash2DraftModel config needs dflash_config.{name} "
-                             f"(all of {list(DFLASH2_FIELDS)})")
+            raise UserError(f"{source}: a DFlash2DraftModel config needs dflash_config.{name} "
+                            f"(all of {list(DFLASH2_FIELDS)})")
         out[name] = check_whole_number(value, f"{source}: {where}")
     return out
 

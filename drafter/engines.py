@@ -150,23 +150,23 @@ def drafter_rope_parameters(target_rope: dict) -> dict:
 
 
 def check_rope_parameters(rope: dict) -> None:
-    """ValueError unless ``rope`` is the RoPE both engines apply alike (see the module docstring)."""
+    """UserError unless ``rope`` is the RoPE both engines apply alike (see the module docstring)."""
     extra = sorted(set(rope) - {"rope_type", "rope_theta"})
     if rope.get("rope_type", DRAFTER_ROPE_TYPE) != DRAFTER_ROPE_TYPE or extra:
-        raise ValueError(
+        raise UserError(
             f"rope_parameters {rope}: vLLM applies every RoPE key (partial_rotary_factor, mrope_section, scaling) "
             f"while SGLang rotates the full head_dim from rope_theta alone; use "
             f"{{'rope_type': 'default', 'rope_theta': <theta>}}, the RoPE both apply alike")
 
 
 def check_one_engine_fields(config: dict, source: str = "config.json") -> None:
-    """ValueError when a config sets a field that only one engine reads (``ONE_ENGINE_FIELDS``)."""
+    """UserError when a config sets a field that only one engine reads (``ONE_ENGINE_FIELDS``)."""
     dflash = config.get("dflash_config") or {}
     for name, absent in ONE_ENGINE_FIELDS.items():
         value = dflash.get(name, config.get(name, absent))
         if value != absent:
-            raise ValueError(f"{source}: {name}={value!r} is read by one serving engine only (or differently by "
-                             f"each: drafter/engines.py ENGINE_FIELDS); remove it")
+            raise UserError(f"{source}: {name}={value!r} is read by one serving engine only (or differently by "
+                            f"each: drafter/engines.py ENGINE_FIELDS); remove it")
 
 
 def causal_in_block(config: dict, source: str = "config.json") -> bool:
@@ -238,13 +238,13 @@ def vllm_warnings(config) -> list[str]:
 
 
 def check_export_for(config, engine: str = "all", warn=print) -> None:
-    """Act on the vLLM rules at export: for ``engine="vllm"`` a rule that vLLM 0.24 breaks is a ValueError; for
+    """Act on the vLLM rules at export: for ``engine="vllm"`` a rule that vLLM 0.24 breaks is a UserError; for
     every engine ("all") it is a warning passed to ``warn``."""
     if engine not in ENGINE_CHOICES:
-        raise ValueError(f"--for {engine!r}: choose one of {', '.join(ENGINE_CHOICES)}")
+        raise UserError(f"--for {engine!r}: choose one of {', '.join(ENGINE_CHOICES)}")
     for reason in vllm_warnings(config):
         if engine == "vllm":
-            raise ValueError(f"export for vLLM refused: {reason}")
+            raise UserError(f"export for vLLM refused: {reason}")
         warn(f"warning: {reason}")
 
 
@@ -254,7 +254,7 @@ def vllm_num_speculative_tokens(block_size: int, requested: int | None = None, w
     if requested is None or int(requested) == default:
         return default
     if int(requested) < 1:
-        raise ValueError(f"--num-speculative-tokens must be >= 1, got {requested}")
+        raise UserError(f"--num-speculative-tokens must be >= 1, got {requested}")
     warn(f"warning: --num-speculative-tokens {requested} differs from block_size - 1 = {default}: a DFlash drafter "
          f"proposes differently with another number of mask tokens, so acceptance changes (it was trained on "
          f"blocks of {block_size})")

@@ -41,13 +41,13 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from dflashkit.errors import UserError
-from dflashkit.files import check_name_length, fitted_name, name_limit, pause_point
+from dflashkit.files import check_name_length, fitted_name, fsync_dir, fsync_tree, name_limit, pause_point
 from dflashkit.outputs import check_output_dir, describe_foreign, foreign_entries, make_temp_dir, save_safetensors
 from dflashkit.untrusted import contained_file
 
 from .config import DrafterConfig
+from .kinds import kind_for
 from .modeling_dflash import DFlashDraftModel
-from .modeling_dflash2 import DFlash2DraftModel
 
 MODELING_FILE = Path(__file__).with_name("modeling_dflash.py")
 MODELING_FILE_DFLASH2 = Path(__file__).with_name("modeling_dflash2.py")  # imports modeling_dflash.py: both ship
@@ -79,9 +79,8 @@ def export_dir_problem(path: Path) -> str | None:
 
 
 def build_drafter(config: DrafterConfig, dtype: torch.dtype = torch.float32) -> DFlashDraftModel:
-    """A randomly initialised drafter for ``config`` (DFlash2DraftModel when ``architecture`` is dflash2)."""
-    cls = DFlash2DraftModel if config.architecture == "dflash2" else DFlashDraftModel
-    model = cls(config.resolved().to_hf()).to(dtype)
+    """A randomly initialised drafter for ``config``: the model class of its kind (drafter/kinds.py)."""
+    model = kind_for(config.architecture).model_class(config.resolved().to_hf()).to(dtype)
     model.dflash = config.resolved()
     return model
 
@@ -124,11 +123,13 @@ def save_drafter(model: DFlashDraftModel, out_dir: str | os.PathLike, dtype: tor
         raise
     finally:
         os.close(held)
+    fsync_dir(out.parent)  # the rename into place is the commit point: make it durable (dflashkit/files.py)
     return out
 
 
 def _write_export(directory: Path, state: dict[str, torch.Tensor], config: DrafterConfig) -> None:
-    """The export's files in ``directory``, each fsynced."""
+    """The export's files in ``directory``, made durable with the directory (``fsync_tree``) before the caller
+    renames it into place."""
     save_safetensors(state, directory / "model.safetensors", metadata={"format": "pt"})
     cfg = config.to_json_dict()
     cfg["torch_dtype"] = cfg["dtype"] = str(state["fc.weight"].dtype).replace("torch.", "")
@@ -136,9 +137,7 @@ def _write_export(directory: Path, state: dict[str, torch.Tensor], config: Draft
     shutil.copyfile(MODELING_FILE, directory / "modeling_dflash.py")
     if config.architecture == "dflash2":
         shutil.copyfile(MODELING_FILE_DFLASH2, directory / "modeling_dflash2.py")
-    for f in directory.iterdir():
-        with open(f, "rb") as fh:
-            os.fsync(fh.fileno())
+    fsync_tree(directory)
 
 
 def check_finite(state: dict[str, torch.Tensor], what: str, dtype: torch.dtype | None = None) -> None:
@@ -219,6 +218,7 @@ def recover_interrupted_export(out: Path) -> None:
     for old in olds:
         if (old / out.name).is_dir() and not os.path.lexists(out):
             (old / out.name).rename(out)
+            fsync_dir(out.parent)
             restored = old
     for leftover in copies + olds:
         shutil.rmtree(leftover)
@@ -245,12 +245,12 @@ def read_drafter_config(path: str | os.PathLike) -> DrafterConfig:
         raise UserError(f"{path} is missing: an export to it was interrupted after moving the previous export to "
                         f"{moved}; move that back to {path}, or run dflashkit export to {path} again")
     if not cfg_file.is_file():
-        raise FileNotFoundError(f"{cfg_file}: no config.json; a drafter directory needs config.json and "
-                                f"model.safetensors (write one with `dflashkit init-drafter` or `dflashkit export`)")
+        raise UserError(f"{cfg_file}: no config.json; a drafter directory needs config.json and "
+                        f"model.safetensors (write one with `dflashkit init-drafter` or `dflashkit export`)")
     try:
         data = json.loads(cfg_file.read_text())
     except json.JSONDecodeError as e:
-        raise ValueError(f"{cfg_file}: not valid JSON (line {e.lineno}: {e.msg})") from None
+        raise UserError(f"{cfg_file}: not valid JSON (line {e.lineno}: {e.msg})") from None
     except UnicodeDecodeError:
         raise UserError(f"{cfg_file}: not text (not UTF-8); the file is damaged: restore it or export the "
                         f"drafter again") from None
@@ -268,7 +268,7 @@ def _weight_files(path: Path) -> list[Path]:
         hint = (f" (found {pickles}: pickle files are never loaded; convert them to safetensors)" if pickles else
                 f" (found {other}, which is not read: rename the file that holds the weights to "
                 f"model.safetensors)" if other else "")
-        raise FileNotFoundError(f"{path}: no model.safetensors weights{hint}")
+        raise UserError(f"{path}: no model.safetensors weights{hint}")
     stray = sorted(p.name for p in path.glob("*.safetensors") if p not in files)
     if stray:
         print(f"note: {path}: ignored {stray}: a drafter's weights are model.safetensors or the files "
@@ -281,19 +281,19 @@ def _indexed_files(path: Path, index: Path) -> list[Path]:
     try:
         weight_map = json.loads(index.read_text()).get("weight_map")
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{index}: not valid JSON ({e}); the file is damaged: restore it, or remove it to "
-                         "read model.safetensors") from None
+        raise UserError(f"{index}: not valid JSON ({e}); the file is damaged: restore it, or remove it to "
+                        "read model.safetensors") from None
     except AttributeError:  # valid JSON, but not an object
         weight_map = None
     if not isinstance(weight_map, dict) or not weight_map:
-        raise ValueError(f"{index}: field weight_map is missing or not a mapping of tensor name -> file; the "
-                         "file is damaged: restore it, or remove it to read model.safetensors")
+        raise UserError(f"{index}: field weight_map is missing or not a mapping of tensor name -> file; the "
+                        "file is damaged: restore it, or remove it to read model.safetensors")
     files = sorted({contained_file(path, f, source=index, field=f"weight_map[{name!r}]")
                     for name, f in weight_map.items()})
     missing = [f for f in files if not f.is_file()]
     if missing:
-        raise FileNotFoundError(f"{index} names {missing[0].name}, which is not in {path}; the download is "
-                                "incomplete: fetch the missing weight file")
+        raise UserError(f"{index} names {missing[0].name}, which is not in {path}; the download is "
+                        "incomplete: fetch the missing weight file")
     return files
 
 
@@ -339,13 +339,13 @@ def load_drafter(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     missing = sorted(set(expected) - set(loaded))
     unexpected = sorted(set(loaded) - set(expected))
     if missing or unexpected:
-        raise ValueError(f"{path}: weights do not match config.json: missing {missing[:6]}"
-                         f"{' ...' if len(missing) > 6 else ''}, unexpected {unexpected[:6]}"
-                         f"{' ...' if len(unexpected) > 6 else ''}; check num_hidden_layers and the tensor names")
+        raise UserError(f"{path}: weights do not match config.json: missing {missing[:6]}"
+                        f"{' ...' if len(missing) > 6 else ''}, unexpected {unexpected[:6]}"
+                        f"{' ...' if len(unexpected) > 6 else ''}; check num_hidden_layers and the tensor names")
     for name, ref in expected.items():
         if tuple(loaded[name].shape) != tuple(ref.shape):
             field = next((v for k, v in SHAPE_FIELDS.items() if k in name), "hidden_size")
-            raise ValueError(f"{path}: tensor {name} has shape {tuple(loaded[name].shape)} but config.json implies "
-                             f"{tuple(ref.shape)}; check the config field(s) {field}")
+            raise UserError(f"{path}: tensor {name} has shape {tuple(loaded[name].shape)} but config.json implies "
+                            f"{tuple(ref.shape)}; check the config field(s) {field}")
     model.load_state_dict({k: v.to(dtype) for k, v in loaded.items()}, strict=False)
     return model.to(device).eval()

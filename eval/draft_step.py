@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflashkit.drafter.kinds import drafter_kind
 from dflashkit.targets.runtime.graphs import capture_graph
 from dflashkit.targets.runtime.static_cache import StaticKV
 
@@ -62,13 +63,10 @@ class Draft(NamedTuple):
 
 def draft_from_hidden(drafter: nn.Module, hidden: torch.Tensor, lm_head: nn.Module, anchor: torch.Tensor) -> Draft:
     """Logits and greedy proposal from the final states hidden [1, Q - 1, H] of positions 1 .. Q-1; anchor [1] is
-    the block's first token (the selector's first predecessor). The reference's rule: `propose` of a DFlash2
-    drafter on its own logits, else the argmax."""
+    the block's first token (the selector's first predecessor). The proposal is the drafter kind's
+    (drafter/kinds.py): the argmax for DFlash, the candidate selector's path for DFlash2 (the reference's rule)."""
     logits = drafter.compute_logits(hidden.to(lm_head.weight.dtype), lm_head)
-    selector = getattr(drafter, "candidate_selector", None)
-    if selector is None:
-        return Draft(logits[0], logits[0].argmax(dim=-1), hidden)
-    tokens, _, _ = selector.select(hidden, logits, anchor)
+    tokens = drafter_kind(drafter).propose(drafter, hidden, logits, anchor)
     return Draft(logits[0], tokens[0], hidden)
 
 

@@ -34,6 +34,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflashkit.drafter.config import check_block_size
+from dflashkit.drafter.kinds import drafter_kind
+from dflashkit.errors import UserError
 from dflashkit.targets.loading import target_parts
 from dflashkit.targets.runtime.parts import attention_only
 from dflashkit.targets.runtime.sampling import sampled_accept_chain, sampling_probs
@@ -61,16 +63,16 @@ class DecodeConfig:
 
     def check(self) -> None:
         if self.mode not in ("chain", "tree"):
-            raise ValueError(f"mode must be 'chain' or 'tree', got {self.mode!r}")
+            raise UserError(f"mode must be 'chain' or 'tree', got {self.mode!r}")
         if self.mode == "tree" and self.temperature > 0:
-            raise ValueError("tree mode is greedy only; speculative sampling (--temperature > 0) runs on a chain "
-                             "(--mode chain)")
+            raise UserError("tree mode is greedy only; speculative sampling (--temperature > 0) runs on a chain "
+                            "(--mode chain)")
         if self.temperature < 0 or self.max_new_tokens < 1 or self.tree_budget < 1 or self.tree_top_k < 1:
-            raise ValueError("temperature must be >= 0, max_new_tokens, tree_budget and tree_top_k >= 1")
+            raise UserError("temperature must be >= 0, max_new_tokens, tree_budget and tree_top_k >= 1")
         if self.block_size is not None:
             check_block_size(self.block_size)
         if not 0 < self.top_p <= 1 or self.top_k < 0:
-            raise ValueError(f"top_p must be in (0, 1] and top_k >= 0 (0 = off), got {self.top_p}, {self.top_k}")
+            raise UserError(f"top_p must be in (0, 1] and top_k >= 0 (0 = off), got {self.top_p}, {self.top_k}")
 
 
 @dataclass
@@ -95,10 +97,10 @@ DFLASH2_TREE_REFUSAL = ("tree mode grows its tree from one distribution per draf
 def check_dflash2(config: DecodeConfig, block_size: int, trained_block_size: int) -> None:
     """What the evaluator decodes of a DFlash2 drafter: chains (greedy or sampled) up to its trained block."""
     if config.mode == "tree":
-        raise ValueError(DFLASH2_TREE_REFUSAL)
+        raise UserError(DFLASH2_TREE_REFUSAL)
     if block_size > trained_block_size:
-        raise ValueError(f"block_size {block_size} > the DFlash2 drafter's block_size {trained_block_size}: its "
-                         f"in-block convolutions span one trained block; use --block-size <= {trained_block_size}")
+        raise UserError(f"block_size {block_size} > the DFlash2 drafter's block_size {trained_block_size}: its "
+                        f"in-block convolutions span one trained block; use --block-size <= {trained_block_size}")
 
 
 def _sync(device: torch.device) -> None:
@@ -127,7 +129,7 @@ class SpeculativeDecoder:
         self.lm_head = parts.lm_head
         self.embed_scale = float(getattr(drafter, "input_embedding_scale", 1.0))
         self.mask_token_id = int(drafter.mask_token_id)
-        self.selector = getattr(drafter, "candidate_selector", None)  # DFlash2: proposals are the selector's path
+        self.selector = drafter_kind(drafter).selector_of(drafter)  # DFlash2: proposals are the selector's path
         if self.selector is not None:
             check_dflash2(config, self.block_size, drafter.block_size)
         from .verifier import TargetVerifier
@@ -136,7 +138,7 @@ class SpeculativeDecoder:
             from .hybrid import TREE_REFUSAL, HybridChainVerifier
 
             if config.mode == "tree":
-                raise ValueError(TREE_REFUSAL)
+                raise UserError(TREE_REFUSAL)
             self.verifier = HybridChainVerifier(parts, drafter.target_layer_ids)
         else:
             self.verifier = TargetVerifier(parts, drafter.target_layer_ids, config.attention_backend,
@@ -318,4 +320,11 @@ class SpeculativeDecoder:
         self.generate(prompt_ids, max_new_tokens=self.block_size + 1)
 
     def close(self) -> None:
+        """Give the target back as it was: the verifier's hooks removed, its attention implementation restored."""
         self.verifier.close()
+
+    def __enter__(self) -> "SpeculativeDecoder":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -13,6 +13,8 @@ Design choices:
 
 from __future__ import annotations
 
+from contextlib import ExitStack
+
 import torch
 from torch import nn
 
@@ -78,7 +80,8 @@ class HybridChainVerifier:
         self.model = parts.model
         self.decoder = parts.decoder
         self.head = FP32Head(parts)
-        self.capture = open_capture(parts, layer_ids)
+        self._resources = ExitStack()  # the capture hooks, removed by close()
+        self.capture = open_capture(parts, layer_ids, self._resources)
         self.device = next(self.model.parameters()).device
         self.cache = None
         self._length = 0
@@ -137,4 +140,4 @@ class HybridChainVerifier:
         self._length += kept
 
     def close(self) -> None:
-        self.capture.__exit__(None, None, None)
+        self._resources.close()

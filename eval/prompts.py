@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-ROLES = {"user": "user", "human": "user", "system": "system", "assistant": "assistant", "gpt": "assistant",
-         "model": "assistant"}
+from dflashkit.errors import UserError
+from dflashkit.extract.data.sources import ROLE_ALIASES, conversation_fields, prompt_turns
 
 
 @dataclass
@@ -27,24 +27,34 @@ class Prompt:
     input_ids: list[int]  # rendered and tokenized
 
 
+def conversation_turns(record: dict) -> list[dict] | None:
+    """Every turn of a ``messages`` / ``conversations`` record as {role, content} (template roles; a turn of an
+    unknown role or shape is left out: eval needs only the user and system turns); None for another format."""
+    fields = conversation_fields(record)
+    if fields is None:
+        return None
+    key, role_key, text_key = fields
+    turns = []
+    for message in record[key] if isinstance(record[key], list) else []:
+        role = ROLE_ALIASES.get(str(message.get(role_key, "")).lower()) if isinstance(message, dict) else None
+        if role is not None:
+            turns.append({"role": role, "content": str(message.get(text_key, ""))})
+    return turns
+
+
 def opening_turns(record: dict, where: str) -> list[dict]:
-    """System turns and the first user turn of a record."""
-    if "messages" in record or "conversations" in record:
-        raw = record.get("messages", record.get("conversations"))
-        role_key, text_key = ("role", "content") if "messages" in record else ("from", "value")
-        messages = []
-        for message in raw if isinstance(raw, list) else []:
-            role = ROLES.get(str(message.get(role_key, "")).lower())
-            if role in ("system", "user"):  # assistant turns before the first user turn are skipped
-                messages.append({"role": role, "content": str(message.get(text_key, ""))})
-                if role == "user":
-                    return messages
-        field = "messages" if "messages" in record else "conversations"
-        raise ValueError(f"{where}: the record has no user turn in its {field!r}")
+    """System turns and the first user turn of a record (``prompt_turns``, the one definition extraction's data
+    code holds)."""
+    turns = conversation_turns(record)
+    if turns is not None:
+        opening = prompt_turns(turns)
+        if not opening:
+            raise UserError(f"{where}: the record has no user turn in its {conversation_fields(record)[0]!r}")
+        return opening
     for key in ("prompt", "text", "question"):
         if isinstance(record.get(key), str):
             return [{"role": "user", "content": record[key]}]
-    raise ValueError(f"{where}: no 'messages', 'conversations', 'prompt' or 'text' field to take a prompt from")
+    raise UserError(f"{where}: no 'messages', 'conversations', 'prompt' or 'text' field to take a prompt from")
 
 
 def render(tokenizer, messages: list[dict], template_kwargs: dict | None = None) -> list[int]:
@@ -73,5 +83,5 @@ def load_prompts(spec: str, tokenizer, num_prompts: int | None = None, max_promp
             ids = ids[-max_prompt_tokens:]
         prompts.append(Prompt(spec, str(item.record.get("id", item.where)), messages, ids))
     if not prompts:
-        raise ValueError(f"{spec}: no usable prompt found")
+        raise UserError(f"{spec}: no usable prompt found")
     return prompts

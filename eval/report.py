@@ -28,6 +28,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from dflashkit.errors import UserError
+
 from .engine import GenerationResult
 
 # every file `dflashkit eval` writes into --out, in any of its modes (local and vLLM reports, --server, --compare)
@@ -261,10 +263,10 @@ def _report_field_problem(report: dict, keys: tuple, kinds: tuple) -> str | None
 
 
 def check_report(report, file: Path) -> dict:
-    """The fields --compare reads, with their types; a one-line ValueError naming the file and the field."""
+    """The fields --compare reads, with their types; a one-line UserError naming the file and the field."""
     fix = "give a report directory written by `dflashkit eval --out DIR`, or run that eval again"
     if not isinstance(report, dict):
-        raise ValueError(f"{file}: holds a JSON {type(report).__name__}, not a report object; {fix}")
+        raise UserError(f"{file}: holds a JSON {type(report).__name__}, not a report object; {fix}")
     fields = dict(COMPARED_FIELDS)
     if isinstance(report.get("datasets"), dict):
         for name, numbers in report["datasets"].items():
@@ -274,7 +276,7 @@ def check_report(report, file: Path) -> dict:
     for keys, kinds in fields.items():
         problem = _report_field_problem(report, keys, kinds)
         if problem:
-            raise ValueError(f"{file}: {problem}; {fix}")
+            raise UserError(f"{file}: {problem}; {fix}")
     return report
 
 
@@ -282,15 +284,15 @@ def read_report(path: str | Path) -> dict:
     path = Path(path)
     file = path / "report.json" if path.is_dir() else path
     if not file.is_file():
-        raise ValueError(f"{file}: no report.json here; give directories written by `dflashkit eval --out DIR`")
+        raise UserError(f"{file}: no report.json here; give directories written by `dflashkit eval --out DIR`")
     try:
         report = json.loads(file.read_text(encoding="utf-8"))
     except json.JSONDecodeError as error:
-        raise ValueError(f"{file}: not valid JSON (line {error.lineno}: {error.msg}); give a report directory written "
-                         "by `dflashkit eval --out DIR`, or run that eval again") from None
+        raise UserError(f"{file}: not valid JSON (line {error.lineno}: {error.msg}); give a report directory written "
+                        "by `dflashkit eval --out DIR`, or run that eval again") from None
     except UnicodeDecodeError:
-        raise ValueError(f"{file}: not UTF-8 text, so not a report.json of `dflashkit eval`; give a report "
-                         "directory written by `dflashkit eval --out DIR`") from None
+        raise UserError(f"{file}: not UTF-8 text, so not a report.json of `dflashkit eval`; give a report "
+                        "directory written by `dflashkit eval --out DIR`") from None
     return check_report(report, file)
 
 

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from dflashkit import launch
+from dflashkit.errors import UserError
 from dflashkit.stopping import StopRequest
 
 from .engine import DecodeConfig, SpeculativeDecoder
@@ -78,16 +80,17 @@ def check_pair(target, drafter, drafter_path: str) -> None:
     if max(drafter.target_layer_ids) >= target.num_layers:
         problems.append(f"target_layer_ids {drafter.target_layer_ids} exceed the target's {target.num_layers} layers")
     if problems:
-        raise ValueError(f"{drafter_path}/config.json does not fit target {target.path}: " + "; ".join(problems)
-                         + ". Train or export the drafter for this target.")
+        raise UserError(f"{drafter_path}/config.json does not fit target {target.path}: " + "; ".join(problems)
+                        + ". Train or export the drafter for this target.")
 
 
-def stop_ids(target) -> tuple[int, ...]:
-    ids = set()
-    for source in (getattr(target.model, "generation_config", None), target.tokenizer):
-        value = getattr(source, "eos_token_id", None)
-        ids.update(value if isinstance(value, (list, tuple)) else [value] if value is not None else [])
-    return tuple(sorted(int(i) for i in ids))
+def stop_ids(target, template_kwargs: dict | None = None) -> tuple[int, ...]:
+    """The ids an answer of the loaded ``target`` ends on: targets/chat_template.stop_token_ids, the set
+    regeneration ends its answers on too."""
+    from dflashkit.targets.chat_template import stop_token_ids
+
+    return stop_token_ids(target.tokenizer, getattr(target.model, "generation_config", None),
+                          template_kwargs=template_kwargs)
 
 
 def run_eval(target: str, drafter: str, out: str | Path, datasets: list[str], config: DecodeConfig,
@@ -129,8 +132,8 @@ def run_eval(target: str, drafter: str, out: str | Path, datasets: list[str], co
         timing[part] = timing.get(part, 0.0) + now - clock
         clock = now
 
-    torch_device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    torch_dtype = getattr(torch, dtype or ("bfloat16" if torch_device.type == "cuda" else "float32"))
+    torch_device = launch.local_device(device)
+    torch_dtype = launch.default_dtype(torch_device, dtype)
     loaded = load_target(target, dtype=torch_dtype, device=torch_device, device_map=device_map)
     torch_device = next(loaded.model.parameters()).device
     draft_model = load_drafter(drafter, dtype=torch_dtype, device=torch_device)
@@ -143,7 +146,7 @@ def run_eval(target: str, drafter: str, out: str | Path, datasets: list[str], co
     prompts = {spec: load_prompts(spec, loaded.tokenizer, num_prompts, max_prompt_tokens, chat_template_kwargs)
                for spec in datasets}
     if use_stop_tokens:
-        config.stop_token_ids = stop_ids(loaded)
+        config.stop_token_ids = stop_ids(loaded, chat_template_kwargs)
     greedy = config.temperature == 0
     lap("load")
     results = {spec: {"spec": [], "ar": [], "ref": [], "ids": []} for spec in prompts}

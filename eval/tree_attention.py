@@ -24,19 +24,11 @@ Design choices:
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import torch.nn.functional as F
 
-
-def triton_available(device: torch.device | str) -> bool:
-    """True when the Triton kernel can run on `device` (CUDA, or any device under TRITON_INTERPRET=1)."""
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return torch.device(device).type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+from dflashkit.targets.runtime.kernels import triton_available
 
 
 def dense_visibility(prefix_lens: torch.Tensor, node_mask: torch.Tensor, node_positions: torch.Tensor,

@@ -35,6 +35,7 @@ Design choices:
 from __future__ import annotations
 
 import math
+from contextlib import ExitStack
 from dataclasses import dataclass
 
 import torch
@@ -113,11 +114,11 @@ class FP32Head:
         return logits
 
 
-def open_capture(parts: TargetParts, layer_ids: list[int]):
-    """LayerCapture in hooks-only mode, entered (hooks on); leave it with .__exit__()."""
+def open_capture(parts: TargetParts, layer_ids: list[int], resources: ExitStack):
+    """LayerCapture in hooks-only mode, its hooks on until ``resources`` (the verifier's ExitStack) is closed."""
     from dflashkit.targets.capture import LayerCapture
 
-    return LayerCapture(parts, layer_ids, early_exit=False).__enter__()
+    return resources.enter_context(LayerCapture(parts, layer_ids, early_exit=False))
 
 
 class StaticStep:
@@ -206,16 +207,20 @@ class TargetVerifier:
         self.head = FP32Head(parts)
         self.backend = backend
         self.cache = KVCache()
-        self.capture = open_capture(parts, layer_ids)
         spread = len({str(d) for d in (getattr(model, "hf_device_map", None) or {}).values()}) > 1
         self.cuda_graphs = cuda_graphs and not spread  # replay decode steps as CUDA graphs (one CUDA device)
         self.steps: dict[tuple[int, bool], StaticStep] = {}  # (nodes, chain) -> its static step
         self.compactions: dict[int, Compaction] = {}  # nodes of the forward -> its compaction step
         self._graph_pool = None
         self._last_size = 0  # nodes of the last forward (the compaction's shape)
-        self._previous_attention = model.config._attn_implementation
-        model.set_attn_implementation(ATTENTION_NAME)
         self.device = next(model.parameters()).device
+        # what the verifier changes on the target (capture hooks, the attention implementation), undone by
+        # close(); undone at once if building fails half-way
+        with ExitStack() as resources:
+            self.capture = open_capture(parts, layer_ids, resources)
+            resources.callback(model.set_attn_implementation, model.config._attn_implementation)
+            model.set_attn_implementation(ATTENTION_NAME)
+            self._resources = resources.pop_all()
 
     @property
     def length(self) -> int:
@@ -319,5 +324,4 @@ class TargetVerifier:
 
     def close(self) -> None:
         """Remove the hooks and give the model its previous attention implementation back."""
-        self.capture.__exit__(None, None, None)
-        self.model.set_attn_implementation(self._previous_attention)
+        self._resources.close()

@@ -225,10 +225,11 @@ def timed_generate(llm, api: VllmApi, requests: list[tuple[str, list[int]]], wav
 
 
 def multi_turn_prompts(datasets: list[str], num_prompts: int) -> list[tuple[str, list[dict], str]]:
-    """(id, opening turns, second user turn) of the records that have a second user turn (MT-bench does)."""
+    """(id, opening turns, second user turn) of the records that have a second user turn (MT-bench does; so do
+    ShareGPT ``conversations``), the turns read as every eval prompt is (eval/prompts.py)."""
     from dflashkit.extract.data.sources import iter_records
 
-    from .prompts import opening_turns
+    from .prompts import conversation_turns, opening_turns
 
     out = []
     for spec in datasets:
@@ -239,22 +240,23 @@ def multi_turn_prompts(datasets: list[str], num_prompts: int) -> list[tuple[str,
             if item.record is None:
                 continue
             taken += 1
-            raw = item.record.get("messages") or []
-            users = [m.get("content") for m in raw if isinstance(m, dict) and m.get("role") in ("user", "human")]
+            users = [t["content"] for t in conversation_turns(item.record) or [] if t["role"] == "user"]
             if len(users) >= 2:
                 out.append((f"{spec}#{item.record.get('id', item.where)}", opening_turns(item.record, item.where),
-                            str(users[1])))
+                            users[1]))
     return out
 
 
-def target_stop_ids(target_dir: Path, tokenizer) -> list[int]:
-    """The target's end-of-sequence ids (generation_config.json and the tokenizer), as the default engine's."""
-    ids = set()
-    config = target_dir / "generation_config.json"
-    sources = [json.loads(config.read_text()).get("eos_token_id")] if config.is_file() else []
-    for value in sources + [getattr(tokenizer, "eos_token_id", None)]:
-        ids.update(value if isinstance(value, (list, tuple)) else [value] if value is not None else [])
-    return sorted(int(i) for i in ids)
+def target_stop_ids(target_dir: Path, tokenizer, template_kwargs: dict | None = None) -> list[int]:
+    """The ids an answer ends on (targets/chat_template.stop_token_ids, as the default engine's and
+    regeneration's), with the generation config of ``target_dir`` read as transformers reads it for the model."""
+    from transformers import GenerationConfig
+
+    from dflashkit.targets.chat_template import stop_token_ids
+
+    generation = (GenerationConfig.from_pretrained(target_dir)
+                  if (Path(target_dir) / "generation_config.json").is_file() else None)
+    return list(stop_token_ids(tokenizer, generation, template_kwargs=template_kwargs))
 
 
 def run_vllm_eval(target: str, drafter: str, out: str | Path, datasets: list[str], config: VllmEvalConfig,
@@ -298,7 +300,7 @@ def run_vllm_eval(target: str, drafter: str, out: str | Path, datasets: list[str
                for p in load_prompts(spec, tokenizer, num_prompts, max_prompt_tokens, kwargs)]
     turns = multi_turn_prompts(datasets, num_prompts)
     turn1 = [(name, render(tokenizer, messages, kwargs)) for name, messages, _ in turns]
-    stop = target_stop_ids(target_dir, tokenizer) if config.use_stop_tokens else []
+    stop = target_stop_ids(target_dir, tokenizer, kwargs) if config.use_stop_tokens else []
     params = api.sampling_params(max_tokens=config.max_new_tokens, temperature=0.0, stop_token_ids=stop,
                                  ignore_eos=not config.use_stop_tokens)
     longest = max([len(ids) for _, ids in prompts]

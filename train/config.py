@@ -126,56 +126,56 @@ class TrainConfig:
         if isinstance(self.data, str):  # data=FILE on the command line
             self.data = [self.data] if self.data else []
         if self.shards and self.data:
-            raise ValueError(f"shards={self.shards!r} and data={self.data!r}: train either on shards (offline) or on "
-                             "data with the target in the loop (online), not both; drop one")
+            raise UserError(f"shards={self.shards!r} and data={self.data!r}: train either on shards (offline) or on "
+                            "data with the target in the loop (online), not both; drop one")
         if self.target_dtype not in ("auto", "bfloat16", "float16", "float32"):
-            raise ValueError(f"target_dtype: {self.target_dtype!r}; use auto, bfloat16, float16 or float32")
+            raise UserError(f"target_dtype: {self.target_dtype!r}; use auto, bfloat16, float16 or float32")
         if int(self.target_batch_tokens) < 1:
-            raise ValueError(f"target_batch_tokens must be >= 1, got {self.target_batch_tokens}")
+            raise UserError(f"target_batch_tokens must be >= 1, got {self.target_batch_tokens}")
         if self.drafter_architecture not in ARCHITECTURES:
-            raise ValueError(f"drafter_architecture: {self.drafter_architecture!r}; use one of {sorted(ARCHITECTURES)}")
+            raise UserError(f"drafter_architecture: {self.drafter_architecture!r}; use one of {sorted(ARCHITECTURES)}")
         check_drafter_fields(self.drafter, self.drafter_architecture)
         for f in dataclasses.fields(self):
             if str(f.type) == "float" and not math.isfinite(float(getattr(self, f.name))):
-                raise ValueError(f"{f.name} must be a finite number, got {getattr(self, f.name)}")
+                raise UserError(f"{f.name} must be a finite number, got {getattr(self, f.name)}")
         if float(self.selector_loss_weight) < 0:
-            raise ValueError(f"selector_loss_weight must be >= 0, got {self.selector_loss_weight}")
+            raise UserError(f"selector_loss_weight must be >= 0, got {self.selector_loss_weight}")
         if self.loss not in LOSSES:
-            raise ValueError(f"loss: {self.loss!r} is not one of {LOSSES}")
+            raise UserError(f"loss: {self.loss!r} is not one of {LOSSES}")
         if self.mixed_precision not in ("bf16", "no"):
-            raise ValueError(f"mixed_precision: {self.mixed_precision!r}; use 'bf16' or 'no'")
+            raise UserError(f"mixed_precision: {self.mixed_precision!r}; use 'bf16' or 'no'")
         if self.optimizer not in ("adamw", "muon"):
-            raise ValueError(f"optimizer: {self.optimizer!r}; use 'adamw' or 'muon'")
+            raise UserError(f"optimizer: {self.optimizer!r}; use 'adamw' or 'muon'")
         if self.lr_schedule not in ("cosine", "linear"):
-            raise ValueError(f"lr_schedule: {self.lr_schedule!r}; use 'cosine' or 'linear'")
+            raise UserError(f"lr_schedule: {self.lr_schedule!r}; use 'cosine' or 'linear'")
         if self.labels not in ("data", "target_argmax"):
-            raise ValueError(f"labels: {self.labels!r}; use 'data' or 'target_argmax'")
+            raise UserError(f"labels: {self.labels!r}; use 'data' or 'target_argmax'")
         if not 0.0 <= self.anchor_density <= 1.0:
-            raise ValueError(f"anchor_density must be in [0, 1] (blocks per token; 0 = num_anchors per sequence), "
-                             f"got {self.anchor_density}")
+            raise UserError(f"anchor_density must be in [0, 1] (blocks per token; 0 = num_anchors per sequence), "
+                            f"got {self.anchor_density}")
         if not 0.0 <= self.muon_momentum < 1.0:
-            raise ValueError(f"muon_momentum must be in [0, 1), got {self.muon_momentum}")
+            raise UserError(f"muon_momentum must be in [0, 1), got {self.muon_momentum}")
         if self.attention not in ("auto", "flex", "dense", "split"):
-            raise ValueError(f"attention: {self.attention!r}; use 'auto', 'flex', 'dense' or 'split'")
+            raise UserError(f"attention: {self.attention!r}; use 'auto', 'flex', 'dense' or 'split'")
         check_block_size(self.block_size)  # bounds of the drafter's fields live in drafter/config.py
         check_num_hidden_layers(self.num_hidden_layers)
         for name in ("epochs", "grad_accum", "num_anchors", "keep_last", "loss_chunk_tokens", "max_length",
                      "eval_anchors", "log_every"):
             if int(getattr(self, name)) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+                raise UserError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name, zero in (("max_steps", "the epochs decide"), ("eval_samples", "no held-out evaluation"),
                            ("num_workers", "read in the training process"), ("data_limit", "every record"),
                            ("tokenize_workers", "inline"), ("save_every", "only at the end"),
                            ("eval_every", "only at the end")):
             if int(getattr(self, name)) < 0:
-                raise ValueError(f"{name} must be >= 0 (0: {zero}), got {getattr(self, name)}")
+                raise UserError(f"{name} must be >= 0 (0: {zero}), got {getattr(self, name)}")
         if not self.lr >= 0:  # 0 keeps the starting weights (a check of init_from)
-            raise ValueError(f"lr must be >= 0, got {self.lr}")
+            raise UserError(f"lr must be >= 0, got {self.lr}")
         if int(self.micro_batch_tokens) < 0:
-            raise ValueError(f"micro_batch_tokens must be >= 0 (0: one sequence per micro-batch), "
-                             f"got {self.micro_batch_tokens}")
+            raise UserError(f"micro_batch_tokens must be >= 0 (0: one sequence per micro-batch), "
+                            f"got {self.micro_batch_tokens}")
         if not 0.0 <= self.warmup_ratio < 1.0:
-            raise ValueError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
+            raise UserError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -197,19 +197,19 @@ def check_drafter_fields(drafter, architecture: str) -> None:
     from dflashkit.drafter.config import DFLASH2_FIELDS, DrafterConfig
 
     if not isinstance(drafter, dict):
-        raise ValueError(f"drafter: {drafter!r} is not a mapping; write e.g. drafter: {{intermediate_size: 4096}}")
+        raise UserError(f"drafter: {drafter!r} is not a mapping; write e.g. drafter: {{intermediate_size: 4096}}")
     kinds = {f.name: str(f.type) for f in dataclasses.fields(DrafterConfig)}
     for key, value in drafter.items():
         if key in DRAFTER_SET_ELSEWHERE:
             source = DRAFTER_SET_ELSEWHERE[key]
-            raise ValueError(f"drafter: {{{key}: ...}} is set by the target; drop it" if source == "the target" else
-                             f"drafter: {{{key}: ...}} is set by the field {source}; move it there ({source}: ...)")
+            raise UserError(f"drafter: {{{key}: ...}} is set by the target; drop it" if source == "the target" else
+                            f"drafter: {{{key}: ...}} is set by the field {source}; move it there ({source}: ...)")
         if key not in kinds:
-            raise ValueError(f"drafter: unknown field {key!r}; the fields are DrafterConfig's in drafter/config.py: "
-                             f"{sorted(k for k in kinds if k not in DRAFTER_SET_ELSEWHERE)}")
+            raise UserError(f"drafter: unknown field {key!r}; the fields are DrafterConfig's in drafter/config.py: "
+                            f"{sorted(k for k in kinds if k not in DRAFTER_SET_ELSEWHERE)}")
         if key in DFLASH2_FIELDS and architecture != "dflash2":
-            raise ValueError(f"drafter.{key} is a DFlash2 field, unused by drafter_architecture={architecture}; drop "
-                             f"it or set drafter_architecture=dflash2")
+            raise UserError(f"drafter.{key} is a DFlash2 field, unused by drafter_architecture={architecture}; drop "
+                            f"it or set drafter_architecture=dflash2")
         check_drafter_value(key, value, kinds[key])
 
 
@@ -217,28 +217,28 @@ def check_drafter_value(key: str, value, kind: str) -> None:
     """One ``drafter:`` value against its DrafterConfig type, by the rules of check_drafter_fields."""
     whole = isinstance(value, int) and not isinstance(value, bool)
     if kind == "int" and not (whole and value >= 1):
-        raise ValueError(f"drafter.{key}: {value!r} is not a whole number >= 1")
+        raise UserError(f"drafter.{key}: {value!r} is not a whole number >= 1")
     if kind == "float" and not (isinstance(value, (int, float)) and not isinstance(value, bool)
                                 and math.isfinite(value) and (value > 0 or key not in DRAFTER_POSITIVE_FLOATS)):
-        raise ValueError(f"drafter.{key}: {value!r} is not a finite number > 0")
+        raise UserError(f"drafter.{key}: {value!r} is not a finite number > 0")
     if kind == "bool" and not isinstance(value, bool):
-        raise ValueError(f"drafter.{key}: {value!r} is not true or false")
+        raise UserError(f"drafter.{key}: {value!r} is not true or false")
     if kind in ("str", "dict") and not isinstance(value, str if kind == "str" else dict):
-        raise ValueError(f"drafter.{key}: {value!r} is not a {'string' if kind == 'str' else 'mapping'}")
+        raise UserError(f"drafter.{key}: {value!r} is not a {'string' if kind == 'str' else 'mapping'}")
 
 
 def parse_override(item: str) -> tuple[str, object]:
     import yaml
 
     if "=" not in item:
-        raise ValueError(f"override {item!r}: expected key=value (e.g. lr=3e-4)")
+        raise UserError(f"override {item!r}: expected key=value (e.g. lr=3e-4)")
     key, raw = item.split("=", 1)
     key = key.strip().lstrip("-").replace("-", "_")
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError as e:
-        raise ValueError(f"override {item!r}: the value is not YAML ({getattr(e, 'problem', None) or e}); quote "
-                         f"it, e.g. {key}='\"{raw}\"'") from None
+        raise UserError(f"override {item!r}: the value is not YAML ({getattr(e, 'problem', None) or e}); quote "
+                        f"it, e.g. {key}='\"{raw}\"'") from None
     return key, value
 
 
@@ -249,7 +249,7 @@ def read_recipe(recipe: str) -> dict:
 
     path = Path(recipe)
     if not path.is_file():
-        raise FileNotFoundError(f"recipe {recipe}: no such file (see recipes/*.yaml)")
+        raise UserError(f"recipe {recipe}: no such file (see recipes/*.yaml)")
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8-sig")) or {}
     except UnicodeDecodeError as e:
@@ -271,44 +271,44 @@ def read_recipe(recipe: str) -> dict:
 
 def coerce(value, kind: str, name: str):
     """``value`` as a TrainConfig field of type ``kind`` (YAML reads 6e-4 as a string; an int field takes 4 but
-    not 4.7 or true); ValueError naming the field when it is not one."""
+    not 4.7 or true); UserError naming the field when it is not one."""
     if kind == "str" and isinstance(value, bool):  # YAML 1.1 reads an unquoted no / yes as a boolean
         return "no" if value is False else "yes"
     if kind == "str":
         if isinstance(value, (list, dict)):
-            raise ValueError(f"{name}: {value!r} is not a string")
+            raise UserError(f"{name}: {value!r} is not a string")
         return str(value)  # a run_name of 2024 is YAML's number
     if kind == "bool":
         if isinstance(value, bool) or value in (0, 1):
             return bool(value)
-        raise ValueError(f"{name}: {value!r} is not a boolean; use true or false")
+        raise UserError(f"{name}: {value!r} is not a boolean; use true or false")
     if kind in ("list", "dict"):
         if kind == "list" and isinstance(value, tuple):
             return list(value)
         if name == "data" and isinstance(value, str) or isinstance(value, list if kind == "list" else dict):
             return value
         example = "[1, 9, 17]" if kind == "list" else "{key: value}"
-        raise ValueError(f"{name}: {value!r} is not a {kind}; write it as YAML, e.g. {name}={example}")
+        raise UserError(f"{name}: {value!r} is not a {kind}; write it as YAML, e.g. {name}={example}")
     noun = "a float" if kind == "float" else "an int"
     if kind in ("int", "int | None", "float") and isinstance(value, bool):
-        raise ValueError(f"{name}: {value!r} is not {noun}")
+        raise UserError(f"{name}: {value!r} is not {noun}")
     try:
         if kind == "float":
             number = float(value)
             if not math.isfinite(number):
-                raise ValueError(f"{name}: {value!r} is not a finite number")
+                raise UserError(f"{name}: {value!r} is not a finite number")
             return number
         if kind in ("int", "int | None"):
             number = float(value) if isinstance(value, (float, str)) else value
             if isinstance(number, float) and not number.is_integer():
-                raise ValueError(f"{name}: {value!r} is not a whole number")
+                raise UserError(f"{name}: {value!r} is not a whole number")
             return int(number)
     except (TypeError, OverflowError):
-        raise ValueError(f"{name}: {value!r} is not {noun}") from None
+        raise UserError(f"{name}: {value!r} is not {noun}") from None
     except ValueError as e:
         if str(e).startswith(f"{name}: "):
             raise
-        raise ValueError(f"{name}: {value!r} is not {noun}") from None
+        raise UserError(f"{name}: {value!r} is not {noun}") from None
     return value
 
 
@@ -324,7 +324,7 @@ def load_config(recipe: str | None = None, overrides: list[str] | tuple = (), **
     for item in overrides:
         key, value = parse_override(item)
         if key not in known:
-            raise ValueError(f"override {item!r}: unknown field {key!r}; the fields are listed in train/config.py")
+            raise UserError(f"override {item!r}: unknown field {key!r}; the fields are listed in train/config.py")
         values[key] = value
         origin.pop(key, None)
     values.update(kwargs)
@@ -338,6 +338,6 @@ def load_config(recipe: str | None = None, overrides: list[str] | tuple = (), **
             values[f.name] = coerce(values[f.name], str(f.type), f.name)
             if f.name == "drafter":
                 check_drafter_fields(values["drafter"], values.get("drafter_architecture", "dflash"))
-        except ValueError as e:
+        except UserError as e:  # named with the recipe file the value came from
             raise UserError(f"{prefix}{e}") from None
     return TrainConfig(**values)

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from dflashkit.drafter.modeling_dflash import FLEX_TILE
+from dflashkit.errors import UserError
 
 from .anchors import anchor_count, eval_anchors, sample_anchors, sample_generator
 
@@ -172,16 +173,16 @@ def collate_blocks(samples: list[dict], *, block_size: int, mask_token_id: int, 
         ids, mask, hidden = s["input_ids"].reshape(-1), s["loss_mask"].reshape(-1), s["hidden"]
         last = s.get("last_hidden") if use_last_hidden else None
         if use_last_hidden and last is None:
-            raise ValueError(f"sample {index} has no last_hidden: the kl loss needs shards extracted with "
-                             f"last_hidden; re-extract, or use loss=dpace (the default) or ce")
+            raise UserError(f"sample {index} has no last_hidden: the kl loss needs shards extracted with "
+                            f"last_hidden; re-extract, or use loss=dpace (the default) or ce")
         if max_length and ids.numel() > max_length:
             ids, mask, hidden = ids[:max_length], mask[:max_length], hidden[:max_length]
             last = None if last is None else last[:max_length]
         if check_finite:
             for name, t in (("hidden", hidden), ("last_hidden", last)):
                 if t is not None and not torch.isfinite(t).all():
-                    raise ValueError(f"sample {index}: NaN or Inf in the stored features (field {name}); "
-                                     f"re-extract that shard (dflashkit verify names it)")
+                    raise UserError(f"sample {index}: NaN or Inf in the stored features (field {name}); "
+                                    f"re-extract that shard (dflashkit verify names it)")
         if fixed_anchors:
             anchors = eval_anchors(mask, block_size, num_anchors, seed, index)
         else:
@@ -215,8 +216,8 @@ def pack_order(order: list[int], lengths, micro_batch_tokens: int, max_length: i
 def split_indices(num_samples: int, eval_samples: int, seed: int) -> tuple[list[int], list[int]]:
     """(train, held-out) sample indices; the held-out set is fixed by the seed."""
     if eval_samples >= num_samples:
-        raise ValueError(f"eval_samples={eval_samples} leaves no training data ({num_samples} samples); "
-                         f"lower eval_samples")
+        raise UserError(f"eval_samples={eval_samples} leaves no training data ({num_samples} samples); "
+                        f"lower eval_samples")
     perm = torch.randperm(num_samples, generator=sample_generator(seed, 0xE7A1)).tolist()
     return sorted(perm[eval_samples:]), sorted(perm[:eval_samples])
 
@@ -235,8 +236,8 @@ def rank_slots(order: list, start: int, world_size: int, grad_accum: int, rank: 
     whatever ``order`` holds (a sample index, or a list of them from ``pack_order``)."""
     per_step = world_size * grad_accum
     if start % per_step:
-        raise ValueError(f"resume position {start} is not a multiple of world_size*grad_accum={per_step}; "
-                         f"resume with the world size, grad_accum and micro_batch_tokens of the checkpointed run")
+        raise UserError(f"resume position {start} is not a multiple of world_size*grad_accum={per_step}; "
+                        f"resume with the world size, grad_accum and micro_batch_tokens of the checkpointed run")
     out = []
     for base in range(start, len(order), per_step):
         for j in range(grad_accum):

@@ -11,17 +11,54 @@ Design choices:
   there (train/metrics.py reduces them for a log line).
 - A DFlash2 drafter computes its selector's teacher-forced scores inside the same forward (so DDP and FSDP see
   every parameter used there), unless the selector's term has weight 0 (``selector=False``): then neither the
-  scores nor their extra lm_head pass are computed (train/selector_loss.py).
+  scores nor their extra lm_head pass are computed (train/selector_loss.py). Which kind has which extra term is
+  ``EXTRA_LOSS_TERMS``, keyed by ``DrafterConfig.architecture`` like drafter/kinds.py's ``KINDS``.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 import torch
+
+from dflashkit.drafter.kinds import KINDS, drafter_kind
+from dflashkit.errors import UserError
 
 from .block_mask import build_block_masks
 from .data import PackedBlocks
 from .loss import BlockLossOutput, block_loss
-from .selector_loss import predecessor_ids, selector_loss
+from .selector_loss import SelectorLossOutput, predecessor_ids, selector_loss
+
+
+@dataclass(frozen=True)
+class ExtraLossTerm:
+    """A drafter kind's training term beside the block loss, computed from the same forward call."""
+
+    # (head, batch, labels [N, B-1], chunk_tokens) -> the keyword arguments the drafter's forward takes for it
+    forward_inputs: Callable[..., dict]
+    # (what the forward returned for it, labels, valid [N, B-1], gamma) -> the term (out.selector)
+    loss: Callable[..., SelectorLossOutput]
+
+
+def selector_forward_inputs(head, batch: PackedBlocks, labels: torch.Tensor, chunk_tokens: int) -> dict:
+    """DFlash2: what its forward needs to score the candidate selector teacher-forced (the frozen lm_head, the
+    true token before each draft position)."""
+    bias = head.lm_head.bias
+    return {"selector_targets": dict(lm_head_weight=head.lm_head.weight.detach(), chunk_tokens=chunk_tokens,
+                                     lm_head_bias=None if bias is None else bias.detach(),
+                                     predecessor_ids=predecessor_ids(batch.block_ids, labels))}
+
+
+def selector_term(scored, labels: torch.Tensor, valid: torch.Tensor, gamma: float) -> SelectorLossOutput:
+    """DFlash2: the selector's term from the (scores, candidate_ids) its forward returned."""
+    scores, candidates = scored
+    return selector_loss(scores, candidates, labels, valid, gamma)
+
+
+# each drafter kind's extra term, keyed like drafter/kinds.py's KINDS; None: the block loss alone
+EXTRA_LOSS_TERMS = {"dflash": None, "dflash2": ExtraLossTerm(selector_forward_inputs, selector_term)}
+assert set(EXTRA_LOSS_TERMS) == set(KINDS), "every drafter kind needs its entry in EXTRA_LOSS_TERMS"
 
 
 def mask_backend(attention: str, device: torch.device) -> str:
@@ -50,20 +87,19 @@ def compile_layers(model, dynamic: bool | None = True) -> None:
 
 
 def draft_hidden(model, head, batch: PackedBlocks, *, block_size: int, layer_types: list[str],
-                 sliding_window: int | None, backend: str = "dense", selector_targets: dict | None = None,
+                 sliding_window: int | None, backend: str = "dense", extra_inputs: dict | None = None,
                  causal: bool = False):
     """The drafter's final hidden states at draft positions 1..B-1 of every block: [N, B-1, H]; with
-    ``selector_targets`` (DFlash2) also the selector's (scores, candidate_ids) from the same forward."""
+    ``extra_inputs`` (an extra loss term's forward arguments) also what the forward returned for that term."""
     n = batch.anchors.numel()
     mask = build_block_masks(batch.anchors, batch.ctx_len, block_size, layer_types, sliding_window, backend,
                              context_start=batch.context_start, causal=causal)
     noise = head.embed(batch.block_ids)
-    extra = {} if selector_targets is None else {"selector_targets": selector_targets}
     hidden = model(position_ids=batch.position_ids, attention_mask=mask, noise_embedding=noise,
-                   target_hidden=batch.target_hidden, **extra)
-    if selector_targets is not None:
-        hidden, scores = hidden
-        return hidden.view(n, block_size, -1)[:, 1:], scores
+                   target_hidden=batch.target_hidden, **(extra_inputs or {}))
+    if extra_inputs:
+        hidden, extra = hidden
+        return hidden.view(n, block_size, -1)[:, 1:], extra
     return hidden.view(n, block_size, -1)[:, 1:]
 
 
@@ -74,8 +110,8 @@ def target_argmax_labels(head, batch: PackedBlocks, chunk_tokens: int = 2048) ->
     taken once per context row (fewer rows than labels), in the lm_head's dtype as the ``kl`` teacher's, then
     compared in fp32."""
     if batch.last_hidden is None:
-        raise ValueError("labels=target_argmax needs the target's last_hidden in every micro-batch; extract the "
-                         "shards with --store-last-hidden, train online, or use labels=data")
+        raise UserError("labels=target_argmax needs the target's last_hidden in every micro-batch; extract the "
+                        "shards with --store-last-hidden, train online, or use labels=data")
     weight, bias = head.lm_head.weight, head.lm_head.bias
     rows = batch.last_hidden
     choice = torch.empty(rows.shape[0], dtype=torch.long, device=rows.device)
@@ -95,21 +131,18 @@ def forward_blocks(model, head, batch: PackedBlocks, *, block_size: int, layer_t
     ``selector=False``: a DFlash2 drafter's selector term is not computed (``out.selector`` is None);
     ``causal``: a causal-in-block drafter's mask (train/block_mask.py)."""
     targets = target_argmax_labels(head, batch, chunk_tokens) if labels == "target_argmax" else batch.labels
-    # DFlash2: + the selector term
-    dflash2 = selector and hasattr(getattr(model, "module", model), "candidate_selector")
-    sel = None if not dflash2 else dict(lm_head_weight=head.lm_head.weight.detach(), chunk_tokens=chunk_tokens,
-                                        lm_head_bias=None if head.lm_head.bias is None else head.lm_head.bias.detach(),
-                                        predecessor_ids=predecessor_ids(batch.block_ids, targets))
+    term = EXTRA_LOSS_TERMS[drafter_kind(model).architecture] if selector else None  # DFlash2: the selector's
+    extra_inputs = None if term is None else term.forward_inputs(head, batch, targets, chunk_tokens)
     hidden = draft_hidden(model, head, batch, block_size=block_size, layer_types=layer_types,
-                          sliding_window=sliding_window, backend=backend, selector_targets=sel, causal=causal)
-    if dflash2:
-        hidden, (scores, candidates) = hidden
+                          sliding_window=sliding_window, backend=backend, extra_inputs=extra_inputs, causal=causal)
+    if term is not None:
+        hidden, extra = hidden
     teacher = None
     if variant == "kl":
         teacher = batch.last_hidden[batch.teacher_index]  # stored after the target's final norm
     out = block_loss(hidden, head.lm_head.weight, targets, batch.valid, variant=variant, gamma=gamma,
                      dpace_alpha=dpace_alpha, kl_weight=kl_weight, teacher_hidden=teacher,
                      lm_head_bias=head.lm_head.bias, chunk_tokens=chunk_tokens, fused=fused_loss)
-    if dflash2:
-        out.selector = selector_loss(scores, candidates, targets, batch.valid, gamma)
+    if term is not None:
+        out.selector = term.loss(extra, targets, batch.valid, gamma)
     return out

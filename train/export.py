@@ -45,8 +45,8 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
         return path
     found = latest_checkpoint(path, warn=lambda msg: print(msg))
     if found is None:
-        raise FileNotFoundError(f"{path}: neither a checkpoint (checkpoint.json) nor a run directory with complete "
-                                f"checkpoints under {path}/checkpoints")
+        raise UserError(f"{path}: neither a checkpoint (checkpoint.json) nor a run directory with complete "
+                        f"checkpoints under {path}/checkpoints")
     return found
 
 
@@ -57,7 +57,7 @@ def load_checkpoint_drafter(path: str | os.PathLike, dtype: torch.dtype = torch.
     path = resolve_checkpoint(path)
     problem = verify_checkpoint(path)
     if problem is not None:
-        raise ValueError(f"checkpoint {path} cannot be exported: {problem}")
+        raise UserError(f"checkpoint {path} cannot be exported: {problem}")
     state = check_trainer_state(read_trainer_state(path), path, fields=("drafter_config",))
     dcfg = DrafterConfig.from_json_dict(state["drafter_config"], source=f"{path}/trainer.json")
     model = build_drafter(dcfg)
@@ -68,8 +68,8 @@ def load_checkpoint_drafter(path: str | os.PathLike, dtype: torch.dtype = torch.
                         f"exported: export an earlier checkpoint")
     expected = {k for k in model.state_dict() if not k.startswith("rotary_emb.")}
     if set(weights) != expected:
-        raise ValueError(f"{path}/model.safetensors: tensors {sorted(set(weights) ^ expected)[:6]} do not match the "
-                         f"drafter_config in trainer.json")
+        raise UserError(f"{path}/model.safetensors: tensors {sorted(set(weights) ^ expected)[:6]} do not match the "
+                        f"drafter_config in trainer.json")
     model.load_state_dict(weights, strict=False)
     return model.to(dtype).eval()
 

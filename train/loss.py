@@ -52,6 +52,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from dflashkit.errors import UserError
+
 VARIANTS = ("ce", "dpace", "kl")
 
 
@@ -229,11 +231,11 @@ def block_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch
     if variant not in VARIANTS:
         raise ValueError(f"loss variant must be one of {VARIANTS}, got {variant!r}")
     if variant == "kl" and teacher_hidden is None:
-        raise ValueError("loss variant 'kl' needs last_hidden in the shards (extract with --store-last-hidden)")
+        raise UserError("loss variant 'kl' needs last_hidden in the shards (extract with --store-last-hidden)")
     if not 0.0 <= kl_weight <= 1.0:
-        raise ValueError(f"kl_weight must be in [0, 1], got {kl_weight}")
+        raise UserError(f"kl_weight must be in [0, 1], got {kl_weight}")
     if variant == "dpace" and not 0.0 < dpace_alpha <= 1.0:
-        raise ValueError(f"dpace_alpha must be in (0, 1], got {dpace_alpha}")
+        raise UserError(f"dpace_alpha must be in (0, 1], got {dpace_alpha}")
     obj = objective(variant, float(dpace_alpha), float(kl_weight))
     p = hidden.shape[1]
     chunk = max(1, int(chunk_tokens) // max(1, p))

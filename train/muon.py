@@ -29,6 +29,8 @@ import math
 
 import torch
 
+from dflashkit.errors import UserError
+
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # the quintic of Jordan et al.: fast growth of small singular values
 NS_STEPS = 5  # Newton-Schulz iterations per update
 RMS_MATCH = 0.2  # Moonlight: update * 0.2 * sqrt(max(m, n)) has AdamW's update RMS
@@ -54,8 +56,8 @@ def newton_schulz(g: torch.Tensor, steps: int = NS_STEPS, eps: float = 1e-7) -> 
 def check_backend(backend_name: str) -> None:
     """Refuse the backends that hand the optimizer sharded or flattened matrices (accelerate's names)."""
     if backend_name in ("FSDP", "DEEPSPEED"):
-        raise ValueError(f"optimizer=muon needs whole weight matrices on every rank, and {backend_name} shards or "
-                         f"flattens them; use the DDP accelerate config, or optimizer=adamw")
+        raise UserError(f"optimizer=muon needs whole weight matrices on every rank, and {backend_name} shards or "
+                        f"flattens them; use the DDP accelerate config, or optimizer=adamw")
 
 
 def never_decayed(name: str, p) -> bool:
@@ -112,8 +114,8 @@ class Muon(torch.optim.Optimizer):
             if p.grad is None:
                 continue
             if p.ndim != 2:
-                raise ValueError(f"optimizer=muon got a parameter of shape {tuple(p.shape)} in a Muon group: the "
-                                 f"backend flattened or sharded it (FSDP, DeepSpeed ZeRO); use optimizer=adamw there")
+                raise UserError(f"optimizer=muon got a parameter of shape {tuple(p.shape)} in a Muon group: the "
+                                f"backend flattened or sharded it (FSDP, DeepSpeed ZeRO); use optimizer=adamw there")
             state = self.state[p]
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32)

@@ -25,10 +25,13 @@ Design choices:
 
 from __future__ import annotations
 
+from contextlib import ExitStack
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from dflashkit.errors import UserError
 
 FEATURE_DTYPE = torch.bfloat16  # what shards store and the drafter reads
 
@@ -38,7 +41,7 @@ def resolve_target_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if name not in ("bfloat16", "float16", "float32"):
-        raise ValueError(f"target_dtype: {name!r}; use auto, bfloat16, float16 or float32")
+        raise UserError(f"target_dtype: {name!r}; use auto, bfloat16, float16 or float32")
     return getattr(torch, name)
 
 
@@ -50,9 +53,9 @@ def check_drafter_matches_target(dcfg, target) -> None:
                       ("vocab_size", target.vocab_size)):
         mine = getattr(dcfg, key, None)
         if mine is not None and int(mine) != int(live):
-            raise ValueError(f"{key}: the target {target.path} has {key}={live} but the drafter config has "
-                             f"{key}={mine}; train with the target the drafter was built for, or start a new "
-                             f"drafter (drop init_from)")
+            raise UserError(f"{key}: the target {target.path} has {key}={live} but the drafter config has "
+                            f"{key}={mine}; train with the target the drafter was built for, or start a new "
+                            f"drafter (drop init_from)")
     check_layer_ids(dcfg.target_layer_ids, target.num_layers)  # its message starts with target_layer_ids
 
 
@@ -78,9 +81,9 @@ def encode_data(specs: list[str], tokenizer, *, max_length: int | None, chat_tem
     and tokenizing. The key covers the data files (path, size, modification time), the tokenizer, the chat
     settings and the chat code itself, so any change re-encodes."""
     from dflashkit.extract.data import batching
-    from dflashkit.extract.data.chat import SKIP_REASONS, ChatConfig, check_template
+    from dflashkit.extract.data.chat import SKIP_REASONS, ChatConfig, check_template, read_chat_template
 
-    template = Path(chat_template).read_text() if chat_template else None
+    template = read_chat_template(chat_template, flag="chat_template")
     cfg = ChatConfig(max_length=max_length, overlong="truncate", template_kwargs=dict(template_kwargs),
                      chat_template=template)
     cache = Path(cache_dir) / f"{token_cache_key(specs, tokenizer, cfg, limit)}.safetensors" if cache_dir else None
@@ -107,8 +110,8 @@ def encode_data(specs: list[str], tokenizer, *, max_length: int | None, chat_tem
     say(f"online data: {len(samples)} samples, {sum(len(s.input_ids) for s in samples)} tokens from "
         f"{', '.join(specs)} (skipped: {counts}){f'; token ids read from {cache}' if cached else ''}")
     if not samples:
-        raise ValueError(f"data {specs}: no usable sample (skipped: {counts}); check the files' format "
-                         "(messages / conversations / prompt+response / text records)")
+        raise UserError(f"data {specs}: no usable sample (skipped: {counts}); check the files' format "
+                        "(messages / conversations / prompt+response / text records)")
     return samples
 
 
@@ -140,13 +143,11 @@ def token_cache_key(specs: list[str], tokenizer, cfg, limit: int | None) -> str:
 
 
 def write_token_cache(path: Path, samples: list, skipped: dict) -> None:
-    """All samples' ids and masks as flat arrays with offsets; written to a temporary name, then renamed."""
+    """All samples' ids and masks as flat arrays with offsets, written durably (dflashkit/files.py)."""
     import json
-    import os
+    from functools import partial
 
-    from safetensors.numpy import save_file
-
-    from dflashkit.outputs import honour_umask
+    from dflashkit.files import atomic_write_with
 
     lengths = np.array([len(s.input_ids) for s in samples], dtype=np.int64)
     arrays = {"input_ids": np.concatenate([s.input_ids for s in samples]).astype(np.int32),
@@ -154,10 +155,19 @@ def write_token_cache(path: Path, samples: list, skipped: dict) -> None:
               "offsets": np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
               "index": np.array([s.index for s in samples], dtype=np.int64)}
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    save_file(arrays, str(tmp), metadata={"skipped": json.dumps(skipped), "format": str(TOKEN_CACHE_FORMAT)})
-    honour_umask(tmp)  # save_file writes 0600; the run's other files follow the umask
-    os.replace(tmp, path)
+    metadata = {"skipped": json.dumps(skipped), "format": str(TOKEN_CACHE_FORMAT)}
+    atomic_write_with(path, partial(_save_arrays, arrays=arrays, metadata=metadata))
+
+
+def _save_arrays(path: Path, arrays: dict[str, np.ndarray], metadata: dict[str, str]) -> None:
+    """safetensors' ``save_file`` for numpy arrays, the file's mode following the umask (save_file makes it 0600;
+    the run's other files follow the umask)."""
+    from safetensors.numpy import save_file
+
+    from dflashkit.outputs import honour_umask
+
+    save_file(arrays, str(path), metadata=metadata)
+    honour_umask(path)
 
 
 def read_token_cache(path: Path, say=print):
@@ -183,7 +193,9 @@ def read_token_cache(path: Path, say=print):
 
 
 class OnlineFeatures(torch.utils.data.Dataset):
-    """Samples with features from the live target: ``ds[i]`` -> the dict a ``ShardDataset`` returns."""
+    """Samples with features from the live target: ``ds[i]`` -> the dict a ``ShardDataset`` returns. A context
+    manager: the capture hooks are on the target inside ``with OnlineFeatures(...) as ds`` (or while an ExitStack
+    holds it: the trainer's), and removed on leaving it, whatever ends it."""
 
     def __init__(self, target, samples: list, target_layer_ids, *, store_last_hidden: bool, batch_tokens: int,
                  device):
@@ -193,7 +205,8 @@ class OnlineFeatures(torch.utils.data.Dataset):
         self.store_last_hidden = bool(store_last_hidden)
         self.has_last_hidden = self.store_last_hidden  # the ShardDataset attribute the trainer reads
         self.batch_tokens = int(batch_tokens)
-        self.capture = LayerCapture(target, target_layer_ids, store_last_hidden=store_last_hidden).__enter__()
+        self.capture = LayerCapture(target, target_layer_ids, store_last_hidden=store_last_hidden)
+        self._hooks = ExitStack()  # holds the capture's hooks while this dataset is entered
         self._plan: list[int] = []
         self._pos = 0
         self._cache: dict[int, dict] = {}
@@ -202,8 +215,12 @@ class OnlineFeatures(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.samples)
 
-    def close(self) -> None:
-        self.capture.__exit__(None, None, None)
+    def __enter__(self) -> "OnlineFeatures":
+        self._hooks.enter_context(self.capture)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.close()
 
     def plan(self, indices: list[int]) -> None:
         """The order in which the sample indices will be read (one epoch's share of this rank)."""
@@ -264,8 +281,8 @@ def open_online(cfg, device, compute_dtype: torch.dtype, say=print, rank: int = 
     from dflashkit.targets.loading import load_target, load_target_head
 
     if not cfg.target:
-        raise ValueError("target: online training (data=...) needs the target to run; pass --target (an HF "
-                         "directory, a .gguf file or testbed:smollm2)")
+        raise UserError("target: online training (data=...) needs the target to run; pass --target (an HF "
+                        "directory, a .gguf file or testbed:smollm2)")
     from dflashkit.extract.data.sources import check_has_records
 
     check_has_records(list(cfg.data))  # an empty data file stops here, before the target is loaded

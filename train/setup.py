@@ -25,11 +25,13 @@ from __future__ import annotations
 
 import math
 import os
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from dflashkit.drafter.kinds import drafter_kind
 from dflashkit.errors import UserError
 
 from .checkpoint import load_checkpoint
@@ -119,8 +121,8 @@ def verify_shards(shard_dir: str, rank: int, world: int) -> None:
     for k in range(rank, len(files), world):
         problems += [f"{files[k]}: {p}" for p in check_shard(files[k], manifest["shards"][k], manifest)]
     if problems:
-        raise ValueError("refusing to train on damaged shards:\n  " + "\n  ".join(problems) +
-                         f"\nre-extract them (`dflashkit verify {shard_dir}` lists every problem)")
+        raise UserError("refusing to train on damaged shards:\n  " + "\n  ".join(problems) +
+                        f"\nre-extract them (`dflashkit verify {shard_dir}` lists every problem)")
 
 
 def target_identity(head) -> dict:
@@ -203,9 +205,10 @@ def build_optimizer(cfg: TrainConfig, model, backend_name: str) -> torch.optim.O
                              eps=cfg.adam_eps)
 
 
-def setup(cfg: TrainConfig, start: Start) -> TrainRun:
+def setup(cfg: TrainConfig, start: Start, resources: ExitStack) -> TrainRun:
     """Build the run ``cfg`` describes from ``start`` (train/run_dir.start_of_run: the checkpoint it resumes and
-    the init_from drafter, both already checked)."""
+    the init_from drafter, both already checked); what the run holds open (an online run's capture hooks) is
+    entered on ``resources``, the trainer's ExitStack."""
     from accelerate.utils import set_seed
 
     from dflashkit.extract.shards.manifest import check_manifest_matches
@@ -215,8 +218,8 @@ def setup(cfg: TrainConfig, start: Start) -> TrainRun:
     # --- accelerator ------------------------------------------------------------------------------------
     online = bool(cfg.data)  # the target runs in the loop (train/online.py) instead of shards being read
     if not cfg.shards and not online:
-        raise ValueError("shards: no shard directory given; pass shards=DIR (a directory `dflashkit extract` "
-                         "wrote), or --target T --data FILE to train online")
+        raise UserError("shards: no shard directory given; pass shards=DIR (a directory `dflashkit extract` "
+                        "wrote), or --target T --data FILE to train online")
     accelerator = make_accelerator(cfg)
     configure_deepspeed(accelerator, cfg)
     say = accelerator.print
@@ -241,21 +244,24 @@ def setup(cfg: TrainConfig, start: Start) -> TrainRun:
     use_last_hidden = cfg.loss == "kl" or cfg.labels == "target_argmax"  # the target's final hidden states
     if online:
         check_drafter_matches_target(dcfg, target)
-        dataset = OnlineFeatures(target, samples, dcfg.target_layer_ids, store_last_hidden=use_last_hidden,
-                                 batch_tokens=cfg.target_batch_tokens, device=accelerator.device)
+        dataset = resources.enter_context(OnlineFeatures(target, samples, dcfg.target_layer_ids,
+                                                         store_last_hidden=use_last_hidden,
+                                                         batch_tokens=cfg.target_batch_tokens,
+                                                         device=accelerator.device))
     else:
         check_manifest_matches(manifest, dcfg, target_identity(head))
     if cfg.loss == "kl" and not dataset.has_last_hidden:
-        raise ValueError(f"loss=kl needs last_hidden in the shards of {cfg.shards}; re-extract them with "
-                         f"--store-last-hidden, or use loss=dpace (the default) or ce")
+        raise UserError(f"loss=kl needs last_hidden in the shards of {cfg.shards}; re-extract them with "
+                        f"--store-last-hidden, or use loss=dpace (the default) or ce")
     if cfg.labels == "target_argmax" and not dataset.has_last_hidden:
-        raise ValueError(f"labels=target_argmax needs last_hidden in the shards of {cfg.shards}; re-extract them "
-                         f"with --store-last-hidden, train online (--target T --data FILE), or use labels=data")
+        raise UserError(f"labels=target_argmax needs last_hidden in the shards of {cfg.shards}; re-extract them "
+                        f"with --store-last-hidden, train online (--target T --data FILE), or use labels=data")
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing = True
     selector = cfg.selector_loss_weight > 0
-    if not selector and hasattr(model, "candidate_selector"):  # DFlash2 without its selector term
-        model.candidate_selector.requires_grad_(False)
+    frozen_selector = None if selector else drafter_kind(model).selector_of(model)  # DFlash2 without its term
+    if frozen_selector is not None:
+        frozen_selector.requires_grad_(False)
 
     # --- the order of the data and the length of the run ------------------------------------------------
     train_idx, eval_idx = split_indices(len(dataset), cfg.eval_samples, cfg.seed)

@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 from dflashkit.files import pause_point
@@ -57,8 +58,18 @@ def train(cfg: TrainConfig) -> dict:
 
 
 def _train(cfg: TrainConfig, start: Start) -> dict:
-    # --- setup: data, target head, drafter, optimizer, schedule, resume (train/setup.py) -----------------
-    run = setup(cfg, start)
+    # what the run holds open (an online run's capture hooks on its target), released however the run ends
+    with ExitStack() as resources:
+        # --- setup: data, target head, drafter, optimizer, schedule, resume (train/setup.py) -------------
+        run = setup(cfg, start, resources)
+        summary = _train_run(run)
+    run.accelerator.wait_for_everyone()
+    return summary
+
+
+def _train_run(run: TrainRun) -> dict:
+    """The loop, then the final eval and save (module docstring); the tracker and bar closed however it ends."""
+    cfg = run.cfg
     tracker = Tracker(Path(cfg.output_dir), cfg.to_dict(), enabled=run.accelerator.is_main_process,
                       wandb=cfg.wandb, wandb_project=cfg.wandb_project, run_name=cfg.run_name,
                       tensorboard=cfg.tensorboard, resume_step=run.step)
@@ -79,7 +90,6 @@ def _train(cfg: TrainConfig, start: Start) -> dict:
     finally:
         bar.close()
         tracker.close()  # metrics.jsonl keeps the rows up to a divergence
-    run.accelerator.wait_for_everyone()
     return summary
 
 

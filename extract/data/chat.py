@@ -27,12 +27,13 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field
+from pathlib import Path
 
-from dflashkit.targets.chat_template import render_chat
+from dflashkit.errors import UserError
+from dflashkit.targets.chat_template import closing_token, last_special, render_chat, special_tokens
 
-# ShareGPT / OpenAI role names -> template roles
-ROLE_ALIASES = {"user": "user", "human": "user", "system": "system", "assistant": "assistant", "gpt": "assistant",
-                "chatgpt": "assistant", "bing": "assistant", "bard": "assistant", "model": "assistant"}
+from .sources import ROLE_ALIASES, conversation_fields
+
 # every reason a sample can be skipped for; the manifest counts skips under these names
 SKIP_REASONS = ("malformed_json", "not_utf8", "unknown_format", "unknown_role", "empty_content",
                 "no_assistant_turn", "no_user_turn", "too_long", "template_error")
@@ -54,12 +55,25 @@ class BadSample(Exception):
         return f"{self.where + ': ' if self.where else ''}{self.reason}: {self.detail}"
 
 
-class TemplateError(ValueError):
+class TemplateError(UserError):
     """The chat template cannot mark assistant spans (fatal from check_template; one record's from encode_record)."""
 
 
 class NoChatTemplate(TemplateError):
     """The tokenizer has no chat template and none was given."""
+
+
+def read_chat_template(path: str | None, flag: str = "--chat-template") -> str | None:
+    """The text of the Jinja file the user gave as ``flag`` (None when none was given); a file that is missing,
+    unreadable or not UTF-8 is a UserError naming it, not a traceback."""
+    if not path:
+        return None
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else type(e).__name__
+        raise UserError(f"{flag} {path}: cannot be read ({reason}); give the path of a Jinja chat template file "
+                        "(UTF-8 text)") from None
 
 
 @dataclass
@@ -73,7 +87,7 @@ class ChatConfig:
         if self.overlong not in ("truncate", "drop"):
             raise ValueError(f"overlong must be 'truncate' or 'drop', got {self.overlong!r}")
         if self.max_length is not None and self.max_length < 2:
-            raise ValueError(f"max_length must be >= 2 tokens, got {self.max_length}")
+            raise UserError(f"max_length must be >= 2 tokens, got {self.max_length}")
 
 
 @dataclass
@@ -125,9 +139,9 @@ def normalize_record(record, require_assistant: bool = True) -> tuple[str, objec
     """A record -> ("chat", messages, dropped_leading_turns) or ("text", text, 0). Raises BadSample."""
     if not isinstance(record, dict):
         raise BadSample("unknown_format", f"expected a JSON object, got {type(record).__name__}")
-    if "messages" in record or "conversations" in record:
-        key, role_key, text_key = (("messages", "role", "content") if "messages" in record
-                                   else ("conversations", "from", "value"))
+    fields = conversation_fields(record)
+    if fields is not None:
+        key, role_key, text_key = fields
         raw = record[key]
         if not isinstance(raw, list):
             raise BadSample("unknown_format", f"field {key!r} must be a list of messages")
@@ -170,25 +184,6 @@ def render(tokenizer, messages, cfg: ChatConfig, add_generation_prompt: bool = F
         raise BadSample("template_error", f"the chat template refused the conversation: {e}") from None
 
 
-def special_tokens(tokenizer) -> list[str]:
-    """Text of every special token (end-of-turn candidates), longest first."""
-    out = set(getattr(tokenizer, "all_special_tokens", []) or [])
-    for tok in (getattr(tokenizer, "added_tokens_decoder", {}) or {}).values():
-        if getattr(tok, "special", False):
-            out.add(str(tok.content if hasattr(tok, "content") else tok))
-    return sorted((t for t in out if t), key=lambda t: (-len(t), t))
-
-
-def _last_special(text: str, specials: list[str]) -> tuple[int, str] | None:
-    """(position, token) of the special token that starts last in text (longest wins a tie)."""
-    best = None
-    for s in specials:  # longest first, so a strict '>' keeps the longest at equal positions
-        pos = text.rfind(s)
-        if pos >= 0 and (best is None or pos > best[0]):
-            best = (pos, s)
-    return best
-
-
 def _shared_header(prompt_tail: str, rest: str, specials: list[str]) -> str:
     """The part of the generation prompt that the turn's header in the history shares, cut at a boundary."""
     if rest.startswith(prompt_tail):
@@ -222,7 +217,7 @@ def assistant_spans(tokenizer, messages: list[dict], cfg: ChatConfig,
         if not (full.startswith(before) and prompt.startswith(before) and alone.startswith(prompt)):
             raise TemplateError(f"turn {i} does not render as a continuation of the generation prompt before it "
                                 "(prefix renderings disagree, e.g. reasoning under a thinking-off template)")
-        found = _last_special(alone[len(prompt):], specials)
+        found = last_special(alone[len(prompt):], specials)
         if found is None:
             raise TemplateError(f"no end-of-turn special token after assistant turn {i}: the template "
                                 f"renders it as {alone[len(prompt):][-80:]!r}")
@@ -336,14 +331,12 @@ def check_template(tokenizer, cfg: ChatConfig) -> str:
 
 
 def end_of_turn_token(tokenizer, cfg: ChatConfig, specials: list[str] | None = None) -> str:
-    """The special token that closes an assistant turn under this template (the generation stop token)."""
-    specials = special_tokens(tokenizer) if specials is None else specials
-    prompt = render(tokenizer, PROBE_CONVERSATION[:1], cfg, add_generation_prompt=True)
-    alone = render(tokenizer, PROBE_CONVERSATION[:2], cfg)
-    found = _last_special(alone[len(prompt):], specials)
+    """The special token that closes an assistant turn under this template (targets/chat_template.closing_token,
+    the rule stop_token_ids ends answers with); TemplateError when there is none."""
+    found = closing_token(tokenizer, cfg.chat_template, cfg.template_kwargs, specials)
     if found is None:
         raise TemplateError("the chat template closes an assistant turn with no special token")
-    return found[1]
+    return found
 
 
 def _sha256(text: str) -> str:

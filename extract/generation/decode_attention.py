@@ -19,18 +19,9 @@ Design choices:
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-
-def triton_available(device: torch.device | str) -> bool:
-    """True when the Triton kernel can run on `device` (CUDA, or any device under TRITON_INTERPRET=1)."""
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return torch.device(device).type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+from dflashkit.targets.runtime.kernels import triton_available
 
 
 def decode_attention_reference(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor,

@@ -45,13 +45,14 @@ from collections import deque
 import numpy as np
 import torch
 
+from dflashkit.errors import UserError
 from dflashkit.targets.loading import cache_kwargs, target_parts
 from dflashkit.targets.runtime.graphs import capture_graph
+from dflashkit.targets.runtime.kernels import triton_available
 from dflashkit.targets.runtime.parts import attention_only, layer_types
 from dflashkit.targets.runtime.sampling import sample_next
 from dflashkit.targets.runtime.static_cache import AttentionSwitch
 
-from .decode_attention import triton_available
 from .slot_cache import ATTENTION_NAME, SlotCache, SlotDecode, register_slot_attention
 
 # ---------------------------------------------------------------- the generator
@@ -71,8 +72,8 @@ class SlotGenerator:
         parts = target_parts(target)  # a Target, or a bare HF model
         model = parts.model
         if not attention_only(parts):
-            raise ValueError(f"{type(model).__name__} has non-attention layers (linear attention); use Hugging "
-                             "Face generate for it")
+            raise UserError(f"{type(model).__name__} has non-attention layers (linear attention); use Hugging "
+                            "Face generate for it")
         register_slot_attention()
         self.model, self.stop_ids, self.num_slots = model, set(stop_ids), num_slots
         self.temperature, self.top_p, self.top_k = temperature, top_p, top_k

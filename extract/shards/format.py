@@ -26,6 +26,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dflashkit.errors import UserError
+
 CODECS = ("bf16", "fp8")
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 FP8_REL_ERR, FP8_ABS_ERR = 0.067, 2.2e-6  # the bound stated above (times max|x| of the token for the abs part)
@@ -100,21 +102,21 @@ def read_shard_header(path) -> tuple[dict, int, dict]:
     with open(path, "rb") as f:
         head = f.read(8)
         if len(head) < 8:
-            raise ValueError(f"{path}: {size} bytes, too short for a safetensors file (truncated)")
+            raise UserError(f"{path}: {size} bytes, too short for a safetensors file (truncated)")
         (n,) = struct.unpack("<Q", head)
         if n > min(size - 8, 100 << 20):
-            raise ValueError(f"{path}: header length {n} does not fit the file ({size} bytes): damaged or truncated")
+            raise UserError(f"{path}: header length {n} does not fit the file ({size} bytes): damaged or truncated")
         try:
             header = json.loads(f.read(n))
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ValueError(f"{path}: unreadable safetensors header ({e}): damaged") from None
+            raise UserError(f"{path}: unreadable safetensors header ({e}): damaged") from None
     meta = header.pop("__metadata__", {}) or {}
     table = {}
     for name, info in header.items():
         start, end = (8 + n + o for o in info["data_offsets"])
         if info["dtype"] not in _NP or end > size or start > end:
-            raise ValueError(f"{path}: tensor {name!r} ({info['dtype']}, bytes {start}..{end}) does not fit the "
-                             f"file ({size} bytes): truncated or damaged")
+            raise UserError(f"{path}: tensor {name!r} ({info['dtype']}, bytes {start}..{end}) does not fit the "
+                            f"file ({size} bytes): truncated or damaged")
         table[name] = (info["dtype"], tuple(info["shape"]), start, end)
     return table, size, meta
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from dflashkit.errors import UserError
 from dflashkit.files import atomic_write
 
 from .format import CODECS
@@ -53,11 +54,11 @@ def read_manifest(path) -> dict:
         parts = sorted(path.glob("manifest.rank*.json")) if path.is_dir() else []
         hint = ("only per-rank manifests are there: the extraction did not finish; run it again with --resume"
                 if parts else "not a dflashkit shard directory (run `dflashkit extract` to make one)")
-        raise FileNotFoundError(f"{file} not found: {hint}")
+        raise UserError(f"{file} not found: {hint}")
     try:
         manifest = json.loads(file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{file}: not valid JSON ({e}); the file is damaged") from None
+        raise UserError(f"{file}: not valid JSON ({e}); the file is damaged") from None
     return check_manifest(manifest, file)
 
 
@@ -72,42 +73,42 @@ def _kind(value) -> str:
 
 def _check_type(value, kind: type, where: str, fix: str) -> None:
     if isinstance(value, bool) and kind is not bool or not isinstance(value, kind):
-        raise ValueError(f"{where} is {_kind(value)} ({str(value)[:40]!r}), expected {_kind(kind())}; {fix}")
+        raise UserError(f"{where} is {_kind(value)} ({str(value)[:40]!r}), expected {_kind(kind())}; {fix}")
 
 
 def check_manifest(manifest, file) -> dict:
     """``manifest`` (parsed from ``file``) if it has the fields and types the reader and ``verify`` use; else a
-    one-line ValueError naming the file and the field. A manifest is read before any shard is opened, so a
+    one-line UserError naming the file and the field. A manifest is read before any shard is opened, so a
     damaged or foreign one stops here rather than deep inside the reader."""
     fix = "the manifest is damaged or not written by dflashkit; re-extract"
     if not isinstance(manifest, dict):
-        raise ValueError(f"{file}: the top level is {_kind(manifest)}, a manifest is an object; {fix}")
+        raise UserError(f"{file}: the top level is {_kind(manifest)}, a manifest is an object; {fix}")
     if manifest.get("schema_version") != SCHEMA_VERSION:
-        raise ValueError(f"{file}: schema_version {manifest.get('schema_version')!r}, this dflashkit reads "
-                         f"{SCHEMA_VERSION}; re-extract with this version")
+        raise UserError(f"{file}: schema_version {manifest.get('schema_version')!r}, this dflashkit reads "
+                        f"{SCHEMA_VERSION}; re-extract with this version")
     for key, kind in (("target_layer_ids", list), ("hidden_size", int), ("codec", str), ("shards", list)):
         if key not in manifest:
-            raise ValueError(f"{file}: field {key} is missing; {fix}")
+            raise UserError(f"{file}: field {key} is missing; {fix}")
         _check_type(manifest[key], kind, f"{file}: field {key}", fix)
     for k, layer in enumerate(manifest["target_layer_ids"]):
         _check_type(layer, int, f"{file}: target_layer_ids[{k}]", fix)
     if manifest["codec"] not in CODECS:
-        raise ValueError(f"{file}: codec {manifest['codec']!r} is not one of {CODECS}; {fix}")
+        raise UserError(f"{file}: codec {manifest['codec']!r} is not one of {CODECS}; {fix}")
     for k, entry in enumerate(manifest["shards"]):
         where = f"{file}: shards[{k}]"
         _check_type(entry, dict, where, fix)
         for key, kind in SHARD_FIELDS.items():
             if key not in entry:
-                raise ValueError(f"{where}.{key} is missing; {fix}")
+                raise UserError(f"{where}.{key} is missing; {fix}")
             _check_type(entry[key], kind, f"{where}.{key}", fix)
         for key in ("samples", "tokens", "bytes"):
             if entry[key] < 0:
-                raise ValueError(f"{where}.{key} is {entry[key]}, a count is never negative; {fix}")
+                raise UserError(f"{where}.{key} is {entry[key]}, a count is never negative; {fix}")
         if len(entry["sha256"]) != 64 or any(c not in "0123456789abcdef" for c in entry["sha256"]):
-            raise ValueError(f"{where}.sha256 is {entry['sha256'][:70]!r}, expected 64 hex digits; {fix}")
+            raise UserError(f"{where}.sha256 is {entry['sha256'][:70]!r}, expected 64 hex digits; {fix}")
         if len(entry["sample_indices"]) != entry["samples"]:
-            raise ValueError(f"{where}.sample_indices lists {len(entry['sample_indices'])} samples, samples says "
-                             f"{entry['samples']}; {fix}")
+            raise UserError(f"{where}.sample_indices lists {len(entry['sample_indices'])} samples, samples says "
+                            f"{entry['samples']}; {fix}")
         for i in entry["sample_indices"]:
             _check_type(i, int, f"{where}.sample_indices", fix)
     return manifest
@@ -145,7 +146,7 @@ def update_totals(manifest: dict) -> None:
 
 
 def check_manifest_matches(manifest: dict, drafter_config, target_identity: dict | None = None) -> None:
-    """Raise ValueError naming the field where shards and a drafter config (and target) disagree."""
+    """Raise UserError naming the field where shards and a drafter config (and target) disagree."""
     def get(obj, key):
         return obj.get(key) if isinstance(obj, dict) else getattr(obj, key, None)
 
@@ -156,14 +157,14 @@ def check_manifest_matches(manifest: dict, drafter_config, target_identity: dict
         if mine is None or theirs is None:
             continue
         if norm(mine) != norm(theirs):
-            raise ValueError(f"{key}: the shards were extracted with {key}={theirs} but the drafter config has "
-                             f"{key}={mine}; re-extract with matching settings or build the drafter with "
-                             f"{key}={theirs}")
+            raise UserError(f"{key}: the shards were extracted with {key}={theirs} but the drafter config has "
+                            f"{key}={mine}; re-extract with matching settings or build the drafter with "
+                            f"{key}={theirs}")
     for key in ("config_hash", "weights_hash", "tokenizer_hash"):
         mine = (target_identity or {}).get(key)
         theirs = manifest.get(key) if key == "tokenizer_hash" else manifest.get("target", {}).get(key)
         if mine and theirs and mine != theirs:
             where = key if key == "tokenizer_hash" else f"target.{key}"
-            raise ValueError(f"{where}: the shards come from a different target ({theirs[:12]}... vs this "
-                             f"target's {mine[:12]}..., extracted from {manifest.get('target', {}).get('path')}); "
-                             "train with the target the shards were extracted from, or re-extract")
+            raise UserError(f"{where}: the shards come from a different target ({theirs[:12]}... vs this "
+                            f"target's {mine[:12]}..., extracted from {manifest.get('target', {}).get('path')}); "
+                            "train with the target the shards were extracted from, or re-extract")

@@ -15,6 +15,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dflashkit.errors import UserError
+
 from .format import MappedShard, decode_features
 from .manifest import MANIFEST, read_manifest, shard_path
 
@@ -33,23 +35,23 @@ class ShardDataset(torch.utils.data.Dataset):
         self.dir = Path(path)
         self.manifest = read_manifest(self.dir)
         if not self.manifest.get("complete", False) and not allow_incomplete:
-            raise ValueError(f"{self.dir}: the extraction has not finished (manifest complete=false); finish it "
-                             "with `dflashkit extract ... --resume`, or pass allow_incomplete=True")
+            raise UserError(f"{self.dir}: the extraction has not finished (manifest complete=false); finish it "
+                            "with `dflashkit extract ... --resume`, or pass allow_incomplete=True")
         self.shards, self._starts, self._offsets = [], [], []
         lengths, indices = [], []  # in file order
         for k, entry in enumerate(self.manifest["shards"]):
             path = shard_path(self.dir, entry, k)
             if not path.exists():
-                raise FileNotFoundError(f"{path} is listed in {self.dir / MANIFEST} but missing; "
-                                        f"run `dflashkit verify {self.dir}`")
+                raise UserError(f"{path} is listed in {self.dir / MANIFEST} but missing; "
+                                f"run `dflashkit verify {self.dir}`")
             if path.stat().st_size != entry["bytes"]:
-                raise ValueError(f"{path}: {path.stat().st_size} bytes, {self.dir / MANIFEST} says "
-                                 f"{entry['bytes']} (truncated or replaced); run `dflashkit verify {self.dir}`")
+                raise UserError(f"{path}: {path.stat().st_size} bytes, {self.dir / MANIFEST} says "
+                                f"{entry['bytes']} (truncated or replaced); run `dflashkit verify {self.dir}`")
             shard = MappedShard(path)
             offsets = shard.array("offsets").astype(np.int64)
             if len(offsets) != entry["samples"] + 1:
-                raise ValueError(f"{path}: {len(offsets) - 1} samples, the manifest says {entry['samples']}; "
-                                 f"run `dflashkit verify {self.dir}`")
+                raise UserError(f"{path}: {len(offsets) - 1} samples, the manifest says {entry['samples']}; "
+                                f"run `dflashkit verify {self.dir}`")
             self._starts.append(len(lengths))
             self.shards.append(shard)
             self._offsets.append(offsets)

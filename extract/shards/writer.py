@@ -48,6 +48,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dflashkit.errors import UserError
 from dflashkit.files import atomic_write, pause_point, publish, sha256_of, unnamed_files_work, write_unnamed
 
 from .format import decode_features, encode_features, safetensors_parts
@@ -86,7 +87,7 @@ class ShardWriter:
     def __init__(self, out_dir, manifest: dict, rank: int = 0, world_size: int = 1,
                  shard_bytes: int = 512 << 20, staging_bytes: int = 4 << 30, writer_threads: int = WRITER_THREADS):
         if writer_threads < 1:
-            raise ValueError(f"writer_threads={writer_threads}: must be at least 1")
+            raise UserError(f"writer_threads={writer_threads}: must be at least 1")
         self.dir = Path(out_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.rank, self.world_size, self.shard_bytes = rank, world_size, shard_bytes

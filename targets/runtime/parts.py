@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflashkit.errors import UserError
+
 ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
 # where the text decoder (the module owning layers, embed_tokens, norm) sits inside a *ForCausalLM
 DECODER_PATHS = ("model.language_model", "model", "language_model.model")
@@ -55,9 +57,9 @@ def find_decoder(model: nn.Module) -> nn.Module:
             module = getattr(module, name, None)
         if module is not None and all(hasattr(module, a) for a in ("layers", "embed_tokens", "norm")):
             return module
-    raise ValueError(f"{type(model).__name__}: found no text decoder with `layers`, `embed_tokens` and `norm` at "
-                     f"{' or '.join('model.' + p for p in DECODER_PATHS)}; this architecture needs its own "
-                     "FAMILIES entry and layout in targets/loading.py")
+    raise UserError(f"{type(model).__name__}: found no text decoder with `layers`, `embed_tokens` and `norm` at "
+                    f"{' or '.join('model.' + p for p in DECODER_PATHS)}; this architecture needs its own "
+                    "FAMILIES entry and layout in targets/loading.py")
 
 
 def scaled_embedding(x: torch.Tensor, scale: float) -> torch.Tensor:

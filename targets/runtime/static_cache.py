@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dflashkit.errors import UserError
+
 
 class StaticKV:
     """Per-layer K/V buffers [rows, kv_heads, max_len, head_dim], allocated at each layer's first write."""
@@ -40,8 +42,8 @@ class StaticKV:
                 self.values[layer] = value.new_zeros(rows, value.shape[1], self.max_len, value.shape[3])
             except torch.cuda.OutOfMemoryError:
                 self.clear()
-                raise ValueError(f"the KV cache of {rows} x {self.max_len} tokens does not fit on {key.device}: "
-                                 f"{self.fix}") from None
+                raise UserError(f"the KV cache of {rows} x {self.max_len} tokens does not fit on {key.device}: "
+                                f"{self.fix}") from None
         return self.keys[layer], self.values[layer]
 
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor

@@ -14,6 +14,8 @@ import threading
 import pytest
 
 from dflashkit.cli import main as cli
+from dflashkit.errors import UserError
+from dflashkit.extract.data.chat import read_chat_template
 from dflashkit.extract.data.sources import iter_records
 from dflashkit.train.config import load_config
 
@@ -93,6 +95,16 @@ def test_an_empty_data_file_is_an_error_before_any_target_is_loaded(tmp_path, ca
     assert f"data {empty}: no record" in line and NO_TARGET not in line
 
 
+def test_a_chat_template_file_that_is_not_there_is_one_line(tmp_path, capsys):
+    data = write_jsonl(tmp_path / "d.jsonl", chat_records(2))
+    missing = tmp_path / "no-such-template.jinja"
+    assert cli([*extract_argv(data, tmp_path / "out"), "--chat-template", str(missing)]) == 2
+    line = error_line(capsys, "dflashkit extract")
+    assert f"--chat-template {missing}: cannot be read (No such file or directory)" in line and NO_TARGET not in line
+    with pytest.raises(UserError, match=f"chat_template {tmp_path}: cannot be read"):  # train's field: a directory
+        read_chat_template(str(tmp_path), flag="chat_template")
+
+
 # ----------------------------------------------------------------------------- servers
 def test_eval_against_a_server_that_is_not_there_is_one_line(tmp_path):
     """Nothing listens on port 9 (discard): connection refused. In a subprocess: a network call must not hang."""
@@ -150,6 +162,14 @@ def test_a_target_index_that_is_not_json_names_the_file(tmp_path):
     (target / "model.safetensors.index.json").write_text("{cut")
     with pytest.raises(ValueError, match=r"t/model\.safetensors\.index\.json: not valid JSON"):
         load_target_head(str(target))
+
+
+def test_a_target_config_that_is_not_json_names_the_file(tmp_path, capsys):
+    target = make_tiny_target(tmp_path / "t")
+    (target / "config.json").write_text('{"model_type": "llama",')  # cut
+    capsys.readouterr()  # the progress of saving the target
+    assert cli(["init-drafter", "--target", str(target), "--out", str(tmp_path / "d")]) == 2
+    assert f"{target / 'config.json'}: not valid JSON" in error_line(capsys, "dflashkit init-drafter")
 
 
 # ----------------------------------------------------------------------------- counts

@@ -17,7 +17,7 @@ def test_user_errors_are_one_line_and_exit_2(capsys):
         raise UserError("--widgets: 3 is too many; pass at most 2")
 
     def missing_file(argv):
-        raise FileNotFoundError("recipe r.yaml: no such file (see recipes/*.yaml)")
+        raise UserError("recipe r.yaml: no such file (see recipes/*.yaml)")
 
     assert run_main("dflashkit x", bad_flag, []) == 2
     assert capsys.readouterr().err == "dflashkit x: error: --widgets: 3 is too many; pass at most 2\n"
@@ -25,12 +25,16 @@ def test_user_errors_are_one_line_and_exit_2(capsys):
     assert capsys.readouterr().err == "dflashkit x: error: recipe r.yaml: no such file (see recipes/*.yaml)\n"
 
 
-def test_failures_propagate_with_their_traceback():
+@pytest.mark.parametrize("error", [RuntimeError("worker died"), ValueError("too many values to unpack"),
+                                   FileNotFoundError("/tmp/x/shard-00003.safetensors")])
+def test_failures_propagate_with_their_traceback(error, capsys):
+    # a plain ValueError or FileNotFoundError is what Python raises for bugs too: never one line and exit 2
     def crash(argv):
-        raise RuntimeError("worker died")
+        raise error
 
-    with pytest.raises(RuntimeError, match="worker died"):
+    with pytest.raises(type(error), match=str(error)):
         run_main("dflashkit x", crash, [])
+    assert capsys.readouterr().err == ""
 
 
 def test_dispatcher_and_module_entry_points_agree(capsys):

@@ -204,3 +204,22 @@ def test_regenerate_resume_refuses_a_file_it_did_not_write_and_keeps_it(tmp_path
     assert cli(["regenerate", "--target", "testbed:smollm2", "--data", data, "--out", str(folder),
                 "--no-progress"]) == 2
     assert "a directory is in the way" in one_line_error(capsys)
+
+
+@pytest.mark.parametrize("command", ["extract", "regenerate"])
+def test_resume_and_overwrite_are_one_rule_for_extract_and_regenerate(tmp_path, capsys, command):
+    """Both flags together, and an output that holds something without either, stop in one line (one check,
+    dflashkit/outputs.py: check_resume_flags), before a target is loaded."""
+    data = write_jsonl(tmp_path / "d.jsonl", chat_records(2))
+    out = tmp_path / ("out" if command == "extract" else "out.jsonl")
+    argv = [command, "--target", str(tmp_path / "no-target"), "--data", data, "--out", str(out), "--no-progress"]
+    assert cli(argv + ["--resume", "--overwrite"]) == 2
+    assert one_line_error(capsys).endswith("--resume continues what --out holds and --overwrite replaces it: pass "
+                                           "one of them")
+    if command == "extract":
+        out.mkdir(exist_ok=True)  # the run above made it for its lock
+        (out / "manifest.rank0.json").write_text("{}")
+    else:
+        out.write_text('{"index": 0, "messages": []}\n')
+    assert cli(argv) == 2
+    assert f"{out} already holds " in one_line_error(capsys)

@@ -65,7 +65,7 @@ def test_a_stray_safetensors_file_beside_model_safetensors_is_never_loaded(tmp_p
 def test_weights_under_another_name_are_not_read(tmp_path):
     d = _export(tmp_path / "d")
     os.rename(d / "model.safetensors", d / "weights.safetensors")
-    with pytest.raises(FileNotFoundError, match=r"no model\.safetensors weights \(found \['weights\.safetensors'\]"):
+    with pytest.raises(UserError, match=r"no model\.safetensors weights \(found \['weights\.safetensors'\]"):
         load_drafter(d)
 
 

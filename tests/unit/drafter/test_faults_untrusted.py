@@ -11,6 +11,7 @@ from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig
 
 from dflashkit.drafter import DrafterConfig, build_drafter, load_drafter, save_drafter
+from dflashkit.errors import UserError
 
 from support.paths import ROOT
 
@@ -87,7 +88,7 @@ def test_pickled_weights_are_refused_not_loaded(tmp_path):
     d = _export(tmp_path)
     (d / "model.safetensors").unlink()
     (d / "pytorch_model.bin").write_bytes(b"\x80\x04not really a pickle")
-    with pytest.raises(FileNotFoundError, match="pickle files are never loaded"):
+    with pytest.raises(UserError, match="pickle files are never loaded"):
         load_drafter(d)
 
 

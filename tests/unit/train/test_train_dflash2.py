@@ -22,6 +22,26 @@ def tiny_dflash2(V, H, B):
     return tiny_drafter(V, H, B, architecture="dflash2", **DFLASH2)
 
 
+def test_each_drafter_kind_trains_with_the_extra_term_registered_for_it(monkeypatch):
+    """The trainer's pass asks the kind's entry of EXTRA_LOSS_TERMS (keyed like drafter/kinds.py's KINDS),
+    never the model's attributes: DFlash2 gets its selector term, DFlash none, and an entry changed is followed."""
+    from dflashkit.drafter import KINDS
+    from dflashkit.train import drafter_pass as pass_module
+
+    assert set(pass_module.EXTRA_LOSS_TERMS) == set(KINDS) and pass_module.EXTRA_LOSS_TERMS["dflash"] is None
+    torch.manual_seed(0)
+    V, H, B = 40, 32, 4
+    head = Head(V, H, scale=1.5).double()
+    packed = collate_blocks(make_samples([14, 9], V, H, seed=1), block_size=B, mask_token_id=V - 1, num_anchors=6,
+                            seed=3, epoch=2)
+    layers = ["full_attention"] * 2
+    assert drafter_pass(tiny_drafter(V, H, B), head, packed, B, layers, None, "ce")[0].selector is None
+    dflash2 = tiny_dflash2(V, H, B)
+    assert drafter_pass(dflash2, head, packed, B, layers, None, "ce")[0].selector is not None
+    monkeypatch.setitem(pass_module.EXTRA_LOSS_TERMS, "dflash2", None)
+    assert drafter_pass(dflash2, head, packed, B, layers, None, "ce")[0].selector is None
+
+
 def test_selector_term_is_the_sum_of_per_sequence_terms_and_trains_the_selector():
     torch.manual_seed(0)
     V, H, B = 40, 32, 4

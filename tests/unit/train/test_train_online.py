@@ -75,14 +75,15 @@ def test_online_features_equal_the_extracted_ones_with_layer_l_minus_1(chat_run)
                           limit=None, tokenize_workers=0, say=lambda _: None)
     stored = ShardDataset(shards)
     assert len(samples) == len(stored) == 14  # the two bad lines are skipped on both paths
-    alone = OnlineFeatures(target, samples, LAYERS, store_last_hidden=True, batch_tokens=1, device="cpu")
-    one = [alone[i] for i in range(len(samples))]
-    alone.close()  # one capture on a target at a time
-    batched = OnlineFeatures(target, samples, LAYERS, store_last_hidden=True, batch_tokens=4096, device="cpu")
-    order = list(range(len(samples)))[::-1]
-    batched.plan(order)
+    with OnlineFeatures(target, samples, LAYERS, store_last_hidden=True, batch_tokens=1, device="cpu") as alone:
+        one = [alone[i] for i in range(len(samples))]  # one capture on a target at a time
+    with OnlineFeatures(target, samples, LAYERS, store_last_hidden=True, batch_tokens=4096, device="cpu") as batched:
+        order = list(range(len(samples)))[::-1]
+        batched.plan(order)
+        many = {i: batched[i] for i in order}
+        assert len(batched._cache) > 1  # the planned reads really ran batched
     for i in order:
-        want, a, b = stored[i], one[i], batched[i]
+        want, a, b = stored[i], one[i], many[i]
         assert a["sample_index"] == b["sample_index"] == want["sample_index"]
         assert torch.equal(a["input_ids"], want["input_ids"]) and torch.equal(a["loss_mask"], want["loss_mask"])
         assert a["hidden"].dtype == want["hidden"].dtype == torch.bfloat16
@@ -92,8 +93,6 @@ def test_online_features_equal_the_extracted_ones_with_layer_l_minus_1(chat_run)
         for key in ("hidden", "last_hidden"):
             diff = (b[key].float() - want[key].float()).abs()
             assert (diff <= want[key].float().abs() * 2 ** -7 + 1e-6).all(), (i, key)
-    assert len(batched._cache) > 1  # the planned reads really ran batched
-    batched.close()
 
 
 @pytest.mark.parametrize("loss,packed,optimizer", [("kl", False, "adamw"), ("dpace", False, "adamw"),
@@ -334,3 +333,38 @@ def test_testbed_online_equals_offline_on_records_of_different_lengths(tmp_path)
         "testbed:smollm2", ["--data", "builtin:sharegpt", "--limit", "12"], ["builtin:sharegpt"], tmp_path, kw,
         online_kw={"data_limit": 12})
     assert len(stored) >= 8 and min(stored.lengths) < 192
+
+
+def test_an_error_inside_the_training_loop_leaves_the_process_as_it_was(chat_run, tmp_path, monkeypatch):
+    """An exception raised inside the loop of an in-process online run (the demo and tests train in-process)
+    propagates, and on its way out the run's SIGTERM / SIGINT handlers are uninstalled and the capture hooks it
+    put on the target are removed."""
+    import signal
+
+    import dflashkit.targets.loading as loading
+    import dflashkit.train.trainer as trainer
+
+    target_dir, data, _ = chat_run
+    loaded, seen = [], {}
+    load_target = loading.load_target
+
+    def recording_load_target(*args, **kwargs):
+        loaded.append(load_target(*args, **kwargs))
+        return loaded[-1]
+
+    def hooks(target) -> int:
+        return sum(len(m._forward_hooks) for m in [*target.layers, target.final_norm])
+
+    def failing_train_step(*args, **kwargs):
+        seen["hooks"] = hooks(loaded[0])  # what the loop runs under, to compare with what is left afterwards
+        seen["handlers"] = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+        raise RuntimeError("a bug inside the training loop")
+
+    monkeypatch.setattr(loading, "load_target", recording_load_target)
+    monkeypatch.setattr(trainer, "train_step", failing_train_step)
+    before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    with pytest.raises(RuntimeError, match="a bug inside the training loop"):
+        train(load_config(None, [], **overrides(tmp_path / "run", target=target_dir, data=[data])))
+    assert len(loaded) == 1 and seen["hooks"] > 0 and seen["handlers"] != before  # both were in place
+    assert hooks(loaded[0]) == 0
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
