@@ -220,16 +220,26 @@ def atomic_write(path: Path, data, pause_name: str | None = None, sha256=None) -
         finally:
             os.close(fd)
         digest = sha256.result() if sha256 is not None else sha256_of(buffers)
-        if pause_name:
-            pause_point(pause_name)
-        os.replace(tmp, path)
     except BaseException:
         if sha256 is not None:
             sha256.cancel() or sha256.exception()  # the hash thread must be done with the buffers
         tmp.unlink(missing_ok=True)
         raise
-    fsync_dir(path.parent)
+    _rename_into_place(tmp, path, pause_name)
     return digest
+
+
+def _rename_into_place(tmp: Path, path: Path, pause_name: str | None) -> None:
+    """The end every atomic write shares, once ``tmp`` holds the durable bytes: the ``pause_point`` of the crash
+    tests, the rename over ``path`` (``tmp`` removed if that fails), the directory fsynced."""
+    try:
+        if pause_name:
+            pause_point(pause_name)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
 
 
 def atomic_write_with(path: Path, write: Callable[[Path], None], pause_name: str | None = None) -> None:
@@ -241,13 +251,10 @@ def atomic_write_with(path: Path, write: Callable[[Path], None], pause_name: str
     try:
         write(tmp)
         fsync_file(tmp)
-        if pause_name:
-            pause_point(pause_name)
-        os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    fsync_dir(path.parent)
+    _rename_into_place(tmp, path, pause_name)
 
 
 def fsync_tree(directory: Path) -> None:
@@ -312,13 +319,10 @@ def publish(fd: int, path: Path, pause_name: str | None = None) -> None:
     tmp.unlink(missing_ok=True)  # a leftover of a killed run
     try:
         _link(fd, tmp)
-        if pause_name:
-            pause_point(pause_name)
-        os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    fsync_dir(path.parent)
+    _rename_into_place(tmp, path, pause_name)
 
 
 def unnamed_files_work(probe: Path) -> bool:
