@@ -31,7 +31,7 @@ outputs (context, block) that the layer concatenates; the output [1, Q, Hq*d] go
   norms, RoPE, the attention, o_proj) as the trainer runs it: float32 weights under bf16 autocast, compiled with
   ``module.compile()`` for static shapes, on the same layout and BlockMask; its own random inputs, so its
   times include the projections and it has no differences column; layer_dynamic: the same compiled with
-  dynamic=True (as train/step.compile_layers compiles the trainer's layers);
+  dynamic=True (as train/drafter_pass.compile_layers compiles the trainer's layers);
   layer_dynamic_frozen: that with an input that needs no gradient (the first drafter layer's: the noise
   embedding comes from the frozen target embedding), which the trainer compiles as a graph of its own;
   decoder_layer, decoder_layer_dynamic: the whole DFlashDecoderLayer (norms, attention, MLP: the unit the

@@ -7,9 +7,10 @@
 Defaults are the SmolLM2-135M testbed at 1,024 slots (3 K/V heads, 3 query heads each, head_dim 64, bf16) over a
 cache of --columns columns; slot positions are uniform in [0, columns) with one slot at the last column, so SDPA
 attends to every column of every slot (as the generator does when one live slot is that long) and the kernel
-reads each slot up to its own position. Rows: ms per call (mean of --iters after a warm-up), the effective K/V
-read rate of the kernel (bytes of the columns it must read / time), the ratio to SDPA and the largest difference
-from the float32 twin. --sweep also times block sizes x warps x stages of the kernel and reports the fastest.
+reads each slot up to its own position. Rows: ms per call (mean of --iters back-to-back calls after 2 warm-up
+ones), the effective K/V read rate of the kernel (bytes of the columns it must read / time), the ratio to SDPA
+and the largest difference from the float32 twin. --sweep also times block sizes x warps x stages of the kernel and
+reports the fastest.
 Without a GPU the "kernel" row is the twin (or the kernel in the interpreter under TRITON_INTERPRET=1).
 Prints a table and writes JSON (--out).
 """
@@ -18,29 +19,14 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import time
-from pathlib import Path
 
 import torch
+from common import seconds_per_call, write_json
 
 from dflashkit import launch
 from dflashkit.extract.generation.decode_attention import decode_attention, decode_attention_reference, triton_available
 from dflashkit.extract.generation.slot_cache import grouped_attention
-
-
-def timed(fn, iters: int, device: torch.device) -> float:
-    """Mean seconds per call after two warm-up calls."""
-    for _ in range(2):
-        fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    t = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return (time.perf_counter() - t) / iters
 
 
 def main(argv=None) -> dict:
@@ -63,7 +49,7 @@ def main(argv=None) -> dict:
     kernel = triton_available(device)
     if args.sweep and not kernel:
         ap.error("--sweep times the Triton kernel: run it on a GPU (or under TRITON_INTERPRET=1)")
-    dtype = getattr(torch, args.dtype)
+    dtype = launch.default_dtype(device, args.dtype)
     g = torch.Generator().manual_seed(0)
     shape = (args.slots, args.kv_heads, args.columns, args.head_dim)
     q = torch.randn(args.slots, args.kv_heads * args.group, 1, args.head_dim, generator=g).to(device, dtype)
@@ -82,12 +68,12 @@ def main(argv=None) -> dict:
 
     twin = decode_attention_reference(q, k, v, positions, scale, args.window).float()
     rows = {}
-    sdpa_s = timed(lambda: grouped_attention(None, q, k, v, mask, scaling=scale), args.iters, device)
+    sdpa_s = seconds_per_call(lambda: grouped_attention(None, q, k, v, mask, scaling=scale), args.iters, 2, device)
     rows["sdpa (masked, every column)"] = {
         "ms": sdpa_s * 1e3, "error": (grouped_attention(None, q, k, v, mask, scaling=scale)[0].float() - twin)
         .abs().max().item()}
     name = "triton kernel" if kernel else "twin (no kernel here)"
-    kernel_s = timed(lambda: decode_attention(q, k, v, positions, scale, args.window), args.iters, device)
+    kernel_s = seconds_per_call(lambda: decode_attention(q, k, v, positions, scale, args.window), args.iters, 2, device)
     rows[name] = {"ms": kernel_s * 1e3,
                   "error": (decode_attention(q, k, v, positions, scale, args.window).float() - twin).abs().max().item()}
     best = None
@@ -99,7 +85,7 @@ def main(argv=None) -> dict:
                 return decode_attention_triton(q, k, v, positions, scale, args.window, block_n=block_n,
                                                num_warps=warps, num_stages=stages)
             try:
-                seconds = timed(call, args.iters, device)
+                seconds = seconds_per_call(call, args.iters, 2, device)
             except Exception as e:  # a configuration beyond the shared memory or registers: skip it
                 print(f"block_n {block_n}, {warps} warps, {stages} stages: {type(e).__name__}")
                 continue
@@ -117,8 +103,7 @@ def main(argv=None) -> dict:
               "head_dim": args.head_dim, "columns": args.columns, "window": args.window,
               "mean_position": positions.float().mean().item(), "kv_bytes_needed": read, "rows": rows,
               "best_config": best, "date": time.strftime("%Y-%m-%d %H:%M")}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
+    write_json(args.out, result)
     print(f"decode attention, {args.slots} slots x {args.kv_heads}x{args.group} heads x d {args.head_dim}, "
           f"{args.columns} columns (mean position {result['mean_position']:.0f}), {args.dtype}, {result['device']}")
     print("| attention | ms | needed K/V GB/s | vs sdpa | max error |")

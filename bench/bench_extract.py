@@ -42,7 +42,6 @@ and writes JSON to --out.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -51,6 +50,7 @@ import time
 from pathlib import Path
 
 import torch
+from common import qwen3_8b_config, random_target, sync, timed, write_json
 
 from dflashkit import launch
 from dflashkit.extract.data.batching import real_token_index
@@ -58,45 +58,7 @@ from dflashkit.extract.run import parse_size
 from dflashkit.extract.shards.format import encode_features
 from dflashkit.extract.shards.writer import WRITER_THREADS, ShardWriter
 from dflashkit.targets.capture import LayerCapture
-from dflashkit.targets.loading import Target, load_target
-from dflashkit.targets.runtime.parts import parts_of
-
-
-def random_target(config, device, dtype, label: str) -> Target:
-    from transformers import AutoModelForCausalLM
-
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
-    return Target(**parts_of(model), tokenizer=None, path=label, model_dir=Path("."), family="qwen3")
-
-
-def qwen3_config(toy: bool):
-    from transformers import Qwen3Config
-
-    if toy:
-        return Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
-                           num_key_value_heads=2, head_dim=16, vocab_size=1000, max_position_embeddings=512,
-                           tie_word_embeddings=False)
-    return Qwen3Config(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
-                       num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
-                       rope_parameters={"rope_type": "default", "rope_theta": 1e6}, tie_word_embeddings=False)
-
-
-def sync(device: torch.device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def timed(fn, repeats: int, device: torch.device) -> list[float]:
-    fn()  # warm-up
-    sync(device)
-    out = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        sync(device)
-        out.append(time.perf_counter() - t)
-    return out
+from dflashkit.targets.loading import load_target
 
 
 def disk_ceiling(directory: Path, nbytes: int, repeats: int) -> list[float]:
@@ -178,7 +140,7 @@ def writer_only(base: Path, batch: int, seq: int, feature_dim: int, n_batches: i
             caller.append(inside)
             results["writes_ahead"] = writer.writes_ahead
 
-        results[f"writer_{codec}"] = timed(run, repeats, torch.device("cpu"))
+        results[f"writer_{codec}"] = timed(lambda i: run(), repeats, 1, "cpu")  # the first run: the warm-up
         results[f"caller_s_{codec}"] = caller[1:]
         results[f"bytes_per_run_{codec}"] = written[-1]
         results[f"disk_{codec}"] = disk_ceiling(out, written[-1], repeats)
@@ -243,8 +205,7 @@ def main(argv=None):
                               args.prior_samples, args.forward_s)
         if not args.out_dir:
             shutil.rmtree(base, ignore_errors=True)
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+        write_json(args.out, results)
         print_writer_only(results)
         print(f"wrote {args.out}")
         return
@@ -259,7 +220,7 @@ def main(argv=None):
         target = load_target(args.target, dtype=dtype, device=dev)
     else:
         label = "random:qwen3-toy" if args.toy else "random:qwen3-8b"
-        target = random_target(qwen3_config(args.toy), dev, dtype, label)
+        target = random_target(qwen3_8b_config(toy=args.toy), dev, dtype, label, family="qwen3")
     ids = args.layer_ids or sorted(set(target.default_layer_ids(5)))
     batches_cpu = [torch.randint(0, target.vocab_size, (batch, seq)) for _ in range(n_batches)]
     batches = [x.to(dev) for x in batches_cpu]
@@ -285,8 +246,8 @@ def main(argv=None):
                "writer_threads": args.writer_threads,
                "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "dtype": str(dtype),
                "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
-    results["forward"] = timed(plain, args.repeats, dev)
-    results["hidden_states"] = timed(all_states, args.repeats, dev)
+    results["forward"] = timed(lambda i: plain(), args.repeats, 1, dev)
+    results["hidden_states"] = timed(lambda i: all_states(), args.repeats, 1, dev)
     base = Path(args.out_dir or tempfile.mkdtemp(prefix="dflashkit-bench-"))
     base.mkdir(parents=True, exist_ok=True)
     for codec in ("bf16", "fp8"):
@@ -296,7 +257,7 @@ def main(argv=None):
                     hidden, _ = capture(x, mask)
                     encode_features(hidden.flatten(0, 1).index_select(0, keep), codec)
 
-        results[f"capture_{codec}"] = timed(capture_only, args.repeats, dev)
+        results[f"capture_{codec}"] = timed(lambda i: capture_only(), args.repeats, 1, dev)
         out = base / codec
         written, waited, phases = [], [], []
 
@@ -345,8 +306,7 @@ def main(argv=None):
         results[f"ratio_vs_capture_{codec}"] = tok_s[f"dflashkit_{codec}"] / tok_s[f"capture_{codec}"]
         results[f"ratio_vs_disk_ceiling_{codec}"] = (results[f"write_bytes_per_s_{codec}"]
                                                      / results[f"disk_ceiling_bytes_per_s_{codec}"])
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+    write_json(args.out, results)
     print(f"target {target.path} on {results['device']}, taps {ids}, {n_batches} batches of {batch} x {seq}, "
           f"median of {args.repeats}, {args.writer_threads} writer threads, shards written ahead (unnamed files): "
           f"{results['writes_ahead']}")

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import shutil
 import tempfile
@@ -37,10 +36,11 @@ import time
 from pathlib import Path
 
 import torch
+from common import sync, write_json
 
 from dflashkit import launch
 from dflashkit.extract.data.chat import BadSample, normalize_record, render
-from dflashkit.extract.data.sources import iter_records
+from dflashkit.extract.data.sources import iter_records, prompt_turns
 from dflashkit.extract.generation.answerers import TargetGenerator
 from dflashkit.extract.generation.generator import SlotGenerator
 
@@ -61,7 +61,8 @@ def save_toy_target(out: Path) -> None:
 
 
 def first_turn_prompts(gen: TargetGenerator, data: list[str], n: int, max_prompt_length: int) -> list[list[int]]:
-    """Token ids of the first user turn of the first `n` usable conversations."""
+    """Token ids of the first user turn (system turns before it kept: extract/data/sources.prompt_turns, the one
+    definition) of the first `n` usable conversations, rendered as regeneration renders them."""
     prompts = []
     for item in iter_records(data):
         if len(prompts) >= n:
@@ -70,22 +71,16 @@ def first_turn_prompts(gen: TargetGenerator, data: list[str], n: int, max_prompt
             continue
         try:
             kind, messages, _ = normalize_record(item.record, require_assistant=False)
-            users = [k for k, m in enumerate(messages) if m["role"] == "user"]
-            if kind != "chat" or not users:
+            turns = prompt_turns(messages) if kind == "chat" else []
+            if not turns:
                 continue
-            turn = [m for m in messages[: users[0] + 1] if m["role"] != "assistant"]
-            ids = gen.tok(render(gen.tok, turn, gen.cfg, add_generation_prompt=True),
+            ids = gen.tok(render(gen.tok, turns, gen.cfg, add_generation_prompt=True),
                           add_special_tokens=False)["input_ids"]
         except BadSample:
             continue
         if len(ids) <= max_prompt_length:
             prompts.append(ids)
     return prompts
-
-
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize(device)
 
 
 def run_slots(gen: TargetGenerator, prompts, max_new: int) -> tuple[list[list[int]], float]:
@@ -175,7 +170,7 @@ def main(argv=None) -> dict:
             gc.collect()
             if device != "cpu":
                 torch.cuda.empty_cache()
-            gen.slots = SlotGenerator(gen.target.model, gen.stop_ids, num_slots=args.batch,
+            gen.slots = SlotGenerator(gen.target, gen.stop_ids, num_slots=args.batch,
                                       cuda_graph=not args.no_cuda_graph, decode_attention="triton")
             warm_up(gen.slots, prompts, args.max_new_tokens, args.batch)
             triton_out, triton_s = run_slots(gen, prompts, args.max_new_tokens)
@@ -206,8 +201,7 @@ def main(argv=None) -> dict:
                                          "tokens_per_s": tps, "scaling": tps / result["slots"]["tokens_per_s"]}
         launch.leave_process_group()
     if rank == 0:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2))
+        write_json(args.out, result)
         print(f"target {gen.name} ({result['dtype']}, {result['device']}), {len(prompts)} prompts "
               f"(mean {result['mean_prompt_tokens']:.0f} tokens), {args.max_new_tokens} new tokens max, "
               f"{args.batch} slots" + (f"; HF: {result['hf_generate']['prompts']} prompts in batches of "

@@ -1,6 +1,13 @@
 """Training throughput and MFU of one drafter step at Qwen3-8B drafter dimensions (random weights, one GPU).
 
     python bench/bench_train_mfu.py [--out results.json] [--seq 3072 --anchors 512 --steps 10]
+    python bench/bench_train_mfu.py --toy --out /tmp/bench_train_mfu_toy.json      # CPU, the toy Qwen3, seconds
+
+The step is this script's own, on one sequence (no packing, no accelerate, ce loss): the drafter's forward,
+backward and AdamW alone at a fixed shape, as the first MFU table of BENCHMARKS.md measured them. The trainer's
+step (train/train_step.py) at these dimensions is ``bench/bench_train_throughput.py --qwen3-8b``.
+The shape is bench/common.QWEN3_8B (``--toy``: QWEN3_TOY, with a short sequence and few anchors); the device and
+dtype are dflashkit/launch.py's (this rank's GPU in bf16, else the CPU in fp32).
 
 Counted work (the useful FLOPs of a step, 2 per multiply-add):
 - drafter forward: fc over the context; per layer q/o projections and the MLP over the block tokens, k/v
@@ -15,18 +22,16 @@ measured 8192^3 bf16 matmul rate on the same GPU is printed too).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import time
 
 import torch
+from common import PEAK_BF16, matmul_rate, qwen3_8b_config, timed, write_json
 
+from dflashkit import launch
 from dflashkit.drafter import DrafterConfig, build_drafter
 from dflashkit.train.anchors import sample_anchors
 from dflashkit.train.block_mask import build_block_masks
 from dflashkit.train.loss import block_loss, loss_denominator
-
-PEAK_BF16 = 989e12
 
 
 def count_flops(cfg: DrafterConfig, seq: int, anchors: torch.Tensor, block: int, vocab: int) -> dict:
@@ -45,27 +50,13 @@ def count_flops(cfg: DrafterConfig, seq: int, anchors: torch.Tensor, block: int,
     return {"drafter_fwd": fwd, "lm_head_fwd": head, "step_total": total}
 
 
-def matmul_rate(device) -> float:
-    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-    for _ in range(3):
-        a @ b
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(10):
-        t = time.perf_counter()
-        a @ b
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
-    return 2 * 8192 ** 3 / statistics.median(times)
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser()
+    ap.add_argument("--toy", action="store_true", help="the toy Qwen3 on the CPU: 96 tokens, 8 anchors, 2 layers")
     ap.add_argument("--seq", type=int, default=3072)
     ap.add_argument("--anchors", type=int, default=512)
     ap.add_argument("--block", type=int, default=16)
-    ap.add_argument("--vocab", type=int, default=151936)
+    ap.add_argument("--vocab", type=int, default=None, help="default: the target shape's (151936)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--layers", type=int, default=5)
@@ -74,28 +65,35 @@ def main(argv=None):
     ap.add_argument("--compile", action="store_true", help="torch.compile each drafter layer")
     ap.add_argument("--out", default="bench_train_mfu.json")
     args = ap.parse_args(argv)
-    dev = torch.device("cuda")
+    if args.toy:
+        for k, v in dict(seq=96, anchors=8, block=4, layers=2, steps=2, warmup=1).items():
+            if getattr(args, k) == ap.get_default(k):
+                setattr(args, k, v)
+    dev = launch.local_device("cpu" if args.toy else None)
+    dtype = launch.default_dtype(dev)
+    gpu = dev.type == "cuda"
     torch.manual_seed(0)
-    cfg = DrafterConfig(hidden_size=4096, num_target_layers=36, vocab_size=args.vocab, intermediate_size=12288,
-                        num_hidden_layers=args.layers, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                        target_layer_ids=[1, 9, 17, 25, 33], block_size=args.block, mask_token_id=args.vocab - 1,
-                        rope_parameters={"rope_type": "default", "rope_theta": 1e6})
-    model = build_drafter(cfg, dtype=torch.bfloat16).to(dev).train()
+    target = qwen3_8b_config(toy=args.toy, **({"vocab_size": args.vocab} if args.vocab else {}))
+    vocab, H = target.vocab_size, target.hidden_size
+    taps = [1, 9, 17, 25, 33] if not args.toy else [1, 3, 5]
+    cfg = DrafterConfig.for_target(target, num_hidden_layers=args.layers, block_size=args.block,
+                                   target_layer_ids=taps, mask_token_id=vocab - 1)
+    model = build_drafter(cfg, dtype=dtype).to(dev).train()
     model.gradient_checkpointing = args.checkpointing
     if args.compile:
         for layer in model.layers:
             layer.compile(dynamic=False)
-    embed = torch.randn(args.vocab, 4096, device=dev, dtype=torch.bfloat16) * 0.02
-    lm_head = torch.randn(args.vocab, 4096, device=dev, dtype=torch.bfloat16) * 0.02
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    embed = torch.randn(vocab, H, device=dev, dtype=dtype) * 0.02
+    lm_head = torch.randn(vocab, H, device=dev, dtype=dtype) * 0.02
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=gpu)
 
     seq, B = args.seq, args.block
-    ids = torch.randint(0, args.vocab - 1, (seq,), device=dev)
+    ids = torch.randint(0, vocab - 1, (seq,), device=dev)
     loss_mask = torch.ones(seq, dtype=torch.bool)
     loss_mask[: seq // 8] = False  # a prompt
     anchors = sample_anchors(loss_mask, args.anchors, torch.Generator().manual_seed(0)).to(dev)
-    feats = torch.randn(1, seq, 5 * 4096, device=dev, dtype=torch.bfloat16)
-    mask = build_block_masks(anchors, seq, B, cfg.layer_types, backend="flex")
+    feats = torch.randn(1, seq, len(taps) * H, device=dev, dtype=dtype)
+    mask = build_block_masks(anchors, seq, B, cfg.layer_types, backend="flex" if gpu else "dense")
     offs = torch.arange(B, device=dev)
     blk_pos = (anchors[:, None] + offs).reshape(-1)
     block_ids = torch.full((anchors.numel(), B), cfg.mask_token_id, device=dev)
@@ -104,9 +102,9 @@ def main(argv=None):
     lab_pos = anchors[:, None] + offs[1:]
     valid = (lab_pos < seq) & loss_mask.to(dev)[lab_pos.clamp(max=seq - 1)]
     labels = ids[lab_pos.clamp(max=seq - 1)]
-    flops = count_flops(model.dflash, seq, anchors, B, args.vocab)
+    flops = count_flops(model.dflash, seq, anchors, B, vocab)
 
-    def step():
+    def step(i):
         noise = torch.nn.functional.embedding(block_ids.reshape(1, -1), embed)
         hidden = model(position_ids=pos, attention_mask=mask, noise_embedding=noise, target_hidden=feats)
         h = hidden.reshape(anchors.numel(), B, -1)[:, 1:]
@@ -116,28 +114,24 @@ def main(argv=None):
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    for _ in range(args.warmup):
-        step()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(args.steps):
-        t = time.perf_counter()
-        step()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
+    if gpu:
+        timed(step, 0, args.warmup, dev)  # compiled and warm before the peak memory is counted
+        torch.cuda.reset_peak_memory_stats()
+    times = timed(step, args.steps, 0 if gpu else args.warmup, dev)
     med = statistics.median(times)
-    rate = matmul_rate(dev)
+    rate = matmul_rate(dev)  # None off the GPU: no MFU against it
     res = {"step_s_median": med, "step_s_all": times, "tflops": flops["step_total"] / med / 1e12,
-           "mfu_vs_989": flops["step_total"] / med / PEAK_BF16,
-           "mfu_vs_measured_matmul": flops["step_total"] / med / rate,
-           "matmul_tflops": rate / 1e12, "peak_mem_gib": torch.cuda.max_memory_allocated() / 2 ** 30,
+           "mfu_vs_989": flops["step_total"] / med / PEAK_BF16 if gpu else None,
+           "mfu_vs_measured_matmul": flops["step_total"] / med / rate if rate else None,
+           "matmul_tflops": rate / 1e12 if rate else None,
+           "peak_mem_gib": torch.cuda.max_memory_allocated(dev) / 2 ** 30 if gpu else None,
            "tokens_per_s": seq / med, "block_tokens_per_s": anchors.numel() * B / med, "flops": flops,
-           "args": vars(args), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
-    json.dump(res, open(args.out, "w"), indent=2)
-    print(f"| step ms | TFLOP/s | MFU (989) | MFU (measured {rate/1e12:.0f}) | peak GiB | ctx tok/s |")
-    print(f"| {med*1e3:.1f} | {res['tflops']:.0f} | {res['mfu_vs_989']:.1%} | {res['mfu_vs_measured_matmul']:.1%} "
-          f"| {res['peak_mem_gib']:.1f} | {res['tokens_per_s']:.0f} |")
+           "args": vars(args), "gpu": torch.cuda.get_device_name(dev) if gpu else "cpu", "torch": torch.__version__}
+    write_json(args.out, res)
+    mfu = [f"{res[k]:.1%}" if res[k] is not None else "-" for k in ("mfu_vs_989", "mfu_vs_measured_matmul")]
+    print(f"| step ms | TFLOP/s | MFU (989) | MFU (measured {(rate or 0) / 1e12:.0f}) | peak GiB | ctx tok/s |")
+    print(f"| {med*1e3:.1f} | {res['tflops']:.0f} | {mfu[0]} | {mfu[1]} | {res['peak_mem_gib'] or 0:.1f} "
+          f"| {res['tokens_per_s']:.0f} |")
 
 
 if __name__ == "__main__":

@@ -12,13 +12,18 @@ and MFU; context tokens/s throughout (real tokens of the packed sequences, paddi
 Defaults: the testbed shape (5 drafter layers, block 16, 512 anchors, sequences of 256-1024 tokens, 8192 tokens
 per micro-batch, G=2); --qwen3-8b packs 4096 tokens per micro-batch.
 
-One optimizer step is the trainer's (train/train_step.py): G micro-batches (--grad-accum), each a packed run of
-whole sequences under --micro-batch-tokens (train/data.collate_blocks: anchors per sequence, block mask kept
-inside each sequence), the global loss denominator summed over micro-batches (and ranks), per micro-batch
-forward_blocks + backward, gradient clipping at 1.0, AdamW. Drafter fp32 master weights under bf16 autocast,
-each drafter layer torch.compile'd as the trainer does (train/step.compile_layers), and with it the fused
-(compiled) logit kernels of the loss (--no-compile: neither; --eager-loss: compiled layers, eager loss),
-flex_attention block masks.
+One optimizer step is the trainer's own: train/train_step.train_step on the objects train/setup.py builds for a
+run (a TrainConfig of this script's settings, ``make_accelerator``, ``build_model`` for the target,
+``build_optimizer``, ``accelerator.prepare``, ``compile_layers``, ``drafter_pass_options``): G micro-batches
+(--grad-accum), each a packed run of whole sequences under --micro-batch-tokens (train/data.collate_blocks: anchors
+per sequence, block mask kept inside each sequence), the step's one collective (global loss denominators, stop
+vote, non-finite flags), per micro-batch the drafter pass + backward under accelerate (bf16 autocast over fp32
+master weights on a GPU, no_sync until the last micro-batch under DDP), gradient clipping at TrainConfig's 1.0,
+AdamW at the peak lr (the schedule's factor is 1: it costs nothing). Each drafter layer is torch.compile'd as the
+trainer does (train/drafter_pass.compile_layers), and with it the fused (compiled) logit kernels of the loss
+(--no-compile: neither; --eager-loss: compiled layers, eager loss), flex_attention block masks. The device is the
+trainer's: accelerate's (this rank's GPU, else the CPU); ``--device cpu`` hides the GPUs (no other value: the
+trainer has no device setting).
 Measured, after --warmup steps (compilation included there), over --steps steps:
 - offline: the drafter step on micro-batches already collated on the device (random features, as shards
   read by DataLoader workers would arrive);
@@ -26,59 +31,62 @@ Measured, after --warmup steps (compilation included there), over --steps steps:
   layers, early exit after the deepest; the micro-batch's sequences as one right-padded batch);
 - online: what one online step does: per micro-batch the target forward, then collate_blocks on its features,
   then the drafter step; target share = target time / online time.
-- under ``accelerate launch`` (or torchrun) with W processes: first rank 0 alone (a plain drafter; the other
-  ranks wait), then all ranks with DDP; scaling = summed tokens/s of the W ranks / tokens/s of rank 0 alone.
+- under ``accelerate launch`` (or torchrun) with W processes: first rank 0 alone (the same train_step on the
+  unwrapped drafter and the run's optimizer, its collective left to rank 0; the other ranks wait), then all ranks
+  with DDP; scaling = summed tokens/s of the W ranks / tokens/s of rank 0 alone.
 FLOPs (2 per multiply-add; only real tokens and visible attention pairs count): drafter forward = fc over the
 context, per layer q/o projections and MLP over block tokens, k/v over context + block tokens, attention over
 the visible pairs; backward 2x forward, except fc (its input needs no gradient) 1x; lm_head forward + input
 gradient over the B-1 predicted positions of real blocks; target forward = every layer that runs (early exit:
 layers after the deepest tap never run and are not counted), causal attention pairs per sequence. MFU divides by
-989 TFLOP/s (H100/H200 SXM dense bf16 datasheet); the measured 8192^3 bf16 matmul rate is reported too.
+989 TFLOP/s (H100/H200 SXM dense bf16 datasheet); the measured 8192^3 bf16 matmul rate is reported too
+(bench/common.py holds both).
 ``--smollm2-shape`` builds a random-weight target of the testbed's shape (SmolLM2-135M: the same drafter and the
 same target compute as ``--target /root/testbed/smollm2-bf16``, no weights to carry). ``--layer-compile automatic``
 compiles the drafter layers as torch.compile does by default (the trainer's form until 2026-12-01; the default
-is train/step.compile_layers). ``--layer-probe FILE`` (one process) then times the first drafter layer alone
-(forward+backward, flex kernels profiled) on the inputs it received in training, on other inputs, and against
-fresh compiles of the same layer.
-``--qwen3-8b`` builds a random-weight Qwen3-8B target from its config in code (36 layers; --target-layers cuts
-it for memory, and the FLOPs then count only the layers that exist and run) and a drafter of its dimensions.
+is train/drafter_pass.compile_layers as the trainer calls it). ``--layer-probe FILE`` (one process) then times
+the first drafter layer alone (forward+backward, flex kernels profiled) on the inputs it received in training, on
+other inputs, and against fresh compiles of the same layer.
+``--qwen3-8b`` builds a random-weight Qwen3-8B target from its config in code (bench/common.QWEN3_8B, 36 layers;
+--target-layers cuts it for memory, and the FLOPs then count only the layers that exist and run) and a drafter of
+its dimensions.
+JSON: the keys of before, plus ``train_config`` (the TrainConfig fields the step reads). Since the step became
+train_step: the drafter is TrainConfig's (``causal`` false, as its default), and ``--device`` takes only ``cpu``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import os
 import statistics
-import time
 from contextlib import nullcontext
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
+from common import PEAK_BF16, matmul_rate, qwen3_8b_config, random_target, timed, write_json
 
 from dflashkit import launch
-from dflashkit.drafter import DrafterConfig, build_drafter, default_target_layer_ids
+from dflashkit.drafter import DrafterConfig, default_target_layer_ids
 from dflashkit.targets.capture import LayerCapture
 from dflashkit.targets.loading import Target, load_target
-from dflashkit.targets.runtime.parts import parts_of
+from dflashkit.train.config import TrainConfig
 from dflashkit.train.data import PackedBlocks, collate_blocks, pack_order
 from dflashkit.train.drafter_pass import compile_layers, forward_blocks, mask_backend
-from dflashkit.train.loss import loss_denominator
-
-PEAK_BF16 = 989e12
+from dflashkit.train.metrics import MetricSums
+from dflashkit.train.setup import build_model, build_optimizer, drafter_pass_options, make_accelerator
+from dflashkit.train.train_step import train_step
 
 
 # --------------------------------------------------------------------------- target, drafter, data
-def random_target(kind: str, device, dtype, layers: int | None) -> Target:
-    """A random-weight target built from a config in code: "toy" (tiny Llama), "smollm2" (the testbed's
+def target_config(kind: str, layers: int | None):
+    """The config of a random-weight target built in code: "toy" (tiny Llama), "smollm2" (the testbed's
     SmolLM2-135M shape) or "qwen3-8b"."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+    from transformers import LlamaConfig
 
     if kind == "qwen3-8b":
-        cfg = Qwen3Config(hidden_size=4096, intermediate_size=12288, num_hidden_layers=layers or 36,
-                          num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
-                          max_position_embeddings=40960, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
-                          tie_word_embeddings=False)
+        cfg = qwen3_8b_config(num_hidden_layers=layers or 36)
     elif kind == "smollm2":
         cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=layers or 30,
                           num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
@@ -87,10 +95,7 @@ def random_target(kind: str, device, dtype, layers: int | None) -> Target:
         cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=layers or 6,
                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                           tie_word_embeddings=False)
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
-    return Target(**parts_of(model), tokenizer=None, path=f"random:{kind}", model_dir=Path("."), family="")
+    return cfg
 
 
 def make_pool(n: int, min_len: int, max_len: int, vocab: int, seed: int) -> list[dict]:
@@ -140,50 +145,53 @@ def target_flops(target: Target, layer_ids: list[int], lens: list[int]) -> float
     return float(sum(runs * (2 * params * t + 4 * (t * (t + 1) // 2) * hq * hd) for t in lens))
 
 
-def matmul_rate(device) -> float | None:
-    if device.type != "cuda":
-        return None
-    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-    for _ in range(3):
-        a @ a
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(10):
-        a @ a
-    torch.cuda.synchronize()
-    return 10 * 2 * 8192 ** 3 / (time.perf_counter() - t)
-
-
 # --------------------------------------------------------------------------- steps
-def drafter_step(model, head, opt, micros, *, world, ddp, loss, autocast, common) -> None:
-    denoms = torch.stack([loss_denominator(m.valid, loss, 7.0) for m in micros]).sum()
-    if world > 1 and ddp:
-        dist.all_reduce(denoms)
-    for j, m in enumerate(micros):
-        with model.no_sync() if ddp and j < len(micros) - 1 else nullcontext():
-            with autocast():
-                out = forward_blocks(model, head, m, variant=loss, **common)
-            (out.loss_sum * (world if ddp else 1) / denoms.clamp_min(1e-12)).backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
+STEP_FIELDS = ("loss", "gamma", "dpace_alpha", "labels", "causal", "grad_accum", "max_grad_norm", "mixed_precision",
+               "optimizer", "lr", "compile", "attention", "loss_chunk_tokens", "drafter_architecture")  # in the JSON
 
 
-def timed(fn, steps: int, warmup: int, device) -> list[float]:
-    def sync():
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+def train_config(args, attention: str, compiled: bool, gpu: bool) -> TrainConfig:
+    """The TrainConfig of this script's settings (the drafter's layer ids and mask token follow the target)."""
+    return TrainConfig(num_hidden_layers=args.drafter_layers, block_size=args.block_size, num_anchors=args.num_anchors,
+                       micro_batch_tokens=args.micro_batch_tokens, grad_accum=args.grad_accum, loss=args.loss,
+                       loss_chunk_tokens=args.chunk_tokens, compile=compiled, attention=attention,
+                       mixed_precision="bf16" if gpu else "no", lr=1e-4, wandb=False, progress=False)
 
-    for i in range(warmup):
-        fn(i)
-    sync()
-    out = []
-    for i in range(warmup, warmup + steps):
-        t = time.perf_counter()
-        fn(i)
-        sync()
-        out.append(time.perf_counter() - t)
-    return out
+
+class OneProcess:
+    """The run's accelerator as rank 0 sees it when it measures alone while the other ranks wait: one process, so
+    train_step's collective stays on this rank; everything else (device, accumulation, backward, clipping) is
+    the accelerator's own."""
+
+    num_processes = 1
+
+    def __init__(self, accelerator):
+        self.accelerator = accelerator
+
+    def reduce(self, tensor, reduction="sum"):
+        return tensor
+
+    def __getattr__(self, name):
+        return getattr(self.accelerator, name)
+
+
+class Step:
+    """train/train_step.train_step with the run's objects: one optimizer step per call on the given micro-batches;
+    the previous step's non-finite flags ride in the next step's collective, as in the trainer."""
+
+    def __init__(self, model, optimizer, accelerator, head, cfg: TrainConfig, options: dict):
+        self.model, self.optimizer, self.accelerator, self.head = model, optimizer, accelerator, head
+        self.cfg, self.options = cfg, options
+        self.sums = MetricSums(options["block_size"] - 1, accelerator.device)
+        self.nonfinite = None
+
+    def __call__(self, micros: list[PackedBlocks]) -> None:
+        result = train_step(self.model, self.optimizer, self.accelerator, self.head, micros, cfg=self.cfg,
+                            lr_factor=1.0, stop_requested=False, sums=self.sums, pass_options=self.options,
+                            nonfinite=self.nonfinite)
+        if result.stopped:
+            raise RuntimeError(f"the benchmark's training diverged ({result.diverged}); its timings mean nothing")
+        self.nonfinite = result.nonfinite
 
 
 def summarize(times: list[float], tokens: list[int], flops: list[float], peak: float | None) -> dict:
@@ -225,9 +233,10 @@ def main(argv=None):
     run.add_argument("--eager-loss", action="store_true", help="the eager loss (compiled layers)")
     run.add_argument("--layer-compile", choices=("dynamic", "automatic"), default="dynamic",
                      help="dynamic: layers compiled for symbolic shapes from the start, as the trainer does "
-                          "(train/step.compile_layers); automatic: torch.compile's default (specialised, then "
+                          "(train/drafter_pass.compile_layers); automatic: torch.compile's default (specialised, then "
                           "recompiled dynamic at the next shape), the trainer's form before 2026-12-01")
-    run.add_argument("--device", default=None)
+    run.add_argument("--device", default=None, choices=("cpu",),
+                     help="cpu: hide the GPUs (otherwise the device is the trainer's: accelerate's)")
     run.add_argument("--attention", default="auto",
                      help="block attention (TrainConfig.attention): auto, flex, dense, split; a comma list (one "
                           "process) measures each in turn, e.g. flex,split")
@@ -254,36 +263,41 @@ def main(argv=None):
     if len(attentions) > 1 and launch.ranks().world_size > 1:
         ap.error("--attention with several values runs in one process only")
 
-    # --- processes, device
-    rank, world, local = launch.ranks()
-    dev = launch.local_device(args.device)
-    if dev.type == "cuda":
-        torch.cuda.set_device(dev)
-    launch.join_process_group(dev)  # several processes: rank 0 measures alone first while the others wait
-    gpu = dev.type == "cuda"
-    dtype = launch.default_dtype(dev)
-    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if gpu else nullcontext
-    compiled = gpu and not args.no_compile
+    if args.device == "cpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before anything asks CUDA (as recipe_study does for its runs)
 
-    # --- target, drafter, optimizer
+    # --- the trainer's accelerator: processes, device (train/setup.make_accelerator)
+    gpu = torch.cuda.is_available()
+    cfg = train_config(args, attentions[0], compiled=gpu and not args.no_compile, gpu=gpu)
+    accelerator = make_accelerator(cfg)  # several processes: rank 0 measures alone first while the others wait
+    rank, world = accelerator.process_index, accelerator.num_processes
+    dev = accelerator.device
+    dtype = launch.default_dtype(dev)
+    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if gpu else nullcontext  # the layer probe's
+    compiled = cfg.compile
+
+    # --- target; drafter, optimizer and pass options as train/setup.py builds them
     if args.target:
         target = load_target(args.target, dtype=dtype, device=dev)
     else:
         kind = "qwen3-8b" if args.qwen3_8b else "smollm2" if args.smollm2_shape else "toy"
-        target = random_target(kind, dev, dtype, args.target_layers)
+        target = random_target(target_config(kind, args.target_layers), dev, dtype, f"random:{kind}")
     target.model.requires_grad_(False)
     ids = args.layer_ids or default_target_layer_ids(target.num_layers, 5 if not args.toy else 3)
     vocab = target.vocab_size
-    dcfg = DrafterConfig.for_target(target.config, num_hidden_layers=args.drafter_layers, block_size=args.block_size,
-                                    target_layer_ids=ids, mask_token_id=vocab - 1)
+    cfg = dataclasses.replace(cfg, target_layer_ids=ids, mask_token_id=vocab - 1)
     torch.manual_seed(0)
-    model = build_drafter(dcfg).to(dev).train()
+    model, dcfg = build_model(cfg, {}, target)
+    optimizer = build_optimizer(cfg, model, str(accelerator.distributed_type).split(".")[-1])
+    model, optimizer = accelerator.prepare(model, optimizer)
+    plain = accelerator.unwrap_model(model)  # the drafter itself (DDP's module under several processes)
     if compiled:
-        compile_layers(model, dynamic={"dynamic": True, "automatic": None}[args.layer_compile])
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95))
-    common = dict(block_size=dcfg.block_size, layer_types=dcfg.layer_types, sliding_window=dcfg.sliding_window,
-                  backend=mask_backend(attentions[0], dev), chunk_tokens=args.chunk_tokens,
-                  fused_loss=compiled and not args.eager_loss)
+        compile_layers(plain, dynamic={"dynamic": True, "automatic": None}[args.layer_compile])
+    options = drafter_pass_options(cfg, dcfg, dev)
+    options["fused_loss"] = options["fused_loss"] and not args.eager_loss
+    # rank 0 alone (the other ranks wait), and every rank together (DDP when several)
+    single = Step(plain, optimizer, accelerator if world == 1 else OneProcess(accelerator), target, cfg, options)
+    together = Step(model, optimizer, accelerator, target, cfg, options)
     opts = dict(block_size=dcfg.block_size, mask_token_id=dcfg.mask_token_id, num_anchors=args.num_anchors,
                 seed=0, epoch=0, check_finite=False)
 
@@ -325,25 +339,21 @@ def main(argv=None):
             offline_cache[key] = collate_blocks(samples, **opts).to(dev)
         return offline_cache[key]
 
-    def measure(drafter, ddp: bool) -> dict:
+    def measure(step: Step) -> dict:
         res = {}
         modes = args.modes.split(",")
         if "offline" in modes:
-            for step in micro_of_step:
-                for m in step:
+            for micros in micro_of_step:
+                for m in micros:
                     offline_micro(m)
-            t = timed(lambda i: drafter_step(drafter, target, opt, [offline_micro(m) for m in micro_of_step[i]],
-                                             world=world, ddp=ddp, loss=args.loss, autocast=autocast, common=common),
-                      args.steps, args.warmup, dev)
+            t = timed(lambda i: step([offline_micro(m) for m in micro_of_step[i]]), args.steps, args.warmup, dev)
             res["offline"] = summarize(t, tokens, d_flops, peak)
         if "online" in modes:
             t = timed(lambda i: [features(m) for m in micro_of_step[i]], args.steps, args.warmup, dev)
             res["target"] = summarize(t, tokens, t_flops, peak)
 
             def online(i):
-                micros = [collate_blocks(features(m), **opts).to(dev, non_blocking=True) for m in micro_of_step[i]]
-                drafter_step(drafter, target, opt, micros, world=world, ddp=ddp, loss=args.loss, autocast=autocast,
-                             common=common)
+                step([collate_blocks(features(m), **opts).to(dev, non_blocking=True) for m in micro_of_step[i]])
 
             t = timed(online, args.steps, args.warmup, dev)
             res["online"] = summarize(t, tokens, [a + b for a, b in zip(d_flops, t_flops)], peak)
@@ -356,7 +366,8 @@ def main(argv=None):
                                                          "num_attention_heads", "num_key_value_heads", "head_dim",
                                                          "block_size", "vocab_size")},
                "args": vars(args), "world_size": world, "compiled": compiled, "layer_compile": args.layer_compile,
-               "fused_loss": common["fused_loss"], "mask": common["backend"],
+               "fused_loss": options["fused_loss"], "mask": options["backend"],
+               "train_config": {k: getattr(cfg, k) for k in STEP_FIELDS},
                "matmul_tflops": rate / 1e12 if rate else None, "peak_tflops": PEAK_BF16 / 1e12,
                "tokens_per_step_mean": sum(tokens) / len(tokens),
                "sequences_per_micro_batch_mean": sum(len(p) for p in packs) / len(packs),
@@ -370,9 +381,7 @@ def main(argv=None):
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
         with torch_profile(activities=acts) as prof:
             for i in range(3):
-                micros = [collate_blocks(features(m), **opts).to(dev, non_blocking=True) for m in micro_of_step[i]]
-                drafter_step(model, target, opt, micros, world=1, ddp=False, loss=args.loss, autocast=autocast,
-                             common=common)
+                single([collate_blocks(features(m), **opts).to(dev, non_blocking=True) for m in micro_of_step[i]])
             if gpu:
                 torch.cuda.synchronize()
         key = "self_cuda_time_total" if gpu else "self_cpu_time_total"
@@ -395,17 +404,17 @@ def main(argv=None):
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         from bench_block_attention import kernel_times, train_pack
 
-        first, seen = model.layers[0], {}
+        first, seen = plain.layers[0], {}
 
         class Recorder(torch.nn.Module):
             def forward(self, *a, **kw):
                 seen["args"] = a
                 return first(*a, **kw)
 
-        model.layers[0] = Recorder()
+        plain.layers[0] = Recorder()
         with autocast():
-            forward_blocks(model, target, offline_micro(micro_of_step[0][0]), variant=args.loss, **common)
-        model.layers[0] = first
+            forward_blocks(plain, target, offline_micro(micro_of_step[0][0]), variant=cfg.loss, **options)
+        plain.layers[0] = first
         block, context, cos, sin, mask = seen["args"][:5]
         g = torch.Generator(device=dev).manual_seed(5)
         rand = [torch.randn(t.shape, generator=g, device=dev, dtype=t.dtype) for t in (block, context)]
@@ -453,7 +462,7 @@ def main(argv=None):
         bcfg = Qwen3Config(hidden_size=hq * hd, num_attention_heads=hq, num_key_value_heads=hkv, head_dim=hd,
                            num_hidden_layers=1, intermediate_size=dcfg.intermediate_size)
         other = new_layer(bcfg, True, False)
-        fresh = {"static": new_layer(model.config, False, True), "dynamic": new_layer(model.config, True, True)}
+        fresh = {"static": new_layer(plain.config, False, True), "dynamic": new_layer(plain.config, True, True)}
 
         def reinit():  # nn.Linear's own init (the bench layer's) instead of N(0, 0.02), in place: run last
             for mod in first.modules():
@@ -485,45 +494,42 @@ def main(argv=None):
                 fn()
             res[name] = {"ms": statistics.median(timed(lambda i: fn(), 10, 2, dev)) * 1e3,
                          "kernels": kernel_times(fn) if gpu else {}}
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps(res, indent=2))
+        write_json(path, res)
         print(json.dumps(res, indent=1))
 
     with LayerCapture(target, ids) as capture:
         if world == 1:
-            results["single"] = measure(model, ddp=False)
+            results["single"] = measure(single)
             if args.layer_probe:
                 layer_probe(args.layer_probe)
             if args.profile:
                 profile(args.profile)
             if len(attentions) > 1:  # the same steps again with each other block attention
-                results["by_attention"] = {common["backend"]: results["single"]}
+                results["by_attention"] = {options["backend"]: results["single"]}
                 for a in attentions[1:]:
-                    common["backend"] = mask_backend(a, dev)
-                    results["by_attention"][common["backend"]] = measure(model, ddp=False)
-                common["backend"] = results["mask"]
+                    options["backend"] = mask_backend(a, dev)
+                    results["by_attention"][options["backend"]] = measure(single)
+                options["backend"] = results["mask"]
         else:
             if rank == 0:
-                results["single"] = measure(model, ddp=False)
+                results["single"] = measure(single)
                 if args.profile:
                     profile(args.profile)
             launch.barrier()
-            ddp_model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local] if gpu else None)
-            mine = measure(ddp_model, ddp=True)
+            mine = measure(together)
             results["ddp"] = {}
             for mode, r in mine.items():
                 if not isinstance(r, dict):
                     continue
-                t = torch.tensor([r["ctx_tokens_per_s"]], dtype=torch.float64, device=dev)
-                dist.all_reduce(t)
+                t = accelerator.reduce(torch.tensor([r["ctx_tokens_per_s"]], dtype=torch.float64, device=dev),
+                                       reduction="sum")
                 results["ddp"][mode] = {**r, "ctx_tokens_per_s_all_ranks": float(t)}
                 if rank == 0:
                     results["ddp"][mode]["scaling_vs_one"] = float(t) / results["single"][mode]["ctx_tokens_per_s"]
     if gpu:
         results["peak_mem_gib"] = torch.cuda.max_memory_allocated(dev) / 2 ** 30
     if rank == 0:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(results, indent=2))
+        write_json(args.out, results)
         print_table(results)
     launch.leave_process_group()
 

@@ -30,16 +30,16 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from common import run_stage, say
+
 from dflashkit.errors import UserError
+from dflashkit.train.checkpoint import latest_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 SLIDING_4_FULL_1 = "[sliding_attention,sliding_attention,sliding_attention,sliding_attention,full_attention]"
@@ -79,10 +79,6 @@ NOT_COMBINED = ("sliding_window", "extra_answers", "longer", "dflash2")
 def is_replicate(overrides) -> bool:
     """A row that only changes the seed: the default again, a measure of the noise and never a winner."""
     return bool(overrides) and all(override_key(o) == "seed" for o in overrides)
-
-
-def say(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
 def split_top_level(text: str, sep: str = ",") -> list[str]:
@@ -187,28 +183,6 @@ def combined_variants(results_json: Path, margin: float) -> dict[str, list[str]]
     return out
 
 
-def run_logged(cmd: list[str], log: Path, env: dict, time_limit: float | None) -> tuple[int, float, bool]:
-    """Run ``cmd`` with its output in ``log``; after ``time_limit`` seconds send SIGINT (training checkpoints and
-    stops, eval writes a partial report). Returns (exit status, wall seconds, stopped by the limit)."""
-    start = time.perf_counter()
-    with open(log, "w") as out:
-        out.write(" ".join(cmd) + "\n\n")
-        out.flush()
-        proc = subprocess.Popen(cmd, cwd=log.parent, env=env, stdout=out, stderr=subprocess.STDOUT)
-        stopped = False
-        try:
-            proc.wait(timeout=time_limit)
-        except subprocess.TimeoutExpired:
-            stopped = True
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(timeout=300)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-    return proc.returncode, time.perf_counter() - start, stopped
-
-
 def log_tail(log: Path, lines: int = 3) -> str:
     text = log.read_text(errors="replace").strip().splitlines()[1:] if log.is_file() else []  # [0]: the command
     return " | ".join(t for t in text if t.strip())[-600:] if len(text) <= lines else " | ".join(text[-lines:])[-600:]
@@ -235,11 +209,6 @@ def train_numbers(run_dir: Path) -> dict:
         out["train_tokens_per_s_windows"] = len(rates)
     out.setdefault("step", last_step)
     return out
-
-
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    done = sorted(p for p in (run_dir / "checkpoints").glob("step-*") if (p / "checkpoint.json").is_file())
-    return done[-1] if done else None
 
 
 class Study:
@@ -309,19 +278,19 @@ class Study:
                f"epochs={a.epochs}",
                "wandb=false", "progress=false", *a.extra_overrides, *overrides]
         say(f"{name}: training ({' '.join(items) or 'no overrides'})")
-        rc, wall, stopped = run_logged(cmd, logs / "train.log", self.env, a.train_time_limit)
+        rc, wall, stopped = run_stage(cmd, logs / "train.log", self.env, a.train_time_limit)
         self.keep(name, run_dir / "summary.json", run_dir / "metrics.jsonl")
         numbers = train_numbers(run_dir)
         self.record(name, train_rc=rc, train_wall_s=round(wall, 1), train_stopped_by_time_limit=stopped, **numbers)
         export = run_dir / "export"
         if rc != 0 or not (export / "config.json").is_file():
-            ckpt = latest_checkpoint(run_dir) if rc == 0 else None
+            ckpt = latest_checkpoint(run_dir, warn=say) if rc == 0 else None  # the one resume=auto takes
             if ckpt is None:  # failed, or stopped before its first checkpoint
                 say(f"{name}: training failed (exit {rc}) after {wall:.0f} s: {log_tail(logs / 'train.log')}")
                 self.record(name, status="train_failed", error=log_tail(logs / "train.log"))
                 return
             say(f"{name}: stopped at {ckpt.name} by the time limit; exporting that checkpoint")
-            rc_x, _, _ = run_logged([sys.executable, "-m", "dflashkit.train.export", str(ckpt), str(export)],
+            rc_x, _, _ = run_stage([sys.executable, "-m", "dflashkit.train.export", str(ckpt), str(export)],
                                     logs / "export.log", self.env, None)
             if rc_x != 0:
                 self.record(name, status="export_failed", error=log_tail(logs / "export.log"))
@@ -346,7 +315,7 @@ class Study:
             cmd += ["--device", a.device]
         if a.eval_time_limit:
             cmd += ["--time-limit", str(a.eval_time_limit)]
-        rc, wall, _ = run_logged(cmd, logs / "eval.log", self.env, None)
+        rc, wall, _ = run_stage(cmd, logs / "eval.log", self.env, None)
         self.keep(name, eval_dir / "report.json", eval_dir / "report.md")
         report_path = eval_dir / "report.json"
         if not report_path.is_file():

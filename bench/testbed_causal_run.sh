@@ -26,9 +26,9 @@ EPOCHS=${EPOCHS:-3}
 KS=${KS:-1 3 7 15}
 . "$(dirname "$0")/run_lib.sh"  # ROOT, D, R, O, PY; the shell in $R; stage()
 if [ "$SCALE" = toy ]; then
-  DEV=(--device cpu); SLOTS=8; NEW=16; LIMIT=(--limit 24); EVAL=(--num-prompts 2 --max-new-tokens 16)
-  EXTRA=max_steps=3,num_hidden_layers=1,block_size=4,compile=false,mixed_precision=no,micro_batch_tokens=1024,num_anchors=8,eval_samples=2,max_length=256
-  VLLM=(--standin --num-prompts 2 --max-new-tokens 8); KS=${KS_TOY:-1 3}
+  DEV=(--device cpu); SLOTS=8; NEW=8; LIMIT=(--limit 24); EVAL=(--num-prompts 1 --max-new-tokens 8)
+  EXTRA=max_steps=2,num_hidden_layers=1,block_size=4,compile=false,mixed_precision=no,micro_batch_tokens=256,num_anchors=8,eval_samples=2,eval_anchors=4,max_length=256
+  VLLM=(--standin --num-prompts 1 --max-new-tokens 8); KS=${KS_TOY:-1 3}
   L_TRAIN=${L_TRAIN:-900}; L_VLLM=${L_VLLM:-600}; L_EVAL=${L_EVAL:-600}
 else
   DEV=(); SLOTS=2048; NEW=256; LIMIT=(); EVAL=(--num-prompts 80 --max-new-tokens 256)

@@ -29,8 +29,8 @@ SCALE=${SCALE:-full}
 EPOCHS=${EPOCHS:-3}
 . "$(dirname "$0")/run_lib.sh"  # ROOT, D, R, O, PY; the shell in $R; stage()
 if [ "$SCALE" = toy ]; then
-  DEV=(--device cpu); SLOTS=8; NEW=16; LIMIT=(--limit 24); EVAL=(--num-prompts 2 --max-new-tokens 16)
-  EXTRA=max_steps=3,num_hidden_layers=1,compile=false,mixed_precision=no,micro_batch_tokens=1024,num_anchors=8,eval_samples=2,max_length=256
+  DEV=(--device cpu); SLOTS=8; NEW=8; LIMIT=(--limit 24); EVAL=(--num-prompts 1 --max-new-tokens 8)
+  EXTRA=max_steps=2,num_hidden_layers=1,block_size=4,compile=false,mixed_precision=no,micro_batch_tokens=256,num_anchors=8,eval_samples=2,eval_anchors=4,max_length=256
   VLLM=(--standin --num-prompts 2 --max-new-tokens 8 --concurrency 1 2 --max-requests-per-level 2)
   PROJ=(--standin --concurrency 1 2 --projection-new-tokens 8); L_TRAIN=${L_TRAIN:-900}; L_TRAIN2=${L_TRAIN2:-900}
   L_EVAL=${L_EVAL:-600}

@@ -18,7 +18,7 @@
 #   SCALE=toy TARGET=testbed:smollm2 DATA=.cache/gpu RUN=/tmp/toy PYTHON=.venv/bin/python \
 #     bash bench/testbed_recipe_run.sh                                                               # CPU twin
 #
-# The toy scale runs every stage on the CPU in minutes (a few steps of a 1-layer drafter, 2 prompts): a check that
+# The toy scale runs every stage on the CPU in minutes (a few steps of a 1-layer drafter, 1 prompt): a check that
 # the stages fit together, not a measurement. tau does not depend on timing, so runs share the GPU; their wall
 # times and tokens/s are not those of a run alone. Sharing buys little: in the run of 2026-12-02 seven testbed
 # trainings side by side made ~1.4x the tokens/s of one alone (each 1-epoch run took 497 s instead of ~115 s) and
@@ -39,8 +39,8 @@ FULL=${FULL-default}
 EXTRA_ROW=${EXTRA_ROW:-1}
 COMBINE=${COMBINE:-1}
 if [ "$SCALE" = toy ]; then
-  DEV=(--device cpu); SLOTS=8; NEW=16; LIMIT=(--limit 24); EVAL=(--num-prompts 2 --max-new-tokens 8)
-  EXTRA=max_steps=2,num_hidden_layers=1,compile=false,mixed_precision=no,micro_batch_tokens=1024,num_anchors=8,eval_samples=2,max_length=256,save_every=0
+  DEV=(--device cpu); SLOTS=8; NEW=8; LIMIT=(--limit 24); EVAL=(--num-prompts 1 --max-new-tokens 8)
+  EXTRA=max_steps=2,num_hidden_layers=1,block_size=4,compile=false,mixed_precision=no,micro_batch_tokens=256,num_anchors=8,eval_samples=2,eval_anchors=4,max_length=256,save_every=0
   SCREEN=${TOY_SCREEN:-default,seed_1,adamw}; PAR=2; L_SCREEN=${L_SCREEN:-600}; L_FULL=${L_FULL:-600}
   L_EVAL=${L_EVAL:-300}; TESTS=0
 else

@@ -35,9 +35,10 @@ export TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM
 mkdir -p "$R"
 dk=(python -m dflashkit)
 if [ "$SCALE" = toy ]; then   # minutes on a CPU: a check that every stage runs, not a measurement
-  LIMIT_CONV=12; NEW=24; BATCH=8; EVAL_PROMPTS=2; EVAL_NEW=16; MAXLEN=256; STEPS=6
-  TRAIN_EXTRA=(num_hidden_layers=1 num_anchors=16 mixed_precision=no compile=false micro_batch_tokens=512
-               eval_samples=2 save_every=2 keep_last=10)
+  # block 4: eval builds one verify step per block length (3, not 15), training scores 4x fewer positions
+  LIMIT_CONV=6; NEW=8; BATCH=8; EVAL_PROMPTS=1; EVAL_NEW=8; MAXLEN=256; STEPS=6
+  TRAIN_EXTRA=(num_hidden_layers=1 block_size=4 num_anchors=8 mixed_precision=no compile=false
+               micro_batch_tokens=256 eval_samples=2 eval_anchors=4 save_every=2 keep_last=10)
   DT=float32; L_REGEN=${L_REGEN:-600}; L_TRAIN=${L_TRAIN:-600}; L_TRAIN_LONG=${L_TRAIN_LONG:-600}
   L_EVAL=${L_EVAL:-600}; L_EVAL_SMALL=${L_EVAL_SMALL:-600}; BENCH=0; EPOCHS=2
 else

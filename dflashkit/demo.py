@@ -1,7 +1,13 @@
 """`dflashkit demo`: the whole pipeline on the SmolLM2-135M-Instruct testbed, one stage after another.
 
-    make demo                                   # CPU, --scale small: about a quarter of an hour on 2 cores
+    make demo                                   # a CUDA GPU: the GPU scale (full); else the CPU check (small)
+    dflashkit demo --device cpu --scale small   # the CPU check anywhere: about a quarter of an hour on 2 cores
     dflashkit demo --device cuda --scale full   # one GPU: a few thousand conversations, a useful drafter
+
+Without flags the demo runs where dflashkit/launch.py puts a process (its local device: this rank's GPU when CUDA
+is available, else the CPU) and at that device's scale (``demo_plan``: full on a GPU, small on the CPU); explicit
+``--device`` / ``--scale`` win. It says which it chose before the first stage, and the CPU check's table says what
+it is and what the GPU scale gives.
 
 Stages (each writes into the run directory; a finished stage leaves ``stages/<name>.json`` with its command
 and wall time, and running the demo again resumes after the last finished stage):
@@ -25,12 +31,19 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from dflashkit.errors import UserError
+from dflashkit.files import atomic_write
+
 TARGET = "testbed:smollm2"
 MASK_TOKEN_ID = 16  # SmolLM2's reserved <empty_output>: its tokenizer has no mask token and no spare rows
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 # The autoregressive baseline and the lossless reference of each prompt, kept across the eval stages of one
 # demo process: chain and tree decode the same prompts with the same target, so they need them once.
 AR_RUNS: dict = {}
+
+# What the GPU scale gave, quoted under the CPU check's table: `dflashkit demo --device cuda --scale full`, rc 0
+GPU_SCALE_RESULT = ("measured 2026-12-03 on one NVIDIA H200 (`dflashkit demo --device cuda --scale full`, 432 s): "
+                    "chain τ 1.79, speedup 1.13; tree τ 2.49, speedup 1.36")
 
 # What each scale runs. small: the CPU check of `make demo` (the AR baseline and the lossless check on 3 of the 6
 # prompts: a CPU decode step is mostly Python, so its speedup says little); full: one GPU (RESULTS.md).
@@ -110,7 +123,28 @@ def stage_calls(run: Path, scale: dict, device: str, loss: str | None, target: s
     ]
 
 
-def summary(run: Path) -> str:
+def demo_plan(device: str | None, scale: str | None, cuda_available: bool) -> tuple[str, str]:
+    """(device, scale) of a demo run: the flags as given; a missing device is the local device of
+    dflashkit/launch.py (``cuda``, this rank's GPU, when ``cuda_available``; else ``cpu``), a missing scale that
+    device's (``full`` on a GPU, ``small`` on the CPU)."""
+    if device is None:
+        device = "cuda" if cuda_available else "cpu"
+    if scale is None:
+        scale = "small" if device == "cpu" else "full"
+    return device, scale
+
+
+def plan_line(device: str, scale: str, chosen: bool) -> str:
+    """What the run is, printed before its first stage."""
+    what = ("the GPU scale" if scale == "full" else "the pipeline check") + f" (--device {device} --scale {scale})"
+    if not chosen:
+        return f"[demo] {what}, as the flags say"
+    other = ("; `--device cpu --scale small` runs the CPU check instead" if device != "cpu" else
+             f"; no CUDA GPU here. On one, `make demo` runs the GPU scale, which {GPU_SCALE_RESULT}")
+    return f"[demo] {what}, chosen for this machine{other}"
+
+
+def summary(run: Path, scale: str = "small") -> str:
     reports = {}
     for mode in ("chain", "tree"):
         f = run / f"eval-{mode}" / "report.json"
@@ -126,6 +160,12 @@ def summary(run: Path) -> str:
         lines.append(f"| {mode} | {o['tau']:.2f} | {o.get('rounds', '-')} | {_num(o.get('speedup'))} "
                      f"| {_num(o.get('verify_over_ar_step'))} | {per_pos} |")
     lines.append("")
+    if scale == "small":
+        lines += ["This is the pipeline check (--scale small: 96 prompts, a one-layer drafter): it shows that every "
+                  "stage runs, not what a drafter reaches. The GPU scale (`make demo` on a CUDA machine) "
+                  + GPU_SCALE_RESULT + ".", ""]
+    else:
+        lines += [f"This is the GPU scale (--scale full); it {GPU_SCALE_RESULT}.", ""]
     for mode in reports:
         d = run / f"eval-{mode}"
         plots = ", ".join(sorted(p.name for p in d.glob("*.png")))
@@ -141,10 +181,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="dflashkit demo", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--run-dir", default="runs/demo", help="where every stage writes (default runs/demo)")
-    ap.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    ap.add_argument("--device", default=None,
+                    help="cpu or cuda (default: this machine's GPU when CUDA is available, else cpu)")
     ap.add_argument("--target", default=TARGET,
                     help="the testbed as installed (default testbed:smollm2) or a converted copy of it")
-    ap.add_argument("--scale", choices=sorted(SCALES), default="small", help="small: CPU check; full: GPU run")
+    ap.add_argument("--scale", choices=sorted(SCALES), default=None,
+                    help="small: CPU check; full: GPU run (default: full on a GPU, small on the CPU)")
     ap.add_argument("--train-data", default="builtin:sharegpt", help="prompts to regenerate (default ShareGPT)")
     ap.add_argument("--eval-data", nargs="+", help="evaluation datasets (default: MT-bench; full adds HumanEval)")
     ap.add_argument("--loss", choices=["ce", "dpace", "kl"], default=None, help="training objective (recipe default)")
@@ -153,8 +195,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    from dflashkit import launch
 
+    args = build_parser().parse_args(argv)
+    device, scale = demo_plan(args.device, args.scale, cuda_available=launch.local_device().type == "cuda")
+    print(plan_line(device, scale, chosen=args.device is None or args.scale is None), flush=True)
     run = Path(args.run_dir)
     stages_dir = run / "stages"
     stages_dir.mkdir(parents=True, exist_ok=True)
@@ -162,11 +207,15 @@ def main(argv: list[str] | None = None) -> int:
         for f in stages_dir.glob("*.json"):
             f.unlink()
     timings = {}
-    for name, function, kwargs in stage_calls(run, SCALES[args.scale], args.device, args.loss, args.target,
-                                               args.train_data, args.eval_data):
+    for name, function, kwargs in stage_calls(run, SCALES[scale], device, args.loss, args.target, args.train_data,
+                                               args.eval_data):
         done = stages_dir / f"{name}.json"
         if done.is_file():
-            timings[name] = json.loads(done.read_text())["seconds"]
+            earlier = json.loads(done.read_text())
+            if "kwargs" in earlier and earlier["kwargs"] != json.loads(json.dumps(kwargs)):  # another scale, device
+                raise UserError(f"{run}: its stage {name} ran with other settings ({earlier.get('kwargs')}); give "
+                                "another --run-dir, or --restart to run every stage again there")
+            timings[name] = earlier["seconds"]
             print(f"[demo] {name}: done already ({timings[name]:.0f} s), skipping")
             continue
         call = f"{function.__name__}({', '.join(f'{k}={v!r}' for k, v in kwargs.items())})"
@@ -179,10 +228,10 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr)
             raise
         timings[name] = time.perf_counter() - start
-        done.write_text(json.dumps({"call": function.__name__, "kwargs": kwargs, "seconds": timings[name]},
-                                   indent=1) + "\n")
+        atomic_write(done, (json.dumps({"call": function.__name__, "kwargs": kwargs, "seconds": timings[name]},
+                                       indent=1) + "\n").encode())
     print("\n[demo] stage wall times: " + ", ".join(f"{k} {v:.0f} s" for k, v in timings.items()))
-    print(summary(run))
+    print(summary(run, scale))
     return 0
 
 

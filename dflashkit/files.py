@@ -8,12 +8,13 @@ over the final name, and the directory holding that name is fsynced (so the rena
 - one file from memory: ``atomic_write`` (bytes, or buffers written one after another);
 - one file that a library writes to a path (safetensors' ``save_file``): ``atomic_write_with``;
 - files written ahead without a name, named later in order: ``write_unnamed`` + ``publish`` (shards);
-- a directory (a drafter export, a training checkpoint): its files written into a temporary directory beside it,
-  ``fsync_tree`` (every file, then the directory), one rename into place (the commit point), ``fsync_dir`` of the
-  parent;
-- an append log (regenerate's JSONL, continued by --resume): ``open_appending`` makes the file's name durable
-  before a line is written, ``sync`` after each batch of lines. The one shape that keeps the old content and adds
-  to it: a crash leaves every line synced so far plus at most one cut last line, which the reader drops.
+- a directory (a drafter export, a training checkpoint, a converted GGUF target): its files written into a
+  temporary directory beside it, ``fsync_tree`` (every file, then the directory), one rename into place (the commit
+  point), ``fsync_dir`` of the parent; ``rename_dir_into_place`` does the last three where nothing is in the way;
+- an append log (regenerate's JSONL, continued by --resume; training's metrics.jsonl): ``open_appending`` makes
+  the file's name durable before a line is written, ``sync`` after each batch of lines. The one shape that keeps
+  the old content and adds to it: a crash leaves every line synced so far plus at most one cut last line, which
+  the reader drops and a continuing writer cuts off first (``whole_lines``).
 
 Design choices:
 - Buffers are written as they are (no joining copy), gathered or split into write calls of ``_CHUNK_BYTES``
@@ -266,6 +267,30 @@ def fsync_tree(directory: Path) -> None:
             if not os.path.islink(os.path.join(root, name)):
                 fsync_file(Path(root, name))
         fsync_dir(Path(root))
+
+
+def rename_dir_into_place(tmp: Path, path: Path) -> None:
+    """The end of the directory shape: everything written into the temporary directory ``tmp`` made durable
+    (``fsync_tree``), ``tmp`` renamed to ``path`` (the commit point; nothing may be at ``path``), the parent
+    fsynced so the rename survives too."""
+    path = Path(path)
+    fsync_tree(Path(tmp))
+    os.rename(tmp, path)
+    fsync_dir(path.parent)
+
+
+def whole_lines(path: Path) -> bytes:
+    """An append log's content up to its last newline; a cut last line (a crash while it was written) is cut off
+    the file too, so the next line appended starts a line of its own. ``b""`` when there is no file."""
+    path = Path(path)
+    if not path.exists():
+        return b""
+    data = path.read_bytes()
+    keep = data.rfind(b"\n") + 1
+    if keep < len(data):
+        with open(path, "r+b") as f:
+            f.truncate(keep)
+    return data[:keep]
 
 
 def open_appending(path: Path, encoding: str = "utf-8"):

@@ -214,7 +214,9 @@ def check_resume_flags(out: str | os.PathLike, *, resume: bool, overwrite: bool,
 # --------------------------------------------------------------------------- one run per output
 def launch_id() -> str | None:
     """What the ranks of one torchrun / accelerate launch share; None for a single process."""
-    if int(os.environ.get("WORLD_SIZE", "1") or 1) <= 1:
+    from dflashkit.launch import ranks
+
+    if ranks().world_size <= 1:
         return None
     addr = os.environ.get("MASTER_ADDR", "")
     if addr in ("", "localhost", "::1") or addr.startswith("127."):  # single-node defaults repeat on every host

@@ -48,6 +48,9 @@ DEFAULT_BLOCK_SIZE = 16  # the published DFlash drafters' block
 DEFAULT_NUM_HIDDEN_LAYERS = 5  # drafter decoder layers
 MIN_BLOCK_SIZE = 2  # the anchor plus at least one drafted token
 ARCHITECTURES = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel"}  # architecture -> config.json name
+# architecture -> the modeling files (beside this one in drafter/) an export ships; the last defines its model
+# class and is config.json's auto_map module (drafter/kinds.py gives each kind its entry)
+MODELING_FILES = {"dflash": ("modeling_dflash.py",), "dflash2": ("modeling_dflash.py", "modeling_dflash2.py")}
 # DFlash2 defaults: what the published DFlash2 drafters and trainers use (z-lab's DFlash2 drafter configs, NeMo
 # Automodel examples/speculative/dflash/qwen3_dflash2.yaml: conv_kernel_size 2, conv_group_size 16,
 # selector_rank 256, selector_top_k 16)
@@ -248,7 +251,7 @@ class DrafterConfig:
         rope = dict(c.rope_parameters)
         sliding = "sliding_attention" in c.layer_types
         arch = ARCHITECTURES[c.architecture]
-        module = "modeling_dflash2" if c.architecture == "dflash2" else "modeling_dflash"
+        module = MODELING_FILES[c.architecture][-1].removesuffix(".py")  # the file defining the model class
         dflash2 = {k: int(getattr(c, k)) for k in DFLASH2_FIELDS} if c.architecture == "dflash2" else {}
         # causal-in-block: vLLM reads dflash_config.causal, SGLang and the reference the top-level is_causal
         # (drafter/engines.py); both are written, and neither for the non-causal default

@@ -46,11 +46,10 @@ from dflashkit.outputs import check_output_dir, describe_foreign, foreign_entrie
 from dflashkit.untrusted import contained_file
 
 from .config import DrafterConfig
-from .kinds import kind_for
+from .kinds import KINDS, kind_for
 from .modeling_dflash import DFlashDraftModel
 
-MODELING_FILE = Path(__file__).with_name("modeling_dflash.py")
-MODELING_FILE_DFLASH2 = Path(__file__).with_name("modeling_dflash2.py")  # imports modeling_dflash.py: both ship
+MODELING_DIR = Path(__file__).parent  # where the modeling files an export ships lie (drafter/kinds.py names them)
 # Which config field fixes each tensor's shape: named in load errors.
 SHAPE_FIELDS = {
     "fc.weight": "hidden_size / target_layer_ids", "q_proj": "num_attention_heads / head_dim",
@@ -58,8 +57,9 @@ SHAPE_FIELDS = {
     "o_proj": "num_attention_heads / head_dim", "q_norm": "head_dim", "k_norm": "head_dim",
     "gate_proj": "intermediate_size", "up_proj": "intermediate_size", "down_proj": "intermediate_size",
 }
-# what save_drafter writes (modeling_dflash2.py for a DFlash2 drafter only)
-EXPORT_FILES = ("config.json", "model.safetensors", "modeling_dflash.py", "modeling_dflash2.py")
+# what save_drafter writes: the weights, config.json and the modeling files of the drafter's kind (drafter/kinds.py)
+EXPORT_FILES = ("config.json", "model.safetensors",
+                *dict.fromkeys(name for kind in KINDS.values() for name in kind.modeling_files))
 DRAFTER_ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel")
 
 
@@ -134,9 +134,8 @@ def _write_export(directory: Path, state: dict[str, torch.Tensor], config: Draft
     cfg = config.to_json_dict()
     cfg["torch_dtype"] = cfg["dtype"] = str(state["fc.weight"].dtype).replace("torch.", "")
     (directory / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    shutil.copyfile(MODELING_FILE, directory / "modeling_dflash.py")
-    if config.architecture == "dflash2":
-        shutil.copyfile(MODELING_FILE_DFLASH2, directory / "modeling_dflash2.py")
+    for name in kind_for(config.architecture).modeling_files:  # what config.json's auto_map loads
+        shutil.copyfile(MODELING_DIR / name, directory / name)
     fsync_tree(directory)
 
 

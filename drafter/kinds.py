@@ -7,6 +7,9 @@ Design choices:
 - A kind owns its model class (what ``build_drafter`` builds) and its proposal: DFlash proposes the argmax of each
   draft position's logits; DFlash2 the path of its candidate selector (``CandidateSelector.select``, the
   reference's rule), whose module ``selector_of`` hands to the sampled path of eval/ and to the trainer.
+- A kind names the modeling files an export ships (``modeling_files``; DFlash2's imports DFlash's, so both ship)
+  and the module config.json's ``auto_map`` points at (``modeling_module``): drafter/config.py and
+  drafter/export.py ask the kind, never the architecture's name.
 - A model's kind is read from the DrafterConfig it carries (``model.dflash``, set by ``build_drafter`` and so by
   ``load_drafter``), through a DDP / DeepSpeed wrapper's ``.module``; nobody asks a model which attributes it has.
 """
@@ -19,7 +22,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .config import DrafterConfig
+from .config import MODELING_FILES, DrafterConfig
 from .modeling_dflash import DFlashDraftModel
 from .modeling_dflash2 import DFlash2DraftModel
 
@@ -45,6 +48,13 @@ class DrafterKind:
     # the greedy proposal of one block: (drafter, hidden [b, P, H], logits [b, P, V], anchor_ids [b]) -> [b, P]
     propose: Callable[..., torch.Tensor]
     selector: str | None = None  # attribute name of the candidate selector module (DFlash2); None: no selector
+    # the modeling files (beside this one in drafter/) an export ships; the last defines model_class
+    modeling_files: tuple[str, ...] = ("modeling_dflash.py",)
+
+    @property
+    def modeling_module(self) -> str:
+        """The module of config.json's ``auto_map``: the shipped modeling file that defines ``model_class``."""
+        return self.modeling_files[-1].removesuffix(".py")
 
     def selector_of(self, model: nn.Module) -> nn.Module | None:
         """The model's candidate selector module (None for a kind without one)."""
@@ -52,8 +62,9 @@ class DrafterKind:
 
 
 KINDS = {
-    "dflash": DrafterKind("dflash", DFlashDraftModel, argmax_proposal),
-    "dflash2": DrafterKind("dflash2", DFlash2DraftModel, selector_proposal, selector="candidate_selector"),
+    "dflash": DrafterKind("dflash", DFlashDraftModel, argmax_proposal, modeling_files=MODELING_FILES["dflash"]),
+    "dflash2": DrafterKind("dflash2", DFlash2DraftModel, selector_proposal, selector="candidate_selector",
+                           modeling_files=MODELING_FILES["dflash2"]),
 }
 
 

@@ -22,6 +22,9 @@ on the device (drafter -> argmax -> target step) and reads the device once, draf
 before the acceptance walk on the host; a tree round reads the drafter's top-k (the tree grows on the host) and
 the target's argmax. Kept features are a view (chain) or one gather (tree); the drafter's share of a round is
 timed with CUDA events, so no sync separates draft and verify.
+The target's parts (decoder, embedding, lm_head: targets/runtime/parts.py) are resolved once per run and handed
+down: run_eval gives the decoder its loaded Target (a TargetParts), the decoder gives the same parts to its
+verifier. Use the decoder as a context manager: leaving it gives the target back as it was (`close`).
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from dflashkit.drafter.config import check_block_size
 from dflashkit.drafter.kinds import drafter_kind
 from dflashkit.errors import UserError
 from dflashkit.targets.loading import target_parts
-from dflashkit.targets.runtime.parts import attention_only
+from dflashkit.targets.runtime.parts import TargetParts, attention_only
 from dflashkit.targets.runtime.sampling import sampled_accept_chain, sampling_probs
 
 from .acceptance import greedy_accept
@@ -115,11 +118,17 @@ def _crop(cache, length: int) -> None:
 
 
 class SpeculativeDecoder:
-    """Target + drafter. `generate(prompt_ids)` decodes speculatively; `generate_autoregressive` is the baseline."""
+    """Target + drafter. `generate(prompt_ids)` decodes speculatively; `generate_autoregressive` is the baseline.
 
-    def __init__(self, target, drafter: nn.Module, config: DecodeConfig):
+    `target`: the target's parts, resolved once by the caller (a loaded Target is one); a bare Hugging Face model
+    (scripts, tests) is resolved here. The verifier gets the same parts. `with SpeculativeDecoder(...) as decoder:`
+    closes it (the target given back as it was) however the block ends.
+    """
+
+    def __init__(self, target: TargetParts | nn.Module, drafter: nn.Module, config: DecodeConfig):
         config.check()
-        parts = target_parts(target)  # a CausalLM or a dflashkit Target: its parts, found once
+        parts = target_parts(target)  # a TargetParts as it is; a bare HF model resolved now, the only time
+        self.parts = parts
         self.model = parts.model
         self.drafter = drafter.eval()
         self.config = config

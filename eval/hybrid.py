@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from dflashkit.targets.loading import target_parts
+from dflashkit.targets.runtime.parts import TargetParts
 
 from .verifier import FP32Head, open_capture
 
@@ -75,8 +76,9 @@ class HybridChainVerifier:
     only; commit returns None (the kept nodes are always the leading ones); eager
     (the model's own cache grows and is cropped, so its steps are not captured as CUDA graphs)."""
 
-    def __init__(self, target, layer_ids: list[int]):
-        parts = target_parts(target)  # a TargetParts / Target, or a bare HF model
+    def __init__(self, parts: TargetParts, layer_ids: list[int]):
+        parts = target_parts(parts)  # the decoder's parts as they are; a bare HF model (used alone: tests)
+        self.parts = parts
         self.model = parts.model
         self.decoder = parts.decoder
         self.head = FP32Head(parts)

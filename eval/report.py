@@ -29,13 +29,14 @@ import json
 from pathlib import Path
 
 from dflashkit.errors import UserError
+from dflashkit.files import atomic_write
 
 from .engine import GenerationResult
 
 # every file `dflashkit eval` writes into --out, in any of its modes (local and vLLM reports, --server, --compare)
 REPORT_FILES = ("report.json", "report.md", "acceptance_histogram.png", "per_position_acceptance.png",
                 "tau_per_dataset.png", "speedup_vs_concurrency.png", "serving.json", "serving.md", "compare.md",
-                "tau_compare.png")
+                "tau_compare.png", "schedule.json", "engines.partial.jsonl")
 
 
 def _mean(values) -> float:
@@ -217,8 +218,8 @@ def write_report(report: dict, out_dir: str | Path, plots: bool = True) -> Path:
     for with_plots in (False, True) if plots else (False,):  # the numbers first: a failed plot loses nothing
         if with_plots:
             report["plots"] = write_plots(report, out)
-        (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
-        (out / "report.md").write_text(render_markdown(report) + "\n")
+        atomic_write(out / "report.json", (json.dumps(report, indent=2) + "\n").encode())
+        atomic_write(out / "report.md", (render_markdown(report) + "\n").encode())
     return out
 
 
@@ -310,7 +311,7 @@ def compare_reports(paths: list[str], out_dir: str | Path | None = None) -> str:
     if out_dir is not None:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "compare.md").write_text(text)
+        atomic_write(out / "compare.md", text.encode())
         import matplotlib
 
         matplotlib.use("Agg")

@@ -1,5 +1,10 @@
 """One evaluation run: load the pair, decode every prompt speculatively (and the baseline), write the report.
 
+`run_eval` reads as its steps: load (the pair, loaded once: its Target is the parts the decoder and its verifier
+run), prompts, prepare (every capture and the first-call costs), reference (lossless check), decode (the timed
+prompt loop), then the report (built from the runs by eval/report.py's numbers, written by its `write_report`;
+report.py never calls back into this module). `EvalRun` holds what the steps share.
+
 Design choices:
 - Per prompt: the speculative run; on the baseline prompts also the autoregressive run (speedup). The
   independent reference (lossless check, greedy only; eval/lossless.py) runs before the prompt loop for all its
@@ -23,15 +28,19 @@ import json
 import platform
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from dflashkit import launch
 from dflashkit.errors import UserError
+from dflashkit.progress import progress_bar
 from dflashkit.stopping import StopRequest
 
-from .engine import DecodeConfig, SpeculativeDecoder
+from .engine import DecodeConfig, GenerationResult, SpeculativeDecoder
+from .prompts import Prompt
 
 
 def _versions(device) -> dict:
@@ -93,6 +102,91 @@ def stop_ids(target, template_kwargs: dict | None = None) -> tuple[int, ...]:
                           template_kwargs=template_kwargs)
 
 
+# ----------------------------------------------------------------------------- what the steps share
+class Laps:
+    """Seconds per part of the run: ``lap(part)`` adds the time since the previous lap to ``part``."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+        self.clock = time.perf_counter()
+
+    def lap(self, part: str) -> None:
+        now = time.perf_counter()
+        self.seconds[part] = self.seconds.get(part, 0.0) + now - self.clock
+        self.clock = now
+
+
+class BaselineRuns:
+    """The autoregressive runs and the lossless references of prompts, kept in ``store`` by prompt and decoding
+    settings (keys ``("ar", ...)`` and ``("ref", ...)``): a dict the caller may keep across calls in one process, so
+    that chain and tree of the same target, prompts and settings run them once."""
+
+    def __init__(self, store: dict | None, config: DecodeConfig):
+        self.store = {} if store is None else store
+        self.config = config  # read at each look-up: its stop ids are set before the first
+
+    def key(self, kind: str, prompt: Prompt) -> tuple:
+        c = self.config
+        return (kind, tuple(prompt.input_ids), c.max_new_tokens, c.temperature, c.top_p, c.top_k, c.seed,
+                c.stop_token_ids)
+
+    def has(self, kind: str, prompt: Prompt) -> bool:
+        return self.key(kind, prompt) in self.store
+
+    def get(self, kind: str, prompt: Prompt):
+        return self.store[self.key(kind, prompt)]
+
+    def keep(self, kind: str, prompt: Prompt, run) -> None:
+        self.store[self.key(kind, prompt)] = run
+
+
+@dataclass
+class DatasetRuns:
+    """One dataset's runs, in prompt order: speculative for every prompt; AR for the baseline prompts (the first
+    ones); references and their prompt ids for the prompts of the lossless check (the first of those)."""
+
+    spec: list[GenerationResult] = field(default_factory=list)
+    ar: list[GenerationResult] = field(default_factory=list)
+    ref: list = field(default_factory=list)  # lossless.ReferenceRun
+    ids: list[str] = field(default_factory=list)  # "spec#id" of each reference
+
+
+@dataclass
+class EvalRun:
+    """What the steps of one run share."""
+
+    target: nn.Module  # the loaded Target (targets/loading.py): its parts go down to the decoder and verifier
+    drafter: nn.Module
+    drafter_path: str
+    dtype: torch.dtype
+    config: DecodeConfig
+    prompts: dict[str, list[Prompt]]  # dataset spec -> its prompts
+    baseline_prompts: int | None  # the AR baseline on the first N prompts of each dataset (None: all)
+    reference_prompts: int | None  # the lossless check on the first N of those (None: all of them)
+    baseline: BaselineRuns
+    laps: Laps
+    results: dict[str, DatasetRuns] = field(default_factory=dict)
+    stop_reason: str | None = None  # set when a stop request cut the prompt loop short
+
+    def paired(self, k: int) -> bool:
+        """Whether the k-th prompt of a dataset gets the AR baseline (and is timed against it)."""
+        return self.baseline_prompts is None or k < self.baseline_prompts
+
+    def referenced(self, k: int) -> bool:
+        """Whether the k-th prompt of a dataset is in the lossless check (greedy runs only)."""
+        return (self.config.temperature == 0 and self.paired(k)
+                and (self.reference_prompts is None or k < self.reference_prompts))
+
+    def each_prompt(self):
+        """(dataset spec, index in its dataset, prompt) in run order."""
+        return [(spec, k, prompt) for spec, ps in self.prompts.items() for k, prompt in enumerate(ps)]
+
+    @property
+    def planned(self) -> int:
+        return sum(map(len, self.prompts.values()))
+
+
+# ----------------------------------------------------------------------------- the run
 def run_eval(target: str, drafter: str, out: str | Path, datasets: list[str], config: DecodeConfig,
              num_prompts: int = 20, baseline_prompts: int | None = None, max_prompt_tokens: int | None = None,
              use_stop_tokens: bool = True, device: str | None = None, device_map: str | None = None,
@@ -108,29 +202,35 @@ def run_eval(target: str, drafter: str, out: str | Path, datasets: list[str], co
     and tree of the same target, prompts and decoding settings need them once).
     Returns the report; report["partial"] is set when a stop request cut the run short.
     """
-    from tqdm import tqdm
-
-    from dflashkit.drafter import load_drafter
-    from dflashkit.targets.loading import load_target
-
-    from .lossless import classify, reference_greedy_batch
-    from .prompts import load_prompts
-    from .report import summarize, write_report
-
     settings = {"target": target, "drafter": drafter, "datasets": list(datasets), "num_prompts": num_prompts,
                 "baseline_prompts": baseline_prompts, "reference_prompts": reference_prompts,
                 "max_prompt_tokens": max_prompt_tokens,
                 "use_stop_tokens": use_stop_tokens, "device": device, "device_map": device_map, "dtype": dtype,
                 "chat_template_kwargs": chat_template_kwargs or {}, "time_limit_s": time_limit_s,
                 **{k: v for k, v in vars(config).items() if k != "stop_token_ids"}}
-    clock = time.perf_counter()
-    timing = {}  # seconds per part of the run
+    laps = Laps()
+    loaded, draft_model, torch_dtype = load_pair(target, drafter, device, device_map, dtype)
+    warn_template_kwargs(drafter, chat_template_kwargs)
+    prompts = load_all_prompts(loaded, datasets, num_prompts, max_prompt_tokens, chat_template_kwargs)
+    if use_stop_tokens:
+        config.stop_token_ids = stop_ids(loaded, chat_template_kwargs)
+    run = EvalRun(loaded, draft_model, drafter, torch_dtype, config, prompts, baseline_prompts, reference_prompts,
+                  BaselineRuns(shared_baseline, config), laps)
+    laps.lap("load")
+    with SpeculativeDecoder(loaded, draft_model, config) as decoder:  # the target given back however it ends
+        prepare(run, decoder)
+        laps.lap("prepare")
+        if config.temperature == 0:
+            run_references(run)
+            laps.lap("reference")
+        decode_prompts(run, decoder, time_limit_s)
+    return report_run(run, settings, out)
 
-    def lap(part: str) -> None:
-        nonlocal clock
-        now = time.perf_counter()
-        timing[part] = timing.get(part, 0.0) + now - clock
-        clock = now
+
+def load_pair(target: str, drafter: str, device: str | None, device_map: str | None, dtype: str | None):
+    """(the loaded Target, the drafter on the target's device, the dtype of both), checked to fit each other."""
+    from dflashkit.drafter import load_drafter
+    from dflashkit.targets.loading import load_target
 
     torch_device = launch.local_device(device)
     torch_dtype = launch.default_dtype(torch_device, dtype)
@@ -138,107 +238,139 @@ def run_eval(target: str, drafter: str, out: str | Path, datasets: list[str], co
     torch_device = next(loaded.model.parameters()).device
     draft_model = load_drafter(drafter, dtype=torch_dtype, device=torch_device)
     check_pair(loaded, draft_model, drafter)
+    return loaded, draft_model, torch_dtype
+
+
+def warn_template_kwargs(drafter: str, chat_template_kwargs: dict | None) -> None:
+    """A warning when the drafter was trained with other chat template kwargs than this run renders with."""
     trained = trained_template_kwargs(drafter)
     if trained is not None and trained != (chat_template_kwargs or {}):
         print(f"warning: {drafter}/config.json says the drafter was trained with chat template kwargs "
               f"{json.dumps(trained)}, this run renders with {json.dumps(chat_template_kwargs or {})}; "
               "pass --chat-template-kwargs to match", file=sys.stderr)
-    prompts = {spec: load_prompts(spec, loaded.tokenizer, num_prompts, max_prompt_tokens, chat_template_kwargs)
-               for spec in datasets}
-    if use_stop_tokens:
-        config.stop_token_ids = stop_ids(loaded, chat_template_kwargs)
-    greedy = config.temperature == 0
-    lap("load")
-    results = {spec: {"spec": [], "ar": [], "ref": [], "ids": []} for spec in prompts}
-    stop_reason = None
-    shared = {} if shared_baseline is None else shared_baseline
 
-    def key_of(prompt) -> tuple:
-        return (tuple(prompt.input_ids), config.max_new_tokens, config.temperature, config.top_p, config.top_k,
-                config.seed, config.stop_token_ids)
 
-    baseline = [p for ps in prompts.values() for k, p in enumerate(ps) if baseline_prompts is None
-                or k < baseline_prompts]
-    decoder = SpeculativeDecoder(loaded.model, draft_model, config)
-    decoder.prepare(max(len(p.input_ids) for ps in prompts.values() for p in ps))  # room + every capture
-    first = next(iter(prompts.values()))[0].input_ids
+def load_all_prompts(target, datasets: list[str], num_prompts: int | None, max_prompt_tokens: int | None,
+                     chat_template_kwargs: dict | None) -> dict[str, list[Prompt]]:
+    """Each dataset's prompts, rendered with the target's tokenizer and chat template."""
+    from .prompts import load_prompts
+
+    return {spec: load_prompts(spec, target.tokenizer, num_prompts, max_prompt_tokens, chat_template_kwargs)
+            for spec in datasets}
+
+
+def prepare(run: EvalRun, decoder: SpeculativeDecoder) -> None:
+    """Room for the longest prompt and every decode step captured, then one untimed speculative run (kernels,
+    allocator) and, when some AR run is still to be timed, one untimed AR run."""
+    decoder.prepare(max(len(p.input_ids) for ps in run.prompts.values() for p in ps))  # room + every capture
+    first = next(iter(run.prompts.values()))[0].input_ids
     decoder.generate(first)  # warm-up: kernels, allocator
-    if any(("ar",) + key_of(p) not in shared for p in baseline):  # some AR run is still to be timed
+    if any(run.paired(k) and not run.baseline.has("ar", p) for _, k, p in run.each_prompt()):
         decoder.generate_autoregressive(first)
-    lap("prepare")
 
-    if greedy:  # the reference for every prompt of the lossless check, batched, before the timed loop
-        wanted = {("ref",) + key_of(p): p.input_ids for ps in prompts.values() for k, p in enumerate(ps)
-                  if (baseline_prompts is None or k < baseline_prompts)
-                  and (reference_prompts is None or k < reference_prompts)}
-        missing = [key for key in wanted if key not in shared]
-        for key, run in zip(missing, reference_greedy_batch(loaded.model, [wanted[key] for key in missing],
-                                                            config.max_new_tokens, config.stop_token_ids)):
-            shared[key] = run
-        lap("reference")
-    with StopRequest(time_limit_s) as stop, tqdm(total=sum(map(len, prompts.values())), desc=f"eval {config.mode}",
-                                                  unit="prompt") as bar:
-        for spec, ps in prompts.items():
-            for k, prompt in enumerate(ps):
-                stop.pause_point(f"eval.prompt.{bar.n}")
-                r = results[spec]
-                key = ("ar",) + key_of(prompt)
-                paired = baseline_prompts is None or k < baseline_prompts
-                lap("other")
-                if paired and key not in shared:  # the two timed runs compared start from the same warm state
-                    decoder.warm_up(prompt.input_ids)
-                    lap("warm_up")
-                r["spec"].append(decoder.generate(prompt.input_ids))
-                lap("speculative")
-                if paired:
-                    if key not in shared:
-                        shared[key] = decoder.generate_autoregressive(prompt.input_ids)
-                    r["ar"].append(shared[key])
-                    lap("baseline")
-                    if greedy and (reference_prompts is None or k < reference_prompts):
-                        r["ref"].append(shared[("ref",) + key[1:]])
-                        r["ids"].append(f"{spec}#{prompt.id}")
-                bar.update()
-                stop_reason = stop.reason()
-                if stop_reason:
-                    break
-            if stop_reason:
-                break
+
+def run_references(run: EvalRun) -> None:
+    """The lossless check's reference (eval/lossless.py) for each of its prompts not kept already: batched, before
+    the timed loop."""
+    from .lossless import reference_greedy_batch
+
+    missing = list({run.baseline.key("ref", p): p for _, k, p in run.each_prompt()
+                    if run.referenced(k) and not run.baseline.has("ref", p)}.values())  # each prompt once
+    config = run.config
+    references = reference_greedy_batch(run.target.model, [p.input_ids for p in missing], config.max_new_tokens,
+                                        config.stop_token_ids)
+    for prompt, reference in zip(missing, references):
+        run.baseline.keep("ref", prompt, reference)
+
+
+def decode_prompts(run: EvalRun, decoder: SpeculativeDecoder, time_limit_s: float | None) -> None:
+    """Every prompt in order (eval_prompt); a stop request (Ctrl-C, SIGTERM, the time limit) ends the loop after the
+    prompt it came during, and is kept in ``run.stop_reason``."""
+    run.results = {spec: DatasetRuns() for spec in run.prompts}
+    with StopRequest(time_limit_s) as stop, progress_bar(total=run.planned, desc=f"eval {run.config.mode}",
+                                                         unit="prompt") as bar:
+        for done, (spec, k, prompt) in enumerate(run.each_prompt()):
+            stop.pause_point(f"eval.prompt.{done}")
+            run.laps.lap("other")
+            eval_prompt(run, decoder, spec, k, prompt)
+            bar.update()
+            run.stop_reason = stop.reason()
+            if run.stop_reason:
+                return
+
+
+def eval_prompt(run: EvalRun, decoder: SpeculativeDecoder, spec: str, k: int, prompt: Prompt) -> None:
+    """One prompt: its speculative run; on a baseline prompt its AR run (timed here unless kept from an earlier
+    call, both runs then starting from the same warm state) and, in the lossless check, its reference."""
+    runs, laps = run.results[spec], run.laps
+    timed_ar = run.paired(k) and not run.baseline.has("ar", prompt)
+    if timed_ar:  # the two timed runs compared start from the same warm state
+        decoder.warm_up(prompt.input_ids)
+        laps.lap("warm_up")
+    runs.spec.append(decoder.generate(prompt.input_ids))
+    laps.lap("speculative")
+    if not run.paired(k):
+        return
+    if timed_ar:
+        run.baseline.keep("ar", prompt, decoder.generate_autoregressive(prompt.input_ids))
+    runs.ar.append(run.baseline.get("ar", prompt))
+    laps.lap("baseline")
+    if run.referenced(k):
+        runs.ref.append(run.baseline.get("ref", prompt))
+        runs.ids.append(f"{spec}#{prompt.id}")
+
+
+# ----------------------------------------------------------------------------- the report
+def report_run(run: EvalRun, settings: dict, out: str | Path) -> dict:
+    """Build and write the report (eval/report.py) of the prompts done; a stop request from here on waits until
+    the report is written in full (the caller learns of it: report["stop_request"], only in the returned dict)."""
+    from .report import write_report
+
     with StopRequest() as late:  # the prompts are done: a stop request now must not lose their report
         late.pause_point("eval.report")
-        decoder.close()
-        done = {spec: r for spec, r in results.items() if r["spec"]}
-
-        def numbers(parts: list[dict]) -> dict:
-            spec = [x for r in parts for x in r["spec"]]
-            out = summarize(spec, [x for r in parts for x in r["ar"]], decoder.block_size,
-                            paired=[x for r in parts for x in r["spec"][:len(r["ar"])]])
-            refs = [x for r in parts for x in r["ref"]]
-            if refs:
-                paired = [x.tokens for r in parts for x in r["spec"][:len(r["ref"])]]
-                out["lossless"] = classify([x for r in parts for x in r["ids"]], paired, refs, torch_dtype)
-            return out
-
-        report = {
-            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "args": settings,
-            "block_size": decoder.block_size,
-            "versions": _versions(torch_device),
-            "target": {**loaded.identity(), "family": loaded.family, "num_layers": loaded.num_layers,
-                       "dtype": str(torch_dtype).removeprefix("torch.")},
-            "drafter": drafter_identity(drafter, draft_model),
-            "datasets": {spec: numbers([r]) for spec, r in done.items()},
-            "overall": numbers(list(done.values())),
-        }
-        if stop_reason:
-            report["partial"] = {"reason": stop_reason, "prompts_done": report["overall"]["prompts"],
-                                 "prompts_planned": sum(map(len, prompts.values()))}
-        lap("other")
-        report["timing"] = timing
+        report = build_report(run, settings)
+        run.laps.lap("other")
+        report["timing"] = run.laps.seconds
         write_report(report, out)
-    if late.signal_name:  # the caller learns of it (only the returned report has this key)
+    if late.signal_name:
         report["stop_request"] = late.signal_name
         print(f"dflashkit eval: {late.signal_name} while the report was written; the report is written in full",
               file=sys.stderr)
-    timing["report"] = time.perf_counter() - clock  # after report.json was written: only the returned report
+    run.laps.seconds["report"] = time.perf_counter() - run.laps.clock  # after report.json: the returned dict only
     return report
+
+
+def build_report(run: EvalRun, settings: dict) -> dict:
+    """The report's fields (all but timing) from the runs of the prompts done."""
+    done = {spec: runs for spec, runs in run.results.items() if runs.spec}
+    block_size = run.config.block_size or run.drafter.block_size
+    device = next(run.target.model.parameters()).device
+    report = {
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "args": settings,
+        "block_size": block_size,
+        "versions": _versions(device),
+        "target": {**run.target.identity(), "family": run.target.family, "num_layers": run.target.num_layers,
+                   "dtype": str(run.dtype).removeprefix("torch.")},
+        "drafter": drafter_identity(run.drafter_path, run.drafter),
+        "datasets": {spec: numbers([runs], block_size, run.dtype) for spec, runs in done.items()},
+        "overall": numbers(list(done.values()), block_size, run.dtype),
+    }
+    if run.stop_reason:
+        report["partial"] = {"reason": run.stop_reason, "prompts_done": report["overall"]["prompts"],
+                             "prompts_planned": run.planned}
+    return report
+
+
+def numbers(parts: list[DatasetRuns], block_size: int, dtype: torch.dtype) -> dict:
+    """eval/report.py's numbers of these datasets' runs together, with the lossless check where it ran."""
+    from .lossless import classify
+    from .report import summarize
+
+    out = summarize([x for r in parts for x in r.spec], [x for r in parts for x in r.ar], block_size,
+                    paired=[x for r in parts for x in r.spec[:len(r.ar)]])
+    refs = [x for r in parts for x in r.ref]
+    if refs:
+        paired = [x.tokens for r in parts for x in r.spec[:len(r.ref)]]
+        out["lossless"] = classify([x for r in parts for x in r.ids], paired, refs, dtype)
+    return out

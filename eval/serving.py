@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dflashkit.errors import UserError
+from dflashkit.files import atomic_write
 
 VLLM_DRAFTS = "vllm:spec_decode_num_drafts_total"
 VLLM_ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
@@ -233,7 +234,7 @@ def run_sweep(server: str, datasets: list[str], num_prompts: int, concurrency: l
     if out:
         out = Path(out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "serving.json").write_text(json.dumps(result, indent=2) + "\n")
-        (out / "serving.md").write_text(render_markdown(result))
+        atomic_write(out / "serving.json", (json.dumps(result, indent=2) + "\n").encode())
+        atomic_write(out / "serving.md", render_markdown(result).encode())
     print(render_markdown(result))
     return result

@@ -196,8 +196,9 @@ class TargetVerifier:
     reserve(n) before a sequence makes room for n cache slots; prepare(shapes) captures the static steps of a run.
     """
 
-    def __init__(self, target, layer_ids: list[int], backend: str = "auto", cuda_graphs: bool = True):
-        parts = target_parts(target)  # a TargetParts / Target, or a bare HF model
+    def __init__(self, parts: TargetParts, layer_ids: list[int], backend: str = "auto", cuda_graphs: bool = True):
+        parts = target_parts(parts)  # the decoder's parts as they are; a bare HF model (used alone: tests, bench)
+        self.parts = parts
         model = parts.model
         if not attention_only(parts):
             raise ValueError(f"{type(model).__name__} has non-attention layers; use HybridChainVerifier")

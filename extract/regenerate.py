@@ -42,15 +42,17 @@ Design choices:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from dflashkit import launch
 from dflashkit.errors import UserError
 from dflashkit.extract.data.chat import BadSample, normalize_record
-from dflashkit.files import atomic_write, open_appending, pause_point, sync
+from dflashkit.files import atomic_write, open_appending, pause_point, sync, whole_lines
 from dflashkit.stopping import StopRequest
 
 from .generation.answerers import ServerGenerator, TargetGenerator
@@ -131,14 +133,7 @@ def check_regenerated(out: Path) -> None:
 
 def done_indices(out: Path) -> set[int]:
     """Indices already in the output; a cut last line (run killed while writing) is removed."""
-    if not out.exists():
-        return set()
-    data = out.read_bytes()
-    keep = data.rfind(b"\n") + 1
-    if keep < len(data):
-        with open(out, "r+b") as f:
-            f.truncate(keep)
-    return {json.loads(line)["index"] for line in data[:keep].splitlines() if line.strip()}
+    return {json.loads(line)["index"] for line in whole_lines(out).splitlines() if line.strip()}
 
 
 # ---------------------------------------------------------------- conversations
@@ -196,112 +191,178 @@ def _regenerate(data: list[str], out, *, overwrite: bool = False, target: str | 
     """Answer every user turn of the conversations of ``data`` with ``target`` (a local model) or ``server`` (an
     OpenAI-compatible URL) into the JSONL file ``out``; return the counts. The parameters are the command's flags
     (see ``build_parser``); ``chat_template_kwargs`` is a dict."""
-    from dflashkit.extract.data.sources import check_has_records, iter_records
-    from dflashkit.outputs import check_resume_flags
+    from dflashkit.extract.data.sources import check_has_records
 
+    # --- flags, this rank's output, what it holds already ------------------------------------------------
+    _check_generation_flags(target, server, temperature, top_p, top_k)
+    rank, world, _ = launch.ranks()
+    out = Path(out)
+    data = [str(data)] if isinstance(data, (str, Path)) else [str(d) for d in data]
+    path = part_path(out, rank, world) if world > 1 else out
+    done = _prepare_output(out, path, rank, resume=resume, overwrite=overwrite)
+    check_has_records(data, split)  # an empty data file stops here, before the target is loaded or a server asked
+
+    # --- the generator -----------------------------------------------------------------------------------
+    sampling = dict(template_kwargs=dict(chat_template_kwargs or {}), max_new_tokens=max_new_tokens,
+                    temperature=temperature, top_p=top_p, top_k=top_k)
+    if server:
+        gen = ServerGenerator(server, model, api_key=api_key, concurrency=concurrency, **sampling)
+    else:
+        gen = TargetGenerator(target, max_prompt_length=max_prompt_length, batch_size=batch_size, dtype=dtype,
+                              device=str(launch.local_device(device)), cuda_graph=cuda_graph,
+                              decode_attention=decode_attention, **sampling)
+    # conversations answered together: several times the slots, so refills keep the slots busy
+    chunk_size = concurrency * 4 if server else batch_size * chunk_factor
+
+    # --- the conversations, answered chunk by chunk into the append log ----------------------------------
+    answering = _Answering(gen, _row_meta(gen, sampling), seed=seed, on_bad=on_bad, world=world,
+                           counts={"written": 0, "already_done": len(done), "skipped": {}, "cut_short": 0},
+                           bar=_progress_bar(progress and rank == 0))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open_appending(path) as log:
+        answering.file = log
+        for item in _rank_records(data, split, limit, rank, world, done):
+            answering.add(item, max_turns)
+            if len(answering.chunk) >= chunk_size:
+                answering.answer_chunk()
+        if answering.chunk:
+            answering.answer_chunk()
+    if answering.bar is not None:
+        answering.bar.close()
+
+    # --- summary; the ranks' parts merged into --out -----------------------------------------------------
+    _report(answering.counts, path, rank, world)
+    _merge(out, rank, world, resumed=bool(done))
+    return answering.counts
+
+
+def _check_generation_flags(target: str | None, server: str | None, temperature: float, top_p: float,
+                            top_k: int) -> None:
     if bool(target) == bool(server):
         raise UserError("give either --target (a local model) or --server (an OpenAI-compatible URL)")
     if temperature < 0 or top_k < 0 or not 0 < top_p <= 1:
         raise UserError(f"--temperature {temperature}, --top-k {top_k}, --top-p {top_p}: give "
                          "temperature >= 0 (0: greedy), top-k >= 0 (0: off) and top-p in (0, 1]")
-    rank, world, _ = launch.ranks()
-    out = Path(out)
-    data = [str(data)] if isinstance(data, (str, Path)) else [str(d) for d in data]
-    path = part_path(out, rank, world) if world > 1 else out
+
+
+def _prepare_output(out: Path, path: Path, rank: int, *, resume: bool, overwrite: bool) -> set[int]:
+    """The --resume / --overwrite rule on ``out`` and this rank's ``path``: --overwrite removes them (rank 0 the
+    merged file, each rank its own part), --resume checks them and drops a cut last line. Returns the indices of
+    the conversations already written."""
+    from dflashkit.outputs import check_resume_flags
+
     check_resume_flags(out, resume=resume, overwrite=overwrite,
                        holds="rows" if any(p.exists() and p.stat().st_size for p in (out, path)) else None)
     if overwrite:  # each rank its own part; rank 0 the merged file
         for p in {path, out} if rank == 0 else {path}:
             p.unlink(missing_ok=True)
-    if resume:
-        for p in {out, path}:
-            check_regenerated(p)
-    done = (done_indices(out) | done_indices(path)) if resume else set()
-    check_has_records(data, split)  # an empty data file stops here, before the target is loaded or a server asked
-    template_kwargs = dict(chat_template_kwargs or {})
-    sampling = dict(template_kwargs=template_kwargs, max_new_tokens=max_new_tokens,
-                    temperature=temperature, top_p=top_p, top_k=top_k)
-    if server:
-        gen = ServerGenerator(server, model, api_key=api_key, concurrency=concurrency,
-                              **sampling)
-    else:
-        device = str(launch.local_device(device))
-        gen = TargetGenerator(target, max_prompt_length=max_prompt_length, batch_size=batch_size,
-                              dtype=dtype, device=device, cuda_graph=cuda_graph,
-                              decode_attention=decode_attention, **sampling)
-    meta = {"generator": gen.name, "temperature": temperature, "top_p": top_p, "top_k": top_k,
-            "max_new_tokens": max_new_tokens, "chat_template_kwargs": template_kwargs}
-    # conversations answered together: several times the slots, so refills keep the slots busy
-    chunk_size = concurrency * 4 if server else batch_size * chunk_factor
-    counts = {"written": 0, "already_done": len(done), "skipped": {}, "cut_short": 0}
-    bar = None
-    if progress and rank == 0:
-        from tqdm import tqdm
+    if not resume:
+        return set()
+    for p in {out, path}:
+        check_regenerated(p)
+    return done_indices(out) | done_indices(path)
 
-        bar = tqdm(unit="conversation", desc="regenerate", dynamic_ncols=True)
-    out.parent.mkdir(parents=True, exist_ok=True)
 
-    def skip(reason, where, detail):
-        if on_bad == "fail":
+def _row_meta(gen, sampling: dict) -> dict:
+    """How the rows were generated: the ``meta`` of every row."""
+    return {"generator": gen.name, "temperature": sampling["temperature"], "top_p": sampling["top_p"],
+            "top_k": sampling["top_k"], "max_new_tokens": sampling["max_new_tokens"],
+            "chat_template_kwargs": sampling["template_kwargs"]}
+
+
+def _progress_bar(show: bool):
+    if not show:
+        return None
+    from dflashkit.progress import progress_bar
+
+    return progress_bar(unit="conversation", desc="regenerate", dynamic_ncols=True)
+
+
+def _rank_records(data: list[str], split: str | None, limit: int | None, rank: int, world: int, done: set[int]):
+    """This rank's records (index % world == rank) up to ``limit``, without those already ``done``."""
+    from dflashkit.extract.data.sources import iter_records
+
+    for item in iter_records(data, split):
+        if limit is not None and item.index >= limit:
+            break
+        if item.index % world == rank and item.index not in done:
+            yield item
+
+
+@dataclass
+class _Answering:
+    """One rank's conversations on their way into its append log: the chunk being gathered, what was counted."""
+
+    gen: object  # TargetGenerator or ServerGenerator
+    meta: dict  # how the rows were generated (``_row_meta``)
+    seed: int  # --seed
+    on_bad: str  # --on-bad: "skip" counts a bad record, "fail" raises it
+    world: int  # ranks of the launch (the progress bar counts them all)
+    counts: dict  # written, already_done, skipped (by reason), cut_short: what _regenerate returns
+    bar: object | None = None  # tqdm on rank 0 with progress, else None
+    file: object = None  # the append log (files.open_appending), open while answering
+    chunk: list = field(default_factory=list)  # (index, prompt turns, where) of the conversations gathered
+
+    def skip(self, reason: str, where: str, detail: str) -> None:
+        if self.on_bad == "fail":
             raise BadSample(reason, detail, where)
-        counts["skipped"][reason] = counts["skipped"].get(reason, 0) + 1
+        self.counts["skipped"][reason] = self.counts["skipped"].get(reason, 0) + 1
 
-    with open_appending(path) as f:
-        chunk: list[tuple[int, list[dict], str]] = []
+    def add(self, item, max_turns: int | None) -> None:
+        """The record's prompt turns join the chunk; a bad record is skipped (or raised)."""
+        try:
+            if item.bad is not None:
+                raise BadSample(*item.bad)
+            self.chunk.append((item.index, _prompt_turns(item.record, max_turns), item.where))
+        except BadSample as e:
+            self.skip(e.reason, item.where, e.detail)
 
-        def write(finished: dict, failing: bool) -> None:
-            for k in sorted(finished):
-                (index, turns, where), messages = chunk[k], finished[k]
-                if isinstance(messages, BadSample):
-                    if not failing:  # (while another error propagates, only the answered conversations count)
-                        skip(messages.reason, where, messages.detail)
-                    continue
-                f.write(json.dumps({"index": index, "source": where, "messages": messages, "meta": meta},
-                                   ensure_ascii=False) + "\n")
-                counts["written"] += 1
-                asked = sum(m["role"] == "user" for m in turns)
-                counts["cut_short"] += sum(m["role"] == "user" for m in messages) < asked
-            sync(f)
+    def answer_chunk(self) -> None:
+        """Answer the chunk and write its rows; stopped (SIGINT/SIGTERM, an error), the conversations already
+        answered are written first."""
+        finished: dict[int, list[dict] | BadSample] = {}  # conversations complete so far, by chunk position
+        try:
+            self.gen.answer_turns([(i, t) for i, t, _ in self.chunk], self.seed,
+                                  on_done=functools.partial(self._finished, finished))
+        except BaseException:
+            self.write(finished, failing=True)
+            raise
+        self.write(finished, failing=False)
+        if self.bar is not None:
+            self.bar.update(len(self.chunk) * self.world)
+        self.chunk.clear()
 
-        def flush():
-            finished: dict[int, list[dict] | BadSample] = {}  # conversations complete so far, by chunk position
+    def _finished(self, finished: dict, k: int, result) -> None:
+        finished[k] = result
+        pause_point(f"regenerate-{self.chunk[k][0]}-done")  # test hook (dflashkit/files.py)
 
-            def on_done(k, result):
-                finished[k] = result
-                pause_point(f"regenerate-{chunk[k][0]}-done")  # test hook (dflashkit/files.py)
-
-            try:
-                gen.answer_turns([(i, t) for i, t, _ in chunk], seed, on_done=on_done)
-            except BaseException:  # stopped (SIGINT/SIGTERM, an error): keep every conversation already answered
-                write(finished, failing=True)
-                raise
-            write(finished, failing=False)
-            if bar is not None:
-                bar.update(len(chunk) * world)
-            chunk.clear()
-
-        for item in iter_records(data, split):
-            if limit is not None and item.index >= limit:
-                break
-            if item.index % world != rank or item.index in done:
+    def write(self, finished: dict, failing: bool) -> None:
+        """The rows of the ``finished`` conversations, in chunk order, then synced."""
+        for k in sorted(finished):
+            (index, turns, where), messages = self.chunk[k], finished[k]
+            if isinstance(messages, BadSample):
+                if not failing:  # (while another error propagates, only the answered conversations count)
+                    self.skip(messages.reason, where, messages.detail)
                 continue
-            try:
-                if item.bad is not None:
-                    raise BadSample(*item.bad)
-                chunk.append((item.index, _prompt_turns(item.record, max_turns), item.where))
-            except BadSample as e:
-                skip(e.reason, item.where, e.detail)
-            if len(chunk) >= chunk_size:
-                flush()
-        if chunk:
-            flush()
-    if bar is not None:
-        bar.close()
+            self.file.write(json.dumps({"index": index, "source": where, "messages": messages, "meta": self.meta},
+                                       ensure_ascii=False) + "\n")
+            self.counts["written"] += 1
+            asked = sum(m["role"] == "user" for m in turns)
+            self.counts["cut_short"] += sum(m["role"] == "user" for m in messages) < asked
+        sync(self.file)
+
+
+def _report(counts: dict, path: Path, rank: int, world: int) -> None:
     where = f"rank {rank}/{world}: " if world > 1 else ""
     print(f"regenerate: {where}{counts['written']} conversations written ({counts['already_done']} already there), "
           f"{counts['cut_short']} of them ended before a turn longer than --max-prompt-length, "
           f"skipped {counts['skipped'] or 'none'}, to {path}", file=sys.stderr)
-    if world == 1 and done:  # a resumed run appended after an interrupted chunk: restore the input order
+
+
+def _merge(out: Path, rank: int, world: int, resumed: bool) -> None:
+    """Restore the input order: one process after a resumed run (it appended after an interrupted chunk); several
+    ranks always (rank 0 merges the parts once every rank is done)."""
+    if world == 1 and resumed:
         merge_parts(out, 1)
     if world > 1:
         # the ranks only wait for each other here: a gloo group, which moves no tensors, serves GPU runs as well
@@ -310,7 +371,6 @@ def _regenerate(data: list[str], out, *, overwrite: bool = False, target: str | 
         if rank == 0:
             print(f"regenerate: {merge_parts(out, world)} conversations merged into {out}", file=sys.stderr)
         launch.barrier()
-    return counts
 
 
 def main(argv=None) -> int:

@@ -23,6 +23,7 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from dflashkit import launch
@@ -137,115 +138,199 @@ def _extract(target: str, data: list[str], out, *, overwrite: bool = False, laye
     """Extract the features of ``target`` for the records of ``data`` into shards in ``out``; return the
     manifest. The parameters are the command's flags (see ``build_parser``); ``chat_template`` is the path of a
     Jinja file, ``chat_template_kwargs`` a dict, sizes are bytes."""
-    from dflashkit.drafter import check_target_layer_ids
-    from dflashkit.extract.data.chat import check_template
-    from dflashkit.extract.data.sources import check_has_records, describe_sources
     from dflashkit.targets.capture import LayerCapture
     from dflashkit.targets.loading import load_target
 
-    rank, world, _ = launch.ranks()
-    device = launch.local_device(device)
-    launch.join_process_group(device)  # several processes: NCCL on a GPU, gloo on the CPU
-    torch_dtype = launch.default_dtype(device, dtype)
+    # --- launch, inputs, the output -----------------------------------------------------------------------
+    rank, world, device, torch_dtype = _join_launch(device, dtype, device_map)
     out = Path(out)
     data = [str(data)] if isinstance(data, (str, Path)) else [str(d) for d in data]
-    if device_map and world > 1:
-        raise UserError("--device-map spreads one target over the GPUs of one process; with several processes "
-                        "each rank loads its own copy on its GPU: drop --device-map or launch one process")
-    template_kwargs = dict(chat_template_kwargs or {})
-    cfg = ChatConfig(max_length=max_length, overlong=overlong, template_kwargs=template_kwargs,
+    cfg = ChatConfig(max_length=max_length, overlong=overlong, template_kwargs=dict(chat_template_kwargs or {}),
                      chat_template=read_chat_template(chat_template))
-    from dflashkit.outputs import check_output_dir, check_resume_flags
+    replace = _check_before_loading(out, data, split, layer_ids, resume=resume, overwrite=overwrite)
 
-    check_resume_flags(out, resume=resume, overwrite=overwrite,
-                       holds="an extraction" if _holds_extraction(out) else None)
-
-    replace = check_output_dir(out, what="an extraction", problem=extraction_problem, overwrite=overwrite)
-    check_has_records(data, split)  # an empty data file stops here, before the target is loaded
-    if layer_ids:
-        check_target_layer_ids(list(layer_ids))  # order and duplicates now; the range once the target is loaded
-
+    # --- the target, the manifest, the resumed position --------------------------------------------------
     target = load_target(target, dtype=torch_dtype, device=device, device_map=device_map,
                          trust_remote_code=trust_remote_code)
-    # default taps: evenly spaced (docs/ARCHITECTURE.md); a target too shallow for that many distinct taps gets fewer
-    layer_ids = list(layer_ids) if layer_ids else sorted(set(target.default_layer_ids(num_taps)))
-    layer_ids = check_target_layer_ids(layer_ids, target.num_layers)
-    tok = target.tokenizer
-    if cfg.chat_template or getattr(tok, "chat_template", None):
-        check_template(tok, cfg)  # fails here, before any work, when assistant spans cannot be marked
-    manifest = {
-        "schema_version": SCHEMA_VERSION, "format": "dflashkit-shards", "complete": False,
-        "target": target.identity(), "family": target.family, "tokenizer_hash": tokenizer_hash(tok),
-        "chat_template_hash": chat_template_hash(tok, cfg), "template_kwargs": template_kwargs,
-        "target_layer_ids": layer_ids, "num_target_layers": target.num_layers, "hidden_size": target.hidden_size,
-        "vocab_size": target.vocab_size, "feature_dim": len(layer_ids) * target.hidden_size, "codec": codec,
-        "store_last_hidden": bool(store_last_hidden), "dtype": str(torch_dtype).removeprefix("torch."),
-        "data": describe_sources(data), "world_size": world,
-        "args": {"max_length": max_length, "overlong": overlong, "on_bad": on_bad, "limit": limit, "split": split,
-                 "batch_tokens": batch_tokens, "max_batch_size": max_batch_size, "bucket_window": bucket_window,
-                 "shard_size": shard_size},
-        "skipped": {}, "notes": {}, "shards": []}
-    done: set[int] = set()
-    if resume:
-        old = prepare_resume(out, rank, world)
-        if old is not None:
-            _check_resume(old, manifest, out)
-            manifest["shards"] = old["shards"]
-            done = {i for s in old["shards"] for i in s["sample_indices"]}
-
+    layer_ids = _tapped_layers(target, layer_ids, num_taps, cfg)
+    manifest = _new_manifest(target, layer_ids, cfg, data, world, torch_dtype, codec=codec,
+                             store_last_hidden=store_last_hidden,
+                             args={"max_length": max_length, "overlong": overlong, "on_bad": on_bad, "limit": limit,
+                                   "split": split, "batch_tokens": batch_tokens, "max_batch_size": max_batch_size,
+                                   "bucket_window": bucket_window, "shard_size": shard_size})
+    done = _resumed_samples(out, manifest, rank, world) if resume else set()
     if replace and overwrite:
         _clear_output(out, rank)
+
+    # --- the features, written as shards -----------------------------------------------------------------
     writer = ShardWriter(out, manifest, rank=rank, world_size=world, shard_bytes=shard_size,
                          staging_bytes=staging_size)
-    skipped = {r: 0 for r in SKIP_REASONS}
-    notes = {"dropped_leading_assistant_turns": 0, "truncated": 0}
-    started = time.time()
-    total = batching.count_rank_records(data, split, limit, rank, world)
-    bar = None
-    if rank == 0 and progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=total * world if total is not None else None, unit="sample", dynamic_ncols=True,
-                   desc="extract", initial=len(done) * world)
-    tokens_done = 0
+    tally = _Tally.start(data, split, limit, rank, world, len(done), progress)
     try:
         with LayerCapture(target, layer_ids, store_last_hidden=store_last_hidden) as capture:
-            windows = batching.encoded_windows(data, split, limit, bucket_window, tokenize_workers, tok, cfg, rank,
-                                               world)
-            for window in windows:
-                for bad in window.bad:
-                    if on_bad == "fail":
-                        raise BadSample(bad.reason, bad.detail, bad.where)
-                    skipped[bad.reason] += 1
-                for s in window.samples:
-                    notes["dropped_leading_assistant_turns"] += s.dropped_leading_turns
-                    notes["truncated"] += int(s.truncated)
-                counts = {"skipped": dict(skipped), "notes": dict(notes)}
-                for batch in batching.plan_batches(window.samples, batch_tokens, max_batch_size):
-                    todo = [s for s in batch if s.index not in done]
-                    if todo:
-                        ids, _ = batching.pad_batch(todo, device)
-                        hidden, last_hidden = capture(ids)  # right padding: no mask needed (pad_batch)
-                        lengths = [len(s.input_ids) for s in todo]
-                        keep = batching.real_token_index(lengths, ids.shape[1], hidden.device)
-                        writer.add_batch([s.index for s in todo], lengths, [t for s in todo for t in s.input_ids],
-                                         [m for s in todo for m in s.loss_mask],
-                                         hidden.flatten(0, 1).index_select(0, keep),
-                                         last_hidden.flatten(0, 1).index_select(0, keep)
-                                         if last_hidden is not None else None,
-                                         where=[s.where for s in todo], counts=counts)
-                        tokens_done += sum(lengths)
-                    if bar is not None:
-                        bar.update(len(batch) * world)
-                        bar.set_postfix_str(f"{tokens_done * world / max(time.time() - started, 1e-9):,.0f} tok/s")
+            windows = batching.encoded_windows(data, split, limit, bucket_window, tokenize_workers,
+                                               target.tokenizer, cfg, rank, world)
+            _write_features(windows, capture, writer, tally, done=done, on_bad=on_bad, batch_tokens=batch_tokens,
+                            max_batch_size=max_batch_size, device=device, world=world)
         manifest = writer.close()
     except BaseException:
         writer.abort()
         raise
     finally:
-        if bar is not None:
-            bar.close()
-    manifest.update(skipped=skipped, notes=notes, complete=True)
+        tally.close()
+
+    # --- the manifest, merged over the ranks, and the summary ------------------------------------------
+    return _complete(manifest, writer, tally, out, rank, world)
+
+
+def _join_launch(device: str | None, dtype: str | None, device_map: str | None):
+    """(rank, world size, device, dtype) of this process, in the launch's process group when there are several."""
+    rank, world, _ = launch.ranks()
+    device = launch.local_device(device)
+    launch.join_process_group(device)  # several processes: NCCL on a GPU, gloo on the CPU
+    torch_dtype = launch.default_dtype(device, dtype)
+    if device_map and world > 1:
+        raise UserError("--device-map spreads one target over the GPUs of one process; with several processes "
+                        "each rank loads its own copy on its GPU: drop --device-map or launch one process")
+    return rank, world, device, torch_dtype
+
+
+def _check_before_loading(out: Path, data: list[str], split: str | None, layer_ids: list[int] | None, *,
+                          resume: bool, overwrite: bool) -> bool:
+    """The checks that need no target: the --resume / --overwrite rule, the output directory, records in the
+    data, the order of --layer-ids. Whether ``out`` holds something to replace."""
+    from dflashkit.drafter import check_target_layer_ids
+    from dflashkit.extract.data.sources import check_has_records
+    from dflashkit.outputs import check_output_dir, check_resume_flags
+
+    check_resume_flags(out, resume=resume, overwrite=overwrite,
+                       holds="an extraction" if _holds_extraction(out) else None)
+    replace = check_output_dir(out, what="an extraction", problem=extraction_problem, overwrite=overwrite)
+    check_has_records(data, split)  # an empty data file stops here, before the target is loaded
+    if layer_ids:
+        check_target_layer_ids(list(layer_ids))  # order and duplicates now; the range once the target is loaded
+    return replace
+
+
+def _tapped_layers(target, layer_ids: list[int] | None, num_taps: int, cfg: ChatConfig) -> list[int]:
+    """The layers to capture, checked against the loaded target; the chat template checked against its
+    tokenizer."""
+    from dflashkit.drafter import check_target_layer_ids
+    from dflashkit.extract.data.chat import check_template
+
+    # default taps: evenly spaced (docs/ARCHITECTURE.md); a target too shallow for that many distinct taps gets fewer
+    layer_ids = list(layer_ids) if layer_ids else sorted(set(target.default_layer_ids(num_taps)))
+    layer_ids = check_target_layer_ids(layer_ids, target.num_layers)
+    if cfg.chat_template or getattr(target.tokenizer, "chat_template", None):
+        check_template(target.tokenizer, cfg)  # fails here, before any work, when assistant spans cannot be marked
+    return layer_ids
+
+
+def _new_manifest(target, layer_ids: list[int], cfg: ChatConfig, data: list[str], world: int, torch_dtype, *,
+                  codec: str, store_last_hidden: bool, args: dict) -> dict:
+    """The manifest of this run before any shard is written (extract/shards/manifest.py); ``args``: the flags
+    that shaped it."""
+    from dflashkit.extract.data.sources import describe_sources
+
+    tok = target.tokenizer
+    return {
+        "schema_version": SCHEMA_VERSION, "format": "dflashkit-shards", "complete": False,
+        "target": target.identity(), "family": target.family, "tokenizer_hash": tokenizer_hash(tok),
+        "chat_template_hash": chat_template_hash(tok, cfg), "template_kwargs": cfg.template_kwargs,
+        "target_layer_ids": layer_ids, "num_target_layers": target.num_layers, "hidden_size": target.hidden_size,
+        "vocab_size": target.vocab_size, "feature_dim": len(layer_ids) * target.hidden_size, "codec": codec,
+        "store_last_hidden": bool(store_last_hidden), "dtype": str(torch_dtype).removeprefix("torch."),
+        "data": describe_sources(data), "world_size": world, "args": args,
+        "skipped": {}, "notes": {}, "shards": []}
+
+
+def _resumed_samples(out: Path, manifest: dict, rank: int, world: int) -> set[int]:
+    """--resume: the sample indices this rank's shards already hold (their entries go into ``manifest``), after
+    checking that the earlier run had this run's settings."""
+    old = prepare_resume(out, rank, world)
+    if old is None:
+        return set()
+    _check_resume(old, manifest, out)
+    manifest["shards"] = old["shards"]
+    return {i for s in old["shards"] for i in s["sample_indices"]}
+
+
+@dataclass
+class _Tally:
+    """What a run counts as it goes: bad records by reason, notes on the kept ones, the real tokens this rank
+    wrote, the time, and rank 0's progress bar."""
+
+    skipped: dict[str, int]  # records skipped, by reason (SKIP_REASONS)
+    notes: dict[str, int]  # dropped leading assistant turns, truncated samples
+    started: float  # time.time() when the writing started
+    bar: object | None = None  # tqdm on rank 0 with progress, else None
+    tokens: int = 0  # real tokens this rank wrote in this run
+
+    @classmethod
+    def start(cls, data: list[str], split: str | None, limit: int | None, rank: int, world: int, done: int,
+              progress: bool) -> _Tally:
+        tally = cls({r: 0 for r in SKIP_REASONS}, {"dropped_leading_assistant_turns": 0, "truncated": 0},
+                    time.time())
+        total = batching.count_rank_records(data, split, limit, rank, world)
+        if rank == 0 and progress:
+            from dflashkit.progress import progress_bar
+
+            tally.bar = progress_bar(total=total * world if total is not None else None, unit="sample",
+                                     dynamic_ncols=True, desc="extract", initial=done * world)
+        return tally
+
+    def count_window(self, window, on_bad: str) -> dict:
+        """Count a window's bad records (--on-bad fail: raise the first) and notes; the snapshot the shards of
+        its batches record."""
+        for bad in window.bad:
+            if on_bad == "fail":
+                raise BadSample(bad.reason, bad.detail, bad.where)
+            self.skipped[bad.reason] += 1
+        for s in window.samples:
+            self.notes["dropped_leading_assistant_turns"] += s.dropped_leading_turns
+            self.notes["truncated"] += int(s.truncated)
+        return {"skipped": dict(self.skipped), "notes": dict(self.notes)}
+
+    def advance(self, samples: int, world: int) -> None:
+        if self.bar is not None:
+            self.bar.update(samples * world)
+            self.bar.set_postfix_str(f"{self.tokens * world / max(time.time() - self.started, 1e-9):,.0f} tok/s",
+                                     refresh=False)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _write_features(windows, capture, writer: ShardWriter, tally: _Tally, *, done: set[int], on_bad: str,
+                    batch_tokens: int, max_batch_size: int, device, world: int) -> None:
+    """Every window's batches (those not ``done``) through the target, their features to ``writer``."""
+    for window in windows:
+        counts = tally.count_window(window, on_bad)
+        for batch in batching.plan_batches(window.samples, batch_tokens, max_batch_size):
+            todo = [s for s in batch if s.index not in done]
+            if todo:
+                tally.tokens += _write_batch(todo, capture, writer, device, counts)
+            tally.advance(len(batch), world)
+
+
+def _write_batch(todo: list, capture, writer: ShardWriter, device, counts: dict) -> int:
+    """One forward batch: the samples' layer features, packed to their real tokens, handed to the writer; returns
+    the tokens written."""
+    ids, _ = batching.pad_batch(todo, device)
+    hidden, last_hidden = capture(ids)  # right padding: no mask needed (pad_batch)
+    lengths = [len(s.input_ids) for s in todo]
+    keep = batching.real_token_index(lengths, ids.shape[1], hidden.device)
+    writer.add_batch([s.index for s in todo], lengths, [t for s in todo for t in s.input_ids],
+                     [m for s in todo for m in s.loss_mask], hidden.flatten(0, 1).index_select(0, keep),
+                     last_hidden.flatten(0, 1).index_select(0, keep) if last_hidden is not None else None,
+                     where=[s.where for s in todo], counts=counts)
+    return sum(lengths)
+
+
+def _complete(manifest: dict, writer: ShardWriter, tally: _Tally, out: Path, rank: int, world: int) -> dict:
+    """Mark this rank's manifest complete; rank 0 merges the ranks' manifests; rank 0 prints the summary."""
+    manifest.update(skipped=tally.skipped, notes=tally.notes, complete=True)
     update_totals(manifest)
     write_manifest(writer.manifest_path, manifest)
     launch.barrier()
@@ -255,5 +340,5 @@ def _extract(target: str, data: list[str], out, *, overwrite: bool = False, laye
         launch.barrier()
         manifest = json.loads((out / MANIFEST).read_text())
     if rank == 0:
-        print(_summary(manifest, out, time.time() - started, tokens_done * world), file=sys.stderr)
+        print(_summary(manifest, out, time.time() - tally.started, tally.tokens * world), file=sys.stderr)
     return manifest

@@ -9,10 +9,11 @@ A target is named by one spec string:
 Design choices:
 
 - A GGUF file is dequantized once into a cached float32 safetensors directory (``$DFLASHKIT_CACHE``, default
-  ``~/.cache/dflashkit``; written under a temporary name and renamed into place, so a crash never leaves a
-  half-written cache). float32 keeps the dequantized values exactly, so every stage, whatever dtype it loads,
-  sees one copy with one identity. Everything downstream reads safetensors: one loader, one identity hash, and
-  ``load_target_head`` works for GGUF targets as well. (Disk: 4 bytes per parameter.)
+  ``~/.cache/dflashkit``; written into a temporary directory and renamed into place, the directory shape of
+  dflashkit/files.py, so a crash never leaves a half-written cache). float32 keeps the dequantized values
+  exactly, so every stage, whatever dtype it loads, sees one copy with one identity. Everything downstream reads
+  safetensors: one loader, one identity hash, and ``load_target_head`` works for GGUF targets as well. (Disk: 4
+  bytes per parameter.)
 - Families are a plain dict of presets (``FAMILIES``, keyed by ``config.model_type``). The layout is found
   the same way for all of them (``targets/runtime/parts.py``: ``find_decoder``; a ``Target`` is that module's
   ``TargetParts`` with a tokenizer and an identity); a preset records only what differs: the final-norm class
@@ -46,6 +47,7 @@ import torch
 from torch import nn
 
 from dflashkit.errors import UserError
+from dflashkit.files import rename_dir_into_place
 
 from .runtime.parts import TargetParts, parts_of, scaled_embedding, text_config
 
@@ -169,7 +171,7 @@ def _cached_gguf_conversion(gguf: Path, out: Path) -> Path:
         if not _marker_matches(marker, source):  # else another process finished the same conversion first
             if out.exists():  # a conversion of an older source file
                 shutil.rmtree(out)
-            os.rename(tmp, out)
+            rename_dir_into_place(tmp, out)  # fsynced, renamed, the rename made durable (dflashkit/files.py)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out

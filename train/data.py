@@ -98,28 +98,50 @@ def pack_sequences(input_ids: list[torch.Tensor], loss_mask: list[torch.Tensor],
     ids = torch.cat([t.reshape(-1).long() for t in input_ids])
     mask = torch.cat([m.reshape(-1).bool() for m in loss_mask]).to(ids.device)
     dev = ids.device
-    offsets = [0]
-    for n in lens:
-        offsets.append(offsets[-1] + n)
+    offsets = _offsets(lens)
     counts = [int(a.numel()) for a in anchors]
     for a, n in zip(anchors, lens):
         if a.numel() and (int(a.min()) < 0 or int(a.max()) >= n):
             raise ValueError(f"anchors {a.tolist()} outside the sequence of {n} tokens")
+    # each block's sequence: where it starts and ends in the packed context, and the anchor within it
     seq = torch.repeat_interleave(torch.arange(len(lens), device=dev), torch.tensor(counts, device=dev))
     start = torch.tensor(offsets[:-1], device=dev)[seq]
     end = torch.tensor(offsets[1:], device=dev)[seq]
     local = torch.cat([a.reshape(-1).long().to(dev) for a in anchors]) if anchors else torch.zeros(0, dtype=torch.long)
-    n_real = local.numel()
+    # padding: whole blocks so that N*B is a multiple of pad_multiple (at least one block), then the context
+    n_total = _round_up(max(1, local.numel()), pad_multiple // math.gcd(pad_multiple, B))
+    L = _round_up(offsets[-1], pad_multiple)
+    block_ids, labels, valid, teacher = _block_tensors(ids, mask, start, end, local, B, n_total, mask_token_id)
     k = torch.arange(B, device=dev)
-    pos = (start + local)[:, None] + k[None, :]  # [n, B] packed indices of the block tokens
+    zeros = torch.zeros(n_total - local.numel(), dtype=torch.long, device=dev)  # padding blocks: anchor = start = 0
+    ctx_pos = torch.cat([torch.arange(n, device=dev) for n in lens] + [torch.zeros(L - offsets[-1], dtype=torch.long,
+                                                                                   device=dev)])
+    blk_pos = torch.cat([local[:, None] + k[None, :], zeros[:, None] + k[None, :]])
+    return PackedBlocks(target_hidden=_end_to_end(hidden, lens, L)[None], block_ids=block_ids.reshape(1, -1),
+                        position_ids=torch.cat([ctx_pos, blk_pos.reshape(-1)])[None],
+                        anchors=torch.cat([start + local, zeros]), context_start=torch.cat([start, zeros]),
+                        labels=labels, valid=valid, teacher_index=teacher,
+                        last_hidden=None if last_hidden is None else _end_to_end(last_hidden, lens, L),
+                        scale=float(scale), sample_indices=list(sample_indices or [-1] * len(lens)),
+                        context_offsets=offsets, block_offsets=_offsets(counts))
+
+
+def _offsets(sizes: list[int]) -> list[int]:
+    """[0, s0, s0 + s1, ...]: where each of consecutive runs of ``sizes`` starts, then where the last ends."""
+    offsets = [0]
+    for n in sizes:
+        offsets.append(offsets[-1] + n)
+    return offsets
+
+
+def _block_tensors(ids: torch.Tensor, mask: torch.Tensor, start: torch.Tensor, end: torch.Tensor,
+                   local: torch.Tensor, B: int, n_total: int, mask_token_id: int):
+    """Per block, the real ones (``local``: their anchors within their sequences) then padding up to ``n_total``:
+    the ids [n_total, B] (anchor token, MASK x (B-1)), labels, valid and teacher rows [n_total, B-1]."""
+    dev, n_real = ids.device, local.numel()
+    pos = (start + local)[:, None] + torch.arange(B, device=dev)[None, :]  # [n, B] packed indices of block tokens
     safe = torch.minimum(pos, end[:, None] - 1)
     inside = pos[:, 1:] < end[:, None]
-    # padding: whole blocks so that N*B is a multiple of pad_multiple (at least one block), then the context
-    n_total = max(1, n_real)
-    step = pad_multiple // math.gcd(pad_multiple, B)
-    n_total = _round_up(n_total, step)
-    L = _round_up(offsets[-1], pad_multiple)
-    pad_n = n_total - n_real
     block_ids = torch.full((n_total, B), int(mask_token_id), dtype=torch.long, device=dev)
     block_ids[:n_real, 0] = ids[start + local]
     labels = torch.zeros(n_total, B - 1, dtype=torch.long, device=dev)
@@ -128,27 +150,15 @@ def pack_sequences(input_ids: list[torch.Tensor], loss_mask: list[torch.Tensor],
     valid[:n_real] = inside & mask[safe[:, 1:]]
     teacher = torch.zeros(n_total, B - 1, dtype=torch.long, device=dev)
     teacher[:n_real] = safe[:, :-1]
-    zeros = torch.zeros(pad_n, dtype=torch.long, device=dev)  # padding blocks: anchor = start = 0, see no context
-    ctx_pos = torch.cat([torch.arange(n, device=dev) for n in lens] + [torch.zeros(L - offsets[-1], dtype=torch.long,
-                                                                                   device=dev)])
-    blk_pos = torch.cat([local[:, None] + k[None, :], zeros[:, None] + k[None, :]])
-    feats = torch.cat([h.reshape(n, -1) for h, n in zip(hidden, lens)])
-    if L > offsets[-1]:
-        feats = torch.cat([feats, feats.new_zeros(L - offsets[-1], feats.shape[1])])
-    last = None
-    if last_hidden is not None:
-        last = torch.cat([h.reshape(n, -1) for h, n in zip(last_hidden, lens)])
-        if L > offsets[-1]:
-            last = torch.cat([last, last.new_zeros(L - offsets[-1], last.shape[1])])
-    block_offsets = [0]
-    for c in counts:
-        block_offsets.append(block_offsets[-1] + c)
-    return PackedBlocks(target_hidden=feats[None], block_ids=block_ids.reshape(1, -1),
-                        position_ids=torch.cat([ctx_pos, blk_pos.reshape(-1)])[None],
-                        anchors=torch.cat([start + local, zeros]), context_start=torch.cat([start, zeros]),
-                        labels=labels, valid=valid, teacher_index=teacher, last_hidden=last, scale=float(scale),
-                        sample_indices=list(sample_indices or [-1] * len(lens)), context_offsets=offsets,
-                        block_offsets=block_offsets)
+    return block_ids, labels, valid, teacher
+
+
+def _end_to_end(features: list[torch.Tensor], lens: list[int], rows: int) -> torch.Tensor:
+    """The sequences' features [n, D] end to end, zero rows appended up to ``rows``."""
+    packed = torch.cat([h.reshape(n, -1) for h, n in zip(features, lens)])
+    if rows > packed.shape[0]:
+        packed = torch.cat([packed, packed.new_zeros(rows - packed.shape[0], packed.shape[1])])
+    return packed
 
 
 def collate_blocks(samples: list[dict], *, block_size: int, mask_token_id: int, num_anchors: int, seed: int,

@@ -31,18 +31,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dflashkit import launch
 from dflashkit.errors import UserError
 
 FEATURE_DTYPE = torch.bfloat16  # what shards store and the drafter reads
-
-
-def resolve_target_dtype(name: str, device: torch.device) -> torch.dtype:
-    """'auto' -> bfloat16 on a GPU, float32 on the CPU; else the named dtype."""
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if name not in ("bfloat16", "float16", "float32"):
-        raise UserError(f"target_dtype: {name!r}; use auto, bfloat16, float16 or float32")
-    return getattr(torch, name)
 
 
 def check_drafter_matches_target(dcfg, target) -> None:
@@ -286,7 +278,8 @@ def open_online(cfg, device, compute_dtype: torch.dtype, say=print, rank: int = 
     from dflashkit.extract.data.sources import check_has_records
 
     check_has_records(list(cfg.data))  # an empty data file stops here, before the target is loaded
-    dtype = resolve_target_dtype(cfg.target_dtype, torch.device(device))
+    # auto: the launch's default (bf16 on a GPU, fp32 on the CPU); train/config.py checked the name
+    dtype = launch.default_dtype(device, None if cfg.target_dtype == "auto" else cfg.target_dtype)
     target = load_target(cfg.target, dtype=dtype, device=device)
     target.model.requires_grad_(False).eval()
     # the training head shares the target's tensors when the dtypes agree, else it is read on its own

@@ -26,11 +26,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from dflashkit import launch
 from dflashkit.errors import UserError
 
 from .checkpoint import (
@@ -54,8 +54,8 @@ ARCHITECTURE_FIELDS = ("num_hidden_layers", "block_size", "target_layer_ids", "l
 
 
 def main_process() -> bool:
-    """Rank 0 of a launch, or a single process (before the accelerator exists: the launcher's RANK)."""
-    return os.environ.get("RANK", "0") in ("", "0")
+    """Rank 0 of a launch, or a single process (before the accelerator exists: dflashkit/launch.py)."""
+    return launch.ranks().rank == 0
 
 
 def say(message: str) -> None:

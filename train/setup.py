@@ -153,6 +153,15 @@ def param_groups(model, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+def drafter_pass_options(cfg: TrainConfig, dcfg, device: torch.device) -> dict:
+    """The drafter pass's fixed arguments of a run (train/drafter_pass.forward_blocks): the drafter's block layout,
+    the mask backend for ``device``, the loss chunking, whether DFlash2's selector term is computed, and the
+    compiled logit kernels (with compiled layers, on CUDA)."""
+    return dict(block_size=dcfg.block_size, layer_types=dcfg.layer_types, sliding_window=dcfg.sliding_window,
+                causal=dcfg.causal, backend=mask_backend(cfg.attention, device), chunk_tokens=cfg.loss_chunk_tokens,
+                selector=cfg.selector_loss_weight > 0, fused_loss=cfg.compile and device.type == "cuda")
+
+
 @dataclass
 class TrainRun:
     """Everything the loop needs, built by ``setup``; ``step``, ``epoch`` and ``done`` are its position."""
@@ -211,10 +220,6 @@ def setup(cfg: TrainConfig, start: Start, resources: ExitStack) -> TrainRun:
     entered on ``resources``, the trainer's ExitStack."""
     from accelerate.utils import set_seed
 
-    from dflashkit.extract.shards.manifest import check_manifest_matches
-    from dflashkit.extract.shards.reader import ShardDataset
-    from dflashkit.targets.loading import load_target_head
-
     # --- accelerator ------------------------------------------------------------------------------------
     online = bool(cfg.data)  # the target runs in the loop (train/online.py) instead of shards being read
     if not cfg.shards and not online:
@@ -222,40 +227,12 @@ def setup(cfg: TrainConfig, start: Start, resources: ExitStack) -> TrainRun:
                         "wrote), or --target T --data FILE to train online")
     accelerator = make_accelerator(cfg)
     configure_deepspeed(accelerator, cfg)
-    say = accelerator.print
-    world, rank, G = accelerator.num_processes, accelerator.process_index, cfg.grad_accum
     set_seed(cfg.seed)
-    compute_dtype = torch.bfloat16 if cfg.mixed_precision == "bf16" else torch.float32
 
     # --- data, target head, drafter -----------------------------------------------------------------------
-    if online:  # each rank loads its own frozen target; accelerate never sees it
-        from .online import OnlineFeatures, check_drafter_matches_target, open_online
-
-        target, head, manifest, samples = open_online(cfg, accelerator.device, compute_dtype, say, rank)
-    else:
-        if cfg.verify_shards:
-            verify_shards(cfg.shards, rank, world)
-        dataset = ShardDataset(cfg.shards)
-        manifest = dataset.manifest
-        head_spec = cfg.target or manifest["target"]["path"]
-        head = load_target_head(head_spec, dtype=compute_dtype, device=accelerator.device)
-    set_seed(cfg.seed)  # the drafter's initial weights depend on the seed alone, whatever loading consumed
-    model, dcfg = build_model(cfg, manifest, head, start.init_model)
     use_last_hidden = cfg.loss == "kl" or cfg.labels == "target_argmax"  # the target's final hidden states
-    if online:
-        check_drafter_matches_target(dcfg, target)
-        dataset = resources.enter_context(OnlineFeatures(target, samples, dcfg.target_layer_ids,
-                                                         store_last_hidden=use_last_hidden,
-                                                         batch_tokens=cfg.target_batch_tokens,
-                                                         device=accelerator.device))
-    else:
-        check_manifest_matches(manifest, dcfg, target_identity(head))
-    if cfg.loss == "kl" and not dataset.has_last_hidden:
-        raise UserError(f"loss=kl needs last_hidden in the shards of {cfg.shards}; re-extract them with "
-                        f"--store-last-hidden, or use loss=dpace (the default) or ce")
-    if cfg.labels == "target_argmax" and not dataset.has_last_hidden:
-        raise UserError(f"labels=target_argmax needs last_hidden in the shards of {cfg.shards}; re-extract them "
-                        f"with --store-last-hidden, train online (--target T --data FILE), or use labels=data")
+    dataset, head, model, dcfg = load_data_and_drafter(cfg, start, accelerator, resources, use_last_hidden)
+    check_last_hidden(cfg, dataset)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing = True
     selector = cfg.selector_loss_weight > 0
@@ -264,48 +241,112 @@ def setup(cfg: TrainConfig, start: Start, resources: ExitStack) -> TrainRun:
         frozen_selector.requires_grad_(False)
 
     # --- the order of the data and the length of the run ------------------------------------------------
+    world = accelerator.num_processes
     train_idx, eval_idx = split_indices(len(dataset), cfg.eval_samples, cfg.seed)
     packs = [pack_order(epoch_order(train_idx, cfg.seed, e), dataset.lengths, cfg.micro_batch_tokens, cfg.max_length)
              for e in range(cfg.epochs)]  # the micro-batches of each epoch (lists of samples)
-    spe = steps_per_epoch(len(packs[0]), world, G)
-    planned = sum(steps_per_epoch(len(p), world, G) for p in packs)
+    planned = sum(steps_per_epoch(len(p), world, cfg.grad_accum) for p in packs)
     total_steps = min(planned, cfg.max_steps) if cfg.max_steps else planned
-    warmup = int(round(cfg.warmup_ratio * total_steps))
+    backend_name = backend_of(accelerator)
+    announce_plan(cfg, accelerator, backend_name, online, len(train_idx), len(eval_idx), packs, planned,
+                  total_steps)
+
+    # --- optimizer, backend -------------------------------------------------------------------------------
+    model, optimizer, pass_options = prepare_drafter(cfg, accelerator, model, dcfg, backend_name, selector)
+    run = TrainRun(cfg=cfg, accelerator=accelerator, dataset=dataset, head=head, model=model, dcfg=dcfg,
+                   optimizer=optimizer, train_idx=train_idx, eval_idx=eval_idx, packs=packs, planned=planned,
+                   total_steps=total_steps, warmup=int(round(cfg.warmup_ratio * total_steps)),
+                   pass_options=pass_options, use_last_hidden=use_last_hidden, online=online)
+
+    # --- resume -------------------------------------------------------------------------------------------
+    if start.resume is not None:
+        resume(run, start.resume)
+    return run
+
+
+def load_data_and_drafter(cfg: TrainConfig, start: Start, accelerator, resources: ExitStack,
+                          use_last_hidden: bool):
+    """(dataset, head, model, DrafterConfig): the samples (shards, or the live target's features: train/online.py),
+    the target's frozen head, and the drafter (new, seeded by ``cfg.seed`` alone, or ``start``'s init_from one),
+    checked against the shards' manifest or the live target."""
+    from accelerate.utils import set_seed
+
+    from dflashkit.extract.shards.manifest import check_manifest_matches
+    from dflashkit.extract.shards.reader import ShardDataset
+    from dflashkit.targets.loading import load_target_head
+
+    compute_dtype = torch.bfloat16 if cfg.mixed_precision == "bf16" else torch.float32
+    device, rank, world = accelerator.device, accelerator.process_index, accelerator.num_processes
+    if cfg.data:  # online: each rank loads its own frozen target; accelerate never sees it
+        from .online import OnlineFeatures, check_drafter_matches_target, open_online
+
+        target, head, manifest, samples = open_online(cfg, device, compute_dtype, accelerator.print, rank)
+    else:
+        if cfg.verify_shards:
+            verify_shards(cfg.shards, rank, world)
+        dataset = ShardDataset(cfg.shards)
+        manifest = dataset.manifest
+        head = load_target_head(cfg.target or manifest["target"]["path"], dtype=compute_dtype, device=device)
+    set_seed(cfg.seed)  # the drafter's initial weights depend on the seed alone, whatever loading consumed
+    model, dcfg = build_model(cfg, manifest, head, start.init_model)
+    if cfg.data:
+        check_drafter_matches_target(dcfg, target)
+        dataset = resources.enter_context(OnlineFeatures(target, samples, dcfg.target_layer_ids,
+                                                         store_last_hidden=use_last_hidden,
+                                                         batch_tokens=cfg.target_batch_tokens, device=device))
+    else:
+        check_manifest_matches(manifest, dcfg, target_identity(head))
+    return dataset, head, model, dcfg
+
+
+def check_last_hidden(cfg: TrainConfig, dataset) -> None:
+    """loss=kl and labels=target_argmax read the target's final hidden states: the data must carry them."""
+    if cfg.loss == "kl" and not dataset.has_last_hidden:
+        raise UserError(f"loss=kl needs last_hidden in the shards of {cfg.shards}; re-extract them with "
+                        f"--store-last-hidden, or use loss=dpace (the default) or ce")
+    if cfg.labels == "target_argmax" and not dataset.has_last_hidden:
+        raise UserError(f"labels=target_argmax needs last_hidden in the shards of {cfg.shards}; re-extract them "
+                        f"with --store-last-hidden, train online (--target T --data FILE), or use labels=data")
+
+
+def backend_of(accelerator) -> str:
+    """The backend accelerate runs (``DistributedType``'s name), with a note when it is not the FSDP asked for."""
     backend_name = str(accelerator.distributed_type).split(".")[-1]
     if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and backend_name != "FSDP":
-        say(f"note: the accelerate config asks for FSDP, but accelerate runs it as {backend_name} on "
-            f"{accelerator.device.type} (it shards only on GPUs): every process holds the whole drafter")
-    say(f"dflashkit train ({backend_name}, {accelerator.device.type}): {'online, ' if online else ''}"
-        f"{len(train_idx)} training / {len(eval_idx)} "
+        accelerator.print(f"note: the accelerate config asks for FSDP, but accelerate runs it as {backend_name} on "
+                          f"{accelerator.device.type} (it shards only on GPUs): every process holds the whole "
+                          f"drafter")
+    return backend_name
+
+
+def announce_plan(cfg: TrainConfig, accelerator, backend_name: str, online: bool, train_samples: int,
+                  eval_samples: int, packs: list, planned: int, total_steps: int) -> None:
+    """The run's plan in one line; a note when max_steps stops it before the last epoch ends."""
+    world, G = accelerator.num_processes, cfg.grad_accum
+    spe = steps_per_epoch(len(packs[0]), world, G)
+    accelerator.print(
+        f"dflashkit train ({backend_name}, {accelerator.device.type}): {'online, ' if online else ''}"
+        f"{train_samples} training / {eval_samples} "
         f"held-out samples, {world} process(es) x "
         f"{G} micro-batches ({f'<= {cfg.micro_batch_tokens} tokens' if cfg.micro_batch_tokens else 'one sequence'} "
         f"each) per step, "
         f"{spe} steps in epoch 0, {cfg.epochs} epochs = "
         f"{planned} steps")
     if total_steps < planned:
-        say(f"NOTE: max_steps={cfg.max_steps} stops training after {total_steps} of {planned} steps "
-            f"({total_steps / spe:.2f} of {cfg.epochs} epochs)")
+        accelerator.print(f"NOTE: max_steps={cfg.max_steps} stops training after {total_steps} of {planned} steps "
+                          f"({total_steps / spe:.2f} of {cfg.epochs} epochs)")
 
-    # --- optimizer, backend -------------------------------------------------------------------------------
+
+def prepare_drafter(cfg: TrainConfig, accelerator, model, dcfg, backend_name: str, selector: bool):
+    """(model, optimizer, pass options): the optimizer built, both prepared by accelerate, the drafter's layers
+    compiled when asked, and the drafter pass's fixed arguments (train/drafter_pass.forward_blocks)."""
     optimizer = build_optimizer(cfg, model, backend_name)
     model, optimizer = accelerator.prepare(model, optimizer)
     if cfg.compile:  # per decoder layer, dynamic shapes from the start (train/drafter_pass.compile_layers)
         compile_layers(accelerator.unwrap_model(model))
-    backend = mask_backend(cfg.attention, accelerator.device)
-    say(f"attention mask: {backend}{' (compiled drafter layers)' if cfg.compile else ''}")
-    pass_options = dict(block_size=dcfg.block_size, layer_types=dcfg.layer_types, sliding_window=dcfg.sliding_window,
-                        causal=dcfg.causal,
-                        backend=backend, chunk_tokens=cfg.loss_chunk_tokens, selector=selector,
-                        fused_loss=cfg.compile and accelerator.device.type == "cuda")  # compiled logit kernels
-    run = TrainRun(cfg=cfg, accelerator=accelerator, dataset=dataset, head=head, model=model, dcfg=dcfg,
-                   optimizer=optimizer, train_idx=train_idx, eval_idx=eval_idx, packs=packs, planned=planned,
-                   total_steps=total_steps, warmup=warmup, pass_options=pass_options,
-                   use_last_hidden=use_last_hidden, online=online)
-
-    # --- resume -------------------------------------------------------------------------------------------
-    if start.resume is not None:
-        resume(run, start.resume)
-    return run
+    pass_options = drafter_pass_options(cfg, dcfg, accelerator.device)
+    accelerator.print(f"attention mask: {pass_options['backend']}{' (compiled drafter layers)' if cfg.compile else ''}")
+    return model, optimizer, pass_options
 
 
 def resume(run: TrainRun, point: ResumePoint) -> None:

@@ -3,7 +3,9 @@
 Design choices:
 - Only the main process logs. ``metrics.jsonl`` in the output dir is the record every other view is built from
   (tests compare loss trajectories with it; RESULTS tables are read from it). It is strict JSON: a NaN or Inf
-  metric (nothing to count, or the step a run diverged at) is written as null.
+  metric (nothing to count, or the step a run diverged at) is written as null. It is an append log
+  (dflashkit/files.py): each row is on the disk when ``log`` returns; a crash leaves at most one cut last row,
+  which the reader skips and a resumed run cuts off before it appends.
 - wandb and tensorboard are imported lazily; wandb runs in offline mode when no ``WANDB_API_KEY`` is set (the
   run can be synced later with ``wandb sync``). A missing wandb package is a warning, not an error (a run of
   days should not die for a dashboard; metrics.jsonl has everything); a missing tensorboard is an error.
@@ -14,6 +16,8 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+
+from dflashkit.files import atomic_write, open_appending, sync, whole_lines
 
 from .metrics import json_safe
 
@@ -28,7 +32,8 @@ class Tracker:
             return
         self.dir = Path(output_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.file = open(self.dir / "metrics.jsonl", "a")
+        whole_lines(self.dir / "metrics.jsonl")  # a row cut by a crash is cut off before this run appends
+        self.file = open_appending(self.dir / "metrics.jsonl")
         name = run_name or self.dir.resolve().name
         if wandb:
             try:
@@ -58,7 +63,7 @@ class Tracker:
         import uuid
 
         run_id = f"{name[:40]}-{uuid.uuid4().hex[:8]}".replace("/", "-")
-        f.write_text(run_id)
+        atomic_write(f, run_id.encode())
         return run_id
 
     def log(self, metrics: dict, step: int) -> None:
@@ -66,7 +71,7 @@ class Tracker:
             return
         row = {"step": int(step), **{k: (float(v) if isinstance(v, (int, float)) else v) for k, v in metrics.items()}}
         self.file.write(json.dumps(json_safe(row), allow_nan=False) + "\n")
-        self.file.flush()
+        sync(self.file)
         if self.wandb_run is not None:
             self.wandb_run.log(metrics, step=int(step))
         if self.tb is not None:
@@ -85,9 +90,11 @@ class Tracker:
 
 
 def read_metrics(output_dir: str | os.PathLike) -> list[dict]:
-    """The rows of metrics.jsonl; after a resume the latest row of each (step, kind) wins."""
+    """The rows of metrics.jsonl; after a resume the latest row of each (step, kind) wins. A cut last row (a crash
+    while it was written) is skipped."""
     path = Path(output_dir) / "metrics.jsonl"
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    text = path.read_text() if path.is_file() else ""
+    rows = [json.loads(line) for line in text[: text.rfind("\n") + 1].splitlines() if line.strip()]
     latest: dict = {}
     for r in rows:
         latest[(r["step"], tuple(sorted(r)))] = r

@@ -22,7 +22,10 @@ Design choices:
   before every eval, checkpoint and the export the last step and the weights are checked (``settle``); either
   stops every rank with ``TrainingDiverged`` naming the step and the last finite checkpoint (the command exits
   1). No non-finite checkpoint or export is written, so an earlier export stays as it was.
-- metrics.jsonl and summary.json are strict JSON: a NaN or Inf value is written as null.
+- metrics.jsonl and summary.json are strict JSON: a NaN or Inf value is written as null; summary.json is written
+  as one durable file (dflashkit/files.py ``atomic_write``).
+- The progress bar is dflashkit/progress.py's (a line every few seconds without a terminal); its postfix shows the
+  last log line's loss and speed, and tau_sim once a held-out evaluation has given one.
 """
 
 from __future__ import annotations
@@ -33,7 +36,8 @@ import time
 from contextlib import ExitStack
 from pathlib import Path
 
-from dflashkit.files import pause_point
+from dflashkit.files import atomic_write, pause_point
+from dflashkit.progress import progress_bar
 from dflashkit.stopping import StopRequest
 
 from .checkpoint import save_checkpoint
@@ -73,7 +77,7 @@ def _train_run(run: TrainRun) -> dict:
     tracker = Tracker(Path(cfg.output_dir), cfg.to_dict(), enabled=run.accelerator.is_main_process,
                       wandb=cfg.wandb, wandb_project=cfg.wandb_project, run_name=cfg.run_name,
                       tensorboard=cfg.tensorboard, resume_step=run.step)
-    bar = progress_bar(run)
+    bar = training_bar(run)
     try:
         # --- the loop: one train_step per optimizer step (train/train_step.py) ---------------------------
         with StopRequest() as stop:  # SIGTERM / SIGINT: checkpoint at the next step boundary, then exit
@@ -93,11 +97,20 @@ def _train_run(run: TrainRun) -> dict:
     return summary
 
 
-def progress_bar(run: TrainRun):
-    from tqdm.auto import tqdm
+def training_bar(run: TrainRun):
+    """The run's progress bar, in optimizer steps (rank 0 only; ``progress=false``: none)."""
+    return progress_bar(total=run.total_steps, initial=run.step, dynamic_ncols=True,
+                        disable=not (run.accelerator.is_main_process and run.cfg.progress))
 
-    return tqdm(total=run.total_steps, initial=run.step, dynamic_ncols=True,
-                disable=not (run.accelerator.is_main_process and run.cfg.progress))
+
+def bar_postfix(metrics: dict, last_eval: dict) -> dict:
+    """What the bar shows after a log line: its loss and speed, and the last held-out tau_sim (none before the
+    first evaluation)."""
+    postfix = {"loss": f"{metrics['train/loss']:.3f}"}
+    if "eval/tau_sim" in last_eval:
+        postfix["tau_sim"] = f"{last_eval['eval/tau_sim']:.2f}"
+    postfix["tok_s"] = f"{metrics['tokens_per_s']:.0f}"
+    return postfix
 
 
 def train_loop(run: TrainRun, tracker: Tracker, bar, stop: StopRequest) -> None:
@@ -130,9 +143,7 @@ def train_loop(run: TrainRun, tracker: Tracker, bar, stop: StopRequest) -> None:
             if run.step % cfg.log_every == 0 or run.step == run.total_steps:
                 metrics = train_metrics(run, sums, factor, result.grad_norm, time.perf_counter() - t0)
                 tracker.log(metrics, run.step)
-                bar.set_postfix(loss=f"{metrics['train/loss']:.3f}",
-                                tau_sim=f"{last_eval.get('eval/tau_sim', float('nan')):.2f}",
-                                tok_s=f"{metrics['tokens_per_s']:.0f}")
+                bar.set_postfix(bar_postfix(metrics, last_eval), refresh=False)  # shown at the bar's next line
                 sums, t0 = MetricSums(run.dcfg.block_size - 1, accelerator.device), time.perf_counter()
             if cfg.eval_every and run.step % cfg.eval_every == 0 and run.step < run.total_steps:
                 settle(run)
@@ -237,6 +248,6 @@ def export_and_summarise(run: TrainRun, final: Path, last_eval: dict) -> dict:
                "epochs_completed": run.epoch, "checkpoint": str(final), "export_dir": str(export_dir), **last_eval}
     if accelerator.is_main_process:
         strict = json.dumps(json_safe(summary), indent=1, allow_nan=False)  # NaN and Inf as null
-        (out_dir / "summary.json").write_text(strict)
+        atomic_write(out_dir / "summary.json", strict.encode())
         accelerator.print(json.dumps(json.loads(strict)))
     return summary

@@ -9,7 +9,9 @@ import json
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import torch
 
@@ -95,53 +97,32 @@ class TargetGenerator:
         talks = [_Conversation(turns) for _, turns in chunk]
         done = on_done or (lambda k, result: None)
         if self.slots is None:
-            while True:
-                asking = []
-                for k, t in enumerate(talks):
-                    if not t.finished:
-                        if t.next_turn():
-                            asking.append(t)
-                        else:
-                            done(k, t.result())
-                if not asking:
-                    return [t.result() for t in talks]
-                for t, text in zip(asking, self.answer([t.history for t in asking], seed + chunk[0][0])):
-                    t.answered(text)
-        position = {id(t): k for k, t in enumerate(talks)}
-        owner: list[_Conversation] = []  # request -> its conversation
-        waiting: list[tuple[_Conversation, list[int]]] = []  # prompts longer than this round's cache holds
-        cap = 1 << 62  # the longest prompt this round's cache holds (the first turns all fit the first round)
-
-        def ask(talk: "_Conversation") -> list[int] | None:
-            if talk.next_turn():
-                try:
-                    prompt = self._prompt(talk.history)
-                except BadSample as e:
-                    talk.answered(e)
-                else:
-                    if len(prompt) > cap:
-                        waiting.append((talk, prompt))
-                        return None
-                    owner.append(talk)
-                    return prompt
-            done(position[id(talk)], talk.result())
-            return None
-
-        def follow_up(r: int, tokens: list[int]) -> list[int] | None:
-            owner[r].answered(self.tok.decode(tokens, skip_special_tokens=True))
-            return ask(owner[r])
-
-        first = [p for p in map(ask, talks) if p is not None]
+            return self._answer_in_rounds(talks, seed + chunk[0][0], done)
+        feed = _TurnFeed(self, talks, done)
+        first = [p for p in map(feed.ask, talks) if p is not None]
         while first:
             # the cache holds --max-prompt-length (without it: the longest prompt so far, at least 1024) plus the
             # answer; a later turn that outgrows it waits for the next round, whose cache is sized for it
-            cap = self.max_prompt_length or max(1024, max(map(len, first)))
-            self.slots.generate(first, self.max_new_tokens, seed=seed + chunk[0][0], follow_up=follow_up,
-                                max_prompt_length=cap)
-            owner[:] = [talk for talk, _ in waiting]
-            first = [prompt for _, prompt in waiting]
-            waiting.clear()
+            feed.cap = self.max_prompt_length or max(1024, max(map(len, first)))
+            self.slots.generate(first, self.max_new_tokens, seed=seed + chunk[0][0], follow_up=feed.follow_up,
+                                max_prompt_length=feed.cap)
+            first = feed.next_round()
         return [t.result() for t in talks]
+
+    def _answer_in_rounds(self, talks: list[_Conversation], seed: int, done) -> list[list[dict] | BadSample]:
+        """Hugging Face ``generate``: every unfinished conversation's next turn in one round, until none is left."""
+        while True:
+            asking = []
+            for k, t in enumerate(talks):
+                if not t.finished:
+                    if t.next_turn():
+                        asking.append(t)
+                    else:
+                        done(k, t.result())
+            if not asking:
+                return [t.result() for t in talks]
+            for t, text in zip(asking, self.answer([t.history for t in asking], seed)):
+                t.answered(text)
 
     def hf_generate(self, prompts: list[list[int]], seed: int) -> list[list[int]]:
         """New tokens per prompt from one Hugging Face ``generate`` call (left padding), cut before a stop id."""
@@ -206,6 +187,51 @@ class _Conversation:
 
     def result(self) -> "list[dict] | BadSample":
         return self.bad if self.bad is not None else self.history
+
+
+@dataclass
+class _TurnFeed:
+    """The slot generator's requests for one chunk of conversations: each request's conversation, and the prompts
+    that outgrew this round's cache (they start the next round)."""
+
+    gen: TargetGenerator  # renders the prompts, decodes the answers
+    talks: list[_Conversation]  # the chunk's conversations
+    done: Callable  # done(k, result): conversation k is complete
+    cap: int = 1 << 62  # the longest prompt this round's cache holds (the first turns all fit the first round)
+    owner: list[_Conversation] = field(default_factory=list)  # request -> its conversation
+    waiting: list[tuple[_Conversation, list[int]]] = field(default_factory=list)  # prompts longer than cap
+    position: dict[int, int] = field(init=False)  # id(conversation) -> its place in the chunk
+
+    def __post_init__(self):
+        self.position = {id(t): k for k, t in enumerate(self.talks)}
+
+    def ask(self, talk: _Conversation) -> list[int] | None:
+        """The prompt of the conversation's next turn (None: it is complete, or its prompt waits for a round)."""
+        if talk.next_turn():
+            try:
+                prompt = self.gen._prompt(talk.history)
+            except BadSample as e:
+                talk.answered(e)
+            else:
+                if len(prompt) > self.cap:
+                    self.waiting.append((talk, prompt))
+                    return None
+                self.owner.append(talk)
+                return prompt
+        self.done(self.position[id(talk)], talk.result())
+        return None
+
+    def follow_up(self, r: int, tokens: list[int]) -> list[int] | None:
+        """SlotGenerator's ``follow_up``: request ``r``'s answer joins its conversation, whose next turn follows."""
+        self.owner[r].answered(self.gen.tok.decode(tokens, skip_special_tokens=True))
+        return self.ask(self.owner[r])
+
+    def next_round(self) -> list[list[int]]:
+        """The waiting prompts, which start the next round (its requests numbered from 0 again)."""
+        self.owner[:] = [talk for talk, _ in self.waiting]
+        first = [prompt for _, prompt in self.waiting]
+        self.waiting.clear()
+        return first
 
 
 class ServerGenerator:

@@ -41,6 +41,8 @@ from __future__ import annotations
 
 import sys
 from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -220,100 +222,153 @@ class SlotGenerator:
         next decode step computes. ``max_prompt_length``: the longest prompt a follow-up may return (the cache
         is sized once, for it and the given prompts).
 
-        The host keeps per-slot counters in numpy and each step's tokens as one row of `history`; a request's
-        answer is read out of its slot's column when it finishes, so a step costs the host O(finished) Python."""
+        The host keeps per-slot counters in numpy and each step's tokens as one row of a history (``_Slots``); a
+        request's answer is read out of its slot's column when it finishes, so a step costs the host
+        O(finished) Python."""
         if not prompts:
             return []
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={max_new_tokens}: give at least 1")
         if any(len(p) == 0 for p in prompts):
             raise ValueError("an empty prompt cannot be generated from")
-        prompts = list(prompts)
-        longest = max(max(len(p) for p in prompts), max_prompt_length)
-        self._ensure_cache(longest + max_new_tokens)
+        requests = _Requests(list(prompts), follow_up, max(max(len(p) for p in prompts), max_prompt_length))
+        self._ensure_cache(requests.longest + max_new_tokens)
         torch.manual_seed(seed)
         self.stats = dict.fromkeys(self.stats, 0)
-        n_slots = self.num_slots
-        outputs: list[list[int]] = [[] for _ in prompts]
-        queue = deque(sorted(range(len(prompts)), key=lambda i: -len(prompts[i])))  # longest first
+        slots = _Slots.empty(self.num_slots)
         stops = np.array(sorted(self.stop_ids) or [-1], dtype=np.int64)
-        owner = np.full(n_slots, -1, dtype=np.int64)  # request per slot, -1: free
-        count = np.zeros(n_slots, dtype=np.int64)  # tokens its request has so far (the prefill's first included)
-        first = np.zeros(n_slots, dtype=np.int64)  # that first token (from the prefill)
-        start = np.zeros(n_slots, dtype=np.int64)  # the history row of its first decode step
-        prompt_len = np.zeros(n_slots, dtype=np.int64)
-        history = np.zeros((256, n_slots), dtype=np.int64)  # history[step] = every slot's token of that step
-        step = 0
-        refill_at = max(1, n_slots // 8)
-        sent_live = None  # the live slots self.live holds (the decode kernel's)
-
-        finished: list[int] = []  # requests done whose follow_up has not run yet
-
-        def finish(r: int, tokens: list[int]) -> None:
-            outputs[r] = tokens
-            if follow_up is not None:
-                finished.append(r)
-
-        def run_follow_ups() -> None:
-            for r in finished:
-                prompt = follow_up(r, outputs[r])
-                if prompt is None:
-                    continue
-                if not 0 < len(prompt) <= longest:
-                    raise ValueError(f"follow_up gave a prompt of {len(prompt)} tokens; give 1..{longest} "
-                                     "(max_prompt_length)")
-                prompts.append(prompt)
-                outputs.append([])
-                queue.append(len(prompts) - 1)
-            finished.clear()
-
+        refill_at = max(1, self.num_slots // 8)
         while True:
-            free = np.flatnonzero(owner < 0)
-            busy = n_slots - len(free)
-            if finished and busy == 0:
-                run_follow_ups()
+            free = np.flatnonzero(slots.owner < 0)
+            busy = self.num_slots - len(free)
+            if requests.finished and busy == 0:
+                requests.run_follow_ups()
             # refill once an eighth of the slots is free; with no follow-ups to come, also when the rest of the
             # queue fits (follow-ups keep the queue short: refilling for each would prefill a few at a time)
-            if queue and (len(free) >= refill_at or busy == 0 or (follow_up is None and len(free) >= len(queue))):
-                slots_all = free[: len(queue)].tolist()
-                batch = sorted((queue.popleft() for _ in slots_all), key=lambda r: -len(prompts[r]))
-                lo = 0
-                while lo < len(batch):  # length buckets: consecutive prompts (sorted) under a token budget
-                    hi = lo + 1
-                    while hi < len(batch) and (hi + 1 - lo) * len(prompts[batch[lo]]) <= self.prefill_tokens:
-                        hi += 1
-                    slots, reqs = slots_all[lo:hi], batch[lo:hi]
-                    for s, r, token in zip(slots, reqs, self._prefill(slots, [prompts[r] for r in reqs])):
-                        owner[s], count[s], first[s], start[s], prompt_len[s] = r, 1, token, step, len(prompts[r])
-                        if token in self.stop_ids:
-                            owner[s] = -1
-                            finish(r, [])
-                        elif max_new_tokens == 1:
-                            owner[s] = -1
-                            finish(r, [token])
-                    self.stats["prefills"] += 1
-                    lo = hi
+            queued = len(requests.queue)
+            if queued and (len(free) >= refill_at or busy == 0 or (follow_up is None and len(free) >= queued)):
+                self._refill(requests, slots, free[:queued].tolist(), max_new_tokens)
                 continue
             if busy == 0:
-                return outputs
-            if queue:
+                return requests.outputs
+            if queued:
                 self.stats["idle_slot_steps_waiting"] += len(free)
-            self.stats["decode_steps"] += 1
-            live = owner >= 0
-            if self.decode_attention == "triton" and not np.array_equal(live, sent_live):
-                self.live.copy_(torch.from_numpy(live))
-                sent_live = live
-            need = int((prompt_len + count - 1)[live].max()) + 1  # above the position every live slot feeds
-            self._step(min(self.cache.max_length, -(-need // self.length_step) * self.length_step))
-            if finished:  # the step computes on the GPU meanwhile
-                run_follow_ups()
-            if step == len(history):
-                history = np.concatenate([history, np.zeros_like(history)])
-            history[step] = tokens = self.tok.cpu().numpy()
-            step += 1
-            count[live] += 1
-            stopped = live & np.isin(tokens, stops)
-            for s in np.flatnonzero(stopped | (live & (count >= max_new_tokens))).tolist():
-                column = history[start[s]:step, s].tolist()
-                finish(int(owner[s]), [int(first[s])] + (column[:-1] if stopped[s] else column))
-                owner[s] = -1
+            self._decode_round(requests, slots, stops, max_new_tokens)
+
+    def _refill(self, requests: _Requests, slots: _Slots, free: list[int], max_new_tokens: int) -> None:
+        """Prefill the next queued prompts into the ``free`` slots, in length buckets: consecutive prompts (longest
+        first) under the ``prefill_tokens`` budget per forward."""
+        prompts = requests.prompts
+        batch = sorted((requests.queue.popleft() for _ in free), key=lambda r: -len(prompts[r]))
+        lo = 0
+        while lo < len(batch):
+            hi = lo + 1
+            while hi < len(batch) and (hi + 1 - lo) * len(prompts[batch[lo]]) <= self.prefill_tokens:
+                hi += 1
+            bucket, reqs = free[lo:hi], batch[lo:hi]
+            for s, r, token in zip(bucket, reqs, self._prefill(bucket, [prompts[r] for r in reqs])):
+                slots.fill(s, r, token, len(prompts[r]))
+                if token in self.stop_ids:
+                    slots.owner[s] = -1
+                    requests.finish(r, [])
+                elif max_new_tokens == 1:
+                    slots.owner[s] = -1
+                    requests.finish(r, [token])
+            self.stats["prefills"] += 1
+            lo = hi
+
+    def _decode_round(self, requests: _Requests, slots: _Slots, stops: np.ndarray, max_new_tokens: int) -> None:
+        """One decode step of every live slot; the follow-ups of finished requests run while it computes; the
+        requests that stop (a stop id, or max_new_tokens) give their answers and free their slots."""
+        self.stats["decode_steps"] += 1
+        live = slots.owner >= 0
+        if self.decode_attention == "triton" and not np.array_equal(live, slots.sent_live):
+            self.live.copy_(torch.from_numpy(live))
+            slots.sent_live = live
+        need = int((slots.prompt_len + slots.count - 1)[live].max()) + 1  # above the position every live slot feeds
+        self._step(min(self.cache.max_length, -(-need // self.length_step) * self.length_step))
+        if requests.finished:  # the step computes on the GPU meanwhile
+            requests.run_follow_ups()
+        tokens = slots.record(self.tok.cpu().numpy())
+        slots.count[live] += 1
+        stopped = live & np.isin(tokens, stops)
+        for s in np.flatnonzero(stopped | (live & (slots.count >= max_new_tokens))).tolist():
+            requests.finish(int(slots.owner[s]), slots.answer(s, bool(stopped[s])))
+            slots.owner[s] = -1
+
+
+# ---------------------------------------------------------------- one generate() call's host state
+
+
+@dataclass
+class _Requests:
+    """The requests of one ``generate`` call: their prompts (follow-ups append to them), their outputs, the queue
+    waiting for a slot (longest first), and the finished ones whose ``follow_up`` has not run yet."""
+
+    prompts: list[list[int]]  # the call's prompts, then each follow-up's
+    follow_up: Callable | None  # follow_up(r, tokens) -> the next prompt or None (see SlotGenerator.generate)
+    longest: int  # the longest prompt the cache was sized for: a follow-up may not pass it
+    outputs: list[list[int]] = field(init=False)  # per request, its new tokens
+    queue: deque = field(init=False)  # requests waiting for a slot
+    finished: list[int] = field(default_factory=list)  # requests done whose follow_up has not run yet
+
+    def __post_init__(self):
+        self.outputs = [[] for _ in self.prompts]
+        self.queue = deque(sorted(range(len(self.prompts)), key=lambda i: -len(self.prompts[i])))
+
+    def finish(self, r: int, tokens: list[int]) -> None:
+        self.outputs[r] = tokens
+        if self.follow_up is not None:
+            self.finished.append(r)
+
+    def run_follow_ups(self) -> None:
+        """Ask ``follow_up`` for the next prompt of each finished request; a prompt joins the queue."""
+        for r in self.finished:
+            prompt = self.follow_up(r, self.outputs[r])
+            if prompt is None:
+                continue
+            if not 0 < len(prompt) <= self.longest:
+                raise ValueError(f"follow_up gave a prompt of {len(prompt)} tokens; give 1..{self.longest} "
+                                 "(max_prompt_length)")
+            self.prompts.append(prompt)
+            self.outputs.append([])
+            self.queue.append(len(self.prompts) - 1)
+        self.finished.clear()
+
+
+@dataclass
+class _Slots:
+    """Per-slot host counters of one ``generate`` call (numpy), and every decode step's tokens as one row of
+    ``history``: a finished request's answer is read out of its slot's column."""
+
+    owner: np.ndarray  # request per slot, -1: free
+    count: np.ndarray  # tokens its request has so far (the prefill's first included)
+    first: np.ndarray  # that first token (from the prefill)
+    start: np.ndarray  # the history row of its first decode step
+    prompt_len: np.ndarray  # its prompt's length
+    history: np.ndarray  # history[step] = every slot's token of that step (doubled when full)
+    step: int = 0  # decode steps taken: the next row of history
+    sent_live: np.ndarray | None = None  # the live slots SlotGenerator.live holds (the decode kernel's)
+
+    @classmethod
+    def empty(cls, n_slots: int) -> _Slots:
+        return cls(np.full(n_slots, -1, dtype=np.int64), *(np.zeros(n_slots, dtype=np.int64) for _ in range(4)),
+                   np.zeros((256, n_slots), dtype=np.int64))
+
+    def fill(self, s: int, r: int, token: int, prompt_len: int) -> None:
+        """Slot ``s`` now holds request ``r``, prefilled: ``token`` is its first new token."""
+        self.owner[s], self.count[s], self.first[s] = r, 1, token
+        self.start[s], self.prompt_len[s] = self.step, prompt_len
+
+    def record(self, tokens: np.ndarray) -> np.ndarray:
+        """Keep one decode step's tokens (one per slot) as the next row of history."""
+        if self.step == len(self.history):
+            self.history = np.concatenate([self.history, np.zeros_like(self.history)])
+        self.history[self.step] = tokens
+        self.step += 1
+        return tokens
+
+    def answer(self, s: int, stopped: bool) -> list[int]:
+        """The new tokens of slot ``s``'s request: its first, then its column of history (without the stop id)."""
+        column = self.history[self.start[s]:self.step, s].tolist()
+        return [int(self.first[s])] + (column[:-1] if stopped else column)

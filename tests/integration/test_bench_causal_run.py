@@ -12,7 +12,7 @@ from support.run_scripts import run_toy_script, toy_data
 
 @pytest.mark.slow
 def test_the_causal_run_script_runs_every_stage_at_toy_scale(tmp_path):
-    data = toy_data(tmp_path / "data", sharegpt=10, mtbench=3)
+    data = toy_data(tmp_path / "data", sharegpt=6, mtbench=3)
     run = tmp_path / "run"
     ends = run_toy_script("testbed_causal_run.sh", run, limits=("L_TRAIN", "L_VLLM", "L_EVAL"),
                           TARGET="testbed:smollm2", DATA=str(data))

@@ -13,7 +13,7 @@ from support.run_scripts import run_toy_script, toy_data
 
 @pytest.mark.slow
 def test_the_recipe_run_script_runs_every_stage_at_toy_scale(tmp_path):
-    data = toy_data(tmp_path / "data", sharegpt=10, mtbench=3)
+    data = toy_data(tmp_path / "data", sharegpt=6, mtbench=3)
     run = tmp_path / "run"
     ends = run_toy_script("testbed_recipe_run.sh", run, limits=("L_SCREEN", "L_FULL", "L_EVAL"),
                           TARGET="testbed:smollm2", DATA=str(data), TOY_SCREEN="default,seed_1,adamw",
@@ -26,7 +26,7 @@ def test_the_recipe_run_script_runs_every_stage_at_toy_scale(tmp_path):
     # the regenerations answered the prompts: greedy and sampled, one conversation per prompt
     greedy = [json.loads(x) for x in (run / "regen.jsonl").read_text().splitlines()]
     sampled = [json.loads(x) for x in (run / "regen_s1.jsonl").read_text().splitlines()]
-    assert len(greedy) == len(sampled) == 10
+    assert len(greedy) == len(sampled) == 6
     assert f"regenerated conversations: {len(greedy)}" in stages and f"sampled conversations: {len(sampled)}" in stages
 
     def rows(name):

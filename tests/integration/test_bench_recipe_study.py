@@ -18,6 +18,13 @@ TOY = ("max_steps=2,num_hidden_layers=1,block_size=4,compile=false,mixed_precisi
        "drafter={intermediate_size: 64}")
 
 
+@pytest.fixture(autouse=True)
+def one_thread_per_process(monkeypatch):
+    """The studies' trainings and evaluations are processes of a tiny model, side by side on a CPU that other test
+    workers share: one thread each (more only contend)."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+
+
 def test_variants_from_the_table_and_the_command_line():
     got = parse_variants(["default,muon", "mine:lr=1e-3,layer_types=[full_attention,sliding_attention],loss=kl"])
     assert got == {"default": [], "muon": ["optimizer=muon"],
@@ -76,7 +83,7 @@ def test_toy_study_trains_evaluates_and_tabulates_each_variant(tmp_path, capsys)
     out = tmp_path / "study"
     rc = main(["--target", target, "--data", data, "--out", str(out), "--epochs", "1", "--parallel", "2",
                "--variants", "default,mix:optimizer=muon,anchor_density=0.2,bad:loss=nope", "--device", "cpu",
-               "--num-prompts", "2", "--max-new-tokens", "8", "--extra-overrides", TOY])
+               "--num-prompts", "1", "--max-new-tokens", "8", "--extra-overrides", TOY])
     assert rc == 1  # one variant failed
     log = capsys.readouterr().out
     assert "mix: training (optimizer=muon anchor_density=0.2)" in log and "bad: training failed" in log
@@ -108,7 +115,7 @@ def test_train_stage_then_eval_stage_over_the_same_out(tmp_path, capsys):
     data = write_jsonl(tmp_path / "chats.jsonl", chat_records(12, seed=9))
     out = tmp_path / "study"
     common = ["--target", target, "--data", data, "--out", str(out), "--epochs", "1", "--device", "cpu",
-              "--num-prompts", "2", "--max-new-tokens", "8", "--extra-overrides", TOY]
+              "--num-prompts", "1", "--max-new-tokens", "8", "--extra-overrides", TOY]
     assert main([*common, "--variants", "default", "--stage", "eval"]) == 1  # nothing trained yet
     assert "needs the export of an earlier --stage train" in capsys.readouterr().out
     assert main([*common, "--variants", "default", "--stage", "train", "--rerun"]) == 0
@@ -136,7 +143,7 @@ def test_combined_winners_and_extra_data_are_trained(tmp_path, capsys):
     out = tmp_path / "study"
     rc = main(["--target", target, "--data", data, "--out", str(out), "--epochs", "1", "--device", "cpu",
                "--variants", "extra_answers", "--extra-data", sampled, "--combine", str(screen),
-               "--combine-margin", "0.1", "--num-prompts", "2", "--max-new-tokens", "8", "--extra-overrides", TOY])
+               "--combine-margin", "0.1", "--num-prompts", "1", "--max-new-tokens", "8", "--extra-overrides", TOY])
     assert rc == 0
     assert "winners over default (tau 1.200 + 0.100): muon 1.350 -> combo: optimizer=muon" in capsys.readouterr().out
     results = json.loads((out / "results.json").read_text())["variants"]

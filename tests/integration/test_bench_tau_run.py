@@ -13,7 +13,7 @@ from support.run_scripts import run_toy_script, toy_data
 
 @pytest.mark.slow
 def test_the_tau_run_script_runs_every_stage_at_toy_scale(tmp_path):
-    data = toy_data(tmp_path / "data", sharegpt_turns=12, mtbench=3, humaneval=3)
+    data = toy_data(tmp_path / "data", sharegpt_turns=6, mtbench=3, humaneval=3)
     run = tmp_path / "run"
     # the script runs `python`, `torchrun` and `python -m dflashkit` from PATH, from the checkout's root
     ends = run_toy_script("testbed_tau_run.sh", run, TARGET="testbed:smollm2", DEVICE="cpu", DATA=str(data),
@@ -21,7 +21,7 @@ def test_the_tau_run_script_runs_every_stage_at_toy_scale(tmp_path):
     assert {"regenerate", "train-dpace", "train-ce", "eval-main", "eval-dpace-6", "eval-ce-6"} <= set(ends), ends
 
     regen = [json.loads(x) for x in (run / "regen.jsonl").read_text().splitlines()]
-    assert len(regen) == 12  # every conversation answered, by two processes
+    assert len(regen) == 6  # every conversation answered (the toy's LIMIT_CONV), by two processes
     for objective in ("dpace", "ce"):  # equal steps: both exported at the same checkpoint and evaluated
         report = json.loads((run / f"eval-{objective}-6" / "report.json").read_text())
         assert report["overall"]["tau"] >= 1.0 and (run / f"drafter-{objective}-6" / "config.json").is_file()

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from dflashkit.demo import SCALES, main, stage_calls
+from dflashkit.errors import UserError
 
 
 def test_stage_calls_chain_the_run_directory(tmp_path):
@@ -86,3 +87,13 @@ def test_the_demo_plans_enough_optimizer_steps_to_learn(tmp_path):
                       for e in range(cfg.epochs))
         assert planned >= 40, (usable, planned)
     assert cfg.num_hidden_layers == 1 and cfg.num_anchors <= 64  # what keeps the CPU stage at a few minutes
+
+
+def test_a_stage_finished_with_other_settings_is_not_reused(tmp_path):
+    """A run directory left by the CPU check is not taken as done by a GPU-scale demo (or the other way)."""
+    run = tmp_path / "run"
+    (run / "stages").mkdir(parents=True)
+    (run / "stages" / "regenerate.json").write_text(json.dumps({"call": "regenerate", "seconds": 1.0,
+                                                                "kwargs": {"device": "cuda"}}))
+    with pytest.raises(UserError, match="its stage regenerate ran with other settings.*--restart"):
+        main(["--run-dir", str(run), "--device", "cpu", "--scale", "small"])

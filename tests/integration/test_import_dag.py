@@ -35,7 +35,7 @@ MAY_IMPORT = {
     "bench": ("*",),  # benchmark scripts
 }
 HELPERS = ("dflashkit", "dflashkit.errors", "dflashkit.untrusted", "dflashkit.outputs", "dflashkit.files",
-           "dflashkit.launch", "dflashkit.stopping", "dflashkit.cli")  # every room may import these
+           "dflashkit.launch", "dflashkit.stopping", "dflashkit.progress", "dflashkit.cli")  # every room imports these
 COMMANDS = ("dflashkit.demo", "dflashkit.__main__")  # top-level modules of the "commands" room
 
 

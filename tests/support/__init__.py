@@ -9,6 +9,7 @@ for pytest; see tests/conftest.py). No test module imports another test module o
   greedy reference.
 - chat_templates: small Jinja templates after the real ones (Llama 3.1, Gemma, Qwen3) and what a sample supervises.
 - shards: feature shards of the tiny training target, written with the real writer.
+- manifests: untrusted shard manifests: a shard copy to edit, a manifest edit, the one error line.
 - training: TrainConfig fields of a seconds-long CPU training, as command-line arguments, its logged losses; the
   online chat run (tiny chat target, chat data, shards extracted from it).
 - packed_blocks: a tiny drafter, a stand-in target head, random samples and one drafter pass over packed blocks;

@@ -20,10 +20,12 @@ def toy_data(folder: Path, **counts: int) -> Path:
 
 def run_toy_script(script: str, run: Path, limits: tuple = (), **env: str) -> dict[str, str]:
     """Run ``bench/<script>`` from the checkout's root with SCALE=toy, RUN=``run`` and ``env``, with this Python's
-    folder first on PATH and every stage time limit named in ``limits`` set to an hour (far beyond any toy stage:
-    no test depends on timing). Checks that it exits 0, ends with "all done" and that every stage it ran
-    exited 0 (the stage's log in the message otherwise); returns stage name -> its 'NAME: rc=0 S s' line."""
-    full_env = {**os.environ, "SCALE": "toy", "RUN": str(run), "PYTHON": sys.executable,
+    folder first on PATH, every process on one thread (the stages run side by side on a CPU that other test
+    workers share: more threads only contend, many times slower) and every stage time limit named in ``limits``
+    set to an hour (far beyond any toy stage: no test depends on timing). Checks that it exits 0, ends with "all
+    done" and that every stage it ran exited 0 (the stage's log in the message otherwise); returns stage name ->
+    its 'NAME: rc=0 S s' line."""
+    full_env = {**os.environ, "SCALE": "toy", "RUN": str(run), "PYTHON": sys.executable, "OMP_NUM_THREADS": "1",
                 "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
                 **{name: "3600" for name in limits}, **env}
     proc = subprocess.run(["bash", f"bench/{script}"], cwd=ROOT, env=full_env, capture_output=True, text=True,

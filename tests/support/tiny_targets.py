@@ -135,3 +135,25 @@ def capture_features(target, input_ids, attention_mask, target_layer_ids, store_
 
     with LayerCapture(target, target_layer_ids, store_last_hidden) as capture:
         return capture(input_ids, attention_mask)
+
+
+SMALL_TARGET_DIMS = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=6, num_attention_heads=2,
+                         num_key_value_heads=1, vocab_size=100)
+
+
+def small_drafter(seed: int = 0):
+    """A random two-layer drafter (block 4, mask id 99) for a small Llama shape, seeded."""
+    from transformers import LlamaConfig
+
+    from dflashkit.drafter import DrafterConfig, build_drafter
+
+    torch.manual_seed(seed)
+    return build_drafter(DrafterConfig.for_target(LlamaConfig(**SMALL_TARGET_DIMS), num_hidden_layers=2,
+                                                  block_size=4, mask_token_id=99))
+
+
+def small_export(path: Path, seed: int = 0) -> Path:
+    """``small_drafter(seed)`` exported to ``path``."""
+    from dflashkit.drafter import save_drafter
+
+    return save_drafter(small_drafter(seed), path)

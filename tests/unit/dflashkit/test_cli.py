@@ -1,12 +1,9 @@
 """One exit-status convention for every command (dflashkit/errors.py): a user error prints one line that names
 the file or field and the fix, and exits 2; a failure keeps its traceback and exits 1."""
 
-import subprocess
-import sys
-
 import pytest
 
-from dflashkit.cli import COMMANDS, main, run_main
+from dflashkit.cli import COMMANDS, run_main
 from dflashkit.errors import UserError
 
 from support.paths import ROOT
@@ -35,19 +32,6 @@ def test_failures_propagate_with_their_traceback(error, capsys):
     with pytest.raises(type(error), match=str(error)):
         run_main("dflashkit x", crash, [])
     assert capsys.readouterr().err == ""
-
-
-def test_dispatcher_and_module_entry_points_agree(capsys):
-    assert main(["no-such-command"]) == 2
-    assert "commands: regenerate" in capsys.readouterr().err
-    assert main(["init-drafter", "--target", "t", "--out", "o", "--layer-types", "diagonal"]) == 2
-    assert capsys.readouterr().err == ("dflashkit init-drafter: error: --layer-types: unknown ['diagonal']; use full, "
-                                       "sliding or a comma list of them\n")
-    # the same command as `python -m`: same line, same status, no traceback
-    proc = subprocess.run([sys.executable, "-m", "dflashkit.train.init_drafter", "--target", "t", "--out", "o",
-                           "--layer-types", "diagonal"], capture_output=True, text=True)
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert proc.stderr.splitlines()[-1].startswith("dflashkit init-drafter: error: --layer-types: unknown")
 
 
 def test_every_module_entry_point_goes_through_run_main():

@@ -1,13 +1,12 @@
 """Manifests and drafter indexes are untrusted input: every file they name stays inside its directory (no `..`, no
 absolute path, no symlink out, regular files only), sizes are compared before hashing, and a malformed manifest is
-one line naming the file and the field. Commands that could hang on such input run in a subprocess with a timeout.
+one line naming the file and the field. The cases that could hang a command (a device named as a shard) run it in
+a fresh process with a timeout: tests/integration/test_untrusted_shard_devices.py.
 """
 
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,74 +18,10 @@ from dflashkit.extract.shards.reader import ShardDataset
 from dflashkit.extract.shards.verify import verify_dataset
 from dflashkit.files import sha256_file
 
-from support.paths import ROOT
-from support.training import tiny_overrides
-
-
-def copy_shards(tiny_run, tmp_path) -> Path:
-    _, shards = tiny_run
-    copy = tmp_path / "shards"
-    shutil.copytree(shards, copy)
-    return copy
-
-
-def edit_manifest(directory: Path, change) -> dict:
-    manifest = json.loads((directory / "manifest.json").read_text())
-    replaced = change(manifest)  # edits in place, or returns a new top level (a list)
-    manifest = replaced if isinstance(replaced, list) else manifest
-    (directory / "manifest.json").write_text(json.dumps(manifest))
-    return manifest
-
-
-def run_command(*argv, timeout: float = 120) -> subprocess.CompletedProcess:
-    """``python -m dflashkit ARGV`` in a fresh process; a hang fails the test at the timeout instead of hanging it."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "dflashkit", *argv], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=timeout)
-
-
-def train_argv(shards: Path, out: Path) -> list[str]:
-    fields = tiny_overrides(shards, out)
-    return ["train", *(f"{k}={json.dumps(v) if isinstance(v, (dict, list, bool)) else v}" for k, v in fields.items())]
-
-
-def one_error_line(stderr: str, prog: str) -> str:
-    lines = [line for line in stderr.splitlines() if line.strip()]
-    assert "Traceback" not in stderr and lines and lines[-1].startswith(f"{prog}: error: "), stderr[-2000:]
-    return lines[-1]
+from support.manifests import copy_shards, edit_manifest, one_error_line, train_argv
 
 
 # ----------------------------------------------------------------------------- shard names outside the directory
-@pytest.mark.slow  # two commands in fresh processes
-@pytest.mark.skipif(not os.path.exists("/dev/zero"), reason="needs /dev/zero")
-def test_a_device_named_as_a_shard_is_refused_not_read(tiny_run, tmp_path):
-    """/dev/zero with bytes 0 used to make `verify` and `train` hash an endless file."""
-    shards = copy_shards(tiny_run, tmp_path)
-
-    def to_dev_zero(m):
-        m["shards"][0].update(file="/dev/zero", bytes=0)
-
-    edit_manifest(shards, to_dev_zero)
-    proc = run_command("verify", str(shards))
-    assert proc.returncode == 1, proc.stderr[-2000:]
-    assert "shards[0].file is '/dev/zero'" in proc.stderr and "Traceback" not in proc.stderr
-    proc = run_command(*train_argv(shards, tmp_path / "run"))
-    assert proc.returncode == 2
-    line = one_error_line(proc.stderr, "dflashkit train")
-    assert "manifest.json: shards[0].file is '/dev/zero'" in line and "no absolute path" in line
-    assert not (tmp_path / "run" / "checkpoints").exists()
-
-
-@pytest.mark.slow  # a command in a fresh process
-@pytest.mark.skipif(not os.path.exists("/dev/zero"), reason="needs /dev/zero")
-def test_a_link_to_a_device_inside_the_directory_is_refused(tiny_run, tmp_path):
-    shards = copy_shards(tiny_run, tmp_path)
-    os.symlink("/dev/zero", shards / "zero.safetensors")
-    edit_manifest(shards, lambda m: m["shards"][0].update(file="zero.safetensors", bytes=0))
-    proc = run_command("verify", str(shards))
-    assert proc.returncode == 1 and "outside" in proc.stderr and "Traceback" not in proc.stderr
-
-
 def test_dot_dot_and_absolute_names_are_refused(tiny_run, tmp_path):
     shards = copy_shards(tiny_run, tmp_path)
     first = read_manifest(shards)["shards"][0]

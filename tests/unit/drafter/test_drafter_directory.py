@@ -1,13 +1,11 @@
 """A drafter directory means one thing: its weights are model.safetensors (or the files its index names), each a
 finite float stored once; its config.json is checked field by field; taps are listed in increasing order; an
-export's temporary names fit the file system, and what a killed export leaves is recovered or named."""
+export's temporary names fit the file system, and what a killed export leaves is recovered or named (an export
+SIGKILLed in a fresh process: tests/integration/test_drafter_killed_export.py)."""
 
 import json
 import os
 import re
-import signal
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -15,24 +13,15 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig
 
-from dflashkit.drafter import DrafterConfig, build_drafter, load_drafter, read_drafter_config, save_drafter
+from dflashkit.drafter import DrafterConfig, load_drafter, read_drafter_config, save_drafter
 from dflashkit.drafter.config import check_target_layer_ids
 from dflashkit.errors import UserError
 from dflashkit.files import atomic_write
 
-from support.processes import run_until_paused
+from support.tiny_targets import SMALL_TARGET_DIMS, small_drafter, small_export
 
-TARGET = LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=6, num_attention_heads=2,
-                     num_key_value_heads=1, vocab_size=100)
-
-
-def _model(seed: int = 0):
-    torch.manual_seed(seed)
-    return build_drafter(DrafterConfig.for_target(TARGET, num_hidden_layers=2, block_size=4, mask_token_id=99))
-
-
-def _export(path: Path, seed: int = 0) -> Path:
-    return save_drafter(_model(seed), path)
+TARGET = LlamaConfig(**SMALL_TARGET_DIMS)
+_model, _export = small_drafter, small_export
 
 
 def _one_line(error) -> str:
@@ -267,38 +256,3 @@ def test_a_user_directory_that_only_looks_like_a_leftover_is_kept(tmp_path):
     (mine / "notes.txt").write_text("mine")
     save_drafter(_model(), tmp_path / "d")
     assert (mine / "notes.txt").read_text() == "mine"
-
-
-KILLED_EXPORT = textwrap.dedent("""
-    import sys, torch
-    from transformers import LlamaConfig
-    from dflashkit.drafter import DrafterConfig, build_drafter, save_drafter
-    target = LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=6, num_attention_heads=2,
-                         num_key_value_heads=1, vocab_size=100)
-    torch.manual_seed(1)
-    save_drafter(build_drafter(DrafterConfig.for_target(target, num_hidden_layers=2, block_size=4,
-                                                        mask_token_id=99)), sys.argv[1])
-""")
-
-
-@pytest.mark.parametrize("point", ["export-copy-written", "export-between-renames"])
-def test_what_a_sigkilled_export_leaves_is_recognised_and_cleaned(tmp_path, capsys, point):
-    name = "x" * 245  # long enough that every sibling name is shortened
-    d = _export(tmp_path / name, seed=0)
-    proc = run_until_paused([sys.executable, "-c", KILLED_EXPORT, str(d)], point, tmp_path / "paused")
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=60)
-    proc.stderr.close()
-    (tmp_path / "paused").unlink()
-    leftovers = sorted(p.name for p in tmp_path.iterdir() if p.name != name)  # the copy (and the moved-aside d)
-    assert len(leftovers) == (2 if point == "export-between-renames" else 1)
-    assert all(n.startswith(".xxxxxxxx") and len(n) <= 255 for n in leftovers), leftovers
-    if point == "export-between-renames":
-        with pytest.raises(UserError, match="an export to it was interrupted"):
-            load_drafter(d)
-    else:
-        assert _same_weights(_model(seed=0), d)
-    save_drafter(_model(seed=2), d)
-    assert _same_weights(_model(seed=2), d) and sorted(p.name for p in tmp_path.iterdir()) == [name]
-    err = capsys.readouterr().err
-    assert all(n in err for n in leftovers) and "left by an interrupted export" in err

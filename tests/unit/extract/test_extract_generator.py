@@ -1,11 +1,8 @@
 """The slot generator (static cache, continuous batching): greedy tokens equal Hugging Face ``generate`` for every
 attention-only family and the testbed; sampled first and second tokens follow HF's warped distribution; slots are
-refilled while prompts wait; several ranks split the prompts and merge into the single-rank output."""
+refilled while prompts wait (several ranks splitting the prompts: tests/integration/test_regenerate_processes.py)."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -16,7 +13,7 @@ from dflashkit.targets.loading import load_target
 from dflashkit.targets.runtime.parts import attention_only
 from dflashkit.targets.runtime.sampling import sample_next
 
-from support.chat_data import REGENERATE_RECORDS, greedy_reference, save_tiny_chat_target, smollm2_tokenizer
+from support.chat_data import REGENERATE_RECORDS, greedy_reference, smollm2_tokenizer
 from support.tiny_targets import TINY_FAMILIES, save_tiny_target
 
 ATTENTION_ONLY = [f for f in TINY_FAMILIES if not f.startswith(("qwen3_5", "qwen3_next"))]
@@ -204,30 +201,6 @@ def test_testbed_greedy_equals_hf_generate():
     stop = [tok.convert_tokens_to_ids("<|im_end|>"), tok.eos_token_id]
     refs = [hf_greedy(target.model, p, 16, stop) for p in prompts]
     assert SlotGenerator(target.model, stop, num_slots=2).generate(prompts, 16) == refs
-
-
-@pytest.mark.slow
-def test_ranks_split_the_prompts_and_merge(tmp_path):
-    """Two ranks (torchrun, gloo on the CPU) write the same file as one process, including after a resume."""
-    target = save_tiny_chat_target(tmp_path / "target", initializer_range=0.5)
-    data = tmp_path / "in.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in REGENERATE_RECORDS * 2))
-    flags = ["--target", str(target), "--data", str(data), "--max-new-tokens", "5", "--batch-size", "2",
-             "--no-progress"]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    one = tmp_path / "one.jsonl"
-    subprocess.run([sys.executable, "-m", "dflashkit.extract.regenerate", *flags, "--out", str(one)], check=True,
-                   env=env, capture_output=True)
-    two = tmp_path / "two.jsonl"
-    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-              "-m", "dflashkit.extract.regenerate", *flags, "--out", str(two)]
-    r = subprocess.run([*launch, "--limit", "5"], env=env, capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert [json.loads(x)["index"] for x in two.read_text().splitlines()] == [0, 1, 2, 4]
-    r = subprocess.run([*launch, "--resume"], env=env, capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert two.read_text() == one.read_text()
-    assert not list(tmp_path.glob("two.jsonl.rank*"))  # parts merged and removed
 
 
 def test_reserve_before_generating_changes_nothing(tiny_root):

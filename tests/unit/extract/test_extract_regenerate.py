@@ -2,8 +2,6 @@
 resume after a cut line; an OpenAI-compatible server (a fake one here) gets one request per turn."""
 
 import json
-import signal
-import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -21,7 +19,6 @@ from support.chat_data import (
     smollm2_tokenizer,
     write_jsonl,
 )
-from support.processes import run_until_paused
 
 
 def main(argv):
@@ -89,26 +86,6 @@ def test_a_turn_over_max_prompt_length_ends_the_conversation_before_it(tiny, tmp
     assert msgs[1]["content"] == greedy_reference(tiny, msgs[:1], 3)
     err = capsys.readouterr().err
     assert "1 of them ended before a turn longer than --max-prompt-length" in err and "too_long" in err
-
-
-def test_sigterm_keeps_the_answered_conversations_and_resume_completes_in_order(tiny, tmp_path):
-    data = write_jsonl(tmp_path / "in.jsonl", REGENERATE_RECORDS)
-    whole = tmp_path / "whole.jsonl"
-    assert main(["--target", tiny, "--data", data, "--out", str(whole), "--max-new-tokens", "6", "--batch-size",
-                 "2", "--no-progress"]) == 0
-    out = tmp_path / "out.jsonl"
-    cmd = [sys.executable, "-m", "dflashkit.extract.regenerate", "--target", tiny, "--data", data, "--out", str(out),
-           "--max-new-tokens", "6", "--batch-size", "2", "--no-progress", "--device", "cpu"]
-    proc = run_until_paused(cmd, "regenerate-1-done", tmp_path / "paused")  # record 1 has just been answered
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=120) == 130
-    assert "--resume" in proc.stderr.read().decode()
-    kept = [json.loads(line) for line in out.read_text().splitlines()]
-    assert 1 in [r["index"] for r in kept] and len(kept) < 4  # written at the stop, the rest still to do
-    want = {json.loads(line)["index"]: line for line in whole.read_text().splitlines()}
-    assert all(json.dumps(r) == json.dumps(json.loads(want[r["index"]])) for r in kept)
-    assert main([*cmd[3:], "--resume"]) == 0
-    assert out.read_text() == whole.read_text()  # every conversation once, in input order
 
 
 def test_resume_drops_a_cut_line_and_completes(tiny, tmp_path):

@@ -1,8 +1,8 @@
-"""The recipe options of the study (issue 26): Muon (orthogonalised updates, resume, DDP), anchor density, the
-linear lr schedule and the target's argmax as labels. Each keeps online = offline, packed = unpacked and resume."""
+"""The recipe options of the study (issue 26): Muon (orthogonalised updates, resume), anchor density, the linear
+lr schedule and the target's argmax as labels. Each keeps online = offline, packed = unpacked and resume (Muon
+under DDP: tests/integration/test_train_processes.py)."""
 
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,12 +18,10 @@ from dflashkit.train.setup import lr_at
 from dflashkit.train.tracking import read_metrics
 from dflashkit.train.trainer import train
 
-from support.paths import ROOT
-from support.processes import ACCELERATE_LAUNCH, run_checked
 from support.shards import make_shards
 from support.tiny_targets import make_tiny_target
-from support.training import as_argv, tiny_overrides
 from support.training import online_overrides as overrides
+from support.training import tiny_overrides
 from support.training import train_losses as losses
 
 
@@ -138,22 +136,6 @@ def test_muon_resume_equals_the_straight_run_and_linear_lr_is_logged(tiny_run, t
     logged = {r["step"]: r["lr"] for r in read_metrics(tmp_path / "straight") if "lr" in r}
     for step, lr in logged.items():  # the lr logged at step s is the one step s - 1 (0-based) trained with
         assert lr == pytest.approx(6e-4 * lr_at(step - 1, 10, 2, 0.0, "linear")), step
-
-
-@pytest.mark.slow
-def test_muon_under_ddp_gives_the_single_process_run(tiny_run, tmp_path):
-    _, shards = tiny_run
-    fields = dict(optimizer="muon", max_steps=3, epochs=1, save_every=0)
-    single, ddp = tmp_path / "single", tmp_path / "ddp"
-    run_checked([sys.executable, "-m", "dflashkit.train",
-                 *as_argv(tiny_overrides(shards, single, grad_accum=4, **fields))])
-    run_checked([*ACCELERATE_LAUNCH, "--config_file", str(ROOT / "recipes" / "accelerate" / "ddp.yaml"),
-                 "--num_processes", "2", "-m", "dflashkit.train",
-                 *as_argv(tiny_overrides(shards, ddp, grad_accum=2, **fields))])
-    a = load_file(str(single / "checkpoints" / "step-00000003" / "model.safetensors"))
-    b = load_file(str(ddp / "checkpoints" / "step-00000003" / "model.safetensors"))
-    for k in a:
-        assert (a[k] - b[k]).abs().max().item() < 1e-5, k
 
 
 # --------------------------------------------------------------------------- lr schedule

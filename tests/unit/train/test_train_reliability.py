@@ -1,6 +1,7 @@
 """Nothing lost, nothing silently wrong in training (issue 33): a diverged run stops with exit 1 and saves nothing
 of it; a new run never mixes with an earlier one in an output_dir; a checkpoint, recipe or init_from drafter that
-does not fit is refused in one line, before the target and the data load where it can be.
+does not fit is refused in one line, before the target and the data load where it can be (several ranks
+diverging together: tests/integration/test_train_processes.py).
 
 A refusal "before anything loads" is shown by naming a target that does not exist: a run that got as far as
 loading the target would fail on that name instead."""
@@ -333,27 +334,3 @@ def test_init_from_a_drafter_with_nan_weights_is_refused_before_anything_loads(t
     assert cli(train_argv(shards, tmp_path / "run", init_from=str(drafter), target=NO_TARGET)) == 2
     line = error_line(capsys)
     assert "fc.weight" in line and "NaN" in line
-
-
-@pytest.mark.slow
-def test_two_processes_stop_together_when_the_run_diverges(tiny_run, tmp_path):
-    """Under `accelerate launch` (DDP, gloo): the ranks learn of a NaN in one collective and stop at the same step;
-    both exit 1, nothing hangs, rank 0 alone prints the line."""
-    import os
-    import subprocess
-
-    from support.paths import ROOT
-    from support.processes import ACCELERATE_LAUNCH
-
-    _, shards = tiny_run
-    out = tmp_path / "ddp"
-    cmd = [*ACCELERATE_LAUNCH, "--config_file", str(ROOT / "recipes" / "accelerate" / "ddp.yaml"),
-           "--num_processes", "2", "-m", "dflashkit.train",
-           *as_argv(tiny_overrides(shards, out, grad_accum=1, lr=1e30, warmup_ratio=0, save_every=1))]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    lines = [line for line in proc.stderr.splitlines() if "dflashkit train: error: training diverged" in line]
-    assert proc.returncode != 0 and len(lines) == 1, proc.stderr[-3000:]
-    step = int(lines[0].split(" at step ")[1].split(";")[0])
-    assert all(int(p.name.split("-")[1]) < step for p in list_checkpoints(out))
-    assert not (out / "export").exists() and not (out / "summary.json").exists()

@@ -1,72 +1,24 @@
-"""The trainer end to end on a tiny random target (CPU): resume after SIGKILL, refusals, overfitting, export."""
+"""The trainer end to end on a tiny random target (CPU): refusals, overfitting, export (resume after SIGKILL:
+tests/integration/test_train_processes.py)."""
 
 import json
-import os
 import shutil
-import signal
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from dflashkit.train.checkpoint import list_checkpoints, verify_checkpoint
+from dflashkit.train.checkpoint import list_checkpoints
 from dflashkit.train.config import load_config
 from dflashkit.train.setup import lr_at
 from dflashkit.train.tracking import read_metrics
 from dflashkit.train.trainer import train
 
 from support.paths import ROOT
-from support.processes import run_until_paused
 from support.shards import make_shards
-from support.training import as_argv, tiny_overrides, train_losses
+from support.training import tiny_overrides, train_losses
 
 RECIPES = ROOT / "recipes"
-
-
-@pytest.mark.slow
-def test_sigkill_and_resume_match_an_uninterrupted_run(tiny_run, tmp_path, capsys):
-    target, shards = tiny_run
-    straight = tmp_path / "straight"
-    summary = train(load_config(None, [], **tiny_overrides(shards, straight, epochs=4)))
-    assert summary["step"] == 20 and summary["epochs_completed"] == 4
-
-    killed = tmp_path / "killed"
-    argv = as_argv(tiny_overrides(shards, killed, epochs=4))
-    # the test-only pause hook holds the run right after its step-10 checkpoint; killed there, deterministically
-    proc = run_until_paused([sys.executable, "-m", "dflashkit.train", *argv], "checkpoint-10-saved",
-                            tmp_path / "paused")
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    assert not (killed / "summary.json").exists()
-    real = [p for p in list_checkpoints(killed) if verify_checkpoint(p) is None]
-    assert real, "no complete checkpoint before the kill"
-    last = int(real[-1].name.split("-")[1])
-
-    # what a death in the middle of a checkpoint write leaves, and a checkpoint damaged afterwards
-    half = killed / "checkpoints" / f"step-{last + 4:08d}"
-    half.mkdir()
-    (half / "model.safetensors").write_bytes((real[-1] / "model.safetensors").read_bytes()[:100])
-    damaged = killed / "checkpoints" / f"step-{last + 2:08d}"
-    shutil.copytree(real[-1], damaged)
-    blob = bytearray((damaged / "model.safetensors").read_bytes())
-    blob[-7] ^= 0x40
-    (damaged / "model.safetensors").write_bytes(bytes(blob))
-    shutil.copytree(real[-1], killed / "checkpoints" / f".tmp-step-{last + 6:08d}")
-
-    capsys.readouterr()
-    resumed = train(load_config(None, [], **tiny_overrides(shards, killed, epochs=4)))
-    log = capsys.readouterr().out
-    assert f"skipping checkpoint {half}: no checkpoint.json" in log
-    assert f"skipping checkpoint {damaged}: model.safetensors does not match its sha256" in log
-    assert f"resumed from {real[-1]} (step {last}," in log
-
-    a, b = train_losses(straight), train_losses(killed)
-    assert sorted(a) == sorted(b) == list(range(1, 21))
-    for step in a:
-        assert b[step] == pytest.approx(a[step], rel=1e-6, abs=1e-7), step
-    for key in ("eval/loss", "eval/tau_sim", "eval/acc"):
-        assert resumed[key] == pytest.approx(summary[key], rel=1e-6)
 
 
 def test_run_writes_checkpoints_metrics_and_export(tiny_run, tmp_path):

@@ -7,12 +7,28 @@ import signal
 import sys
 
 import pytest
+import transformers as tf
 
 from dflashkit.eval.__main__ import main
 
+from support.chat_data import save_tiny_chat_target
 from support.processes import run_until_paused
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is fastest
+
+
+@pytest.fixture(scope="module")
+def chat_pair(tmp_path_factory):
+    """root: a tiny random Llama with the testbed's tokenizer in root/target and a random 1-layer drafter export
+    for it (block 4, mask token 0) in root/drafter (tests/unit/eval/conftest.py's pair, without the tokenizer)."""
+    from dflashkit.drafter import DrafterConfig, build_drafter, save_drafter
+
+    root = tmp_path_factory.mktemp("eval_partial")
+    target = save_tiny_chat_target(root / "target", seed=0)
+    config = tf.AutoConfig.from_pretrained(target)
+    drafter = build_drafter(DrafterConfig.for_target(config, num_hidden_layers=1, block_size=4, mask_token_id=0))
+    save_drafter(drafter, root / "drafter")
+    return root
 
 
 def _args(root, out):
@@ -30,7 +46,7 @@ def _check_partial(out, reason: str, done: int):
 
 
 def test_time_limit_zero_stops_after_one_prompt(chat_pair, tmp_path, capsys):
-    root, _ = chat_pair
+    root = chat_pair
     assert main(_args(root, tmp_path / "r") + ["--time-limit", "0"]) == 1
     report = _check_partial(tmp_path / "r", "time limit 0 s", 1)
     assert list(report["datasets"]) == ["builtin:mtbench"]
@@ -39,7 +55,7 @@ def test_time_limit_zero_stops_after_one_prompt(chat_pair, tmp_path, capsys):
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow)])
 def test_signal_finishes_the_prompt_and_writes_a_partial_report(chat_pair, tmp_path, sig):
-    root, _ = chat_pair
+    root = chat_pair
     out = tmp_path / "r"
     # held at the start of the third prompt (the first of HumanEval): two prompts are done by then
     proc = run_until_paused([sys.executable, "-m", "dflashkit.eval", *_args(root, out)], "eval.prompt.2",
@@ -53,7 +69,7 @@ def test_signal_finishes_the_prompt_and_writes_a_partial_report(chat_pair, tmp_p
 def test_signal_after_the_last_prompt_still_writes_the_whole_report(chat_pair, tmp_path):
     """A time limit's SIGINT that lands once every prompt is done (while the report is built and its plots drawn)
     used to raise KeyboardInterrupt and lose the whole measurement; now the report is written in full."""
-    root, _ = chat_pair
+    root = chat_pair
     out = tmp_path / "r"
     proc = run_until_paused([sys.executable, "-m", "dflashkit.eval", *_args(root, out)], "eval.report",
                             tmp_path / "paused")

@@ -136,6 +136,7 @@ def test_ranks_of_one_launch_share_the_lock_and_another_launch_is_refused(tmp_pa
     with pytest.raises(ValueError, match=f"pid {proc.pid} on "):
         OutputLock(out, "train").acquire()
     monkeypatch.setenv("WORLD_SIZE", "1")  # a single process
+    monkeypatch.setenv("RANK", "0")
     with pytest.raises(ValueError, match=f"pid {proc.pid} on "):
         OutputLock(out, "train").acquire()
 

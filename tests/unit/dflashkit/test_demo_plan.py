@@ -1,0 +1,38 @@
+"""`dflashkit demo` without flags runs at this machine's scale (the GPU scale where CUDA is available, the CPU check
+elsewhere); explicit flags win. CUDA's availability is passed in, as main passes launch.local_device's answer."""
+
+import pytest
+
+from dflashkit.demo import GPU_SCALE_RESULT, demo_plan, plan_line
+
+
+@pytest.mark.parametrize("device, scale, cuda, chosen", [
+    (None, None, True, ("cuda", "full")),  # `make demo` on a GPU machine: the GPU scale by itself
+    (None, None, False, ("cpu", "small")),  # on the CPU: the pipeline check
+    ("cpu", None, True, ("cpu", "small")),  # an explicit device wins, its scale follows it
+    ("cuda", None, False, ("cuda", "full")),
+    (None, "small", True, ("cuda", "small")),  # an explicit scale wins
+    ("cuda", "small", True, ("cuda", "small")),
+    ("cpu", "full", False, ("cpu", "full")),
+])
+def test_the_demo_runs_at_the_scale_of_its_device(device, scale, cuda, chosen):
+    assert demo_plan(device, scale, cuda_available=cuda) == chosen
+
+
+def test_the_demo_says_what_it_chose():
+    assert "GPU scale (--device cuda --scale full), chosen for this machine" in plan_line("cuda", "full", True)
+    cpu = plan_line("cpu", "small", True)
+    assert "pipeline check" in cpu and "2026-12-03" in cpu and "H200" in cpu and GPU_SCALE_RESULT in cpu
+    assert plan_line("cpu", "full", False).endswith("as the flags say")
+
+
+def test_the_cpu_table_says_it_is_the_pipeline_check(tmp_path):
+    import json
+
+    from dflashkit.demo import summary
+
+    (tmp_path / "eval-chain").mkdir()
+    (tmp_path / "eval-chain" / "report.json").write_text(json.dumps({"overall": {"tau": 1.2}}))
+    assert "This is the pipeline check" in summary(tmp_path, "small")
+    assert "chain τ 1.79, speedup 1.13; tree τ 2.49, speedup 1.36" in summary(tmp_path, "small")
+    assert "This is the GPU scale" in summary(tmp_path, "full")

@@ -1,0 +1,35 @@
+"""train/setup.drafter_pass_options: the drafter pass's fixed arguments of a run, which the trainer and
+bench/bench_train_throughput.py both hand to train_step."""
+
+import inspect
+
+import torch
+
+from dflashkit.drafter import DrafterConfig
+from dflashkit.train.config import TrainConfig
+from dflashkit.train.drafter_pass import forward_blocks
+from dflashkit.train.setup import drafter_pass_options
+
+
+def drafter_config(**extra) -> DrafterConfig:
+    return DrafterConfig(hidden_size=32, num_target_layers=4, vocab_size=40, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, target_layer_ids=[0, 2],
+                         block_size=4, mask_token_id=39, rope_parameters={"rope_type": "default", "rope_theta": 1e4},
+                         **extra)
+
+
+def test_the_options_follow_the_config_the_drafter_and_the_device():
+    dcfg = drafter_config(layer_types=["sliding_attention", "full_attention"], sliding_window=16, causal=True)
+    cfg = TrainConfig(compile=True, loss_chunk_tokens=512, selector_loss_weight=0.0, wandb=False)
+    cpu = drafter_pass_options(cfg, dcfg, torch.device("cpu"))
+    assert cpu == dict(block_size=4, layer_types=["sliding_attention", "full_attention"], sliding_window=16,
+                       causal=True, backend="dense", chunk_tokens=512, selector=False, fused_loss=False)
+    gpu = drafter_pass_options(cfg, dcfg, torch.device("cuda", 0))  # no GPU needed: only the device's type counts
+    assert (gpu["backend"], gpu["fused_loss"]) == ("flex", True)
+    eager = drafter_pass_options(TrainConfig(attention="split", wandb=False), dcfg, torch.device("cuda", 0))
+    assert (eager["backend"], eager["fused_loss"], eager["selector"]) == ("split", False, True)
+
+
+def test_every_option_is_an_argument_of_the_drafter_pass():
+    options = drafter_pass_options(TrainConfig(wandb=False), drafter_config(), torch.device("cpu"))
+    assert set(options) <= set(inspect.signature(forward_blocks).parameters)
