@@ -10,20 +10,24 @@ CPU toy (the CPU twin of vllm.LLM, eval/vllm_standin.py; a tiny random pair; mod
 
 Parts (--parts, default all), each writing its own JSON in --out (a failed part writes <part>.error.json with its
 traceback and the others still run):
-- serve -> a_tau.json, b_lossless.json, c_concurrency.json, d_prefix_caching.json (+ the report dir serve/): one
-  `dflashkit eval --engine vllm` run (eval/vllm_engine.py) over MT-bench (80 prompts, 256 new tokens, greedy):
-  (a) τ from vLLM's counters over every prompt once vs the dflashkit report's τ, and their ratio; (b) outputs
-  with vs without the drafter; (c) output tok/s, TTFT and ITL per concurrency 1 … 128 with and without the drafter
-  (a level takes --max-requests-per-level prompts, cycled to fill its waves); (d) τ and speed on MT-bench turn 2
-  with vLLM's prefix cache on and off.
+- serve -> a_tau.json, b_lossless.json, c_concurrency.json, d_prefix_caching.json, h_schedule.json (+ the report
+  dir serve/ with schedule.json): one `dflashkit eval --engine vllm` run (eval/vllm_engine.py) over MT-bench (80
+  prompts, 256 new tokens, greedy): (a) τ from vLLM's counters over every prompt once vs the dflashkit report's
+  τ, and their ratio; (b) outputs with vs without the drafter; (c) output tok/s, TTFT and ITL per concurrency
+  1 … 128 with and without the drafter (a level takes --max-requests-per-level prompts, cycled to fill its
+  waves; each cell the median of --repeats runs); (d) τ and speed on MT-bench turn 2 with vLLM's prefix cache
+  on and off; (h) with --serve-ks K..., every k's cells, the baselines of --baseline, the per-batch-size
+  schedule derived from the cells and its own engine's cells.
 - projection -> e_projection_times.json: a random-weight Qwen3-8B-shaped target (config.json only; vLLM's
   load_format="dummy" fills the weights, skip_tokenizer_init with prompt token ids, so no tokenizer) and a
   5-layer drafter of its dims (config written by dflashkit's DrafterConfig; --projection-drafter-weights also
-  writes random weights with save_drafter). Measured: vLLM's time per decode step at each concurrency, with and
-  without the drafter (steady decode: c random 128-token prompts, 128 new tokens, no stop, 15 speculative tokens).
+  writes random weights with save_drafter). Measured: vLLM's time per decode step at each concurrency, without
+  the drafter and with it at each k of --ks (steady decode: c random 128-token prompts, 128 new tokens, no stop).
 - projection_model -> e_projection.json (also written by projection when (a) exists): the speedup an 8B user
-  would see, E[accepted + 1] x t_AR_step / t_spec_step, with E[accepted + 1] = 1 + sum_k p_k from the testbed
-  drafter's per-position acceptance measured by (a) (a random drafter's own acceptance is not used). Modelled.
+  would see at each k, E[accepted + 1] x t_AR_step / t_spec_step, with E[accepted + 1] = 1 + sum_j p_j from the
+  testbed drafter's per-position acceptance measured in vLLM at that k (serve/report.json; else the first k
+  positions of (a)) (a random drafter's own acceptance is not used), and the schedule an 8B user would deploy
+  from those speedups. Modelled.
   The projection can run first, alone on the GPU, and its model after the serve part.
 - tau_k -> g_tau_per_k.json: τ and per-position acceptance in vLLM for each drafter of --drafters at each
   num_speculative_tokens of --ks (one engine per pair, every prompt once, all at once, prefix cache off,
@@ -45,16 +49,9 @@ import time
 import traceback
 from pathlib import Path
 
+from common import QWEN3_8B, QWEN3_TOY
+
 PARTS = ("serve", "tau", "projection", "projection_model", "server", "tau_k")
-QWEN3_8B = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=4096, intermediate_size=12288,
-                num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
-                max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
-                hidden_act="silu", torch_dtype="bfloat16", bos_token_id=151643, eos_token_id=151645)
-TOY_8B = dict(QWEN3_8B, hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=16, vocab_size=300, max_position_embeddings=512, bos_token_id=0,
-              eos_token_id=1)
-
-
 def write_json(out: Path, name: str, data: dict) -> None:
     (out / f"{name}.json").write_text(json.dumps(data, indent=2) + "\n")
     print(f"{name}: {json.dumps(data)[:300]}")
@@ -107,16 +104,20 @@ def toy_pair(root: Path) -> tuple[str, str, str]:
 def part_serve(args, out: Path) -> None:
     from dflashkit.eval.vllm_engine import VllmEvalConfig, run_vllm_eval
 
-    config = VllmEvalConfig(concurrency=args.concurrency, prefix_caching=["on", "off"],
+    config = VllmEvalConfig(concurrency=args.concurrency, prefix_caching=args.prefix_caching,
                             max_new_tokens=args.max_new_tokens, gpu_memory_utilization=args.gpu_memory_utilization,
-                            max_model_len=args.max_model_len, max_requests_per_level=args.max_requests_per_level)
+                            max_model_len=args.max_model_len, max_requests_per_level=args.max_requests_per_level,
+                            num_speculative_tokens=args.serve_ks, repeats=args.repeats, baselines=args.baseline,
+                            schedule=json.loads(args.schedule) if args.schedule else None)
     report = run_vllm_eval(args.target, args.drafter, out / "serve", args.dataset, config, args.num_prompts,
                            api=api_for(args))
     parts = {"a_tau": lambda: tau_comparison(report, args.dflashkit_report),
              "b_lossless": lambda: report["lossless"],
              "c_concurrency": lambda: {"verdict": report["verdict"], "levels": report["concurrency"],
                                        "max_new_tokens": args.max_new_tokens, "prompts": report["prompts"]},
-             "d_prefix_caching": lambda: report["prefix_caching"]}
+             "d_prefix_caching": lambda: report["prefix_caching"],
+             "h_schedule": lambda: {k: report[k] for k in ("plan_verdict", "schedule", "engines", "per_k",
+                                                          "baselines", "ks", "timing")}}
     for name, build in parts.items():
         guarded(out, name, lambda: write_json(out, name, build()))
 
@@ -174,14 +175,10 @@ def served_prompts(target: str, datasets: list[str], num_prompts: int, scratch: 
     return served, prompts, target_stop_ids(target_dir, tokenizer)
 
 
-def first_positions_tau(per_position: list[float], j: int) -> float:
-    """E[accepted + 1] counting only the first j draft positions (acceptance of position k implies all before)."""
-    return 1.0 + sum(per_position[:j])
-
-
 def part_tau_k(args, out: Path) -> None:
     import tempfile
 
+    from dflashkit.eval.serving_plan import first_positions_tau
     from dflashkit.eval.vllm_engine import close_engine, start_engine, timed_generate
 
     drafters = dict(item.split("=", 1) for item in args.drafters) if args.drafters else {"drafter": args.drafter}
@@ -225,7 +222,7 @@ def projection_dirs(root: Path, standin: bool, drafter_weights: bool) -> tuple[P
 
     from dflashkit.drafter import DrafterConfig, build_drafter, save_drafter
 
-    shape = TOY_8B if standin else QWEN3_8B
+    shape = QWEN3_TOY if standin else QWEN3_8B
     target, drafter = root / "target", root / "drafter"
     target.mkdir(parents=True, exist_ok=True)
     hf = tf.Qwen3Config(**{k: v for k, v in shape.items() if k not in ("architectures", "model_type")})
@@ -243,71 +240,104 @@ def projection_dirs(root: Path, standin: bool, drafter_weights: bool) -> tuple[P
 
 
 def part_projection(args, out: Path) -> None:
-    """The measured half: vLLM's time per decode step of the 8B-shaped pair, with and without the drafter
-    (e_projection_times.json); then the model (part_projection_model) if the testbed acceptance (a) exists."""
+    """The measured half: vLLM's time per decode step of the 8B-shaped pair, without the drafter and with it at
+    each k of --ks (e_projection_times.json); then the model (part_projection_model) if the testbed acceptance
+    (a) exists."""
+    import torch
+
     from dflashkit.eval.vllm_engine import close_engine, start_engine, timed_generate
 
-    num_spec = 15  # block_size 16 - 1, as the README's serve command sets it
+    ks = sorted(set(args.ks))
     target, drafter = projection_dirs(out / "projection", args.standin, args.projection_drafter_weights)
     api = api_for(args)
     levels = args.concurrency
-    vocab = (TOY_8B if args.standin else QWEN3_8B)["vocab_size"]
-    import torch
-
+    vocab = (QWEN3_TOY if args.standin else QWEN3_8B)["vocab_size"]
     g = torch.Generator().manual_seed(0)
     prompts = [(f"random{k}", torch.randint(10, vocab - 10, (args.projection_prompt_tokens,), generator=g).tolist())
                for k in range(max(levels))]
     params = api.sampling_params(max_tokens=args.projection_new_tokens, temperature=0.0, ignore_eos=True,
                                  **({} if args.standin else {"detokenize": False}))
-    spec = {"method": "dflash", "model": str(drafter), "num_speculative_tokens": num_spec}
     steps = {}
-    for with_drafter in (False, True):
+    for k in [0] + ks:
+        spec = {"method": "dflash", "model": str(drafter), "num_speculative_tokens": k} if k else None
         llm = start_engine(api, model=str(target), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
-                              gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
-                              max_num_seqs=max(levels), disable_log_stats=False, enable_prefix_caching=False,
-                              speculative_config=spec if with_drafter else None)
-        timed_generate(llm, api, prompts[:1], 1, params)  # warm-up
-        for c in levels:
-            run = timed_generate(llm, api, prompts[:c], c, params)
-            decode_steps = run["acceptance"]["drafts"] if with_drafter and run["acceptance"] else run["decode_tokens"]
-            steps.setdefault(str(c), {})["spec" if with_drafter else "ar"] = {
-                "step_ms": 1e3 * run["decode_s_sum"] / max(decode_steps, 1), "requests": c,
-                "decode_steps": decode_steps, "output_tokens_per_s": run["output_tokens_per_s"]}
-        close_engine(llm, api)
+                           gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
+                           max_num_seqs=max(levels), disable_log_stats=False, enable_prefix_caching=False,
+                           speculative_config=spec)
+        try:
+            timed_generate(llm, api, prompts[:1], 1, params)  # warm-up
+            for c in levels:
+                run = timed_generate(llm, api, prompts[:c], c, params)
+                decode_steps = run["acceptance"]["drafts"] if k and run["acceptance"] else run["decode_tokens"]
+                steps.setdefault(str(c), {})[f"k{k}" if k else "ar"] = {
+                    "step_ms": 1e3 * run["decode_s_sum"] / max(decode_steps, 1), "requests": c,
+                    "decode_steps": decode_steps, "output_tokens_per_s": run["output_tokens_per_s"]}
+        finally:
+            close_engine(llm, api)
+        print(f"projection: k={k} done", flush=True)
+    for per_level in steps.values():  # the largest k under its old name ("spec")
+        per_level["spec"] = per_level[f"k{ks[-1]}"]
     write_json(out, "e_projection_times", {
-        "target_shape": TOY_8B if args.standin else QWEN3_8B, "drafter_layers": 5, "num_speculative_tokens": num_spec,
-        "measured": "vLLM's time per decode step with and without the drafter at each concurrency (random weights: "
-        "load_format=dummy; steady decode, no stop)", "raw": steps, "standin": args.standin})
+        "target_shape": QWEN3_TOY if args.standin else QWEN3_8B, "drafter_layers": 5, "num_speculative_tokens": ks[-1],
+        "ks": ks, "measured": "vLLM's time per decode step without the drafter and with it at each k, at each "
+        "concurrency (random weights: load_format=dummy; steady decode, no stop)", "raw": steps,
+        "standin": args.standin})
     if (out / "a_tau.json").exists():
         part_projection_model(args, out)
 
 
+def served_acceptance(args, out: Path) -> tuple[dict[int, list[float]], list[float], str]:
+    """The testbed drafter's per-position acceptance: per k from the serve part's report when it measured
+    several, the headline k's from (a), or a dflashkit eval report's."""
+    tau_file, served = out / "a_tau.json", out / "serve" / "report.json"
+    per_k = {}
+    if served.exists():
+        per_k = {int(k): v["per_position_acceptance"]
+                 for k, v in json.loads(served.read_text()).get("per_k", {}).items()}
+    if tau_file.exists():
+        return per_k, json.loads(tau_file.read_text())["per_position_acceptance_vllm"], \
+            f"vLLM's spec-decode counters ({tau_file.name}; per k: serve/report.json)"
+    if args.acceptance_report:  # no vLLM acceptance of the testbed drafter: the dflashkit eval report's
+        per_pos = json.loads(Path(args.acceptance_report).read_text())["overall"]["per_position_acceptance"]
+        return per_k, per_pos, f"dflashkit eval ({args.acceptance_report})"
+    raise FileNotFoundError(f"{tau_file}: the projection model needs the testbed drafter's per-position "
+                            "acceptance; run the serve part first, or pass --acceptance-report REPORT.json")
+
+
 def part_projection_model(args, out: Path) -> None:
-    """The modelled half: speedup = E[accepted+1] x t_AR_step / t_spec_step per concurrency, E[accepted+1] from
-    the testbed drafter's per-position acceptance in vLLM (a) and the step times of part_projection."""
-    tau_file, times_file = out / "a_tau.json", out / "e_projection_times.json"
+    """The modelled half: speedup = E[accepted+1] x t_AR_step / t_spec_step per concurrency and k,
+    E[accepted+1] from the testbed drafter's per-position acceptance in vLLM at that k (or the first k
+    positions of the largest k's), the step times of part_projection; and the schedule an 8B user would deploy
+    (per level the k with the highest modelled speedup above 1, else 0; eval/serving_plan.py's ranges)."""
+    from dflashkit.eval.serving_plan import derive_schedule, first_positions_tau
+
+    times_file = out / "e_projection_times.json"
     if not times_file.exists():
         raise FileNotFoundError(f"{times_file}: the projection model needs it; run the projection part first")
-    if tau_file.exists():
-        per_pos = json.loads(tau_file.read_text())["per_position_acceptance_vllm"]
-        source = f"vLLM's spec-decode counters ({tau_file.name})"
-    elif args.acceptance_report:  # no vLLM acceptance of the testbed drafter: the dflashkit eval report's
-        per_pos = json.loads(Path(args.acceptance_report).read_text())["overall"]["per_position_acceptance"]
-        source = f"dflashkit eval ({args.acceptance_report})"
-    else:
-        raise FileNotFoundError(f"{tau_file}: the projection model needs the testbed drafter's per-position "
-                                "acceptance; run the serve part first, or pass --acceptance-report REPORT.json")
+    per_k_acc, per_pos, source = served_acceptance(args, out)
     times = json.loads(times_file.read_text())
-    expected = 1.0 + sum(per_pos)  # E[accepted + 1] = 1 + sum_k P(position k accepted)
+    ks = times.get("ks", [times["num_speculative_tokens"]])
+    expected = {k: 1.0 + sum(per_k_acc[k]) if k in per_k_acc else first_positions_tau(per_pos, k) for k in ks}
+    raw = sorted(times["raw"].items(), key=lambda kv: int(kv[0]))
+    modelled = {k: {int(c): expected[k] * s["ar"]["step_ms"] / s[f"k{k}" if f"k{k}" in s else "spec"]["step_ms"]
+                    for c, s in raw} for k in ks}
+    schedule = derive_schedule({k: {c: {"speedup": v, "noise": 0.0} for c, v in per_c.items()}
+                                for k, per_c in modelled.items()})
+    largest = ks[-1]
     rows = [{"concurrency": int(c), "t_ar_step_ms": s["ar"]["step_ms"], "t_spec_step_ms": s["spec"]["step_ms"],
              "spec_over_ar_step": s["spec"]["step_ms"] / s["ar"]["step_ms"],
-             "projected_speedup": expected * s["ar"]["step_ms"] / s["spec"]["step_ms"]}
-            for c, s in sorted(times["raw"].items(), key=lambda kv: int(kv[0]))]
+             "projected_speedup": expected[largest] * s["ar"]["step_ms"] / s["spec"]["step_ms"]} for c, s in raw]
     write_json(out, "e_projection", {
         **{k: v for k, v in times.items() if k != "raw"},
         "modelled": "speedup = E[accepted+1] x t_AR_step / t_spec_step, E[accepted+1] = 1 + sum of the testbed "
-        "drafter's per-position acceptance", "acceptance_source": source,
-        "expected_tokens_per_step": expected, "per_position_acceptance": per_pos, "levels": rows, "raw": times["raw"]})
+        "drafter's per-position acceptance at that k; the schedule's speedup at a level is its k's (1.0 at k = 0: "
+        "the cost of serving a schedule at k = 0 is not modelled)", "acceptance_source": source,
+        "expected_tokens_per_step": expected[largest], "per_position_acceptance": per_pos, "levels": rows,
+        "per_k": {str(k): {"expected_tokens_per_step": expected[k],
+                           "projected_speedup": {str(c): v for c, v in modelled[k].items()}} for k in ks},
+        "schedule": schedule, "schedule_projected_speedup": {
+            c: (modelled[v["k"]][int(c)] if v["k"] else 1.0) for c, v in schedule["per_level"].items()},
+        "raw": times["raw"]})
 
 
 # ----------------------------------------------------------------------------- (f)
@@ -372,7 +402,14 @@ def main(argv=None) -> int:
     p.add_argument("--target")
     p.add_argument("--drafter")
     p.add_argument("--drafters", nargs="+", metavar="NAME=DIR", help="tau_k: several drafters (default: --drafter)")
-    p.add_argument("--ks", type=int, nargs="+", default=[1, 3, 7, 15], help="tau_k: num_speculative_tokens values")
+    p.add_argument("--ks", type=int, nargs="+", default=[1, 3, 7, 15],
+                   help="tau_k and projection: num_speculative_tokens values")
+    p.add_argument("--serve-ks", type=int, nargs="+", default=None,
+                   help="serve: num_speculative_tokens values (default: block_size - 1); several give the schedule")
+    p.add_argument("--repeats", type=int, default=3, help="serve: runs per engine and level")
+    p.add_argument("--schedule", help="serve: a JSON [[first, last, k], ...] served instead of the derived one")
+    p.add_argument("--baseline", nargs="+", choices=["ngram", "mtp"], default=[], help="serve: baselines")
+    p.add_argument("--prefix-caching", nargs="+", choices=["on", "off"], default=["on", "off"])
     p.add_argument("--out", required=True)
     p.add_argument("--dflashkit-report", help="report.json of `dflashkit eval` (chain) on the same prompts")
     p.add_argument("--acceptance-report", help="projection_model without (a): the per-position acceptance of "

@@ -9,9 +9,11 @@ One GPU (bf16, Triton tree attention):
 Several reports side by side:
     dflashkit eval --compare runs/eval-chain runs/eval-tree --out runs/compare
 Served by vLLM in-process (pip install 'dflashkit[vllm]'; one GPU): tau from vLLM's counters, lossless
-agreement with and without the drafter, tok/s / TTFT / ITL per concurrency, prefix cache on and off, a verdict:
+agreement with and without the drafter, tok/s / TTFT / ITL per concurrency, prefix cache on and off, a verdict;
+with several --num-speculative-tokens the per-batch-size schedule (schedule.json) served and measured too:
     dflashkit eval --engine vllm --target /models/Qwen3-8B --drafter out/drafter --dataset builtin:mtbench \
-        --num-prompts 80 --concurrency 1 4 16 64 --prefix-caching on off --out runs/eval-vllm
+        --num-prompts 80 --concurrency 1 4 16 64 128 --num-speculative-tokens 1 3 7 15 --baseline ngram mtp \
+        --prefix-caching on --out runs/eval-vllm
 A running vLLM / SGLang server (concurrency sweep, tau from its metrics):
     dflashkit eval --server http://localhost:8000 --dataset builtin:mtbench --concurrency 1 4 16 --out runs/serve
 (The speculative engine is batch 1; multi-GPU targets load with --device-map auto.)
@@ -52,6 +54,8 @@ FLAG_RANGES = {
     "block_size": (2, True, None, "the anchor and at least one draft"),
     "concurrency": (1, True, None, "requests in flight"),
     "num_speculative_tokens": (1, True, None, "drafts per step"),
+    "repeats": (1, True, None, "runs per engine and level"),
+    "max_requests_per_level": (1, True, None, "prompts a level takes"),
     "gpu_memory_utilization": (0, False, 1, "share of the GPU"),
     "max_model_len": (1, True, None, "tokens"),
     "timeout": (0, False, None, "seconds per request"),
@@ -59,7 +63,8 @@ FLAG_RANGES = {
 # flags that one engine does not read (dest -> who reads it): given to the other, they are refused, not ignored
 ENGINE_ONLY = {
     "dflashkit": {"concurrency": "--server and --engine vllm", "num_speculative_tokens": "--engine vllm",
-                  "max_model_len": "--engine vllm"},
+                  "max_model_len": "--engine vllm", "repeats": "--engine vllm", "baseline": "--engine vllm",
+                  "max_requests_per_level": "--engine vllm"},
     "vllm": {"block_size": "the dflashkit engine (with vLLM: --num-speculative-tokens)",
              "time_limit": "the dflashkit engine", "baseline_prompts": "the dflashkit engine",
              "reference_prompts": "the dflashkit engine"},
@@ -119,17 +124,32 @@ def build_parser() -> argparse.ArgumentParser:
     other.add_argument("--model", default=None, help="--server: model name (default: the server's first)")
     other.add_argument("--concurrency", type=int, nargs="+", default=None,
                        help="requests in flight per level (default --server: 1 2 4 8 16 32; --engine vllm: 1 4 16 64)")
+    add_vllm_flags(p)
+    other.add_argument("--timeout", type=float, default=300.0, help="--server: seconds per request")
+    return p
+
+
+def add_vllm_flags(p: argparse.ArgumentParser) -> None:
+    """The flags only `--engine vllm` reads."""
     served = p.add_argument_group("--engine vllm")
-    served.add_argument("--num-speculative-tokens", type=int, default=None,
-                        help="default block_size - 1 (vLLM reads no block_size); other values warn: acceptance changes")
+    served.add_argument("--num-speculative-tokens", type=int, nargs="+", default=None,
+                        help="one engine per value; default block_size - 1 (vLLM reads no block_size). Several "
+                             "values give the per-batch-size schedule (a causal-in-block drafter serves every k "
+                             "as trained; a non-causal one warns: its acceptance changes)")
+    served.add_argument("--repeats", type=int, default=None, help="runs per engine and level (default 3): the "
+                        "median is reported with the runs' spread")
+    served.add_argument("--max-requests-per-level", type=int, default=None,
+                        help="prompts a level takes, cycled to fill its waves (default: every prompt)")
+    served.add_argument("--baseline", nargs="+", choices=["ngram", "mtp"], default=None,
+                        help="also serve what a user would deploy instead: vLLM's n-gram lookup, the target's MTP head")
+    served.add_argument("--no-schedule-run", action="store_true",
+                        help="derive the schedule without serving it in one more engine")
     served.add_argument("--prefix-caching", nargs="+", choices=["on", "off"], default=["on", "off"],
                         help="vLLM's prefix cache for the multi-turn prompts (the first also serves the main run)")
     served.add_argument("--gpu-memory-utilization", type=float, default=0.3, help="per vLLM engine")
     served.add_argument("--max-model-len", type=int, default=None,
                         help="default: the longest prompt (multi-turn included) + new tokens + one block")
     served.add_argument("--enforce-eager", action="store_true", help="vLLM without CUDA graphs")
-    other.add_argument("--timeout", type=float, default=300.0, help="--server: seconds per request")
-    return p
 
 
 def _fail(message: str, status: int = 1) -> int:
@@ -288,7 +308,10 @@ def _vllm_config(args):
                             num_speculative_tokens=args.num_speculative_tokens, prefix_caching=args.prefix_caching,
                             max_new_tokens=args.max_new_tokens, dtype=args.dtype or "bfloat16",
                             gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
-                            enforce_eager=args.enforce_eager, seed=args.seed, use_stop_tokens=not args.no_stop)
+                            enforce_eager=args.enforce_eager, seed=args.seed, use_stop_tokens=not args.no_stop,
+                            repeats=args.repeats or 3, baselines=args.baseline or [],
+                            max_requests_per_level=args.max_requests_per_level,
+                            schedule_run=not args.no_schedule_run)
     config.check()
     return config
 
@@ -298,7 +321,8 @@ def _main_vllm(args, config, template_kwargs: dict) -> int:
 
     report = run_vllm_eval(args.target, args.drafter, args.out, args.dataset, config, args.num_prompts,
                            args.max_prompt_tokens, template_kwargs)  # user errors: dflashkit.cli.run_main
-    print(f"{report['verdict']['text']}\ntau {report['overall']['tau']:.3f} (vLLM); lossless "
+    print(f"{report['plan_verdict']['text']}\n{report['verdict']['text']}\ntau {report['overall']['tau']:.3f} "
+          f"(vLLM, k {report['num_speculative_tokens']}); lossless "
           f"{report['lossless']['identical']}/{report['lossless']['requests']} identical; report in {args.out}")
     return 0
 

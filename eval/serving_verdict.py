@@ -7,12 +7,16 @@ Design choices:
   step yields one, so speedup_c ≈ τ_c · t_AR,c / t_spec,c, and the τ that would make speedup_c = 1 at the step
   times measured there is τ_c / speedup_c (it ignores that a different drafter changes the step time, and
   that τ cannot exceed num_speculative_tokens + 1).
-- report.md starts with the verdict, then the settings (with the serve command: num_speculative_tokens =
-  block_size - 1) and warnings, acceptance, lossless agreement, the concurrency table and prefix caching.
+- The plan's verdict comes first: the schedule to deploy (eval/serving_plan.py) with what its own engine
+  measured, and which engine is fastest at each level; then the headline k's verdict.
+- report.md: the verdicts, the settings (the serve command is the schedule's) and warnings, acceptance, lossless
+  agreement, the headline k's concurrency table, the speedup of every engine at every level (± noise), the
+  schedule, τ per k, and prefix caching.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 
@@ -63,6 +67,35 @@ def verdict(rows: list[dict], max_tau: float | None = None) -> dict:
             "tau_needed": {str(r["concurrency"]): r["tau_needed"] for r in rows}}
 
 
+def _label(name: str) -> str:
+    return {"none": "no speculation", "schedule": "schedule", "ngram": "n-gram", "mtp": "MTP"}.get(
+        name, f"k = {name[1:]}" if name.startswith("k") else name)
+
+
+def plan_verdict(report: dict) -> dict:
+    """The serving plan in words: the schedule to deploy and what it measured, and which engine wins at each
+    level (the highest median tok/s: no speculation, the drafter at a fixed k, the schedule, a baseline)."""
+    schedule, engines = report["schedule"], report["engines"]
+    levels = list(engines["none"]["levels"])
+    winners = {c: max(engines, key=lambda n: engines[n]["levels"][c]["output_tokens_per_s"]) for c in levels}
+    ranges = json.dumps(schedule["num_speculative_tokens_per_batch_size"])
+    measured = schedule.get("measured")
+    if not any(k for *_, k in schedule["num_speculative_tokens_per_batch_size"]):
+        text = ("No k beats no speculation by more than the noise at any concurrency measured: serve without "
+                "speculation (the schedule is k = 0 everywhere).")
+    else:
+        text = f"Serve with the schedule {ranges} (schedule.json, serve command below)"
+        if measured:
+            worst = min(measured, key=measured.get)
+            text += (f": measured {_x(measured[levels[0]])} at concurrency {levels[0]} … {_x(measured[levels[-1]])} "
+                     f"at {levels[-1]} against no speculation, lowest {_x(measured[worst])} at {worst}.")
+        else:
+            text += ": derived from the fixed-k cells, not measured (its engine did not run)."
+    text += " Fastest per concurrency: " + ", ".join(f"{c}: {_label(w)}" for c, w in winners.items()) + "."
+    return {"text": text, "winners": winners, "schedule": schedule["num_speculative_tokens_per_batch_size"],
+            "min_measured_speedup": min(measured.values()) if measured else None}
+
+
 def _table(rows: list[list], header: list[str]) -> str:
     def cell(v):
         return "—" if v is None else f"{v:.3f}" if isinstance(v, float) else str(v)
@@ -77,7 +110,9 @@ def _ms(seconds) -> float | None:
 
 def render_vllm_markdown(report: dict) -> str:
     args, acc = report["args"], report.get("acceptance") or {}
-    parts = ["# Served by vLLM: verdict", "", f"**{report['verdict']['text']}**", "",
+    parts = ["# Served by vLLM: verdict", ""] + ([f"**{report['plan_verdict']['text']}**", ""]
+                                                 if "plan_verdict" in report else [])
+    parts += [f"At num_speculative_tokens {report['num_speculative_tokens']}: {report['verdict']['text']}", "",
              f"target `{report['target']['path']}`, drafter `{report['drafter']['path']}`, vLLM "
              f"{report['versions'].get('vllm')}, greedy, {args['max_new_tokens']} new tokens, {report['prompts']} "
              f"prompts ({', '.join(args['datasets'])}), block size {report['block_size']}, num_speculative_tokens "
@@ -107,6 +142,7 @@ def render_vllm_markdown(report: dict) -> str:
               _table(rows, ["concurrency", "requests", "tok/s drafter", "tok/s no drafter", "speedup",
                             "TTFT ms drafter", "TTFT ms no drafter", "ITL ms drafter", "ITL ms no drafter", "τ",
                             "τ needed (model)", "identical"]), ""]
+    parts += plan_sections(report)
     prefix = report["prefix_caching"]
     parts += ["## Prefix caching (multi-turn: turn 2 after the target's turn-1 answer)"]
     if "skipped" in prefix:
@@ -116,6 +152,37 @@ def render_vllm_markdown(report: dict) -> str:
                            v["speedup"]] for k, v in prefix.items()],
                          ["prefix cache", "requests", "τ", "tok/s drafter", "tok/s no drafter", "speedup"]), ""]
     return "\n".join(parts)
+
+
+def plan_sections(report: dict) -> list[str]:
+    """Speedup against concurrency, one line per engine; the schedule; τ per k."""
+    if "engines" not in report:
+        return []
+    engines, schedule = report["engines"], report["schedule"]
+    levels = list(engines["none"]["levels"])
+    repeats = report["args"].get("repeats")
+
+    def cell(v: dict) -> str:
+        return f"{v['speedup']:.2f}× ±{v['noise']:.2f}"
+
+    rows = [[_label(n)] + [cell(e["levels"][c]) for c in levels] for n, e in engines.items() if n != "none"]
+    rows += [[_label(n), f"skipped: {b['skipped']}"] + [""] * (len(levels) - 1)
+             for n, b in report.get("baselines", {}).items() if "skipped" in b]
+    rows.append(["no speculation, tok/s"] + [f"{engines['none']['levels'][c]['output_tokens_per_s']:.0f} "
+                                             f"±{engines['none']['levels'][c]['spread']:.2f}" for c in levels])
+    parts = [f"## Speedup against no speculation (median of {repeats} runs per cell; ± the runs' noise)",
+             _table(rows, ["engine"] + [f"c = {c}" for c in levels]), "",
+             "## The schedule (vLLM's num_speculative_tokens_per_batch_size)",
+             f"`{json.dumps(schedule['num_speculative_tokens_per_batch_size'])}` — {schedule['rule']}. "
+             f"{schedule['runner']}.", "", f"Serve command: `{schedule['serve_command']}`", "",
+             _table([[c, v["k"], v.get("speedup"), v.get("noise")] for c, v in schedule["per_level"].items()],
+                    ["concurrency", "k chosen", "its speedup", "noise"]), ""]
+    largest = report["ks"][-1]
+    parts += ["## τ per num_speculative_tokens (every prompt once)",
+              _table([[k, v["tau"], v[f"tau_first_{k}_positions_at_k{largest}"], v["identical"]]
+                      for k, v in report["per_k"].items()],
+                     ["k", "τ", f"τ of the first k positions at k = {largest}", "identical"]), ""]
+    return parts
 
 
 def write_vllm_plots(report: dict, out_dir: Path) -> list[str]:
@@ -132,7 +199,14 @@ def write_vllm_plots(report: dict, out_dir: Path) -> list[str]:
 
     rows, written = report["concurrency"], []
     fig, ax = plt.subplots(figsize=(5, 3.2))
-    ax.plot([r["concurrency"] for r in rows], [r["speedup"] for r in rows], marker="o")
+    if "engines" in report:
+        for name, engine in report["engines"].items():
+            if name != "none":
+                levels = [int(c) for c in engine["levels"]]
+                ax.plot(levels, [v["speedup"] for v in engine["levels"].values()], marker="o", label=_label(name))
+        ax.legend(fontsize=7)
+    else:
+        ax.plot([r["concurrency"] for r in rows], [r["speedup"] for r in rows], marker="o")
     ax.axhline(1.0, color="grey", linestyle="--", linewidth=1)
     ax.set_xscale("log", base=2)
     ax.set(xlabel="concurrency (requests submitted together)", ylabel="speedup (tok/s ratio)",

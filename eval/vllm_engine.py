@@ -46,15 +46,23 @@ from typing import Callable
 
 from dflashkit.errors import UserError
 
+from .serving_plan import level_requests
+
 MISSING_VLLM = "--engine vllm needs vLLM: pip install 'dflashkit[vllm]'"
 DRAFTS, ACCEPTED = "vllm:spec_decode_num_drafts", "vllm:spec_decode_num_accepted_tokens"
 ACCEPTED_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+PARTIAL_FILE = "engines.partial.jsonl"  # one line per engine as it finishes (eval/report.py REPORT_FILES)
 
 
 @dataclass
 class VllmEvalConfig:
     concurrency: list[int] = field(default_factory=lambda: [1, 4, 16, 64])  # requests submitted together
-    num_speculative_tokens: int | None = None  # None: the drafter's block_size - 1 (another value warns)
+    # k values, one engine each (None: the drafter's block_size - 1; another k warns unless the drafter is causal)
+    num_speculative_tokens: list[int] | int | None = None
+    repeats: int = 3  # runs of every (engine, level) cell; its tok/s is their median, their spread reported
+    baselines: list[str] = field(default_factory=list)  # ngram, mtp: what a user would deploy instead
+    schedule_run: bool = True  # one more engine served with the per-batch-size schedule derived from the cells
+    schedule: list | None = None  # [[first, last, k], ...]: serve this schedule instead of the derived one
     prefix_caching: list[str] = field(default_factory=lambda: ["on", "off"])  # the first serves the main run
     max_new_tokens: int = 256  # per request (the first token comes from the prefill)
     dtype: str = "bfloat16"  # vLLM's dtype for target and drafter
@@ -73,6 +81,22 @@ class VllmEvalConfig:
             raise UserError(f"--prefix-caching {self.prefix_caching}: use on, off or both")
         if self.max_new_tokens < 1:
             raise UserError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
+        if isinstance(self.num_speculative_tokens, int):
+            self.num_speculative_tokens = [self.num_speculative_tokens]
+        if self.num_speculative_tokens is not None and (not self.num_speculative_tokens
+                                                        or min(self.num_speculative_tokens) < 1):
+            raise UserError(f"--num-speculative-tokens {self.num_speculative_tokens}: give values >= 1, e.g. 1 3 7 15")
+        if self.repeats < 1:
+            raise UserError(f"--repeats must be >= 1, got {self.repeats}")
+        from .serving_plan import BASELINES
+
+        if self.schedule is not None:
+            from .serving_plan import schedule_lookup
+
+            schedule_lookup(self.schedule, max(self.concurrency), 1 << 30)  # UserError naming a bad entry
+        unknown = [b for b in self.baselines if b not in BASELINES]
+        if unknown:
+            raise UserError(f"--baseline {' '.join(unknown)}: choose from {', '.join(BASELINES)}")
 
 
 @dataclass
@@ -173,27 +197,7 @@ def acceptance(before: dict, after: dict) -> dict | None:
             "per_position_acceptance": [a / drafts for a in per_pos]}
 
 
-def agreement(names: list[str], with_drafter: list[list[int]], without: list[list[int]]) -> dict:
-    """Greedy outputs with and without the drafter, request by request: identical count, first divergences."""
-    from .lossless import first_divergence
-
-    divergences = []
-    for name, a, b in zip(names, with_drafter, without):
-        if a != b:
-            divergences.append({"prompt": name, "token_index": first_divergence(a, b), "drafter_tokens": len(a),
-                                "baseline_tokens": len(b)})
-    return {"requests": len(names), "identical": len(names) - len(divergences),
-            "identical_rate": (len(names) - len(divergences)) / max(len(names), 1), "divergences": divergences[:20]}
-
-
 # ----------------------------------------------------------------------------- measuring
-def level_requests(prompts: list[tuple[str, list[int]]], concurrency: int,
-                   cap: int | None = None) -> list[tuple[str, list[int]]]:
-    """The first `cap` prompts (all when None) in order, cycled to fill whole waves of `concurrency`."""
-    total = -(-min(len(prompts), cap or len(prompts)) // concurrency) * concurrency
-    return [prompts[k % len(prompts)] for k in range(total)]
-
-
 def _mean(values) -> float | None:
     values = [v for v in values if v is not None]
     return statistics.mean(values) if values else None
@@ -259,10 +263,37 @@ def target_stop_ids(target_dir: Path, tokenizer, template_kwargs: dict | None = 
     return list(stop_token_ids(tokenizer, generation, template_kwargs=template_kwargs))
 
 
-def run_vllm_eval(target: str, drafter: str, out: str | Path, datasets: list[str], config: VllmEvalConfig,
-                  num_prompts: int = 20, max_prompt_tokens: int | None = None,
-                  chat_template_kwargs: dict | None = None, api: VllmApi | None = None, warn=None) -> dict:
-    """Serve the pair with vLLM in-process; report.json / report.md / plots in `out` (the returned report)."""
+@dataclass
+class ServedRun:
+    """What every engine of one `eval --engine vllm` run shares (built once by `prepare_run`)."""
+    api: VllmApi
+    config: VllmEvalConfig
+    drafter: str  # resolved path
+    dcfg: object  # the drafter's DrafterConfig
+    ks: list[int]  # num_speculative_tokens measured, ascending
+    headline_k: int  # the k of the report's concurrency rows (block_size - 1 when measured, else the largest)
+    target_dir: Path
+    served_dir: Path  # what vLLM is given (a copy without a GGUF quantization_config, or target_dir)
+    stripped: bool
+    target_config: dict
+    tokenizer: object
+    template_kwargs: dict
+    prompts: list[tuple[str, list[int]]]
+    turns: list[tuple[str, list[dict], str]]  # multi-turn records: (id, opening turns, second user turn)
+    params: object  # SamplingParams
+    max_len: int
+    notes: list[str]
+    engine_s: dict[str, float] = field(default_factory=dict)
+    out: Path | None = None  # the output directory (engines.partial.jsonl)
+
+    @property
+    def levels(self) -> list[int]:
+        return sorted(set(self.config.concurrency))
+
+
+def prepare_run(target: str, drafter: str, datasets: list[str], config: VllmEvalConfig, num_prompts: int,
+                max_prompt_tokens: int | None, template_kwargs: dict, api: VllmApi, warn, scratch: str) -> ServedRun:
+    """Read the drafter, the target and the prompts; the checks and warnings that come before any engine."""
     from transformers import AutoTokenizer
 
     from dflashkit.drafter import engines as rules
@@ -270,144 +301,170 @@ def run_vllm_eval(target: str, drafter: str, out: str | Path, datasets: list[str
     from dflashkit.targets.loading import resolve_target_dir
 
     from .prompts import load_prompts, render
-    from .report import write_report
     from .run import trained_template_kwargs
-    from .serving_verdict import verdict
 
-    config.check()
-    warn = warn or (lambda message: print(message, file=sys.stderr))
-    started = time.perf_counter()
-    api = api or real_vllm_api()
     dcfg = read_drafter_config(drafter)
-    num_spec = rules.vllm_num_speculative_tokens(dcfg.block_size, config.num_speculative_tokens, warn)
+    ks = sorted({rules.vllm_num_speculative_tokens(dcfg.block_size, k, warn, causal=dcfg.causal)
+                 for k in config.num_speculative_tokens or [None]})
+    for k in ks:  # a DFlash2 drafter: N = block_size - 1 and no schedule (drafter/engines.py, vLLM 0.28's rules)
+        rules.check_vllm_num_speculative_tokens(dcfg, k)
+    if config.schedule or (len(ks) > 1 and config.schedule_run):
+        rules.check_vllm_schedule(dcfg, config.schedule or [[1, 1, ks[-1]]])
     notes = [f"warning: {reason}" for reason in rules.vllm_warnings(dcfg)]
     for note in notes:
         warn(note)
-    if num_spec != dcfg.block_size - 1:  # (vllm_num_speculative_tokens has warned)
-        notes.append(f"warning: num_speculative_tokens {num_spec} != block_size - 1 = {dcfg.block_size - 1}: "
-                     "acceptance differs from what the drafter gets with the blocks it was trained on")
-    kwargs = chat_template_kwargs or {}
+    notes += [f"warning: num_speculative_tokens {k} != block_size - 1 = {dcfg.block_size - 1}: acceptance "
+              "differs from what the drafter gets with the blocks it was trained on"
+              for k in ks if k != dcfg.block_size - 1 and not (dcfg.causal and k < dcfg.block_size)]
     trained = trained_template_kwargs(drafter)
-    if trained is not None and trained != kwargs:
+    if trained is not None and trained != template_kwargs:
         notes.append(f"warning: drafter trained with chat template kwargs {json.dumps(trained)}, "
-                     f"rendered with {json.dumps(kwargs)}")
+                     f"rendered with {json.dumps(template_kwargs)}")
         warn(notes[-1])
-    scratch = tempfile.TemporaryDirectory(prefix="dflashkit-vllm-")
     target_dir, _ = resolve_target_dir(target)
-    served_dir, stripped = rules.vllm_target_dir(target_dir, scratch.name)
+    served_dir, stripped = rules.vllm_target_dir(target_dir, scratch)
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     prompts = [(f"{spec}#{p.id}", p.input_ids) for spec in datasets
-               for p in load_prompts(spec, tokenizer, num_prompts, max_prompt_tokens, kwargs)]
+               for p in load_prompts(spec, tokenizer, num_prompts, max_prompt_tokens, template_kwargs)]
     turns = multi_turn_prompts(datasets, num_prompts)
-    turn1 = [(name, render(tokenizer, messages, kwargs)) for name, messages, _ in turns]
-    stop = target_stop_ids(target_dir, tokenizer, kwargs) if config.use_stop_tokens else []
+    stop = target_stop_ids(target_dir, tokenizer, template_kwargs) if config.use_stop_tokens else []
     params = api.sampling_params(max_tokens=config.max_new_tokens, temperature=0.0, stop_token_ids=stop,
                                  ignore_eos=not config.use_stop_tokens)
     longest = max([len(ids) for _, ids in prompts]
-                  + [len(ids) + config.max_new_tokens + len(tokenizer(t[2])["input_ids"]) + 64
-                     for (_, ids), t in zip(turn1, turns)])
-    max_len = config.max_model_len or -(-(longest + config.max_new_tokens + num_spec + 1) // 256) * 256
-    levels = sorted(set(config.concurrency))
-    spec_config = {"method": "dflash", "model": str(Path(drafter).resolve()), "num_speculative_tokens": num_spec}
-    engine_s: dict[str, float] = {}
+                  + [len(render(tokenizer, messages, template_kwargs)) + config.max_new_tokens
+                     + len(tokenizer(second)["input_ids"]) + 64 for _, messages, second in turns])
+    max_len = config.max_model_len or -(-(longest + config.max_new_tokens + max(ks) + 1) // 256) * 256
+    headline = dcfg.block_size - 1 if dcfg.block_size - 1 in ks else ks[-1]
+    return ServedRun(api, config, str(Path(drafter).resolve()), dcfg, ks, headline, target_dir, served_dir,
+                     stripped, json.loads((Path(target_dir) / "config.json").read_text()), tokenizer,
+                     template_kwargs, prompts, turns, params, max_len, notes)
 
-    def engine(with_drafter: bool, prefix: str):
-        t0 = time.perf_counter()
-        kwargs = dict(model=str(served_dir), dtype=config.dtype, seed=config.seed,
-                      gpu_memory_utilization=config.gpu_memory_utilization, max_model_len=max_len,
-                      max_num_seqs=max(levels), enable_prefix_caching=prefix == "on",
-                      enforce_eager=config.enforce_eager, disable_log_stats=False,
-                      speculative_config=spec_config if with_drafter else None)
-        llm = start_engine(api, **kwargs)
-        engine_s[f"{'drafter' if with_drafter else 'no_drafter'}_{prefix}_start"] = time.perf_counter() - t0
-        return llm
 
-    def sweep(llm) -> dict:
-        runs = {"all": timed_generate(llm, api, prompts, len(prompts), params)}  # every prompt once: tau, lossless
-        cap = config.max_requests_per_level
-        out = {}
-        for c in levels:  # each level from a cold prefix cache: the "all" run has prefilled every prompt
+def dflash_spec(run: ServedRun, k: int) -> dict:
+    return {"method": "dflash", "model": run.drafter, "num_speculative_tokens": k}
+
+
+def start_served(run: ServedRun, name: str, spec: dict | None, prefix: str):
+    """One vLLM engine of the run (its start-up time recorded under ``name``)."""
+    t0 = time.perf_counter()
+    llm = start_engine(run.api, model=str(run.served_dir), dtype=run.config.dtype, seed=run.config.seed,
+                       gpu_memory_utilization=run.config.gpu_memory_utilization, max_model_len=run.max_len,
+                       max_num_seqs=max(run.levels), enable_prefix_caching=prefix == "on",
+                       enforce_eager=run.config.enforce_eager, disable_log_stats=False, speculative_config=spec)
+    run.engine_s[f"{name}_{prefix}_start"] = time.perf_counter() - t0
+    return llm
+
+
+def sweep_levels(run: ServedRun, llm) -> dict:
+    """Every prompt once (τ, lossless), then each level `repeats` times, each from a cold prefix cache."""
+    out = {"all": timed_generate(llm, run.api, run.prompts, len(run.prompts), run.params)}
+    for c in run.levels:
+        out[c] = []
+        for _ in range(run.config.repeats):
             if hasattr(llm, "reset_prefix_cache"):
                 llm.reset_prefix_cache()
-            out[c] = timed_generate(llm, api, level_requests(prompts, c, cap), c, params)
-        return runs | out
+            out[c].append(timed_generate(llm, run.api, level_requests(run.prompts, c,
+                                                                      run.config.max_requests_per_level),
+                                         c, run.params))
+    return out
 
-    def second_turns(llm, answers: list[list[int]] | None = None) -> tuple[dict, list]:
-        first = llm.generate([{"prompt_token_ids": ids} for _, ids in turn1], params, use_tqdm=False)
-        answers = answers or [list(r.outputs[0].token_ids) for r in first]
-        chats = [(name, render(tokenizer, messages + [
-            {"role": "assistant", "content": tokenizer.decode(answer, skip_special_tokens=True)},
-            {"role": "user", "content": second}], kwargs)) for (name, messages, second), answer in zip(turns, answers)]
-        return timed_generate(llm, api, chats, max(len(chats), 1), params), answers
 
-    main_prefix, multi = config.prefix_caching[0], {}
-    llm = engine(False, main_prefix)
-    baseline = sweep(llm)
-    answers = None
-    if turns:
-        multi[(False, main_prefix)], answers = second_turns(llm)
-    close_engine(llm, api)
-    llm = engine(True, main_prefix)
-    drafted = sweep(llm)
-    if turns:
-        multi[(True, main_prefix)], _ = second_turns(llm, answers)
-    close_engine(llm, api)
-    for prefix in config.prefix_caching[1:] if turns else []:
-        for with_drafter in (True, False):
-            llm = engine(with_drafter, prefix)
-            multi[(with_drafter, prefix)], _ = second_turns(llm, answers)
-            close_engine(llm, api)
-    scratch.cleanup()
+def second_turns(run: ServedRun, llm, answers: list[list[int]] | None = None) -> tuple[dict, list]:
+    """Turn 1 of the multi-turn records (untimed, filling the prefix cache), then turn 2 all at once (timed);
+    turn 2 follows ``answers`` (the engine without speculation's), or this engine's own turn-1 answers."""
+    from .prompts import render
 
-    rows = []
-    for c in levels:
-        a, b = drafted[c], baseline[c]
-        names = [name for name, _ in level_requests(prompts, c, config.max_requests_per_level)]
-        rows.append({"concurrency": c, "requests": a["requests"],
-                     "drafter": {k: v for k, v in a.items() if k not in ("outputs", "acceptance")},
-                     "no_drafter": {k: v for k, v in b.items() if k != "outputs"},
-                     "speedup": a["output_tokens_per_s"] / b["output_tokens_per_s"] if b["output_tokens_per_s"]
-                     else 0.0, "tau": (a["acceptance"] or {}).get("tau"), "acceptance": a["acceptance"],
-                     "lossless": agreement(names, a["outputs"], b["outputs"])})
-    overall_acc = drafted["all"]["acceptance"]
-    names = [name for name, _ in prompts]
-    prefix_rows = {}
-    for prefix in config.prefix_caching:
-        a, b = multi.get((True, prefix)), multi.get((False, prefix))
-        if a and b:
-            prefix_rows[prefix] = {"tau": (a["acceptance"] or {}).get("tau"), "acceptance": a["acceptance"],
-                                   "drafter_tokens_per_s": a["output_tokens_per_s"],
-                                   "no_drafter_tokens_per_s": b["output_tokens_per_s"],
-                                   "speedup": a["output_tokens_per_s"] / b["output_tokens_per_s"]
-                                   if b["output_tokens_per_s"] else 0.0,
-                                   "ttft_mean_s": {"drafter": a["ttft_mean_s"], "no_drafter": b["ttft_mean_s"]},
-                                   "requests": a["requests"]}
-    first = rows[0]
-    report = {
-        "engine": "vllm", "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "args": {"mode": "vllm", "target": target, "drafter": drafter, "datasets": list(datasets),
-                 "num_prompts": num_prompts, "max_prompt_tokens": max_prompt_tokens, "chat_template_kwargs": kwargs,
-                 "max_model_len": max_len, **{k: v for k, v in vars(config).items()}},
-        "block_size": dcfg.block_size, "num_speculative_tokens": num_spec,
-        "serve_command": rules.vllm_serve_command(str(target_dir), str(Path(drafter).resolve()), dcfg.block_size),
-        "versions": {"vllm": api.version, "python": sys.version.split()[0]},
-        "target": {"path": str(target_dir), "served_dir": str(served_dir), "gguf_quantization_config_stripped":
-                   stripped},
-        "drafter": {"path": str(Path(drafter).resolve()), "block_size": dcfg.block_size,
-                    "target_layer_ids": list(dcfg.target_layer_ids), "mask_token_id": dcfg.mask_token_id,
-                    "layer_types": list(dcfg.layer_types)},
-        "warnings": notes, "prompts": len(prompts), "acceptance": overall_acc,
-        "lossless": agreement(names, drafted["all"]["outputs"], baseline["all"]["outputs"]),
-        "all_prompts": {"drafter_tokens_per_s": drafted["all"]["output_tokens_per_s"],
-                        "no_drafter_tokens_per_s": baseline["all"]["output_tokens_per_s"]},
-        "concurrency": rows,
-        "prefix_caching": prefix_rows if turns else {"skipped": "no dataset record has a second user turn "
-                                                                "(builtin:mtbench has)"},
-        "datasets": {},
-        "overall": {"tau": (overall_acc or {}).get("tau", 1.0), "speedup": first["speedup"],
-                    "per_position_acceptance": (overall_acc or {}).get("per_position_acceptance", [])},
-        "timing": {**engine_s, "total": time.perf_counter() - started},
-    }
-    report["verdict"] = verdict(rows, num_spec + 1)
+    turn1 = [render(run.tokenizer, messages, run.template_kwargs) for _, messages, _ in run.turns]
+    first = llm.generate([{"prompt_token_ids": ids} for ids in turn1], run.params, use_tqdm=False)
+    answers = answers or [list(r.outputs[0].token_ids) for r in first]
+    chats = [(name, render(run.tokenizer, messages + [
+        {"role": "assistant", "content": run.tokenizer.decode(answer, skip_special_tokens=True)},
+        {"role": "user", "content": second}], run.template_kwargs))
+        for (name, messages, second), answer in zip(run.turns, answers)]
+    return timed_generate(llm, run.api, chats, max(len(chats), 1), run.params), answers
+
+
+def measure_engine(run: ServedRun, name: str, spec: dict | None, answers: list | None = None,
+                   multi_turn: bool = False) -> dict:
+    """One engine over the whole sweep (and the multi-turn prompts when asked), shut down after; its cells are
+    appended to ``engines.partial.jsonl`` in the output directory at once, so a run stopped later keeps them."""
+    prefix = run.config.prefix_caching[0]
+    llm = start_served(run, name, spec, prefix)
+    try:
+        result = sweep_levels(run, llm)
+        if multi_turn and run.turns:
+            result["multi_turn"], result["turn1_answers"] = second_turns(run, llm, answers)
+    finally:
+        close_engine(llm, run.api)
+    record_engine(run, name, spec, result)
+    return result
+
+
+def record_engine(run: ServedRun, name: str, spec: dict | None, result: dict) -> None:
+    """One line of engines.partial.jsonl: the engine, its start-up time, τ over every prompt once and each
+    level's repeats (tok/s, TTFT, ITL; no outputs)."""
+    from dflashkit.files import open_appending, sync
+
+    if run.out is None:
+        return
+    keep = ("requests", "output_tokens", "wall_s", "output_tokens_per_s", "ttft_mean_s", "itl_mean_s")
+    line = {"engine": name, "speculative_config": spec,
+            "start_s": {k: v for k, v in run.engine_s.items() if k.startswith(f"{name}_")},
+            "tau": (result["all"]["acceptance"] or {}).get("tau"),
+            "levels": {str(c): [{k: r[k] for k in keep} | {"tau": (r["acceptance"] or {}).get("tau")}
+                                for r in result[c]] for c in run.levels}}
+    with open_appending(Path(run.out) / PARTIAL_FILE) as f:
+        f.write(json.dumps(line) + "\n")
+        sync(f)
+
+
+def measure_prefix_settings(run: ServedRun, answers: list | None) -> dict:
+    """The multi-turn prompts on fresh engines for every further prefix-cache setting, with and without the
+    drafter at the headline k."""
+    out = {}
+    for prefix in run.config.prefix_caching[1:] if run.turns else []:
+        for name, spec in (("drafter", dflash_spec(run, run.headline_k)), ("no_drafter", None)):
+            llm = start_served(run, name, spec, prefix)
+            try:
+                out[(name, prefix)], _ = second_turns(run, llm, answers)
+            finally:
+                close_engine(llm, run.api)
+    return out
+
+
+def run_vllm_eval(target: str, drafter: str, out: str | Path, datasets: list[str], config: VllmEvalConfig,
+                  num_prompts: int = 20, max_prompt_tokens: int | None = None,
+                  chat_template_kwargs: dict | None = None, api: VllmApi | None = None, warn=None) -> dict:
+    """Serve the pair with vLLM in-process: no speculation, the drafter at each k, the baselines, then the
+    schedule derived from them; report.json / report.md / schedule.json / plots in `out` (the returned report)."""
+    from .report import write_report
+    from .serving_plan import baseline_specs, derive_schedule, given_schedule, schedule_spec
+    from .vllm_report import build_vllm_report, level_speedups, write_schedule
+
+    config.check()
+    started, warn = time.perf_counter(), warn or (lambda message: print(message, file=sys.stderr))
+    with tempfile.TemporaryDirectory(prefix="dflashkit-vllm-") as scratch:
+        run = prepare_run(target, drafter, datasets, config, num_prompts, max_prompt_tokens,
+                          chat_template_kwargs or {}, api or real_vllm_api(), warn, scratch)
+        run.out = Path(out)
+        run.out.mkdir(parents=True, exist_ok=True)
+        (run.out / PARTIAL_FILE).unlink(missing_ok=True)
+        baselines, skipped = baseline_specs(config.baselines, run.target_config)
+        results = {"none": measure_engine(run, "no_drafter", None, multi_turn=True)}
+        answers = results["none"].get("turn1_answers")
+        for k in run.ks:
+            results[f"k{k}"] = measure_engine(run, "drafter" if k == run.headline_k else f"drafter_k{k}",
+                                              dflash_spec(run, k), answers, multi_turn=k == run.headline_k)
+        for name, spec in baselines.items():
+            results[name] = measure_engine(run, name, spec)
+        schedule = (given_schedule(config.schedule, run.levels, max(run.ks)) if config.schedule else
+                    derive_schedule({k: level_speedups(results, f"k{k}", run.levels) for k in run.ks}))
+        if config.schedule_run:
+            results["schedule"] = measure_engine(run, "schedule", schedule_spec(run.drafter, schedule))
+        prefix_runs = measure_prefix_settings(run, answers)
+    args = {"target": target, "datasets": list(datasets), "num_prompts": num_prompts,
+            "max_prompt_tokens": max_prompt_tokens}
+    report = build_vllm_report(run, results, schedule, baselines, skipped, prefix_runs, args, started)
     write_report(report, out)
+    write_schedule(report, out)
     return report

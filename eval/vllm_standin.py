@@ -23,6 +23,16 @@ Design choices:
   (``first_token_latency``, ``first_token_ts``, ``last_token_ts``, ``num_generation_tokens``).
 - Prefix caching (on by default, as in vLLM): the prompt tokens an earlier prompt of the same engine began with
   are not charged in the prefill (``num_cached_tokens``). Acceptance is the decoder's either way.
+- ``"method": "ngram"`` (vLLM's prompt lookup): the request's greedy tokens are decoded once; at each step the
+  last ``prompt_lookup_max`` … ``prompt_lookup_min`` tokens are looked up in the request's earlier tokens and the
+  (up to N) tokens that followed the latest match are proposed; the accepted ones are those equal to the greedy
+  continuation, which is what verification accepts. Its proposals cost no modelled time (vLLM runs them on the host).
+- ``num_speculative_tokens_per_batch_size`` (the per-batch-size schedule, expanded as vLLM expands it:
+  eval/serving_plan.py ``schedule_lookup``): each step takes the k of its number of decoding requests. A dflash
+  request is decoded once per k of the schedule (blocks of k + 1); a step at k advances it to the end of the
+  round of that decode which covers its position: exact while a request's k does not change, a model of the
+  rounds when it does (the counters then count what the step advanced). At k = 0 a step queries one token and
+  still pays the drafter's pass over it (vLLM 0.24's V1 proposer runs it to keep the drafter's cache filled).
 """
 
 from __future__ import annotations
@@ -112,10 +122,50 @@ class _Request:
     index: int
     prompt: list[int]
     tokens: list[int]  # the decoded output
-    produced: list[int]  # tokens per decode step after the first (the rounds' acceptance lengths; AR: 1s)
+    rounds: dict[int, list[tuple[int, int]]]  # k -> per round of the decode at k: (tokens produced, drafts accepted)
+    ngram: tuple[int, int] | None = None  # (prompt_lookup_min, prompt_lookup_max) for "method": "ngram"
     cached: int = 0  # prompt tokens found in the prefix cache
-    steps_done: int = 0
+    position: int = 1  # output tokens produced (the first comes from the prefill)
     stats: RequestStateStats = field(default_factory=RequestStateStats)
+
+    @property
+    def done(self) -> bool:
+        return self.position >= len(self.tokens)
+
+    def advance(self, k: int) -> tuple[int, int]:
+        """(tokens this step produces, drafts accepted) for a step that drafts k tokens."""
+        left = len(self.tokens) - self.position
+        if k == 0:
+            return 1, 0
+        if self.ngram is not None:
+            accepted = ngram_accepted(self.prompt + self.tokens, len(self.prompt) + self.position, k, *self.ngram)
+            return min(accepted + 1, left), accepted
+        start = 1
+        for produced, accepted in self.rounds[k]:  # the round of the decode at k that covers this position
+            if start + produced > self.position:
+                if start == self.position:
+                    return min(produced, left), accepted
+                return start + produced - self.position, start + produced - self.position - 1
+            start += produced
+        return 1, 0
+
+
+def ngram_accepted(sequence: list[int], position: int, k: int, lookup_min: int, lookup_max: int) -> int:
+    """Drafts a prompt-lookup proposer gets accepted at ``position`` of ``sequence`` (the greedy tokens): the
+    longest n-gram (lookup_max … lookup_min) ending there that occurred earlier, its latest occurrence's next k
+    tokens proposed, counted while they equal the tokens that really follow."""
+    context = sequence[:position]
+    for n in range(min(lookup_max, len(context) - 1), lookup_min - 1, -1):
+        tail = context[-n:]
+        for start in range(len(context) - n - 1, -1, -1):
+            if context[start:start + n] == tail:
+                proposal = context[start + n:start + n + k]
+                accepted = 0
+                while accepted < len(proposal) and position + accepted < len(sequence) \
+                        and proposal[accepted] == sequence[position + accepted]:
+                    accepted += 1
+                return accepted
+    return 0
 
 
 class LLM:
@@ -136,44 +186,60 @@ class LLM:
         self.cost = cost or StepCost()
         self.num_speculative_tokens = 0
         self.drafter = None
+        self.method = None
+        self.ngram: tuple[int, int] | None = None
+        self.lookup: list[int] | None = None  # batch size -> k (a per-batch-size schedule)
         if speculative_config is not None:
-            from dflashkit.drafter import load_drafter
-
-            if speculative_config.get("method") != "dflash":
-                raise ValueError(f"speculative_config method {speculative_config.get('method')!r}: only dflash")
-            self.num_speculative_tokens = int(speculative_config["num_speculative_tokens"])
-            self.drafter = load_drafter(speculative_config["model"])
+            self._speculation(dict(speculative_config))
         self._seen: list[list[int]] = []  # prompts of this engine (the prefix cache)
         self._decoded: dict[tuple, object] = {}  # (prompt, max_tokens, stop ids) -> its GenerationResult
         self._counts = {"drafts": 0, "draft_tokens": 0, "accepted": 0,
                         "per_pos": [0] * self.num_speculative_tokens}
         self._labels = {"engine": "0", "model_name": self.model}
 
+    def _speculation(self, spec: dict) -> None:
+        from .serving_plan import schedule_lookup
+
+        self.method = spec.get("method")
+        if self.method not in ("dflash", "ngram"):
+            raise ValueError(f"speculative_config method {self.method!r}: the CPU twin models dflash and ngram")
+        self.num_speculative_tokens = int(spec["num_speculative_tokens"])
+        if self.method == "dflash":
+            from dflashkit.drafter import load_drafter
+
+            self.drafter = load_drafter(spec["model"])
+        else:
+            low, high = spec.get("prompt_lookup_min"), spec.get("prompt_lookup_max")
+            self.ngram = (int(low or high or 5), int(high or low or 5))  # vLLM's defaults (config/speculative.py)
+        if spec.get("num_speculative_tokens_per_batch_size") is not None:
+            self.lookup = schedule_lookup(spec["num_speculative_tokens_per_batch_size"], self.max_num_seqs,
+                                          self.num_speculative_tokens)
+
     # ------------------------------------------------------------------ decoding
-    def _decoder(self, max_tokens: int, stop: tuple[int, ...]):
+    def _ks(self) -> list[int]:
+        """The k a step of this engine may draft (0: none)."""
+        if self.method is None:
+            return [0]
+        return sorted(set(self.lookup[1:])) if self.lookup else [self.num_speculative_tokens]
+
+    def _decoder(self, max_tokens: int, stop: tuple[int, ...], k: int):
         from .engine import DecodeConfig, SpeculativeDecoder
 
-        config = DecodeConfig(block_size=self.num_speculative_tokens + 1 if self.drafter is not None else None,
-                              max_new_tokens=max_tokens, stop_token_ids=stop, cuda_graphs=False,
-                              static_draft=self.drafter is not None)
-        drafter = self.drafter if self.drafter is not None else _NoDrafter()
-        return SpeculativeDecoder(self.target.model, drafter, config)
+        drafting = self.drafter is not None and k > 0
+        config = DecodeConfig(block_size=k + 1 if drafting else None, max_new_tokens=max_tokens,
+                              stop_token_ids=stop, cuda_graphs=False, static_draft=drafting)
+        return SpeculativeDecoder(self.target.model, self.drafter if drafting else _NoDrafter(), config)
 
-    def _decode(self, decoder, prompt: list[int], key: tuple) -> tuple[list[int], list[int]]:
-        if key not in self._decoded:  # greedy decoding is deterministic: a repeated request decodes once
-            self._decoded[key] = (decoder.generate_autoregressive(prompt) if self.drafter is None
-                                  else decoder.generate(prompt))
-        result = self._decoded[key]
-        if self.drafter is None:
-            return result.tokens, [1] * (len(result.tokens) - 1)
-        n = self.num_speculative_tokens
-        self._counts["drafts"] += len(result.accepted_drafts)
-        self._counts["draft_tokens"] += n * len(result.accepted_drafts)
-        for accepted in result.accepted_drafts:
-            self._counts["accepted"] += accepted
-            for k in range(min(accepted, n)):
-                self._counts["per_pos"][k] += 1
-        return result.tokens, list(result.acceptance_lengths)
+    def _decode(self, decoders: dict, prompt: list[int], key: tuple) -> tuple[list[int], dict]:
+        """The greedy tokens and, for each k a dflash step may draft, the rounds of the decode at k."""
+        rounds = {}
+        for k, decoder in decoders.items():
+            if (key, k) not in self._decoded:  # greedy decoding is deterministic: a repeated request decodes once
+                self._decoded[(key, k)] = (decoder.generate(prompt) if self.drafter is not None and k > 0
+                                           else decoder.generate_autoregressive(prompt))
+            result = self._decoded[(key, k)]
+            rounds[k] = list(zip(result.acceptance_lengths, result.accepted_drafts))
+        return result.tokens, rounds
 
     def reset_prefix_cache(self) -> bool:
         """vLLM's LLM.reset_prefix_cache: forget every cached prompt."""
@@ -202,13 +268,15 @@ class LLM:
         ids = [list(p["prompt_token_ids"]) for p in prompts]
         stop = tuple(sorted(set(params.stop_token_ids or ())
                             | (set() if params.ignore_eos else set(stop_ids(self.target)))))
-        decoder = self._decoder(params.max_tokens, stop)
+        ks = [k for k in self._ks() if k > 0 and self.drafter is not None] or [0]
+        decoders = {k: self._decoder(params.max_tokens, stop, k) for k in ks}
         requests = []
         with torch.inference_mode():
             for i, prompt in enumerate(ids):
-                tokens, produced = self._decode(decoder, prompt, (tuple(prompt), params.max_tokens, stop))
-                requests.append(_Request(i, prompt, tokens, produced))
-        decoder.close()
+                tokens, rounds = self._decode(decoders, prompt, (tuple(prompt), params.max_tokens, stop))
+                requests.append(_Request(i, prompt, tokens, rounds, self.ngram))
+        for decoder in decoders.values():
+            decoder.close()
         self._schedule(requests)
         return [RequestOutput(str(r.index), r.prompt, [CompletionOutput(0, "", r.tokens, "stop")],
                               metrics=r.stats if self.log_stats else None, num_cached_tokens=r.cached)
@@ -230,28 +298,46 @@ class LLM:
                 self._seen.append(r.prompt)
                 tokens += len(r.prompt) - r.cached
                 r.stats.scheduled_ts = clock()
-            decoding = [r for r in running if r.steps_done < len(r.produced)]
-            queried = 1 + self.num_speculative_tokens
-            tokens += queried * len(decoding)
+            decoding = [r for r in running if not r.done]
+            k = self.step_k(len(decoding))
+            tokens += (1 + k) * len(decoding)
             step = cost.fixed_s + cost.per_token_s * tokens
             if self.drafter is not None and decoding:
-                step += cost.draft_fixed_s + cost.draft_per_token_s * queried * len(decoding)
+                step += cost.draft_fixed_s + cost.draft_per_token_s * (1 + k) * len(decoding)
             clock.advance(step)
             for r in joining:
                 r.stats.first_token_ts = r.stats.last_token_ts = clock()
                 r.stats.first_token_latency = clock() - r.stats.arrival_time
                 r.stats.num_generation_tokens = 1
             for r in decoding:
-                r.stats.num_generation_tokens += r.produced[r.steps_done]
-                r.steps_done += 1
+                produced, accepted = r.advance(k)
+                self._count(k, accepted)
+                r.position += produced
+                r.stats.num_generation_tokens += produced
                 r.stats.last_token_ts = clock()
-            running = [r for r in running + joining if r.steps_done < len(r.produced)]
+            running = [r for r in running + joining if not r.done]
+
+    def step_k(self, batch: int) -> int:
+        """The drafts per request of a step with ``batch`` decoding requests (0 without speculation)."""
+        if self.method is None or batch == 0:
+            return 0
+        return self.lookup[min(batch, len(self.lookup) - 1)] if self.lookup else self.num_speculative_tokens
+
+    def _count(self, k: int, accepted: int) -> None:
+        if k == 0:
+            return
+        accepted = min(accepted, k)
+        self._counts["drafts"] += 1
+        self._counts["draft_tokens"] += k
+        self._counts["accepted"] += accepted
+        for position in range(accepted):
+            self._counts["per_pos"][position] += 1
 
     # ------------------------------------------------------------------ metrics
     def get_metrics(self) -> list:
         if not self.log_stats:
             raise AssertionError("get_metrics needs LLM(..., disable_log_stats=False), as vLLM's does")
-        if self.drafter is None:
+        if self.method is None:
             return []
         c, labels = self._counts, dict(self._labels)
         return [Counter(SPEC_DRAFTS, labels, c["drafts"]), Counter(SPEC_DRAFT_TOKENS, labels, c["draft_tokens"]),

@@ -70,6 +70,14 @@ def test_num_speculative_tokens_is_block_minus_one():
     assert '"num_speculative_tokens": 15' in (ROOT / "README.md").read_text()  # the README's serve command (block 16)
 
 
+def test_fewer_speculative_tokens_warn_only_for_a_non_causal_drafter():
+    warned = []
+    assert rules.vllm_num_speculative_tokens(16, 3, warn=warned.append, causal=True) == 3 and warned == []
+    assert rules.vllm_num_speculative_tokens(16, 3, warn=warned.append) == 3 and "mask tokens" in warned[0]
+    assert rules.vllm_num_speculative_tokens(16, 20, warn=warned.append, causal=True) == 20
+    assert "never trained to propose past position 15" in warned[1]
+
+
 def test_a_gguf_quantization_config_is_stripped_in_a_copy(tmp_path):
     target = tmp_path / "target"
     tf.LlamaForCausalLM(tiny_target_config()).save_pretrained(target)

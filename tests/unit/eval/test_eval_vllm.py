@@ -7,19 +7,18 @@ import json
 import sys
 
 import pytest
-import torch
 import transformers as tf
 
 from dflashkit.cli import run_main
-from dflashkit.drafter import DrafterConfig, build_drafter, save_drafter
-from dflashkit.eval import vllm_standin
 from dflashkit.eval.__main__ import main
 from dflashkit.eval.engine import DecodeConfig, SpeculativeDecoder
+from dflashkit.eval.serving_plan import agreement
 from dflashkit.eval.serving_verdict import verdict
-from dflashkit.eval.vllm_engine import MISSING_VLLM, VllmApi, VllmEvalConfig, agreement, run_vllm_eval
+from dflashkit.eval.vllm_engine import MISSING_VLLM, VllmEvalConfig, run_vllm_eval
 
 from support.paths import ROOT
-from support.tiny_targets import VOCAB, tiny_target_config, tiny_tokenizer
+from support.tiny_targets import tiny_tokenizer
+from support.vllm_pairs import standin_api, write_pair
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -30,29 +29,7 @@ BLOCK = 4
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     """A 6-token random Llama (word tokenizer w0/w1), a random drafter for it, two-turn chats."""
-    root = tmp_path_factory.mktemp("vllm_pair")
-    torch.manual_seed(0)
-    config = tiny_target_config(initializer_range=1.0)
-    tf.LlamaForCausalLM(config).save_pretrained(root / "target")
-    tiny_tokenizer(num_words=2).save_pretrained(root / "target")
-    save_drafter(build_drafter(DrafterConfig.for_target(config, num_hidden_layers=1, block_size=BLOCK,
-                                                        mask_token_id=VOCAB - 1, initializer_range=0.02)),
-                 root / "drafter")
-    g = torch.Generator().manual_seed(1)
-
-    def words(n):
-        return " ".join(f"w{int(i)}" for i in torch.randint(0, 2, (n,), generator=g))
-
-    with open(root / "chats.jsonl", "w") as f:
-        for k in range(4):
-            f.write(json.dumps({"id": f"c{k}", "messages": [{"role": "user", "content": words(10)},
-                                                           {"role": "user", "content": words(6)}]}) + "\n")
-    return root
-
-
-def standin_api():
-    clock = vllm_standin.ModelledClock()
-    return VllmApi(lambda **kw: vllm_standin.LLM(clock=clock, **kw), vllm_standin.SamplingParams, clock)
+    return write_pair(tmp_path_factory.mktemp("vllm_pair"), BLOCK)
 
 
 @pytest.fixture(scope="module")
@@ -158,6 +135,7 @@ def test_other_num_speculative_tokens_warns_and_is_reported(pair, tmp_path):
 
 @pytest.mark.slow
 def test_bench_vllm_runs_every_part_on_the_twin(tmp_path):
+    sys.path.insert(0, str(ROOT / "bench"))  # its shared helpers (bench/common.py), as running the script puts them
     spec = importlib.util.spec_from_file_location("bench_vllm", ROOT / "bench" / "bench_vllm.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
@@ -174,6 +152,17 @@ def test_bench_vllm_runs_every_part_on_the_twin(tmp_path):
     for row in projection["levels"]:
         assert row["projected_speedup"] == pytest.approx(
             projection["expected_tokens_per_step"] * row["t_ar_step_ms"] / row["t_spec_step_ms"])
+    raw = json.loads((tmp_path / "e_projection_times.json").read_text())["raw"]
+    assert set(projection["per_k"]) == {"1", "3", "7", "15"}  # one engine per k of --ks, with step times each
+    for k, v in projection["per_k"].items():
+        for c, modelled in v["projected_speedup"].items():
+            assert modelled == pytest.approx(v["expected_tokens_per_step"] * raw[c]["ar"]["step_ms"]
+                                             / raw[c][f"k{k}"]["step_ms"])
+    chosen = projection["schedule"]["per_level"]
+    for c, v in chosen.items():  # the 8B schedule takes the k with the best modelled speedup above 1, else 0
+        best = max(projection["per_k"], key=lambda k: projection["per_k"][k]["projected_speedup"][c])
+        above = projection["per_k"][best]["projected_speedup"][c] > 1
+        assert v["k"] == (int(best) if above else 0)
     assert json.loads((tmp_path / "f_server.json").read_text())["ran"] is False
 
     # (a) afterwards: the tau part compares the serve report with a dflashkit eval of the same pair and prompts,

@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# One H200 session for the serving plan (RESULTS.md "The serving plan"): the testbed recipe's causal-in-block
+# drafter served by vLLM at k = KS, the n-gram baseline, the per-batch-size schedule derived from those cells and
+# served by one more engine. Stages, in order (a stage's results are in $RUN/out as soon as it ends):
+#   1. the first user turn of every testbed ShareGPT conversation answered by the target (256 new tokens);
+#   2. the recipe (recipes/smollm2-135m.yaml: causal-in-block) trained online for EPOCHS epochs, stopped at
+#      L_TRAIN seconds if not done (it checkpoints and exports);
+#   3. vLLM alone on the GPU: `dflashkit eval --engine vllm` (bench/bench_vllm.py --parts serve) at k = KS and
+#      concurrency LEVELS, REPEATS runs per cell, baselines ngram and mtp (skipped: the testbed has no MTP head),
+#      the schedule served last (serve/schedule.json);
+#   4. (PROJECTION=1) the 8B-shaped projection at each k (bench_vllm.py --parts projection; random weights).
+#
+#   python bench/testbed_data.py --out .cache/gpu --sharegpt 0        # here, where the testbed packages are
+#   TARGET=/root/testbed/smollm2-bf16 DATA=.cache/gpu RUN=/root/run bash bench/testbed_schedule_run.sh # H200
+#   SCALE=toy TARGET=testbed:smollm2 DATA=.cache/gpu RUN=/tmp/toy PYTHON=.venv/bin/python \
+#     bash bench/testbed_schedule_run.sh                                                           # CPU twin
+#
+# The toy scale runs every stage on the CPU, vLLM replaced by its CPU stand-in (eval/vllm_standin.py, modelled
+# step times): a check that the stages fit together, not a measurement.
+set -u
+T=${TARGET:-/root/testbed/smollm2-bf16}
+D=${DATA:-.cache/gpu}
+R=${RUN:-/root/run}
+SCALE=${SCALE:-full}
+EPOCHS=${EPOCHS:-3}
+. "$(dirname "$0")/run_lib.sh"  # ROOT, D, R, O, PY; the shell in $R; stage()
+if [ "$SCALE" = toy ]; then
+  DEV=(--device cpu); SLOTS=8; NEW=16; LIMIT=(--limit 16); KS=${KS_TOY:-1 3}; LEVELS=${LEVELS_TOY:-1 4}
+  EXTRA=max_steps=2,num_hidden_layers=1,block_size=4,compile=false,mixed_precision=no,micro_batch_tokens=1024,num_anchors=8,eval_samples=2,max_length=256
+  VLLM=(--standin --num-prompts 2 --max-new-tokens 8 --repeats 2 --projection-new-tokens 4 \
+    --projection-prompt-tokens 6)
+  L_TRAIN=${L_TRAIN:-900}; L_VLLM=${L_VLLM:-900}; L_PROJ=${L_PROJ:-900}
+else
+  DEV=(); SLOTS=2048; NEW=256; LIMIT=(); KS=${KS:-1 3 7 15}; LEVELS=${LEVELS:-1 4 16 64 128}
+  EXTRA=max_length=2048,eval_samples=64,eval_every=0,save_every=200,keep_last=2,tokenize_workers=4
+  VLLM=(--num-prompts 80 --max-new-tokens 256 --repeats 3 --max-requests-per-level 8 --gpu-memory-utilization 0.3)
+  L_TRAIN=${L_TRAIN:-540}; L_VLLM=${L_VLLM:-900}; L_PROJ=${L_PROJ:-480}
+fi
+VENV=(bash "$ROOT/bench/vllm_env.sh" "$PY")  # the slim vLLM's environment (../shared/vllm/README.md)
+echo "[$(date +%T)] start: scale $SCALE, $(nvidia-smi -L 2>/dev/null | wc -l) GPU(s)" >> "$R/stages.txt"
+
+# --- 1. the first user turn of every conversation answered by the target -------------------------------------------
+first_turns
+
+# --- 2. the recipe's drafter -------------------------------------------------------------------------------------------
+stage train-recipe $(( L_TRAIN + 300 )) "$PY" "$ROOT/bench/recipe_study.py" --target "$T" --data "$R/regen.jsonl" \
+  --out "$O/recipe" --work-dir "$R/work" --variants default --parallel 1 --epochs "$EPOCHS" --stage train \
+  --train-time-limit "$L_TRAIN" --extra-overrides "$EXTRA" --dataset "$D/mtbench.jsonl" "${DEV[@]}"
+DRAFTER=$R/work/train/default/export
+
+# --- 3. vLLM alone: every k, the baselines, the schedule ---------------------------------------------------------------
+# shellcheck disable=SC2086
+stage vllm-schedule "$L_VLLM" "${VENV[@]}" "$ROOT/bench/bench_vllm.py" --parts serve --target "$T" \
+  --drafter "$DRAFTER" --serve-ks $KS --concurrency $LEVELS --baseline ngram mtp --prefix-caching on \
+  --dataset "$D/mtbench.jsonl" --out "$O/vllm" "${VLLM[@]}"
+
+# --- 4. (PROJECTION=1) the 8B-shaped step times at each k and the schedule an 8B user would deploy --------------------
+if [ -n "${PROJECTION:-}" ]; then
+  # shellcheck disable=SC2086
+  stage projection "$L_PROJ" "${VENV[@]}" "$ROOT/bench/bench_vllm.py" --parts projection --ks $KS \
+    --concurrency $LEVELS --out "$O/vllm" "${VLLM[@]}"
+fi
+echo "[$(date +%T)] all done" >> "$R/stages.txt"

@@ -1,0 +1,161 @@
+"""The serving plan of `dflashkit eval --engine vllm` (issue 35): several num_speculative_tokens, repeated cells,
+the per-batch-size schedule (derived, written, served by the CPU twin of vllm.LLM as vLLM 0.24 expands it),
+the n-gram and MTP baselines, and the report that names the schedule first."""
+
+import json
+
+import pytest
+
+from dflashkit.errors import UserError
+from dflashkit.eval.serving_plan import (
+    baseline_specs,
+    best_k,
+    derive_schedule,
+    first_positions_tau,
+    mtp_layers,
+    schedule_lookup,
+    schedule_ranges,
+)
+from dflashkit.eval.vllm_engine import VllmEvalConfig, run_vllm_eval
+from dflashkit.eval.vllm_standin import LLM, SamplingParams, ngram_accepted
+
+from support.vllm_pairs import standin_api, write_pair
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+NEW = 8
+BLOCK = 4
+LEVELS = [1, 4, 16, 64]
+
+
+@pytest.fixture(scope="module")
+def planned(tmp_path_factory):
+    """A causal-in-block pair served at k 1, 2, 3 with the n-gram and MTP baselines and the schedule."""
+    root = write_pair(tmp_path_factory.mktemp("plan_pair"), BLOCK, causal=True)
+    warnings = []
+    config = VllmEvalConfig(concurrency=LEVELS, num_speculative_tokens=[3, 1, 2], prefix_caching=["on"],
+                            max_new_tokens=NEW, use_stop_tokens=False, baselines=["ngram", "mtp"], repeats=2)
+    out = root / "out"
+    report = run_vllm_eval(str(root / "target"), str(root / "drafter"), out, [str(root / "chats.jsonl")], config,
+                           num_prompts=4, api=standin_api(), warn=warnings.append)
+    return report, out, root, warnings
+
+
+def test_every_k_and_baseline_is_a_line_of_repeated_cells(planned):
+    report, out, _, warnings = planned
+    assert warnings == []  # a causal-in-block drafter serves k < block_size - 1 as trained: nothing to warn
+    assert report["ks"] == [1, 2, 3] and report["num_speculative_tokens"] == 3
+    assert set(report["engines"]) == {"none", "k1", "k2", "k3", "ngram", "schedule"}
+    assert report["baselines"]["ngram"]["speculative_config"]["method"] == "ngram"
+    assert "no MTP layers" in report["baselines"]["mtp"]["skipped"]
+    none = report["engines"]["none"]["levels"]
+    for engine in report["engines"].values():
+        for c, v in engine["levels"].items():
+            assert len(v["runs_tokens_per_s"]) == 2 and v["output_tokens_per_s"] > 0
+            assert v["speedup"] == pytest.approx(v["output_tokens_per_s"] / none[c]["output_tokens_per_s"])
+    # each k engine drafted k tokens a step: its per-position acceptance has k entries, its outputs are lossless
+    for k in ("1", "2", "3"):
+        assert len(report["per_k"][k]["per_position_acceptance"]) == int(k)
+        assert report["per_k"][k]["identical"] == "4/4"
+    largest = report["per_k"]["3"]["per_position_acceptance"]
+    assert report["per_k"]["3"]["tau_first_3_positions_at_k3"] == pytest.approx(1 + sum(largest))
+    assert report["per_k"]["3"]["tau"] == pytest.approx(1 + sum(largest))
+    partial = [json.loads(line) for line in (out / "engines.partial.jsonl").read_text().splitlines()]
+    assert [e["engine"] for e in partial] == ["no_drafter", "drafter_k1", "drafter_k2", "drafter", "ngram", "schedule"]
+    assert partial[0]["levels"]["1"][0]["output_tokens_per_s"] == none["1"]["runs_tokens_per_s"][0]
+    md = (out / "report.md").read_text()
+    assert md.splitlines()[2] == f"**{report['plan_verdict']['text']}**"  # the plan's verdict comes first
+    assert "| k = 1 |" in md and "| n-gram |" in md and "| schedule |" in md and "| MTP | skipped" in md
+
+
+def test_the_schedule_follows_the_cells_and_is_served(planned):
+    report, out, _, _ = planned
+    schedule = report["schedule"]
+    engines = report["engines"]
+    for c in map(str, LEVELS):  # the chosen k: the fastest beating no speculation by more than the noise
+        beating = {int(name[1:]): engines[name]["levels"][c] for name in ("k1", "k2", "k3")
+                   if engines[name]["levels"][c]["speedup"] > 1 + engines[name]["levels"][c]["noise"]}
+        expected = max(beating, key=lambda k: beating[k]["speedup"]) if beating else 0
+        assert schedule["per_level"][c]["k"] == expected
+    # the twin's modelled steps favour speculation at 1 request and not at 64: both sides are in the schedule
+    assert schedule["per_level"]["1"]["k"] > 0 and schedule["per_level"]["64"]["k"] == 0
+    ranges = schedule["num_speculative_tokens_per_batch_size"]
+    assert ranges[0][0] == 1 and ranges[-1][1] == 64
+    written = json.loads((out / "schedule.json").read_text())
+    assert written["num_speculative_tokens_per_batch_size"] == ranges
+    assert written["speculative_config"]["num_speculative_tokens"] == max(k for *_, k in ranges)
+    assert json.dumps(written["speculative_config"]) in report["serve_command"]
+    # the schedule's own engine was measured: at 1 request it drafts like the k it names there
+    k1 = schedule["per_level"]["1"]["k"]
+    assert schedule["measured"]["1"] == pytest.approx(engines[f"k{k1}"]["levels"]["1"]["speedup"])
+    assert set(schedule["measured"]) == set(map(str, LEVELS))
+    assert report["plan_verdict"]["min_measured_speedup"] == min(schedule["measured"].values())
+
+
+def test_best_k_needs_to_beat_the_noise():
+    assert best_k({1: {"speedup": 1.04, "noise": 0.05}, 3: {"speedup": 1.2, "noise": 0.3}}) == 0
+    assert best_k({1: {"speedup": 1.10, "noise": 0.05}, 3: {"speedup": 1.2, "noise": 0.1}}) == 3
+    assert best_k({1: {"speedup": 1.10, "noise": 0.05}, 3: {"speedup": 1.2, "noise": 0.25}}) == 1
+    assert best_k({}) == 0
+
+
+def test_schedule_ranges_take_the_smaller_neighbour_between_levels():
+    assert schedule_ranges({1: 15, 4: 7, 16: 3, 64: 0}) == [[1, 1, 15], [2, 4, 7], [5, 16, 3], [17, 64, 0]]
+    assert schedule_ranges({2: 3, 8: 3}) == [[1, 8, 3]]  # below the first level: its k; equal neighbours merge
+    assert schedule_ranges({1: 0, 4: 3}) == [[1, 3, 0], [4, 4, 3]]
+    derived = derive_schedule({1: {1: {"speedup": 1.2, "noise": 0.01}, 8: {"speedup": 0.9, "noise": 0.01}},
+                               3: {1: {"speedup": 1.4, "noise": 0.01}, 8: {"speedup": 0.8, "noise": 0.01}}})
+    assert derived["num_speculative_tokens_per_batch_size"] == [[1, 1, 3], [2, 8, 0]]
+    assert derived["per_level"]["1"] == {"k": 3, "speedup": 1.4, "noise": 0.01}
+    assert derived["num_speculative_tokens"] == 3
+
+
+def test_schedule_lookup_expands_and_refuses_as_vllm_does():
+    assert schedule_lookup([[1, 2, 5], [4, 6, 2]], 8, 4) == [0, 4, 4, 4, 2, 2, 2, 2, 2]  # capped, gap, tail
+    for bad, said in (([], "non-empty list"), ([[2, 4, 1]], "start at batch size 1"),
+                      ([[1, 4, 1], [3, 8, 2]], "must not overlap"), ([[1, 4, -1]], "k >= 0"),
+                      ([[1, 4]], "three integers"), ([[1, 4, 1.5]], "three integers")):
+        with pytest.raises(UserError, match=said):
+            schedule_lookup(bad, 8, 4)
+
+
+def test_the_twin_drafts_the_step_k_of_its_batch_size(planned):
+    """The twin with a schedule: k 3 when one request decodes, none from two on; its counters say so."""
+    _, _, root, _ = planned
+    spec = {"method": "dflash", "model": str(root / "drafter"), "num_speculative_tokens": 3,
+            "num_speculative_tokens_per_batch_size": [[1, 1, 3], [2, 8, 0]]}
+    llm = LLM(str(root / "target"), speculative_config=spec, max_num_seqs=8, disable_log_stats=False)
+    assert [llm.step_k(b) for b in (1, 2, 8)] == [3, 0, 0]
+    params = SamplingParams(max_tokens=NEW, ignore_eos=True)
+    alone = LLM(str(root / "target"), speculative_config=dict(spec, num_speculative_tokens_per_batch_size=None),
+                max_num_seqs=8, disable_log_stats=False)
+    prompt = {"prompt_token_ids": [1, 2, 3, 2, 3]}
+    one = llm.generate([prompt], params)[0]
+    assert one.outputs[0].token_ids == alone.generate([prompt], params)[0].outputs[0].token_ids
+    assert _drafts(llm) == _drafts(alone) > 0  # one request: every step is a k = 3 step, as without a schedule
+    before = _drafts(llm)
+    twice = llm.generate([prompt, prompt], params)  # two requests in lockstep: two decode at every step, k = 0
+    assert _drafts(llm) == before and twice[1].outputs[0].token_ids == one.outputs[0].token_ids
+
+
+def _drafts(llm) -> int:
+    return sum(m.value for m in llm.get_metrics() if m.name == "vllm:spec_decode_num_drafts")
+
+
+def test_ngram_lookup_and_mtp_detection():
+    seq = [5, 6, 7, 8, 5, 6, 7, 9]
+    assert ngram_accepted(seq, 6, 4, 2, 4) == 1  # ...5 6 | matches 5 6 -> proposes 7 8 5 6; 7 right, 8 wrong
+    assert ngram_accepted(seq, 3, 4, 2, 4) == 0  # no earlier 2-gram
+    assert mtp_layers({"num_nextn_predict_layers": 1}) == 1
+    assert mtp_layers({"text_config": {"mtp_num_hidden_layers": 2}}) == 2 and mtp_layers({}) == 0
+    run, skipped = baseline_specs(["ngram", "mtp"], {"mtp_num_hidden_layers": 1})
+    assert run["mtp"] == {"method": "mtp", "num_speculative_tokens": 1} and not skipped
+    assert first_positions_tau([0.5, 0.25, 0.1], 2) == pytest.approx(1.75)
+
+
+def test_flags_are_checked_before_anything_runs(tmp_path):
+    for config, said in ((VllmEvalConfig(num_speculative_tokens=[3, 0]), "values >= 1"),
+                         (VllmEvalConfig(repeats=0), "--repeats"),
+                         (VllmEvalConfig(baselines=["eagle"]), "choose from ngram, mtp")):
+        with pytest.raises(UserError, match=said):
+            config.check()
