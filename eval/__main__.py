@@ -16,6 +16,8 @@ with several --num-speculative-tokens the per-batch-size schedule (schedule.json
         --prefix-caching on --out runs/eval-vllm
 A running vLLM / SGLang server (concurrency sweep, tau from its metrics):
     dflashkit eval --server http://localhost:8000 --dataset builtin:mtbench --concurrency 1 4 16 --out runs/serve
+Several running servers (none = without speculation, kN = the drafter at N tokens): speedups and the schedule:
+    dflashkit eval --server none=http://h:8000 k3=http://h:8001 k15=http://h:8002 --repeats 3 --out runs/plan
 (The speculative engine is batch 1; multi-GPU targets load with --device-map auto.)
 On one GPU the target's decode steps and the drafter's pass replay CUDA graphs (--no-cuda-graphs: eager).
 Greedy runs check losslessness against HF generate on the baseline prompts (--reference-prompts N: fewer).
@@ -63,8 +65,8 @@ FLAG_RANGES = {
 # flags that one engine does not read (dest -> who reads it): given to the other, they are refused, not ignored
 ENGINE_ONLY = {
     "dflashkit": {"concurrency": "--server and --engine vllm", "num_speculative_tokens": "--engine vllm",
-                  "max_model_len": "--engine vllm", "repeats": "--engine vllm", "baseline": "--engine vllm",
-                  "max_requests_per_level": "--engine vllm"},
+                  "max_model_len": "--engine vllm", "repeats": "--server and --engine vllm",
+                  "baseline": "--engine vllm", "max_requests_per_level": "--engine vllm"},
     "vllm": {"block_size": "the dflashkit engine (with vLLM: --num-speculative-tokens)",
              "time_limit": "the dflashkit engine", "baseline_prompts": "the dflashkit engine",
              "reference_prompts": "the dflashkit engine"},
@@ -120,7 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="run the target's decode steps eagerly instead of replaying CUDA graphs (CUDA only)")
     other = p.add_argument_group("other modes")
     other.add_argument("--compare", nargs="+", metavar="REPORT_DIR", help="put several reports side by side")
-    other.add_argument("--server", help="OpenAI-compatible server URL to sweep (vLLM, SGLang)")
+    other.add_argument("--server", nargs="+", help="OpenAI-compatible server URL to sweep (vLLM, SGLang); or "
+                       "NAME=URL pairs (none=, kN=, baselines, schedule=) for the serving plan and its schedule")
     other.add_argument("--model", default=None, help="--server: model name (default: the server's first)")
     other.add_argument("--concurrency", type=int, nargs="+", default=None,
                        help="requests in flight per level (default --server: 1 2 4 8 16 32; --engine vllm: 1 4 16 64)")
@@ -241,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
 
         with report_dir(args.out, args.overwrite):
             run_sweep(args.server, args.dataset, args.num_prompts, args.concurrency or [1, 2, 4, 8, 16, 32],
-                      args.max_new_tokens, args.temperature, args.model, args.timeout, args.out)
+                      args.max_new_tokens, args.temperature, args.model, args.timeout, args.out, args.repeats or 1)
         return 0
     if not (args.target and args.drafter and args.out):
         raise UserError("needs --target, --drafter and --out (or --compare / --server)")

@@ -11,6 +11,11 @@ Design choices:
   vLLM's counters give tau = 1 + delta(accepted tokens) / delta(drafts) for exactly this level's requests;
   SGLang's gauge `sglang:spec_accept_length` (a recent average) is read after the level.
 - Only the standard library talks HTTP (urllib), so this runs where nothing else is installed.
+- Several servers (`--server none=URL k3=URL k15=URL ngram=URL ...`): each is swept `--repeats` times, one server
+  at a time, and its levels become cells as `--engine vllm`'s (eval/serving_plan.py: median tok/s and spread,
+  speedup and noise against `none`, the server without speculation); the `kN` servers (the drafter served with
+  num_speculative_tokens N) give the per-batch-size schedule, written to schedule.json. A server started with
+  that schedule can then be swept under its own name (`schedule=URL`) to measure it.
 """
 
 from __future__ import annotations
@@ -209,10 +214,12 @@ def render_markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run_sweep(server: str, datasets: list[str], num_prompts: int, concurrency: list[int], max_tokens: int,
-              temperature: float = 0.0, model: str | None = None, timeout: float = 300.0,
-              out: str | Path | None = None) -> dict:
-    """`dflashkit eval --server URL`: prompts from the datasets, results in out (serving.json, serving.md)."""
+def run_sweep(server: str | list[str], datasets: list[str], num_prompts: int, concurrency: list[int],
+              max_tokens: int, temperature: float = 0.0, model: str | None = None, timeout: float = 300.0,
+              out: str | Path | None = None, repeats: int = 1) -> dict:
+    """`dflashkit eval --server URL`: prompts from the datasets, results in out (serving.json, serving.md);
+    with NAME=URL pairs the serving plan of every server (serving.json, serving.md, schedule.json)."""
+    servers = parse_servers([server] if isinstance(server, str) else list(server))
     from dflashkit.extract.data.sources import iter_records
 
     from .prompts import opening_turns
@@ -226,7 +233,10 @@ def run_sweep(server: str, datasets: list[str], num_prompts: int, concurrency: l
             if item.record is not None:
                 conversations.append(opening_turns(item.record, item.where))
                 taken += 1
-    result = sweep(server, conversations, concurrency, max_tokens, temperature, model, timeout,
+    if "none" in servers:
+        return write_plan(run_server_plan(servers, conversations, concurrency, repeats, max_tokens, temperature,
+                                          model, timeout), out)
+    result = sweep(servers["server"], conversations, concurrency, max_tokens, temperature, model, timeout,
                    progress=lambda level: print(f"concurrency {level['concurrency']}: {level['successes']} ok, "
                                                 f"{level['failures']} failed, "
                                                 f"{level['aggregate_tokens_per_s']:.1f} tok/s, tau {level['tau']}"))
@@ -238,3 +248,95 @@ def run_sweep(server: str, datasets: list[str], num_prompts: int, concurrency: l
         atomic_write(out / "serving.md", render_markdown(result).encode())
     print(render_markdown(result))
     return result
+
+
+# ----------------------------------------------------------------------------- several servers: the serving plan
+def parse_servers(items: list[str]) -> dict[str, str]:
+    """``--server`` values: one URL, or NAME=URL pairs (``none`` = no speculation, ``kN`` = the drafter at N
+    speculative tokens, any other name a baseline or a schedule); UserError naming the item otherwise."""
+    import re
+
+    if len(items) == 1 and "=" not in items[0]:
+        return {"server": items[0]}
+    servers = {}
+    for item in items:
+        name, sep, url = item.partition("=")
+        if not sep or not name or not url.startswith(("http://", "https://")) or name in servers:
+            raise UserError(f"--server {item!r}: give one URL, or NAME=URL pairs with distinct names (none=URL for "
+                            "the server without speculation, kN=URL for the drafter at N speculative tokens)")
+        servers[name] = url
+    if "none" not in servers:
+        raise UserError("--server with several servers needs none=URL: the server without speculation that every "
+                        "speedup is measured against")
+    if not any(re.fullmatch(r"k[1-9][0-9]*", n) for n in servers):
+        raise UserError("--server with several servers needs at least one kN=URL (the drafter served with "
+                        "num_speculative_tokens N) to derive a schedule from")
+    return servers
+
+
+def level_as_run(level: dict) -> dict:
+    """One level of ``sweep`` in the shape eval/serving_plan.cell reads."""
+    per_request = level.get("per_request_tokens_per_s")
+    return {"output_tokens_per_s": level["aggregate_tokens_per_s"], "requests": level["requests"],
+            "ttft_mean_s": level["ttft_mean_s"], "itl_mean_s": 1.0 / per_request if per_request else None,
+            "acceptance": {"tau": level["tau"]} if level.get("tau") is not None else None,
+            "failures": level["failures"]}
+
+
+def plan_from_servers(runs: dict[str, dict[int, list[dict]]]) -> dict:
+    """name -> level -> the repeats' runs (``level_as_run``) into cells, speedups against ``none`` and the
+    schedule of the ``kN`` servers."""
+    from .serving_plan import cell, derive_schedule, speedup
+
+    cells = {name: {c: cell(rs) for c, rs in per_level.items()} for name, per_level in runs.items()}
+    table = {name: {str(c): {**v, **speedup(v, cells["none"][c]),
+                             "failures": sum(r["failures"] for r in runs[name][c])} for c, v in per_level.items()}
+             for name, per_level in cells.items()}
+    ks = {int(name[1:]): name for name in runs if name[:1] == "k" and name[1:].isdigit()}
+    schedule = derive_schedule({k: {int(c): v for c, v in table[name].items()} for k, name in ks.items()})
+    return {"engines": table, "schedule": schedule}
+
+
+def run_server_plan(servers: dict[str, str], conversations: list[list[dict]], levels: list[int], repeats: int,
+                    max_tokens: int, temperature: float, model: str | None, timeout: float) -> dict:
+    """Every server swept ``repeats`` times over the same requests, one server at a time."""
+    runs: dict[str, dict[int, list[dict]]] = {}
+    for name, url in servers.items():
+        runs[name] = {c: [] for c in levels}
+        for repeat in range(repeats):
+            result = sweep(url, conversations, levels, max_tokens, temperature, model, timeout)
+            for level in result["levels"]:
+                runs[name][level["concurrency"]].append(level_as_run(level))
+            print(f"{name} ({url}) run {repeat + 1}/{repeats}: " + ", ".join(
+                f"c{lv['concurrency']} {lv['aggregate_tokens_per_s']:.0f} tok/s" for lv in result["levels"]))
+    return {"servers": servers, "repeats": repeats, "prompts": len(conversations), "max_tokens": max_tokens,
+            **plan_from_servers(runs)}
+
+
+def render_plan_markdown(plan: dict) -> str:
+    levels = list(plan["engines"]["none"])
+    lines = [f"# Serving plan from {len(plan['servers'])} servers", "",
+             f"Schedule (num_speculative_tokens_per_batch_size): "
+             f"`{json.dumps(plan['schedule']['num_speculative_tokens_per_batch_size'])}` — {plan['schedule']['rule']}",
+             "", f"Speedup against `none` (median of {plan['repeats']} runs per cell, ± noise)", "",
+             "| server | " + " | ".join(f"c = {c}" for c in levels) + " |", "|---|" + "---|" * len(levels)]
+    for name, per_level in plan["engines"].items():
+        if name != "none":
+            lines.append(f"| {name} | " + " | ".join(f"{v['speedup']:.2f}× ±{v['noise']:.2f}"
+                                                    for v in per_level.values()) + " |")
+    lines.append("| none, tok/s | " + " | ".join(f"{v['output_tokens_per_s']:.0f}"
+                                                  for v in plan["engines"]["none"].values()) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def write_plan(plan: dict, out: str | Path | None) -> dict:
+    plan["created"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    text = render_plan_markdown(plan)
+    if out:
+        out = Path(out)
+        out.mkdir(parents=True, exist_ok=True)
+        atomic_write(out / "serving.json", (json.dumps(plan, indent=2) + "\n").encode())
+        atomic_write(out / "serving.md", text.encode())
+        atomic_write(out / "schedule.json", (json.dumps(plan["schedule"], indent=2) + "\n").encode())
+    print(text)
+    return plan

@@ -13,8 +13,16 @@ import torch
 from transformers import LlamaForCausalLM
 
 from dflashkit.drafter import DrafterConfig, build_drafter
+from dflashkit.errors import UserError
 from dflashkit.eval.engine import DecodeConfig, SpeculativeDecoder
-from dflashkit.eval.serving import parse_prometheus, sweep, tau_from_metrics
+from dflashkit.eval.serving import (
+    parse_prometheus,
+    parse_servers,
+    plan_from_servers,
+    run_server_plan,
+    sweep,
+    tau_from_metrics,
+)
 
 from support.tiny_targets import VOCAB, tiny_target_config
 
@@ -110,15 +118,23 @@ def make_handler(server: TinyServer):
     return Handler
 
 
-@pytest.fixture()
-def server():
+def start_server():
     tiny = TinyServer()
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), make_handler(tiny))
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    yield tiny, f"http://127.0.0.1:{httpd.server_address[1]}"
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    return tiny, httpd, f"http://127.0.0.1:{httpd.server_address[1]}"
+
+
+def stop_server(httpd):
     httpd.shutdown()
     httpd.server_close()
+
+
+@pytest.fixture()
+def server():
+    tiny, httpd, url = start_server()
+    yield tiny, url
+    stop_server(httpd)
 
 
 def test_sweep_counts_tokens_failures_and_reads_tau(server):
@@ -152,3 +168,46 @@ def test_prometheus_parsing_for_both_servers():
     after = parse_prometheus("vllm:spec_decode_num_drafts_total 30\nvllm:spec_decode_num_accepted_tokens_total 85\n")
     assert tau_from_metrics(before, after)[0] == pytest.approx(1 + 60 / 20)
     assert tau_from_metrics(parse_prometheus("up 1\n"), parse_prometheus("up 1\n")) == (None, None)
+
+
+def test_several_servers_give_repeated_cells_and_a_schedule():
+    """none= and k3= servers (here two of the same tiny server: the numbers are timing, the relations are not)."""
+    started = [start_server(), start_server()]
+    try:
+        conversations = [[{"role": "user", "content": t}] for t in ("hello there", "two plus two", "a poem", "more")]
+        servers = parse_servers([f"none={started[0][2]}", f"k3={started[1][2]}"])
+        plan = run_server_plan(servers, conversations, levels=[2], repeats=2, max_tokens=6, temperature=0.0,
+                               model=None, timeout=120)
+    finally:
+        for _, httpd, _ in started:
+            stop_server(httpd)
+    none, k3 = plan["engines"]["none"]["2"], plan["engines"]["k3"]["2"]
+    assert len(none["runs_tokens_per_s"]) == len(k3["runs_tokens_per_s"]) == 2 and k3["failures"] == 0
+    assert k3["speedup"] == pytest.approx(k3["output_tokens_per_s"] / none["output_tokens_per_s"])
+    assert k3["tau"] is not None and none["tau"] is not None  # both tiny servers report spec-decode counters
+    expected = 3 if k3["speedup"] > 1 + k3["noise"] else 0
+    assert plan["schedule"]["num_speculative_tokens_per_batch_size"] == [[1, 2, expected]]
+
+
+def test_the_plan_of_servers_follows_the_cells():
+    def runs(*rates):
+        return [{"output_tokens_per_s": r, "requests": 4, "ttft_mean_s": 0.1, "itl_mean_s": None,
+                 "acceptance": None, "failures": 0} for r in rates]
+
+    plan = plan_from_servers({"none": {1: runs(100, 102, 98), 8: runs(400, 400, 400)},
+                              "k3": {1: runs(150, 151, 149), 8: runs(390, 395, 400)},
+                              "k15": {1: runs(170, 160, 180), 8: runs(300, 300, 300)},
+                              "ngram": {1: runs(110, 110, 110), 8: runs(380, 380, 380)}})
+    assert plan["engines"]["k15"]["1"]["speedup"] == pytest.approx(1.7)
+    assert plan["schedule"]["per_level"] == {"1": {"k": 15, "speedup": pytest.approx(1.7),
+                                                   "noise": pytest.approx(20 / 170 + 4 / 100)}, "8": {"k": 0}}
+    assert plan["schedule"]["num_speculative_tokens_per_batch_size"] == [[1, 1, 15], [2, 8, 0]]
+
+
+def test_server_lists_are_checked():
+    assert parse_servers(["http://h:1"]) == {"server": "http://h:1"}
+    for items, said in ((["k3=http://h:1"], "needs none=URL"), (["none=http://h:1", "ngram=http://h:2"], "kN=URL"),
+                        (["none=http://h:1", "none=http://h:2"], "distinct names"), (["none=h:1", "k3=http://h:2"],
+                                                                                     "NAME=URL")):
+        with pytest.raises(UserError, match=said):
+            parse_servers(items)
