@@ -6,6 +6,8 @@ One GPU:
     dflashkit extract --target /models/Qwen3-8B --data chats.jsonl --out runs/q3 --max-length 4096 --codec fp8
 Several GPUs (each rank takes every world_size-th sample and writes its own shards; rank 0 merges the manifest):
     accelerate launch --num_processes 8 -m dflashkit.extract --target /models/Qwen3-8B --data chats.jsonl --out runs/q3
+A target larger than one GPU, captured by vLLM with tensor parallelism (one process; the `vllm` extra):
+    dflashkit extract --engine vllm --tensor-parallel-size 8 --target /models/Llama-3.3-70B --data c.jsonl --out runs/l
 A run killed at any point continues with the same command plus --resume; --overwrite replaces what --out holds.
 One run per --out: a second one stops at once naming the first (pid, host); the ranks of one launch share it.
 
@@ -22,7 +24,7 @@ import sys
 from dflashkit.drafter.config import DEFAULT_NUM_HIDDEN_LAYERS
 from dflashkit.errors import UserError
 from dflashkit.extract.data.chat import BadSample
-from dflashkit.extract.run import extract, parse_size
+from dflashkit.extract.run import ENGINES, extract, parse_size
 from dflashkit.extract.shards.format import CODECS
 from dflashkit.extract.shards.writer import ShardWriteError
 
@@ -49,6 +51,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--device-map", default=None, help="e.g. auto: spread a large target over this machine's GPUs "
                                                       "(one process only)")
     g.add_argument("--trust-remote-code", action="store_true", help="run the target's own modeling code")
+    g = p.add_argument_group("engine (who runs the target)")
+    g.add_argument("--engine", choices=ENGINES, default="hf",
+                   help="hf: Hugging Face in this process (default); vllm: a vLLM engine captures the taps during "
+                        "prefill (pip install 'dflashkit[vllm]'; one process)")
+    g.add_argument("--tensor-parallel-size", type=int, default=1, help="--engine vllm: GPUs the target is spread over")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="--engine vllm: share of each GPU's memory vLLM may take")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="--engine vllm: longest prompt + 1 (default: --max-length + 1, else the target's limit)")
     g = p.add_argument_group("data")
     g.add_argument("--data", action="append", required=True,
                    help="jsonl/json/parquet file, directory, saved datasets dir, or builtin:sharegpt|mtbench|"
@@ -99,7 +110,9 @@ def main(argv=None) -> int:
                 max_batch_size=args.max_batch_size, bucket_window=args.bucket_window,
                 tokenize_workers=args.tokenize_workers, shard_size=args.shard_size,
                 staging_size=args.staging_size, codec=args.codec, store_last_hidden=args.store_last_hidden,
-                resume=args.resume, overwrite=args.overwrite, progress=not args.no_progress)
+                resume=args.resume, overwrite=args.overwrite, progress=not args.no_progress, engine=args.engine,
+                tensor_parallel_size=args.tensor_parallel_size, gpu_memory_utilization=args.gpu_memory_utilization,
+                max_model_len=args.max_model_len)
     except BadSample as e:  # other user errors propagate to dflashkit.cli.run_main (one line, exit 2)
         raise UserError(f"{e}; fix the record, or pass --on-bad skip to skip and count such records") from None
     except ShardWriteError as e:  # a failure: the disk, not the input

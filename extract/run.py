@@ -15,11 +15,18 @@ Design choices:
 - Tokenizing (chat template rendering) can run in worker processes (--tokenize-workers), one window ahead of
   the forward passes.
 - Bad records are skipped and counted by reason (--on-bad skip) or stop the run naming file:line (--on-bad fail).
+- Who runs the target (--engine, recorded in the manifest as ``engine``): Hugging Face in this process (``hf``),
+  or a vLLM engine with tensor parallelism (``vllm``, extract/vllm_capture.py: one process, the taps captured
+  during prefill, one ``generate`` per planned batch). Everything else (rendering, masks, the batch plan, the
+  sample order, the shards) is the same step for both; only the step that turns a batch into packed features
+  differs (``_features``).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import json
 import sys
 import time
@@ -44,7 +51,8 @@ from dflashkit.extract.shards.writer import ShardWriter, merge_manifests, prepar
 # manifest fields a resumed run must agree on (dotted paths)
 RESUME_FIELDS = ("target.config_hash", "target.weights_hash", "tokenizer_hash", "chat_template_hash",
                  "template_kwargs", "target_layer_ids", "codec", "store_last_hidden", "data", "args.max_length",
-                 "args.overlong", "args.limit", "args.split", "args.bucket_window", "world_size")
+                 "args.overlong", "args.limit", "args.split", "args.bucket_window", "world_size", "engine.name")
+ENGINES = ("hf", "vllm")  # who runs the target: Hugging Face in this process, or vLLM (extract/vllm_capture.py)
 
 
 def parse_size(text: str) -> int:
@@ -134,15 +142,15 @@ def _extract(target: str, data: list[str], out, *, overwrite: bool = False, laye
             batch_tokens: int = 16384, max_batch_size: int = 64, bucket_window: int = 4096,
             tokenize_workers: int = 0, shard_size: int = 512 << 20, staging_size: int = 4 << 30,
             codec: str = "bf16", store_last_hidden: bool = False, resume: bool = False,
-            progress: bool = True) -> dict:
+            progress: bool = True, engine: str = "hf", tensor_parallel_size: int = 1,
+            gpu_memory_utilization: float = 0.9, max_model_len: int | None = None, vllm_api=None) -> dict:
     """Extract the features of ``target`` for the records of ``data`` into shards in ``out``; return the
     manifest. The parameters are the command's flags (see ``build_parser``); ``chat_template`` is the path of a
-    Jinja file, ``chat_template_kwargs`` a dict, sizes are bytes."""
-    from dflashkit.targets.capture import LayerCapture
-    from dflashkit.targets.loading import load_target
-
+    Jinja file, ``chat_template_kwargs`` a dict, sizes are bytes. ``vllm_api``: the vLLM calls for --engine vllm
+    (extract/vllm_capture.py ``VllmCaptureApi``; None: the installed vLLM)."""
     # --- launch, inputs, the output -----------------------------------------------------------------------
-    rank, world, device, torch_dtype = _join_launch(device, dtype, device_map)
+    vllm_api = _engine_api(engine, vllm_api)  # a missing vLLM stops here, in one line, before any work
+    rank, world, device, torch_dtype = _join_launch(device, dtype, device_map, engine)
     out = Path(out)
     data = [str(data)] if isinstance(data, (str, Path)) else [str(d) for d in data]
     cfg = ChatConfig(max_length=max_length, overlong=overlong, template_kwargs=dict(chat_template_kwargs or {}),
@@ -150,11 +158,13 @@ def _extract(target: str, data: list[str], out, *, overwrite: bool = False, laye
     replace = _check_before_loading(out, data, split, layer_ids, resume=resume, overwrite=overwrite)
 
     # --- the target, the manifest, the resumed position --------------------------------------------------
-    target = load_target(target, dtype=torch_dtype, device=device, device_map=device_map,
-                         trust_remote_code=trust_remote_code)
-    layer_ids = _tapped_layers(target, layer_ids, num_taps, cfg)
+    target = _load_target(engine, target, torch_dtype, device, device_map, trust_remote_code)
+    layer_ids = _tapped_layers(target, layer_ids, num_taps, cfg, engine, store_last_hidden)
+    vllm = {"tensor_parallel_size": tensor_parallel_size, "gpu_memory_utilization": gpu_memory_utilization,
+            "max_model_len": max_model_len or (max_length + 1 if max_length else None),  # + the sampled token
+            "max_num_seqs": max_batch_size, "trust_remote_code": trust_remote_code}
     manifest = _new_manifest(target, layer_ids, cfg, data, world, torch_dtype, codec=codec,
-                             store_last_hidden=store_last_hidden,
+                             store_last_hidden=store_last_hidden, engine=_engine_record(engine, vllm_api, vllm),
                              args={"max_length": max_length, "overlong": overlong, "on_bad": on_bad, "limit": limit,
                                    "split": split, "batch_tokens": batch_tokens, "max_batch_size": max_batch_size,
                                    "bucket_window": bucket_window, "shard_size": shard_size})
@@ -167,11 +177,11 @@ def _extract(target: str, data: list[str], out, *, overwrite: bool = False, laye
                          staging_bytes=staging_size)
     tally = _Tally.start(data, split, limit, rank, world, len(done), progress)
     try:
-        with LayerCapture(target, layer_ids, store_last_hidden=store_last_hidden) as capture:
+        with _features(engine, target, layer_ids, store_last_hidden, device, torch_dtype, vllm, vllm_api) as step:
             windows = batching.encoded_windows(data, split, limit, bucket_window, tokenize_workers,
                                                target.tokenizer, cfg, rank, world)
-            _write_features(windows, capture, writer, tally, done=done, on_bad=on_bad, batch_tokens=batch_tokens,
-                            max_batch_size=max_batch_size, device=device, world=world)
+            _write_features(windows, step, writer, tally, done=done, on_bad=on_bad, batch_tokens=batch_tokens,
+                            max_batch_size=max_batch_size, world=world)
         manifest = writer.close()
     except BaseException:
         writer.abort()
@@ -183,9 +193,24 @@ def _extract(target: str, data: list[str], out, *, overwrite: bool = False, laye
     return _complete(manifest, writer, tally, out, rank, world)
 
 
-def _join_launch(device: str | None, dtype: str | None, device_map: str | None):
+def _engine_api(engine: str, vllm_api):
+    """The vLLM calls for --engine vllm (the installed vLLM unless given; UserError naming the extra when it is
+    missing), None for --engine hf."""
+    if engine not in ENGINES:
+        raise UserError(f"--engine {engine!r}: choose one of {', '.join(ENGINES)}")
+    if engine != "vllm" or vllm_api is not None:
+        return vllm_api
+    from dflashkit.extract.vllm_capture import real_vllm_api
+
+    return real_vllm_api()
+
+
+def _join_launch(device: str | None, dtype: str | None, device_map: str | None, engine: str = "hf"):
     """(rank, world size, device, dtype) of this process, in the launch's process group when there are several."""
     rank, world, _ = launch.ranks()
+    if engine == "vllm" and (world > 1 or device_map):
+        raise UserError("--engine vllm runs in one process: vLLM spreads the target over --tensor-parallel-size "
+                        "GPUs itself; launch one process without --device-map")
     device = launch.local_device(device)
     launch.join_process_group(device)  # several processes: NCCL on a GPU, gloo on the CPU
     torch_dtype = launch.default_dtype(device, dtype)
@@ -212,24 +237,48 @@ def _check_before_loading(out: Path, data: list[str], split: str | None, layer_i
     return replace
 
 
-def _tapped_layers(target, layer_ids: list[int] | None, num_taps: int, cfg: ChatConfig) -> list[int]:
-    """The layers to capture, checked against the loaded target; the chat template checked against its
-    tokenizer."""
+def _load_target(engine: str, spec: str, torch_dtype, device, device_map: str | None, trust_remote_code: bool):
+    """The target: loaded in this process (hf), or only described (vllm: its weights live in vLLM's workers)."""
+    if engine == "vllm":
+        from dflashkit.extract.vllm_capture import describe_target
+
+        return describe_target(spec, trust_remote_code=trust_remote_code)
+    from dflashkit.targets.loading import load_target
+
+    return load_target(spec, dtype=torch_dtype, device=device, device_map=device_map,
+                       trust_remote_code=trust_remote_code)
+
+
+def _tapped_layers(target, layer_ids: list[int] | None, num_taps: int, cfg: ChatConfig, engine: str = "hf",
+                   store_last_hidden: bool = False) -> list[int]:
+    """The layers to capture, checked against the loaded target (and against what vLLM captures differently,
+    --engine vllm); the chat template checked against its tokenizer."""
     from dflashkit.drafter import check_target_layer_ids
     from dflashkit.extract.data.chat import check_template
 
     # default taps: evenly spaced (docs/ARCHITECTURE.md); a target too shallow for that many distinct taps gets fewer
     layer_ids = list(layer_ids) if layer_ids else sorted(set(target.default_layer_ids(num_taps)))
     layer_ids = check_target_layer_ids(layer_ids, target.num_layers)
+    if engine == "vllm":
+        from dflashkit.extract.vllm_capture import check_taps
+
+        check_taps(layer_ids, target.num_layers, store_last_hidden)
     if cfg.chat_template or getattr(target.tokenizer, "chat_template", None):
         check_template(target.tokenizer, cfg)  # fails here, before any work, when assistant spans cannot be marked
     return layer_ids
 
 
+def _engine_record(engine: str, vllm_api, vllm: dict) -> dict:
+    """The manifest's ``engine``: who captured the features (and, for vLLM, its version and parallelism)."""
+    if engine != "vllm":
+        return {"name": engine}
+    return {"name": engine, "version": vllm_api.version, "tensor_parallel_size": vllm["tensor_parallel_size"]}
+
+
 def _new_manifest(target, layer_ids: list[int], cfg: ChatConfig, data: list[str], world: int, torch_dtype, *,
-                  codec: str, store_last_hidden: bool, args: dict) -> dict:
+                  codec: str, store_last_hidden: bool, args: dict, engine: dict | None = None) -> dict:
     """The manifest of this run before any shard is written (extract/shards/manifest.py); ``args``: the flags
-    that shaped it."""
+    that shaped it; ``engine``: who captured the features (``_engine_record``)."""
     from dflashkit.extract.data.sources import describe_sources
 
     tok = target.tokenizer
@@ -240,7 +289,7 @@ def _new_manifest(target, layer_ids: list[int], cfg: ChatConfig, data: list[str]
         "target_layer_ids": layer_ids, "num_target_layers": target.num_layers, "hidden_size": target.hidden_size,
         "vocab_size": target.vocab_size, "feature_dim": len(layer_ids) * target.hidden_size, "codec": codec,
         "store_last_hidden": bool(store_last_hidden), "dtype": str(torch_dtype).removeprefix("torch."),
-        "data": describe_sources(data), "world_size": world, "args": args,
+        "data": describe_sources(data), "world_size": world, "args": args, "engine": engine or {"name": "hf"},
         "skipped": {}, "notes": {}, "shards": []}
 
 
@@ -250,6 +299,7 @@ def _resumed_samples(out: Path, manifest: dict, rank: int, world: int) -> set[in
     old = prepare_resume(out, rank, world)
     if old is None:
         return set()
+    old.setdefault("engine", {"name": "hf"})  # manifests written before --engine: Hugging Face captures
     _check_resume(old, manifest, out)
     manifest["shards"] = old["shards"]
     return {i for s in old["shards"] for i in s["sample_indices"]}
@@ -302,28 +352,62 @@ class _Tally:
             self.bar.close()
 
 
-def _write_features(windows, capture, writer: ShardWriter, tally: _Tally, *, done: set[int], on_bad: str,
-                    batch_tokens: int, max_batch_size: int, device, world: int) -> None:
-    """Every window's batches (those not ``done``) through the target, their features to ``writer``."""
+def _write_features(windows, features, writer: ShardWriter, tally: _Tally, *, done: set[int], on_bad: str,
+                    batch_tokens: int, max_batch_size: int, world: int) -> None:
+    """Every window's batches (those not ``done``) through the target (``features``, from ``_features``), their
+    features to ``writer``."""
     for window in windows:
         counts = tally.count_window(window, on_bad)
         for batch in batching.plan_batches(window.samples, batch_tokens, max_batch_size):
             todo = [s for s in batch if s.index not in done]
             if todo:
-                tally.tokens += _write_batch(todo, capture, writer, device, counts)
+                tally.tokens += _write_batch(todo, features, writer, counts)
             tally.advance(len(batch), world)
 
 
-def _write_batch(todo: list, capture, writer: ShardWriter, device, counts: dict) -> int:
-    """One forward batch: the samples' layer features, packed to their real tokens, handed to the writer; returns
-    the tokens written."""
+@contextlib.contextmanager
+def _features(engine: str, target, layer_ids: list[int], store_last_hidden: bool, device, torch_dtype, vllm: dict,
+              vllm_api):
+    """The engine step, open for the run: a callable from a batch of samples to their features packed to real
+    tokens (hidden [sum T, K*H], last_hidden [sum T, H] or None). ``vllm``: the VllmCaptureConfig fields the
+    run sets (--engine vllm)."""
+    if engine == "vllm":
+        from dflashkit.extract.vllm_capture import VllmCapture, VllmCaptureConfig
+
+        config = VllmCaptureConfig(dtype=str(torch_dtype).removeprefix("torch."), **vllm)
+        with VllmCapture(target.model_dir, layer_ids, config, vllm_api) as capture:
+            yield functools.partial(_vllm_batch_features, capture)
+        return
+    from dflashkit.targets.capture import LayerCapture
+
+    with LayerCapture(target, layer_ids, store_last_hidden=store_last_hidden) as capture:
+        yield functools.partial(_hf_batch_features, capture, device)
+
+
+def _hf_batch_features(capture, device, todo: list):
+    """One right-padded forward batch through the hooked target, gathered to its real tokens."""
     ids, _ = batching.pad_batch(todo, device)
     hidden, last_hidden = capture(ids)  # right padding: no mask needed (pad_batch)
+    keep = batching.real_token_index([len(s.input_ids) for s in todo], ids.shape[1], hidden.device)
+    return (hidden.flatten(0, 1).index_select(0, keep),
+            last_hidden.flatten(0, 1).index_select(0, keep) if last_hidden is not None else None)
+
+
+def _vllm_batch_features(capture, todo: list):
+    """One batch as vLLM requests: each sample's taps concatenated on the feature axis, the samples in order."""
+    import torch
+
+    per_sample = capture([s.input_ids for s in todo])
+    return torch.cat([torch.cat(taps, dim=-1) for taps in per_sample]), None
+
+
+def _write_batch(todo: list, features, writer: ShardWriter, counts: dict) -> int:
+    """One forward batch: the samples' layer features, packed to their real tokens, handed to the writer; returns
+    the tokens written."""
+    hidden, last_hidden = features(todo)
     lengths = [len(s.input_ids) for s in todo]
-    keep = batching.real_token_index(lengths, ids.shape[1], hidden.device)
     writer.add_batch([s.index for s in todo], lengths, [t for s in todo for t in s.input_ids],
-                     [m for s in todo for m in s.loss_mask], hidden.flatten(0, 1).index_select(0, keep),
-                     last_hidden.flatten(0, 1).index_select(0, keep) if last_hidden is not None else None,
+                     [m for s in todo for m in s.loss_mask], hidden, last_hidden,
                      where=[s.where for s in todo], counts=counts)
     return sum(lengths)
 
