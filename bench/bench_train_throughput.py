@@ -155,7 +155,8 @@ def train_config(args, attention: str, compiled: bool, gpu: bool) -> TrainConfig
     return TrainConfig(num_hidden_layers=args.drafter_layers, block_size=args.block_size, num_anchors=args.num_anchors,
                        micro_batch_tokens=args.micro_batch_tokens, grad_accum=args.grad_accum, loss=args.loss,
                        loss_chunk_tokens=args.chunk_tokens, compile=compiled, attention=attention,
-                       mixed_precision="bf16" if gpu else "no", lr=1e-4, wandb=False, progress=False)
+                       mixed_precision="bf16" if gpu else "no", lr=1e-4, wandb=False, progress=False,
+                       drafter_architecture=args.drafter_architecture)
 
 
 class OneProcess:
@@ -225,6 +226,8 @@ def main(argv=None):
     shape.add_argument("--pool", type=int, default=128, help="sequences per rank")
     shape.add_argument("--chunk-tokens", type=int, default=2048, help="logit rows alive at once in the loss")
     shape.add_argument("--loss", default="dpace")
+    shape.add_argument("--drafter-architecture", choices=("dflash", "dflash2"), default="dflash",
+                       help="dflash2: the convolutions and the candidate selector (its term in the step)")
     run = ap.add_argument_group("run")
     run.add_argument("--steps", type=int, default=10)
     run.add_argument("--warmup", type=int, default=3)

@@ -28,14 +28,17 @@ API (stable; eval/ and train/ build on it):
 - ``DFlash2DraftModel``: ``DFlashDraftModel`` (same forward arguments and output) with ``DFlash2DecoderLayer``s
   and ``candidate_selector``; ``propose(hidden, anchor_ids, lm_head, temperature=0.0)`` = ``select`` on the
   model's logits (hidden = the final states of draft positions 1..B-1); ``spec_generate`` drafts with it;
-  ``forward(..., selector_targets={lm_head_weight, predecessor_ids})`` also returns the teacher-forced training
-  scores (``selector_scores``).
+  ``forward(..., selector_targets={candidates, predecessor_ids})`` also returns the teacher-forced training
+  scores (``selector_scores``); ``candidates(draft, top_k)`` hands back each draft position's top_k logits and
+  token ids (dflashkit's trainer passes its loss pass, which takes them from the logits it computes anyway).
 
 A fresh drafter starts as plain DFlash: every convolution is the identity (unit tap 0, no dynamic part) and the
 successor codebook is zero, so every selector score is the drafter's own logit; training moves them from there.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -197,7 +200,8 @@ class DFlash2DraftModel(DFlashDraftModel):
                 past_key_values=None, use_cache=False, selector_targets: dict | None = None, **kwargs):
         """The reference's forward (returns the final hidden states); with ``selector_targets`` (training) it
         returns ``(hidden, (scores, candidate_ids))`` from ``selector_scores``, inside the one forward call, so a
-        DDP- or FSDP-wrapped drafter computes every parameterised term within its forward."""
+        DDP- or FSDP-wrapped drafter computes every parameterised term within its forward (the ``candidates``
+        function, which holds no parameter of the drafter, runs there too)."""
         hidden = super().forward(position_ids, attention_mask=attention_mask, noise_embedding=noise_embedding,
                                  target_hidden=target_hidden, past_key_values=past_key_values, use_cache=use_cache,
                                  **kwargs)
@@ -205,27 +209,22 @@ class DFlash2DraftModel(DFlashDraftModel):
             return hidden
         return hidden, self.selector_scores(hidden, **selector_targets)
 
-    def selector_scores(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor, predecessor_ids: torch.Tensor,
-                        lm_head_bias: torch.Tensor | None = None, chunk_tokens: int = 2048):
+    def selector_scores(self, hidden: torch.Tensor, predecessor_ids: torch.Tensor,
+                        candidates: Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]):
         """Teacher-forced selector scores of packed training blocks: hidden [1, N*B, H] (the forward's output),
         predecessor_ids [N, B-1] (the token before each draft position: the anchor, then the true tokens).
 
-        The candidates and their unary logits are the top_k of the frozen lm_head's logits, taken in chunks
-        without a gradient; the pairwise term carries the gradient (codebooks, hidden_projection and, through
-        it, the drafter's hidden states). Returns (scores [N, B-1, top_k] float32, candidate_ids [N, B-1, top_k])."""
+        ``candidates(draft [N, B-1, H], top_k) -> (logits [N, B-1, top_k], ids [N, B-1, top_k])``: the top_k of the
+        frozen lm_head's logits of the draft positions, without a gradient. dflashkit's trainer passes its block
+        loss here (train/drafter_pass.py), which takes them from the logits it computes anyway, chunk by chunk,
+        so the lm_head runs once per position (a separate lm_head pass for them cost DFlash2 ~30% of its training
+        throughput). The pairwise term carries the gradient (codebooks, hidden_projection and, through it, the
+        drafter's hidden states). Returns (scores [N, B-1, top_k] float32, candidate_ids [N, B-1, top_k])."""
         n, p = predecessor_ids.shape
         draft = hidden.reshape(n, p + 1, -1)[:, 1:]
-        k = self.candidate_selector.top_k
-        unary = torch.empty(n, p, k, dtype=torch.float32, device=hidden.device)
-        candidates = torch.empty(n, p, k, dtype=torch.long, device=hidden.device)
-        rows = max(1, int(chunk_tokens) // max(1, p))
-        with torch.no_grad():
-            for s in range(0, n, rows):
-                logits = F.linear(draft[s:s + rows].to(lm_head_weight.dtype), lm_head_weight, lm_head_bias)
-                top = torch.topk(logits.float(), k, dim=-1)
-                unary[s:s + rows], candidates[s:s + rows] = top.values, top.indices
-        scores = self.candidate_selector.pair_scores(draft, unary.to(draft.dtype), candidates, predecessor_ids)
-        return scores.float(), candidates
+        unary, ids = candidates(draft, self.candidate_selector.top_k)
+        scores = self.candidate_selector.pair_scores(draft, unary.detach().to(draft.dtype), ids, predecessor_ids)
+        return scores.float(), ids
 
     def propose(self, hidden: torch.Tensor, anchor_ids: torch.Tensor, lm_head: nn.Module, temperature: float = 0.0):
         """The block's draft tokens from the final states of draft positions 1..B-1 (``CandidateSelector.select``

@@ -9,10 +9,15 @@ Design choices:
   anchor) predicts nothing.
 - Nothing in a training pass waits for the GPU: masks are built on the device and the loss's metric sums stay
   there (train/metrics.py reduces them for a log line).
-- A DFlash2 drafter computes its selector's teacher-forced scores inside the same forward (so DDP and FSDP see
-  every parameter used there), unless the selector's term has weight 0 (``selector=False``): then neither the
-  scores nor their extra lm_head pass are computed (train/selector_loss.py). Which kind has which extra term is
-  ``EXTRA_LOSS_TERMS``, keyed by ``DrafterConfig.architecture`` like drafter/kinds.py's ``KINDS``.
+- The block loss is one call on the draft positions' states (``BlockLossPass``). A DFlash2 drafter computes its
+  selector's teacher-forced scores inside the same forward (so DDP and FSDP see every parameter used there), and
+  its candidates are the top_k of the logits the block loss computes anyway: the forward calls the pass (as
+  ``selector_targets["candidates"]``), which runs the block loss with ``top_k`` and keeps its output, so the
+  lm_head runs once (a second lm_head pass for the candidates cost DFlash2 0.70x DFlash's throughput, issue 36);
+  loss and gradients are those of that two-pass form (tests/unit/train/test_train_selector_candidates.py). With
+  the selector's term at weight 0 (``selector=False``) no scores are computed and the loss runs after the
+  forward, as for DFlash (train/selector_loss.py). Which kind has which extra term is ``EXTRA_LOSS_TERMS``, keyed
+  by ``DrafterConfig.architecture`` like drafter/kinds.py's ``KINDS``.
 """
 
 from __future__ import annotations
@@ -35,18 +40,42 @@ from .selector_loss import SelectorLossOutput, predecessor_ids, selector_loss
 class ExtraLossTerm:
     """A drafter kind's training term beside the block loss, computed from the same forward call."""
 
-    # (head, batch, labels [N, B-1], chunk_tokens) -> the keyword arguments the drafter's forward takes for it
+    # (batch, labels [N, B-1], the micro-batch's BlockLossPass) -> the keyword arguments the forward takes for it
     forward_inputs: Callable[..., dict]
     # (what the forward returned for it, labels, valid [N, B-1], gamma) -> the term (out.selector)
     loss: Callable[..., SelectorLossOutput]
 
 
-def selector_forward_inputs(head, batch: PackedBlocks, labels: torch.Tensor, chunk_tokens: int) -> dict:
-    """DFlash2: what its forward needs to score the candidate selector teacher-forced (the frozen lm_head, the
-    true token before each draft position)."""
-    bias = head.lm_head.bias
-    return {"selector_targets": dict(lm_head_weight=head.lm_head.weight.detach(), chunk_tokens=chunk_tokens,
-                                     lm_head_bias=None if bias is None else bias.detach(),
+class BlockLossPass:
+    """The block loss of one micro-batch as a call on its draft positions' states [N, B-1, H]; it keeps the output
+    (``out``). DFlash calls it after the forward; DFlash2's forward calls ``candidates`` from inside, which runs
+    the same loss with ``top_k`` and hands the selector its candidates (the module notes)."""
+
+    def __init__(self, head, labels: torch.Tensor, valid: torch.Tensor, teacher: torch.Tensor | None,
+                 loss_options: dict):
+        self.head, self.labels, self.valid, self.teacher = head, labels, valid, teacher
+        self.loss_options = loss_options  # block_loss's keywords: variant, gamma, ..., chunk_tokens, fused
+        self.out: BlockLossOutput | None = None
+
+    def __call__(self, hidden: torch.Tensor, top_k: int = 0) -> BlockLossOutput:
+        # autocast off: inside a forward that accelerate runs under bf16 autocast, the engine still computes in
+        # the dtypes it picks itself, as after the forward
+        with torch.autocast(hidden.device.type, enabled=False):
+            self.out = block_loss(hidden, self.head.lm_head.weight, self.labels, self.valid,
+                                  teacher_hidden=self.teacher, lm_head_bias=self.head.lm_head.bias, top_k=top_k,
+                                  **self.loss_options)
+        return self.out
+
+    def candidates(self, hidden: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The selector's candidates, (top_k logits, their ids) [N, B-1, top_k], from the block loss's pass."""
+        out = self(hidden, top_k)
+        return out.top_logits, out.top_ids
+
+
+def selector_forward_inputs(batch: PackedBlocks, labels: torch.Tensor, loss_pass: BlockLossPass) -> dict:
+    """DFlash2: what its forward needs to score the candidate selector teacher-forced (the block loss's pass, the
+    source of the candidates; the true token before each draft position)."""
+    return {"selector_targets": dict(candidates=loss_pass.candidates,
                                      predecessor_ids=predecessor_ids(batch.block_ids, labels))}
 
 
@@ -131,18 +160,18 @@ def forward_blocks(model, head, batch: PackedBlocks, *, block_size: int, layer_t
     ``selector=False``: a DFlash2 drafter's selector term is not computed (``out.selector`` is None);
     ``causal``: a causal-in-block drafter's mask (train/block_mask.py)."""
     targets = target_argmax_labels(head, batch, chunk_tokens) if labels == "target_argmax" else batch.labels
+    teacher = batch.last_hidden[batch.teacher_index] if variant == "kl" else None  # after the target's final norm
+    loss_pass = BlockLossPass(head, targets, batch.valid, teacher, dict(
+        variant=variant, gamma=gamma, dpace_alpha=dpace_alpha, kl_weight=kl_weight, chunk_tokens=chunk_tokens,
+        fused=fused_loss))
     term = EXTRA_LOSS_TERMS[drafter_kind(model).architecture] if selector else None  # DFlash2: the selector's
-    extra_inputs = None if term is None else term.forward_inputs(head, batch, targets, chunk_tokens)
+    extra_inputs = None if term is None else term.forward_inputs(batch, targets, loss_pass)
     hidden = draft_hidden(model, head, batch, block_size=block_size, layer_types=layer_types,
                           sliding_window=sliding_window, backend=backend, extra_inputs=extra_inputs, causal=causal)
-    if term is not None:
-        hidden, extra = hidden
-    teacher = None
-    if variant == "kl":
-        teacher = batch.last_hidden[batch.teacher_index]  # stored after the target's final norm
-    out = block_loss(hidden, head.lm_head.weight, targets, batch.valid, variant=variant, gamma=gamma,
-                     dpace_alpha=dpace_alpha, kl_weight=kl_weight, teacher_hidden=teacher,
-                     lm_head_bias=head.lm_head.bias, chunk_tokens=chunk_tokens, fused=fused_loss)
-    if term is not None:
-        out.selector = term.loss(extra, targets, batch.valid, gamma)
-    return out
+    if term is None:
+        return loss_pass(hidden)
+    _, extra = hidden
+    if loss_pass.out is None:
+        raise RuntimeError("the drafter's forward took the extra term's inputs but never ran the block loss pass")
+    loss_pass.out.selector = term.loss(extra, targets, batch.valid, gamma)
+    return loss_pass.out

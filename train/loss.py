@@ -42,6 +42,11 @@ Design choices:
   one valid label (padding blocks of a packed micro-batch have none and count nowhere), and each block's run
   (held-out evaluation replays live decoding from them: train/evaluate.py). All of them stay on the device:
   nothing here waits for the GPU.
+- ``top_k`` > 0 (a DFlash2 drafter's candidate selector, train/selector_loss.py): the same pass also keeps each
+  position's top_k logits and their token ids (``torch.topk`` on each chunk's logits, in the lm_head's dtype,
+  before they are freed; values then as float32), so the selector's candidates cost no second lm_head pass. It is
+  one eager op after either backend's statistics; for an fp32 lm_head the candidates are exactly those of
+  ``topk(logits.float())``, for bf16 the same values (the upcast is exact and keeps the order).
 """
 
 from __future__ import annotations
@@ -92,6 +97,8 @@ class BlockLossOutput:
     tau_sum: torch.Tensor  # sum over counted blocks of 1 + leading run of correct positions
     runs: torch.Tensor  # [N] per block, its leading run of correct positions (0 for blocks with no valid label)
     blocks: torch.Tensor  # counted blocks: those with at least one valid label
+    top_logits: torch.Tensor | None = None  # [N, B-1, top_k] float32, no gradient: the top_k logits (top_k > 0)
+    top_ids: torch.Tensor | None = None  # [N, B-1, top_k] long: their token ids, the selector's candidates
     selector: object = None  # DFlash2: the selector term of the same pass (train/selector_loss.py), else None
 
 
@@ -145,13 +152,14 @@ def _compiled(fn):
 
 
 def chunked_logit_statistics(hidden, weight, bias, labels, valid, teacher, obj: Objective, gamma: float,
-                             chunk: int, fused: bool, need_grad: bool):
+                             chunk: int, fused: bool, need_grad: bool, top_k: int = 0):
     """The engine: walk ``chunk`` blocks at a time through the lm_head and compute, from each chunk's logits,
     what every objective needs (logsumexp, the label's logit, the argmax; the teacher's distribution when
     ``obj.soft``), then the weighted loss, the metrics and d(loss)/d(hidden).
 
-    Returns (loss_sum, ce_sum, correct, counted, tau_sum, runs, grad or None). ``fused``: the logit statistics
-    and the logit gradient run as compiled kernels (the same functions, compiled).
+    Returns (loss_sum, ce_sum, correct, counted, tau_sum, runs, top_logits, top_ids, grad or None). ``fused``:
+    the logit statistics and the logit gradient run as compiled kernels (the same functions, compiled);
+    ``top_k`` > 0: each row's top_k logits (float32) and token ids from the same logits (empty tensors for 0).
     """
     n_blocks, p, h = hidden.shape
     acc = torch.promote_types(hidden.dtype, torch.float32)  # fp32 logits (fp64 when the inputs are)
@@ -162,12 +170,17 @@ def chunked_logit_statistics(hidden, weight, bias, labels, valid, teacher, obj: 
     loss_sum, ce_sum, tau_sum = (torch.zeros((), dtype=acc, device=dev) for _ in range(3))
     correct, counted = torch.zeros(p, dtype=acc, device=dev), torch.zeros(p, dtype=acc, device=dev)
     runs = torch.zeros(n_blocks, dtype=acc, device=dev)
+    top_logits = torch.empty(n_blocks, p, top_k, dtype=torch.float32, device=dev)
+    top_ids = torch.empty(n_blocks, p, top_k, dtype=torch.long, device=dev)
     for s in range(0, n_blocks, chunk):
         e = min(n_blocks, s + chunk)
         lab, ok = labels[s:e], valid[s:e]
         val = ok.to(acc)
         raw = F.linear(hidden[s:e].reshape(-1, h).to(weight.dtype), weight, bias)  # [rows, V], lm_head dtype
         lse, tgt, top = stats(raw, lab.reshape(-1), acc)
+        if top_k:  # the selector's candidates, from these logits (module notes)
+            best = torch.topk(raw, top_k, dim=-1)
+            top_logits[s:e], top_ids[s:e] = best.values.view(e - s, p, top_k), best.indices.view(e - s, p, top_k)
         ce = (lse - tgt).view(e - s, p) * val
         term, teacher_p = ce, None
         if obj.soft:  # the teacher's distribution over the same rows (kl)
@@ -193,7 +206,7 @@ def chunked_logit_statistics(hidden, weight, bias, labels, valid, teacher, obj: 
             grad[s:e] = (g @ weight).to(acc).view(e - s, p, h)
             del g
         del raw, teacher_p
-    return loss_sum, ce_sum, correct, counted, tau_sum, runs, grad
+    return loss_sum, ce_sum, correct, counted, tau_sum, runs, top_logits, top_ids, grad
 
 
 class _ChunkedBlockLoss(torch.autograd.Function):
@@ -201,10 +214,10 @@ class _ChunkedBlockLoss(torch.autograd.Function):
     frozen: no weight gradient), the backward scales it."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, valid, teacher, obj, gamma, chunk, fused):
+    def forward(ctx, hidden, weight, bias, labels, valid, teacher, obj, gamma, chunk, fused, top_k):
         need_grad = ctx.needs_input_grad[0]
         *sums, grad = chunked_logit_statistics(hidden, weight, bias, labels, valid, teacher, obj, gamma, chunk,
-                                               fused, need_grad)
+                                               fused, need_grad, top_k)
         ctx.save_for_backward(grad if need_grad else torch.zeros(0))
         ctx.hidden_dtype = hidden.dtype
         ctx.mark_non_differentiable(*sums[1:])
@@ -214,19 +227,20 @@ class _ChunkedBlockLoss(torch.autograd.Function):
     def backward(ctx, grad_loss, *unused):
         (grad,) = ctx.saved_tensors
         g = (grad * grad_loss).to(ctx.hidden_dtype) if ctx.needs_input_grad[0] else None
-        return g, None, None, None, None, None, None, None, None, None
+        return g, None, None, None, None, None, None, None, None, None, None
 
 
 def block_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, *,
                variant: str = "ce", gamma: float = 7.0, dpace_alpha: float = 0.5, kl_weight: float = 0.5,
                teacher_hidden: torch.Tensor | None = None, lm_head_bias: torch.Tensor | None = None,
-               chunk_tokens: int = 2048, fused: bool = False) -> BlockLossOutput:
+               chunk_tokens: int = 2048, fused: bool = False, top_k: int = 0) -> BlockLossOutput:
     """Chunked block loss.
 
     hidden: [N, B-1, H] drafter outputs at draft positions 1..B-1; labels (long) / valid (bool): [N, B-1];
     teacher_hidden: [N, B-1, H] target final-norm outputs at positions a+k-1 (``kl`` only);
     chunk_tokens: rows of logits alive at once (rounded to whole blocks);
-    fused: compiled logit kernels for ce and dpace (see the module notes; kl always runs eager).
+    fused: compiled logit kernels for ce and dpace (see the module notes; kl always runs eager);
+    top_k: also each position's top_k logits and ids (``top_logits``, ``top_ids``; DFlash2's selector candidates).
     """
     if variant not in VARIANTS:
         raise ValueError(f"loss variant must be one of {VARIANTS}, got {variant!r}")
@@ -243,6 +257,8 @@ def block_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch
     out = _ChunkedBlockLoss.apply(hidden, lm_head_weight.detach(),
                                   None if lm_head_bias is None else lm_head_bias.detach(),
                                   labels, valid.bool(), teacher, obj, float(gamma), chunk,
-                                  bool(fused) and not obj.soft)
-    return BlockLossOutput(*out, blocks=valid.any(-1).sum())
+                                  bool(fused) and not obj.soft, int(top_k))
+    *sums, top_logits, top_ids = out
+    return BlockLossOutput(*sums, blocks=valid.any(-1).sum(),
+                           top_logits=top_logits if top_k else None, top_ids=top_ids if top_k else None)
 

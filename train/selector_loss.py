@@ -14,9 +14,10 @@ k - 1 (the anchor token at k = 1). Training teacher-forces that walk:
   divided by the decay-weighted count of valid labels of the whole step, a denominator known from the anchors
   before any forward (as the block loss's), so accumulation and data parallelism give the single-process
   gradient;
-- the candidates and their unary logits come without a gradient (drafter/modeling_dflash2.selector_scores):
-  the block loss already trains the logits, and a gradient through the unary term would need the lm_head rows
-  of every candidate ([blocks, B-1, top_k, H]). The gradient reaches the codebooks, the hidden projection and,
+- the candidates and their unary logits come without a gradient (drafter/modeling_dflash2.selector_scores),
+  from the block loss's own lm_head pass (train/loss.py ``top_k``; no second lm_head pass for them): the block
+  loss already trains the logits, and a gradient through the unary term would need the lm_head rows of every
+  candidate ([blocks, B-1, top_k, H]). The gradient reaches the codebooks, the hidden projection and,
   through it, the drafter's layers.
 
 This is the objective of NeMo Automodel's DFlash2 trainer (nemo_automodel/components/speculative/dflash/

@@ -1,0 +1,127 @@
+"""DFlash2's selector candidates come from the block loss's own lm_head pass (train/loss.py ``top_k``,
+train/drafter_pass.py ``BlockLossPass``; issue 36): one step's total loss and every parameter's gradient equal
+those of the earlier two-pass form, in which the drafter's forward took the top_k in an lm_head pass of its own.
+The reference below is that form, written out here: the drafter's hidden states, the block loss, then the
+selector's lm_head pass in chunks (``topk(logits.float())``), its pairwise scores and its term."""
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dflashkit.train.data import collate_blocks
+from dflashkit.train.drafter_pass import draft_hidden, forward_blocks
+from dflashkit.train.loss import block_loss, loss_denominator
+from dflashkit.train.selector_loss import predecessor_ids, selector_loss
+
+from support.packed_blocks import Head, make_samples, tiny_drafter
+
+V, H, B, CHUNK, GAMMA = 40, 32, 4, 7, 7.0  # 7 tokens: chunks of 2 blocks, the last one shorter
+LAYERS = ["full_attention"] * 2
+DFLASH2 = {"selector_rank": 8, "selector_top_k": 8, "conv_group_size": 8}
+
+
+def setup(dtype):
+    """A tiny DFlash2 drafter whose selector has moved off its start (so every parameter gets a gradient), a
+    stand-in target head and one packed micro-batch, all in ``dtype``."""
+    torch.manual_seed(0)
+    model = tiny_drafter(V, H, B, architecture="dflash2", **DFLASH2).to(dtype)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))  # off the identity convolutions and the zero successor codebook
+    head = Head(V, H, scale=1.5).to(dtype)
+    batch = collate_blocks(make_samples([14, 9, 21], V, H, seed=1), block_size=B, mask_token_id=V - 1, num_anchors=6,
+                           seed=3, epoch=2, use_last_hidden=True)
+    batch = dataclasses.replace(batch, target_hidden=batch.target_hidden.to(dtype),
+                                last_hidden=batch.last_hidden.to(dtype))
+    return model, head, batch
+
+
+def step_loss(out, valid, variant):
+    """One micro-batch's total loss as train_step forms it (both terms over their own normaliser)."""
+    sel = out.selector
+    return out.loss_sum / loss_denominator(valid, variant, GAMMA) + 0.7 * sel.loss_sum / sel.weight_sum
+
+
+def two_pass_reference(model, head, batch, variant, fused):
+    """The block loss and, beside it, the selector's own top_k pass through the lm_head (the form before issue 36)."""
+    hidden = draft_hidden(model, head, batch, block_size=B, layer_types=LAYERS, sliding_window=None)
+    teacher = batch.last_hidden[batch.teacher_index] if variant == "kl" else None
+    out = block_loss(hidden, head.lm_head.weight, batch.labels, batch.valid, variant=variant, gamma=GAMMA,
+                     teacher_hidden=teacher, chunk_tokens=CHUNK, fused=fused)
+    n, p = batch.labels.shape
+    k, rows = model.candidate_selector.top_k, max(1, CHUNK // p)
+    unary = torch.empty(n, p, k, dtype=torch.float32)
+    candidates = torch.empty(n, p, k, dtype=torch.long)
+    with torch.no_grad():
+        for s in range(0, n, rows):
+            top = torch.topk(F.linear(hidden[s:s + rows].to(head.lm_head.weight.dtype), head.lm_head.weight).float(),
+                             k, dim=-1)
+            unary[s:s + rows], candidates[s:s + rows] = top.values, top.indices
+    scores = model.candidate_selector.pair_scores(hidden, unary.to(hidden.dtype), candidates,
+                                                  predecessor_ids(batch.block_ids, batch.labels)).float()
+    out.selector = selector_loss(scores, candidates, batch.labels, batch.valid, GAMMA)
+    return out, candidates
+
+
+def one_step(model, head, batch, variant, fused, reference: bool):
+    model.zero_grad(set_to_none=True)
+    if reference:
+        out, candidates = two_pass_reference(model, head, batch, variant, fused)
+    else:
+        out = forward_blocks(model, head, batch, block_size=B, layer_types=LAYERS, sliding_window=None,
+                             variant=variant, gamma=GAMMA, chunk_tokens=CHUNK, fused_loss=fused)
+        candidates = out.top_ids  # the loss pass's top_k, handed to the selector
+    loss = step_loss(out, batch.valid, variant)
+    loss.backward()
+    return out, candidates, loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def max_abs_diffs(model, head, batch, variant, fused):
+    """(new, reference) outputs and the max abs difference of the loss and over every parameter's gradient."""
+    new, new_candidates, loss_new, grads_new = one_step(model, head, batch, variant, fused, reference=False)
+    ref, ref_candidates, loss_ref, grads_ref = one_step(model, head, batch, variant, fused, reference=True)
+    assert torch.equal(new_candidates, ref_candidates)
+    assert set(grads_new) == set(grads_ref)
+    for name, g in grads_ref.items():
+        assert g.abs().sum() > 0, f"{name} got no gradient: the comparison would prove nothing for it"
+    grad_diff = max(float((grads_new[n] - grads_ref[n]).abs().max()) for n in grads_ref)
+    return new, ref, float((loss_new - loss_ref).abs()), grad_diff
+
+
+def assert_same_step(new, ref, loss_diff, grad_diff):
+    assert loss_diff == 0.0 and grad_diff == 0.0, (loss_diff, grad_diff)
+    for name in ("loss_sum", "in_candidates", "correct", "counted", "weight_sum"):
+        assert torch.equal(getattr(new.selector, name), getattr(ref.selector, name)), name
+    for name in ("loss_sum", "ce_sum", "correct", "counted", "tau_sum", "runs"):
+        assert torch.equal(getattr(new, name), getattr(ref, name)), name
+    assert int(new.selector.in_candidates) > 0 and ref.top_ids is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("variant", ["ce", "dpace", "kl"])
+def test_candidates_from_the_loss_pass_give_the_two_pass_loss_and_gradients(variant, dtype):
+    model, head, batch = setup(dtype)
+    assert_same_step(*max_abs_diffs(model, head, batch, variant, fused=False))
+
+
+@pytest.mark.slow  # compiling the logit kernels for the CPU takes most of a minute
+def test_candidates_from_the_fused_loss_pass_give_the_two_pass_loss_and_gradients():
+    """The compiled backend (fused=True; compiled for the CPU here): the top_k is the same eager op on its logits."""
+    model, head, batch = setup(torch.float32)
+    assert_same_step(*max_abs_diffs(model, head, batch, "dpace", fused=True))
+
+
+def test_the_loss_pass_top_k_are_the_logits_top_k():
+    """block_loss(top_k=k): each position's k largest logits (float32) and their ids, from every chunk; no
+    candidates without top_k."""
+    g = torch.Generator().manual_seed(5)
+    hidden, weight = torch.randn(7, 3, 16, generator=g), torch.randn(50, 16, generator=g)
+    labels, valid = torch.randint(0, 50, (7, 3), generator=g), torch.ones(7, 3, dtype=torch.bool)
+    out = block_loss(hidden, weight, labels, valid, top_k=5, chunk_tokens=6)
+    top = torch.topk(hidden @ weight.T, 5, dim=-1)
+    torch.testing.assert_close(out.top_logits, top.values)
+    assert torch.equal(out.top_ids, top.indices) and out.top_logits.dtype == torch.float32
+    plain = block_loss(hidden, weight, labels, valid, chunk_tokens=6)
+    assert plain.top_logits is None and plain.top_ids is None and torch.equal(plain.loss_sum, out.loss_sum)
