@@ -298,6 +298,7 @@ def prepare_run(target: str, drafter: str, datasets: list[str], config: VllmEval
 
     from dflashkit.drafter import engines as rules
     from dflashkit.drafter import read_drafter_config
+    from dflashkit.drafter.vllm_dflash2 import check_vllm_num_speculative_tokens, check_vllm_schedule
     from dflashkit.targets.loading import resolve_target_dir
 
     from .prompts import load_prompts, render
@@ -306,10 +307,10 @@ def prepare_run(target: str, drafter: str, datasets: list[str], config: VllmEval
     dcfg = read_drafter_config(drafter)
     ks = sorted({rules.vllm_num_speculative_tokens(dcfg.block_size, k, warn, causal=dcfg.causal)
                  for k in config.num_speculative_tokens or [None]})
-    for k in ks:  # a DFlash2 drafter: N = block_size - 1 and no schedule (drafter/engines.py, vLLM 0.28's rules)
-        rules.check_vllm_num_speculative_tokens(dcfg, k)
+    for k in ks:  # a DFlash2 drafter: N = block_size - 1 and no schedule (drafter/vllm_dflash2.py: vLLM 0.28)
+        check_vllm_num_speculative_tokens(dcfg, k)
     if config.schedule or (len(ks) > 1 and config.schedule_run):
-        rules.check_vllm_schedule(dcfg, config.schedule or [[1, 1, ks[-1]]])
+        check_vllm_schedule(dcfg, config.schedule or [[1, 1, ks[-1]]])
     notes = [f"warning: {reason}" for reason in rules.vllm_warnings(dcfg)]
     for note in notes:
         warn(note)

@@ -1,4 +1,4 @@
-"""vLLM 0.28's DFlash2 reader (drafter/engines.py VLLM_028_DFLASH2_RULES) against a DFlash2 export, train-free: a
+"""vLLM 0.28's DFlash2 reader (drafter/vllm_dflash2.py VLLM_028_DFLASH2_RULES) against a DFlash2 export, train-free: a
 tiny random drafter built and exported by dflashkit passes; each broken rule (a missing or misplaced field, a
 wrong type, num_speculative_tokens other than block_size - 1, a missing, misshapen or unknown tensor, a per-batch-
 size schedule) is one line naming the field or tensor. 0.28 needs torch 2.13, so its reader is not run here; with
@@ -13,8 +13,8 @@ import pytest
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig
 
-from dflashkit.drafter import DrafterConfig, build_drafter, save_drafter
-from dflashkit.drafter import engines as rules
+from dflashkit.drafter import DrafterConfig, build_drafter, engines, save_drafter
+from dflashkit.drafter import vllm_dflash2 as rules
 from dflashkit.errors import UserError
 
 TARGET = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=10, num_attention_heads=4,
@@ -75,9 +75,9 @@ def test_a_dflash2_export_meets_every_rule_of_vllm_028(exported):
 
 
 def test_the_serve_command_of_a_dflash2_export_names_vllm_028_and_block_size_minus_one(exported):
-    line = rules.vllm_serve_command("TARGET", str(exported), BLOCK)
+    line = engines.vllm_serve_command("TARGET", str(exported), BLOCK)
     assert f'"num_speculative_tokens": {BLOCK - 1}' in line and line.endswith("# DFlash2: vLLM >= 0.28")
-    assert "vLLM >= 0.28" not in rules.vllm_serve_command("TARGET", "not-a-directory", BLOCK)
+    assert "vLLM >= 0.28" not in engines.vllm_serve_command("TARGET", "not-a-directory", BLOCK)
 
 
 def test_every_rule_cites_the_vllm_028_file():
@@ -127,7 +127,7 @@ def test_num_speculative_tokens_other_than_block_size_minus_one_is_refused(expor
     with pytest.raises(UserError, match=f"num_speculative_tokens={BLOCK - 3}: a DFlash2 drafter"):
         rules.check_vllm_num_speculative_tokens(_config(), BLOCK - 3)
     with pytest.raises(UserError, match="num_speculative_tokens=3"):
-        rules.vllm_serve_command("TARGET", str(exported), BLOCK, {"method": "dflash", "model": str(exported),
+        engines.vllm_serve_command("TARGET", str(exported), BLOCK, {"method": "dflash", "model": str(exported),
                                                                   "num_speculative_tokens": 3})
     rules.check_vllm_num_speculative_tokens(_config(), BLOCK - 1)
     rules.check_vllm_num_speculative_tokens(_config(), None)
@@ -192,7 +192,7 @@ def test_a_schedule_is_refused_for_dflash2_and_passes_for_dflash(exported):
     with pytest.raises(UserError, match="refused for a DFlash2 drafter"):
         rules.check_vllm_schedule(_config(), spec)
     with pytest.raises(UserError, match="refused for a DFlash2 drafter"):
-        rules.vllm_serve_command("TARGET", str(exported), BLOCK, spec)
+        engines.vllm_serve_command("TARGET", str(exported), BLOCK, spec)
     rules.check_vllm_schedule(_config(), None)
     rules.check_vllm_schedule(_config(architecture="dflash"), SCHEDULE)
 
