@@ -163,8 +163,7 @@ def served_prompts(target: str, datasets: list[str], num_prompts: int, scratch: 
     from transformers import AutoTokenizer
 
     from dflashkit.drafter import engines as rules
-    from dflashkit.eval.prompts import load_prompts
-    from dflashkit.eval.vllm_engine import target_stop_ids
+    from dflashkit.eval.prompts import load_prompts, target_stop_ids
     from dflashkit.targets.loading import resolve_target_dir
 
     target_dir, _ = resolve_target_dir(target)

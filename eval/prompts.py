@@ -14,6 +14,7 @@ Design choices:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from dflashkit.errors import UserError
 from dflashkit.extract.data.sources import ROLE_ALIASES, conversation_fields, prompt_turns
@@ -85,3 +86,36 @@ def load_prompts(spec: str, tokenizer, num_prompts: int | None = None, max_promp
     if not prompts:
         raise UserError(f"{spec}: no usable prompt found")
     return prompts
+
+
+def multi_turn_prompts(datasets: list[str], num_prompts: int) -> list[tuple[str, list[dict], str]]:
+    """(id, opening turns, second user turn) of the records that have a second user turn (MT-bench does; so do
+    ShareGPT ``conversations``), the turns read as every eval prompt is (eval/prompts.py)."""
+    from dflashkit.extract.data.sources import iter_records
+
+    out = []
+    for spec in datasets:
+        taken = 0
+        for item in iter_records(spec):
+            if taken >= num_prompts:
+                break
+            if item.record is None:
+                continue
+            taken += 1
+            users = [t["content"] for t in conversation_turns(item.record) or [] if t["role"] == "user"]
+            if len(users) >= 2:
+                out.append((f"{spec}#{item.record.get('id', item.where)}", opening_turns(item.record, item.where),
+                            users[1]))
+    return out
+
+
+def target_stop_ids(target_dir: Path, tokenizer, template_kwargs: dict | None = None) -> list[int]:
+    """The ids an answer ends on (targets/chat_template.stop_token_ids, as the default engine's and
+    regeneration's), with the generation config of ``target_dir`` read as transformers reads it for the model."""
+    from transformers import GenerationConfig
+
+    from dflashkit.targets.chat_template import stop_token_ids
+
+    generation = (GenerationConfig.from_pretrained(target_dir)
+                  if (Path(target_dir) / "generation_config.json").is_file() else None)
+    return list(stop_token_ids(tokenizer, generation, template_kwargs=template_kwargs))

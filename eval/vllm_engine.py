@@ -46,6 +46,7 @@ from typing import Callable
 
 from dflashkit.errors import UserError
 
+from .prompts import multi_turn_prompts, target_stop_ids
 from .serving_plan import level_requests
 
 MISSING_VLLM = "--engine vllm needs vLLM: pip install 'dflashkit[vllm]'"
@@ -226,41 +227,6 @@ def timed_generate(llm, api: VllmApi, requests: list[tuple[str, list[int]]], wav
             "output_tokens_per_s": tokens / wall if wall > 0 else 0.0, "ttft_mean_s": _mean(ttft),
             "ttft_p50_s": statistics.median([t for t in ttft if t is not None]) if any(t is not None for t in ttft)
             else None, "itl_mean_s": _mean(itl), "acceptance": acceptance(before, spec_counters(llm))}
-
-
-def multi_turn_prompts(datasets: list[str], num_prompts: int) -> list[tuple[str, list[dict], str]]:
-    """(id, opening turns, second user turn) of the records that have a second user turn (MT-bench does; so do
-    ShareGPT ``conversations``), the turns read as every eval prompt is (eval/prompts.py)."""
-    from dflashkit.extract.data.sources import iter_records
-
-    from .prompts import conversation_turns, opening_turns
-
-    out = []
-    for spec in datasets:
-        taken = 0
-        for item in iter_records(spec):
-            if taken >= num_prompts:
-                break
-            if item.record is None:
-                continue
-            taken += 1
-            users = [t["content"] for t in conversation_turns(item.record) or [] if t["role"] == "user"]
-            if len(users) >= 2:
-                out.append((f"{spec}#{item.record.get('id', item.where)}", opening_turns(item.record, item.where),
-                            users[1]))
-    return out
-
-
-def target_stop_ids(target_dir: Path, tokenizer, template_kwargs: dict | None = None) -> list[int]:
-    """The ids an answer ends on (targets/chat_template.stop_token_ids, as the default engine's and
-    regeneration's), with the generation config of ``target_dir`` read as transformers reads it for the model."""
-    from transformers import GenerationConfig
-
-    from dflashkit.targets.chat_template import stop_token_ids
-
-    generation = (GenerationConfig.from_pretrained(target_dir)
-                  if (Path(target_dir) / "generation_config.json").is_file() else None)
-    return list(stop_token_ids(tokenizer, generation, template_kwargs=template_kwargs))
 
 
 @dataclass

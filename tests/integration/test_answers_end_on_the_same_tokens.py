@@ -7,8 +7,8 @@ from pathlib import Path
 
 import transformers as tf
 
+from dflashkit.eval.prompts import target_stop_ids
 from dflashkit.eval.run import stop_ids
-from dflashkit.eval.vllm_engine import target_stop_ids
 from dflashkit.extract.generation.answerers import TargetGenerator
 from dflashkit.targets.loading import resolve_target_dir
 

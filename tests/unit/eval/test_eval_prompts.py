@@ -6,8 +6,7 @@ import json
 import pytest
 
 from dflashkit.errors import UserError
-from dflashkit.eval.prompts import opening_turns
-from dflashkit.eval.vllm_engine import multi_turn_prompts
+from dflashkit.eval.prompts import multi_turn_prompts, opening_turns
 from dflashkit.extract.data.chat import normalize_record
 
 SHAREGPT = {"id": "s", "conversations": [{"from": "gpt", "value": "a leading answer"},
