@@ -45,11 +45,11 @@ from pathlib import Path
 from typing import Callable
 
 from dflashkit.errors import UserError
+from dflashkit.targets.vllm_runtime import import_vllm, release_gpu, wait_for_gpu_memory_to_settle
 
 from .prompts import multi_turn_prompts, target_stop_ids
 from .serving_plan import level_requests
 
-MISSING_VLLM = "--engine vllm needs vLLM: pip install 'dflashkit[vllm]'"
 DRAFTS, ACCEPTED = "vllm:spec_decode_num_drafts", "vllm:spec_decode_num_accepted_tokens"
 ACCEPTED_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
 PARTIAL_FILE = "engines.partial.jsonl"  # one line per engine as it finishes (eval/report.py REPORT_FILES)
@@ -111,40 +111,8 @@ class VllmApi:
 
 def real_vllm_api() -> VllmApi:
     """The installed vLLM; UserError naming the extra when it is missing."""
-    try:
-        import vllm
-    except ImportError:
-        raise UserError(MISSING_VLLM) from None
-
-    def release() -> None:
-        import torch
-        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-
-        cleanup_dist_env_and_memory()
-        if torch.cuda.is_initialized():
-            torch.cuda.empty_cache()
-        wait_for_gpu_memory_to_settle()
-
-    return VllmApi(vllm.LLM, vllm.SamplingParams, time.perf_counter, release, vllm.__version__)
-
-
-def wait_for_gpu_memory_to_settle(limit_s: float = 60.0) -> None:
-    """Until the GPU's used memory stops falling (nvidia-smi, read once a second): the engine core of the engine
-    just shut down is another process, and the next engine's start-up profiling refuses to run while memory is
-    being freed (vllm/v1/worker/gpu_worker.py). Without nvidia-smi it returns at once."""
-    import shutil
-    import subprocess
-
-    if shutil.which("nvidia-smi") is None:
-        return
-    query = ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"]
-    readings, deadline = [], time.monotonic() + limit_s
-    while time.monotonic() < deadline:
-        used = sum(int(x) for x in subprocess.run(query, capture_output=True, text=True).stdout.split() if x.isdigit())
-        readings.append(used)
-        if len(readings) >= 5 and max(readings[-5:]) - min(readings[-5:]) < 16:  # MiB, steady for 4 s
-            return
-        time.sleep(1.0)
+    vllm = import_vllm()
+    return VllmApi(vllm.LLM, vllm.SamplingParams, time.perf_counter, release_gpu, vllm.__version__)
 
 
 def start_engine(api: VllmApi, **kwargs):

@@ -64,8 +64,8 @@ from typing import Any, Callable
 import torch
 
 from dflashkit.errors import UserError
+from dflashkit.targets.vllm_runtime import import_vllm, release_gpu
 
-MISSING_VLLM = "--engine vllm needs vLLM: pip install 'dflashkit[vllm]'"
 METHOD = "extract_hidden_states"  # vLLM's speculative method that only captures (config/speculative.py:58)
 CONNECTOR = "ExampleHiddenStatesConnector"  # the KV connector that writes one safetensors file per request
 PATH_PARAM = "hidden_states_path"  # RequestOutput.kv_transfer_params key of a request's file
@@ -82,19 +82,8 @@ class VllmCaptureApi:
 
 def real_vllm_api() -> VllmCaptureApi:
     """The installed vLLM; UserError naming the extra when it is missing."""
-    try:
-        import vllm
-    except ImportError:
-        raise UserError(MISSING_VLLM) from None
-
-    def release() -> None:
-        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-
-        cleanup_dist_env_and_memory()
-        if torch.cuda.is_initialized():
-            torch.cuda.empty_cache()
-
-    return VllmCaptureApi(vllm.LLM, vllm.SamplingParams, release, vllm.__version__)
+    vllm = import_vllm()
+    return VllmCaptureApi(vllm.LLM, vllm.SamplingParams, lambda: release_gpu(settle=False), vllm.__version__)
 
 
 @dataclass

@@ -14,7 +14,8 @@ from dflashkit.eval.__main__ import main
 from dflashkit.eval.engine import DecodeConfig, SpeculativeDecoder
 from dflashkit.eval.serving_plan import agreement
 from dflashkit.eval.serving_verdict import verdict
-from dflashkit.eval.vllm_engine import MISSING_VLLM, VllmEvalConfig, run_vllm_eval
+from dflashkit.eval.vllm_engine import VllmEvalConfig, run_vllm_eval
+from dflashkit.targets.vllm_runtime import MISSING_VLLM
 
 from support.paths import ROOT
 from support.tiny_targets import tiny_tokenizer

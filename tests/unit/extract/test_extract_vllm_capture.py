@@ -23,13 +23,13 @@ from dflashkit.extract.shards.manifest import read_manifest
 from dflashkit.extract.shards.reader import ShardDataset
 from dflashkit.extract.shards.verify import verify_dataset
 from dflashkit.extract.vllm_capture import (
-    MISSING_VLLM,
     VllmCapture,
     VllmCaptureApi,
     VllmCaptureConfig,
     engine_kwargs,
     read_request_file,
 )
+from dflashkit.targets.vllm_runtime import MISSING_VLLM
 
 from support.chat_data import chat_records, save_tiny_chat_target, write_jsonl
 from support.tiny_targets import hf_model
