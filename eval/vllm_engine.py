@@ -34,6 +34,7 @@ Design choices:
 
 from __future__ import annotations
 
+import copy
 import gc
 import json
 import statistics
@@ -122,12 +123,21 @@ def start_engine(api: VllmApi, **kwargs):
     settle too: a process that ran on it just before may still be freeing its memory."""
     wait_for_gpu_memory_to_settle()
     try:
-        return api.llm_factory(**kwargs)
+        return api.llm_factory(**engine_arguments(kwargs))
     except RuntimeError as error:
         if "initialization failed" not in str(error):
             raise
         api.release()
-        return api.llm_factory(**kwargs)
+        return api.llm_factory(**engine_arguments(kwargs))
+
+
+def engine_arguments(kwargs: dict) -> dict:
+    """The engine arguments with a copy of ``speculative_config``: vLLM adds its ``ModelConfig`` and
+    ``ParallelConfig`` objects to the dict it is given (vllm/engine/arg_utils.py ``create_speculative_config``),
+    which would leave the caller's record of the configuration unwritable as JSON and a retry starting from a
+    mutated dict."""
+    spec = kwargs.get("speculative_config")
+    return kwargs if spec is None else kwargs | {"speculative_config": copy.deepcopy(spec)}
 
 
 def close_engine(llm, api: VllmApi) -> None:

@@ -168,6 +168,11 @@ def ngram_accepted(sequence: list[int], position: int, k: int, lookup_min: int, 
     return 0
 
 
+class _EngineObject:  # a vLLM config object: not JSON
+    def __init__(self, kind: str):
+        self.kind = kind
+
+
 class LLM:
     """``vllm.LLM`` on the CPU (see the module docstring); engine arguments it does not model are recorded."""
 
@@ -191,6 +196,10 @@ class LLM:
         self.lookup: list[int] | None = None  # batch size -> k (a per-batch-size schedule)
         if speculative_config is not None:
             self._speculation(dict(speculative_config))
+            # vLLM 0.24 adds its config objects to the caller's dict (vllm/engine/arg_utils.py
+            # create_speculative_config); the twin does the same, so a caller that keeps the dict fails here too
+            speculative_config.update({"target_model_config": _EngineObject("ModelConfig"),
+                                       "target_parallel_config": _EngineObject("ParallelConfig")})
         self._seen: list[list[int]] = []  # prompts of this engine (the prefix cache)
         self._decoded: dict[tuple, object] = {}  # (prompt, max_tokens, stop ids) -> its GenerationResult
         self._counts = {"drafts": 0, "draft_tokens": 0, "accepted": 0,

@@ -42,7 +42,7 @@ def planned(tmp_path_factory):
 
 
 def test_every_k_and_baseline_is_a_line_of_repeated_cells(planned):
-    report, out, _, warnings = planned
+    report, out, root, warnings = planned
     assert warnings == []  # a causal-in-block drafter serves k < block_size - 1 as trained: nothing to warn
     assert report["ks"] == [1, 2, 3] and report["num_speculative_tokens"] == 3
     assert set(report["engines"]) == {"none", "k1", "k2", "k3", "ngram", "schedule"}
@@ -63,6 +63,9 @@ def test_every_k_and_baseline_is_a_line_of_repeated_cells(planned):
     partial = [json.loads(line) for line in (out / "engines.partial.jsonl").read_text().splitlines()]
     assert [e["engine"] for e in partial] == ["no_drafter", "drafter_k1", "drafter_k2", "drafter", "ngram", "schedule"]
     assert partial[0]["levels"]["1"][0]["output_tokens_per_s"] == none["1"]["runs_tokens_per_s"][0]
+    # what was asked for, not the engine objects vLLM adds to the dict it is handed (the twin adds them too)
+    assert partial[1]["speculative_config"] == {"method": "dflash", "model": str((root / "drafter").resolve()),
+                                                "num_speculative_tokens": 1}
     md = (out / "report.md").read_text()
     assert md.splitlines()[2] == f"**{report['plan_verdict']['text']}**"  # the plan's verdict comes first
     assert "| k = 1 |" in md and "| n-gram |" in md and "| schedule |" in md and "| MTP | skipped" in md
