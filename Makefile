@@ -1,6 +1,6 @@
 # Two commands for a fresh machine: `make demo` and `make test` (ruff, then pytest, one worker per CPU core with
-# pytest-xdist, each test module on one worker so its module fixtures are built once). Both (re)create .venv
-# idempotently; `make lint` runs ruff alone.
+# pytest-xdist, each test module on one worker so its module fixtures are built once, the longest modules first:
+# tests/file_seconds.json). Both (re)create .venv idempotently; `make lint` runs ruff alone.
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
@@ -41,7 +41,7 @@ demo: setup
 	$(VENV)/bin/dflashkit demo $(DEMO_ARGS)
 
 test: setup lint
-	$(PY) -m pytest -q -n auto --dist loadfile tests
+	$(PY) -m pytest -q -n auto --dist loadfile --no-loadscope-reorder tests
 
 # ruff (pinned in the dev extra; its rules are in pyproject.toml)
 lint: setup

@@ -34,7 +34,9 @@ else
   DEV=(); SLOTS=2048; NEW=256; LIMIT=(); KS=${KS:-1 3 7 15}; LEVELS=${LEVELS:-1 4 16 64 128}
   EXTRA=max_length=2048,eval_samples=64,eval_every=0,save_every=200,keep_last=2,tokenize_workers=4
   VLLM=(--num-prompts 80 --max-new-tokens 256 --repeats 3 --max-requests-per-level 8 --gpu-memory-utilization 0.3)
-  L_TRAIN=${L_TRAIN:-540}; L_VLLM=${L_VLLM:-900}; L_PROJ=${L_PROJ:-480}
+  # one 30-minute lease holds regeneration (48 s), 360 s of training (1,380 of the recipe's 2,723 steps, ~1.5
+  # epochs, H200 2026-12-03) and the sweep (~2 min an engine: start-up 45-75 s, then the levels)
+  L_TRAIN=${L_TRAIN:-360}; L_VLLM=${L_VLLM:-900}; L_PROJ=${L_PROJ:-480}
 fi
 VENV=(bash "$ROOT/bench/vllm_env.sh" "$PY")  # the slim vLLM's environment (../shared/vllm/README.md)
 echo "[$(date +%T)] start: scale $SCALE, $(nvidia-smi -L 2>/dev/null | wc -l) GPU(s)" >> "$R/stages.txt"

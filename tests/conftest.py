@@ -6,15 +6,36 @@ modules by file path, so test modules never import each other).
 - one_thread: one torch thread for a module of tiny models (``pytestmark = pytest.mark.usefixtures("one_thread")``).
 - tiny_run: the tiny training target and its feature shards, once per session.
 - fresh_accelerate_state (autouse): accelerate's class-level state reset after every test.
+
+Hooks: the test files run longest first (tests/support/file_seconds.py), and a test worker of `make test` runs
+torch on its share of the cores.
 """
 
+import os
 import sys
 
 import pytest
 import torch
 
+from support.file_seconds import load_seconds, longest_first
 from support.shards import make_shards
 from support.tiny_targets import make_tiny_target
+
+
+def pytest_configure(config):
+    """In an xdist worker, torch's threads are the worker's share of the cores: `make test` starts one worker per
+    core, and two workers of two threads each on two cores only wait on each other."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+    if workers > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+
+
+def pytest_collection_modifyitems(config, items):
+    """The files in order of their measured seconds, longest first (each file's tests in their own order): with
+    ``--dist loadfile --no-loadscope-reorder`` the workers take the long files first and end close together."""
+    order = longest_first(list(dict.fromkeys(item.nodeid.split("::")[0] for item in items)), load_seconds())
+    rank = {path: k for k, path in enumerate(order)}
+    items.sort(key=lambda item: rank[item.nodeid.split("::")[0]])
 
 
 @pytest.fixture(autouse=True)
