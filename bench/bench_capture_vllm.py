@@ -14,7 +14,7 @@ One H200, after the slim vLLM (../shared/vllm/README.md, /tmp/vllm-site) and the
         --target /root/testbed/smollm2-bf16 --data .cache/capture/sharegpt256.jsonl --out $OUT/capture_8b.json
     bash bench/vllm_env.sh python3 bench/bench_capture_vllm.py --parts memory --shapes qwen3-8b \\
         --target /root/testbed/smollm2-bf16 --data .cache/capture/sharegpt256.jsonl --out $OUT/capture_8b_mem.json
-CPU toy (the capture twin extract/vllm_capture_standin.py, a tiny random Llama with the testbed's tokenizer, a
+CPU toy (the capture twin targets/vllm_capture_standin.py, a tiny random Llama with the testbed's tokenizer, a
 tiny Qwen3 for the 8B shape, synthetic chats; a check that the script runs, not a measurement; ~30 s):
     .venv/bin/python bench/bench_capture_vllm.py --standin --out /tmp/capture_toy.json
 
@@ -153,10 +153,10 @@ def qwen3_dir(root: Path, standin: bool, tokenizer_dir: Path) -> Path:
 def capture_api(standin: bool, dummy_weights: bool):
     """The vLLM calls of VllmCapture: the CPU twin, the installed vLLM, or the installed vLLM with random weights
     and no tokenizer (prompts are token ids; nothing is detokenized)."""
-    from dflashkit.extract.vllm_capture import VllmCaptureApi, real_vllm_api
+    from dflashkit.targets.vllm_capture import VllmCaptureApi, real_vllm_api
 
     if standin:
-        from dflashkit.extract import vllm_capture_standin as twin
+        from dflashkit.targets import vllm_capture_standin as twin
 
         return VllmCaptureApi(twin.LLM, twin.SamplingParams)
     api = real_vllm_api()
@@ -287,7 +287,7 @@ def vllm_capture_pass(capture, batches: list) -> None:
 
 
 def vllm_throughput(model_dir: Path, layer_ids: list[int], batches: list, api, args, dtype) -> dict:
-    from dflashkit.extract.vllm_capture import VllmCapture, VllmCaptureConfig
+    from dflashkit.targets.vllm_capture import VllmCapture, VllmCaptureConfig
 
     longest = max(len(s.input_ids) for b in batches for s in b)
     config = VllmCaptureConfig(gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=longest + 1,
@@ -316,7 +316,7 @@ def hf_throughput(shape: str, spec: str, layer_ids: list[int], batches: list, ar
 def part_throughput(args, work: Path, dev, dtype) -> dict:
     from dflashkit.drafter import default_target_layer_ids
     from dflashkit.extract.data.batching import plan_batches
-    from dflashkit.extract.vllm_capture import describe_target
+    from dflashkit.targets.vllm_capture import describe_target
 
     info = describe_target(args.target)
     samples = encode_samples(args, info.tokenizer)
@@ -367,7 +367,7 @@ def gpu_memory() -> dict | None:
 def part_memory(args, work: Path, dev, dtype) -> dict:
     from dflashkit.drafter import default_target_layer_ids
     from dflashkit.extract.data.batching import plan_batches
-    from dflashkit.extract.vllm_capture import describe_target
+    from dflashkit.targets.vllm_capture import describe_target
 
     info = describe_target(args.target)
     samples = encode_samples(args, info.tokenizer)
@@ -422,7 +422,7 @@ def memory_child(spec_file: Path) -> int:
             hf_capture_pass(capture, [batch], dev, to_host=False)
         sync(dev)
     else:
-        from dflashkit.extract.vllm_capture import VllmCapture, VllmCaptureConfig
+        from dflashkit.targets.vllm_capture import VllmCapture, VllmCaptureConfig
 
         config = VllmCaptureConfig(gpu_memory_utilization=spec["gpu_memory_utilization"], dtype=spec["dtype"],
                                    max_model_len=max(len(ids) for ids in spec["batch"]) + 1,

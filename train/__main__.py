@@ -6,6 +6,10 @@ Online, the recommended path when the target fits on the training GPUs (train/on
     python -m dflashkit.train --recipe recipes/smollm2-135m.yaml --target testbed:smollm2 --data chats.jsonl
     accelerate launch --config_file recipes/accelerate/ddp.yaml --num_processes 8 \\
         -m dflashkit.train --recipe recipes/qwen3-8b.yaml --target /models/Qwen3-8B --data chats.jsonl
+A target too large for the training GPU (or a hybrid one without its kernels in Hugging Face) in a vLLM engine of
+the one training process, spread over 2 GPUs (train/online_vllm.py; the first GPU also trains the drafter):
+    python -m dflashkit.train --recipe recipes/qwen3.6-27b.yaml --target /models/Qwen3.6-27B --data chats.jsonl \\
+        --target-engine vllm --tensor-parallel-size 2 --gpu-memory-utilization 0.6
 Several machines (run the same line on each, with its --machine_rank; README "Several machines"):
     accelerate launch --config_file recipes/accelerate/multinode.yaml --machine_rank 0 \\
         --main_process_ip 10.0.0.1 -m dflashkit.train --recipe recipes/qwen3-8b.yaml --target ... --data ...
@@ -58,6 +62,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--init-from", help="start from this drafter directory (= init_from=DIR)")
     ap.add_argument("--resume", help="'auto' (default), 'none', or a checkpoint directory (= resume=...)")
     ap.add_argument("--loss", choices=["ce", "dpace", "kl"], help="training objective (= loss=...)")
+    ap.add_argument("--target-engine", choices=["hf", "vllm"],
+                    help="online: what runs the target: hf (in each training process, the default) or vllm (a vLLM "
+                         "engine of the one process) (= target_engine=...)")
+    ap.add_argument("--tensor-parallel-size", type=int, help="--target-engine vllm: GPUs the engine spreads the "
+                                                             "target over (= target_tensor_parallel_size=N)")
+    ap.add_argument("--gpu-memory-utilization", type=float,
+                    help="--target-engine vllm: share of each GPU the engine takes (= target_gpu_memory_utilization=F)")
     ap.add_argument("overrides", nargs="*", metavar="key=value", help="any TrainConfig field")
     return ap
 
@@ -67,9 +78,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return build_parser().parse_intermixed_args(argv)
 
 
+# flag (argparse dest) -> the TrainConfig field it sets
+FLAG_FIELDS = {**{f: f for f in ("shards", "target", "output_dir", "init_from", "resume", "loss", "target_engine")},
+               "tensor_parallel_size": "target_tensor_parallel_size",
+               "gpu_memory_utilization": "target_gpu_memory_utilization"}
+
+
 def config_from_args(args: argparse.Namespace):
     """The TrainConfig of a parsed command line: the recipe, the overrides, then the flags."""
-    flags = {flag: getattr(args, flag) for flag in ("shards", "target", "output_dir", "init_from", "resume", "loss")
+    flags = {field: getattr(args, flag) for flag, field in FLAG_FIELDS.items()
              if getattr(args, flag) is not None}  # taken as they are: a flag's value is never parsed as YAML
     if args.data:
         flags["data"] = list(args.data)

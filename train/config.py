@@ -51,6 +51,12 @@ class TrainConfig:
     token_cache: bool = True  # keep the token ids under output_dir/token-cache: a resumed run skips tokenizing
     target_dtype: str = "auto"  # the target's dtype: auto (bfloat16 on GPU, float32 on CPU), bfloat16, float32
     target_batch_tokens: int = 16384  # padded tokens per target forward (planned samples are run together)
+    target_engine: str = "hf"  # what runs the target: "hf" (Hugging Face, in each training process) or "vllm" (a
+    # vLLM engine of the one training process, for a target too large for the training GPU or a hybrid one whose
+    # HF forward lacks its kernels; train/online_vllm.py; no loss=kl, labels=target_argmax nor layer L-1)
+    target_tensor_parallel_size: int = 1  # vllm: GPUs the engine spreads the target over
+    target_gpu_memory_utilization: float = 0.5  # vllm: share of each GPU the engine takes (weights + cache); the
+    # rest of the first GPU trains the drafter
     # --- drafter
     init_from: str = ""  # drafter export dir to start from (fine-tuning a published drafter); empty -> new
     num_hidden_layers: int = DEFAULT_NUM_HIDDEN_LAYERS  # drafter decoder layers (new drafters only)
@@ -132,6 +138,7 @@ class TrainConfig:
             raise UserError(f"target_dtype: {self.target_dtype!r}; use auto, bfloat16, float16 or float32")
         if int(self.target_batch_tokens) < 1:
             raise UserError(f"target_batch_tokens must be >= 1, got {self.target_batch_tokens}")
+        check_target_engine(self)
         if self.drafter_architecture not in ARCHITECTURES:
             raise UserError(f"drafter_architecture: {self.drafter_architecture!r}; use one of {sorted(ARCHITECTURES)}")
         check_drafter_fields(self.drafter, self.drafter_architecture)
@@ -179,6 +186,31 @@ class TrainConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+TARGET_ENGINES = ("hf", "vllm")  # what runs the target online (train/online.py, train/online_vllm.py)
+
+
+def check_target_engine(cfg: TrainConfig) -> None:
+    """``target_engine`` and its vLLM settings; what vLLM cannot give (the final-norm output) refused by field."""
+    if cfg.target_engine not in TARGET_ENGINES:
+        raise UserError(f"target_engine: {cfg.target_engine!r}; use 'hf' (the target in each training process) or "
+                        f"'vllm' (the target in a vLLM engine)")
+    if int(cfg.target_tensor_parallel_size) < 1:
+        raise UserError(f"target_tensor_parallel_size must be >= 1, got {cfg.target_tensor_parallel_size}")
+    if not 0.0 < float(cfg.target_gpu_memory_utilization) <= 1.0:
+        raise UserError(f"target_gpu_memory_utilization must be in (0, 1], got {cfg.target_gpu_memory_utilization}")
+    if cfg.target_engine != "vllm":
+        return
+    if cfg.shards:
+        raise UserError(f"target_engine=vllm with shards={cfg.shards!r}: training on shards runs no target; drop "
+                        "target_engine, or train online (--target T --data FILE)")
+    for field_name, value, fix in (("loss", "kl", "use loss=dpace (the default) or ce"),
+                                   ("labels", "target_argmax", "use labels=data")):
+        if getattr(cfg, field_name) == value:
+            raise UserError(f"{field_name}={value} with target_engine=vllm: it reads the target's final-norm output, "
+                            f"which vLLM does not give (it captures before the final norm); {fix}, or train "
+                            f"with target_engine=hf")
 
 
 # DrafterConfig fields that a recipe's ``drafter:`` mapping does not set, and where they come from instead

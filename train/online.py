@@ -21,6 +21,9 @@ Design choices:
   float rounding.
 - Features are handed over in bf16, the dtype shards store them in, so an online run and an ``extract`` +
   ``train --shards`` run on the same samples see the same numbers.
+- What runs the target is one step, ``run_target`` (with ``open_capture``, what it holds open): the target in
+  this process here; a vLLM engine in train/online_vllm.py (``target_engine=vllm``), with the same plan, batches
+  and dicts.
 """
 
 from __future__ import annotations
@@ -191,14 +194,12 @@ class OnlineFeatures(torch.utils.data.Dataset):
 
     def __init__(self, target, samples: list, target_layer_ids, *, store_last_hidden: bool, batch_tokens: int,
                  device):
-        from dflashkit.targets.capture import LayerCapture
-
         self.target, self.samples, self.device = target, samples, torch.device(device)
         self.store_last_hidden = bool(store_last_hidden)
         self.has_last_hidden = self.store_last_hidden  # the ShardDataset attribute the trainer reads
         self.batch_tokens = int(batch_tokens)
-        self.capture = LayerCapture(target, target_layer_ids, store_last_hidden=store_last_hidden)
-        self._hooks = ExitStack()  # holds the capture's hooks while this dataset is entered
+        self.capture = self.open_capture(list(target_layer_ids))
+        self._hooks = ExitStack()  # holds the capture (its hooks, or an engine) while this dataset is entered
         self._plan: list[int] = []
         self._pos = 0
         self._cache: dict[int, dict] = {}
@@ -206,6 +207,13 @@ class OnlineFeatures(torch.utils.data.Dataset):
 
     def __len__(self) -> int:
         return len(self.samples)
+
+    def open_capture(self, target_layer_ids: list[int]):
+        """What runs the target with its taps, a context manager entered with this dataset: forward hooks on the
+        target of this process (a subclass may run it elsewhere, train/online_vllm.py)."""
+        from dflashkit.targets.capture import LayerCapture
+
+        return LayerCapture(self.target, target_layer_ids, store_last_hidden=self.store_last_hidden)
 
     def __enter__(self) -> "OnlineFeatures":
         self._hooks.enter_context(self.capture)
@@ -241,18 +249,8 @@ class OnlineFeatures(torch.utils.data.Dataset):
 
     def features(self, indices: list[int]) -> dict[int, dict]:
         """Run the target once on these samples: {index: sample dict}."""
-        from dflashkit.extract.data.batching import pad_batch
-
         todo = [self.samples[i] for i in indices]
-        ids, _ = pad_batch(todo, self.device)
-        hidden, last_hidden = self.capture(ids)  # right padding: no mask needed (pad_batch)
-        # one copy out of inference mode (autograd may save the features for backward), then per-sample views:
-        # slicing by the known lengths never waits for the device
-        hidden = hidden.to(FEATURE_DTYPE, copy=True)
-        last_hidden = last_hidden.to(FEATURE_DTYPE, copy=True) if last_hidden is not None else None
-        lengths = [len(s.input_ids) for s in todo]
-        hidden = [hidden[k, :n] for k, n in enumerate(lengths)]
-        last = [last_hidden[k, :n] for k, n in enumerate(lengths)] if last_hidden is not None else None
+        hidden, last = self.run_target(todo)
         out = {}
         for k, (i, s) in enumerate(zip(indices, todo)):
             d = {"input_ids": torch.from_numpy(s.input_ids).long(),
@@ -263,6 +261,21 @@ class OnlineFeatures(torch.utils.data.Dataset):
             out[i] = d
         return out
 
+    def run_target(self, todo: list) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        """The features of these samples, each its own [T, K*H] (and [T, H] final-norm output, or None), in
+        FEATURE_DTYPE on the device: one right-padded forward through the hooked target."""
+        from dflashkit.extract.data.batching import pad_batch
+
+        ids, _ = pad_batch(todo, self.device)
+        hidden, last_hidden = self.capture(ids)  # right padding: no mask needed (pad_batch)
+        # one copy out of inference mode (autograd may save the features for backward), then per-sample views:
+        # slicing by the known lengths never waits for the device
+        hidden = hidden.to(FEATURE_DTYPE, copy=True)
+        last_hidden = last_hidden.to(FEATURE_DTYPE, copy=True) if last_hidden is not None else None
+        lengths = [len(s.input_ids) for s in todo]
+        last = [last_hidden[k, :n] for k, n in enumerate(lengths)] if last_hidden is not None else None
+        return [hidden[k, :n] for k, n in enumerate(lengths)], last
+
 
 def open_online(cfg, device, compute_dtype: torch.dtype, say=print, rank: int = 0):
     """Load ``cfg.target`` and encode ``cfg.data``: (target, head, live manifest, samples).
@@ -272,25 +285,43 @@ def open_online(cfg, device, compute_dtype: torch.dtype, say=print, rank: int = 
     ``OnlineFeatures`` with the drafter's layer ids."""
     from dflashkit.targets.loading import load_target, load_target_head
 
-    if not cfg.target:
-        raise UserError("target: online training (data=...) needs the target to run; pass --target (an HF "
-                        "directory, a .gguf file or testbed:smollm2)")
-    from dflashkit.extract.data.sources import check_has_records
-
-    check_has_records(list(cfg.data))  # an empty data file stops here, before the target is loaded
-    # auto: the launch's default (bf16 on a GPU, fp32 on the CPU); train/config.py checked the name
-    dtype = launch.default_dtype(device, None if cfg.target_dtype == "auto" else cfg.target_dtype)
+    check_online_inputs(cfg)
+    dtype = target_dtype(cfg, device)
     target = load_target(cfg.target, dtype=dtype, device=device)
     target.model.requires_grad_(False).eval()
     # the training head shares the target's tensors when the dtypes agree, else it is read on its own
     head = target_head_of(target, dtype) if dtype == compute_dtype else \
         load_target_head(cfg.target, dtype=compute_dtype, device=device)
-    manifest = {"target": target.identity(), "target_layer_ids": list(cfg.target_layer_ids) or None,
-                "hidden_size": target.hidden_size, "num_target_layers": target.num_layers,
-                "vocab_size": target.vocab_size, "mask_token_id": None}
-    samples = encode_data(cfg.data, target.tokenizer, max_length=cfg.max_length, chat_template=cfg.chat_template,
-                          template_kwargs=cfg.chat_template_kwargs, limit=cfg.data_limit or None,
-                          tokenize_workers=cfg.tokenize_workers, say=say,
-                          cache_dir=str(Path(cfg.output_dir) / "token-cache") if cfg.token_cache else None,
-                          write_cache=rank == 0)
-    return target, head, manifest, samples
+    return target, head, live_manifest(cfg, target), encode_online_data(cfg, target.tokenizer, say, rank)
+
+
+def check_online_inputs(cfg) -> None:
+    """What an online run needs before its target loads: a target, and records in the data."""
+    from dflashkit.extract.data.sources import check_has_records
+
+    if not cfg.target:
+        raise UserError("target: online training (data=...) needs the target to run; pass --target (an HF "
+                        "directory, a .gguf file or testbed:smollm2)")
+    check_has_records(list(cfg.data))  # an empty data file stops here, before the target is loaded
+
+
+def target_dtype(cfg, device) -> torch.dtype:
+    """The dtype the target runs in: auto is the launch's default (bf16 on a GPU, fp32 on the CPU); train/config.py
+    checked the name."""
+    return launch.default_dtype(device, None if cfg.target_dtype == "auto" else cfg.target_dtype)
+
+
+def live_manifest(cfg, target) -> dict:
+    """What a shard manifest would say of the live target (``target``: a loaded one, or a description)."""
+    return {"target": target.identity(), "target_layer_ids": list(cfg.target_layer_ids) or None,
+            "hidden_size": target.hidden_size, "num_target_layers": target.num_layers,
+            "vocab_size": target.vocab_size, "mask_token_id": None}
+
+
+def encode_online_data(cfg, tokenizer, say=print, rank: int = 0) -> list:
+    """``cfg.data`` encoded as ``encode_data`` does, with the run's settings (token cache under output_dir)."""
+    return encode_data(cfg.data, tokenizer, max_length=cfg.max_length, chat_template=cfg.chat_template,
+                       template_kwargs=cfg.chat_template_kwargs, limit=cfg.data_limit or None,
+                       tokenize_workers=cfg.tokenize_workers, say=say,
+                       cache_dir=str(Path(cfg.output_dir) / "token-cache") if cfg.token_cache else None,
+                       write_cache=rank == 0)

@@ -10,6 +10,9 @@ Design choices:
   are loaded, whatever they consumed.
 - The learning rate is a pure function of the step (``lr_at``: linear warmup, then cosine or linear decay to
   ``min_lr_ratio``): resuming needs only the step number.
+- Online, the target runs in each training process (train/online.py) or, ``target_engine=vllm``, in a vLLM
+  engine of the one process (train/online_vllm.py; ``vllm_api``: the installed vLLM unless a caller, a test,
+  gives another); either way the dataset hands the trainer the same samples and features.
 - Every check that can refuse the run (shards, manifest against drafter and target, loss against the data)
   runs here, before the first step; what can be checked before the target and the data load (the run
   directory, the checkpoint to resume, the init_from drafter) is checked before setup (train/run_dir.py).
@@ -214,11 +217,14 @@ def build_optimizer(cfg: TrainConfig, model, backend_name: str) -> torch.optim.O
                              eps=cfg.adam_eps)
 
 
-def setup(cfg: TrainConfig, start: Start, resources: ExitStack) -> TrainRun:
+def setup(cfg: TrainConfig, start: Start, resources: ExitStack, vllm_api=None) -> TrainRun:
     """Build the run ``cfg`` describes from ``start`` (train/run_dir.start_of_run: the checkpoint it resumes and
-    the init_from drafter, both already checked); what the run holds open (an online run's capture hooks) is
-    entered on ``resources``, the trainer's ExitStack."""
+    the init_from drafter, both already checked); what the run holds open (an online run's capture hooks or vLLM
+    engine) is entered on ``resources``, the trainer's ExitStack. ``vllm_api``: the vLLM calls of a
+    ``target_engine=vllm`` run (targets/vllm_capture.py ``VllmCaptureApi``; None: the installed vLLM)."""
     from accelerate.utils import set_seed
+
+    from .online_vllm import engine_api
 
     # --- accelerator ------------------------------------------------------------------------------------
     online = bool(cfg.data)  # the target runs in the loop (train/online.py) instead of shards being read
@@ -227,11 +233,13 @@ def setup(cfg: TrainConfig, start: Start, resources: ExitStack) -> TrainRun:
                         "wrote), or --target T --data FILE to train online")
     accelerator = make_accelerator(cfg)
     configure_deepspeed(accelerator, cfg)
+    vllm_api = engine_api(cfg, vllm_api, accelerator.num_processes)  # one process; a missing vLLM: one line, now
     set_seed(cfg.seed)
 
     # --- data, target head, drafter -----------------------------------------------------------------------
     use_last_hidden = cfg.loss == "kl" or cfg.labels == "target_argmax"  # the target's final hidden states
-    dataset, head, model, dcfg = load_data_and_drafter(cfg, start, accelerator, resources, use_last_hidden)
+    dataset, head, model, dcfg = load_data_and_drafter(cfg, start, accelerator, resources, use_last_hidden,
+                                                       vllm_api)
     check_last_hidden(cfg, dataset)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing = True
@@ -265,10 +273,10 @@ def setup(cfg: TrainConfig, start: Start, resources: ExitStack) -> TrainRun:
 
 
 def load_data_and_drafter(cfg: TrainConfig, start: Start, accelerator, resources: ExitStack,
-                          use_last_hidden: bool):
-    """(dataset, head, model, DrafterConfig): the samples (shards, or the live target's features: train/online.py),
-    the target's frozen head, and the drafter (new, seeded by ``cfg.seed`` alone, or ``start``'s init_from one),
-    checked against the shards' manifest or the live target."""
+                          use_last_hidden: bool, vllm_api=None):
+    """(dataset, head, model, DrafterConfig): the samples (shards, or the live target's features: train/online.py,
+    train/online_vllm.py), the target's frozen head, and the drafter (new, seeded by ``cfg.seed`` alone, or
+    ``start``'s init_from one), checked against the shards' manifest or the live target."""
     from accelerate.utils import set_seed
 
     from dflashkit.extract.shards.manifest import check_manifest_matches
@@ -277,8 +285,12 @@ def load_data_and_drafter(cfg: TrainConfig, start: Start, accelerator, resources
 
     compute_dtype = torch.bfloat16 if cfg.mixed_precision == "bf16" else torch.float32
     device, rank, world = accelerator.device, accelerator.process_index, accelerator.num_processes
-    if cfg.data:  # online: each rank loads its own frozen target; accelerate never sees it
-        from .online import OnlineFeatures, check_drafter_matches_target, open_online
+    if cfg.data and vllm_api is not None:  # online, the target in a vLLM engine: only described here
+        from .online_vllm import open_online_vllm
+
+        target, head, manifest, samples = open_online_vllm(cfg, device, compute_dtype, accelerator.print, rank)
+    elif cfg.data:  # online: each rank loads its own frozen target; accelerate never sees it
+        from .online import open_online
 
         target, head, manifest, samples = open_online(cfg, device, compute_dtype, accelerator.print, rank)
     else:
@@ -290,13 +302,26 @@ def load_data_and_drafter(cfg: TrainConfig, start: Start, accelerator, resources
     set_seed(cfg.seed)  # the drafter's initial weights depend on the seed alone, whatever loading consumed
     model, dcfg = build_model(cfg, manifest, head, start.init_model)
     if cfg.data:
-        check_drafter_matches_target(dcfg, target)
-        dataset = resources.enter_context(OnlineFeatures(target, samples, dcfg.target_layer_ids,
-                                                         store_last_hidden=use_last_hidden,
-                                                         batch_tokens=cfg.target_batch_tokens, device=device))
+        dataset = resources.enter_context(online_features(cfg, target, samples, dcfg, use_last_hidden, device,
+                                                          vllm_api))
     else:
         check_manifest_matches(manifest, dcfg, target_identity(head))
     return dataset, head, model, dcfg
+
+
+def online_features(cfg: TrainConfig, target, samples: list, dcfg, use_last_hidden: bool, device, vllm_api):
+    """The online dataset (not yet entered) for the drafter ``dcfg``, checked against the live target: the target
+    of this process behind capture hooks, or (``vllm_api`` given) a vLLM engine."""
+    from .online import OnlineFeatures, check_drafter_matches_target
+
+    check_drafter_matches_target(dcfg, target)
+    if vllm_api is not None:
+        from .online_vllm import VllmOnlineFeatures, capture_config
+
+        return VllmOnlineFeatures(target, samples, dcfg.target_layer_ids, config=capture_config(cfg, device),
+                                  api=vllm_api, batch_tokens=cfg.target_batch_tokens, device=device)
+    return OnlineFeatures(target, samples, dcfg.target_layer_ids, store_last_hidden=use_last_hidden,
+                          batch_tokens=cfg.target_batch_tokens, device=device)
 
 
 def check_last_hidden(cfg: TrainConfig, dataset) -> None:
@@ -324,8 +349,9 @@ def announce_plan(cfg: TrainConfig, accelerator, backend_name: str, online: bool
     """The run's plan in one line; a note when max_steps stops it before the last epoch ends."""
     world, G = accelerator.num_processes, cfg.grad_accum
     spe = steps_per_epoch(len(packs[0]), world, G)
+    where = ("online, target in vLLM, " if cfg.target_engine == "vllm" else "online, ") if online else ""
     accelerator.print(
-        f"dflashkit train ({backend_name}, {accelerator.device.type}): {'online, ' if online else ''}"
+        f"dflashkit train ({backend_name}, {accelerator.device.type}): {where}"
         f"{train_samples} training / {eval_samples} "
         f"held-out samples, {world} process(es) x "
         f"{G} micro-batches ({f'<= {cfg.micro_batch_tokens} tokens' if cfg.micro_batch_tokens else 'one sequence'} "

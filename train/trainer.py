@@ -51,21 +51,22 @@ from .tracking import Tracker
 from .train_step import TrainingDiverged, check_finite, train_step
 
 
-def train(cfg: TrainConfig) -> dict:
+def train(cfg: TrainConfig, vllm_api=None) -> dict:
     """Train as ``cfg`` says (the module docstring), holding the lock on ``cfg.output_dir`` throughout. Raises
-    ``TrainingDiverged`` when a loss, gradient norm or weight becomes NaN or Inf."""
+    ``TrainingDiverged`` when a loss, gradient norm or weight becomes NaN or Inf. ``vllm_api``: the vLLM calls of
+    a ``target_engine=vllm`` run (None: the installed vLLM; train/online_vllm.py)."""
     from dflashkit.outputs import OutputLock
 
     check_output_paths(cfg)  # before any work: the run directory, the export directory, init_from
     with OutputLock(cfg.output_dir, "train"):
-        return _train(cfg, start_of_run(cfg))  # the checkpoint to resume and the init_from drafter, checked
+        return _train(cfg, start_of_run(cfg), vllm_api)  # start: the checkpoint to resume, init_from, checked
 
 
-def _train(cfg: TrainConfig, start: Start) -> dict:
+def _train(cfg: TrainConfig, start: Start, vllm_api=None) -> dict:
     # what the run holds open (an online run's capture hooks on its target), released however the run ends
     with ExitStack() as resources:
         # --- setup: data, target head, drafter, optimizer, schedule, resume (train/setup.py) -------------
-        run = setup(cfg, start, resources)
+        run = setup(cfg, start, resources, vllm_api)
         summary = _train_run(run)
     run.accelerator.wait_for_everyone()
     return summary

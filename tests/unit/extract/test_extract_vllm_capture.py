@@ -1,4 +1,4 @@
-"""`dflashkit extract --engine vllm` over the CPU twin of a capturing vllm.LLM (extract/vllm_capture_standin.py) on
+"""`dflashkit extract --engine vllm` over the CPU twin of a capturing vllm.LLM (targets/vllm_capture_standin.py) on
 a tiny random Llama with the testbed's tokenizer: the shards equal Hugging Face extraction's, verify passes, the
 manifest names the engine, a run cut short and resumed equals an uninterrupted one, a missing vLLM is one line,
 and target layer i is read from vLLM's aux id i + 1."""
@@ -16,13 +16,13 @@ import torch
 
 from dflashkit.cli import run_main
 from dflashkit.errors import UserError
-from dflashkit.extract import vllm_capture_standin as standin
 from dflashkit.extract.__main__ import main as extract_main
 from dflashkit.extract.run import extract
 from dflashkit.extract.shards.manifest import read_manifest
 from dflashkit.extract.shards.reader import ShardDataset
 from dflashkit.extract.shards.verify import verify_dataset
-from dflashkit.extract.vllm_capture import (
+from dflashkit.targets import vllm_capture_standin as standin
+from dflashkit.targets.vllm_capture import (
     VllmCapture,
     VllmCaptureApi,
     VllmCaptureConfig,

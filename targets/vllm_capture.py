@@ -36,7 +36,7 @@ Design choices:
 - vLLM is the optional extra (`pip install 'dflashkit[vllm]'`), imported only in ``real_vllm_api`` and only when
   this engine runs; without it the command fails in one line (``MISSING_VLLM``). Everything vLLM-specific is in
   ``VllmCaptureApi`` (the LLM factory, SamplingParams, the GPU release), so tests inject the CPU twin
-  (extract/vllm_capture_standin.py) and the same code, file reading included, runs.
+  (targets/vllm_capture_standin.py) and the same code, file reading included, runs.
 - One ``generate`` per forward batch of the run (max_tokens 1: prefill plus one sampled token), prompts given as
   token ids, outputs in prompt order. Each file is read with safetensors only (never pickle), checked against
   its prompt (token ids, length, K, H), then deleted with its lock file.

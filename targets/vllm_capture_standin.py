@@ -1,6 +1,6 @@
 """A CPU twin of `vllm.LLM` configured for hidden-state capture: the calls and files `extract --engine vllm` uses.
 
-vLLM does not run on a CPU, so the capture adapter (extract/vllm_capture.py) runs in tests over this twin; the
+vLLM does not run on a CPU, so the capture adapter (targets/vllm_capture.py) runs in tests over this twin; the
 GPU run proves the real path.
 
 Design choices:
