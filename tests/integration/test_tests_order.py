@@ -1,4 +1,5 @@
-"""The order `make test` sends test files to its workers in (tests/support/file_seconds.py)."""
+"""The order `make test` sends test files to its workers in (tests/support/file_seconds.py), next to the layout
+rules of tests/integration/test_tests_layout.py."""
 
 import json
 
