@@ -39,6 +39,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from dflashkit.targets.vllm_capture_standin import CompletionOutput, RequestOutput  # vllm.outputs twins
+
 SPEC_DRAFTS = "vllm:spec_decode_num_drafts"
 SPEC_DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
 SPEC_ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
@@ -68,14 +70,6 @@ class SamplingParams:  # the fields of vllm.SamplingParams the adapter sets
 
 
 @dataclass
-class CompletionOutput:  # vllm.outputs.CompletionOutput
-    index: int
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None
-
-
-@dataclass
 class RequestStateStats:  # vllm.v1.metrics.stats.RequestStateStats
     num_generation_tokens: int = 0  # tokens the request produced
     arrival_time: float = 0.0  # when generate() received it
@@ -84,16 +78,6 @@ class RequestStateStats:  # vllm.v1.metrics.stats.RequestStateStats
     first_token_ts: float = 0.0  # end of the step that produced its first token
     last_token_ts: float = 0.0  # end of the step that produced its last token
     first_token_latency: float = 0.0  # first_token_ts - arrival_time
-
-
-@dataclass
-class RequestOutput:  # vllm.outputs.RequestOutput
-    request_id: str
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
-    finished: bool = True
-    metrics: RequestStateStats | None = None
-    num_cached_tokens: int = 0
 
 
 class ModelledClock:

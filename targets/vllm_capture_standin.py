@@ -40,6 +40,7 @@ class SamplingParams:  # the fields of vllm.SamplingParams the adapter sets
     temperature: float = 1.0
 
 
+# the twins of vllm.outputs, shared with the serving twin (eval/vllm_standin.py)
 @dataclass
 class CompletionOutput:  # vllm.outputs.CompletionOutput
     index: int
@@ -49,12 +50,14 @@ class CompletionOutput:  # vllm.outputs.CompletionOutput
 
 
 @dataclass
-class RequestOutput:  # the fields of vllm.outputs.RequestOutput the adapter reads
+class RequestOutput:  # the fields of vllm.outputs.RequestOutput the adapters read
     request_id: str
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool = True
-    kv_transfer_params: dict | None = field(default=None)
+    kv_transfer_params: dict | None = field(default=None)  # the capture connector's file (hidden_states_path)
+    metrics: object | None = None  # the serving twin's RequestStateStats
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache
 
 
 def _aux_ids(speculative_config: dict) -> list[int]:

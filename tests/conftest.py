@@ -4,6 +4,7 @@ modules by file path, so test modules never import each other).
 
 - _seed: every test starts from torch seed 0.
 - one_thread: one torch thread for a module of tiny models (``pytestmark = pytest.mark.usefixtures("one_thread")``).
+- scratch: the system temporary directory pointed at an empty folder of the test's own.
 - tiny_run: the tiny training target and its feature shards, once per session.
 - fresh_accelerate_state (autouse): accelerate's class-level state reset after every test.
 
@@ -51,6 +52,18 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture
+def scratch(tmp_path, monkeypatch):
+    """The system temporary directory, pointed at an empty folder (a vLLM twin's engine files must not outlive
+    their engine: the folder is empty again after it)."""
+    import tempfile
+
+    folder = tmp_path / "tmp"
+    folder.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(folder))
+    return folder
 
 
 @pytest.fixture(scope="session")

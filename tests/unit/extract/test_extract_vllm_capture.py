@@ -7,7 +7,6 @@ import fcntl
 import json
 import os
 import sys
-import tempfile
 import threading
 import time
 
@@ -41,15 +40,6 @@ FLAGS = {"layer_ids": LAYERS, "batch_tokens": 300, "bucket_window": 8, "shard_si
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     return save_tiny_chat_target(tmp_path_factory.mktemp("tiny") / "target")
-
-
-@pytest.fixture
-def scratch(tmp_path, monkeypatch):
-    """The system temporary directory, pointed at an empty folder: the engine's files must not outlive it."""
-    folder = tmp_path / "tmp"
-    folder.mkdir()
-    monkeypatch.setattr(tempfile, "tempdir", str(folder))
-    return folder
 
 
 def standin_api(fail_at_call: int | None = None) -> VllmCaptureApi:

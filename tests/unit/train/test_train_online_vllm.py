@@ -5,7 +5,6 @@ checkpoints and export; the refusals name the field. The real engine is proven o
 
 import json
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -32,15 +31,6 @@ def chat(tmp_path_factory):
     root = tmp_path_factory.mktemp("online-vllm")
     target = save_tiny_chat_target(root / "target")
     return target, write_jsonl(root / "chats.jsonl", chat_records(10, seed=5), bad_lines={3: "{not json"})
-
-
-@pytest.fixture
-def scratch(tmp_path, monkeypatch):
-    """The system temporary directory, pointed at an empty folder: the engine's files must not outlive it."""
-    folder = tmp_path / "tmp"
-    folder.mkdir()
-    monkeypatch.setattr(tempfile, "tempdir", str(folder))
-    return folder
 
 
 def overrides(out, **kw) -> dict:
