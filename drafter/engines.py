@@ -211,6 +211,11 @@ VLLM_024_RULES: dict[str, tuple[str, str]] = {
                    "step, so N = block_size - 1 must be set by hand",
                    "config/speculative.py:821-825; v1/spec_decode/dflash.py:109; "
                    "v1/worker/gpu/spec_decode/dflash/speculator.py:43"),
+    "target_window": ("a target whose layers share one sliding_window (no layer_types, or all of one type) has it "
+                      "set as CacheConfig.sliding_window, and every attention layer built without a window of its "
+                      "own takes that one: the drafter's layers too",
+                      "engine/arg_utils.py:1825-1830; model_executor/layers/attention/attention.py:229-236; "
+                      "transformers_utils/config.py:568-575"),
     "gguf_quantization_config": ("a target config.json whose quantization_config has quant_method gguf sends the "
                                  "model down the GGUF loader", "config/model.py:976-1041"),
 }
@@ -236,6 +241,23 @@ def sliding_window_reason(layer_types) -> str | None:
     return (f"drafter layers {sliding} are sliding_attention: vLLM {VLLM_VERSION} ignores layer_types and "
             f"sliding_window and serves them as full attention ({VLLM_024_RULES['sliding_window'][1]}), so "
             f"acceptance there is lower than trained; train with full_attention layers for vLLM")
+
+
+def target_window_reason(target_config: dict, max_model_len: int | None = None) -> str | None:
+    """Why vLLM 0.24 would serve a drafter of this target (its config.json) with windowed attention it was not
+    trained with, or None: the target's one sliding window reaches the drafter's layers (rule "target_window");
+    nothing when the window covers ``max_model_len``."""
+    text = target_config.get("text_config") or target_config
+    window = text.get("sliding_window")
+    if text.get("use_sliding_window") is False:  # Qwen2 / Qwen3 configs: transformers drops the window
+        window = None
+    types = text.get("layer_types") or []
+    if not window or len(set(types)) > 1 or (max_model_len is not None and int(window) >= int(max_model_len)):
+        return None
+    return (f"the target's sliding_window {window} is one for every layer, and vLLM {VLLM_VERSION} gives it to "
+            f"the drafter's layers too ({VLLM_024_RULES['target_window'][1]}): beyond {window} tokens of context "
+            f"the drafter attends to fewer keys than in training and acceptance drops; serve with max_model_len "
+            f"<= {window} to stay within what it was trained on")
 
 
 def vllm_warnings(config) -> list[str]:

@@ -280,9 +280,13 @@ def prepare_run(target: str, drafter: str, datasets: list[str], config: VllmEval
                      + len(tokenizer(second)["input_ids"]) + 64 for _, messages, second in turns])
     max_len = config.max_model_len or -(-(longest + config.max_new_tokens + max(ks) + 1) // 256) * 256
     headline = dcfg.block_size - 1 if dcfg.block_size - 1 in ks else ks[-1]
+    target_config = json.loads((Path(target_dir) / "config.json").read_text())
+    window = rules.target_window_reason(target_config, max_len)
+    if window:
+        notes.append(f"warning: {window}")
+        warn(notes[-1])
     return ServedRun(api, config, str(Path(drafter).resolve()), dcfg, ks, headline, target_dir, served_dir,
-                     stripped, json.loads((Path(target_dir) / "config.json").read_text()), tokenizer,
-                     template_kwargs, prompts, turns, params, max_len, notes)
+                     stripped, target_config, tokenizer, template_kwargs, prompts, turns, params, max_len, notes)
 
 
 def dflash_spec(run: ServedRun, k: int) -> dict:

@@ -134,6 +134,22 @@ def test_other_num_speculative_tokens_warns_and_is_reported(pair, tmp_path):
     assert "num_speculative_tokens 2 (block_size − 1 = 3)" in (tmp_path / "report.md").read_text()
 
 
+def test_a_target_window_reaching_the_drafter_is_a_warning(pair, tmp_path):
+    """vLLM 0.24 gives a target's one sliding window to the drafter's layers (drafter/engines.py "target_window"):
+    a served context longer than the window is warned about and reported."""
+    import shutil
+
+    target = shutil.copytree(pair / "target", tmp_path / "target")
+    config = json.loads((target / "config.json").read_text())
+    (target / "config.json").write_text(json.dumps({**config, "sliding_window": 16}))
+    warnings = []
+    run = VllmEvalConfig(concurrency=[1], prefix_caching=["on"], max_new_tokens=NEW, use_stop_tokens=False)
+    report = run_vllm_eval(str(target), str(pair / "drafter"), tmp_path / "out", [str(pair / "chats.jsonl")], run,
+                           num_prompts=2, api=standin_api(), warn=warnings.append)
+    assert [w for w in warnings if "sliding_window 16" in w] and any("sliding_window 16" in w for w in
+                                                                        report["warnings"])
+
+
 @pytest.mark.slow
 def test_bench_vllm_runs_every_part_on_the_twin(tmp_path):
     sys.path.insert(0, str(ROOT / "bench"))  # its shared helpers (bench/common.py), as running the script puts them
