@@ -339,22 +339,3 @@ def test_init_drafter_refuses_a_gemma3_target_in_one_line(tmp_path, capsys):
     assert len(errors) == 1 and "Gemma 3 targets cannot be served faithfully" in errors[0]
     assert not (tmp_path / "d").exists()
 
-
-@pytest.mark.parametrize("config, max_len, windowed", [
-    ({"model_type": "mistral", "sliding_window": 4096}, 8192, True),  # one window for every layer
-    ({"model_type": "mistral", "sliding_window": 4096}, 4096, False),  # the window covers every served context
-    ({"model_type": "mistral", "sliding_window": 4096, "layer_types": ["sliding_attention"] * 4}, None, True),
-    ({"model_type": "qwen3", "sliding_window": 32768, "use_sliding_window": False}, 65536, False),
-    ({"model_type": "gemma3_text", "sliding_window": 512, "layer_types": ["sliding_attention", "full_attention"]},
-     8192, False),  # interleaved: vLLM leaves CacheConfig.sliding_window unset
-    ({"model_type": "llama", "sliding_window": None}, 8192, False),
-    ({"model_type": "mistral3", "text_config": {"sliding_window": 1024}}, 2048, True),
-])
-def test_a_target_window_that_reaches_the_drafter_is_named(config, max_len, windowed):
-    from dflashkit.drafter.engines import target_window_reason
-
-    reason = target_window_reason(config, max_len)
-    assert (reason is not None) == windowed
-    if windowed:
-        window = (config.get("text_config") or config)["sliding_window"]
-        assert f"sliding_window {window}" in reason and f"max_model_len <= {window}" in reason

@@ -20,7 +20,8 @@ def _config(**kw):
 
 
 def test_every_rule_cites_the_vllm_file():
-    assert set(rules.VLLM_024_RULES) == {"last_layer_tap", "sliding_window", "block_size", "gguf_quantization_config"}
+    assert set(rules.VLLM_024_RULES) == {"last_layer_tap", "sliding_window", "target_window", "block_size",
+                                       "gguf_quantization_config"}
     assert all(".py:" in where for _, where in rules.VLLM_024_RULES.values())
 
 
@@ -91,3 +92,21 @@ def test_a_gguf_quantization_config_is_stripped_in_a_copy(tmp_path):
     assert "quantization_config" in json.loads((target / "config.json").read_text())  # the original is untouched
     weights = served / "model.safetensors"
     assert weights.is_symlink() and weights.resolve() == (target / "model.safetensors").resolve()
+
+
+@pytest.mark.parametrize("config, max_len, windowed", [
+    ({"model_type": "mistral", "sliding_window": 4096}, 8192, True),  # one window for every layer
+    ({"model_type": "mistral", "sliding_window": 4096}, 4096, False),  # the window covers every served context
+    ({"model_type": "mistral", "sliding_window": 4096, "layer_types": ["sliding_attention"] * 4}, None, True),
+    ({"model_type": "qwen3", "sliding_window": 32768, "use_sliding_window": False}, 65536, False),
+    ({"model_type": "gemma3_text", "sliding_window": 512, "layer_types": ["sliding_attention", "full_attention"]},
+     8192, False),  # interleaved: vLLM leaves CacheConfig.sliding_window unset
+    ({"model_type": "llama", "sliding_window": None}, 8192, False),
+    ({"model_type": "mistral3", "text_config": {"sliding_window": 1024}}, 2048, True),
+])
+def test_a_target_window_that_reaches_the_drafter_is_named(config, max_len, windowed):
+    reason = rules.target_window_reason(config, max_len)
+    assert (reason is not None) == windowed
+    if windowed:
+        window = (config.get("text_config") or config)["sliding_window"]
+        assert f"sliding_window {window}" in reason and f"max_model_len <= {window}" in reason
