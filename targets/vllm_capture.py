@@ -110,13 +110,15 @@ def aux_layer_ids(target_layer_ids) -> list[int]:
     return [int(i) + 1 for i in target_layer_ids]
 
 
-def check_taps(target_layer_ids, num_layers: int, store_last_hidden: bool) -> None:
-    """UserError for what vLLM captures differently from Hugging Face: the last layer, the final-norm output."""
+def check_taps(target_layer_ids, num_layers: int, store_last_hidden: bool, flag: str = "--engine vllm",
+               instead: str = "extract with --engine hf") -> None:
+    """UserError for what vLLM captures differently from Hugging Face: the last layer, the final-norm output;
+    the message names the caller's ``flag`` and what to do ``instead``."""
     from dflashkit.drafter.engines import last_layer_tap_reason
 
     reason = last_layer_tap_reason(target_layer_ids, num_layers)
     if reason:
-        raise UserError(f"--engine vllm: {reason}; or extract with --engine hf")
+        raise UserError(f"{flag}: {reason}; or {instead}")
     if store_last_hidden:
         raise UserError("--store-last-hidden with --engine vllm: vLLM's captured states are taken before the "
                         "final norm, so it cannot store the final-norm output; drop the flag or use --engine hf")

@@ -17,7 +17,7 @@ Design choices:
   workers. The training head (embedding, final norm, lm_head) is read alone on the training device
   (``load_target_head``), as when training on shards.
 - vLLM takes the last layer before the final norm and cannot give the final-norm output: a tap on layer L-1 is
-  refused here (the rule of ``drafter.engines.last_layer_tap_reason``, as extract's ``check_taps``), ``loss=kl``
+  refused here (targets/vllm_capture.py ``check_taps``, as extract), ``loss=kl``
   and ``labels=target_argmax`` by train/config.py, before anything loads.
 - One training process: several would each start an engine on the same GPUs. The engine starts when the dataset
   is entered, before the drafter moves to the GPU (vLLM profiles the memory it may take at start), and shuts down
@@ -75,15 +75,6 @@ def open_online_vllm(cfg, device, compute_dtype: torch.dtype, say=print, rank: i
     return target, head, live_manifest(cfg, target), encode_online_data(cfg, target.tokenizer, say, rank)
 
 
-def check_vllm_taps(target_layer_ids, num_layers: int) -> None:
-    """UserError when vLLM would capture a tap differently from the Hugging Face forward (the last layer)."""
-    from dflashkit.drafter.engines import last_layer_tap_reason
-
-    reason = last_layer_tap_reason(target_layer_ids, num_layers)
-    if reason:
-        raise UserError(f"target_engine=vllm: {reason}; or train with target_engine=hf")
-
-
 def capture_config(cfg, device):
     """The engine's settings (targets/vllm_capture.py ``VllmCaptureConfig``) for the run ``cfg``."""
     from dflashkit.targets.vllm_capture import VllmCaptureConfig
@@ -99,7 +90,9 @@ class VllmOnlineFeatures(OnlineFeatures):
     files removed) on leaving it. Never carries ``last_hidden``."""
 
     def __init__(self, target, samples: list, target_layer_ids, *, config, api, batch_tokens: int, device):
-        check_vllm_taps(target_layer_ids, target.num_layers)
+        from dflashkit.targets.vllm_capture import check_taps
+
+        check_taps(target_layer_ids, target.num_layers, False, "target_engine=vllm", "train with target_engine=hf")
         self.config, self.api = config, api  # read by open_capture, during OnlineFeatures.__init__
         super().__init__(target, samples, target_layer_ids, store_last_hidden=False, batch_tokens=batch_tokens,
                          device=device)
