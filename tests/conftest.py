@@ -25,10 +25,15 @@ from support.tiny_targets import make_tiny_target
 
 def pytest_configure(config):
     """In an xdist worker, torch's threads are the worker's share of the cores: `make test` starts one worker per
-    core, and two workers of two threads each on two cores only wait on each other."""
+    core, and two workers of two threads each on two cores only wait on each other. The processes a test starts
+    get the same count (OMP_NUM_THREADS): a run in a child process then computes bit for bit what the same run
+    in the worker computes (a matmul split over another number of threads can round differently; the
+    resume-equals-uninterrupted extraction test compares the two exactly)."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
     if workers > 1:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+        threads = max(1, (os.cpu_count() or 1) // workers)
+        torch.set_num_threads(threads)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
 
 
 def pytest_collection_modifyitems(config, items):
