@@ -107,6 +107,7 @@ def part_serve(args, out: Path) -> None:
     config = VllmEvalConfig(concurrency=args.concurrency, prefix_caching=args.prefix_caching,
                             max_new_tokens=args.max_new_tokens, gpu_memory_utilization=args.gpu_memory_utilization,
                             max_model_len=args.max_model_len, max_requests_per_level=args.max_requests_per_level,
+                            min_waves=args.min_waves, cudagraph_capture=args.cudagraph_capture_size,
                             num_speculative_tokens=args.serve_ks, repeats=args.repeats, baselines=args.baseline,
                             schedule=json.loads(args.schedule) if args.schedule else None)
     report = run_vllm_eval(args.target, args.drafter, out / "serve", args.dataset, config, args.num_prompts,
@@ -407,7 +408,7 @@ def main(argv=None) -> int:
                    help="serve: num_speculative_tokens values (default: block_size - 1); several give the schedule")
     p.add_argument("--repeats", type=int, default=3, help="serve: runs per engine and level")
     p.add_argument("--schedule", help="serve: a JSON [[first, last, k], ...] served instead of the derived one")
-    p.add_argument("--baseline", nargs="+", choices=["ngram", "mtp"], default=[], help="serve: baselines")
+    p.add_argument("--baseline", nargs="+", choices=["ngram", "mtp", "v1"], default=[], help="serve: baselines")
     p.add_argument("--prefix-caching", nargs="+", choices=["on", "off"], default=["on", "off"])
     p.add_argument("--out", required=True)
     p.add_argument("--dflashkit-report", help="report.json of `dflashkit eval` (chain) on the same prompts")
@@ -421,6 +422,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128])
     p.add_argument("--max-requests-per-level", type=int, default=32, help="prompts per level, cycled to fill waves")
+    p.add_argument("--min-waves", type=int, default=1, help="serve: waves of c requests per level, at least")
+    p.add_argument("--cudagraph-capture-size", default="auto", help="serve: auto, vllm or N (eval's flag)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.25)
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--projection-prompt-tokens", type=int, default=128)

@@ -6,8 +6,9 @@
 #   2. the recipe (recipes/smollm2-135m.yaml: causal-in-block) trained online for EPOCHS epochs, stopped at
 #      L_TRAIN seconds if not done (it checkpoints and exports);
 #   3. vLLM alone on the GPU: `dflashkit eval --engine vllm` (bench/bench_vllm.py --parts serve) at k = KS and
-#      concurrency LEVELS, REPEATS runs per cell, baselines ngram and mtp (skipped: the testbed has no MTP head),
-#      the schedule served last (serve/schedule.json);
+#      concurrency LEVELS, REPEATS runs per cell of at least 4 waves, each engine's CUDA graphs covering its
+#      largest step, baselines ngram, mtp (skipped: the testbed has no MTP head) and v1 (no speculation on the V1
+#      model runner, the one a schedule runs on), the schedule served last (serve/schedule.json);
 #   4. (PROJECTION=1) the 8B-shaped projection at each k (bench_vllm.py --parts projection; random weights).
 #
 #   python bench/testbed_data.py --out .cache/gpu --sharegpt 0        # here, where the testbed packages are
@@ -31,12 +32,15 @@ if [ "$SCALE" = toy ]; then
     --projection-prompt-tokens 6)
   L_TRAIN=${L_TRAIN:-900}; L_VLLM=${L_VLLM:-900}; L_PROJ=${L_PROJ:-900}
 else
-  DEV=(); SLOTS=2048; NEW=256; LIMIT=(); KS=${KS:-1 3 7 15}; LEVELS=${LEVELS:-1 4 16 64 128}
+  DEV=(); SLOTS=2048; NEW=256; LIMIT=(); KS=${KS:-3 7 15}; LEVELS=${LEVELS:-1 4 16 64 128}
   EXTRA=max_length=2048,eval_samples=64,eval_every=0,save_every=200,keep_last=2,tokenize_workers=4
-  VLLM=(--num-prompts 80 --max-new-tokens 256 --repeats 3 --max-requests-per-level 8 --gpu-memory-utilization 0.3)
-  # one 30-minute lease holds regeneration (48 s), 360 s of training (1,380 of the recipe's 2,723 steps, ~1.5
-  # epochs, H200 2026-12-03) and the sweep (~2 min an engine: start-up 45-75 s, then the levels)
-  L_TRAIN=${L_TRAIN:-360}; L_VLLM=${L_VLLM:-900}; L_PROJ=${L_PROJ:-480}
+  VLLM=(--num-prompts 80 --max-new-tokens 256 --repeats 3 --max-requests-per-level 8 --min-waves 4 \
+    --gpu-memory-utilization 0.3)
+  # one 30-minute lease (~25 min after the carry calls) holds regeneration (42 s), 300 s of training (~1,380 of the
+  # recipe's 2,723 steps at 31.5k tokens/s, H200 2026-12-03) and the sweep: seven engines (no speculation, k = 3,
+  # 7, 15, n-gram, v1, the schedule), each ~2.5 min (start-up 20-100 s, the levels at 4 waves). k = 1 is left out
+  # by default: on 2026-12-03 it never beat no speculation (0.73-1.04x, RESULTS.md); KS="1 3 7 15" adds it.
+  L_TRAIN=${L_TRAIN:-300}; L_VLLM=${L_VLLM:-1080}; L_PROJ=${L_PROJ:-480}
 fi
 VENV=(bash "$ROOT/bench/vllm_env.sh" "$PY")  # the slim vLLM's environment (../shared/vllm/README.md)
 echo "[$(date +%T)] start: scale $SCALE, $(nvidia-smi -L 2>/dev/null | wc -l) GPU(s)" >> "$R/stages.txt"
@@ -53,7 +57,7 @@ DRAFTER=$R/work/train/default/export
 # --- 3. vLLM alone: every k, the baselines, the schedule ---------------------------------------------------------------
 # shellcheck disable=SC2086
 stage vllm-schedule "$L_VLLM" "${VENV[@]}" "$ROOT/bench/bench_vllm.py" --parts serve --target "$T" \
-  --drafter "$DRAFTER" --serve-ks $KS --concurrency $LEVELS --baseline ngram mtp --prefix-caching on \
+  --drafter "$DRAFTER" --serve-ks $KS --concurrency $LEVELS --baseline ngram mtp v1 --prefix-caching on \
   --dataset "$D/mtbench.jsonl" --out "$O/vllm" "${VLLM[@]}"
 
 # --- 4. (PROJECTION=1) the 8B-shaped step times at each k and the schedule an 8B user would deploy --------------------

@@ -218,7 +218,15 @@ VLLM_024_RULES: dict[str, tuple[str, str]] = {
                       "transformers_utils/config.py:568-575"),
     "gguf_quantization_config": ("a target config.json whose quantization_config has quant_method gguf sends the "
                                  "model down the GGUF loader", "config/model.py:976-1041"),
+    "cudagraph_ceiling": ("CUDA graphs are captured up to max_cudagraph_capture_size tokens a step, by default "
+                          "min(max_num_seqs * (1 + num_speculative_tokens) * 2, 512); a step above it runs eagerly. "
+                          "A decode step of c requests queries c * (1 + k) tokens, so at k = 15 every step of more "
+                          "than 32 requests runs without graphs (measured on the H200: inter-token latency 14 ms "
+                          "instead of 3 at 64 requests)",
+                          "config/vllm.py:1683-1694, 1675-1676 (docstring); engine/arg_utils.py:1464-1467 "
+                          "(--max-cudagraph-capture-size)"),
 }
+VLLM_DEFAULT_CUDAGRAPH_CEILING = 512  # tokens a step: vLLM 0.24's largest default capture size
 VLLM_VERSION = "0.24"  # the release the rules above were read from
 ENGINE_CHOICES = ("all", "vllm")  # `dflashkit export --for`: every engine, or vLLM 0.24 only
 
@@ -299,16 +307,31 @@ def vllm_num_speculative_tokens(block_size: int, requested: int | None = None, w
     return int(requested)
 
 
-def vllm_serve_command(target: str, drafter: str, block_size: int, speculative_config: dict | None = None) -> str:
+def vllm_cudagraph_capture_size(max_num_seqs: int, num_speculative_tokens: int) -> int | None:
+    """The max_cudagraph_capture_size that keeps a decode step of ``max_num_seqs`` requests, each querying
+    1 + ``num_speculative_tokens`` tokens, inside CUDA graphs (rule "cudagraph_ceiling"), rounded up to vLLM's
+    step of 16; None when vLLM's default already covers it."""
+    tokens = int(max_num_seqs) * (1 + int(num_speculative_tokens))
+    if tokens <= VLLM_DEFAULT_CUDAGRAPH_CEILING:  # the default is min(2 * tokens, 512) >= tokens
+        return None
+    return -(-tokens // 16) * 16
+
+
+def vllm_serve_command(target: str, drafter: str, block_size: int, speculative_config: dict | None = None,
+                       max_num_seqs: int | None = None, cudagraph_capture_size: int | None = None) -> str:
     """The `vllm serve` line for a drafter: num_speculative_tokens = block_size - 1 (vLLM reads no block_size),
-    or the given speculative_config (a per-batch-size schedule's). A DFlash2 export is checked against vLLM 0.28
-    first (``dflash2_serve_note``: no schedule, N = block_size - 1) and the line names the vLLM that serves it."""
+    or the given speculative_config (a per-batch-size schedule's); ``max_num_seqs`` and
+    ``cudagraph_capture_size`` (``vllm_cudagraph_capture_size``: what covers those requests' decode steps) as
+    the engine was measured with. A DFlash2 export is checked against vLLM 0.28 first (``dflash2_serve_note``:
+    no schedule, N = block_size - 1) and the line names the vLLM that serves it."""
     spec = speculative_config or {"method": "dflash", "model": str(drafter),
                                   "num_speculative_tokens": int(block_size) - 1}
     from .vllm_dflash2 import dflash2_serve_note  # DFlash2 exports: vLLM 0.28's rules
 
     note = dflash2_serve_note(drafter, spec)
-    return f"vllm serve {target} --speculative-config '{json.dumps(spec)}'{note}"
+    extra = (f" --max-num-seqs {int(max_num_seqs)}" if max_num_seqs else "") + (
+        f" --max-cudagraph-capture-size {int(cudagraph_capture_size)}" if cudagraph_capture_size else "")
+    return f"vllm serve {target}{extra} --speculative-config '{json.dumps(spec)}'{note}"
 
 
 def is_gguf_quantized(config: dict) -> bool:

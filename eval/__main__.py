@@ -58,6 +58,7 @@ FLAG_RANGES = {
     "num_speculative_tokens": (1, True, None, "drafts per step"),
     "repeats": (1, True, None, "runs per engine and level"),
     "max_requests_per_level": (1, True, None, "prompts a level takes"),
+    "min_waves": (1, True, None, "waves of c requests per level"),
     "gpu_memory_utilization": (0, False, 1, "share of the GPU"),
     "max_model_len": (1, True, None, "tokens"),
     "timeout": (0, False, None, "seconds per request"),
@@ -66,7 +67,8 @@ FLAG_RANGES = {
 ENGINE_ONLY = {
     "dflashkit": {"concurrency": "--server and --engine vllm", "num_speculative_tokens": "--engine vllm",
                   "max_model_len": "--engine vllm", "repeats": "--server and --engine vllm",
-                  "baseline": "--engine vllm", "max_requests_per_level": "--engine vllm"},
+                  "baseline": "--engine vllm", "max_requests_per_level": "--engine vllm",
+                  "min_waves": "--engine vllm", "cudagraph_capture_size": "--engine vllm"},
     "vllm": {"block_size": "the dflashkit engine (with vLLM: --num-speculative-tokens)",
              "time_limit": "the dflashkit engine", "baseline_prompts": "the dflashkit engine",
              "reference_prompts": "the dflashkit engine"},
@@ -143,8 +145,16 @@ def add_vllm_flags(p: argparse.ArgumentParser) -> None:
                         "median is reported with the runs' spread")
     served.add_argument("--max-requests-per-level", type=int, default=None,
                         help="prompts a level takes, cycled to fill its waves (default: every prompt)")
-    served.add_argument("--baseline", nargs="+", choices=["ngram", "mtp"], default=None,
-                        help="also serve what a user would deploy instead: vLLM's n-gram lookup, the target's MTP head")
+    served.add_argument("--min-waves", type=int, default=None,
+                        help="a level sends at least this many waves of c requests (default 1; 4 gives runs of "
+                             "seconds where one wave of many requests takes half a second)")
+    served.add_argument("--cudagraph-capture-size", default=None, metavar="auto|vllm|N",
+                        help="vLLM's max_cudagraph_capture_size per engine: auto (default) covers a decode step of "
+                             "the largest level at the engine's k (vLLM's default stops at 512 tokens and runs "
+                             "larger steps eagerly); vllm: its default; N: that many tokens")
+    served.add_argument("--baseline", nargs="+", choices=["ngram", "mtp", "v1"], default=None,
+                        help="also serve what a user would deploy instead: vLLM's n-gram lookup, the target's MTP "
+                             "head; v1: no speculation on vLLM's V1 model runner (what a schedule runs on)")
     served.add_argument("--no-schedule-run", action="store_true",
                         help="derive the schedule without serving it in one more engine")
     served.add_argument("--prefix-caching", nargs="+", choices=["on", "off"], default=["on", "off"],
@@ -313,7 +323,8 @@ def _vllm_config(args):
                             gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
                             enforce_eager=args.enforce_eager, seed=args.seed, use_stop_tokens=not args.no_stop,
                             repeats=args.repeats or 3, baselines=args.baseline or [],
-                            max_requests_per_level=args.max_requests_per_level,
+                            max_requests_per_level=args.max_requests_per_level, min_waves=args.min_waves or 1,
+                            cudagraph_capture=args.cudagraph_capture_size or "auto",
                             schedule_run=not args.no_schedule_run)
     config.check()
     return config

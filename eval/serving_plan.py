@@ -22,9 +22,18 @@ Design choices:
   schedule must propose well at every k it names: a causal-in-block drafter (dflash_config.causal) proposes the
   same first j tokens for every k >= j; a non-causal one changes its proposals with k. The schedule's engine is
   measured like the others, so what the schedule costs is in its cells.
+- The plan to deploy is chosen from what was measured, not from what the cells predict (``pick_plan``): among
+  every engine that speculates (the drafter at each fixed k, the schedule's own engine, the baselines), those
+  never slower than no speculation beyond the noise at any level; of these the fastest at the lowest level.
+  None qualifying, the plan is no speculation, and the verdict says up to which concurrency the engine fastest
+  at the lowest level pays. On vLLM 0.24 the schedule's engine pays for its runner: measured on the H200
+  testbed, 0.18x at one request where the schedule says k = 0 (RESULTS.md), so the derived schedule is only
+  deployed when its own measurement says so.
 - Baselines a user would deploy instead: vLLM's n-gram prompt lookup (k 4, n 2…4) and the target's own MTP head
   when its config.json declares MTP layers (``num_nextn_predict_layers`` or ``mtp_num_hidden_layers``, as
-  vllm/config/speculative.py reads them for the targets it knows).
+  vllm/config/speculative.py reads them for the targets it knows). And ``v1``: no speculation on vLLM's V1 model
+  runner (``VLLM_USE_V2_MODEL_RUNNER=0``, vllm/config/vllm.py:522-525), the runner a schedule is served on, so
+  that the schedule's cost splits into the runner's and the drafter's; it is never a plan.
 """
 
 from __future__ import annotations
@@ -36,15 +45,23 @@ from dflashkit.errors import UserError
 SCHEDULE_FIELD = "num_speculative_tokens_per_batch_size"
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 MTP_FIELDS = ("num_nextn_predict_layers", "mtp_num_hidden_layers")
-BASELINES = ("ngram", "mtp")
+BASELINES = ("ngram", "mtp", "v1")
+V1_RUNNER = "v1"  # the baseline without speculation on vLLM's V1 model runner, the runner a schedule is served on
 
 
 # ----------------------------------------------------------------------------- requests and agreement
-def level_requests(prompts: list[tuple[str, list[int]]], concurrency: int,
-                   cap: int | None = None) -> list[tuple[str, list[int]]]:
-    """The first `cap` prompts (all when None) in order, cycled to fill whole waves of `concurrency`."""
-    total = -(-min(len(prompts), cap or len(prompts)) // concurrency) * concurrency
+def level_requests(prompts: list[tuple[str, list[int]]], concurrency: int, cap: int | None = None,
+                   min_waves: int = 1) -> list[tuple[str, list[int]]]:
+    """The first `cap` prompts (all when None) in order, cycled to fill whole waves of `concurrency`, at least
+    `min_waves` of them."""
+    waves = max(-(-min(len(prompts), cap or len(prompts)) // concurrency), min_waves)
+    total = waves * concurrency
     return [prompts[k % len(prompts)] for k in range(total)]
+
+
+def run_requests(run, c: int) -> list[tuple[str, list[int]]]:
+    """The requests of level ``c``: the same for every engine of the run."""
+    return level_requests(run.prompts, c, run.config.max_requests_per_level, run.config.min_waves)
 
 
 def agreement(names: list[str], with_drafter: list[list[int]], without: list[list[int]]) -> dict:
@@ -166,6 +183,50 @@ def schedule_spec(drafter: str, schedule: dict) -> dict:
             SCHEDULE_FIELD: schedule[SCHEDULE_FIELD]}
 
 
+def capture_size(run, spec: dict | None) -> int | None:
+    """The max_cudagraph_capture_size an engine of ``run`` (eval/vllm_engine.py ServedRun) is given (None: vLLM's
+    default), per its ``cudagraph_capture``; ``spec``'s num_speculative_tokens (0 without one) sets the tokens of
+    a decode step."""
+    mode = run.config.cudagraph_capture
+    if run.config.enforce_eager or mode == "vllm":
+        return None
+    if mode != "auto":
+        return int(mode)
+    from dflashkit.drafter.engines import vllm_cudagraph_capture_size
+
+    return vllm_cudagraph_capture_size(max(run.levels), (spec or {}).get("num_speculative_tokens", 0))
+
+
+def never_loses(levels: dict) -> bool:
+    """level -> {speedup, noise}: no level slower than no speculation beyond its noise."""
+    return all(v["speedup"] >= 1 - v["noise"] for v in levels.values())
+
+
+def pays_up_to(levels: dict) -> int | None:
+    """level -> {speedup, noise}: the largest level up to which every level beats no speculation beyond the
+    noise (None: not even the first)."""
+    up_to = None
+    for c in sorted(levels, key=int):
+        if levels[c]["speedup"] <= 1 + levels[c]["noise"]:
+            break
+        up_to = int(c)
+    return up_to
+
+
+def pick_plan(engines: dict) -> dict:
+    """name -> {"levels": level -> {speedup, noise}} (no speculation under "none"): the plan to deploy (module
+    notes) and, when it is no speculation, the engine fastest at the lowest level and up to where it pays."""
+    lowest = min(engines["none"]["levels"], key=int)
+    speculating = {n: e["levels"] for n, e in engines.items() if n not in ("none", V1_RUNNER)}
+    safe = [n for n, levels in speculating.items() if never_loses(levels)]
+    plan = max(safe, key=lambda n: speculating[n][lowest]["speedup"]) if safe else "none"
+    fastest = max(speculating, key=lambda n: speculating[n][lowest]["speedup"]) if speculating else None
+    return {"plan": plan, "never_losing": sorted(safe), "fastest_at_lowest": fastest,
+            "fastest_pays_up_to": pays_up_to(speculating[fastest]) if fastest else None,
+            "rule": "among the engines that speculate, those never slower than no speculation beyond the noise "
+                    "at any level, the fastest at the lowest level; none: no speculation"}
+
+
 # ----------------------------------------------------------------------------- baselines and positions
 def mtp_layers(target_config: dict) -> int:
     """MTP layers the target declares (0: none), in its config or its text_config."""
@@ -182,6 +243,8 @@ def baseline_specs(names: list[str], target_config: dict) -> tuple[dict, dict]:
     for name in names:
         if name == "ngram":
             run["ngram"] = dict(NGRAM)
+        elif name == V1_RUNNER:
+            run[V1_RUNNER] = None  # no speculation; eval/vllm_engine.py starts it on the V1 runner
         elif name == "mtp":
             layers = mtp_layers(target_config)
             if layers:

@@ -7,9 +7,11 @@ Design choices:
   step yields one, so speedup_c ≈ τ_c · t_AR,c / t_spec,c, and the τ that would make speedup_c = 1 at the step
   times measured there is τ_c / speedup_c (it ignores that a different drafter changes the step time, and
   that τ cannot exceed num_speculative_tokens + 1).
-- The plan's verdict comes first: the schedule to deploy (eval/serving_plan.py) with what its own engine
-  measured, and which engine is fastest at each level; then the headline k's verdict.
-- report.md: the verdicts, the settings (the serve command is the schedule's) and warnings, acceptance, lossless
+- The plan's verdict comes first: what to deploy, chosen from what every engine measured (eval/serving_plan.py
+  ``pick_plan``: a fixed k, the schedule, a baseline, or no speculation and up to which concurrency the best
+  engine pays), what the derived schedule measured, and which engine is fastest at each level; then the
+  headline k's verdict.
+- report.md: the verdicts, the settings (the serve command is the plan's) and warnings, acceptance, lossless
   agreement, the headline k's concurrency table, the speedup of every engine at every level (± noise), the
   schedule, τ per k, and prefix caching.
 """
@@ -68,31 +70,49 @@ def verdict(rows: list[dict], max_tau: float | None = None) -> dict:
 
 
 def _label(name: str) -> str:
-    return {"none": "no speculation", "schedule": "schedule", "ngram": "n-gram", "mtp": "MTP"}.get(
+    return {"none": "no speculation", "schedule": "schedule", "ngram": "n-gram", "mtp": "MTP",
+            "v1": "no speculation, V1 runner"}.get(
         name, f"k = {name[1:]}" if name.startswith("k") else name)
 
 
+def _speedups(levels: dict) -> str:
+    return ", ".join(f"{_x(v['speedup'])} at {c}" for c, v in levels.items())
+
+
 def plan_verdict(report: dict) -> dict:
-    """The serving plan in words: the schedule to deploy and what it measured, and which engine wins at each
-    level (the highest median tok/s: no speculation, the drafter at a fixed k, the schedule, a baseline)."""
+    """The serving plan in words: what to deploy, chosen from what every engine measured (eval/serving_plan.py
+    ``pick_plan``), what the derived schedule measured, and which engine wins at each level (the highest median
+    tok/s: no speculation, the drafter at a fixed k, the schedule, a baseline)."""
+    from .serving_plan import pick_plan
+
     schedule, engines = report["schedule"], report["engines"]
     levels = list(engines["none"]["levels"])
     winners = {c: max(engines, key=lambda n: engines[n]["levels"][c]["output_tokens_per_s"]) for c in levels}
     ranges = json.dumps(schedule["num_speculative_tokens_per_batch_size"])
     measured = schedule.get("measured")
-    if not any(k for *_, k in schedule["num_speculative_tokens_per_batch_size"]):
-        text = ("No k beats no speculation by more than the noise at any concurrency measured: serve without "
-                "speculation (the schedule is k = 0 everywhere).")
+    chosen = pick_plan(engines)
+    plan = chosen["plan"]
+    if plan == "none":
+        text = "Serve without speculation: nothing measured here is as fast as no speculation at every concurrency."
+        fastest, up_to = chosen["fastest_at_lowest"], chosen["fastest_pays_up_to"]
+        if fastest and up_to:
+            text += (f" Up to concurrency {up_to}, {_label(fastest)} pays "
+                     f"({_speedups({c: v for c, v in engines[fastest]['levels'].items() if int(c) <= up_to})}).")
+    elif plan == "schedule":
+        text = (f"Serve with the schedule {ranges} (schedule.json, serve command below): measured "
+                f"{_speedups(engines['schedule']['levels'])} against no speculation.")
     else:
-        text = f"Serve with the schedule {ranges} (schedule.json, serve command below)"
-        if measured:
-            worst = min(measured, key=measured.get)
-            text += (f": measured {_x(measured[levels[0]])} at concurrency {levels[0]} … {_x(measured[levels[-1]])} "
-                     f"at {levels[-1]} against no speculation, lowest {_x(measured[worst])} at {worst}.")
-        else:
-            text += ": derived from the fixed-k cells, not measured (its engine did not run)."
+        text = (f"Serve with {_label(plan)} (serve command below): measured {_speedups(engines[plan]['levels'])} "
+                f"against no speculation, never slower beyond the noise.")
+    if not any(k for *_, k in schedule["num_speculative_tokens_per_batch_size"]):
+        text += " The derived schedule is k = 0 everywhere: no k beats no speculation by more than the noise."
+    elif plan != "schedule":
+        text += (f" The derived schedule {ranges} measured "
+                 + (f"{_speedups(engines['schedule']['levels'])}: not deployed." if measured
+                    else "nothing (its engine did not run): not deployed."))
     text += " Fastest per concurrency: " + ", ".join(f"{c}: {_label(w)}" for c, w in winners.items()) + "."
-    return {"text": text, "winners": winners, "schedule": schedule["num_speculative_tokens_per_batch_size"],
+    return {"text": text, "plan": plan, "never_losing": chosen["never_losing"], "rule": chosen["rule"],
+            "winners": winners, "schedule": schedule["num_speculative_tokens_per_batch_size"],
             "min_measured_speedup": min(measured.values()) if measured else None}
 
 

@@ -10,7 +10,9 @@ Design choices:
 - τ and lossless agreement: every prompt once, all submitted together, in each engine (the headline numbers).
 - Concurrency c means c requests submitted together: a level sends the prompts in waves of c (one
   `generate` call each, the last wave filled by cycling the prompts; `max_requests_per_level` caps the prompts a
-  level takes, for benchmarks of many levels), so at most c are in flight; every engine is
+  level takes, for benchmarks of many levels, and `min_waves` makes every level at least that many waves, so
+  that a level of many requests runs long enough to time: one wave of 16 requests takes half a second on the
+  H200 testbed, where repeats of it spread by 20-30%), so at most c are in flight; every engine is
   built with max_num_seqs = the largest level and serves all levels (one start-up per engine). Output tok/s =
   output tokens / wall time of the level's waves; time to first token and inter-token latency come from vLLM's
   RequestOutput.metrics (`first_token_latency`; (last_token_ts - first_token_ts) / (tokens - 1), the mean time
@@ -26,6 +28,11 @@ Design choices:
   The main measurements use the first setting listed.
 - One vLLM at a time: without the drafter first (baselines, turn-1 answers), then with it; each engine is shut
   down and the GPU released before the next starts.
+- CUDA graphs (``cudagraph_capture``): vLLM 0.24 captures graphs only up to 512 tokens a step by default and runs
+  larger steps eagerly (drafter/engines.py rule "cudagraph_ceiling"); a decode step of c requests at k queries
+  c * (1 + k) tokens. "auto" (default) raises max_cudagraph_capture_size of each engine to cover its largest
+  level at its k (``vllm_cudagraph_capture_size``) and the serve commands carry the same flag; "vllm" keeps
+  vLLM's default (what a deployment gets without the flag); a number sets it for every engine.
 - num_speculative_tokens defaults to block_size - 1 (vLLM reads no block_size); another value runs with a
   warning. vLLM 0.24's other rules (drafter/engines.py VLLM_024_RULES): taps of the last target layer and
   sliding-window drafter layers are warned about; a target config.json with a GGUF quantization_config is
@@ -34,9 +41,11 @@ Design choices:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -49,10 +58,11 @@ from dflashkit.errors import UserError
 from dflashkit.targets.vllm_runtime import import_vllm, release_gpu, wait_for_gpu_memory_to_settle
 
 from .prompts import multi_turn_prompts, target_stop_ids
-from .serving_plan import level_requests
+from .serving_plan import capture_size, run_requests
 
 DRAFTS, ACCEPTED = "vllm:spec_decode_num_drafts", "vllm:spec_decode_num_accepted_tokens"
 ACCEPTED_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
 PARTIAL_FILE = "engines.partial.jsonl"  # one line per engine as it finishes (eval/report.py REPORT_FILES)
 
 
@@ -74,6 +84,8 @@ class VllmEvalConfig:
     seed: int = 0  # vLLM's seed (greedy decoding does not use it)
     use_stop_tokens: bool = True  # False: requests end at max_new_tokens only
     max_requests_per_level: int | None = None  # a level takes at most this many prompts (None: all of them)
+    min_waves: int = 1  # a level sends at least this many waves of c requests (prompts cycled)
+    cudagraph_capture: str | int = "auto"  # auto: graphs cover every level's step; vllm: vLLM's default; N tokens
 
     def check(self) -> None:
         if not self.concurrency or min(self.concurrency) < 1:
@@ -90,6 +102,13 @@ class VllmEvalConfig:
             raise UserError(f"--num-speculative-tokens {self.num_speculative_tokens}: give values >= 1, e.g. 1 3 7 15")
         if self.repeats < 1:
             raise UserError(f"--repeats must be >= 1, got {self.repeats}")
+        if self.min_waves < 1:
+            raise UserError(f"--min-waves must be >= 1, got {self.min_waves}")
+        capture = self.cudagraph_capture
+        if not (capture in ("auto", "vllm") or (str(capture).isdigit() and int(capture) >= 1)):
+            raise UserError(f"--cudagraph-capture-size {capture}: use auto, vllm or a number of tokens >= 1")
+        if str(capture).isdigit():
+            self.cudagraph_capture = int(capture)
         from .serving_plan import BASELINES
 
         if self.schedule is not None:
@@ -293,13 +312,37 @@ def dflash_spec(run: ServedRun, k: int) -> dict:
     return {"method": "dflash", "model": run.drafter, "num_speculative_tokens": k}
 
 
+@contextlib.contextmanager
+def model_runner(v1: bool):
+    """With ``v1``, vLLM's V1 model runner for the engine started inside (VLLM_USE_V2_MODEL_RUNNER=0, read when
+    the engine's config is built: vllm/config/vllm.py:522-525); the variable as it was afterwards."""
+    before = os.environ.get(V2_RUNNER_ENV)
+    if v1:
+        os.environ[V2_RUNNER_ENV] = "0"
+    try:
+        yield
+    finally:
+        if v1:
+            if before is None:
+                os.environ.pop(V2_RUNNER_ENV, None)
+            else:
+                os.environ[V2_RUNNER_ENV] = before
+
+
 def start_served(run: ServedRun, name: str, spec: dict | None, prefix: str):
-    """One vLLM engine of the run (its start-up time recorded under ``name``)."""
+    """One vLLM engine of the run (its start-up time recorded under ``name``); the ``v1`` baseline on the V1
+    model runner."""
+    from .serving_plan import V1_RUNNER
+
     t0 = time.perf_counter()
-    llm = start_engine(run.api, model=str(run.served_dir), dtype=run.config.dtype, seed=run.config.seed,
-                       gpu_memory_utilization=run.config.gpu_memory_utilization, max_model_len=run.max_len,
-                       max_num_seqs=max(run.levels), enable_prefix_caching=prefix == "on",
-                       enforce_eager=run.config.enforce_eager, disable_log_stats=False, speculative_config=spec)
+    capture = capture_size(run, spec)
+    graphs = {"compilation_config": {"max_cudagraph_capture_size": capture}} if capture else {}
+    with model_runner(name == V1_RUNNER):
+        llm = start_engine(run.api, model=str(run.served_dir), dtype=run.config.dtype, seed=run.config.seed,
+                           gpu_memory_utilization=run.config.gpu_memory_utilization, max_model_len=run.max_len,
+                           max_num_seqs=max(run.levels), enable_prefix_caching=prefix == "on",
+                           enforce_eager=run.config.enforce_eager, disable_log_stats=False,
+                           speculative_config=spec, **graphs)
     run.engine_s[f"{name}_{prefix}_start"] = time.perf_counter() - t0
     return llm
 
@@ -312,9 +355,7 @@ def sweep_levels(run: ServedRun, llm) -> dict:
         for _ in range(run.config.repeats):
             if hasattr(llm, "reset_prefix_cache"):
                 llm.reset_prefix_cache()
-            out[c].append(timed_generate(llm, run.api, level_requests(run.prompts, c,
-                                                                      run.config.max_requests_per_level),
-                                         c, run.params))
+            out[c].append(timed_generate(llm, run.api, run_requests(run, c), c, run.params))
     return out
 
 
@@ -357,7 +398,7 @@ def record_engine(run: ServedRun, name: str, spec: dict | None, result: dict) ->
     if run.out is None:
         return
     keep = ("requests", "output_tokens", "wall_s", "output_tokens_per_s", "ttft_mean_s", "itl_mean_s")
-    line = {"engine": name, "speculative_config": spec,
+    line = {"engine": name, "speculative_config": spec, "max_cudagraph_capture_size": capture_size(run, spec),
             "start_s": {k: v for k, v in run.engine_s.items() if k.startswith(f"{name}_")},
             "tau": (result["all"]["acceptance"] or {}).get("tau"),
             "levels": {str(c): [{k: r[k] for k in keep} | {"tau": (r["acceptance"] or {}).get("tau")}

@@ -8,8 +8,9 @@ Design choices:
   with its speedup and noise against no speculation at the same level (eval/serving_plan.py); `per_k` the τ,
   acceptance and lossless count of each k, and the τ the largest k's drafter gets from its first k positions
   (a causal-in-block drafter should get the same at k itself).
-- The serve command is the schedule's (`num_speculative_tokens_per_batch_size`) when it speculates at any batch
-  size, plain `vllm serve` otherwise; schedule.json beside report.json holds what a deployment reads.
+- The serve command is the plan's (eval/serving_plan.py ``pick_plan``: a fixed k, the schedule, a baseline, or
+  plain `vllm serve`), with the max_num_seqs and CUDA-graph capture size the engines were measured with;
+  schedule.json beside report.json holds the derived schedule, its own serve command and what it measured.
 """
 
 from __future__ import annotations
@@ -19,8 +20,28 @@ import sys
 import time
 from pathlib import Path
 
-from .serving_plan import SCHEDULE_FIELD, agreement, cell, first_positions_tau, level_requests, schedule_spec, speedup
+from .serving_plan import (
+    SCHEDULE_FIELD,
+    agreement,
+    capture_size,
+    cell,
+    first_positions_tau,
+    run_requests,
+    schedule_spec,
+    speedup,
+)
 from .serving_verdict import plan_verdict, verdict
+
+
+def serve_command(run, spec: dict | None) -> str:
+    """The `vllm serve` line of an engine of the run: its speculative_config, max_num_seqs (the largest level) and
+    the CUDA-graph capture size it was measured with; plain `vllm serve` without speculation."""
+    from dflashkit.drafter import engines as rules
+
+    if spec is None:
+        return f"vllm serve {run.target_dir} --max-num-seqs {max(run.levels)}"
+    return rules.vllm_serve_command(str(run.target_dir), run.drafter, run.dcfg.block_size, spec, max(run.levels),
+                                    capture_size(run, spec))
 
 
 def cells(results: dict, name: str, levels: list[int]) -> dict[int, dict]:
@@ -67,7 +88,7 @@ def concurrency_rows(run, results: dict) -> list[dict]:
     for c in run.levels:
         a, b = cell(results[name][c]), cell(results["none"][c])
         first, base = results[name][c][0], results["none"][c][0]
-        names = [n for n, _ in level_requests(run.prompts, c, run.config.max_requests_per_level)]
+        names = [n for n, _ in run_requests(run, c)]
         rows.append({"concurrency": c, "requests": a["requests"], "drafter": a, "no_drafter": b,
                      **speedup(a, b), "tau": (first["acceptance"] or {}).get("tau"),
                      "acceptance": first["acceptance"],
@@ -96,13 +117,9 @@ def prefix_rows(run, results: dict, prefix_runs: dict) -> dict:
 
 def schedule_section(run, results: dict, schedule: dict, table: dict) -> dict:
     """The derived schedule, its serve command and, when its engine ran, what it measured."""
-    from dflashkit.drafter import engines as rules
-
     speculates = any(k for *_, k in schedule[SCHEDULE_FIELD])
     spec = schedule_spec(run.drafter, schedule)
-    out = {**schedule, "speculative_config": spec,
-           "serve_command": rules.vllm_serve_command(str(run.target_dir), run.drafter, run.dcfg.block_size, spec)
-           if speculates else f"vllm serve {run.target_dir}",
+    out = {**schedule, "speculative_config": spec, "serve_command": serve_command(run, spec if speculates else None),
            "runner": "vLLM 0.24 serves a schedule on its V1 model runner with piecewise CUDA graphs "
                      "(config/vllm.py:2034-2035, 758-773); the fixed-k engines ran on the runner vLLM picks"}
     if "schedule" in results:
@@ -115,8 +132,6 @@ def build_vllm_report(run, results: dict, schedule: dict, baselines: dict, skipp
                       args: dict, started: float) -> dict:
     """report.json's content (its verdicts included) from every engine's measurements; ``args`` the run's
     target, datasets, num_prompts and max_prompt_tokens as given."""
-    from dflashkit.drafter import engines as rules
-
     specs = {"none": None, **{f"k{k}": {"method": "dflash", "model": run.drafter, "num_speculative_tokens": k}
                               for k in run.ks}, **baselines}
     if "schedule" in results:
@@ -130,8 +145,7 @@ def build_vllm_report(run, results: dict, schedule: dict, baselines: dict, skipp
         "args": {"mode": "vllm", **args, "drafter": run.drafter, "chat_template_kwargs": run.template_kwargs,
                  "max_model_len": run.max_len, **vars(run.config)},
         "block_size": run.dcfg.block_size, "num_speculative_tokens": run.headline_k, "ks": run.ks,
-        "serve_command_fixed_k": rules.vllm_serve_command(str(run.target_dir), run.drafter, run.dcfg.block_size,
-            {"method": "dflash", "model": run.drafter, "num_speculative_tokens": run.headline_k}),
+        "serve_command_fixed_k": serve_command(run, specs[f"k{run.headline_k}"]),
         "versions": {"vllm": run.api.version, "python": sys.version.split()[0]},
         "target": {"path": str(run.target_dir), "served_dir": str(run.served_dir),
                    "gguf_quantization_config_stripped": run.stripped},
@@ -151,9 +165,10 @@ def build_vllm_report(run, results: dict, schedule: dict, baselines: dict, skipp
         "schedule": schedule_section(run, results, schedule, table),
         "timing": {**run.engine_s, "total": time.perf_counter() - started},
     }
-    report["serve_command"] = report["schedule"]["serve_command"]
     report["verdict"] = verdict(rows, run.headline_k + 1)
     report["plan_verdict"] = plan_verdict(report)
+    plan = report["plan_verdict"]["plan"]
+    report["serve_command"] = serve_command(run, None if plan == "none" else specs[plan])  # the plan's
     return report
 
 

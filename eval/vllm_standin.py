@@ -37,6 +37,7 @@ Design choices:
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from dflashkit.targets.vllm_capture_standin import CompletionOutput, RequestOutput  # vllm.outputs twins
@@ -168,6 +169,8 @@ class LLM:
         self.model = str(model)
         self.target = load_target(model)
         self.engine_kwargs = engine_kwargs  # dtype, max_model_len, gpu_memory_utilization, ...: not modelled
+        # the model runner vLLM 0.24 would pick from VLLM_USE_V2_MODEL_RUNNER (recorded, not modelled)
+        self.model_runner = "v1" if os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == "0" else "v2"
         self.prefix_caching = bool(enable_prefix_caching)
         self.max_num_seqs = int(max_num_seqs)
         self.log_stats = not disable_log_stats

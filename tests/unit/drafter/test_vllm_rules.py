@@ -21,7 +21,7 @@ def _config(**kw):
 
 def test_every_rule_cites_the_vllm_file():
     assert set(rules.VLLM_024_RULES) == {"last_layer_tap", "sliding_window", "target_window", "block_size",
-                                       "gguf_quantization_config"}
+                                       "gguf_quantization_config", "cudagraph_ceiling"}
     assert all(".py:" in where for _, where in rules.VLLM_024_RULES.values())
 
 
@@ -110,3 +110,13 @@ def test_a_target_window_that_reaches_the_drafter_is_named(config, max_len, wind
     if windowed:
         window = (config.get("text_config") or config)["sliding_window"]
         assert f"sliding_window {window}" in reason and f"max_model_len <= {window}" in reason
+
+
+def test_cuda_graphs_cover_every_request_of_a_decode_step():
+    """vLLM 0.24 captures graphs up to 512 tokens a step by default; c requests at k query c * (1 + k)."""
+    assert rules.vllm_cudagraph_capture_size(32, 15) is None  # 512: inside the default
+    assert rules.vllm_cudagraph_capture_size(64, 15) == 1024 and rules.vllm_cudagraph_capture_size(128, 7) == 1024
+    assert rules.vllm_cudagraph_capture_size(128, 3) is None and rules.vllm_cudagraph_capture_size(128, 0) is None
+    assert rules.vllm_cudagraph_capture_size(130, 4) == 656  # 650 rounded up to vLLM's step of 16
+    line = rules.vllm_serve_command("T", "D", 16, max_num_seqs=64, cudagraph_capture_size=1024)
+    assert line.startswith("vllm serve T --max-num-seqs 64 --max-cudagraph-capture-size 1024 --speculative-config")

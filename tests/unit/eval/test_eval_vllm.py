@@ -48,7 +48,9 @@ def test_report_has_vllm_acceptance_levels_and_plots(served, pair):
     md = (out / "report.md").read_text()
     assert md.startswith("# Served by vLLM: verdict") and report["verdict"]["text"] in md
     assert {"speedup_vs_concurrency.png", "per_position_acceptance.png"} <= {p.name for p in out.iterdir()}
-    assert report["num_speculative_tokens"] == BLOCK - 1 and '"num_speculative_tokens": 3' in report["serve_command"]
+    assert report["num_speculative_tokens"] == BLOCK - 1
+    assert '"num_speculative_tokens": 3' in report["serve_command_fixed_k"]
+    assert report["serve_command_fixed_k"].startswith(f"vllm serve {pair / 'target'} --max-num-seqs 64 ")
     assert [r["concurrency"] for r in report["concurrency"]] == [1, 4, 16, 64]
     assert [r["requests"] for r in report["concurrency"]] == [4, 4, 16, 64]  # waves of c, prompts cycled
     # tau from the counters equals dflashkit's own chain decoder on the same prompts

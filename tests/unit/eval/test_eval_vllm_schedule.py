@@ -3,6 +3,7 @@ the per-batch-size schedule (derived, written, served by the CPU twin of vllm.LL
 the n-gram and MTP baselines, and the report that names the schedule first."""
 
 import json
+import os
 
 import pytest
 
@@ -12,7 +13,10 @@ from dflashkit.eval.serving_plan import (
     best_k,
     derive_schedule,
     first_positions_tau,
+    level_requests,
     mtp_layers,
+    pays_up_to,
+    pick_plan,
     schedule_lookup,
     schedule_ranges,
 )
@@ -34,7 +38,7 @@ def planned(tmp_path_factory):
     root = write_pair(tmp_path_factory.mktemp("plan_pair"), BLOCK, causal=True)
     warnings = []
     config = VllmEvalConfig(concurrency=LEVELS, num_speculative_tokens=[3, 1, 2], prefix_caching=["on"],
-                            max_new_tokens=NEW, use_stop_tokens=False, baselines=["ngram", "mtp"], repeats=2)
+                            max_new_tokens=NEW, use_stop_tokens=False, baselines=["ngram", "mtp", "v1"], repeats=2)
     out = root / "out"
     report = run_vllm_eval(str(root / "target"), str(root / "drafter"), out, [str(root / "chats.jsonl")], config,
                            num_prompts=4, api=standin_api(), warn=warnings.append)
@@ -45,7 +49,7 @@ def test_every_k_and_baseline_is_a_line_of_repeated_cells(planned):
     report, out, root, warnings = planned
     assert warnings == []  # a causal-in-block drafter serves k < block_size - 1 as trained: nothing to warn
     assert report["ks"] == [1, 2, 3] and report["num_speculative_tokens"] == 3
-    assert set(report["engines"]) == {"none", "k1", "k2", "k3", "ngram", "schedule"}
+    assert set(report["engines"]) == {"none", "k1", "k2", "k3", "ngram", "v1", "schedule"}
     assert report["baselines"]["ngram"]["speculative_config"]["method"] == "ngram"
     assert "no MTP layers" in report["baselines"]["mtp"]["skipped"]
     none = report["engines"]["none"]["levels"]
@@ -61,7 +65,8 @@ def test_every_k_and_baseline_is_a_line_of_repeated_cells(planned):
     assert report["per_k"]["3"]["tau_first_3_positions_at_k3"] == pytest.approx(1 + sum(largest))
     assert report["per_k"]["3"]["tau"] == pytest.approx(1 + sum(largest))
     partial = [json.loads(line) for line in (out / "engines.partial.jsonl").read_text().splitlines()]
-    assert [e["engine"] for e in partial] == ["no_drafter", "drafter_k1", "drafter_k2", "drafter", "ngram", "schedule"]
+    assert [e["engine"] for e in partial] == ["no_drafter", "drafter_k1", "drafter_k2", "drafter", "ngram", "v1",
+                                              "schedule"]
     assert partial[0]["levels"]["1"][0]["output_tokens_per_s"] == none["1"]["runs_tokens_per_s"][0]
     # what was asked for, not the engine objects vLLM adds to the dict it is handed (the twin adds them too)
     assert partial[1]["speculative_config"] == {"method": "dflash", "model": str((root / "drafter").resolve()),
@@ -87,12 +92,46 @@ def test_the_schedule_follows_the_cells_and_is_served(planned):
     written = json.loads((out / "schedule.json").read_text())
     assert written["num_speculative_tokens_per_batch_size"] == ranges
     assert written["speculative_config"]["num_speculative_tokens"] == max(k for *_, k in ranges)
-    assert json.dumps(written["speculative_config"]) in report["serve_command"]
+    assert json.dumps(written["speculative_config"]) in written["serve_command"]
     # the schedule's own engine was measured: at 1 request it drafts like the k it names there
     k1 = schedule["per_level"]["1"]["k"]
     assert schedule["measured"]["1"] == pytest.approx(engines[f"k{k1}"]["levels"]["1"]["speedup"])
     assert set(schedule["measured"]) == set(map(str, LEVELS))
     assert report["plan_verdict"]["min_measured_speedup"] == min(schedule["measured"].values())
+
+
+def test_the_plan_is_what_measured_never_slower(planned):
+    """The plan deployed is chosen from every engine's own cells: one never slower than no speculation beyond
+    the noise, the fastest such at 1 request; else no speculation (the twin's schedule pays the drafter's pass
+    at k = 0, as vLLM 0.24's V1 proposer does, so it is slower where it says 0)."""
+    report, _, _, _ = planned
+    engines = report["engines"]
+    safe = [n for n, e in engines.items() if n not in ("none", "v1")  # v1 does not speculate: never a plan
+            and all(v["speedup"] >= 1 - v["noise"] for v in e["levels"].values())]
+    expected = max(safe, key=lambda n: engines[n]["levels"]["1"]["speedup"]) if safe else "none"
+    verdict = report["plan_verdict"]
+    assert verdict["plan"] == expected and sorted(safe) == verdict["never_losing"]
+    assert all(engines["schedule"]["levels"][c]["speedup"] < 1 for c in ("4", "16", "64"))  # k = 0 there
+    assert "schedule" not in safe
+    if expected == "none":
+        assert report["serve_command"] == f"vllm serve {report['target']['path']} --max-num-seqs 64"
+        assert verdict["text"].startswith("Serve without speculation")
+    else:
+        assert json.dumps(engines[expected]["speculative_config"]) in report["serve_command"]
+    assert "not deployed" in verdict["text"]
+
+
+def test_pick_plan_and_where_a_k_pays():
+    lv = lambda *xs: {str(c): {"speedup": s, "noise": n} for c, s, n in xs}  # noqa: E731
+    engines = {"none": {"levels": lv((1, 1, 0), (64, 1, 0))},
+               "k15": {"levels": lv((1, 1.3, 0.05), (64, 0.3, 0.1))},
+               "k3": {"levels": lv((1, 1.1, 0.05), (64, 0.98, 0.05))},
+               "schedule": {"levels": lv((1, 0.2, 0.1), (64, 0.3, 0.1))}}
+    assert pick_plan(engines)["plan"] == "k3"  # 0.98 at 64 is within its noise; k15 loses there
+    del engines["k3"]
+    chosen = pick_plan(engines)
+    assert chosen["plan"] == "none" and chosen["fastest_at_lowest"] == "k15" and chosen["fastest_pays_up_to"] == 1
+    assert pays_up_to(lv((1, 1.04, 0.05), (4, 1.5, 0.1))) is None  # the first level within the noise
 
 
 def test_best_k_needs_to_beat_the_noise():
@@ -159,6 +198,41 @@ def test_ngram_lookup_and_mtp_detection():
 def test_flags_are_checked_before_anything_runs(tmp_path):
     for config, said in ((VllmEvalConfig(num_speculative_tokens=[3, 0]), "values >= 1"),
                          (VllmEvalConfig(repeats=0), "--repeats"),
-                         (VllmEvalConfig(baselines=["eagle"]), "choose from ngram, mtp")):
+                         (VllmEvalConfig(baselines=["eagle"]), "choose from ngram, mtp"),
+                         (VllmEvalConfig(min_waves=0), "--min-waves"),
+                         (VllmEvalConfig(cudagraph_capture="big"), "use auto, vllm or a number")):
         with pytest.raises(UserError, match=said):
             config.check()
+    given = VllmEvalConfig(cudagraph_capture="2048")
+    given.check()
+    assert given.cudagraph_capture == 2048
+
+
+def test_engines_get_graphs_for_their_largest_step(planned, tmp_path):
+    """cudagraph_capture auto: an engine whose largest level at its k queries more than vLLM's default 512 tokens
+    a step is started with max_cudagraph_capture_size covering it; the twin records what it was handed."""
+    from dflashkit.eval.vllm_engine import capture_size, prepare_run, start_served
+
+    _, _, root, _ = planned
+    run = prepare_run(str(root / "target"), str(root / "drafter"), [str(root / "chats.jsonl")],
+                      VllmEvalConfig(concurrency=[1, 256], num_speculative_tokens=[1, 3]), 2, None, {},
+                      standin_api(), print, str(tmp_path))
+    k3 = {"method": "dflash", "model": run.drafter, "num_speculative_tokens": 3}
+    assert capture_size(run, None) is None and capture_size(run, {**k3, "num_speculative_tokens": 1}) is None  # 512
+    llm = start_served(run, "drafter", k3, "on")
+    assert llm.engine_kwargs["compilation_config"] == {"max_cudagraph_capture_size": 1024}  # 256 * (1 + 3)
+    run.config.cudagraph_capture = "vllm"
+    assert "compilation_config" not in start_served(run, "drafter", k3, "on").engine_kwargs
+    # the v1 baseline: no speculation on vLLM's V1 model runner, chosen by the environment at start, then restored
+    before = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
+    assert start_served(run, "v1", None, "on").model_runner == "v1"
+    assert os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == before
+    assert start_served(run, "none", None, "on").model_runner == "v2"
+
+
+def test_a_level_is_whole_waves_and_at_least_min_waves():
+    prompts = [(f"p{i}", [i]) for i in range(5)]
+    assert [n for n, _ in level_requests(prompts, 4)] == ["p0", "p1", "p2", "p3", "p4", "p0", "p1", "p2"]
+    assert len(level_requests(prompts, 4, cap=3)) == 4 and len(level_requests(prompts, 1, cap=3)) == 3
+    assert len(level_requests(prompts, 16, cap=3, min_waves=4)) == 64  # 4 waves of 16, the prompts cycled
+    assert len(level_requests(prompts, 1, cap=3, min_waves=2)) == 3  # already 3 waves of 1
