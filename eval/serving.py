@@ -284,9 +284,10 @@ def level_as_run(level: dict) -> dict:
 
 
 def plan_from_servers(runs: dict[str, dict[int, list[dict]]]) -> dict:
-    """name -> level -> the repeats' runs (``level_as_run``) into cells, speedups against ``none`` and the
-    schedule of the ``kN`` servers."""
-    from .serving_plan import cell, derive_schedule, speedup
+    """name -> level -> the repeats' runs (``level_as_run``) into cells, speedups against ``none``, the
+    schedule of the ``kN`` servers and the plan to deploy (eval/serving_plan.py ``pick_plan``: the server never
+    slower than ``none`` beyond the noise and fastest at the lowest level, else ``none``)."""
+    from .serving_plan import cell, derive_schedule, pick_plan, speedup
 
     cells = {name: {c: cell(rs) for c, rs in per_level.items()} for name, per_level in runs.items()}
     table = {name: {str(c): {**v, **speedup(v, cells["none"][c]),
@@ -294,7 +295,7 @@ def plan_from_servers(runs: dict[str, dict[int, list[dict]]]) -> dict:
              for name, per_level in cells.items()}
     ks = {int(name[1:]): name for name in runs if name[:1] == "k" and name[1:].isdigit()}
     schedule = derive_schedule({k: {int(c): v for c, v in table[name].items()} for k, name in ks.items()})
-    return {"engines": table, "schedule": schedule}
+    return {"engines": table, "schedule": schedule, "plan": pick_plan({n: {"levels": lv} for n, lv in table.items()})}
 
 
 def run_server_plan(servers: dict[str, str], conversations: list[list[dict]], levels: list[int], repeats: int,
@@ -318,7 +319,8 @@ def render_plan_markdown(plan: dict) -> str:
     lines = [f"# Serving plan from {len(plan['servers'])} servers", "",
              f"Schedule (num_speculative_tokens_per_batch_size): "
              f"`{json.dumps(plan['schedule']['num_speculative_tokens_per_batch_size'])}` — {plan['schedule']['rule']}",
-             "", f"Speedup against `none` (median of {plan['repeats']} runs per cell, ± noise)", "",
+             "", f"Plan: **{plan['plan']['plan']}** — {plan['plan']['rule']}", "",
+             f"Speedup against `none` (median of {plan['repeats']} runs per cell, ± noise)", "",
              "| server | " + " | ".join(f"c = {c}" for c in levels) + " |", "|---|" + "---|" * len(levels)]
     for name, per_level in plan["engines"].items():
         if name != "none":

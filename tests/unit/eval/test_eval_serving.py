@@ -19,6 +19,7 @@ from dflashkit.eval.serving import (
     parse_prometheus,
     parse_servers,
     plan_from_servers,
+    render_plan_markdown,
     run_server_plan,
     sweep,
     tau_from_metrics,
@@ -202,6 +203,9 @@ def test_the_plan_of_servers_follows_the_cells():
     assert plan["schedule"]["per_level"] == {"1": {"k": 15, "speedup": pytest.approx(1.7),
                                                    "noise": pytest.approx(20 / 170 + 4 / 100)}, "8": {"k": 0}}
     assert plan["schedule"]["num_speculative_tokens_per_batch_size"] == [[1, 1, 15], [2, 8, 0]]
+    # the plan: k3 is within its noise of none at 8 (0.99x, noise 0.025) and 1.5x at 1; k15 and ngram lose at 8
+    assert plan["plan"]["plan"] == "k3" and plan["plan"]["never_losing"] == ["k3"]
+    assert "Plan: **k3**" in render_plan_markdown({**plan, "servers": {}, "repeats": 3})
 
 
 def test_server_lists_are_checked():
