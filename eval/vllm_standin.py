@@ -18,7 +18,9 @@ Design choices:
   continuous-batching engine batches them (at most ``max_num_seqs`` at once; a new request's prefill joins the
   next step). Throughput, TTFT and inter-token latency therefore follow from the real acceptance and the batch
   size, identically on every machine: speculation gains while steps are dominated by the fixed part (few
-  requests) and loses once they are dominated by the 1 + N tokens each request queries (many requests).
+  requests) and loses once they are dominated by the 1 + N tokens each request queries (many requests). A
+  decode step of more tokens than the CUDA-graph ceiling (``max_cudagraph_capture_size`` when given, else vLLM
+  0.24's default, drafter/engines.py rule "cudagraph_ceiling") runs eagerly and pays ``eager_s`` more.
 - ``RequestOutput.metrics`` carries the fields of vLLM's RequestStateStats that the adapter reads
   (``first_token_latency``, ``first_token_ts``, ``last_token_ts``, ``num_generation_tokens``).
 - Prefix caching (on by default, as in vLLM): the prompt tokens an earlier prompt of the same engine began with
@@ -100,6 +102,7 @@ class StepCost:
     per_token_s: float = 0.0001  # per token the step queries (prefill tokens, 1 per AR request, 1 + N per draft)
     draft_fixed_s: float = 0.0005  # per step with a drafter: its weights read once
     draft_per_token_s: float = 0.00003  # per block token the drafter fills (N + 1 per decoding request)
+    eager_s: float = 0.005  # per decoding step above the CUDA-graph ceiling: the launches a graph would have saved
 
 
 @dataclass
@@ -171,6 +174,8 @@ class LLM:
         self.engine_kwargs = engine_kwargs  # dtype, max_model_len, gpu_memory_utilization, ...: not modelled
         # the model runner vLLM 0.24 would pick from VLLM_USE_V2_MODEL_RUNNER (recorded, not modelled)
         self.model_runner = "v1" if os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == "0" else "v2"
+        graphs = (engine_kwargs.get("compilation_config") or {}).get("max_cudagraph_capture_size")
+        self._graph_ceiling = None if engine_kwargs.get("enforce_eager") else graphs
         self.prefix_caching = bool(enable_prefix_caching)
         self.max_num_seqs = int(max_num_seqs)
         self.log_stats = not disable_log_stats
@@ -300,6 +305,8 @@ class LLM:
             step = cost.fixed_s + cost.per_token_s * tokens
             if self.drafter is not None and decoding:
                 step += cost.draft_fixed_s + cost.draft_per_token_s * (1 + k) * len(decoding)
+            if decoding and not joining and tokens > self.graph_ceiling:  # a pure decode step run eagerly
+                step += cost.eager_s
             clock.advance(step)
             for r in joining:
                 r.stats.first_token_ts = r.stats.last_token_ts = clock()
@@ -312,6 +319,19 @@ class LLM:
                 r.stats.num_generation_tokens += produced
                 r.stats.last_token_ts = clock()
             running = [r for r in running + joining if not r.done]
+
+    @property
+    def graph_ceiling(self) -> int:
+        """The most tokens a step runs inside CUDA graphs: max_cudagraph_capture_size when given, else vLLM 0.24's
+        default min(max_num_seqs * (1 + num_speculative_tokens) * 2, 512) (drafter/engines.py rule
+        "cudagraph_ceiling"); 0 with enforce_eager (every step eager)."""
+        if self._graph_ceiling is not None:
+            return self._graph_ceiling
+        if "enforce_eager" in self.engine_kwargs and self.engine_kwargs["enforce_eager"]:
+            return 0
+        from dflashkit.drafter.engines import VLLM_DEFAULT_CUDAGRAPH_CEILING
+
+        return min(self.max_num_seqs * (1 + self.num_speculative_tokens) * 2, VLLM_DEFAULT_CUDAGRAPH_CEILING)
 
     def step_k(self, batch: int) -> int:
         """The drafts per request of a step with ``batch`` decoding requests (0 without speculation)."""

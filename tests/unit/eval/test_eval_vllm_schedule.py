@@ -236,3 +236,23 @@ def test_a_level_is_whole_waves_and_at_least_min_waves():
     assert len(level_requests(prompts, 4, cap=3)) == 4 and len(level_requests(prompts, 1, cap=3)) == 3
     assert len(level_requests(prompts, 16, cap=3, min_waves=4)) == 64  # 4 waves of 16, the prompts cycled
     assert len(level_requests(prompts, 1, cap=3, min_waves=2)) == 3  # already 3 waves of 1
+
+
+def test_the_twin_pays_for_steps_above_the_graph_ceiling(planned, tmp_path):
+    """4 requests at k = 3 query 16 tokens a step: with graphs up to 8 tokens every decode step runs eagerly and
+    the same requests take longer than with graphs up to 16 (the modelled clock: no timing involved)."""
+    from dflashkit.eval.vllm_engine import prepare_run, run_requests, start_served, timed_generate
+
+    _, _, root, _ = planned
+    rates = {}
+    for capture in (8, 16):
+        config = VllmEvalConfig(concurrency=[4], num_speculative_tokens=[3], max_new_tokens=NEW,
+                                use_stop_tokens=False, cudagraph_capture=capture)
+        config.check()
+        run = prepare_run(str(root / "target"), str(root / "drafter"), [str(root / "chats.jsonl")], config, 4,
+                          None, {}, standin_api(), print, str(tmp_path))
+        llm = start_served(run, "drafter", {"method": "dflash", "model": run.drafter, "num_speculative_tokens": 3},
+                           "on")
+        assert llm.graph_ceiling == capture
+        rates[capture] = timed_generate(llm, run.api, run_requests(run, 4), 4, run.params)["output_tokens_per_s"]
+    assert rates[8] < rates[16]
