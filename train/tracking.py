@@ -5,7 +5,9 @@ Design choices:
   (tests compare loss trajectories with it; RESULTS tables are read from it). It is strict JSON: a NaN or Inf
   metric (nothing to count, or the step a run diverged at) is written as null. It is an append log
   (dflashkit/files.py): each row is on the disk when ``log`` returns; a crash leaves at most one cut last row,
-  which the reader skips and a resumed run cuts off before it appends.
+  which the reader skips and a resumed run cuts off before it appends. Every row carries ``wall_time`` (Unix
+  seconds) and ``elapsed_s`` (seconds since this process's run began, its setup included; a resumed run starts
+  again from 0), so the wall time to a quality can be read off (bench/time_to_quality.py).
 - wandb and tensorboard are imported lazily; wandb runs in offline mode when no ``WANDB_API_KEY`` is set (the
   run can be synced later with ``wandb sync``). A missing wandb package is a warning, not an error (a run of
   days should not die for a dashboard; metrics.jsonl has everything); a missing tensorboard is an error.
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 from dflashkit.files import atomic_write, open_appending, sync, whole_lines
@@ -24,8 +27,10 @@ from .metrics import json_safe
 
 class Tracker:
     def __init__(self, output_dir: str | os.PathLike, config: dict, *, enabled: bool, wandb: bool,
-                 wandb_project: str, run_name: str, tensorboard: bool, resume_step: int = 0):
+                 wandb_project: str, run_name: str, tensorboard: bool, resume_step: int = 0,
+                 started: float | None = None):
         self.enabled = enabled
+        self.started = time.time() if started is None else float(started)
         self.wandb_run = None
         self.tb = None
         if not enabled:
@@ -69,7 +74,9 @@ class Tracker:
     def log(self, metrics: dict, step: int) -> None:
         if not self.enabled:
             return
-        row = {"step": int(step), **{k: (float(v) if isinstance(v, (int, float)) else v) for k, v in metrics.items()}}
+        now = time.time()
+        row = {"step": int(step), **{k: (float(v) if isinstance(v, (int, float)) else v) for k, v in metrics.items()},
+               "wall_time": now, "elapsed_s": now - self.started}
         self.file.write(json.dumps(json_safe(row), allow_nan=False) + "\n")
         sync(self.file)
         if self.wandb_run is not None:

@@ -57,27 +57,29 @@ def train(cfg: TrainConfig, vllm_api=None) -> dict:
     a ``target_engine=vllm`` run (None: the installed vLLM; train/online_vllm.py)."""
     from dflashkit.outputs import OutputLock
 
+    started = time.time()  # metrics.jsonl's elapsed_s counts from here: setup (target load, data) included
+
     check_output_paths(cfg)  # before any work: the run directory, the export directory, init_from
     with OutputLock(cfg.output_dir, "train"):
-        return _train(cfg, start_of_run(cfg), vllm_api)  # start: the checkpoint to resume, init_from, checked
+        return _train(cfg, start_of_run(cfg), vllm_api, started)  # start: the checkpoint to resume, init_from, checked
 
 
-def _train(cfg: TrainConfig, start: Start, vllm_api=None) -> dict:
+def _train(cfg: TrainConfig, start: Start, vllm_api=None, started: float | None = None) -> dict:
     # what the run holds open (an online run's capture hooks on its target), released however the run ends
     with ExitStack() as resources:
         # --- setup: data, target head, drafter, optimizer, schedule, resume (train/setup.py) -------------
         run = setup(cfg, start, resources, vllm_api)
-        summary = _train_run(run)
+        summary = _train_run(run, started)
     run.accelerator.wait_for_everyone()
     return summary
 
 
-def _train_run(run: TrainRun) -> dict:
+def _train_run(run: TrainRun, started: float | None = None) -> dict:
     """The loop, then the final eval and save (module docstring); the tracker and bar closed however it ends."""
     cfg = run.cfg
     tracker = Tracker(Path(cfg.output_dir), cfg.to_dict(), enabled=run.accelerator.is_main_process,
                       wandb=cfg.wandb, wandb_project=cfg.wandb_project, run_name=cfg.run_name,
-                      tensorboard=cfg.tensorboard, resume_step=run.step)
+                      tensorboard=cfg.tensorboard, resume_step=run.step, started=started)
     bar = training_bar(run)
     try:
         # --- the loop: one train_step per optimizer step (train/train_step.py) ---------------------------

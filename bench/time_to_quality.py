@@ -1,0 +1,128 @@
+"""Wall time to a quality, read off a training run's metrics.jsonl (issue 36 item 3): so a user can budget a run.
+
+    python bench/time_to_quality.py RUN_DIR [RUN_DIR ...] --taus 1.7 2.0 \\
+        [--live STEP=TAU ...] [--offset-s S] --out bench/results/time_to_quality.json
+
+What it reads, per run directory (train/tracking.py), every row in the order written: the held-out evaluation
+rows (``eval/tau_walk``: the τ a drafter gets walking the held-out blocks with the target's tokens, logged every
+``eval_every`` steps and at the end) and each row's ``elapsed_s`` (seconds since the training process began, its
+setup included). A resumed run starts ``elapsed_s`` again from 0: the segments are added up (a row whose
+elapsed_s is below the one before starts a new segment, counted from the previous segment's last row), so the
+time is the training processes' own, without the pauses between them. ``--offset-s`` adds what came before
+training (e.g. the regeneration's wall time) to every time.
+
+What it writes: per run, the timeline (step, seconds, τ_walk), the first time τ_walk reached each of ``--taus``
+(None when it never did), and the final τ_walk and its time. τ_walk is not live τ (held-out blocks with the
+target's tokens, not a live decode; RESULTS.md: 2.76 held-out against 2.09 live at the end of the recipe), so
+``--live STEP=TAU`` pairs (live τ measured on the checkpoint of STEP, from `dflashkit eval` or vLLM) calibrate it:
+a least-squares line live = a · τ_walk + b over the pairs (one pair: the ratio, b = 0), and each threshold is also
+given as the τ_walk that line maps onto it and the first time that was reached (``live_taus``). The calibration
+is a model, said as one in the JSON; its pairs are listed with it.
+Runs without ``elapsed_s`` (metrics written before it was logged) are refused in one line naming the file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+def timeline(rows: list[dict], source: str = "metrics.jsonl") -> list[dict]:
+    """The held-out evaluations of one run in order: step, seconds (resumed segments added up), τ_walk."""
+    out, base, last = [], 0.0, None
+    for row in rows:
+        if "elapsed_s" not in row:
+            continue
+        elapsed = float(row["elapsed_s"])
+        if last is not None and elapsed < last:  # a resumed process: its clock started again
+            base += last
+        last = elapsed
+        if row.get("eval/tau_walk") is not None:
+            out.append({"step": int(row["step"]), "seconds": base + elapsed, "tau_walk": float(row["eval/tau_walk"])})
+    if rows and last is None:
+        raise SystemExit(f"{source}: no row has elapsed_s (written before dflashkit logged it): rerun the training "
+                         "with this version, or time it from its log")
+    return out
+
+
+def first_time(points: list[dict], tau: float) -> dict | None:
+    """The first evaluation whose τ_walk reached ``tau`` (None: none did)."""
+    hit = next((p for p in points if p["tau_walk"] >= tau), None)
+    return None if hit is None else {"step": hit["step"], "seconds": hit["seconds"]}
+
+
+def calibration(pairs: list[tuple[float, float]]) -> tuple[float, float]:
+    """(a, b) of live = a · τ_walk + b by least squares over (τ_walk, live) pairs; one pair (or equal τ_walks):
+    the ratio of the means, b = 0."""
+    xs, ys = [p[0] for p in pairs], [p[1] for p in pairs]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    if len(pairs) < 2 or sxx == 0:
+        return my / mx, 0.0
+    a = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+    return a, my - a * mx
+
+
+def summarise(rows: list[dict], taus: list[float], live: dict[int, float], offset_s: float = 0.0,
+              source: str = "metrics.jsonl") -> dict:
+    points = [{**p, "seconds": p["seconds"] + offset_s} for p in timeline(rows, source)]
+    out = {"timeline": points, "taus": {str(t): first_time(points, t) for t in taus},
+           "final": points[-1] if points else None, "offset_s": offset_s}
+    if live:
+        walk = {p["step"]: p["tau_walk"] for p in points}
+        missing = sorted(set(live) - set(walk))
+        if missing:
+            raise SystemExit(f"{source}: --live steps {missing} have no held-out evaluation (evaluated steps: "
+                             f"{sorted(walk)}); give the steps of evaluated checkpoints")
+        pairs = [(walk[s], live[s]) for s in sorted(live)]
+        a, b = calibration(pairs)
+        listed = [{"step": s, "tau_walk": w, "live": v} for s, (w, v) in zip(sorted(live), pairs)]
+        out["calibration"] = {"model": "live = a * tau_walk + b (least squares over the pairs)", "a": a, "b": b,
+                              "pairs": listed}
+        out["live_taus"] = {str(t): {"tau_walk": (t - b) / a, "reached": first_time(points, (t - b) / a)}
+                            for t in taus} if a > 0 else {}
+    return out
+
+
+def parse_live(items: list[str]) -> dict[int, float]:
+    live = {}
+    for item in items or []:
+        step, sep, tau = item.partition("=")
+        if not sep or not step.strip().isdigit():
+            raise SystemExit(f"--live {item}: give STEP=TAU, e.g. 2723=2.09")
+        live[int(step)] = float(tau)
+    return live
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("runs", nargs="+", help="training output directories (each with metrics.jsonl)")
+    p.add_argument("--taus", type=float, nargs="+", default=[1.7, 2.0])
+    p.add_argument("--live", nargs="+", default=[], metavar="STEP=TAU", help="live τ at evaluated checkpoints")
+    p.add_argument("--offset-s", type=float, default=0.0, help="seconds before training (e.g. regeneration)")
+    p.add_argument("--out", default=None, help="the JSON (default: print it)")
+    args = p.parse_args(argv)
+    live = parse_live(args.live)
+    result = {}
+    for run in args.runs:
+        source = Path(run) / "metrics.jsonl"
+        if not source.is_file():
+            raise SystemExit(f"{source}: not found: give a training output directory")
+        text = source.read_text()  # every row in the order written (a resumed run's too); a cut last row skipped
+        rows = [json.loads(line) for line in text[: text.rfind("\n") + 1].splitlines() if line.strip()]
+        result[run] = summarise(rows, args.taus, live, args.offset_s, str(source))
+    text = json.dumps(result, indent=2) + "\n"
+    if args.out:
+        Path(args.out).write_text(text)
+    print(text if not args.out else f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

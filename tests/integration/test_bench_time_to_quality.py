@@ -1,0 +1,51 @@
+"""bench/time_to_quality.py: the wall time to a held-out τ from metrics.jsonl, resumed segments added up, and the
+calibration of τ_walk against live τ; and the trainer writes the elapsed_s it reads."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from support.paths import ROOT
+
+sys.path.insert(0, str(ROOT / "bench"))
+import time_to_quality as ttq  # noqa: E402
+
+
+def test_time_to_each_tau_adds_resumed_segments():
+    rows = [{"step": 10, "elapsed_s": 50.0, "train/loss": 3.0},
+            {"step": 20, "elapsed_s": 100.0, "eval/tau_walk": 1.5},
+            {"step": 30, "elapsed_s": 150.0, "eval/tau_walk": 1.8},  # the first process ends after this row
+            {"step": 40, "elapsed_s": 40.0, "eval/tau_walk": 2.1},  # resumed: its clock starts again
+            {"step": 50, "elapsed_s": 90.0, "eval/tau_walk": 2.3}]
+    out = ttq.summarise(rows, [1.7, 2.0, 3.0], {}, offset_s=10.0)
+    assert [p["seconds"] for p in out["timeline"]] == [110.0, 160.0, 200.0, 250.0]
+    assert out["taus"] == {"1.7": {"step": 30, "seconds": 160.0}, "2.0": {"step": 40, "seconds": 200.0}, "3.0": None}
+    assert out["final"] == {"step": 50, "seconds": 250.0, "tau_walk": 2.3}
+    # live tau measured at two checkpoints: live = 0.5 * walk + 0.75 through (1.8, 1.65) and (2.3, 1.9)
+    cal = ttq.summarise(rows, [1.7], {30: 1.65, 50: 1.9})
+    assert cal["calibration"]["a"] == pytest.approx(0.5) and cal["calibration"]["b"] == pytest.approx(0.75)
+    assert cal["live_taus"]["1.7"]["tau_walk"] == pytest.approx(1.9)
+    assert cal["live_taus"]["1.7"]["reached"] == {"step": 40, "seconds": 190.0}
+    assert ttq.calibration([(2.0, 1.5)]) == (0.75, 0.0)  # one pair: the ratio
+    with pytest.raises(SystemExit, match=r"--live steps \[35\] have no held-out evaluation"):
+        ttq.summarise(rows, [1.7], {35: 1.6})
+    with pytest.raises(SystemExit, match="no row has elapsed_s"):
+        ttq.timeline([{"step": 1, "eval/tau_walk": 1.2}], "old/metrics.jsonl")
+
+
+def test_the_tracker_logs_elapsed_time(tmp_path):
+    from dflashkit.train.tracking import Tracker, read_metrics
+
+    tracker = Tracker(tmp_path, {}, enabled=True, wandb=False, wandb_project="", run_name="", tensorboard=False,
+                      started=1000.0)
+    tracker.log({"eval/tau_walk": 1.9}, 5)
+    tracker.close()
+    (row,) = read_metrics(tmp_path)
+    assert row["elapsed_s"] == pytest.approx(row["wall_time"] - 1000.0) and row["elapsed_s"] > 0
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "time_to_quality.py"), str(tmp_path), "--taus",
+                           "1.5", "--out", str(tmp_path / "t.json")], capture_output=True, text=True, check=True)
+    assert "wrote" in done.stdout
+    result = json.loads((tmp_path / "t.json").read_text())[str(tmp_path)]
+    assert result["taus"]["1.5"]["step"] == 5
