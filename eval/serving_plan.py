@@ -32,8 +32,8 @@ Design choices:
 - Baselines a user would deploy instead: vLLM's n-gram prompt lookup (k 4, n 2…4) and the target's own MTP head
   when its config.json declares MTP layers (``num_nextn_predict_layers`` or ``mtp_num_hidden_layers``, as
   vllm/config/speculative.py reads them for the targets it knows). And ``v1``: no speculation on vLLM's V1 model
-  runner (``VLLM_USE_V2_MODEL_RUNNER=0``, vllm/config/vllm.py:522-525), the runner a schedule is served on, so
-  that the schedule's cost splits into the runner's and the drafter's; it is never a plan.
+  runner (``VLLM_USE_V2_MODEL_RUNNER=0``, vllm/config/vllm.py:522-525) with piecewise CUDA graphs only, the way a
+  schedule is served, so that the schedule's cost splits into the runner's and the drafter's; never a plan.
 """
 
 from __future__ import annotations

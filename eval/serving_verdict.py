@@ -71,7 +71,7 @@ def verdict(rows: list[dict], max_tau: float | None = None) -> dict:
 
 def _label(name: str) -> str:
     return {"none": "no speculation", "schedule": "schedule", "ngram": "n-gram", "mtp": "MTP",
-            "v1": "no speculation, V1 runner"}.get(
+            "v1": "no speculation, V1 runner, piecewise graphs"}.get(
         name, f"k = {name[1:]}" if name.startswith("k") else name)
 
 

@@ -331,12 +331,16 @@ def model_runner(v1: bool):
 
 def start_served(run: ServedRun, name: str, spec: dict | None, prefix: str):
     """One vLLM engine of the run (its start-up time recorded under ``name``); the ``v1`` baseline on the V1
-    model runner."""
+    model runner with piecewise CUDA graphs only, as vLLM 0.24 runs a schedule's engine (config/vllm.py:758-773),
+    so that it differs from the schedule's engine at k = 0 by the drafter's pass alone."""
     from .serving_plan import V1_RUNNER
 
     t0 = time.perf_counter()
     capture = capture_size(run, spec)
-    graphs = {"compilation_config": {"max_cudagraph_capture_size": capture}} if capture else {}
+    compilation = {"max_cudagraph_capture_size": capture} if capture else {}
+    if name == V1_RUNNER and not run.config.enforce_eager:
+        compilation["cudagraph_mode"] = "PIECEWISE"
+    graphs = {"compilation_config": compilation} if compilation else {}
     with model_runner(name == V1_RUNNER):
         llm = start_engine(run.api, model=str(run.served_dir), dtype=run.config.dtype, seed=run.config.seed,
                            gpu_memory_utilization=run.config.gpu_memory_utilization, max_model_len=run.max_len,

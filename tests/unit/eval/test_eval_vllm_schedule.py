@@ -225,7 +225,8 @@ def test_engines_get_graphs_for_their_largest_step(planned, tmp_path):
     assert "compilation_config" not in start_served(run, "drafter", k3, "on").engine_kwargs
     # the v1 baseline: no speculation on vLLM's V1 model runner, chosen by the environment at start, then restored
     before = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
-    assert start_served(run, "v1", None, "on").model_runner == "v1"
+    v1 = start_served(run, "v1", None, "on")
+    assert v1.model_runner == "v1" and v1.engine_kwargs["compilation_config"] == {"cudagraph_mode": "PIECEWISE"}
     assert os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == before
     assert start_served(run, "none", None, "on").model_runner == "v2"
 
