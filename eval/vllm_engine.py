@@ -41,11 +41,9 @@ Design choices:
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import gc
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -55,14 +53,13 @@ from pathlib import Path
 from typing import Callable
 
 from dflashkit.errors import UserError
-from dflashkit.targets.vllm_runtime import import_vllm, release_gpu, wait_for_gpu_memory_to_settle
+from dflashkit.targets.vllm_runtime import import_vllm, model_runner, release_gpu, wait_for_gpu_memory_to_settle
 
 from .prompts import multi_turn_prompts, target_stop_ids
 from .serving_plan import capture_size, run_requests
 
 DRAFTS, ACCEPTED = "vllm:spec_decode_num_drafts", "vllm:spec_decode_num_accepted_tokens"
 ACCEPTED_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
-V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
 PARTIAL_FILE = "engines.partial.jsonl"  # one line per engine as it finishes (eval/report.py REPORT_FILES)
 
 
@@ -310,23 +307,6 @@ def prepare_run(target: str, drafter: str, datasets: list[str], config: VllmEval
 
 def dflash_spec(run: ServedRun, k: int) -> dict:
     return {"method": "dflash", "model": run.drafter, "num_speculative_tokens": k}
-
-
-@contextlib.contextmanager
-def model_runner(v1: bool):
-    """With ``v1``, vLLM's V1 model runner for the engine started inside (VLLM_USE_V2_MODEL_RUNNER=0, read when
-    the engine's config is built: vllm/config/vllm.py:522-525); the variable as it was afterwards."""
-    before = os.environ.get(V2_RUNNER_ENV)
-    if v1:
-        os.environ[V2_RUNNER_ENV] = "0"
-    try:
-        yield
-    finally:
-        if v1:
-            if before is None:
-                os.environ.pop(V2_RUNNER_ENV, None)
-            else:
-                os.environ[V2_RUNNER_ENV] = before
 
 
 def start_served(run: ServedRun, name: str, spec: dict | None, prefix: str):

@@ -1,11 +1,14 @@
 """What every dflashkit path that runs vLLM shares (`eval --engine vllm`, `extract --engine vllm`): importing it,
-or one line naming the extra, and giving the GPU back after an engine.
+or one line naming the extra, giving the GPU back after an engine, and choosing vLLM's V1 model runner for one
+engine (``model_runner``: `eval --engine vllm --baseline v1`).
 
 vLLM is imported only here, only when called: the rest of the package runs without it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
 
 from dflashkit.errors import UserError
@@ -52,3 +55,23 @@ def wait_for_gpu_memory_to_settle(limit_s: float = 60.0) -> None:
         if len(readings) >= 5 and max(readings[-5:]) - min(readings[-5:]) < 16:  # MiB, steady for 4 s
             return
         time.sleep(1.0)
+
+
+V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
+
+
+@contextlib.contextmanager
+def model_runner(v1: bool):
+    """With ``v1``, vLLM's V1 model runner for the engine started inside (VLLM_USE_V2_MODEL_RUNNER=0, read when
+    the engine's config is built: vllm/config/vllm.py:522-525); the variable as it was afterwards."""
+    before = os.environ.get(V2_RUNNER_ENV)
+    if v1:
+        os.environ[V2_RUNNER_ENV] = "0"
+    try:
+        yield
+    finally:
+        if v1:
+            if before is None:
+                os.environ.pop(V2_RUNNER_ENV, None)
+            else:
+                os.environ[V2_RUNNER_ENV] = before
