@@ -86,7 +86,8 @@ def summarise(rows: list[dict], taus: list[float], live: dict[int, float], offse
         out["calibration"] = {"model": "live = a * tau_walk + b (least squares over the pairs)", "a": a, "b": b,
                               "pairs": listed}
         out["live_taus"] = {str(t): {"tau_walk": (t - b) / a, "reached": first_time(points, (t - b) / a)}
-                            for t in taus} if a > 0 else {}
+                            for t in taus} if a > 0 else {
+            "skipped": f"live tau does not rise with tau_walk over these pairs (a = {a:.3g}): no threshold maps"}
     return out
 
 

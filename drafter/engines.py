@@ -328,7 +328,7 @@ def vllm_serve_command(target: str, drafter: str, block_size: int, speculative_c
                                   "num_speculative_tokens": int(block_size) - 1}
     from .vllm_dflash2 import dflash2_serve_note  # DFlash2 exports: vLLM 0.28's rules
 
-    note = dflash2_serve_note(drafter, spec)
+    note = dflash2_serve_note(drafter, spec) if spec.get("method") == "dflash" else ""  # n-gram, MTP: no drafter
     extra = (f" --max-num-seqs {int(max_num_seqs)}" if max_num_seqs else "") + (
         f" --max-cudagraph-capture-size {int(cudagraph_capture_size)}" if cudagraph_capture_size else "")
     return f"vllm serve {target}{extra} --speculative-config '{json.dumps(spec)}'{note}"

@@ -327,7 +327,7 @@ class LLM:
         "cudagraph_ceiling"); 0 with enforce_eager (every step eager)."""
         if self._graph_ceiling is not None:
             return self._graph_ceiling
-        if "enforce_eager" in self.engine_kwargs and self.engine_kwargs["enforce_eager"]:
+        if self.engine_kwargs.get("enforce_eager"):
             return 0
         from dflashkit.drafter.engines import VLLM_DEFAULT_CUDAGRAPH_CEILING
 

@@ -29,6 +29,7 @@ def test_time_to_each_tau_adds_resumed_segments():
     assert cal["live_taus"]["1.7"]["tau_walk"] == pytest.approx(1.9)
     assert cal["live_taus"]["1.7"]["reached"] == {"step": 40, "seconds": 190.0}
     assert ttq.calibration([(2.0, 1.5)]) == (0.75, 0.0)  # one pair: the ratio
+    assert "does not rise" in ttq.summarise(rows, [1.7], {30: 1.9, 50: 1.6})["live_taus"]["skipped"]
     with pytest.raises(SystemExit, match=r"--live steps \[35\] have no held-out evaluation"):
         ttq.summarise(rows, [1.7], {35: 1.6})
     with pytest.raises(SystemExit, match="no row has elapsed_s"):

@@ -78,6 +78,9 @@ def test_the_serve_command_of_a_dflash2_export_names_vllm_028_and_block_size_min
     line = engines.vllm_serve_command("TARGET", str(exported), BLOCK)
     assert f'"num_speculative_tokens": {BLOCK - 1}' in line and line.endswith("# DFlash2: vLLM >= 0.28")
     assert "vLLM >= 0.28" not in engines.vllm_serve_command("TARGET", "not-a-directory", BLOCK)
+    # a plan without the drafter (vLLM's n-gram) is served as it is: no DFlash2 rule applies to it
+    ngram = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    assert engines.vllm_serve_command("TARGET", str(exported), BLOCK, ngram).endswith(json.dumps(ngram) + "'")
 
 
 def test_every_rule_cites_the_vllm_028_file():
