@@ -42,6 +42,7 @@ else
   # by default: on 2026-12-03 it never beat no speculation (0.73-1.04x, RESULTS.md); KS="1 3 7 15" adds it.
   L_TRAIN=${L_TRAIN:-300}; L_VLLM=${L_VLLM:-1080}; L_PROJ=${L_PROJ:-480}
 fi
+BASELINES=${BASELINES:-ngram mtp v1}  # BASELINES=v1 keeps a lease for what an earlier run lacks
 VENV=(bash "$ROOT/bench/vllm_env.sh" "$PY")  # the slim vLLM's environment (../shared/vllm/README.md)
 echo "[$(date +%T)] start: scale $SCALE, $(nvidia-smi -L 2>/dev/null | wc -l) GPU(s)" >> "$R/stages.txt"
 
@@ -57,7 +58,7 @@ DRAFTER=$R/work/train/default/export
 # --- 3. vLLM alone: every k, the baselines, the schedule ---------------------------------------------------------------
 # shellcheck disable=SC2086
 stage vllm-schedule "$L_VLLM" "${VENV[@]}" "$ROOT/bench/bench_vllm.py" --parts serve --target "$T" \
-  --drafter "$DRAFTER" --serve-ks $KS --concurrency $LEVELS --baseline ngram mtp v1 --prefix-caching on \
+  --drafter "$DRAFTER" --serve-ks $KS --concurrency $LEVELS --baseline $BASELINES --prefix-caching on \
   --dataset "$D/mtbench.jsonl" --out "$O/vllm" "${VLLM[@]}"
 
 # --- 4. (PROJECTION=1) the 8B-shaped step times at each k and the schedule an 8B user would deploy --------------------
