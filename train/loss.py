@@ -48,8 +48,9 @@ Design choices:
   one eager op after either backend's statistics; for an fp32 lm_head the candidates are exactly those of
   ``topk(logits.float())``, for bf16 the same values (the upcast is exact and keeps the order).
 - That top_k is ``grouped_topk``: a radix select over a whole vocabulary row is the slowest op of a DFlash2 step
-  on a GPU (``torch.topk`` of [2048, 49152] bf16 logits, k 16: 1.04 ms, against 0.16 ms for the statistics
-  kernel that reads the same logits; 21% of the step's GPU time, H200 2026-12-03). The row is cut into groups of
+  on a GPU (``torch.topk`` of [2048, 49152] bf16 logits, k 16: 1.04 ms a chunk in a profiled step, against 0.16 ms
+  for the statistics kernel that reads the same logits; 21% of the step's GPU time; alone 0.81 ms against 0.40 ms
+  for grouped_topk, H200 2026-12-03, BENCHMARKS.md). The row is cut into groups of
   ``TOPK_GROUP`` logits; the k groups with the largest maxima hold every one of the row's k largest values (a
   group outside them has k groups whose maxima are at least its own, so any value of it has k larger or equal
   ones elsewhere), so the top_k runs on those k groups (plus the tail when the vocabulary is not a multiple of
@@ -149,7 +150,7 @@ def _logit_grad(logits: torch.Tensor, lse: torch.Tensor, labels: torch.Tensor, w
     return (g * w.unsqueeze(-1)).to(logits.dtype)
 
 
-TOPK_GROUP = 128  # logits per group of grouped_topk
+TOPK_GROUP = 256  # logits per group of grouped_topk (the fastest of 64-512 on an H200: BENCHMARKS.md)
 
 
 def grouped_topk(x: torch.Tensor, k: int, group: int = TOPK_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
