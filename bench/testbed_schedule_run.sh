@@ -10,6 +10,9 @@
 #      largest step, baselines ngram, mtp (skipped: the testbed has no MTP head) and v1 (no speculation on the V1
 #      model runner, the one a schedule runs on), the schedule served last (serve/schedule.json);
 #   4. (PROJECTION=1) the 8B-shaped projection at each k (bench_vllm.py --parts projection; random weights).
+# DRAFTER=DIR (an export of an earlier lease) skips stages 1 and 2. To keep this lease's drafter for the next one,
+# bring it back in pieces of at most 15 MiB: `tar cf - -C $RUN/work/train/default/export . | split -b 15M - \
+# $OUT/drafter.tar.`, then here `cat drafter.tar.* | tar x -C .cache/drafter` and carry .cache/drafter.
 #
 #   python bench/testbed_data.py --out .cache/gpu --sharegpt 0        # here, where the testbed packages are
 #   TARGET=/root/testbed/smollm2-bf16 DATA=.cache/gpu RUN=/root/run bash bench/testbed_schedule_run.sh # H200
@@ -46,6 +49,10 @@ BASELINES=${BASELINES:-ngram mtp v1}  # BASELINES=v1 keeps a lease for what an e
 VENV=(bash "$ROOT/bench/vllm_env.sh" "$PY")  # the slim vLLM's environment (../shared/vllm/README.md)
 echo "[$(date +%T)] start: scale $SCALE, $(nvidia-smi -L 2>/dev/null | wc -l) GPU(s)" >> "$R/stages.txt"
 
+if [ -n "${DRAFTER:-}" ]; then  # an exported drafter from an earlier lease: stages 1 and 2 are skipped
+  DRAFTER=$(cd "$DRAFTER" && pwd) || exit 1
+  echo "[$(date +%T)] drafter given: $DRAFTER" >> "$R/stages.txt"
+else
 # --- 1. the first user turn of every conversation answered by the target -------------------------------------------
 first_turns
 
@@ -54,6 +61,7 @@ stage train-recipe $(( L_TRAIN + 300 )) "$PY" "$ROOT/bench/recipe_study.py" --ta
   --out "$O/recipe" --work-dir "$R/work" --variants default --parallel 1 --epochs "$EPOCHS" --stage train \
   --train-time-limit "$L_TRAIN" --extra-overrides "$EXTRA" --dataset "$D/mtbench.jsonl" "${DEV[@]}"
 DRAFTER=$R/work/train/default/export
+fi
 
 # --- 3. vLLM alone: every k, the baselines, the schedule ---------------------------------------------------------------
 # shellcheck disable=SC2086
