@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from dflashkit.train.loss import grouped_topk
+from dflashkit.train.loss import TOPK_GROUP, block_loss, grouped_topk
 
 
 def check(x: torch.Tensor, k: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -42,3 +42,15 @@ def test_short_rows_use_torch_topk_whole():
     values, ids = grouped_topk(x, 16, 32)  # 9 groups < 4k: the whole row
     ref = torch.topk(x, 16, dim=-1)
     assert torch.equal(values, ref.values) and torch.equal(ids, ref.indices)
+
+
+def test_the_loss_pass_candidates_over_a_grouped_vocabulary():
+    """block_loss(top_k) on a vocabulary of whole groups and a tail: the candidates are the logits' top_k."""
+    g = torch.Generator().manual_seed(4)
+    vocab = 16 * TOPK_GROUP + 40
+    hidden, weight = torch.randn(6, 3, 8, generator=g), torch.randn(vocab, 8, generator=g)
+    labels, valid = torch.randint(0, vocab, (6, 3), generator=g), torch.ones(6, 3, dtype=torch.bool)
+    out = block_loss(hidden, weight, labels, valid, top_k=4, chunk_tokens=9)
+    top = torch.topk(hidden @ weight.T, 4, dim=-1)
+    torch.testing.assert_close(out.top_logits, top.values)
+    assert torch.equal(out.top_ids, top.indices)
