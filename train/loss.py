@@ -162,13 +162,16 @@ def grouped_topk(x: torch.Tensor, k: int, group: int = TOPK_GROUP) -> tuple[torc
     if n_groups < 4 * k:
         return torch.topk(x, k, dim=-1)
     body = n_groups * group
-    best = torch.topk(x[:, :body].view(rows, n_groups, group).amax(-1), k, dim=-1).indices  # [rows, k]
-    offsets = torch.arange(group, device=x.device)
-    where = (best.unsqueeze(-1) * group + offsets).view(rows, k * group)
+    grouped = x[:, :body].view(rows, n_groups, group)
+    best = torch.topk(grouped.amax(-1), k, dim=-1).indices  # [rows, k]: the groups holding the top k
+    # the chosen groups' logits, the index broadcast along each group (no [rows, k * group] index is written)
+    cand = grouped.gather(1, best.unsqueeze(-1).expand(rows, k, group)).view(rows, k * group)
     if body < cols:  # the tail columns are always candidates
-        where = torch.cat([where, torch.arange(body, cols, device=x.device).expand(rows, -1)], dim=-1)
-    top = torch.topk(torch.gather(x, 1, where), k, dim=-1)
-    return top.values, torch.gather(where, 1, top.indices)
+        cand = torch.cat([cand, x[:, body:]], dim=-1)
+    values, at = torch.topk(cand, k, dim=-1)
+    in_body = at < k * group
+    ids = best.gather(1, (at // group).clamp(max=k - 1)) * group + at % group
+    return values, torch.where(in_body, ids, at - k * group + body)
 
 
 _COMPILED: dict = {}
