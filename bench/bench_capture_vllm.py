@@ -69,7 +69,7 @@ from pathlib import Path
 import torch
 from common import QWEN3_8B, QWEN3_TOY, qwen3_8b_config, random_target, say, sync, timed, write_json
 
-PARTS = ("equality", "throughput", "memory")
+PARTS = ("equality", "throughput", "memory", "reference")
 SHAPES = ("target", "qwen3-8b")
 GOALS = {"max_rel": 1e-2, "mean_rel": 2e-3, "vllm_over_hf_8b": 1.5}
 FLOOR = 1e-3  # max_element_rel's floor on |b|, as a share of the token's rms
@@ -225,6 +225,32 @@ def part_equality(args, work: Path, dev, dtype) -> dict:
     result["passes"] = (all(t["max_rel"] <= GOALS["max_rel"] and t["mean_rel"] <= GOALS["mean_rel"]
                             for t in result["per_tap"]) and result["ids_equal"] and not errors)
     return result
+
+
+def part_reference(args, work: Path, dev, dtype) -> dict:
+    """What bf16 itself costs: the testbed's taps from Hugging Face in float32 as the reference, against which the
+    vLLM shards and the Hugging Face bf16 shards of the equality part (extracted here if absent) are measured with
+    the same formulas. If vLLM's error is of the size of Hugging Face bf16's, the two engines differ by bf16
+    rounding, not by what they compute."""
+    from dflashkit.extract.run import extract
+
+    flags = dict(limit=args.samples, max_length=args.max_length, batch_tokens=args.batch_tokens,
+                 max_batch_size=args.max_batch_size, num_taps=args.num_taps, device=str(dev), progress=False,
+                 overwrite=True)
+    for engine in ("vllm", "hf"):
+        if not (work / f"shards-{engine}" / "manifest.json").exists():
+            extra = {"vllm_api": capture_api(args.standin, False),
+                     "gpu_memory_utilization": args.gpu_memory_utilization} if engine == "vllm" else {}
+            extract(args.target, [args.data], work / f"shards-{engine}", engine=engine, dtype=vllm_dtype(dtype),
+                    **flags, **extra)
+            free_memory(dev)
+    extract(args.target, [args.data], work / "shards-hf32", engine="hf", dtype="float32", **flags)
+    free_memory(dev)
+    out = {"reference": "hf float32", "dtype": str(dtype)}
+    for engine in ("vllm", "hf"):
+        out[f"{engine}_vs_fp32"] = tap_errors(work / f"shards-{engine}", work / "shards-hf32")
+    out["hf_vs_vllm"] = tap_errors(work / "shards-hf", work / "shards-vllm")
+    return out
 
 
 def tap_errors(vllm_dir: Path, hf_dir: Path) -> dict:
@@ -453,6 +479,11 @@ def print_tables(results: dict) -> None:
     if "per_tap" in eq:
         print(f"equality: ids equal {eq['ids_equal']}, verify errors {len(eq['verify_vllm']['errors'])}, "
               f"passes {eq['passes']}")
+    ref = results.get("reference", {})
+    for engine in ("vllm", "hf"):
+        for tap in ref.get(f"{engine}_vs_fp32", {}).get("per_tap", []):
+            print(f"reference {engine} bf16 vs hf fp32, layer {tap['layer_id']}: max_rel {tap['max_rel']:.2e} "
+                  f"mean_rel {tap['mean_rel']:.2e} mean_token_rel {tap['mean_token_rel']:.2e}")
     for shape in SHAPES:
         row = results.get("throughput", {}).get(shape)
         if row:
