@@ -46,6 +46,10 @@ name and the others still run; the JSON at --out is rewritten after every part):
   max_memory_allocated / max_memory_reserved of that process (the vLLM engine core is another process: this is
   the training process's own share), nvidia-smi's used memory of the whole GPU before and with the target
   (vLLM's share is what it reserves: weights, KV cache, activations, graphs), and nvidia-smi's per-process list.
+- reference (the testbed): what bf16 itself costs. Hugging Face in float32 extracts the same samples; the vLLM
+  and Hugging Face bf16 shards (the equality part's, in the same --work-dir, or extracted here) are measured
+  against it with equality's formulas; ``passes`` when vLLM is no farther from float32 than Hugging Face's own
+  bf16 on every tap (max_rel and mean_rel). The shards store bf16, so the reference is float32 rounded once.
 --standin: everything on the CPU at toy size; memory then reports the processes' peak RSS instead.
 """
 
@@ -250,6 +254,11 @@ def part_reference(args, work: Path, dev, dtype) -> dict:
     for engine in ("vllm", "hf"):
         out[f"{engine}_vs_fp32"] = tap_errors(work / f"shards-{engine}", work / "shards-hf32")
     out["hf_vs_vllm"] = tap_errors(work / "shards-hf", work / "shards-vllm")
+    # per tap: is vLLM's bf16 no farther from the float32 reference than Hugging Face's own bf16?
+    out["vllm_within_hf_bf16"] = [
+        {"layer_id": v["layer_id"], **{k: v[k] <= h[k] for k in ("max_rel", "mean_rel")}}
+        for v, h in zip(out["vllm_vs_fp32"]["per_tap"], out["hf_vs_fp32"]["per_tap"])]
+    out["passes"] = all(t["max_rel"] and t["mean_rel"] for t in out["vllm_within_hf_bf16"])
     return out
 
 
@@ -484,6 +493,8 @@ def print_tables(results: dict) -> None:
         for tap in ref.get(f"{engine}_vs_fp32", {}).get("per_tap", []):
             print(f"reference {engine} bf16 vs hf fp32, layer {tap['layer_id']}: max_rel {tap['max_rel']:.2e} "
                   f"mean_rel {tap['mean_rel']:.2e} mean_token_rel {tap['mean_token_rel']:.2e}")
+    if "passes" in ref:
+        print(f"reference: vLLM no farther from fp32 than HF bf16 on every tap: {ref['passes']}")
     for shape in SHAPES:
         row = results.get("throughput", {}).get(shape)
         if row:

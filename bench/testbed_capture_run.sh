@@ -11,7 +11,11 @@
 #   3. the first user turn of every testbed ShareGPT conversation answered by the target (~1 min);
 #   4. online-hf, online-vllm: bench/bench_online_vllm.py, one path per command, the recipe for ONLINE_EPOCHS
 #      epoch(s) on those turns, then `dflashkit eval` chain on MT-bench 80 (~5.5 and ~6.5 min);
-#   5. capture-8b-mem: the training process's GPU memory with the 8B target in vLLM vs a Hugging Face replica.
+#   5. capture-8b-mem: the training process's GPU memory with the 8B target in vLLM vs a Hugging Face replica;
+#   6. capture-reference: Hugging Face in float32 as the reference both bf16 engines' testbed shards (stage 1's,
+#      or extracted anew) are measured against: whether vLLM differs from HF by bf16 rounding alone (~2 min).
+# STAGES picks what runs, in that order (default "capture online memory reference"): e.g. STAGES=online for the
+# two drafters alone.
 #
 #   .venv/bin/python bench/bench_capture_vllm.py --write-data .cache/gpud/sharegpt256.jsonl --samples 256  # here
 #   TARGET=/root/testbed/smollm2-bf16 DATA=/root/data RUN=/root/run bash bench/testbed_capture_run.sh        # H200
@@ -26,6 +30,7 @@ D=${DATA:-.cache/gpud}
 R=${RUN:-/root/run}
 SCALE=${SCALE:-full}
 ONLINE_EPOCHS=${ONLINE_EPOCHS:-1}
+STAGES=" ${STAGES:-capture online memory reference} "
 mkdir -p "$D"
 . "$(dirname "$0")/run_lib.sh"  # ROOT, D, R, O, PY; the shell in $R; stage()
 if [ "$SCALE" = toy ]; then
@@ -38,22 +43,31 @@ fi
 VENV=(bash "$ROOT/bench/vllm_env.sh" "$PY")  # the slim vLLM's environment (../shared/vllm/README.md)
 echo "[$(date +%T)] start: scale $SCALE, $(nvidia-smi -L 2>/dev/null | wc -l) GPU(s)" >> "$R/stages.txt"
 
-capture() {  # NAME OUT PARTS SHAPE: one bench_capture_vllm.py command
+capture() {  # NAME OUT PARTS SHAPE [WORK]: one bench_capture_vllm.py command (work dir $R/WORK, default capture-NAME)
   stage "$1" "$L_STAGE" "${VENV[@]}" "$ROOT/bench/bench_capture_vllm.py" --parts $3 --shapes "$4" "${CAP[@]}" \
-    --work-dir "$R/capture-$1" --out "$O/$2"
+    --work-dir "$R/${5:-capture-$1}" --out "$O/$2"
 }
 
+wants() { [[ $STAGES == *" $1 "* ]]; }
+
 # --- 1-2. features from vLLM against Hugging Face's: equality, features/s ---------------------------------------------
-capture capture-testbed capture_testbed.json "equality throughput" target
-capture capture-8b capture_8b.json throughput qwen3-8b
+if wants capture; then
+  capture capture-testbed capture_testbed.json "equality throughput" target
+  capture capture-8b capture_8b.json throughput qwen3-8b
+fi
 
 # --- 3-4. a drafter trained online from each engine's features --------------------------------------------------------
-[ "$SCALE" = toy ] || first_turns
-for path in hf vllm; do
-  stage "online-$path" "$L_STAGE" "${VENV[@]}" "$ROOT/bench/bench_online_vllm.py" --paths "$path" "${ONLINE[@]}" \
-    --work-dir "$R/online" --out "$O/online_vllm.json"
-done
+if wants online; then
+  [ "$SCALE" = toy ] || first_turns
+  for path in hf vllm; do
+    stage "online-$path" "$L_STAGE" "${VENV[@]}" "$ROOT/bench/bench_online_vllm.py" --paths "$path" "${ONLINE[@]}" \
+      --work-dir "$R/online" --out "$O/online_vllm.json"
+  done
+fi
 
-# --- 5. the training process's memory at the 8B shape -------------------------------------------------------------------
-capture capture-8b-mem capture_8b_mem.json memory qwen3-8b
+# --- 5. the training process's memory at the 8B shape -----------------------------------------------------------------
+wants memory && capture capture-8b-mem capture_8b_mem.json memory qwen3-8b
+
+# --- 6. bf16 against a float32 reference (reuses stage 1's shards: the same --work-dir) -------------------------------
+wants reference && capture capture-reference capture_reference.json reference target capture-capture-testbed
 echo "[$(date +%T)] all done" >> "$R/stages.txt"

@@ -1,6 +1,6 @@
 """bench/bench_capture_vllm.py at toy size on the CPU (the capture twin, tiny random targets, synthetic chats): every
-part writes its JSON, the twin's shards equal Hugging Face extraction's (the same HF math: errors ~0), features/s
-are positive, and a part that fails leaves the others' results in the file."""
+part writes its JSON (the float32 reference too), the twin's shards equal Hugging Face extraction's (the same HF
+math: errors ~0), features/s are positive, and a part that fails leaves the others' results in the file."""
 
 import json
 import os
@@ -40,6 +40,11 @@ def test_toy_run_writes_every_part(tmp_path):
         mem = results["memory"][shape]
         assert mem["hf"]["weights_bytes"] > 0 and mem["hf"]["cpu_max_rss_mib"] > 0
         assert mem["vllm"]["cpu_max_rss_mib"] > 0 and mem["hf"]["pid"] != mem["vllm"]["pid"]
+    ref = results["reference"]  # on the CPU "bf16" is the float32 default: the same HF extraction twice
+    assert [t["layer_id"] for t in ref["hf_vs_fp32"]["per_tap"]] == eq["layer_ids"]
+    assert all(t["max_rel"] == 0 for t in ref["hf_vs_fp32"]["per_tap"])
+    assert all(t["max_rel"] < 1e-4 for t in ref["vllm_vs_fp32"]["per_tap"] + ref["hf_vs_vllm"]["per_tap"])
+    assert len(ref["vllm_within_hf_bf16"]) == len(eq["layer_ids"]) and isinstance(ref["passes"], bool)
     assert results["throughput"]["qwen3-8b"]["layer_ids"] == [1, 2, 3, 4, 5]  # QWEN3_TOY: 8 layers, 5 taps
     assert "wrote" in proc.stdout and "equality layer" in proc.stdout
 
