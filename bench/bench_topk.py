@@ -5,6 +5,10 @@
 
 Each figure is the median of 5 timings of 50 back-to-back calls (one sync at the end) on random bf16 logits,
 k = 16 (DFlash2's selector_top_k); every group size's values are checked equal to torch.topk's first.
+Also the loss pass's whole candidate step at the default group, both compiled as the trainer compiles them:
+``row_stats_then_topk`` (the row statistics kernel, then grouped_topk reading the logits again for its group
+maxima) against ``grouped_stats_then_topk`` (one kernel gives the statistics and the group maxima; grouped_topk
+starts from them); their outputs are checked equal first.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import statistics
 import torch
 from common import seconds_per_call, write_json
 
-from dflashkit.train.loss import TOPK_GROUP, grouped_topk
+from dflashkit.train.loss import TOPK_GROUP, _compiled, _logit_stats, _logit_stats_grouped, grouped_topk
 
 
 def main() -> None:
@@ -39,6 +43,24 @@ def main() -> None:
         if not torch.equal(grouped_topk(x, args.k, g)[0], ref):
             raise SystemExit(f"group {g}: the values differ from torch.topk's")
         out[f"grouped_{g}_ms"] = ms(lambda g=g: grouped_topk(x, args.k, g))
+    labels = torch.randint(0, args.vocab, (args.rows,), device=dev)
+    row_stats, grouped_stats = _compiled(_logit_stats), _compiled(_logit_stats_grouped)
+
+    def row_path():
+        return row_stats(x, labels, torch.float32), grouped_topk(x, args.k)
+
+    def grouped_path():
+        lse, tgt, arg, gmax = grouped_stats(x, labels, torch.float32, TOPK_GROUP)
+        return (lse, tgt, arg), grouped_topk(x, args.k, group_max=gmax)
+
+    (a_stats, a_top), (b_stats, b_top) = row_path(), grouped_path()
+    torch.testing.assert_close(b_stats[0], a_stats[0], rtol=1e-5, atol=1e-5)
+    if not (torch.equal(a_stats[2], b_stats[2]) and torch.equal(a_top[0], b_top[0])):
+        raise SystemExit("the grouped statistics' argmax or candidates differ from the row path's")
+    out["row_stats_then_topk_ms"] = ms(row_path)
+    out["grouped_stats_then_topk_ms"] = ms(grouped_path)
+    out["row_stats_ms"] = ms(lambda: row_stats(x, labels, torch.float32))
+    out["grouped_stats_ms"] = ms(lambda: grouped_stats(x, labels, torch.float32, TOPK_GROUP))
     print(out)
     write_json(args.out, out)
 

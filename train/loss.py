@@ -138,6 +138,31 @@ def _logit_stats(logits: torch.Tensor, labels: torch.Tensor, acc: torch.dtype):
     return torch.logsumexp(x, dim=-1), x.gather(-1, labels.unsqueeze(-1)).squeeze(-1), x.argmax(-1)
 
 
+def _logit_stats_grouped(logits: torch.Tensor, labels: torch.Tensor, acc: torch.dtype, group: int):
+    """``_logit_stats`` plus each row's maximum per group of ``group`` columns (grouped_topk's first step), all
+    from one read of the logits: per group its max, first argmax and sum of exp(x - max), then the row's
+    logsumexp and argmax from those (an earlier index wins ties, as torch.argmax's); the tail columns past the
+    last whole group are folded in apart. Returns (lse, label logit, argmax, group maxima [rows, groups])."""
+    rows, cols = logits.shape
+    n = cols // group
+    body = n * group
+    x = logits[:, :body].reshape(rows, n, group).to(acc)
+    gmax, garg = x.max(dim=-1)
+    gsum = torch.exp(x - gmax.unsqueeze(-1)).sum(-1)
+    m, best = gmax.max(dim=-1)
+    s = (gsum * torch.exp(gmax - m.unsqueeze(-1))).sum(-1)
+    arg = best * group + garg.gather(-1, best.unsqueeze(-1)).squeeze(-1)
+    if body < cols:
+        t = logits[:, body:].to(acc)
+        tmax, targ = t.max(dim=-1)
+        top = torch.maximum(m, tmax)
+        s = s * torch.exp(m - top) + torch.exp(t - top.unsqueeze(-1)).sum(-1)
+        arg = torch.where(tmax > m, targ + body, arg)
+        m = top
+    tgt = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1).to(acc)
+    return m + torch.log(s), tgt, arg, gmax
+
+
 def _logit_grad(logits: torch.Tensor, lse: torch.Tensor, labels: torch.Tensor, w: torch.Tensor,
                 hard: float = 1.0, teacher_p: torch.Tensor | None = None) -> torch.Tensor:
     """d(w * term)/d(logits) = w * (softmax - hard * onehot(label) - p_target) in the logits' dtype, where
@@ -153,17 +178,26 @@ def _logit_grad(logits: torch.Tensor, lse: torch.Tensor, labels: torch.Tensor, w
 TOPK_GROUP = 256  # logits per group of grouped_topk (the fastest of 64-512 on an H200: BENCHMARKS.md)
 
 
-def grouped_topk(x: torch.Tensor, k: int, group: int = TOPK_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+def groups_pay(cols: int, k: int, group: int = TOPK_GROUP) -> bool:
+    """Whether grouped_topk cuts a row of ``cols`` into groups (else it is torch.topk over the row)."""
+    return cols // group >= 4 * k
+
+
+def grouped_topk(x: torch.Tensor, k: int, group: int = TOPK_GROUP,
+                 group_max: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(values, indices) of the k largest entries of each row of 2-D ``x``, largest first: the values of
     ``torch.topk(x, k)``, found among the k groups of ``group`` columns with the largest maxima (module notes).
-    Rows too short for groups to save work go to ``torch.topk`` whole."""
+    ``group_max``: those maxima [rows, cols // group] when already computed (``_logit_stats_grouped``; any dtype
+    that keeps their order). Rows too short for groups to save work go to ``torch.topk`` whole."""
     rows, cols = x.shape
     n_groups = cols // group
-    if n_groups < 4 * k:
+    if not groups_pay(cols, k, group):
         return torch.topk(x, k, dim=-1)
     body = n_groups * group
     grouped = x[:, :body].view(rows, n_groups, group)
-    best = torch.topk(grouped.amax(-1), k, dim=-1).indices  # [rows, k]: the groups holding the top k
+    if group_max is None:
+        group_max = grouped.amax(-1)
+    best = torch.topk(group_max, k, dim=-1).indices  # [rows, k]: the groups holding the top k
     # the chosen groups' logits, the index broadcast along each group (no [rows, k * group] index is written)
     cand = grouped.gather(1, best.unsqueeze(-1).expand(rows, k, group)).view(rows, k * group)
     if body < cols:  # the tail columns are always candidates
@@ -196,7 +230,9 @@ def chunked_logit_statistics(hidden, weight, bias, labels, valid, teacher, obj: 
     n_blocks, p, h = hidden.shape
     acc = torch.promote_types(hidden.dtype, torch.float32)  # fp32 logits (fp64 when the inputs are)
     dev = hidden.device
-    stats, logit_grad = (_compiled(_logit_stats), _compiled(_logit_grad)) if fused else (_logit_stats, _logit_grad)
+    grouped = bool(top_k) and groups_pay(weight.shape[0], top_k)  # the stats also give grouped_topk's maxima
+    stats = _logit_stats_grouped if grouped else _logit_stats
+    stats, logit_grad = (_compiled(stats), _compiled(_logit_grad)) if fused else (stats, _logit_grad)
     grad = torch.zeros(hidden.shape, dtype=acc, device=dev) if need_grad else None
     decay = position_decay(p + 1, gamma, dev, acc)
     loss_sum, ce_sum, tau_sum = (torch.zeros((), dtype=acc, device=dev) for _ in range(3))
@@ -209,9 +245,12 @@ def chunked_logit_statistics(hidden, weight, bias, labels, valid, teacher, obj: 
         lab, ok = labels[s:e], valid[s:e]
         val = ok.to(acc)
         raw = F.linear(hidden[s:e].reshape(-1, h).to(weight.dtype), weight, bias)  # [rows, V], lm_head dtype
-        lse, tgt, top = stats(raw, lab.reshape(-1), acc)
+        if grouped:
+            lse, tgt, top, group_max = stats(raw, lab.reshape(-1), acc, TOPK_GROUP)
+        else:
+            (lse, tgt, top), group_max = stats(raw, lab.reshape(-1), acc), None
         if top_k:  # the selector's candidates, from these logits (module notes)
-            values, ids = grouped_topk(raw, top_k)
+            values, ids = grouped_topk(raw, top_k, group_max=group_max)
             top_logits[s:e], top_ids[s:e] = values.view(e - s, p, top_k), ids.view(e - s, p, top_k)
         ce = (lse - tgt).view(e - s, p) * val
         term, teacher_p = ce, None

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from dflashkit.train.loss import TOPK_GROUP, block_loss, grouped_topk
+from dflashkit.train.loss import TOPK_GROUP, _logit_stats, _logit_stats_grouped, block_loss, grouped_topk
 
 
 def check(x: torch.Tensor, k: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,3 +54,50 @@ def test_the_loss_pass_candidates_over_a_grouped_vocabulary():
     top = torch.topk(hidden @ weight.T, 4, dim=-1)
     torch.testing.assert_close(out.top_logits, top.values)
     assert torch.equal(out.top_ids, top.indices)
+
+
+@pytest.mark.parametrize("cols", [1024, 1024 + 45])  # whole groups, and a tail past the last one
+def test_grouped_statistics_are_the_row_statistics_and_the_group_maxima(cols):
+    """One read gives logsumexp, the label's logit, the argmax and grouped_topk's group maxima."""
+    g = torch.Generator().manual_seed(5)
+    x = (4 * torch.randn(40, cols, generator=g)).to(torch.bfloat16)
+    x[0, -1] = 30.0  # the row's maximum in the tail (or the last group)
+    x[1, 3] = 30.0  # in the first group
+    labels = torch.randint(0, cols, (40,), generator=g)
+    lse, tgt, arg, gmax = _logit_stats_grouped(x, labels, torch.float32, 32)
+    ref_lse, ref_tgt, ref_arg = _logit_stats(x, labels, torch.float32)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-6, atol=1e-5)
+    assert torch.equal(tgt, ref_tgt) and torch.equal(arg, ref_arg)
+    assert torch.equal(gmax, x[:, : cols // 32 * 32].view(40, -1, 32).amax(-1).float())
+    values, ids = grouped_topk(x, 8, 32, group_max=gmax)
+    assert torch.equal(values, torch.topk(x, 8, dim=-1).values) and torch.equal(x.gather(1, ids), values)
+
+
+def test_grouped_statistics_break_ties_as_argmax():
+    """Equal maxima in several groups and in the tail: the first column holding the maximum, as torch.argmax."""
+    x = torch.zeros(4, 100)
+    x[0, [5, 40, 99]] = 1.0  # first group, a later group, the tail
+    x[1, [70, 98]] = 1.0  # a group and the tail
+    x[2, 97] = 1.0  # the tail alone
+    lse, _, arg, _ = _logit_stats_grouped(x, torch.zeros(4, dtype=torch.long), torch.float32, 32)
+    assert arg.tolist() == [5, 70, 97, 0] == torch.argmax(x, -1).tolist()
+    torch.testing.assert_close(lse, torch.logsumexp(x, -1))
+
+
+@pytest.mark.parametrize("variant", ["ce", "dpace"])
+def test_candidates_leave_the_loss_and_gradient_unchanged(variant):
+    """block_loss with top_k (the grouped statistics) gives the loss, metrics and gradient of block_loss without."""
+    g = torch.Generator().manual_seed(6)
+    vocab = 16 * TOPK_GROUP + 40
+    weight = torch.randn(vocab, 8, generator=g)
+    labels, valid = torch.randint(0, vocab, (6, 3), generator=g), torch.rand(6, 3, generator=g) > 0.2
+    outs, grads = [], []
+    for top_k in (0, 4):
+        hidden = torch.randn(6, 3, 8, generator=torch.Generator().manual_seed(7)).requires_grad_()
+        out = block_loss(hidden, weight, labels, valid, variant=variant, top_k=top_k, chunk_tokens=9)
+        out.loss_sum.backward()
+        outs.append(out)
+        grads.append(hidden.grad)
+    for name in ("loss_sum", "ce_sum", "correct", "counted", "tau_sum", "runs"):
+        torch.testing.assert_close(getattr(outs[1], name), getattr(outs[0], name), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-5, atol=1e-6)
