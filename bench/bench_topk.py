@@ -19,7 +19,7 @@ import statistics
 import torch
 from common import seconds_per_call, write_json
 
-from dflashkit.train.loss import TOPK_GROUP, _compiled, _logit_stats, _logit_stats_grouped, grouped_topk
+from dflashkit.train.loss import TOPK_GROUP, grouped_topk, logit_statistics
 
 
 def main() -> None:
@@ -44,7 +44,7 @@ def main() -> None:
             raise SystemExit(f"group {g}: the values differ from torch.topk's")
         out[f"grouped_{g}_ms"] = ms(lambda g=g: grouped_topk(x, args.k, g))
     labels = torch.randint(0, args.vocab, (args.rows,), device=dev)
-    row_stats, grouped_stats = _compiled(_logit_stats), _compiled(_logit_stats_grouped)
+    row_stats, grouped_stats = logit_statistics(False, True), logit_statistics(True, True)
 
     def row_path():
         return row_stats(x, labels, torch.float32), grouped_topk(x, args.k)

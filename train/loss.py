@@ -220,6 +220,14 @@ def _compiled(fn):
     return _COMPILED[fn]
 
 
+def logit_statistics(grouped: bool, fused: bool) -> Callable:
+    """The loss pass's statistics of a chunk's logits: ``(logits, labels, acc)`` -> (lse, label logit, argmax),
+    or with ``grouped`` ``(logits, labels, acc, group)`` -> the same and each group's maximum; compiled when
+    ``fused``."""
+    fn = _logit_stats_grouped if grouped else _logit_stats
+    return _compiled(fn) if fused else fn
+
+
 def chunked_logit_statistics(hidden, weight, bias, labels, valid, teacher, obj: Objective, gamma: float,
                              chunk: int, fused: bool, need_grad: bool, top_k: int = 0):
     """The engine: walk ``chunk`` blocks at a time through the lm_head and compute, from each chunk's logits,
@@ -234,8 +242,8 @@ def chunked_logit_statistics(hidden, weight, bias, labels, valid, teacher, obj: 
     acc = torch.promote_types(hidden.dtype, torch.float32)  # fp32 logits (fp64 when the inputs are)
     dev = hidden.device
     grouped = bool(top_k) and groups_pay(weight.shape[0], top_k)  # the stats also give grouped_topk's maxima
-    stats = _logit_stats_grouped if grouped else _logit_stats
-    stats, logit_grad = (_compiled(stats), _compiled(_logit_grad)) if fused else (stats, _logit_grad)
+    stats = logit_statistics(grouped, fused)
+    logit_grad = _compiled(_logit_grad) if fused else _logit_grad
     grad = torch.zeros(hidden.shape, dtype=acc, device=dev) if need_grad else None
     decay = position_decay(p + 1, gamma, dev, acc)
     loss_sum, ce_sum, tau_sum = (torch.zeros((), dtype=acc, device=dev) for _ in range(3))

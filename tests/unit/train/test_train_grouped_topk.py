@@ -3,7 +3,9 @@
 import pytest
 import torch
 
-from dflashkit.train.loss import TOPK_GROUP, _logit_stats, _logit_stats_grouped, block_loss, grouped_topk
+from dflashkit.train.loss import TOPK_GROUP, block_loss, grouped_topk, logit_statistics
+
+row_stats, grouped_stats = logit_statistics(False, False), logit_statistics(True, False)  # eager
 
 
 def check(x: torch.Tensor, k: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,8 +66,8 @@ def test_grouped_statistics_are_the_row_statistics_and_the_group_maxima(cols):
     x[0, -1] = 30.0  # the row's maximum in the tail (or the last group)
     x[1, 3] = 30.0  # in the first group
     labels = torch.randint(0, cols, (40,), generator=g)
-    lse, tgt, arg, gmax = _logit_stats_grouped(x, labels, torch.float32, 32)
-    ref_lse, ref_tgt, ref_arg = _logit_stats(x, labels, torch.float32)
+    lse, tgt, arg, gmax = grouped_stats(x, labels, torch.float32, 32)
+    ref_lse, ref_tgt, ref_arg = row_stats(x, labels, torch.float32)
     torch.testing.assert_close(lse, ref_lse, rtol=1e-6, atol=1e-5)
     assert torch.equal(tgt, ref_tgt) and torch.equal(arg, ref_arg)
     assert torch.equal(gmax, x[:, : cols // 32 * 32].view(40, -1, 32).amax(-1).float())
@@ -79,7 +81,7 @@ def test_grouped_statistics_break_ties_as_argmax():
     x[0, [5, 40, 99]] = 1.0  # first group, a later group, the tail
     x[1, [70, 98]] = 1.0  # a group and the tail
     x[2, 97] = 1.0  # the tail alone
-    lse, _, arg, _ = _logit_stats_grouped(x, torch.zeros(4, dtype=torch.long), torch.float32, 32)
+    lse, _, arg, _ = grouped_stats(x, torch.zeros(4, dtype=torch.long), torch.float32, 32)
     assert arg.tolist() == [5, 70, 97, 0] == torch.argmax(x, -1).tolist()
     torch.testing.assert_close(lse, torch.logsumexp(x, -1))
 
