@@ -207,13 +207,18 @@ def vllm_dtype(dtype) -> str:
 
 
 # ----------------------------------------------------------------------------- equality
+def extract_flags(args, dev) -> dict:
+    """The keyword arguments of extract/run.py ``extract`` every extraction of this bench shares."""
+    return dict(limit=args.samples, max_length=args.max_length, batch_tokens=args.batch_tokens,
+                max_batch_size=args.max_batch_size, num_taps=args.num_taps, device=str(dev), progress=False,
+                overwrite=True)
+
+
 def part_equality(args, work: Path, dev, dtype) -> dict:
     from dflashkit.extract.run import extract
     from dflashkit.extract.shards.verify import verify_dataset
 
-    flags = dict(limit=args.samples, max_length=args.max_length, batch_tokens=args.batch_tokens,
-                 max_batch_size=args.max_batch_size, num_taps=args.num_taps, device=str(dev),
-                 dtype=vllm_dtype(dtype), progress=False, overwrite=True)
+    flags = dict(extract_flags(args, dev), dtype=vllm_dtype(dtype))
     walls = {}
     for engine in ("vllm", "hf"):  # vLLM first: its start-up profiling needs a GPU that nothing else is freeing
         started = time.perf_counter()
@@ -238,9 +243,7 @@ def part_reference(args, work: Path, dev, dtype) -> dict:
     rounding, not by what they compute."""
     from dflashkit.extract.run import extract
 
-    flags = dict(limit=args.samples, max_length=args.max_length, batch_tokens=args.batch_tokens,
-                 max_batch_size=args.max_batch_size, num_taps=args.num_taps, device=str(dev), progress=False,
-                 overwrite=True)
+    flags = extract_flags(args, dev)
     for engine in ("vllm", "hf"):
         if not (work / f"shards-{engine}" / "manifest.json").exists():
             extra = {"vllm_api": capture_api(args.standin, False),
