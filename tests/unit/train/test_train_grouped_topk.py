@@ -103,3 +103,13 @@ def test_candidates_leave_the_loss_and_gradient_unchanged(variant):
     for name in ("loss_sum", "ce_sum", "correct", "counted", "tau_sum", "runs"):
         torch.testing.assert_close(getattr(outs[1], name), getattr(outs[0], name), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(grads[1], grads[0], rtol=1e-5, atol=1e-6)
+
+
+def test_given_group_maxima_are_used_instead_of_read_again():
+    """grouped_topk picks its groups from ``group_max`` when given: maxima that name other groups give other
+    candidates (a version reading the logits again would still return torch.topk's)."""
+    x = torch.randn(4, 1024, generator=torch.Generator().manual_seed(8))
+    true_max = x.view(4, 32, 32).amax(-1)
+    assert torch.equal(grouped_topk(x, 4, 32, group_max=true_max)[0], torch.topk(x, 4, dim=-1).values)
+    wrong = -true_max  # the groups with the smallest maxima
+    assert not torch.equal(grouped_topk(x, 4, 32, group_max=wrong)[0], torch.topk(x, 4, dim=-1).values)
