@@ -34,8 +34,10 @@ traceback and the others still run):
   eager: τ does not depend on timing), and for each pair the τ of its first j positions at the largest k
   (E[accepted within the first j] + 1), so a drafter's loss at small k is read beside what the same drafter
   gets from those positions in full blocks. A causal-in-block drafter (dflash_config.causal) should lose nothing.
-- server -> f_server.json: `dflashkit eval --server` (eval/serving.py) against `vllm serve` on 127.0.0.1, or
-  why it could not start (this slim vLLM has no Rust frontend; the Python one needs uvicorn).
+- server -> f_server.json (+ the plan dir server/): two `vllm serve` on 127.0.0.1 (no speculation; the drafter
+  at the largest --serve-ks) started as the serve part's engines are, swept by `dflashkit eval --server none=URL
+  kN=URL` (eval/serving.py) with the same levels, repeats and requests per level, each cell beside the serve
+  part's when that ran first; or why a server could not start (the Python frontend needs uvicorn).
 """
 
 from __future__ import annotations
@@ -341,9 +343,68 @@ def part_projection_model(args, out: Path) -> None:
 
 
 # ----------------------------------------------------------------------------- (f)
-def part_server(args, out: Path) -> None:
-    import importlib.util
+SERVER_PORTS = {"none": 8731, "drafter": 8732}
+
+
+def server_command(args, port: int, k: int | None) -> list[str]:
+    """`vllm serve` as the in-process engine of `--parts serve` is built: max_num_seqs = the largest level, CUDA
+    graphs covering its decode step at k (rule cudagraph_ceiling), prefix caching vLLM's default (on)."""
+    from dflashkit.drafter.engines import vllm_cudagraph_capture_size
+
+    top = max(args.concurrency)
+    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", args.target, "--host", "127.0.0.1", "--port",
+           str(port), "--gpu-memory-utilization", str(args.gpu_memory_utilization), "--max-model-len",
+           str(args.max_model_len), "--max-num-seqs", str(top)]
+    capture = vllm_cudagraph_capture_size(top, k or 0)
+    if capture:
+        cmd += ["--max-cudagraph-capture-size", str(capture)]
+    if k:
+        cmd += ["--speculative-config", json.dumps({"method": "dflash", "model": args.drafter,
+                                                    "num_speculative_tokens": k})]
+    return cmd
+
+
+def wait_for_server(server, port: int, seconds: float) -> bool:
     import urllib.request
+
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and server.poll() is None:
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2)
+            return True
+        except OSError:
+            time.sleep(2)
+    return False
+
+
+def server_vs_engine(plan: dict, engine_report: dict | None) -> dict:
+    """Each server cell beside the in-process engine's cell of the same name and level (`--parts serve`'s
+    report): tok/s of both, their ratio, both speedups against no speculation, both taus."""
+    if not engine_report:
+        return {}
+    cells = {}
+    for name, levels in plan["engines"].items():
+        engine = engine_report.get("engines", {}).get(name)
+        if engine is None:
+            continue
+        for c, cell in levels.items():
+            other = engine["levels"].get(str(c))
+            if other is None:
+                continue
+            cells.setdefault(name, {})[str(c)] = {
+                "server_tokens_per_s": cell["output_tokens_per_s"],
+                "in_process_tokens_per_s": other["output_tokens_per_s"],
+                "server_over_in_process": cell["output_tokens_per_s"] / other["output_tokens_per_s"],
+                "server_speedup": cell.get("speedup"), "in_process_speedup": other.get("speedup"),
+                "server_tau": cell.get("tau"), "in_process_tau": other.get("tau")}
+    return cells
+
+
+def part_server(args, out: Path) -> None:
+    """Two `vllm serve` on loopback (no speculation; the drafter at k = the largest --serve-ks, else
+    block_size - 1), swept by `dflashkit eval --server none=URL kN=URL` with the in-process part's levels, repeats
+    and requests per level, and compared cell by cell with `--parts serve`'s report when it ran first."""
+    import importlib.util
 
     if args.standin:
         write_json(out, "f_server", {"ran": False, "why": "a CPU toy run (--standin) has no vLLM server"})
@@ -353,37 +414,42 @@ def part_server(args, out: Path) -> None:
     if missing:  # the slim vLLM has no Rust frontend; the Python one needs these
         write_json(out, "f_server", {"ran": False, "why": f"vllm serve cannot start: missing modules {missing}"})
         return
-    port = 8731
-    spec = json.dumps({"method": "dflash", "model": args.drafter,
-                       "num_speculative_tokens": json.loads((Path(args.drafter) / "config.json").read_text())
-                       .get("block_size", 16) - 1})
-    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", args.target, "--host", "127.0.0.1", "--port",
-           str(port), "--speculative-config", spec, "--gpu-memory-utilization", str(args.gpu_memory_utilization),
-           "--max-model-len", str(args.max_model_len)]
-    log = open(out / "f_server.log", "w")
-    server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                              env=dict(os.environ, VLLM_USE_RUST_FRONTEND="0"))
+    k = max(args.serve_ks) if args.serve_ks else json.loads(
+        (Path(args.drafter) / "config.json").read_text()).get("block_size", 16) - 1
+    started, servers, logs, urls = {}, [], [], []
     try:
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline and server.poll() is None:
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2)
-                break
-            except OSError:
-                time.sleep(2)
-        if server.poll() is not None or time.monotonic() >= deadline:
-            tail = (out / "f_server.log").read_text()[-2000:]
-            write_json(out, "f_server", {"ran": False, "why": f"vllm serve did not come up: {tail}"})
-            return
+        for name, kk in (("none", None), (f"k{k}", k)):  # one after the other: vLLM's start-up memory check
+            port = SERVER_PORTS["none" if kk is None else "drafter"]
+            cmd = server_command(args, port, kk)
+            logs.append(open(out / f"f_server_{name}.log", "w"))
+            t0 = time.perf_counter()
+            servers.append(subprocess.Popen(cmd, stdout=logs[-1], stderr=subprocess.STDOUT,
+                                            env=dict(os.environ, VLLM_USE_RUST_FRONTEND="0")))
+            if not wait_for_server(servers[-1], port, 300):
+                tail = (out / f"f_server_{name}.log").read_text()[-2000:]
+                write_json(out, "f_server", {"ran": False, "why": f"vllm serve ({name}) did not come up: {tail}"})
+                return
+            started[name] = {"command": cmd, "startup_s": time.perf_counter() - t0}
+            urls.append(f"{name}=http://127.0.0.1:{port}")
         from dflashkit.eval.serving import run_sweep
 
-        result = run_sweep(f"http://127.0.0.1:{port}", args.dataset, args.num_prompts, [1, 4, 16, 64],
-                           args.max_new_tokens, out=out / "server")
-        write_json(out, "f_server", {"ran": True, **result})
+        plan = run_sweep(urls, args.dataset, args.num_prompts, args.concurrency, args.max_new_tokens,
+                         out=out / "server", repeats=args.repeats, max_requests_per_level=args.max_requests_per_level,
+                         min_waves=args.min_waves)
+        engine = out / "serve" / "report.json"
+        write_json(out, "f_server", {
+            "ran": True, "servers": started, "plan": plan,
+            "vs_in_process": server_vs_engine(plan, json.loads(engine.read_text()) if engine.exists() else None)})
     finally:
-        server.terminate()
-        server.wait(timeout=60)
-        log.close()
+        for server in servers:
+            server.terminate()
+        for server in servers:
+            try:
+                server.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                server.kill()
+        for log in logs:
+            log.close()
 
 
 def guarded(out: Path, name: str, run) -> bool:

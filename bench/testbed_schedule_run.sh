@@ -9,7 +9,9 @@
 #      concurrency LEVELS, REPEATS runs per cell of at least 4 waves, each engine's CUDA graphs covering its
 #      largest step, baselines ngram, mtp (skipped: the testbed has no MTP head) and v1 (no speculation on the V1
 #      model runner, the one a schedule runs on), the schedule served last (serve/schedule.json);
-#   4. (PROJECTION=1) the 8B-shaped projection at each k (bench_vllm.py --parts projection; random weights).
+#   4. (PROJECTION=1) the 8B-shaped projection at each k (bench_vllm.py --parts projection; random weights);
+#   5. (SERVER=1) two `vllm serve` on loopback (none, the drafter at the largest k) swept by `dflashkit eval
+#      --server` over the same levels, repeats and requests, each cell beside stage 3's (vllm/f_server.json).
 # DRAFTER=DIR (an export of an earlier lease) skips stages 1 and 2. To keep this lease's drafter for the next one,
 # bring it back in pieces of at most 15 MiB: `tar cf - -C $RUN/work/train/default/export . | split -b 15M - \
 # $OUT/drafter.tar.`, then here `cat drafter.tar.* | tar x -C .cache/drafter` and carry .cache/drafter.
@@ -74,5 +76,13 @@ if [ -n "${PROJECTION:-}" ]; then
   # shellcheck disable=SC2086
   stage projection "$L_PROJ" "${VENV[@]}" "$ROOT/bench/bench_vllm.py" --parts projection --ks $KS \
     --concurrency $LEVELS --out "$O/vllm" "${VLLM[@]}"
+fi
+
+# --- 5. (SERVER=1) the same sweep against live `vllm serve` processes -------------------------------------------------
+if [ -n "${SERVER:-}" ]; then
+  # shellcheck disable=SC2086
+  stage vllm-server "${L_SERVER:-600}" "${VENV[@]}" "$ROOT/bench/bench_vllm.py" --parts server --target "$T" \
+    --drafter "$DRAFTER" --serve-ks $KS --concurrency $LEVELS --dataset "$D/mtbench.jsonl" --out "$O/vllm" \
+    "${VLLM[@]}"
 fi
 echo "[$(date +%T)] all done" >> "$R/stages.txt"

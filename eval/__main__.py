@@ -67,8 +67,8 @@ FLAG_RANGES = {
 ENGINE_ONLY = {
     "dflashkit": {"concurrency": "--server and --engine vllm", "num_speculative_tokens": "--engine vllm",
                   "max_model_len": "--engine vllm", "repeats": "--server and --engine vllm",
-                  "baseline": "--engine vllm", "max_requests_per_level": "--engine vllm",
-                  "min_waves": "--engine vllm", "cudagraph_capture_size": "--engine vllm"},
+                  "baseline": "--engine vllm", "max_requests_per_level": "--server and --engine vllm",
+                  "min_waves": "--server and --engine vllm", "cudagraph_capture_size": "--engine vllm"},
     "vllm": {"block_size": "the dflashkit engine (with vLLM: --num-speculative-tokens)",
              "time_limit": "the dflashkit engine", "baseline_prompts": "the dflashkit engine",
              "reference_prompts": "the dflashkit engine"},
@@ -254,7 +254,8 @@ def main(argv: list[str] | None = None) -> int:
 
         with report_dir(args.out, args.overwrite):
             run_sweep(args.server, args.dataset, args.num_prompts, args.concurrency or [1, 2, 4, 8, 16, 32],
-                      args.max_new_tokens, args.temperature, args.model, args.timeout, args.out, args.repeats or 1)
+                      args.max_new_tokens, args.temperature, args.model, args.timeout, args.out, args.repeats or 1,
+                      args.max_requests_per_level, args.min_waves or 1)
         return 0
     if not (args.target and args.drafter and args.out):
         raise UserError("needs --target, --drafter and --out (or --compare / --server)")

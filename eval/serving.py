@@ -16,6 +16,10 @@ Design choices:
   speedup and noise against `none`, the server without speculation); the `kN` servers (the drafter served with
   num_speculative_tokens N) give the per-batch-size schedule, written to schedule.json. A server started with
   that schedule can then be swept under its own name (`schedule=URL`) to measure it.
+- `--max-requests-per-level` / `--min-waves` give every level the requests `--engine vllm` gives it (the first
+  cap prompts cycled to fill at least that many whole waves of c, eval/serving_plan.py `level_requests`), so a
+  live server's table is comparable cell for cell with the in-process engine's; without them every level sends
+  each prompt once.
 """
 
 from __future__ import annotations
@@ -184,16 +188,30 @@ def run_level(base_url: str, model: str, conversations: list[list[dict]], concur
     }
 
 
+def level_conversations(conversations: list[list[dict]], concurrency: int, cap: int | None = None,
+                        min_waves: int = 1) -> list[list[dict]]:
+    """The requests of one level: every conversation once, or with a cap or min_waves > 1 the in-process
+    engine's rule (the first cap conversations cycled to fill at least min_waves whole waves)."""
+    if cap is None and min_waves <= 1:
+        return conversations
+    from .serving_plan import level_requests
+
+    return level_requests(conversations, concurrency, cap, min_waves)
+
+
 def sweep(base_url: str, conversations: list[list[dict]], levels: list[int], max_tokens: int,
-          temperature: float = 0.0, model: str | None = None, timeout: float = 300.0, progress=None) -> dict:
+          temperature: float = 0.0, model: str | None = None, timeout: float = 300.0, progress=None,
+          max_requests_per_level: int | None = None, min_waves: int = 1) -> dict:
     models = list_models(base_url)  # asked first: an unreachable or foreign server stops here, in one line
     if not model and not models:
         raise UserError(f"{base_url.rstrip('/')}/v1/models lists no model; pass --model NAME")
     model = model or models[0]
     out = {"server": base_url, "model": model, "max_tokens": max_tokens, "temperature": temperature,
-           "prompts": len(conversations), "levels": []}
+           "prompts": len(conversations), "max_requests_per_level": max_requests_per_level,
+           "min_waves": min_waves, "levels": []}
     for level in levels:
-        out["levels"].append(run_level(base_url, model, conversations, level, max_tokens, temperature, timeout))
+        requests = level_conversations(conversations, level, max_requests_per_level, min_waves)
+        out["levels"].append(run_level(base_url, model, requests, level, max_tokens, temperature, timeout))
         if progress is not None:
             progress(out["levels"][-1])
     return out
@@ -216,7 +234,8 @@ def render_markdown(result: dict) -> str:
 
 def run_sweep(server: str | list[str], datasets: list[str], num_prompts: int, concurrency: list[int],
               max_tokens: int, temperature: float = 0.0, model: str | None = None, timeout: float = 300.0,
-              out: str | Path | None = None, repeats: int = 1) -> dict:
+              out: str | Path | None = None, repeats: int = 1, max_requests_per_level: int | None = None,
+              min_waves: int = 1) -> dict:
     """`dflashkit eval --server URL`: prompts from the datasets, results in out (serving.json, serving.md);
     with NAME=URL pairs the serving plan of every server (serving.json, serving.md, schedule.json)."""
     servers = parse_servers([server] if isinstance(server, str) else list(server))
@@ -235,11 +254,12 @@ def run_sweep(server: str | list[str], datasets: list[str], num_prompts: int, co
                 taken += 1
     if "none" in servers:
         return write_plan(run_server_plan(servers, conversations, concurrency, repeats, max_tokens, temperature,
-                                          model, timeout), out)
+                                          model, timeout, max_requests_per_level, min_waves), out)
     result = sweep(servers["server"], conversations, concurrency, max_tokens, temperature, model, timeout,
                    progress=lambda level: print(f"concurrency {level['concurrency']}: {level['successes']} ok, "
                                                 f"{level['failures']} failed, "
-                                                f"{level['aggregate_tokens_per_s']:.1f} tok/s, tau {level['tau']}"))
+                                                f"{level['aggregate_tokens_per_s']:.1f} tok/s, tau {level['tau']}"),
+                   max_requests_per_level=max_requests_per_level, min_waves=min_waves)
     result["created"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     if out:
         out = Path(out)
@@ -299,19 +319,21 @@ def plan_from_servers(runs: dict[str, dict[int, list[dict]]]) -> dict:
 
 
 def run_server_plan(servers: dict[str, str], conversations: list[list[dict]], levels: list[int], repeats: int,
-                    max_tokens: int, temperature: float, model: str | None, timeout: float) -> dict:
+                    max_tokens: int, temperature: float, model: str | None, timeout: float,
+                    max_requests_per_level: int | None = None, min_waves: int = 1) -> dict:
     """Every server swept ``repeats`` times over the same requests, one server at a time."""
     runs: dict[str, dict[int, list[dict]]] = {}
     for name, url in servers.items():
         runs[name] = {c: [] for c in levels}
         for repeat in range(repeats):
-            result = sweep(url, conversations, levels, max_tokens, temperature, model, timeout)
+            result = sweep(url, conversations, levels, max_tokens, temperature, model, timeout,
+                           max_requests_per_level=max_requests_per_level, min_waves=min_waves)
             for level in result["levels"]:
                 runs[name][level["concurrency"]].append(level_as_run(level))
             print(f"{name} ({url}) run {repeat + 1}/{repeats}: " + ", ".join(
                 f"c{lv['concurrency']} {lv['aggregate_tokens_per_s']:.0f} tok/s" for lv in result["levels"]))
     return {"servers": servers, "repeats": repeats, "prompts": len(conversations), "max_tokens": max_tokens,
-            **plan_from_servers(runs)}
+            "max_requests_per_level": max_requests_per_level, "min_waves": min_waves, **plan_from_servers(runs)}
 
 
 def render_plan_markdown(plan: dict) -> str:

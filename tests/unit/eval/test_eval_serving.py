@@ -16,6 +16,7 @@ from dflashkit.drafter import DrafterConfig, build_drafter
 from dflashkit.errors import UserError
 from dflashkit.eval.engine import DecodeConfig, SpeculativeDecoder
 from dflashkit.eval.serving import (
+    level_conversations,
     parse_prometheus,
     parse_servers,
     plan_from_servers,
@@ -155,6 +156,21 @@ def test_sweep_counts_tokens_failures_and_reads_tau(server):
         assert level["tau"] == pytest.approx(sum(rounds) / len(rounds)) and level["tau_source"].startswith("vllm")
         done += 4
     assert tiny.max_in_flight > 1  # the second level really overlapped requests
+
+
+def test_a_capped_level_sends_the_in_process_engines_requests(server):
+    """--max-requests-per-level 2 --min-waves 2 at c = 2: two waves of 2 requests, the prompts taken in order as
+    `--engine vllm` takes them (level_requests), so the third prompt (refused by the server) is among them."""
+    tiny, url = server
+    conversations = [[{"role": "user", "content": text}] for text in
+                     ("hello there", "two plus two", "FAIL please", "a poem", "more")]
+    assert level_conversations(conversations, 2) is conversations  # no cap, one wave: every prompt once
+    assert level_conversations(conversations, 2, 2, 2) == conversations[:4]
+    result = sweep(url, conversations, levels=[2], max_tokens=5, max_requests_per_level=2, min_waves=2)
+    level = result["levels"][0]
+    assert (level["requests"], level["successes"], level["failures"]) == (4, 3, 1)
+    assert len(tiny.results) == 3 and level["output_tokens"] == 3 * 5
+    assert (result["max_requests_per_level"], result["min_waves"]) == (2, 2)
 
 
 def test_prometheus_parsing_for_both_servers():

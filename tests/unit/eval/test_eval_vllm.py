@@ -183,6 +183,29 @@ def test_bench_vllm_runs_every_part_on_the_twin(tmp_path):
         above = projection["per_k"][best]["projected_speedup"][c] > 1
         assert v["k"] == (int(best) if above else 0)
     assert json.loads((tmp_path / "f_server.json").read_text())["ran"] is False
+    # (f) on the GPU: each live server's cell beside the in-process engine's cell of the same name and level
+    engine = json.loads((tmp_path / "serve" / "report.json").read_text())
+    plan = {"engines": {name: {c: {"output_tokens_per_s": 2 * cell["output_tokens_per_s"], "speedup": 0.5,
+                                   "tau": None} for c, cell in e["levels"].items()}
+                        for name, e in engine["engines"].items()} | {"k99": {"1": {"output_tokens_per_s": 1.0}}}}
+    paired = bench.server_vs_engine(plan, engine)
+    assert set(paired) == set(engine["engines"]) and "k99" not in paired  # no in-process engine of that name
+    for name, levels in paired.items():
+        assert set(levels) == set(engine["engines"][name]["levels"])
+        for c, row in levels.items():
+            assert row["server_over_in_process"] == pytest.approx(2.0)
+            assert row["in_process_speedup"] == engine["engines"][name]["levels"][c]["speedup"]
+    assert bench.server_vs_engine(plan, None) == {}
+    # the servers start as the in-process engines do: max_num_seqs = the top level, graphs covering k's step
+    from types import SimpleNamespace
+
+    args = SimpleNamespace(target="T", drafter="D", concurrency=[1, 64], gpu_memory_utilization=0.3,
+                           max_model_len=2048)
+    with_drafter, without = bench.server_command(args, 1, 15), bench.server_command(args, 2, None)
+    assert with_drafter[with_drafter.index("--max-cudagraph-capture-size") + 1] == "1024"
+    assert json.loads(with_drafter[with_drafter.index("--speculative-config") + 1])["num_speculative_tokens"] == 15
+    assert "--speculative-config" not in without and "--max-cudagraph-capture-size" not in without
+    assert without[without.index("--max-num-seqs") + 1] == with_drafter[with_drafter.index("--max-num-seqs") + 1]
 
     # (a) afterwards: the tau part compares the serve report with a dflashkit eval of the same pair and prompts,
     # which the twin (dflashkit's own chain decoder inside) must match
