@@ -111,7 +111,8 @@ def part_serve(args, out: Path) -> None:
                             max_model_len=args.max_model_len, max_requests_per_level=args.max_requests_per_level,
                             min_waves=args.min_waves, cudagraph_capture=args.cudagraph_capture_size,
                             num_speculative_tokens=args.serve_ks, repeats=args.repeats, baselines=args.baseline,
-                            schedule=json.loads(args.schedule) if args.schedule else None)
+                            schedule=json.loads(args.schedule) if args.schedule else None,
+                            schedule_run=not args.no_schedule_run)
     report = run_vllm_eval(args.target, args.drafter, out / "serve", args.dataset, config, args.num_prompts,
                            api=api_for(args))
     parts = {"a_tau": lambda: tau_comparison(report, args.dflashkit_report),
@@ -474,6 +475,8 @@ def main(argv=None) -> int:
                    help="serve: num_speculative_tokens values (default: block_size - 1); several give the schedule")
     p.add_argument("--repeats", type=int, default=3, help="serve: runs per engine and level")
     p.add_argument("--schedule", help="serve: a JSON [[first, last, k], ...] served instead of the derived one")
+    p.add_argument("--no-schedule-run", action="store_true",
+                   help="serve: derive the schedule but start no engine for it (eval's flag)")
     p.add_argument("--baseline", nargs="+", choices=["ngram", "mtp", "v1"], default=[], help="serve: baselines")
     p.add_argument("--prefix-caching", nargs="+", choices=["on", "off"], default=["on", "off"])
     p.add_argument("--out", required=True)

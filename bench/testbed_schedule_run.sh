@@ -9,6 +9,8 @@
 #      concurrency LEVELS, REPEATS runs per cell of at least 4 waves, each engine's CUDA graphs covering its
 #      largest step, baselines ngram, mtp (skipped: the testbed has no MTP head) and v1 (no speculation on the V1
 #      model runner, the one a schedule runs on), the schedule served last (serve/schedule.json);
+#      (BASELINES=none: no baseline; SCHEDULE_RUN=0: the schedule derived but not served: on vLLM 0.24 it runs on the
+#      V1 runner, measured 0.20-0.39x of the default runner without speculation, RESULTS.md)
 #   4. (PROJECTION=1) the 8B-shaped projection at each k (bench_vllm.py --parts projection; random weights);
 #   5. (SERVER=1) two `vllm serve` on loopback (none, the drafter at the largest k) swept by `dflashkit eval
 #      --server` over the same levels, repeats and requests, each cell beside stage 3's (vllm/f_server.json).
@@ -47,7 +49,9 @@ else
   # by default: on 2026-12-03 it never beat no speculation (0.73-1.04x, RESULTS.md); KS="1 3 7 15" adds it.
   L_TRAIN=${L_TRAIN:-300}; L_VLLM=${L_VLLM:-1080}; L_PROJ=${L_PROJ:-480}
 fi
-BASELINES=${BASELINES:-ngram mtp v1}  # BASELINES=v1 keeps a lease for what an earlier run lacks
+BASELINES=${BASELINES:-ngram mtp v1}  # BASELINES=v1 keeps a lease for what an earlier run lacks; none: no baseline
+BASE=(--baseline $BASELINES); [ "$BASELINES" = none ] && BASE=()
+SERVE_EXTRA=(); [ "${SCHEDULE_RUN:-1}" = 0 ] && SERVE_EXTRA=(--no-schedule-run)  # the schedule derived, not served
 VENV=(bash "$ROOT/bench/vllm_env.sh" "$PY")  # the slim vLLM's environment (../shared/vllm/README.md)
 echo "[$(date +%T)] start: scale $SCALE, $(nvidia-smi -L 2>/dev/null | wc -l) GPU(s)" >> "$R/stages.txt"
 
@@ -68,7 +72,7 @@ fi
 # --- 3. vLLM alone: every k, the baselines, the schedule ---------------------------------------------------------------
 # shellcheck disable=SC2086
 stage vllm-schedule "$L_VLLM" "${VENV[@]}" "$ROOT/bench/bench_vllm.py" --parts serve --target "$T" \
-  --drafter "$DRAFTER" --serve-ks $KS --concurrency $LEVELS --baseline $BASELINES --prefix-caching on \
+  --drafter "$DRAFTER" --serve-ks $KS --concurrency $LEVELS "${BASE[@]}" "${SERVE_EXTRA[@]}" --prefix-caching on \
   --dataset "$D/mtbench.jsonl" --out "$O/vllm" "${VLLM[@]}"
 
 # --- 4. (PROJECTION=1) the 8B-shaped step times at each k and the schedule an 8B user would deploy --------------------

@@ -110,8 +110,14 @@ def plan_verdict(report: dict) -> dict:
         text += (f" The derived schedule {ranges} measured "
                  + (f"{_speedups(engines['schedule']['levels'])}: not deployed." if measured
                     else "nothing (its engine did not run): not deployed."))
+    v1 = {c: v["speedup"] for c, v in engines["v1"]["levels"].items()} if "v1" in engines else None
+    if v1:  # a schedule makes vLLM 0.24 leave its V2 runner: that runner's own cost bounds what a schedule can get
+        text += (f" A schedule runs on vLLM's V1 model runner (piecewise CUDA graphs), which without speculation "
+                 f"measured {_speedups(engines['v1']['levels'])} of the default runner: no schedule can beat "
+                 f"its own runner's cost.")
     text += " Fastest per concurrency: " + ", ".join(f"{c}: {_label(w)}" for c, w in winners.items()) + "."
     return {"text": text, "plan": plan, "never_losing": chosen["never_losing"], "rule": chosen["rule"],
+            "v1_runner": v1,
             "winners": winners, "schedule": schedule["num_speculative_tokens_per_batch_size"],
             "min_measured_speedup": min(measured.values()) if measured else None}
 

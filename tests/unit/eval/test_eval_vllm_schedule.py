@@ -119,6 +119,10 @@ def test_the_plan_is_what_measured_never_slower(planned):
     else:
         assert json.dumps(engines[expected]["speculative_config"]) in report["serve_command"]
     assert "not deployed" in verdict["text"]
+    # the V1 runner's own cost (no speculation on it) is named: the bound on any schedule served by vLLM 0.24
+    assert verdict["v1_runner"] == {c: v["speedup"] for c, v in engines["v1"]["levels"].items()}
+    assert "V1 model runner" in verdict["text"]
+    assert f"{verdict['v1_runner']['1']:.2f}× at 1" in verdict["text"]
 
 
 def test_pick_plan_and_where_a_k_pays():
