@@ -349,14 +349,15 @@ SERVER_PORTS = {"none": 8731, "drafter": 8732}
 
 def server_command(args, port: int, k: int | None) -> list[str]:
     """`vllm serve` as the in-process engine of `--parts serve` is built: max_num_seqs = the largest level, CUDA
-    graphs covering its decode step at k (rule cudagraph_ceiling), prefix caching vLLM's default (on)."""
-    from dflashkit.drafter.engines import vllm_cudagraph_capture_size
+    graphs per --cudagraph-capture-size as there (auto: covering its decode step at k), prefix caching vLLM's
+    default (on)."""
+    from dflashkit.eval.serving_plan import capture_for
 
     top = max(args.concurrency)
     cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", args.target, "--host", "127.0.0.1", "--port",
            str(port), "--gpu-memory-utilization", str(args.gpu_memory_utilization), "--max-model-len",
            str(args.max_model_len), "--max-num-seqs", str(top)]
-    capture = vllm_cudagraph_capture_size(top, k or 0)
+    capture = capture_for(args.cudagraph_capture_size, args.concurrency, k or 0)
     if capture:
         cmd += ["--max-cudagraph-capture-size", str(capture)]
     if k:

@@ -187,14 +187,21 @@ def capture_size(run, spec: dict | None) -> int | None:
     """The max_cudagraph_capture_size an engine of ``run`` (eval/vllm_engine.py ServedRun) is given (None: vLLM's
     default), per its ``cudagraph_capture``; ``spec``'s num_speculative_tokens (0 without one) sets the tokens of
     a decode step."""
-    mode = run.config.cudagraph_capture
-    if run.config.enforce_eager or mode == "vllm":
+    if run.config.enforce_eager:
+        return None
+    return capture_for(run.config.cudagraph_capture, run.levels, (spec or {}).get("num_speculative_tokens", 0))
+
+
+def capture_for(mode: str | int, levels: list[int], k: int) -> int | None:
+    """``--cudagraph-capture-size`` (auto, vllm or N tokens) for an engine serving ``levels`` at k speculative
+    tokens: auto covers the largest level's decode step (rule cudagraph_ceiling), vllm keeps vLLM's default."""
+    if mode == "vllm":
         return None
     if mode != "auto":
         return int(mode)
     from dflashkit.drafter.engines import vllm_cudagraph_capture_size
 
-    return vllm_cudagraph_capture_size(max(run.levels), (spec or {}).get("num_speculative_tokens", 0))
+    return vllm_cudagraph_capture_size(max(levels), k)
 
 
 def never_loses(levels: dict) -> bool:

@@ -200,12 +200,17 @@ def test_bench_vllm_runs_every_part_on_the_twin(tmp_path):
     from types import SimpleNamespace
 
     args = SimpleNamespace(target="T", drafter="D", concurrency=[1, 64], gpu_memory_utilization=0.3,
-                           max_model_len=2048)
+                           max_model_len=2048, cudagraph_capture_size="auto")
     with_drafter, without = bench.server_command(args, 1, 15), bench.server_command(args, 2, None)
     assert with_drafter[with_drafter.index("--max-cudagraph-capture-size") + 1] == "1024"
     assert json.loads(with_drafter[with_drafter.index("--speculative-config") + 1])["num_speculative_tokens"] == 15
     assert "--speculative-config" not in without and "--max-cudagraph-capture-size" not in without
     assert without[without.index("--max-num-seqs") + 1] == with_drafter[with_drafter.index("--max-num-seqs") + 1]
+    # --cudagraph-capture-size as the in-process engines read it: vllm keeps vLLM's default, N is taken as given
+    assert "--max-cudagraph-capture-size" not in bench.server_command(
+        SimpleNamespace(**{**vars(args), "cudagraph_capture_size": "vllm"}), 1, 15)
+    given = bench.server_command(SimpleNamespace(**{**vars(args), "cudagraph_capture_size": "768"}), 1, 15)
+    assert given[given.index("--max-cudagraph-capture-size") + 1] == "768"
 
     # (a) afterwards: the tau part compares the serve report with a dflashkit eval of the same pair and prompts,
     # which the twin (dflashkit's own chain decoder inside) must match
