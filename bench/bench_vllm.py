@@ -248,6 +248,7 @@ def part_projection(args, out: Path) -> None:
     (a) exists."""
     import torch
 
+    from dflashkit.eval.serving_plan import capture_for
     from dflashkit.eval.vllm_engine import close_engine, start_engine, timed_generate
 
     ks = sorted(set(args.ks))
@@ -260,13 +261,17 @@ def part_projection(args, out: Path) -> None:
                for k in range(max(levels))]
     params = api.sampling_params(max_tokens=args.projection_new_tokens, temperature=0.0, ignore_eos=True,
                                  **({} if args.standin else {"detokenize": False}))
-    steps = {}
-    for k in [0] + ks:
+    steps, graphs = {}, {}
+    for k in [0] + ks[::-1]:  # the largest k first after no speculation: the headline, kept if a lease ends early
         spec = {"method": "dflash", "model": str(drafter), "num_speculative_tokens": k} if k else None
+        # CUDA graphs cover the largest level's step at k, as the serve part's engines (rule cudagraph_ceiling):
+        # with vLLM's 512-token ceiling a step of c * (1 + k) tokens above it runs eagerly
+        graphs[f"k{k}" if k else "ar"] = capture = capture_for(args.cudagraph_capture_size, levels, k)
+        compilation = {"compilation_config": {"max_cudagraph_capture_size": capture}} if capture else {}
         llm = start_engine(api, model=str(target), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
                            gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
                            max_num_seqs=max(levels), disable_log_stats=False, enable_prefix_caching=False,
-                           speculative_config=spec)
+                           speculative_config=spec, **compilation)
         try:
             timed_generate(llm, api, prompts[:1], 1, params)  # warm-up
             for c in levels:
@@ -278,14 +283,17 @@ def part_projection(args, out: Path) -> None:
         finally:
             close_engine(llm, api)
         print(f"projection: k={k} done", flush=True)
+        # every engine's step times as soon as it ends: a lease that ends mid-part keeps the engines that ran
+        write_json(out, "e_projection_times.partial", {"raw": steps, "max_cudagraph_capture_size": graphs})
     for per_level in steps.values():  # the largest k under its old name ("spec")
         per_level["spec"] = per_level[f"k{ks[-1]}"]
     write_json(out, "e_projection_times", {
         "target_shape": QWEN3_TOY if args.standin else QWEN3_8B, "drafter_layers": 5, "num_speculative_tokens": ks[-1],
         "ks": ks, "measured": "vLLM's time per decode step without the drafter and with it at each k, at each "
         "concurrency (random weights: load_format=dummy; steady decode, no stop)", "raw": steps,
-        "standin": args.standin})
-    if (out / "a_tau.json").exists():
+        "max_cudagraph_capture_size": graphs, "standin": args.standin})
+    (out / "e_projection_times.partial.json").unlink()
+    if (out / "a_tau.json").exists() or (out / "serve" / "report.json").exists():
         part_projection_model(args, out)
 
 
@@ -300,6 +308,8 @@ def served_acceptance(args, out: Path) -> tuple[dict[int, list[float]], list[flo
     if tau_file.exists():
         return per_k, json.loads(tau_file.read_text())["per_position_acceptance_vllm"], \
             f"vLLM's spec-decode counters ({tau_file.name}; per k: serve/report.json)"
+    if per_k:  # the serve part alone: its largest k's positions stand for the k it did not serve
+        return per_k, per_k[max(per_k)], f"vLLM's spec-decode counters (serve/report.json, k = {max(per_k)})"
     if args.acceptance_report:  # no vLLM acceptance of the testbed drafter: the dflashkit eval report's
         per_pos = json.loads(Path(args.acceptance_report).read_text())["overall"]["per_position_acceptance"]
         return per_k, per_pos, f"dflashkit eval ({args.acceptance_report})"

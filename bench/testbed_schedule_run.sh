@@ -11,9 +11,13 @@
 #      model runner, the one a schedule runs on), the schedule served last (serve/schedule.json);
 #      (BASELINES=none: no baseline; SCHEDULE_RUN=0: the schedule derived but not served: on vLLM 0.24 it runs on the
 #      V1 runner, measured 0.20-0.39x of the default runner without speculation, RESULTS.md)
-#   4. (PROJECTION=1) the 8B-shaped projection at each k (bench_vllm.py --parts projection; random weights);
-#   5. (SERVER=1) two `vllm serve` on loopback (none, the drafter at the largest k) swept by `dflashkit eval
-#      --server` over the same levels, repeats and requests, each cell beside stage 3's (vllm/f_server.json).
+#   4. (SERVER=1) two `vllm serve` on loopback (none, the drafter at the largest k) swept by `dflashkit eval
+#      --server` over the same levels, repeats and requests, each cell beside stage 3's (vllm/f_server.json);
+#   5. (PROJECTION=1) the 8B-shaped projection at each k of KS_PROJ (default KS) and level of LEVELS_PROJ (default
+#      LEVELS) (bench_vllm.py --parts projection; random weights), modelled with stage 3's acceptance; last, as
+#      each of its engines' step times is kept as soon as it ends (e_projection_times.partial.json).
+# EVAL_EVERY=N logs the held-out τ_walk every N steps of stage 2 (bench/time_to_quality.py reads it; default 0:
+# only at the end). KEEP_DRAFTER=1 leaves the export in 15 MiB pieces under $RUN/out/drafter/ (see below).
 # DRAFTER=DIR (an export of an earlier lease) skips stages 1 and 2. To keep this lease's drafter for the next one,
 # bring it back in pieces of at most 15 MiB: `tar cf - -C $RUN/work/train/default/export . | split -b 15M - \
 # $OUT/drafter.tar.`, then here `cat drafter.tar.* | tar x -C .cache/drafter` and carry .cache/drafter.
@@ -40,7 +44,7 @@ if [ "$SCALE" = toy ]; then
   L_TRAIN=${L_TRAIN:-900}; L_VLLM=${L_VLLM:-900}; L_PROJ=${L_PROJ:-900}
 else
   DEV=(); SLOTS=2048; NEW=256; LIMIT=(); KS=${KS:-3 7 15}; LEVELS=${LEVELS:-1 4 16 64 128}
-  EXTRA=max_length=2048,eval_samples=64,eval_every=0,save_every=200,keep_last=2,tokenize_workers=4
+  EXTRA=max_length=2048,eval_samples=64,eval_every=${EVAL_EVERY:-0},save_every=200,keep_last=2,tokenize_workers=4
   VLLM=(--num-prompts 80 --max-new-tokens 256 --repeats 3 --max-requests-per-level 8 --min-waves 4 \
     --gpu-memory-utilization 0.3)
   # one 30-minute lease (~25 min after the carry calls) holds regeneration (42 s), 300 s of training (~1,380 of the
@@ -67,6 +71,9 @@ stage train-recipe $(( L_TRAIN + 300 )) "$PY" "$ROOT/bench/recipe_study.py" --ta
   --out "$O/recipe" --work-dir "$R/work" --variants default --parallel 1 --epochs "$EPOCHS" --stage train \
   --train-time-limit "$L_TRAIN" --extra-overrides "$EXTRA" --dataset "$D/mtbench.jsonl" "${DEV[@]}"
 DRAFTER=$R/work/train/default/export
+if [ -n "${KEEP_DRAFTER:-}" ] && [ -d "$DRAFTER" ]; then
+  mkdir -p "$O/drafter" && tar cf - -C "$DRAFTER" . | split -b 15M - "$O/drafter/drafter.tar."
+fi
 fi
 
 # --- 3. vLLM alone: every k, the baselines, the schedule ---------------------------------------------------------------
@@ -75,18 +82,18 @@ stage vllm-schedule "$L_VLLM" "${VENV[@]}" "$ROOT/bench/bench_vllm.py" --parts s
   --drafter "$DRAFTER" --serve-ks $KS --concurrency $LEVELS "${BASE[@]}" "${SERVE_EXTRA[@]}" --prefix-caching on \
   --dataset "$D/mtbench.jsonl" --out "$O/vllm" "${VLLM[@]}"
 
-# --- 4. (PROJECTION=1) the 8B-shaped step times at each k and the schedule an 8B user would deploy --------------------
-if [ -n "${PROJECTION:-}" ]; then
-  # shellcheck disable=SC2086
-  stage projection "$L_PROJ" "${VENV[@]}" "$ROOT/bench/bench_vllm.py" --parts projection --ks $KS \
-    --concurrency $LEVELS --out "$O/vllm" "${VLLM[@]}"
-fi
-
-# --- 5. (SERVER=1) the same sweep against live `vllm serve` processes -------------------------------------------------
+# --- 4. (SERVER=1) the same sweep against live `vllm serve` processes -------------------------------------------------
 if [ -n "${SERVER:-}" ]; then
   # shellcheck disable=SC2086
   stage vllm-server "${L_SERVER:-600}" "${VENV[@]}" "$ROOT/bench/bench_vllm.py" --parts server --target "$T" \
     --drafter "$DRAFTER" --serve-ks $KS --concurrency $LEVELS --dataset "$D/mtbench.jsonl" --out "$O/vllm" \
     "${VLLM[@]}"
 fi
+# --- 5. (PROJECTION=1) the 8B-shaped step times at each k and the schedule an 8B user would deploy --------------------
+if [ -n "${PROJECTION:-}" ]; then
+  # shellcheck disable=SC2086
+  stage projection "$L_PROJ" "${VENV[@]}" "$ROOT/bench/bench_vllm.py" --parts projection --ks ${KS_PROJ:-$KS} \
+    --concurrency ${LEVELS_PROJ:-$LEVELS} --out "$O/vllm" "${VLLM[@]}"
+fi
+
 echo "[$(date +%T)] all done" >> "$R/stages.txt"
