@@ -357,14 +357,15 @@ def part_projection_model(args, out: Path) -> None:
 SERVER_PORTS = {"none": 8731, "drafter": 8732}
 
 
-def server_command(args, port: int, k: int | None) -> list[str]:
-    """`vllm serve` as the in-process engine of `--parts serve` is built: max_num_seqs = the largest level, CUDA
+def server_command(args, port: int, k: int | None, target: str) -> list[str]:
+    """`vllm serve` as the in-process engine of `--parts serve` is built: the target directory it was given
+    (``target``: a copy without a GGUF quantization_config where needed), max_num_seqs = the largest level, CUDA
     graphs per --cudagraph-capture-size as there (auto: covering its decode step at k), prefix caching vLLM's
     default (on)."""
     from dflashkit.eval.serving_plan import capture_for
 
     top = max(args.concurrency)
-    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", args.target, "--host", "127.0.0.1", "--port",
+    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", target, "--host", "127.0.0.1", "--port",
            str(port), "--gpu-memory-utilization", str(args.gpu_memory_utilization), "--max-model-len",
            str(args.max_model_len), "--max-num-seqs", str(top)]
     capture = capture_for(args.cudagraph_capture_size, args.concurrency, k or 0)
@@ -374,6 +375,15 @@ def server_command(args, port: int, k: int | None) -> list[str]:
         cmd += ["--speculative-config", json.dumps({"method": "dflash", "model": args.drafter,
                                                     "num_speculative_tokens": k})]
     return cmd
+
+
+def server_target(target: str, out: Path) -> Path:
+    """The directory `vllm serve` is given: the target's, or (a config.json with a GGUF quantization_config,
+    which vLLM refuses: the testbed's) the copy without it that the in-process engines serve, under out/server."""
+    from dflashkit.drafter import engines as rules
+    from dflashkit.targets.loading import resolve_target_dir
+
+    return rules.vllm_target_dir(resolve_target_dir(target)[0], out / "server")[0]
 
 
 def wait_for_server(server, port: int, seconds: float) -> bool:
@@ -428,11 +438,12 @@ def part_server(args, out: Path) -> None:
         return
     k = max(args.serve_ks) if args.serve_ks else json.loads(
         (Path(args.drafter) / "config.json").read_text()).get("block_size", 16) - 1
+    served = server_target(args.target, out)
     started, servers, logs, urls = {}, [], [], []
     try:
         for name, kk in (("none", None), (f"k{k}", k)):  # one after the other: vLLM's start-up memory check
             port = SERVER_PORTS["none" if kk is None else "drafter"]
-            cmd = server_command(args, port, kk)
+            cmd = server_command(args, port, kk, str(served))
             logs.append(open(out / f"f_server_{name}.log", "w"))
             t0 = time.perf_counter()
             servers.append(subprocess.Popen(cmd, stdout=logs[-1], stderr=subprocess.STDOUT,

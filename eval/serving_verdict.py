@@ -146,7 +146,8 @@ def render_vllm_markdown(report: dict) -> str:
              f"{args['prefix_caching'][0]} for the main run", "",
              f"Serve command: `{report['serve_command']}`", ""]
     if report["target"].get("gguf_quantization_config_stripped"):
-        parts += ["The target's config.json carries a GGUF quantization_config: vLLM was given a copy without it.", ""]
+        parts += ["The target's config.json carries a GGUF quantization_config, which vLLM refuses: the engines were "
+                  f"given a copy without it, `{report['target']['served_dir']}`, and the serve commands name it.", ""]
     parts += [f"- {w}" for w in report.get("warnings", [])] + ([""] if report.get("warnings") else [])
     parts += ["## Acceptance (vLLM's spec-decode counters; every prompt once, submitted together)",
               f"τ = {acc.get('tau', 1.0):.3f} over {acc.get('drafts', 0)} drafts", "",

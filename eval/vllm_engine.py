@@ -36,7 +36,7 @@ Design choices:
 - num_speculative_tokens defaults to block_size - 1 (vLLM reads no block_size); another value runs with a
   warning. vLLM 0.24's other rules (drafter/engines.py VLLM_024_RULES): taps of the last target layer and
   sliding-window drafter layers are warned about; a target config.json with a GGUF quantization_config is
-  served from a copy without it.
+  served from a copy without it, kept in the report's directory (the report's serve commands name it).
 """
 
 from __future__ import annotations
@@ -46,7 +46,6 @@ import gc
 import json
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -417,25 +416,25 @@ def run_vllm_eval(target: str, drafter: str, out: str | Path, datasets: list[str
 
     config.check()
     started, warn = time.perf_counter(), warn or (lambda message: print(message, file=sys.stderr))
-    with tempfile.TemporaryDirectory(prefix="dflashkit-vllm-") as scratch:
-        run = prepare_run(target, drafter, datasets, config, num_prompts, max_prompt_tokens,
-                          chat_template_kwargs or {}, api or real_vllm_api(), warn, scratch)
-        run.out = Path(out)
-        run.out.mkdir(parents=True, exist_ok=True)
-        (run.out / PARTIAL_FILE).unlink(missing_ok=True)
-        baselines, skipped = baseline_specs(config.baselines, run.target_config)
-        results = {"none": measure_engine(run, "no_drafter", None, multi_turn=True)}
-        answers = results["none"].get("turn1_answers")
-        for k in run.ks:
-            results[f"k{k}"] = measure_engine(run, "drafter" if k == run.headline_k else f"drafter_k{k}",
-                                              dflash_spec(run, k), answers, multi_turn=k == run.headline_k)
-        for name, spec in baselines.items():
-            results[name] = measure_engine(run, name, spec)
-        schedule = (given_schedule(config.schedule, run.levels, max(run.ks)) if config.schedule else
-                    derive_schedule({k: level_speedups(results, f"k{k}", run.levels) for k in run.ks}))
-        if config.schedule_run:
-            results["schedule"] = measure_engine(run, "schedule", schedule_spec(run.drafter, schedule))
-        prefix_runs = measure_prefix_settings(run, answers)
+    # a target copy without a GGUF quantization_config stays in `out`: the report's serve commands name it
+    run = prepare_run(target, drafter, datasets, config, num_prompts, max_prompt_tokens,
+                      chat_template_kwargs or {}, api or real_vllm_api(), warn, str(out))
+    run.out = Path(out)
+    run.out.mkdir(parents=True, exist_ok=True)
+    (run.out / PARTIAL_FILE).unlink(missing_ok=True)
+    baselines, skipped = baseline_specs(config.baselines, run.target_config)
+    results = {"none": measure_engine(run, "no_drafter", None, multi_turn=True)}
+    answers = results["none"].get("turn1_answers")
+    for k in run.ks:
+        results[f"k{k}"] = measure_engine(run, "drafter" if k == run.headline_k else f"drafter_k{k}",
+                                          dflash_spec(run, k), answers, multi_turn=k == run.headline_k)
+    for name, spec in baselines.items():
+        results[name] = measure_engine(run, name, spec)
+    schedule = (given_schedule(config.schedule, run.levels, max(run.ks)) if config.schedule else
+                derive_schedule({k: level_speedups(results, f"k{k}", run.levels) for k in run.ks}))
+    if config.schedule_run:
+        results["schedule"] = measure_engine(run, "schedule", schedule_spec(run.drafter, schedule))
+    prefix_runs = measure_prefix_settings(run, answers)
     args = {"target": target, "datasets": list(datasets), "num_prompts": num_prompts,
             "max_prompt_tokens": max_prompt_tokens}
     report = build_vllm_report(run, results, schedule, baselines, skipped, prefix_runs, args, started)

@@ -35,12 +35,14 @@ from .serving_verdict import plan_verdict, verdict
 
 def serve_command(run, spec: dict | None) -> str:
     """The `vllm serve` line of an engine of the run: its speculative_config, max_num_seqs (the largest level) and
-    the CUDA-graph capture size it was measured with; plain `vllm serve` without speculation."""
+    the CUDA-graph capture size it was measured with; plain `vllm serve` without speculation. The target is the
+    directory the engines were given: a copy without a GGUF quantization_config where the target had one (vLLM
+    refuses the original: rule gguf_quantization_config)."""
     from dflashkit.drafter import engines as rules
 
     if spec is None:
-        return f"vllm serve {run.target_dir} --max-num-seqs {max(run.levels)}"
-    return rules.vllm_serve_command(str(run.target_dir), run.drafter, run.dcfg.block_size, spec, max(run.levels),
+        return f"vllm serve {run.served_dir} --max-num-seqs {max(run.levels)}"
+    return rules.vllm_serve_command(str(run.served_dir), run.drafter, run.dcfg.block_size, spec, max(run.levels),
                                     capture_size(run, spec))
 
 

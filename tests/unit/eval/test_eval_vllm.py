@@ -5,6 +5,7 @@ against its own table, lossless counts, the missing extra, the num_speculative_t
 import importlib.util
 import json
 import sys
+from pathlib import Path
 
 import pytest
 import transformers as tf
@@ -152,6 +153,33 @@ def test_a_target_window_reaching_the_drafter_is_a_warning(pair, tmp_path):
                                                                         report["warnings"])
 
 
+def test_a_gguf_config_target_is_served_and_named_from_a_kept_copy(pair, tmp_path):
+    """vLLM refuses a config.json with a GGUF quantization_config (rule gguf_quantization_config; the testbed's
+    has one): the engines get a copy without it, kept in the report's directory, and every serve command names
+    that copy, so a printed command starts; bench_vllm's `vllm serve` is given the same kind of copy."""
+    import shutil
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    import bench_vllm as bench
+
+    target = shutil.copytree(pair / "target", tmp_path / "target")
+    config = json.loads((target / "config.json").read_text())
+    (target / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "gguf"}}))
+    run = VllmEvalConfig(concurrency=[1], prefix_caching=["on"], max_new_tokens=NEW, use_stop_tokens=False)
+    report = run_vllm_eval(str(target), str(pair / "drafter"), tmp_path / "out", [str(pair / "chats.jsonl")], run,
+                           num_prompts=2, api=standin_api())
+    served = Path(report["target"]["served_dir"])
+    assert report["target"]["gguf_quantization_config_stripped"] and served.parent == tmp_path / "out"
+    assert "quantization_config" not in json.loads((served / "config.json").read_text())
+    commands = [v for k, v in report.items() if k.startswith("serve_command")]
+    assert commands and all(c.startswith(f"vllm serve {served} ") for c in commands)
+    assert f"`{served}`, and the serve commands name it" in (tmp_path / "out" / "report.md").read_text()
+    kept = bench.server_target(str(target), tmp_path / "bench")
+    assert kept.parent == tmp_path / "bench" / "server" and "quantization_config" not in json.loads(
+        (kept / "config.json").read_text())
+    assert bench.server_target(str(pair / "target"), tmp_path / "bench") == pair / "target"  # nothing to strip
+
+
 @pytest.mark.slow
 def test_bench_vllm_runs_every_part_on_the_twin(tmp_path):
     sys.path.insert(0, str(ROOT / "bench"))  # its shared helpers (bench/common.py), as running the script puts them
@@ -201,15 +229,15 @@ def test_bench_vllm_runs_every_part_on_the_twin(tmp_path):
 
     args = SimpleNamespace(target="T", drafter="D", concurrency=[1, 64], gpu_memory_utilization=0.3,
                            max_model_len=2048, cudagraph_capture_size="auto")
-    with_drafter, without = bench.server_command(args, 1, 15), bench.server_command(args, 2, None)
+    with_drafter, without = bench.server_command(args, 1, 15, "T"), bench.server_command(args, 2, None, "T")
     assert with_drafter[with_drafter.index("--max-cudagraph-capture-size") + 1] == "1024"
     assert json.loads(with_drafter[with_drafter.index("--speculative-config") + 1])["num_speculative_tokens"] == 15
     assert "--speculative-config" not in without and "--max-cudagraph-capture-size" not in without
     assert without[without.index("--max-num-seqs") + 1] == with_drafter[with_drafter.index("--max-num-seqs") + 1]
     # --cudagraph-capture-size as the in-process engines read it: vllm keeps vLLM's default, N is taken as given
     assert "--max-cudagraph-capture-size" not in bench.server_command(
-        SimpleNamespace(**{**vars(args), "cudagraph_capture_size": "vllm"}), 1, 15)
-    given = bench.server_command(SimpleNamespace(**{**vars(args), "cudagraph_capture_size": "768"}), 1, 15)
+        SimpleNamespace(**{**vars(args), "cudagraph_capture_size": "vllm"}), 1, 15, "T")
+    given = bench.server_command(SimpleNamespace(**{**vars(args), "cudagraph_capture_size": "768"}), 1, 15, "T")
     assert given[given.index("--max-cudagraph-capture-size") + 1] == "768"
 
     # (a) afterwards: the tau part compares the serve report with a dflashkit eval of the same pair and prompts,
