@@ -35,6 +35,8 @@ D=${DATA:-.cache/gpu}
 R=${RUN:-/root/run}
 SCALE=${SCALE:-full}
 EPOCHS=${EPOCHS:-3}
+# a relative DRAFTER is the caller's: resolved before run_lib.sh moves the shell into $R
+if [ -n "${DRAFTER:-}" ]; then DRAFTER=$(cd "$DRAFTER" && pwd) || exit 1; fi
 . "$(dirname "$0")/run_lib.sh"  # ROOT, D, R, O, PY; the shell in $R; stage()
 if [ "$SCALE" = toy ]; then
   DEV=(--device cpu); SLOTS=8; NEW=16; LIMIT=(--limit 16); KS=${KS_TOY:-1 3}; LEVELS=${LEVELS_TOY:-1 4}
@@ -60,7 +62,6 @@ VENV=(bash "$ROOT/bench/vllm_env.sh" "$PY")  # the slim vLLM's environment (../s
 echo "[$(date +%T)] start: scale $SCALE, $(nvidia-smi -L 2>/dev/null | wc -l) GPU(s)" >> "$R/stages.txt"
 
 if [ -n "${DRAFTER:-}" ]; then  # an exported drafter from an earlier lease: stages 1 and 2 are skipped
-  DRAFTER=$(cd "$DRAFTER" && pwd) || exit 1
   echo "[$(date +%T)] drafter given: $DRAFTER" >> "$R/stages.txt"
 else
 # --- 1. the first user turn of every conversation answered by the target -------------------------------------------

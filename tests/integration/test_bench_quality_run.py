@@ -1,0 +1,66 @@
+"""bench/testbed_quality_run.sh, the one-GPU script of the quality issue, run at its CPU scale (SCALE=toy) on the
+SmolLM2 testbed: every user turn of multi-turn conversations answered by the target, the regenerated data in
+pieces that put back together give that file, the recipe trained on it with its held-out curve, vLLM's CPU
+stand-in (eval/vllm_standin.py) measuring τ on MT-bench and HumanEval, live chain τ in `dflashkit eval`, and the
+curve against seconds. A check that the stages fit together, not a measurement."""
+
+import gzip
+import io
+import json
+import tarfile
+
+import pytest
+
+from support.run_scripts import run_toy_script, toy_data
+
+
+def jsonl(path):
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@pytest.mark.slow
+def test_the_quality_run_script_runs_every_stage_at_toy_scale(tmp_path):
+    data = toy_data(tmp_path / "data", sharegpt_turns=6, mtbench=3, humaneval=3)
+    user_turns = sum(m["role"] == "user" for r in jsonl(data / "sharegpt_turns.jsonl") for m in r["messages"])
+    assert user_turns > 6  # the toy conversations have several turns
+    run = tmp_path / "run"
+    ends = run_toy_script("testbed_quality_run.sh", run, limits=("L_REGEN", "L_TRAIN", "L_VLLM", "L_EVAL"),
+                          TARGET="testbed:smollm2", DATA=str(data), KEEP_DRAFTER="1")
+    assert set(ends) == {"regenerate", "train-recipe", "vllm-tau-mtbench", "vllm-tau-humaneval", "eval-recipe",
+                         "time-to-quality"}, ends
+    out = run / "out"
+
+    # every turn answered, each after the target's own earlier answers; the pieces put back together are the file
+    regen = jsonl(run / "regen.jsonl")
+    answers = sum(m["role"] == "assistant" for r in regen for m in r["messages"])
+    assert len(regen) == 6 and answers > len(regen)
+    for row in regen:
+        assert [m["role"] for m in row["messages"]] == ["user", "assistant"] * (len(row["messages"]) // 2)
+    pieces = sorted((out / "regen").glob("regen.jsonl.gz.*"))
+    assert pieces and gzip.decompress(b"".join(p.read_bytes() for p in pieces)) == (run / "regen.jsonl").read_bytes()
+    assert f"regenerated: 6 conversations, {answers} answers" in (run / "stages.txt").read_text()
+
+    # the recipe trained on it: the held-out τ_walk at every step (eval_every=1), the export kept in pieces
+    metrics = jsonl(out / "recipe" / "results" / "default" / "metrics.jsonl")
+    assert [r["step"] for r in metrics if "eval/tau_walk" in r][:2] == [1, 2]
+    export = run / "work" / "train" / "default" / "export"
+    kept = b"".join(p.read_bytes() for p in sorted((out / "drafter-default").glob("drafter.tar.*")))
+    with tarfile.open(fileobj=io.BytesIO(kept)) as tar:
+        assert tar.extractfile("./config.json").read() == (export / "config.json").read_bytes()
+
+    # τ in the stand-in engine, per dataset, for the one drafter at the toy's k = 3
+    for name in ("mtbench", "humaneval"):
+        served = json.loads((out / "vllm" / name / "g_tau_per_k.json").read_text())
+        assert [(r["drafter"], r["k"]) for r in served["rows"]] == [("default", 3)], name
+        row = served["rows"][0]
+        assert row["drafts"] > 0 and 1.0 <= row["tau"] <= 4.0 and served["datasets"] == [str(data / f"{name}.jsonl")]
+
+    # live chain τ in dflashkit eval, copied into the study's results
+    row = json.loads((out / "recipe" / "results.json").read_text())["variants"]["default"]
+    report = json.loads((out / "recipe" / "results" / "default" / "report.json").read_text())
+    assert row["status"] == "done" and row["tau"] == report["overall"]["tau"] >= 1.0
+
+    # the held-out curve against seconds, the regeneration's seconds added
+    curve = json.loads((out / "time_to_quality.json").read_text())
+    (summary,) = curve.values()
+    assert summary["offset_s"] > 0 and [p["step"] for p in summary["timeline"]][:2] == [1, 2]
