@@ -70,10 +70,16 @@ VARIANTS: dict[str, list[str]] = {
     # more target-written data from the same prompts: a sampled answer per prompt beside the greedy one
     # (`--extra-data`, e.g. `dflashkit regenerate --temperature 0.8 --top-p 0.95 --seed 1`); not equal data
     "extra_answers": ["data+={extra_data}"],
+    # runs planned to end early (the schedule decays by then, unlike a longer run stopped by time): what a budget of
+    # a few minutes reaches (RESULTS.md "time to quality": τ 2.0 took ~1,500 steps of the 3-epoch schedule)
+    "steps_1000": ["max_steps=1000"],
+    "steps_1400": ["max_steps=1400"],
+    "steps_1000_anchors": ["max_steps=1000", "anchor_density=0.375"],  # and the study's faster steps
 }
 # variants that never go into a combination of winners (--combine): a layout vLLM 0.24 serves differently
-# (docs/ARCHITECTURE.md), more data or more epochs than the study compares at, another architecture
-NOT_COMBINED = ("sliding_window", "extra_answers", "longer", "dflash2")
+# (docs/ARCHITECTURE.md), more data or more or fewer steps than the study compares at, another architecture
+NOT_COMBINED = ("sliding_window", "extra_answers", "longer", "dflash2", "steps_1000", "steps_1400",
+                "steps_1000_anchors")
 
 
 def is_replicate(overrides) -> bool:

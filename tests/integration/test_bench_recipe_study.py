@@ -11,6 +11,7 @@ sys.path.insert(0, str(Path(__file__).parents[2] / "bench"))
 from recipe_study import NOT_COMBINED, VARIANTS, combine_winners, main, parse_variants  # noqa: E402
 
 from support.chat_data import chat_records, save_tiny_chat_target, write_jsonl
+from support.paths import ROOT
 
 # every toy run: a 1-layer drafter of a tiny target, 2 steps (a check that the stages run, not a measurement)
 TOY = ("max_steps=2,num_hidden_layers=1,block_size=4,compile=false,mixed_precision=no,micro_batch_tokens=400,"
@@ -74,6 +75,23 @@ def test_a_seed_replicate_of_the_default_widens_the_margin_and_never_wins():
     mixed = {**rows, "seed_1": {**rows["seed_1"], "overrides": ["seed=1", "lr=2e-3"], "tau": 1.70}}
     assert combine_winners(mixed, margin=0.01)[0] == ["seed_1", "muon"]
     assert VARIANTS["seed_1"] == ["seed=1"] and VARIANTS["tokens_4k"] == ["micro_batch_tokens=4096"]
+
+
+def test_every_study_row_loads_against_the_recipe():
+    """Each row's overrides are TrainConfig fields with valid values on top of the testbed recipe (the `{...}`
+    placeholders filled as the study fills them), so no row of a GPU lease fails at its start; a budgeted row
+    plans its schedule to its own end."""
+    from dflashkit.train.config import load_config
+
+    for name, overrides in VARIANTS.items():
+        # `data+=FILE` is the study's own (more data files for the run), not a TrainConfig override
+        filled = [o.format(double_epochs=6) for o in overrides if not o.startswith("data+=")]
+        cfg = load_config(str(ROOT / "recipes" / "smollm2-135m.yaml"), filled)
+        for item in filled:
+            key = item.split("=")[0].rstrip("+")
+            assert hasattr(cfg, key), (name, item)
+    assert load_config(str(ROOT / "recipes" / "smollm2-135m.yaml"), VARIANTS["steps_1000"]).max_steps == 1000
+    assert {"steps_1000", "steps_1400", "steps_1000_anchors"} <= set(NOT_COMBINED)
 
 
 @pytest.mark.slow
