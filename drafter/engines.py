@@ -343,15 +343,19 @@ def is_gguf_quantized(config: dict) -> bool:
 def vllm_target_dir(target_dir, scratch) -> tuple[Path, bool]:
     """(directory to give vLLM, whether it is a stripped copy). A target whose config.json has a GGUF
     quantization_config is served from a copy under ``scratch``: every other file symlinked, config.json
-    rewritten without that key (the weights there are already plain tensors)."""
+    rewritten without that key (the weights there are already plain tensors). A copy already there is made
+    again, so it never keeps the links of another target of the same name."""
     source = Path(target_dir)
     config = json.loads((source / "config.json").read_text())
     if not is_gguf_quantized(config):
         return source, False
     copy = Path(scratch) / f"{source.name}-without-gguf-config"
     copy.mkdir(parents=True, exist_ok=True)
+    for item in copy.iterdir():  # an earlier copy (a kept report directory) may link another target's files
+        if item.is_symlink() or item.name == "config.json":
+            item.unlink()
     for item in source.iterdir():
-        if item.name != "config.json" and not (copy / item.name).exists():
+        if item.name != "config.json":
             (copy / item.name).symlink_to(item.resolve())
     del config["quantization_config"]
     atomic_write(copy / "config.json", (json.dumps(config, indent=2) + "\n").encode())

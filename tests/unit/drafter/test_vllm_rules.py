@@ -92,6 +92,12 @@ def test_a_gguf_quantization_config_is_stripped_in_a_copy(tmp_path):
     assert "quantization_config" in json.loads((target / "config.json").read_text())  # the original is untouched
     weights = served / "model.safetensors"
     assert weights.is_symlink() and weights.resolve() == (target / "model.safetensors").resolve()
+    # the copy is kept (a report's directory): another target of the same name served there gets its own links
+    other = tmp_path / "elsewhere" / "target"
+    tf.LlamaForCausalLM(tiny_target_config()).save_pretrained(other)
+    (other / "config.json").write_text(json.dumps(config))
+    again, _ = rules.vllm_target_dir(other, tmp_path / "scratch")
+    assert again == served and (again / "model.safetensors").resolve() == (other / "model.safetensors").resolve()
 
 
 @pytest.mark.parametrize("config, max_len, windowed", [
