@@ -105,6 +105,37 @@ class GroupedDynamicCausalConv(nn.Module):
         return grouped_dynamic_causal_conv(hidden, dynamic, self.base_kernel[1], self.group_size, block_size)
 
 
+class _AutocastRows(torch.autograd.Function):
+    """``F.embedding(ids, weight)`` as autocast's matmul receives it, in ``dtype``: the rows are gathered from the
+    weight cast once (a cast commutes with a gather), instead of gathering float32 rows that the matmul then casts;
+    the backward is ``F.embedding``'s on the gradient upcast to the weight's dtype and laid out contiguously in
+    that one copy (the matmul's gradient arrives transposed, and the embedding's backward would copy it again).
+    The same values and gradients, with less memory traffic (issue 36)."""
+
+    @staticmethod
+    def forward(ctx, ids, weight, dtype):
+        ctx.save_for_backward(ids)
+        ctx.rows, ctx.weight_dtype = weight.shape[0], weight.dtype
+        return F.embedding(ids, weight.to(dtype))
+
+    @staticmethod
+    def backward(ctx, grad):
+        (ids,) = ctx.saved_tensors
+        grad = grad.to(ctx.weight_dtype, memory_format=torch.contiguous_format)
+        return None, torch.ops.aten.embedding_dense_backward(grad, ids, ctx.rows, -1, False), None
+
+
+def codebook_rows(ids: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
+    """``F.embedding(ids, codebook)`` for a matmul operand; under autocast of a float32 codebook, the rows
+    already in autocast's dtype (``_AutocastRows``: the values the matmul would have cast them to)."""
+    dev = codebook.device.type
+    if codebook.dtype == torch.float32 and torch.is_autocast_enabled(dev):
+        dtype = torch.get_autocast_dtype(dev)
+        if dtype != torch.float32:
+            return _AutocastRows.apply(ids, codebook, dtype)
+    return F.embedding(ids, codebook)
+
+
 class CandidateSelector(nn.Module):
     """Low-rank pairwise scores over each draft position's ``top_k`` candidates (module docstring).
 
@@ -132,7 +163,7 @@ class CandidateSelector(nn.Module):
                     predecessor_ids: torch.Tensor) -> torch.Tensor:
         """unary [..., k] + <A[prev] * W h, B[cand]> for hidden [..., H], candidate_ids [..., k], prev [...]."""
         gate = F.embedding(predecessor_ids, self.predecessor_codebook) * self.hidden_projection(hidden)
-        return unary + torch.einsum("...r,...kr->...k", gate, F.embedding(candidate_ids, self.successor_codebook))
+        return unary + torch.einsum("...r,...kr->...k", gate, codebook_rows(candidate_ids, self.successor_codebook))
 
     def select(self, hidden: torch.Tensor, logits: torch.Tensor, anchor_ids: torch.Tensor,
                temperature: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:

@@ -186,16 +186,17 @@ def groups_pay(cols: int, k: int, group: int = TOPK_GROUP) -> bool:
     return cols // group >= 4 * k
 
 
-def grouped_topk(x: torch.Tensor, k: int, group: int = TOPK_GROUP,
-                 group_max: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def grouped_topk(x: torch.Tensor, k: int, group: int = TOPK_GROUP, group_max: torch.Tensor | None = None,
+                 out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(values, indices) of the k largest entries of each row of 2-D ``x``, largest first: the values of
     ``torch.topk(x, k)``, found among the k groups of ``group`` columns with the largest maxima (module notes).
     ``group_max``: those maxima [rows, cols // group] when already computed (``_logit_stats_grouped``; any dtype
-    that keeps their order). Rows too short for groups to save work go to ``torch.topk`` whole."""
+    that keeps their order). Rows too short for groups to save work go to ``torch.topk`` whole. ``out``:
+    contiguous (values in x's dtype, long indices) [rows, k] to write them into (no copy after), returned."""
     rows, cols = x.shape
     n_groups = cols // group
     if not groups_pay(cols, k, group):
-        return torch.topk(x, k, dim=-1)
+        return torch.topk(x, k, dim=-1, out=out) if out is not None else torch.topk(x, k, dim=-1)
     body = n_groups * group
     grouped = x[:, :body].view(rows, n_groups, group)
     if group_max is None:
@@ -205,10 +206,17 @@ def grouped_topk(x: torch.Tensor, k: int, group: int = TOPK_GROUP,
     cand = grouped.gather(1, best.unsqueeze(-1).expand(rows, k, group)).view(rows, k * group)
     if body < cols:  # the tail columns are always candidates
         cand = torch.cat([cand, x[:, body:]], dim=-1)
-    values, at = torch.topk(cand, k, dim=-1)
+    if out is None:
+        values, at = torch.topk(cand, k, dim=-1)
+        ids = torch.empty_like(at)
+    else:
+        (values, ids), at = out, torch.empty_like(out[1])
+        torch.topk(cand, k, dim=-1, out=(values, at))
+    if body == cols:  # every candidate lies in a chosen group
+        return values, torch.add(best.gather(1, at // group) * group, at % group, out=ids)
     in_body = at < k * group
-    ids = best.gather(1, (at // group).clamp(max=k - 1)) * group + at % group
-    return values, torch.where(in_body, ids, at - k * group + body)
+    in_group = best.gather(1, (at // group).clamp(max=k - 1)) * group + at % group
+    return values, torch.where(in_body, in_group, at - k * group + body, out=ids)
 
 
 _COMPILED: dict = {}
@@ -244,25 +252,29 @@ def chunked_logit_statistics(hidden, weight, bias, labels, valid, teacher, obj: 
     grouped = bool(top_k) and groups_pay(weight.shape[0], top_k)  # the stats also give grouped_topk's maxima
     stats = logit_statistics(grouped, fused)
     logit_grad = _compiled(_logit_grad) if fused else _logit_grad
-    grad = torch.zeros(hidden.shape, dtype=acc, device=dev) if need_grad else None
+    grad = torch.empty(hidden.shape, dtype=acc, device=dev) if need_grad else None  # every chunk writes its rows
     decay = position_decay(p + 1, gamma, dev, acc)
     loss_sum, ce_sum, tau_sum = (torch.zeros((), dtype=acc, device=dev) for _ in range(3))
     correct, counted = torch.zeros(p, dtype=acc, device=dev), torch.zeros(p, dtype=acc, device=dev)
     runs = torch.zeros(n_blocks, dtype=acc, device=dev)
-    top_logits = torch.empty(n_blocks, p, top_k, dtype=torch.float32, device=dev)
-    top_ids = torch.empty(n_blocks, p, top_k, dtype=torch.long, device=dev)
+    # the candidates are written in place, each chunk's into its rows; the logits in the lm_head's dtype, float32
+    # once at the end (an exact upcast, or fp64 rounded as a float32 buffer would)
+    top_logits = torch.empty(n_blocks * p, top_k, dtype=weight.dtype, device=dev)
+    top_ids = torch.empty(n_blocks * p, top_k, dtype=torch.long, device=dev)
     for s in range(0, n_blocks, chunk):
         e = min(n_blocks, s + chunk)
         lab, ok = labels[s:e], valid[s:e]
         val = ok.to(acc)
-        raw = F.linear(hidden[s:e].reshape(-1, h).to(weight.dtype), weight, bias)  # [rows, V], lm_head dtype
+        # cast, then flattened: one copy (the cast of the draft positions' strided view is already contiguous)
+        raw = F.linear(hidden[s:e].to(weight.dtype).reshape(-1, h), weight, bias)  # [rows, V], lm_head dtype
         if grouped:
             lse, tgt, top, group_max = stats(raw, lab.reshape(-1), acc, TOPK_GROUP)
         else:
             (lse, tgt, top), group_max = stats(raw, lab.reshape(-1), acc), None
         if top_k:  # the selector's candidates, from these logits (module notes)
-            values, ids = grouped_topk(raw, top_k, group_max=group_max)
-            top_logits[s:e], top_ids[s:e] = values.view(e - s, p, top_k), ids.view(e - s, p, top_k)
+            if raw.dtype != top_logits.dtype:  # autocast around the engine: the logits' own dtype
+                top_logits = top_logits.to(raw.dtype)
+            grouped_topk(raw, top_k, group_max=group_max, out=(top_logits[s * p:e * p], top_ids[s * p:e * p]))
         ce = (lse - tgt).view(e - s, p) * val
         term, teacher_p = ce, None
         if obj.soft:  # the teacher's distribution over the same rows (kl)
@@ -285,10 +297,11 @@ def chunked_logit_statistics(hidden, weight, bias, labels, valid, teacher, obj: 
         if need_grad:
             soft_p = None if teacher_p is None else teacher_p.mul_(obj.soft)
             g = logit_grad(raw, lse, lab.reshape(-1), w.reshape(-1), 1.0 - obj.soft, soft_p)
-            grad[s:e] = (g @ weight).to(acc).view(e - s, p, h)
+            grad[s:e].view(-1, h).copy_(g @ weight)  # upcast as it is written
             del g
         del raw, teacher_p
-    return loss_sum, ce_sum, correct, counted, tau_sum, runs, top_logits, top_ids, grad
+    top_logits = top_logits.to(torch.float32).view(n_blocks, p, top_k)
+    return loss_sum, ce_sum, correct, counted, tau_sum, runs, top_logits, top_ids.view(n_blocks, p, top_k), grad
 
 
 class _ChunkedBlockLoss(torch.autograd.Function):

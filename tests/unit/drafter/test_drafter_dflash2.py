@@ -152,3 +152,38 @@ def test_the_base_convolution_kernels_are_never_weight_decayed():
         decayed = {names[id(p)] for g in groups if g["weight_decay"] for p in g["params"]}
         kernels = {n for n in names.values() if n.endswith("base_kernel")}
         assert kernels and not kernels & decayed and "layers.0.self_attn.q_proj.weight" in decayed
+
+
+def test_selector_scores_under_autocast_equal_those_of_float32_codebook_rows(monkeypatch):
+    """Under bf16 autocast (mixed-precision training) the successor codebook's rows are gathered already in bf16
+    (``codebook_rows``): the scores and every gradient are bit for bit those of F.embedding's float32 rows, which
+    the matmul cast; outside autocast the rows are F.embedding's."""
+    import torch.nn.functional as F
+
+    from dflashkit.drafter import modeling_dflash2
+
+    _, model = dflash2_drafter()
+    selector = model.candidate_selector
+    g = torch.Generator().manual_seed(11)
+    hidden = torch.randn(9, 5, TARGET.hidden_size, generator=g)
+    unary = torch.randn(9, 5, 6, generator=g)
+    candidates = torch.randint(0, 40, (9, 5, 6), generator=g)  # repeated ids: rows whose gradients add up
+    prev = torch.randint(0, 320, (9, 5), generator=g)
+    weights = torch.randn(9, 5, 6, generator=g)
+
+    def scores_and_grads():
+        selector.zero_grad(set_to_none=True)
+        h = hidden.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            scores = selector.pair_scores(h, unary, candidates, prev)
+        (scores.float() * weights).sum().backward()
+        return [scores.detach(), h.grad] + [p.grad for p in selector.parameters()]
+
+    assert modeling_dflash2.codebook_rows(candidates, selector.successor_codebook).dtype == torch.float32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert modeling_dflash2.codebook_rows(candidates, selector.successor_codebook).dtype == torch.bfloat16
+    new = scores_and_grads()
+    monkeypatch.setattr(modeling_dflash2, "codebook_rows", lambda ids, codebook: F.embedding(ids, codebook))
+    old = scores_and_grads()
+    assert all(torch.equal(a, b) for a, b in zip(new, old)) and len(new) == 5
+    assert all(t.abs().sum() > 0 for t in new)  # scores, the hidden states' and every parameter's gradient

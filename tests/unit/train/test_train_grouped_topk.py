@@ -113,3 +113,51 @@ def test_given_group_maxima_are_used_instead_of_read_again():
     assert torch.equal(grouped_topk(x, 4, 32, group_max=true_max)[0], torch.topk(x, 4, dim=-1).values)
     wrong = -true_max  # the groups with the smallest maxima
     assert not torch.equal(grouped_topk(x, 4, 32, group_max=wrong)[0], torch.topk(x, 4, dim=-1).values)
+
+
+def topk_before_out(x, k, group, group_max):
+    """grouped_topk as it was before it wrote into given buffers (issue 36): the reference of the two tests below."""
+    rows, cols = x.shape
+    body = cols // group * group
+    grouped = x[:, :body].view(rows, -1, group)
+    best = torch.topk(group_max, k, dim=-1).indices
+    cand = grouped.gather(1, best.unsqueeze(-1).expand(rows, k, group)).view(rows, k * group)
+    if body < cols:
+        cand = torch.cat([cand, x[:, body:]], dim=-1)
+    values, at = torch.topk(cand, k, dim=-1)
+    ids = best.gather(1, (at // group).clamp(max=k - 1)) * group + at % group
+    return values, torch.where(at < k * group, ids, at - k * group + body)
+
+
+@pytest.mark.parametrize("cols", [2048, 2048 + 45])  # whole groups, and a tail
+def test_written_into_buffers_the_candidates_are_the_earlier_ones(cols):
+    """grouped_topk(out=...) and without: bit for bit the values and ids of the earlier form, ties included."""
+    g = torch.Generator().manual_seed(9)
+    x = torch.randint(-6, 7, (48, cols), generator=g).to(torch.bfloat16)  # many equal logits
+    gmax = x[:, : cols // 32 * 32].view(48, -1, 32).amax(-1).float()
+    ref = topk_before_out(x, 16, 32, gmax)
+    buffers = (torch.empty(96, 16, dtype=torch.bfloat16), torch.empty(96, 16, dtype=torch.long))
+    out = (buffers[0][48:], buffers[1][48:])
+    for got in (grouped_topk(x, 16, 32, group_max=gmax), grouped_topk(x, 16, 32, group_max=gmax, out=out), out):
+        assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+
+
+@pytest.mark.parametrize("extra", [0, 40])  # a vocabulary of whole groups, and a tail
+def test_the_loss_pass_candidates_of_a_bf16_head_are_the_earlier_ones(extra):
+    """block_loss(top_k) with a bf16 lm_head: per chunk the earlier grouped top_k, its values upcast to float32,
+    bit for bit (the buffers are now written in place and upcast once)."""
+    g = torch.Generator().manual_seed(10)
+    vocab, k, p = 16 * TOPK_GROUP + extra, 4, 3
+    hidden, weight = torch.randn(7, p, 8, generator=g), torch.randn(vocab, 8, generator=g).bfloat16()
+    labels, valid = torch.randint(0, vocab, (7, p), generator=g), torch.ones(7, p, dtype=torch.bool)
+    out = block_loss(hidden, weight, labels, valid, top_k=k, chunk_tokens=9)  # chunks of 3 blocks
+    values, ids = [], []
+    for s in range(0, 7, 3):
+        raw = torch.nn.functional.linear(hidden[s:s + 3].reshape(-1, 8).bfloat16(), weight)
+        gmax = grouped_stats(raw, labels[s:s + 3].reshape(-1), torch.float32, TOPK_GROUP)[3]
+        v, i = topk_before_out(raw, k, TOPK_GROUP, gmax)
+        values.append(v.float())
+        ids.append(i)
+    assert out.top_logits.dtype == torch.float32 and out.top_logits.shape == (7, p, k)
+    assert torch.equal(out.top_logits, torch.cat(values).view(7, p, k))
+    assert torch.equal(out.top_ids, torch.cat(ids).view(7, p, k))
