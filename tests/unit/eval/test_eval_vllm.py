@@ -180,6 +180,40 @@ def test_a_gguf_config_target_is_served_and_named_from_a_kept_copy(pair, tmp_pat
     assert bench.server_target(str(pair / "target"), tmp_path / "bench") == pair / "target"  # nothing to strip
 
 
+def test_the_projection_engines_get_graphs_covering_their_steps(tmp_path, monkeypatch):
+    """--parts projection starts each engine with max_cudagraph_capture_size covering its largest step at its k
+    (c * (1 + k) tokens above vLLM's 512: run eagerly otherwise), records it, and keeps each engine's step times
+    as it ends (the partial file, removed once the whole file is written); the largest k runs first."""
+    from types import SimpleNamespace
+
+    from dflashkit.drafter.engines import vllm_cudagraph_capture_size
+    from dflashkit.eval import vllm_standin
+    from dflashkit.eval.vllm_engine import VllmApi
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    import bench_vllm as bench
+
+    started, clock = [], vllm_standin.ModelledClock()
+
+    def factory(**kwargs):
+        started.append(((kwargs.get("speculative_config") or {}).get("num_speculative_tokens", 0),
+                        (kwargs.get("compilation_config") or {}).get("max_cudagraph_capture_size")))
+        return vllm_standin.LLM(clock=clock, **kwargs)
+
+    monkeypatch.setattr(bench, "api_for", lambda args: VllmApi(factory, vllm_standin.SamplingParams, clock))
+    args = SimpleNamespace(ks=[3, 15], concurrency=[1, 40], standin=True, projection_drafter_weights=False,
+                           projection_prompt_tokens=4, projection_new_tokens=2, gpu_memory_utilization=0.3,
+                           max_model_len=64, cudagraph_capture_size="auto", acceptance_report=None)
+    bench.part_projection(args, tmp_path)
+    expected = {k: vllm_cudagraph_capture_size(40, k) for k in (0, 3, 15)}
+    assert expected[15] == 40 * 16 and expected[0] is None  # the case the rule is for, and one it leaves alone
+    assert started == [(0, expected[0]), (15, expected[15]), (3, expected[3])]
+    times = json.loads((tmp_path / "e_projection_times.json").read_text())
+    assert times["max_cudagraph_capture_size"] == {"ar": expected[0], "k15": expected[15], "k3": expected[3]}
+    assert set(times["raw"]["40"]) == {"ar", "k3", "k15", "spec"}
+    assert not (tmp_path / "e_projection_times.partial.json").exists()
+
+
 @pytest.mark.slow
 def test_bench_vllm_runs_every_part_on_the_twin(tmp_path):
     sys.path.insert(0, str(ROOT / "bench"))  # its shared helpers (bench/common.py), as running the script puts them
