@@ -75,11 +75,12 @@ VARIANTS: dict[str, list[str]] = {
     "steps_1000": ["max_steps=1000"],
     "steps_1400": ["max_steps=1400"],
     "steps_1000_anchors": ["max_steps=1000", "anchor_density=0.375"],  # and the study's faster steps
+    "steps_1400_anchors": ["max_steps=1400", "anchor_density=0.375"],  # as many steps in ~the time of 1,000
 }
 # variants that never go into a combination of winners (--combine): a layout vLLM 0.24 serves differently
 # (docs/ARCHITECTURE.md), more data or more or fewer steps than the study compares at, another architecture
 NOT_COMBINED = ("sliding_window", "extra_answers", "longer", "dflash2", "steps_1000", "steps_1400",
-                "steps_1000_anchors")
+                "steps_1000_anchors", "steps_1400_anchors")
 
 
 def is_replicate(overrides) -> bool:

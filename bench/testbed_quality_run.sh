@@ -18,7 +18,10 @@
 #   4. live chain τ in `dflashkit eval` for every export (bench/recipe_study.py --stage eval: greedy, bf16, MT-bench
 #      80, 256 new tokens), stopped at L_EVAL seconds with the prompts it finished;
 #   5. the held-out τ_walk against seconds, the regeneration's seconds added (bench/time_to_quality.py; CPU).
-# KEEP_DRAFTER=1 leaves each export in 15 MiB pieces under $RUN/out/drafter-<variant>/.
+# KEEP_DRAFTER=1 leaves each export in 15 MiB pieces under $RUN/out/drafter-<variant>/. TURNS=first answers only
+# the first user turn of each conversation of $DATA/sharegpt.jsonl[.gz] (the 10,219 of the recipe's runs; time to
+# quality on that data, e.g. VARIANTS=steps_1400_anchors PAR=1: one run alone at a time, as a user's would be).
+# L_EVAL=0 leaves stage 4 out (τ in vLLM only).
 #
 # Bringing results back to the next lease (15 MiB a file):
 #   the data:  cat $OUT/regen/regen.jsonl.gz.* > .cache/regen-all.jsonl.gz   (then REGEN=.cache/regen-all.jsonl.gz)
@@ -50,6 +53,7 @@ R=${RUN:-/root/run}
 SCALE=${SCALE:-full}
 EPOCHS=${EPOCHS:-3}
 VARIANTS=${VARIANTS:-default}
+TURNS=${TURNS:-every}
 absolute() { [ -e "$1" ] && echo "$(cd "$(dirname "$1")" && pwd)/$(basename "$1")" || echo "$1"; }
 T=$(absolute "$T"); [ -n "${REGEN:-}" ] && REGEN=$(absolute "$REGEN")  # run_lib.sh moves the shell into $R
 . "$(dirname "$0")/run_lib.sh"  # ROOT, D, R, O, PY; the shell in $R; stage()
@@ -73,8 +77,10 @@ note "start: scale $SCALE, $(nvidia-smi -L 2>/dev/null | wc -l) GPU(s), variants
 # --- 1. every user turn of every conversation answered by the target, in order ----------------------------------------
 turns_source() {  # the conversations with every user turn (bench/testbed_data.py); the toy may use first turns
   local f
-  for f in "$D/sharegpt_turns.jsonl" "$D/sharegpt_turns.jsonl.gz"; do [ -f "$f" ] && { echo "$f"; return; }; done
-  [ "$SCALE" = toy ] || return 1
+  if [ "$TURNS" != first ]; then
+    for f in "$D/sharegpt_turns.jsonl" "$D/sharegpt_turns.jsonl.gz"; do [ -f "$f" ] && { echo "$f"; return; }; done
+    [ "$SCALE" = toy ] || return 1
+  fi
   for f in "$D/sharegpt.jsonl" "$D/sharegpt.jsonl.gz"; do [ -f "$f" ] && { echo "$f"; return; }; done
   return 1
 }
@@ -85,11 +91,15 @@ if [ -n "${REGEN:-}" ]; then  # an earlier lease's regenerated data (its out/reg
   note "regenerate: reused $REGEN ($(wc -l < "$R/regen.jsonl") conversations, $(answers "$R/regen.jsonl") answers)"
 else
   SRC=$(turns_source) || { note "no $D/sharegpt_turns.jsonl[.gz]: write it with bench/testbed_data.py"; exit 2; }
-  case "$SRC" in */sharegpt.jsonl*) note "regenerate: $SRC holds first turns only (toy fallback)" ;; esac
+  FIRST=()
+  case "$TURNS:$SRC" in
+    first:*) FIRST=(--max-turns 1); note "regenerate: the first user turn of each conversation of $SRC" ;;
+    *:*/sharegpt.jsonl*) note "regenerate: $SRC holds first turns only (toy fallback)" ;;
+  esac
   start=$(date +%s)
   stage regenerate "$L_REGEN" "$PY" -m dflashkit.extract.regenerate --target "$T" --data "$SRC" \
     --out "$R/regen.jsonl" --resume --max-new-tokens "$NEW" --batch-size "$SLOTS" --max-prompt-length 1024 \
-    --no-progress "${DEV[@]}" "${LIMIT[@]}"
+    --no-progress "${FIRST[@]}" "${DEV[@]}" "${LIMIT[@]}"
   REGEN_S=$(( $(date +%s) - start ))
   [ -s "$R/regen.jsonl" ] || { note "regenerate wrote nothing: stopping"; exit 1; }
   mkdir -p "$O/regen" && rm -f "$O/regen/regen.jsonl.gz."*
@@ -138,7 +148,7 @@ if [ ${#SERVED[@]} -gt 0 ]; then
 fi
 
 # --- 4. live chain τ in `dflashkit eval`, MT-bench --------------------------------------------------------------------
-study eval $(( L_EVAL + 300 ))
+[ "$L_EVAL" != 0 ] && study eval $(( L_EVAL + 300 ))
 
 # --- 5. the held-out curve against seconds, the regeneration's included -----------------------------------------------
 RUNS=()

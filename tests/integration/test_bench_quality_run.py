@@ -64,3 +64,22 @@ def test_the_quality_run_script_runs_every_stage_at_toy_scale(tmp_path):
     curve = json.loads((out / "time_to_quality.json").read_text())
     (summary,) = curve.values()
     assert summary["offset_s"] > 0 and [p["step"] for p in summary["timeline"]][:2] == [1, 2]
+
+
+@pytest.mark.slow
+def test_the_quality_run_script_answers_first_turns_only_when_asked(tmp_path):
+    """TURNS=first (time to quality on the recipe's data): only the first user turn of each conversation of
+    sharegpt.jsonl is answered, even beside a file of every turn; L_EVAL=0 leaves `dflashkit eval` out."""
+    data = toy_data(tmp_path / "data", sharegpt=4, sharegpt_turns=3, mtbench=2)
+    run = tmp_path / "run"
+    ends = run_toy_script("testbed_quality_run.sh", run, limits=("L_REGEN", "L_TRAIN", "L_VLLM"), TURNS="first",
+                          L_EVAL="0", TARGET="testbed:smollm2", DATA=str(data))
+    assert set(ends) == {"regenerate", "train-recipe", "vllm-tau-mtbench", "time-to-quality"}, ends
+    regen = jsonl(run / "regen.jsonl")
+    source = jsonl(data / "sharegpt.jsonl")
+    assert len(regen) == len(source) == 4
+    for row, asked in zip(regen, source):
+        assert [m["role"] for m in row["messages"]] == ["user", "assistant"]
+        first = next(m for m in asked["messages"] if m["role"] == "user")
+        assert row["messages"][0]["content"] == first["content"]
+    assert "regenerate: the first user turn of each conversation" in (run / "stages.txt").read_text()
