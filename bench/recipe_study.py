@@ -33,6 +33,7 @@ import shutil
 import statistics
 import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -218,6 +219,16 @@ def train_numbers(run_dir: Path) -> dict:
     return out
 
 
+def finished_before_stop(run_dir: Path, started: float) -> bool:
+    """Whether the trainer in ``run_dir`` exported and wrote summary.json (its last act, after the export) since
+    ``started`` (time.time()): a run the time limit's SIGINT reached only while its process was ending, whose exit
+    status is then the signal's although nothing was lost (a 1,400-step run on the H200, 2026-12-04, exported at
+    406 s and was counted failed at the 420 s limit). A summary.json older than ``started`` is an earlier run's."""
+    summary = run_dir / "summary.json"
+    return (summary.is_file() and summary.stat().st_mtime >= started
+            and (run_dir / "export" / "config.json").is_file())
+
+
 class Study:
     def __init__(self, args, variants: dict[str, list[str]]):
         self.args, self.variants = args, variants
@@ -285,13 +296,19 @@ class Study:
                f"epochs={a.epochs}",
                "wandb=false", "progress=false", *a.extra_overrides, *overrides]
         say(f"{name}: training ({' '.join(items) or 'no overrides'})")
+        started = time.time()
         rc, wall, stopped = run_stage(cmd, logs / "train.log", self.env, a.train_time_limit)
         self.keep(name, run_dir / "summary.json", run_dir / "metrics.jsonl")
         numbers = train_numbers(run_dir)
         self.record(name, train_rc=rc, train_wall_s=round(wall, 1), train_stopped_by_time_limit=stopped, **numbers)
         export = run_dir / "export"
+        if rc != 0 and stopped and finished_before_stop(run_dir, started):
+            say(f"{name}: the time limit came after the run had exported (exit {rc} while it ended); kept")
+            rc = 0
         if rc != 0 or not (export / "config.json").is_file():
-            ckpt = latest_checkpoint(run_dir, warn=say) if rc == 0 else None  # the one resume=auto takes
+            # the newest checkpoint that verifies (the one resume=auto takes) when the run ended well or our own
+            # time limit stopped it; a run that failed on its own is not exported
+            ckpt = latest_checkpoint(run_dir, warn=say) if rc == 0 or stopped else None
             if ckpt is None:  # failed, or stopped before its first checkpoint
                 say(f"{name}: training failed (exit {rc}) after {wall:.0f} s: {log_tail(logs / 'train.log')}")
                 self.record(name, status="train_failed", error=log_tail(logs / "train.log"))

@@ -3,11 +3,13 @@ real live evaluations of their exports, and a results file whose tau values are 
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "bench"))
+import recipe_study  # noqa: E402
 from recipe_study import NOT_COMBINED, VARIANTS, combine_winners, main, parse_variants  # noqa: E402
 
 from support.chat_data import chat_records, save_tiny_chat_target, write_jsonl
@@ -136,8 +138,18 @@ def test_train_stage_then_eval_stage_over_the_same_out(tmp_path, capsys):
               "--num-prompts", "1", "--max-new-tokens", "8", "--extra-overrides", TOY]
     assert main([*common, "--variants", "default", "--stage", "eval"]) == 1  # nothing trained yet
     assert "needs the export of an earlier --stage train" in capsys.readouterr().out
+    started = time.time()
     assert main([*common, "--variants", "default", "--stage", "train", "--rerun"]) == 0
     assert "--stage eval evaluates it" in capsys.readouterr().out
+    # what tells a run the time limit reached while it was ending from one it stopped: the export and a
+    # summary.json written since the stage began (older: an earlier run's; no export: not finished)
+    run_dir = out / "work" / "train" / "default"
+    assert recipe_study.finished_before_stop(run_dir, started)
+    assert not recipe_study.finished_before_stop(run_dir, time.time() + 60)
+    config = run_dir / "export" / "config.json"
+    config.rename(config.with_suffix(".away"))
+    assert not recipe_study.finished_before_stop(run_dir, started)
+    config.with_suffix(".away").rename(config)
     row = json.loads((out / "results.json").read_text())["variants"]["default"]
     assert row["status"] == "trained" and row["step"] == 2 and "tau" not in row
     assert not (out / "results" / "default" / "report.json").exists()
