@@ -58,6 +58,13 @@ Design choices:
   The group maxima come from the statistics kernel's own read of the logits (``_logit_stats_grouped``: per
   group its max, first argmax and sum of exp, the row's logsumexp and argmax from those), not from a second
   read (GPU time of 3 profiled DFlash2 steps 797 -> 756 ms, H200, BENCHMARKS.md).
+- Where Triton runs (``triton_available``) and the vocabulary is whole groups, grouped_topk is one Triton kernel
+  launch per chunk (train/grouped_topk_triton.py) instead of its torch ops (two topk, the gather of the chosen
+  groups and the index arithmetic: ~50 of 738 ms GPU time in a profile of 3 DFlash2 steps, H200; the kernel is
+  not timed yet: bench/bench_topk.py): one program per row takes the k largest one by one, each from the group
+  whose best logit not yet taken is the largest, starting from the given maxima, so it reads only those groups.
+  The values are torch.topk's; on equal logits it takes the lowest column, so its ids may differ from those of
+  the torch path (``grouped_topk_reference``, the CPU path) only among equal logits.
 """
 
 from __future__ import annotations
@@ -69,6 +76,7 @@ import torch
 import torch.nn.functional as F
 
 from dflashkit.errors import UserError
+from dflashkit.targets.runtime.kernels import triton_available
 
 VARIANTS = ("ce", "dpace", "kl")
 
@@ -186,13 +194,37 @@ def groups_pay(cols: int, k: int, group: int = TOPK_GROUP) -> bool:
     return cols // group >= 4 * k
 
 
+def topk_kernel_runs(x: torch.Tensor, k: int, group: int = TOPK_GROUP) -> bool:
+    """Whether grouped_topk runs the Triton kernel on ``x``: Triton runs on its device, groups pay, and the case
+    is the kernel's (train/grouped_topk_triton.py ``kernel_fits``: fp32/bf16/fp16 logits with unit column stride,
+    whole power-of-two groups)."""
+    if not (x.dim() == 2 and groups_pay(x.shape[1], k, group) and triton_available(x.device)):
+        return False
+    from .grouped_topk_triton import kernel_fits
+
+    return kernel_fits(x, k, group)
+
+
 def grouped_topk(x: torch.Tensor, k: int, group: int = TOPK_GROUP, group_max: torch.Tensor | None = None,
                  out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(values, indices) of the k largest entries of each row of 2-D ``x``, largest first: the values of
     ``torch.topk(x, k)``, found among the k groups of ``group`` columns with the largest maxima (module notes).
     ``group_max``: those maxima [rows, cols // group] when already computed (``_logit_stats_grouped``; any dtype
-    that keeps their order). Rows too short for groups to save work go to ``torch.topk`` whole. ``out``:
-    contiguous (values in x's dtype, long indices) [rows, k] to write them into (no copy after), returned."""
+    that keeps their order, exact for the kernel's tie rule). Rows too short for groups to save work go to
+    ``torch.topk`` whole. ``out``: contiguous (values in x's dtype, long indices) [rows, k] to write them into
+    (no copy after), returned. The Triton kernel where ``topk_kernel_runs``, else ``grouped_topk_reference``."""
+    if topk_kernel_runs(x, k, group):
+        from .grouped_topk_triton import grouped_topk_triton
+
+        return grouped_topk_triton(x, k, group, group_max, out)
+    return grouped_topk_reference(x, k, group, group_max, out)
+
+
+def grouped_topk_reference(x: torch.Tensor, k: int, group: int = TOPK_GROUP, group_max: torch.Tensor | None = None,
+                           out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """grouped_topk in torch ops, any vocabulary (a tail past the last whole group too): the CPU path, and the
+    GPU's where the kernel does not run. Arguments and result as grouped_topk's; on equal logits the ids are
+    whichever torch.topk of the candidates returns."""
     rows, cols = x.shape
     n_groups = cols // group
     if not groups_pay(cols, k, group):

@@ -1,9 +1,22 @@
-"""train/loss.grouped_topk: the selector candidates' top-k, found among the row's best groups, is torch.topk's."""
+"""train/loss.grouped_topk: the selector candidates' top-k, found among the row's best groups, is torch.topk's;
+its Triton kernel (train/grouped_topk_triton.py) is held to torch.topk in the interpreter."""
+
+import textwrap
 
 import pytest
 import torch
 
-from dflashkit.train.loss import TOPK_GROUP, block_loss, grouped_topk, logit_statistics
+from dflashkit.train import loss
+from dflashkit.train.loss import (
+    TOPK_GROUP,
+    block_loss,
+    grouped_topk,
+    grouped_topk_reference,
+    logit_statistics,
+    topk_kernel_runs,
+)
+
+from support.triton_interpreter import INTERPRETER_PREAMBLE, run_in_interpreter
 
 row_stats, grouped_stats = logit_statistics(False, False), logit_statistics(True, False)  # eager
 
@@ -161,3 +174,163 @@ def test_the_loss_pass_candidates_of_a_bf16_head_are_the_earlier_ones(extra):
     assert out.top_logits.dtype == torch.float32 and out.top_logits.shape == (7, p, k)
     assert torch.equal(out.top_logits, torch.cat(values).view(7, p, k))
     assert torch.equal(out.top_ids, torch.cat(ids).view(7, p, k))
+
+
+# --------------------------------------------------------------------------- the Triton kernel and its dispatch
+def test_the_cpu_path_is_the_torch_twin(monkeypatch):
+    """Without the interpreter the CPU never takes the kernel: grouped_topk is grouped_topk_reference, ties too."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    x = torch.randint(-3, 4, (32, 64 * 16), generator=torch.Generator().manual_seed(11)).to(torch.bfloat16)
+    assert not topk_kernel_runs(x, 16, 16)
+    values, ids = grouped_topk(x, 16, 16)
+    ref = grouped_topk_reference(x, 16, 16)
+    assert torch.equal(values, ref[0]) and torch.equal(ids, ref[1])
+    assert torch.equal(values, torch.topk(x, 16, dim=-1).values)
+
+
+def test_the_kernel_is_chosen_only_where_it_fits(monkeypatch):
+    """Where Triton runs, the kernel takes fp32/bf16/fp16 rows of whole power-of-two groups with unit column
+    stride (a row stride is fine); a tail, fp64, short rows, other groups and strided columns stay on torch."""
+    pytest.importorskip("triton", reason="triton is not installed")
+    monkeypatch.setattr(loss, "triton_available", lambda device: True)
+    x = torch.randn(4, 64 * 16)
+    for fits in (x, x.bfloat16(), x.half(), torch.randn(4, 64 * 16 + 9)[:, 9:]):
+        assert topk_kernel_runs(fits, 16, 16)
+    assert not topk_kernel_runs(torch.randn(4, 64 * 16 + 5), 16, 16)  # a tail past the last whole group
+    assert not topk_kernel_runs(x.double(), 16, 16)  # fp64: float32 comparisons would not be exact
+    assert not topk_kernel_runs(x, 32, 16)  # 64 groups < 4k: torch.topk over the row
+    assert not topk_kernel_runs(torch.randn(4, 64 * 24), 16, 24)  # a group that is no power of two
+    assert not topk_kernel_runs(torch.randn(64 * 16, 4).t(), 16, 16)  # columns not contiguous
+    monkeypatch.setattr(loss, "triton_available", lambda device: False)
+    assert not topk_kernel_runs(x, 16, 16)
+
+
+KERNEL_SCRIPT = INTERPRETER_PREAMBLE + textwrap.dedent("""
+    import dflashkit.train.grouped_topk_triton as kernel
+    from dflashkit.train.loss import grouped_topk, logit_statistics
+    launches = []
+    launch = kernel.grouped_topk_triton
+    def counted(*args, **kwargs):
+        launches.append(1)
+        return launch(*args, **kwargs)
+    kernel.grouped_topk_triton = counted  # grouped_topk imports it at each call
+    results = {}
+    def check(name, x, k, group, group_max=None, out=None):
+        # [kernel launches, values are torch.topk's, ids point at them, distinct, lowest column on ties, in out]
+        before = len(launches)
+        values, ids = grouped_topk(x, k, group, group_max=group_max, out=out)
+        lowest = torch.sort(x.float(), dim=-1, descending=True, stable=True).indices[:, :k]
+        in_out = out is None or (values.data_ptr(), ids.data_ptr()) == (out[0].data_ptr(), out[1].data_ptr())
+        results[name] = [len(launches) - before, torch.equal(values, torch.topk(x, k, dim=-1).values),
+                         torch.equal(x.gather(1, ids), values), all(len(set(r)) == k for r in ids.tolist()),
+                         torch.equal(ids, lowest), in_out]
+    g = torch.Generator().manual_seed(12)
+    for dtype in (torch.float32, torch.bfloat16):
+        for rows, group, n_groups, k in ((8, 16, 64, 16), (32, 32, 16, 4), (4, 256, 64, 16)):
+            x = (3 * torch.randn(rows, n_groups * group, generator=g)).to(dtype)
+            check(f"random {dtype} group {group} k {k}", x, k, group)
+    # many ties: a few distinct values, inside groups and across them
+    check("ties bf16", torch.randint(-3, 4, (16, 64 * 16), generator=g).to(torch.bfloat16), 16, 16)
+    check("ties fp32", torch.randn(24, 16 * 32, generator=g).round(), 4, 32)
+    check("ties over several groups", torch.randint(0, 2, (8, 128 * 16), generator=g).float(), 32, 16)  # k > group
+    x = torch.full((4, 64 * 16), float("-inf"))
+    x[0, 5] = 1.0  # one finite logit, the rest -inf
+    x[1] = 0.0
+    x[1, ::3] = -0.0  # equal zeros of both signs
+    x[2, 500:] = 2.0  # equal logits across groups, none in the first ones
+    x[3, 900:] = torch.arange(124.0)  # the largest in the last group
+    check("specials", x, 16, 16)
+    # the loss pass's case: the maxima given by the statistics, bf16 logits
+    x = (3 * torch.randn(12, 64 * 16, generator=g)).to(torch.bfloat16)
+    gmax = logit_statistics(True, False)(x, torch.zeros(12, dtype=torch.long), torch.float32, 16)[3]
+    check("given maxima", x, 16, 16, group_max=gmax)
+    # logits with a row stride past the columns, written into rows of bigger buffers (non-zero offset)
+    big = torch.randint(-20, 20, (10, 64 * 16 + 24), generator=g).to(torch.bfloat16)
+    x = big[:, 8:8 + 64 * 16]
+    buffers = (torch.full((30, 16), 7.0, dtype=torch.bfloat16), torch.full((30, 16), -1, dtype=torch.long))
+    check("strided into buffers", x, 16, 16, out=(buffers[0][10:20], buffers[1][10:20]))
+    untouched = bool((buffers[0][:10] == 7).all() and (buffers[0][20:] == 7).all()
+                     and (buffers[1][:10] == -1).all() and (buffers[1][20:] == -1).all())
+    # the cases left to torch: no launch, torch.topk's values
+    kept = {"tail": (torch.randn(4, 64 * 16 + 5), 16, 16), "fp64": (torch.randn(4, 64 * 16).double(), 16, 16),
+            "short rows": (torch.randn(4, 64 * 16), 32, 16), "group 24": (torch.randn(4, 64 * 24), 16, 24)}
+    for name, (x, k, group) in kept.items():
+        check(name, x, k, group)
+    print(json.dumps([results, untouched]))
+""")
+
+
+def test_triton_kernel_is_torch_topk_in_interpreter():
+    """Values equal torch.topk's (bf16 and fp32, groups of 16 to 256, k 4 to 32), ids point at them, distinct, on
+    ties the lowest column (-inf and signed zeros too); any row stride, written into views of bigger buffers; one
+    launch where it fits, none where torch keeps the case."""
+    results, untouched = run_in_interpreter(KERNEL_SCRIPT)
+    assert len(results) == 16 and untouched, results
+    for name, (launches, *ok) in results.items():
+        kept = name in ("tail", "fp64", "short rows", "group 24")
+        assert launches == (0 if kept else 1), (name, launches)
+        if kept:  # the torch paths: values only (their ids follow torch.topk on ties)
+            assert ok[:3] == [True, True, True] and ok[4], (name, ok)
+        else:
+            assert all(ok), (name, ok)
+
+
+LOSS_PASS_SCRIPT = INTERPRETER_PREAMBLE + textwrap.dedent("""
+    import torch.nn.functional as F
+    import dflashkit.train.grouped_topk_triton as kernel
+    from dflashkit.train import loss
+    launches = []
+    launch = kernel.grouped_topk_triton
+    def counted(*args, **kwargs):
+        launches.append(1)
+        return launch(*args, **kwargs)
+    kernel.grouped_topk_triton = counted
+    results = {}
+    g = torch.Generator().manual_seed(13)
+    vocab, k, p = 64 * loss.TOPK_GROUP, 16, 3  # DFlash2's k: 64 groups pay
+    for dtype in (torch.float32, torch.bfloat16):
+        hidden, weight = torch.randn(6, p, 8, generator=g), torch.randn(vocab, 8, generator=g).to(dtype)
+        labels, valid = torch.randint(0, vocab, (6, p), generator=g), torch.rand(6, p, generator=g) > 0.2
+        before = len(launches)
+        out = loss.block_loss(hidden, weight, labels, valid, top_k=k, chunk_tokens=9)  # 2 chunks of 3 blocks
+        n = len(launches) - before
+        runs = loss.topk_kernel_runs
+        loss.topk_kernel_runs = lambda *args: False  # the torch path, in the same process
+        ref = loss.block_loss(hidden, weight, labels, valid, top_k=k, chunk_tokens=9)
+        loss.topk_kernel_runs = runs
+        # the logits as the engine computes them, chunk by chunk (one matmul over all rows can round otherwise)
+        logits = torch.cat([F.linear(hidden[s:s + 3].reshape(-1, 8).to(dtype), weight) for s in (0, 3)]).float()
+        ids = out.top_ids.view(-1, k)
+        results[str(dtype)] = [n, torch.equal(out.top_logits, ref.top_logits),
+                               torch.equal(logits.gather(1, ids), out.top_logits.view(-1, k)),
+                               all(len(set(r)) == k for r in ids.tolist()), torch.equal(out.top_ids, ref.top_ids),
+                               all(torch.equal(getattr(out, f), getattr(ref, f)) for f in ("loss_sum", "runs"))]
+    print(json.dumps(results))
+""")
+
+
+def test_the_loss_pass_candidates_with_the_kernel_in_interpreter():
+    """block_loss(top_k=16) over a vocabulary of 64 groups of TOPK_GROUP: one launch per chunk, and the same
+    candidate values (float32) as the torch path, bit for bit, and the same loss; the ids point at them, distinct,
+    and on the fp32 head (no ties) are the torch path's."""
+    results = run_in_interpreter(LOSS_PASS_SCRIPT)
+    fp32, bf16 = results["torch.float32"], results["torch.bfloat16"]
+    assert fp32 == [2, True, True, True, True, True], fp32
+    assert bf16[:4] == [2, True, True, True] and bf16[5], bf16
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_triton_kernel_is_torch_topk_on_cuda():
+    """The testbed's chunk ([2048, 49152] bf16 logits, k 16, groups of TOPK_GROUP, the maxima given by the
+    statistics) and fp32 and fp16 logits: the kernel runs, and its values are torch.topk's, ids on them, distinct,
+    the lowest column on ties."""
+    g = torch.Generator(device="cuda").manual_seed(14)
+    for dtype, rows in ((torch.bfloat16, 2048), (torch.float32, 256), (torch.float16, 256)):
+        x = (3 * torch.randn(rows, 49152, device="cuda", generator=g)).to(dtype)
+        gmax = logit_statistics(True, False)(x, torch.zeros(rows, dtype=torch.long, device="cuda"), torch.float32,
+                                             TOPK_GROUP)[3]
+        assert topk_kernel_runs(x, 16)
+        values, ids = grouped_topk(x, 16, group_max=gmax)
+        assert torch.equal(values, torch.topk(x, 16, dim=-1).values) and torch.equal(x.gather(1, ids), values)
+        lowest = torch.sort(x.float(), dim=-1, descending=True, stable=True).indices[:, :16]
+        assert torch.equal(ids, lowest)
