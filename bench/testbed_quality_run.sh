@@ -21,7 +21,11 @@
 # KEEP_DRAFTER=1 leaves each export in 15 MiB pieces under $RUN/out/drafter-<variant>/. TURNS=first answers only
 # the first user turn of each conversation of $DATA/sharegpt.jsonl[.gz] (the 10,219 of the recipe's runs; time to
 # quality on that data, e.g. VARIANTS=steps_1400_anchors PAR=1: one run alone at a time, as a user's would be).
-# L_EVAL=0 leaves stage 4 out (τ in vLLM only).
+# L_EVAL=0 leaves stage 4 out (τ in vLLM only). WARM=1 compiles while the target answers: beside stage 1, a run of
+# WARM_STEPS (10) steps of the recipe (the default variant's overrides) on the source's own answers, with a held-out
+# evaluation at its end, fills the on-disk compile caches that stage 2's runs then read (the compilation is mostly
+# host work, the answering GPU work; the trainer's first 10 steps took 99-121 s on the H200, RESULTS.md); stage 1's
+# seconds, which time_to_quality adds, run until both have ended.
 #
 # Bringing results back to the next lease (15 MiB a file):
 #   the data:  cat $OUT/regen/regen.jsonl.gz.* > .cache/regen-all.jsonl.gz   (then REGEN=.cache/regen-all.jsonl.gz)
@@ -97,9 +101,19 @@ else
     *:*/sharegpt.jsonl*) note "regenerate: $SRC holds first turns only (toy fallback)" ;;
   esac
   start=$(date +%s)
+  WARM_PID=
+  if [ "${WARM:-0}" = 1 ]; then  # the default variant's graphs compiled beside the answering (WARM above)
+    IFS=, read -ra OVERRIDES <<< "$EXTRA"
+    W=${WARM_STEPS:-10}
+    stage warm-compile "$L_REGEN" "$PY" -m dflashkit.train --recipe "$ROOT/recipes/smollm2-135m.yaml" \
+      --target "$T" --data "$SRC" "output_dir=$R/warm" "${OVERRIDES[@]}" "max_steps=$W" "eval_every=$W" \
+      save_every=0 wandb=false progress=false &
+    WARM_PID=$!
+  fi
   stage regenerate "$L_REGEN" "$PY" -m dflashkit.extract.regenerate --target "$T" --data "$SRC" \
     --out "$R/regen.jsonl" --resume --max-new-tokens "$NEW" --batch-size "$SLOTS" --max-prompt-length 1024 \
     --no-progress "${FIRST[@]}" "${DEV[@]}" "${LIMIT[@]}"
+  [ -n "$WARM_PID" ] && wait "$WARM_PID"
   REGEN_S=$(( $(date +%s) - start ))
   [ -s "$R/regen.jsonl" ] || { note "regenerate wrote nothing: stopping"; exit 1; }
   mkdir -p "$O/regen" && rm -f "$O/regen/regen.jsonl.gz."*

@@ -69,12 +69,18 @@ def test_the_quality_run_script_runs_every_stage_at_toy_scale(tmp_path):
 @pytest.mark.slow
 def test_the_quality_run_script_answers_first_turns_only_when_asked(tmp_path):
     """TURNS=first (time to quality on the recipe's data): only the first user turn of each conversation of
-    sharegpt.jsonl is answered, even beside a file of every turn; L_EVAL=0 leaves `dflashkit eval` out."""
+    sharegpt.jsonl is answered, even beside a file of every turn; L_EVAL=0 leaves `dflashkit eval` out; WARM=1
+    runs a short training on the source's own answers beside the answering, ended before stage 2 starts."""
     data = toy_data(tmp_path / "data", sharegpt=4, sharegpt_turns=3, mtbench=2)
     run = tmp_path / "run"
     ends = run_toy_script("testbed_quality_run.sh", run, limits=("L_REGEN", "L_TRAIN", "L_VLLM"), TURNS="first",
-                          L_EVAL="0", TARGET="testbed:smollm2", DATA=str(data))
-    assert set(ends) == {"regenerate", "train-recipe", "vllm-tau-mtbench", "time-to-quality"}, ends
+                          L_EVAL="0", WARM="1", WARM_STEPS="2", TARGET="testbed:smollm2", DATA=str(data))
+    assert set(ends) == {"warm-compile", "regenerate", "train-recipe", "vllm-tau-mtbench", "time-to-quality"}, ends
+    warm = json.loads((run / "warm" / "summary.json").read_text())
+    assert warm["step"] == 2 and "eval/tau_walk" in warm  # its steps and the held-out evaluation both ran
+    lines = (run / "stages.txt").read_text().splitlines()
+    ended = next(i for i, line in enumerate(lines) if "warm-compile: rc=" in line)
+    assert ended < next(i for i, line in enumerate(lines) if "train-recipe: " in line)  # stage 2 waited for it
     regen = jsonl(run / "regen.jsonl")
     source = jsonl(data / "sharegpt.jsonl")
     assert len(regen) == len(source) == 4
