@@ -205,15 +205,19 @@ def test_the_kernel_is_chosen_only_where_it_fits(monkeypatch):
     assert not topk_kernel_runs(x, 16, 16)
 
 
-KERNEL_SCRIPT = INTERPRETER_PREAMBLE + textwrap.dedent("""
+# the kernel's launches counted in ``launches`` (grouped_topk imports the launcher at each call)
+COUNT_LAUNCHES = textwrap.dedent("""
     import dflashkit.train.grouped_topk_triton as kernel
-    from dflashkit.train.loss import grouped_topk, logit_statistics
     launches = []
     launch = kernel.grouped_topk_triton
     def counted(*args, **kwargs):
         launches.append(1)
         return launch(*args, **kwargs)
-    kernel.grouped_topk_triton = counted  # grouped_topk imports it at each call
+    kernel.grouped_topk_triton = counted
+""")
+
+KERNEL_SCRIPT = INTERPRETER_PREAMBLE + COUNT_LAUNCHES + textwrap.dedent("""
+    from dflashkit.train.loss import grouped_topk, logit_statistics
     results = {}
     def check(name, x, k, group, group_max=None, out=None):
         # [kernel launches, values are torch.topk's, ids point at them, distinct, lowest column on ties, in out]
@@ -275,16 +279,9 @@ def test_triton_kernel_is_torch_topk_in_interpreter():
             assert all(ok), (name, ok)
 
 
-LOSS_PASS_SCRIPT = INTERPRETER_PREAMBLE + textwrap.dedent("""
+LOSS_PASS_SCRIPT = INTERPRETER_PREAMBLE + COUNT_LAUNCHES + textwrap.dedent("""
     import torch.nn.functional as F
-    import dflashkit.train.grouped_topk_triton as kernel
     from dflashkit.train import loss
-    launches = []
-    launch = kernel.grouped_topk_triton
-    def counted(*args, **kwargs):
-        launches.append(1)
-        return launch(*args, **kwargs)
-    kernel.grouped_topk_triton = counted
     results = {}
     g = torch.Generator().manual_seed(13)
     vocab, k, p = 64 * loss.TOPK_GROUP, 16, 3  # DFlash2's k: 64 groups pay
