@@ -229,6 +229,17 @@ def finished_before_stop(run_dir: Path, started: float) -> bool:
             and (run_dir / "export" / "config.json").is_file())
 
 
+def train_outcome(rc: int, stopped: bool, run_dir: Path, started: float) -> str:
+    """What a training process left, from its exit status, whether our time limit stopped it and its files:
+    "exported" (its export stands: it ended well, or the limit reached it only while it was ending), "checkpoint"
+    (it ended well or the limit stopped it, without an export: its newest verified checkpoint, if any, is
+    exported) or "failed" (it failed on its own: nothing of it is exported)."""
+    exported = (run_dir / "export" / "config.json").is_file()
+    if exported and (rc == 0 or (stopped and finished_before_stop(run_dir, started))):
+        return "exported"
+    return "checkpoint" if rc == 0 or stopped else "failed"
+
+
 class Study:
     def __init__(self, args, variants: dict[str, list[str]]):
         self.args, self.variants = args, variants
@@ -302,13 +313,11 @@ class Study:
         numbers = train_numbers(run_dir)
         self.record(name, train_rc=rc, train_wall_s=round(wall, 1), train_stopped_by_time_limit=stopped, **numbers)
         export = run_dir / "export"
-        if rc != 0 and stopped and finished_before_stop(run_dir, started):
+        outcome = train_outcome(rc, stopped, run_dir, started)
+        if outcome == "exported" and rc != 0:
             say(f"{name}: the time limit came after the run had exported (exit {rc} while it ended); kept")
-            rc = 0
-        if rc != 0 or not (export / "config.json").is_file():
-            # the newest checkpoint that verifies (the one resume=auto takes) when the run ended well or our own
-            # time limit stopped it; a run that failed on its own is not exported
-            ckpt = latest_checkpoint(run_dir, warn=say) if rc == 0 or stopped else None
+        if outcome != "exported":  # the newest verified checkpoint is the one resume=auto would take
+            ckpt = latest_checkpoint(run_dir, warn=say) if outcome == "checkpoint" else None
             if ckpt is None:  # failed, or stopped before its first checkpoint
                 say(f"{name}: training failed (exit {rc}) after {wall:.0f} s: {log_tail(logs / 'train.log')}")
                 self.record(name, status="train_failed", error=log_tail(logs / "train.log"))

@@ -144,11 +144,15 @@ def test_train_stage_then_eval_stage_over_the_same_out(tmp_path, capsys):
     # what tells a run the time limit reached while it was ending from one it stopped: the export and a
     # summary.json written since the stage began (older: an earlier run's; no export: not finished)
     run_dir = out / "work" / "train" / "default"
-    assert recipe_study.finished_before_stop(run_dir, started)
-    assert not recipe_study.finished_before_stop(run_dir, time.time() + 60)
+    outcome = recipe_study.train_outcome
+    later = time.time() + 60
+    assert outcome(0, False, run_dir, started) == "exported"
+    assert outcome(-2, True, run_dir, started) == "exported"  # SIGINT while it was ending: kept
+    assert outcome(-2, True, run_dir, later) == "checkpoint"  # an earlier run's summary: its checkpoint
+    assert outcome(1, False, run_dir, started) == "failed"  # failed on its own: nothing exported
     config = run_dir / "export" / "config.json"
     config.rename(config.with_suffix(".away"))
-    assert not recipe_study.finished_before_stop(run_dir, started)
+    assert outcome(-2, True, run_dir, started) == outcome(0, False, run_dir, started) == "checkpoint"
     config.with_suffix(".away").rename(config)
     row = json.loads((out / "results.json").read_text())["variants"]["default"]
     assert row["status"] == "trained" and row["step"] == 2 and "tau" not in row
