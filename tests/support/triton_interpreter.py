@@ -1,4 +1,4 @@
-"""Scripts run as ``python -c SCRIPT TESTS_DIR ...`` with TRITON_INTERPRET=1: Triton kernels on the CPU."""
+"""Scripts run as ``python -c SCRIPT IMPORT_PATH ...`` with TRITON_INTERPRET=1: Triton kernels on the CPU."""
 
 import json
 import os
@@ -9,8 +9,12 @@ from pathlib import Path
 
 import pytest
 
-# The start of such a script: it makes the interpreter work with numpy >= 2.4 and puts the tests folder (so
-# ``support``) and the repository on sys.path.
+import dflashkit
+
+# The start of such a script: it makes the interpreter work with numpy >= 2.4 and puts IMPORT_PATH on sys.path:
+# the tests folder (so ``support``) and the folder that holds the dflashkit the tests imported. Not the repository
+# root: its dflashkit/ holds only the top package (pyproject.toml maps train/, eval/, ... into it), so where
+# dflashkit is not installed (a bench/import_path.sh folder on PYTHONPATH) the root would hide dflashkit.train.
 INTERPRETER_PREAMBLE = textwrap.dedent("""
     import json, os, sys, torch
     import numpy
@@ -22,7 +26,7 @@ INTERPRETER_PREAMBLE = textwrap.dedent("""
             original(tensor, scope)
             scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
         interp._patch_lang_tensor = patched
-    sys.path[:0] = [sys.argv[1], os.path.dirname(sys.argv[1])]
+    sys.path[:0] = sys.argv[1].split(os.pathsep)
 """)
 
 
@@ -32,7 +36,9 @@ def run_in_interpreter(script: str, *args: str):
     pytest.importorskip("triton", reason="triton is not installed")
     env = dict(os.environ, TRITON_INTERPRET="1")
     tests_dir = Path(__file__).resolve().parents[1]
-    run = subprocess.run([sys.executable, "-c", script, str(tests_dir), *args], env=env,
+    package_root = Path(dflashkit.__file__).parents[1]  # not resolved: import_path.sh's files are links
+    import_path = os.pathsep.join([str(tests_dir), str(package_root)])
+    run = subprocess.run([sys.executable, "-c", script, import_path, *args], env=env,
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
