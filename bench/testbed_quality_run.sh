@@ -22,7 +22,8 @@
 # the first user turn of each conversation of $DATA/sharegpt.jsonl[.gz] (the 10,219 of the recipe's runs; time to
 # quality on that data, e.g. VARIANTS=steps_1400_anchors PAR=1: one run alone at a time, as a user's would be).
 # L_EVAL=0 leaves stage 4 out (τ in vLLM only). WARM=1 compiles while the target answers: beside stage 1, a run of
-# WARM_STEPS (10) steps of the recipe (the default variant's overrides) on the source's own answers, with a held-out
+# WARM_STEPS (10) steps of the recipe (the default variant's overrides) on a stand-in of the data to come (the
+# source's user turns, each answered by its own text: the compiled graphs depend on lengths, not words), with a held-out
 # evaluation at its end, fills the on-disk compile caches that stage 2's runs then read (the compilation is mostly
 # host work, the answering GPU work; the trainer's first 10 steps took 99-121 s on the H200, RESULTS.md); stage 1's
 # seconds, which time_to_quality adds, run until both have ended.
@@ -88,6 +89,36 @@ turns_source() {  # the conversations with every user turn (bench/testbed_data.p
   for f in "$D/sharegpt.jsonl" "$D/sharegpt.jsonl.gz"; do [ -f "$f" ] && { echo "$f"; return; }; done
   return 1
 }
+warm_data() {  # SRC OUT: the first 2,000 conversations of SRC, each user turn answered by its own text (the source
+  # files hold user turns only; a compile warm-up needs the data's lengths, not its answers)
+  "$PY" - "$1" "$2" <<'PYEOF'
+import gzip, json, sys
+src, out = sys.argv[1:3]
+rows = []
+with (gzip.open if src.endswith(".gz") else open)(src, "rt") as f:
+    for line in f:
+        rec = json.loads(line)
+        turns = rec.get("messages") or rec.get("conversations") or []
+        users = [t.get("content", t.get("value")) for t in turns if t.get("role", t.get("from")) in ("user", "human")]
+        msgs = [m for u in users if u for m in ({"role": "user", "content": u}, {"role": "assistant", "content": u})]
+        if msgs:
+            rows.append(json.dumps({"messages": msgs}))
+        if len(rows) == 2000:
+            break
+with open(out, "w") as g:
+    g.write("".join(r + "\n" for r in rows))
+PYEOF
+}
+warm_compile() {  # the default variant's graphs compiled beside the answering (WARM above); sets WARM_PID
+  warm_data "$SRC" "$R/warm.jsonl" && [ -s "$R/warm.jsonl" ] ||
+    { note "warm-compile: skipped: no stand-in conversations from $SRC"; return; }
+  IFS=, read -ra OVERRIDES <<< "$EXTRA"
+  W=${WARM_STEPS:-10}
+  stage warm-compile "$L_REGEN" "$PY" -m dflashkit.train --recipe "$ROOT/recipes/smollm2-135m.yaml" \
+    --target "$T" --data "$R/warm.jsonl" "output_dir=$R/warm" "${OVERRIDES[@]}" "max_steps=$W" "eval_every=$W" \
+    save_every=0 wandb=false progress=false &
+  WARM_PID=$!
+}
 answers() { grep -o '"role": "assistant"' "$1" | wc -l; }  # the answered turns of a regenerated JSONL
 REGEN_S=0
 if [ -n "${REGEN:-}" ]; then  # an earlier lease's regenerated data (its out/regen pieces put back together)
@@ -102,14 +133,7 @@ else
   esac
   start=$(date +%s)
   WARM_PID=
-  if [ "${WARM:-0}" = 1 ]; then  # the default variant's graphs compiled beside the answering (WARM above)
-    IFS=, read -ra OVERRIDES <<< "$EXTRA"
-    W=${WARM_STEPS:-10}
-    stage warm-compile "$L_REGEN" "$PY" -m dflashkit.train --recipe "$ROOT/recipes/smollm2-135m.yaml" \
-      --target "$T" --data "$SRC" "output_dir=$R/warm" "${OVERRIDES[@]}" "max_steps=$W" "eval_every=$W" \
-      save_every=0 wandb=false progress=false &
-    WARM_PID=$!
-  fi
+  [ "${WARM:-0}" = 1 ] && warm_compile
   stage regenerate "$L_REGEN" "$PY" -m dflashkit.extract.regenerate --target "$T" --data "$SRC" \
     --out "$R/regen.jsonl" --resume --max-new-tokens "$NEW" --batch-size "$SLOTS" --max-prompt-length 1024 \
     --no-progress "${FIRST[@]}" "${DEV[@]}" "${LIMIT[@]}"

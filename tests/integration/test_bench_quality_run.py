@@ -25,10 +25,20 @@ def test_the_quality_run_script_runs_every_stage_at_toy_scale(tmp_path):
     assert user_turns > 6  # the toy conversations have several turns
     run = tmp_path / "run"
     ends = run_toy_script("testbed_quality_run.sh", run, limits=("L_REGEN", "L_TRAIN", "L_VLLM", "L_EVAL"),
-                          TARGET="testbed:smollm2", DATA=str(data), KEEP_DRAFTER="1")
-    assert set(ends) == {"regenerate", "train-recipe", "vllm-tau-mtbench", "vllm-tau-humaneval", "eval-recipe",
-                         "time-to-quality"}, ends
+                          TARGET="testbed:smollm2", DATA=str(data), KEEP_DRAFTER="1", WARM="1", WARM_STEPS="2")
+    assert set(ends) == {"warm-compile", "regenerate", "train-recipe", "vllm-tau-mtbench", "vllm-tau-humaneval",
+                         "eval-recipe", "time-to-quality"}, ends
     out = run / "out"
+
+    # the warm run trained on stand-ins of the turns the target answers: each user turn answered by its own text
+    assert f"--data {run / 'warm.jsonl'} output_dir=" in (run / "stages.txt").read_text()
+    assert json.loads((run / "warm" / "summary.json").read_text())["step"] == 2
+    turns = jsonl(data / "sharegpt_turns.jsonl")
+    source = [[m["content"] for m in r["messages"] if m["role"] == "user"] for r in turns]
+    stand_in = jsonl(run / "warm.jsonl")
+    assert [[m["content"] for m in r["messages"]] for r in stand_in] == [[u for u in us for _ in "ua"] for us in source]
+    assert all([m["role"] for m in r["messages"]] == ["user", "assistant"] * (len(r["messages"]) // 2)
+               for r in stand_in)
 
     # every turn answered, each after the target's own earlier answers; the pieces put back together are the file
     regen = jsonl(run / "regen.jsonl")
@@ -89,3 +99,4 @@ def test_the_quality_run_script_answers_first_turns_only_when_asked(tmp_path):
         first = next(m for m in asked["messages"] if m["role"] == "user")
         assert row["messages"][0]["content"] == first["content"]
     assert "regenerate: the first user turn of each conversation" in (run / "stages.txt").read_text()
+
