@@ -9,6 +9,8 @@ and MFU; context tokens/s throughout (real tokens of the packed sequences, paddi
     python bench/bench_train_throughput.py --qwen3-8b --out bench/results/train_throughput_qwen3_8b.json
     python bench/bench_train_throughput.py --target /root/testbed/smollm2-bf16 --attention flex,split \
         --out bench/results/train_throughput_smollm2_split.json   # the same steps with each block attention
+    python bench/bench_train_throughput.py --smollm2-shape --drafter-architecture dflash,dflash2 --modes offline \
+        --out bench/results/dflash2_pair.json     # both drafters, their steps in turn (below), DFlash2 against DFlash
 Defaults: the testbed shape (5 drafter layers, block 16, 512 anchors, sequences of 256-1024 tokens, 8192 tokens
 per micro-batch, G=2); --qwen3-8b packs 4096 tokens per micro-batch.
 
@@ -31,6 +33,11 @@ Measured, after --warmup steps (compilation included there), over --steps steps:
   layers, early exit after the deepest; the micro-batch's sequences as one right-padded batch);
 - online: what one online step does: per micro-batch the target forward, then collate_blocks on its features,
   then the drafter step; target share = target time / online time.
+- with ``--drafter-architecture dflash,dflash2`` (one process, offline only): both drafters built alike, their
+  steps timed in turn on the same micro-batches (step i of one, then of the other, the order alternating), so a
+  ratio is not moved by the host's drift between two runs (two runs of the same DFlash2 code differed by 11%,
+  BENCHMARKS.md); JSON ``paired``: each one's figures and ``dflash2_vs_dflash`` (throughput ratio over all steps,
+  of the median steps, and each step pair's); ``--profile FILE`` profiles each into FILE with its name added;
 - under ``accelerate launch`` (or torchrun) with W processes: first rank 0 alone (the same train_step on the
   unwrapped drafter and the run's optimizer, its collective left to rank 0; the other ranks wait), then all ranks
   with DDP; scaling = summed tokens/s of the W ranks / tokens/s of rank 0 alone.
@@ -150,13 +157,13 @@ STEP_FIELDS = ("loss", "gamma", "dpace_alpha", "labels", "causal", "grad_accum",
                "optimizer", "lr", "compile", "attention", "loss_chunk_tokens", "drafter_architecture")  # in the JSON
 
 
-def train_config(args, attention: str, compiled: bool, gpu: bool) -> TrainConfig:
+def train_config(args, attention: str, compiled: bool, gpu: bool, architecture: str) -> TrainConfig:
     """The TrainConfig of this script's settings (the drafter's layer ids and mask token follow the target)."""
     return TrainConfig(num_hidden_layers=args.drafter_layers, block_size=args.block_size, num_anchors=args.num_anchors,
                        micro_batch_tokens=args.micro_batch_tokens, grad_accum=args.grad_accum, loss=args.loss,
                        loss_chunk_tokens=args.chunk_tokens, compile=compiled, attention=attention,
                        mixed_precision="bf16" if gpu else "no", lr=1e-4, wandb=False, progress=False,
-                       drafter_architecture=args.drafter_architecture)
+                       drafter_architecture=architecture)
 
 
 class OneProcess:
@@ -226,8 +233,9 @@ def main(argv=None):
     shape.add_argument("--pool", type=int, default=128, help="sequences per rank")
     shape.add_argument("--chunk-tokens", type=int, default=2048, help="logit rows alive at once in the loss")
     shape.add_argument("--loss", default="dpace")
-    shape.add_argument("--drafter-architecture", choices=("dflash", "dflash2"), default="dflash",
-                       help="dflash2: the convolutions and the candidate selector (its term in the step)")
+    shape.add_argument("--drafter-architecture", default="dflash",
+                       help="dflash, or dflash2: the convolutions and the candidate selector (its term in the step); "
+                            "a comma list (one process, offline) times them step by step in turn, e.g. dflash,dflash2")
     run = ap.add_argument_group("run")
     run.add_argument("--steps", type=int, default=10)
     run.add_argument("--warmup", type=int, default=3)
@@ -265,13 +273,20 @@ def main(argv=None):
         ap.error(f"--attention {args.attention}: each of auto, flex, dense, split")
     if len(attentions) > 1 and launch.ranks().world_size > 1:
         ap.error("--attention with several values runs in one process only")
+    archs = args.drafter_architecture.split(",")
+    if any(a not in ("dflash", "dflash2") for a in archs) or len(set(archs)) < len(archs):
+        ap.error(f"--drafter-architecture {args.drafter_architecture}: dflash, dflash2 or both, each once")
+    if len(archs) > 1 and (launch.ranks().world_size > 1 or args.modes != "offline" or len(attentions) > 1
+                           or args.layer_probe):
+        ap.error("--drafter-architecture with several values: one process, --modes offline, one --attention and "
+                 "no --layer-probe")
 
     if args.device == "cpu":
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before anything asks CUDA (as recipe_study does for its runs)
 
     # --- the trainer's accelerator: processes, device (train/setup.make_accelerator)
     gpu = torch.cuda.is_available()
-    cfg = train_config(args, attentions[0], compiled=gpu and not args.no_compile, gpu=gpu)
+    cfg = train_config(args, attentions[0], compiled=gpu and not args.no_compile, gpu=gpu, architecture=archs[0])
     accelerator = make_accelerator(cfg)  # several processes: rank 0 measures alone first while the others wait
     rank, world = accelerator.process_index, accelerator.num_processes
     dev = accelerator.device
@@ -289,18 +304,28 @@ def main(argv=None):
     ids = args.layer_ids or default_target_layer_ids(target.num_layers, 5 if not args.toy else 3)
     vocab = target.vocab_size
     cfg = dataclasses.replace(cfg, target_layer_ids=ids, mask_token_id=vocab - 1)
-    torch.manual_seed(0)
-    model, dcfg = build_model(cfg, {}, target)
-    optimizer = build_optimizer(cfg, model, str(accelerator.distributed_type).split(".")[-1])
-    model, optimizer = accelerator.prepare(model, optimizer)
-    plain = accelerator.unwrap_model(model)  # the drafter itself (DDP's module under several processes)
-    if compiled:
-        compile_layers(plain, dynamic={"dynamic": True, "automatic": None}[args.layer_compile])
-    options = drafter_pass_options(cfg, dcfg, dev)
-    options["fused_loss"] = options["fused_loss"] and not args.eager_loss
+
+    def drafter(architecture: str):  # (prepared model, the drafter itself, optimizer, its config, pass options)
+        c = dataclasses.replace(cfg, drafter_architecture=architecture)
+        torch.manual_seed(0)
+        m, dc = build_model(c, {}, target)
+        opt = build_optimizer(c, m, str(accelerator.distributed_type).split(".")[-1])
+        m, opt = accelerator.prepare(m, opt)
+        p = accelerator.unwrap_model(m)  # the drafter itself (DDP's module under several processes)
+        if compiled:
+            compile_layers(p, dynamic={"dynamic": True, "automatic": None}[args.layer_compile])
+        o = drafter_pass_options(c, dc, dev)
+        o["fused_loss"] = o["fused_loss"] and not args.eager_loss
+        return m, p, opt, dc, o
+
+    model, plain, optimizer, dcfg, options = drafter(archs[0])
     # rank 0 alone (the other ranks wait), and every rank together (DDP when several)
     single = Step(plain, optimizer, accelerator if world == 1 else OneProcess(accelerator), target, cfg, options)
     together = Step(model, optimizer, accelerator, target, cfg, options)
+    others = {}  # the other architectures' steps (one process), timed in turn with the first's
+    for a in archs[1:]:
+        _, p, opt, dc, o = drafter(a)
+        others[a] = Step(p, opt, accelerator, target, dataclasses.replace(cfg, drafter_architecture=a), o)
     opts = dict(block_size=dcfg.block_size, mask_token_id=dcfg.mask_token_id, num_anchors=args.num_anchors,
                 seed=0, epoch=0, check_finite=False)
 
@@ -363,12 +388,36 @@ def main(argv=None):
             res["target_share"] = res["online"]["ctx_tokens_per_s"] / res["target"]["ctx_tokens_per_s"]
         return res
 
+    def paired(steps: dict[str, Step]) -> dict:
+        """Offline steps of each architecture in turn on the same micro-batches: step i of one, then step i of the
+        other (the order alternating from step to step), so that both see the same host and GPU state and each
+        pair the same tokens; per architecture the usual figures, and each other's against the first's."""
+        for micros in micro_of_step:
+            for m in micros:
+                offline_micro(m)
+        for step in steps.values():
+            timed(lambda i: step([offline_micro(m) for m in micro_of_step[i]]), 0, args.warmup, dev)
+        names, times = list(steps), {a: [] for a in steps}
+        for i in range(args.warmup, args.warmup + args.steps):
+            for a in names if (i - args.warmup) % 2 == 0 else names[::-1]:
+                times[a] += timed(lambda _: steps[a]([offline_micro(m) for m in micro_of_step[i]]), 1, 0, dev)
+        res = {a: summarize(times[a], tokens, d_flops, peak) for a in names}
+        first = names[0]
+        for a in names[1:]:  # throughput of a over the first's: the same tokens, so time of the first over a's
+            res[f"{a}_vs_{first}"] = {
+                "throughput_ratio": sum(times[first]) / sum(times[a]),
+                "throughput_ratio_of_medians": res[first]["step_ms_median"] / res[a]["step_ms_median"],
+                "step_ratios": [round(t0 / t1, 4) for t0, t1 in zip(times[first], times[a])],
+                "step_ratio_median": statistics.median(t0 / t1 for t0, t1 in zip(times[first], times[a]))}
+        return res
+
     results = {"gpu": torch.cuda.get_device_name(dev) if gpu else "cpu", "torch": torch.__version__,
                "target": target.path, "target_layers": target.num_layers, "layer_ids": ids,
                "drafter": {k: getattr(dcfg, k) for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
                                                          "num_attention_heads", "num_key_value_heads", "head_dim",
                                                          "block_size", "vocab_size")},
-               "args": vars(args), "world_size": world, "compiled": compiled, "layer_compile": args.layer_compile,
+               "args": vars(args), "architectures": archs, "world_size": world, "compiled": compiled,
+               "layer_compile": args.layer_compile,
                "fused_loss": options["fused_loss"], "mask": options["backend"],
                "train_config": {k: getattr(cfg, k) for k in STEP_FIELDS},
                "matmul_tflops": rate / 1e12 if rate else None, "peak_tflops": PEAK_BF16 / 1e12,
@@ -377,14 +426,14 @@ def main(argv=None):
                # the target runs each micro-batch as one right-padded batch: real / computed token positions
                "target_real_token_share": sum(m["tokens"] for m in per_pack.values()) /
                sum(len(m["samples"]) * max(m["batch"][2]) for m in per_pack.values())}
-    def profile(path: str) -> None:  # where the online step's time goes, operator by operator
+    def profile(path: str, step: Step) -> None:  # where the online step's time goes, operator by operator
         from torch.profiler import ProfilerActivity
         from torch.profiler import profile as torch_profile
 
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
         with torch_profile(activities=acts) as prof:
             for i in range(3):
-                single([collate_blocks(features(m), **opts).to(dev, non_blocking=True) for m in micro_of_step[i]])
+                step([collate_blocks(features(m), **opts).to(dev, non_blocking=True) for m in micro_of_step[i]])
             if gpu:
                 torch.cuda.synchronize()
         key = "self_cuda_time_total" if gpu else "self_cpu_time_total"
@@ -501,12 +550,17 @@ def main(argv=None):
         print(json.dumps(res, indent=1))
 
     with LayerCapture(target, ids) as capture:
-        if world == 1:
+        if world == 1 and others:
+            results["paired"] = paired({archs[0]: single, **others})
+            if args.profile:  # each architecture's, FILE with its name before the suffix
+                for a, step in {archs[0]: single, **others}.items():
+                    profile(str(Path(args.profile).with_stem(f"{Path(args.profile).stem}_{a}")), step)
+        elif world == 1:
             results["single"] = measure(single)
             if args.layer_probe:
                 layer_probe(args.layer_probe)
             if args.profile:
-                profile(args.profile)
+                profile(args.profile, single)
             if len(attentions) > 1:  # the same steps again with each other block attention
                 results["by_attention"] = {options["backend"]: results["single"]}
                 for a in attentions[1:]:
@@ -517,7 +571,7 @@ def main(argv=None):
             if rank == 0:
                 results["single"] = measure(single)
                 if args.profile:
-                    profile(args.profile)
+                    profile(args.profile, single)
             launch.barrier()
             mine = measure(together)
             results["ddp"] = {}
@@ -548,6 +602,7 @@ def print_table(r: dict) -> None:
     print("| processes | mode | ctx tok/s | step ms | TFLOP/s | MFU | scaling |")
     print("|---|---|---|---|---|---|---|")
     rows = [("1", k, v) for k, v in r.get("single", {}).items() if isinstance(v, dict)]
+    rows += [("1", f"offline ({k}, in turn)", v) for k, v in r.get("paired", {}).items() if "step_ms_median" in v]
     rows += [(str(r["world_size"]), k, v) for k, v in r.get("ddp", {}).items()]
     for attn, res in list(r.get("by_attention", {}).items())[1:]:
         rows += [("1", f"{k} ({attn})", v) for k, v in res.items() if isinstance(v, dict)]
@@ -560,6 +615,10 @@ def print_table(r: dict) -> None:
     if "target_share" in r.get("single", {}):
         print(f"target forward share of the online step: {r['single']['target_share']:.1%} (real tokens are "
               f"{r['target_real_token_share']:.0%} of the padded target batch)")
+    for k, v in r.get("paired", {}).items():
+        if "throughput_ratio" in v:
+            print(f"{k}: throughput {v['throughput_ratio']:.3f}x (medians {v['throughput_ratio_of_medians']:.3f}x, "
+                  f"median of the step pairs {v['step_ratio_median']:.3f}x)")
     if r.get("matmul_tflops"):
         print(f"measured bf16 matmul: {r['matmul_tflops']:.0f} TFLOP/s; MFU against {r['peak_tflops']:.0f}")
 

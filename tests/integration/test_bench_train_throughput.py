@@ -1,0 +1,39 @@
+"""bench/bench_train_throughput.py with two drafter architectures in one process: their offline steps timed in
+turn on the same micro-batches, each profiled with its own drafter (the toy shape on the CPU: that the pairing
+holds together, not a measurement)."""
+
+import json
+import sys
+
+import pytest
+
+from support.paths import ROOT
+
+sys.path.insert(0, str(ROOT / "bench"))
+import bench_train_throughput as btt  # noqa: E402
+
+
+def test_two_architectures_are_timed_in_turn_on_the_same_steps(tmp_path):
+    out, prof = tmp_path / "pair.json", tmp_path / "prof.txt"
+    btt.main(["--toy", "--device", "cpu", "--drafter-architecture", "dflash,dflash2", "--modes", "offline",
+              "--steps", "4", "--out", str(out), "--profile", str(prof)])
+    r = json.loads(out.read_text())
+    assert r["architectures"] == ["dflash", "dflash2"] and "single" not in r
+    a, b, pair = r["paired"]["dflash"], r["paired"]["dflash2"], r["paired"]["dflash2_vs_dflash"]
+    assert a["steps"] == b["steps"] == 4 and a["step_tokens"] == b["step_tokens"]  # the same micro-batches
+    # the ratios are the two runs' own figures: same tokens, so throughput = time of DFlash over DFlash2's
+    assert pair["throughput_ratio"] == pytest.approx(b["ctx_tokens_per_s"] / a["ctx_tokens_per_s"])
+    assert pair["throughput_ratio_of_medians"] == pytest.approx(a["step_ms_median"] / b["step_ms_median"])
+    assert pair["step_ratios"] == pytest.approx([x / y for x, y in zip(a["step_ms"], b["step_ms"])], rel=1e-3)
+    # each architecture's step ran its own drafter: only DFlash2's takes the selector's candidates (a top-k)
+    profiles = {k: (tmp_path / f"prof_{k}.txt").read_text() for k in ("dflash", "dflash2")}
+    assert "aten::topk" in profiles["dflash2"] and "aten::topk" not in profiles["dflash"]
+
+
+@pytest.mark.parametrize("argv", [["--drafter-architecture", "dflash,dflash2", "--modes", "offline,online"],
+                                  ["--drafter-architecture", "dflash,eagle"],
+                                  ["--drafter-architecture", "dflash,dflash"]])
+def test_architecture_lists_it_cannot_time_in_turn_are_refused(tmp_path, argv):
+    with pytest.raises(SystemExit):
+        btt.main(["--toy", "--device", "cpu", "--out", str(tmp_path / "x.json"), *argv])
+    assert not (tmp_path / "x.json").exists()
