@@ -11,6 +11,7 @@ import tarfile
 
 import pytest
 
+from support.chat_data import chat_records
 from support.run_scripts import run_toy_script, toy_data
 
 
@@ -80,7 +81,7 @@ def test_the_quality_run_script_runs_every_stage_at_toy_scale(tmp_path):
 def test_the_quality_run_script_answers_first_turns_only_when_asked(tmp_path):
     """TURNS=first (time to quality on the recipe's data): only the first user turn of each conversation of
     sharegpt.jsonl is answered, even beside a file of every turn; L_EVAL=0 leaves `dflashkit eval` out; WARM=1
-    runs a short training on the source's own answers beside the answering, ended before stage 2 starts."""
+    runs a short training on stand-ins of the turns beside the answering, ended before stage 2 starts."""
     data = toy_data(tmp_path / "data", sharegpt=4, sharegpt_turns=3, mtbench=2)
     run = tmp_path / "run"
     ends = run_toy_script("testbed_quality_run.sh", run, limits=("L_REGEN", "L_TRAIN", "L_VLLM"), TURNS="first",
@@ -100,3 +101,24 @@ def test_the_quality_run_script_answers_first_turns_only_when_asked(tmp_path):
         assert row["messages"][0]["content"] == first["content"]
     assert "regenerate: the first user turn of each conversation" in (run / "stages.txt").read_text()
 
+
+
+@pytest.mark.slow
+def test_the_quality_run_script_trains_on_an_earlier_leases_answers(tmp_path):
+    """REGEN=FILE.gz (an earlier lease's out/regen pieces put back together): nothing is answered, the recipe
+    trains on that file as it is, and the curve's seconds start with training (no answering to add)."""
+    data = toy_data(tmp_path / "data", mtbench=2)
+    earlier = chat_records(5, seed=7)
+    regen = tmp_path / "regen-all.jsonl.gz"
+    with gzip.open(regen, "wt") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in earlier))
+    run = tmp_path / "run"
+    ends = run_toy_script("testbed_quality_run.sh", run, limits=("L_TRAIN", "L_VLLM"), REGEN=str(regen),
+                          L_EVAL="0", TARGET="testbed:smollm2", DATA=str(data))
+    assert set(ends) == {"train-recipe", "vllm-tau-mtbench", "time-to-quality"}, ends
+    assert jsonl(run / "regen.jsonl") == earlier
+    answers = sum(m["role"] == "assistant" for r in earlier for m in r["messages"])
+    assert f"regenerate: reused {regen} (5 conversations, {answers} answers)" in (run / "stages.txt").read_text()
+    assert f"--data {run / 'regen.jsonl'} " in (run / "stages.txt").read_text()
+    (summary,) = json.loads((run / "out" / "time_to_quality.json").read_text()).values()
+    assert summary["offset_s"] == 0 and summary["timeline"]
