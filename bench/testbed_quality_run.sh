@@ -23,8 +23,8 @@
 # quality on that data, e.g. VARIANTS=steps_1400_anchors PAR=1: one run alone at a time, as a user's would be).
 # L_EVAL=0 leaves stage 4 out (τ in vLLM only). WARM=1 compiles while the target answers: beside stage 1, a run of
 # WARM_STEPS (10) steps of the recipe (the default variant's overrides) on a stand-in of the data to come (the
-# source's user turns, each answered by its own text: the compiled graphs depend on lengths, not words), with a held-out
-# evaluation at its end, fills the on-disk compile caches that stage 2's runs then read (the compilation is mostly
+# source's user turns, each answered by its own text: the compiled graphs depend on lengths, not words), with a
+# held-out evaluation at its end, fills the on-disk compile caches that stage 2's runs then read (the compilation is mostly
 # host work, the answering GPU work; the trainer's first 10 steps took 99-121 s on the H200, RESULTS.md); stage 1's
 # seconds, which time_to_quality adds, run until both have ended.
 #

@@ -102,7 +102,6 @@ def test_the_quality_run_script_answers_first_turns_only_when_asked(tmp_path):
     assert "regenerate: the first user turn of each conversation" in (run / "stages.txt").read_text()
 
 
-
 @pytest.mark.slow
 def test_the_quality_run_script_trains_on_an_earlier_leases_answers(tmp_path):
     """REGEN=FILE.gz (an earlier lease's out/regen pieces put back together): nothing is answered, the recipe

@@ -13,13 +13,23 @@ sys.path.insert(0, str(ROOT / "bench"))
 import bench_train_throughput as btt  # noqa: E402
 
 
-def test_two_architectures_are_timed_in_turn_on_the_same_steps(tmp_path):
+def test_two_architectures_are_timed_in_turn_on_the_same_steps(tmp_path, monkeypatch):
     out, prof = tmp_path / "pair.json", tmp_path / "prof.txt"
+    order, step = [], btt.Step.__call__
+
+    def recorded(self, micros):  # which architecture's step ran, in call order
+        order.append(self.cfg.drafter_architecture)
+        return step(self, micros)
+
+    monkeypatch.setattr(btt.Step, "__call__", recorded)
     btt.main(["--toy", "--device", "cpu", "--drafter-architecture", "dflash,dflash2", "--modes", "offline",
-              "--steps", "4", "--out", str(out), "--profile", str(prof)])
+              "--steps", "4", "--warmup", "1", "--out", str(out), "--profile", str(prof)])
+    # one warm-up step each, then the 4 timed steps in turn, the order alternating; then 3 profiled steps each
+    a, b = "dflash", "dflash2"
+    assert order == [a, b] + [a, b, b, a, a, b, b, a] + [a] * 3 + [b] * 3
     r = json.loads(out.read_text())
     assert r["architectures"] == ["dflash", "dflash2"] and "single" not in r
-    a, b, pair = r["paired"]["dflash"], r["paired"]["dflash2"], r["paired"]["dflash2_vs_dflash"]
+    a, b, pair = r["paired"][a], r["paired"][b], r["paired"]["dflash2_vs_dflash"]
     assert a["steps"] == b["steps"] == 4 and a["step_tokens"] == b["step_tokens"]  # the same micro-batches
     # the ratios are the two runs' own figures: same tokens, so throughput = time of DFlash over DFlash2's
     assert pair["throughput_ratio"] == pytest.approx(b["ctx_tokens_per_s"] / a["ctx_tokens_per_s"])
