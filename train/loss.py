@@ -60,8 +60,9 @@ Design choices:
   read (GPU time of 3 profiled DFlash2 steps 797 -> 756 ms, H200, BENCHMARKS.md).
 - Where Triton runs (``triton_available``) and the vocabulary is whole groups, grouped_topk is one Triton kernel
   launch per chunk (train/grouped_topk_triton.py) instead of its torch ops (two topk, the gather of the chosen
-  groups and the index arithmetic: ~50 of 738 ms GPU time in a profile of 3 DFlash2 steps, H200; the kernel is
-  not timed yet: bench/bench_topk.py): one program per row takes the k largest one by one, each from the group
+  groups and the index arithmetic: ~50 of 738 ms GPU time in a profile of 3 DFlash2 steps, H200; the kernel takes
+  0.059 ms a chunk of 2,048 rows x 49,152 against the torch path's 0.336 ms, BENCHMARKS.md lease 7, but does not
+  show in whole-step medians yet): one program per row takes the k largest one by one, each from the group
   whose best logit not yet taken is the largest, starting from the given maxima, so it reads only those groups.
   The values are torch.topk's; on equal logits it takes the lowest column, so its ids may differ from those of
   the torch path (``grouped_topk_reference``, the CPU path) only among equal logits.
