@@ -37,7 +37,8 @@ Measured, after --warmup steps (compilation included there), over --steps steps:
   steps timed in turn on the same micro-batches (step i of one, then of the other, the order alternating), so a
   ratio is not moved by the host's drift between two runs (two runs of the same DFlash2 code differed by 11%,
   BENCHMARKS.md); JSON ``paired``: each one's figures and ``dflash2_vs_dflash`` (throughput ratio over all steps,
-  of the median steps, and each step pair's); ``--profile FILE`` profiles each into FILE with its name added;
+  of the median steps, and each step pair's); ``--profile FILE`` profiles each into FILE with its name added
+  (operators, then the same apart by their inputs' shapes);
 - under ``accelerate launch`` (or torchrun) with W processes: first rank 0 alone (the same train_step on the
   unwrapped drafter and the run's optimizer, its collective left to rank 0; the other ranks wait), then all ranks
   with DDP; scaling = summed tokens/s of the W ranks / tokens/s of rank 0 alone.
@@ -431,13 +432,16 @@ def main(argv=None):
         from torch.profiler import profile as torch_profile
 
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
-        with torch_profile(activities=acts) as prof:
+        with torch_profile(activities=acts, record_shapes=True) as prof:
             for i in range(3):
                 step([collate_blocks(features(m), **opts).to(dev, non_blocking=True) for m in micro_of_step[i]])
             if gpu:
                 torch.cuda.synchronize()
         key = "self_cuda_time_total" if gpu else "self_cpu_time_total"
         text = prof.key_averages().table(sort_by=key, row_limit=40, max_name_column_width=70)
+        # the operators again, apart by their inputs' shapes (which bmm, which gather: lease 8 could not tell)
+        text += "\nby input shapes:\n" + prof.key_averages(group_by_input_shape=True).table(
+            sort_by=key, row_limit=30, max_name_column_width=40, max_shapes_column_width=90)
         if gpu:  # the table averages same-named kernels over every compiled graph of a layer: each call apart
             calls = {}
             for e in prof.events():

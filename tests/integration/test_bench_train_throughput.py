@@ -38,6 +38,11 @@ def test_two_architectures_are_timed_in_turn_on_the_same_steps(tmp_path, monkeyp
     # each architecture's step ran its own drafter: only DFlash2's takes the selector's candidates (a top-k)
     profiles = {k: (tmp_path / f"prof_{k}.txt").read_text() for k in ("dflash", "dflash2")}
     assert "aten::topk" in profiles["dflash2"] and "aten::topk" not in profiles["dflash"]
+    # and each profile's operators again apart by their inputs' shapes (the toy drafter's hidden size is 64)
+    for text in profiles.values():
+        by_shape = text.split("by input shapes:")[1]
+        assert "Input Shapes" in by_shape
+        assert any("aten::mm" in line and ", 64]]" in line for line in by_shape.splitlines())
 
 
 @pytest.mark.parametrize("argv", [["--drafter-architecture", "dflash,dflash2", "--modes", "offline,online"],
