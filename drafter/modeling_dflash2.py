@@ -19,8 +19,9 @@ API (stable; eval/ and train/ build on it):
   sublayer's output y. A layer does ``x = norm(h); x, d = conv.prepare(x); h = h + conv.finish(sublayer(x), d)``
   around its attention (``attention_conv``) and its MLP (``mlp_conv``).
 - ``CandidateSelector(vocab_size, hidden_size, rank, top_k)``: ``pair_scores(hidden, unary, candidate_ids,
-  predecessor_ids)`` = ``unary + <predecessor_codebook[prev] * hidden_projection(h), successor_codebook[cand]>``
-  for any leading shape (training scores every position at once with the true previous token);
+  predecessor_ids, pair_term=None)`` = ``unary + <predecessor_codebook[prev] * hidden_projection(h),
+  successor_codebook[cand]>`` for any leading shape (training scores every position at once with the true
+  previous token; ``pair_term``, a trainer's other way to the inner product, e.g. dflashkit's kernel);
   ``select(hidden, logits, anchor_ids, temperature=0.0) -> (tokens [b, P], candidate_ids [b, P, top_k],
   probs [b, P, top_k] or None)`` walks the P draft positions left to right, the predecessor of position 1 being
   the anchor token, each later one the token just chosen: greedy takes the argmax of the scores (the reference's
@@ -160,9 +161,12 @@ class CandidateSelector(nn.Module):
             self.hidden_projection.weight.normal_(0.0, std)
 
     def pair_scores(self, hidden: torch.Tensor, unary: torch.Tensor, candidate_ids: torch.Tensor,
-                    predecessor_ids: torch.Tensor) -> torch.Tensor:
-        """unary [..., k] + <A[prev] * W h, B[cand]> for hidden [..., H], candidate_ids [..., k], prev [...]."""
+                    predecessor_ids: torch.Tensor, pair_term: Callable | None = None) -> torch.Tensor:
+        """unary [..., k] + <A[prev] * W h, B[cand]> for hidden [..., H], candidate_ids [..., k], prev [...].
+        ``pair_term(gate, candidate_ids, codebook)``: another way to the same <gate, B[cand]> (a trainer's kernel)."""
         gate = F.embedding(predecessor_ids, self.predecessor_codebook) * self.hidden_projection(hidden)
+        if pair_term is not None:
+            return unary + pair_term(gate, candidate_ids, self.successor_codebook)
         return unary + torch.einsum("...r,...kr->...k", gate, codebook_rows(candidate_ids, self.successor_codebook))
 
     def select(self, hidden: torch.Tensor, logits: torch.Tensor, anchor_ids: torch.Tensor,
@@ -241,7 +245,8 @@ class DFlash2DraftModel(DFlashDraftModel):
         return hidden, self.selector_scores(hidden, **selector_targets)
 
     def selector_scores(self, hidden: torch.Tensor, predecessor_ids: torch.Tensor,
-                        candidates: Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]):
+                        candidates: Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]],
+                        pair_term: Callable | None = None):
         """Teacher-forced selector scores of packed training blocks: hidden [1, N*B, H] (the forward's output),
         predecessor_ids [N, B-1] (the token before each draft position: the anchor, then the true tokens).
 
@@ -250,11 +255,13 @@ class DFlash2DraftModel(DFlashDraftModel):
         loss here (train/drafter_pass.py), which takes them from the logits it computes anyway, chunk by chunk,
         so the lm_head runs once per position (a separate lm_head pass for them cost DFlash2 ~30% of its training
         throughput). The pairwise term carries the gradient (codebooks, hidden_projection and, through it, the
-        drafter's hidden states). Returns (scores [N, B-1, top_k] float32, candidate_ids [N, B-1, top_k])."""
+        drafter's hidden states). ``pair_term``: ``pair_scores``'s. Returns (scores [N, B-1, top_k] float32,
+        candidate_ids [N, B-1, top_k])."""
         n, p = predecessor_ids.shape
         draft = hidden.reshape(n, p + 1, -1)[:, 1:]
         unary, ids = candidates(draft, self.candidate_selector.top_k)
-        scores = self.candidate_selector.pair_scores(draft, unary.detach().to(draft.dtype), ids, predecessor_ids)
+        scores = self.candidate_selector.pair_scores(draft, unary.detach().to(draft.dtype), ids, predecessor_ids,
+                                                     pair_term)
         return scores.float(), ids
 
     def propose(self, hidden: torch.Tensor, anchor_ids: torch.Tensor, lm_head: nn.Module, temperature: float = 0.0):

@@ -71,6 +71,8 @@ class TrainConfig:
     # (drafter/modeling_dflash2.py; its sizes are DrafterConfig fields, e.g. drafter: {selector_top_k: 16})
     selector_loss_weight: float = 1.0  # dflash2: weight of the selector term added to the block loss
     # (train/selector_loss.py; 1.0 as NeMo Automodel's DFlash2 recipe)
+    selector_kernel: bool = False  # dflash2: the selector's pairwise term by Triton kernels without its
+    # [positions, top_k, rank] rows (train/selector_pair.py; CUDA only; off until timed on a GPU)
     # --- objective
     loss: str = "dpace"  # "ce" | "dpace" | "kl" (train/loss.py documents each; dpace won the comparison in RESULTS.md)
     gamma: float = 7.0  # position decay exp(-(k-1)/gamma) of ce and kl

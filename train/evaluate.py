@@ -65,9 +65,10 @@ def evaluate(model, head, dataset, indices: list[int], *, block_size: int, layer
              sliding_window: int | None, mask_token_id: int, num_anchors: int, seed: int, gamma: float = 7.0,
              max_length: int | None = None, backend: str = "dense", chunk_tokens: int = 2048,
              fused_loss: bool = False, selector: bool = True, accelerator=None, device=None,
-             causal: bool = False) -> dict:
+             causal: bool = False, selector_kernel: bool = False) -> dict:
     """Held-out loss (ce objective), per-position accuracy and tau_sim at fixed anchors, and the chain walk's
-    tau_walk and per-position acceptance; ``selector``: DFlash2's selector metrics too (train/drafter_pass.py)."""
+    tau_walk and per-position acceptance; ``selector``: DFlash2's selector metrics too (train/drafter_pass.py),
+    its pairwise term by the kernels with ``selector_kernel`` (train/selector_pair.py)."""
     world = accelerator.num_processes if accelerator is not None else 1
     rank = accelerator.process_index if accelerator is not None else 0
     device = device or (accelerator.device if accelerator is not None else torch.device("cpu"))
@@ -84,7 +85,8 @@ def evaluate(model, head, dataset, indices: list[int], *, block_size: int, layer
         batch = batch.to(device)
         out = forward_blocks(model, head, batch, block_size=block_size, layer_types=layer_types,
                              sliding_window=sliding_window, backend=backend, variant="ce", gamma=gamma,
-                             chunk_tokens=chunk_tokens, fused_loss=fused_loss, selector=selector, causal=causal)
+                             chunk_tokens=chunk_tokens, fused_loss=fused_loss, selector=selector, causal=causal,
+                             selector_kernel=selector_kernel)
         sums.add(out, loss_denominator(batch.valid, "ce", gamma), batch.scale, batch.num_tokens)
     walk = torch.zeros(1 + block_size, dtype=torch.float64, device=device)  # rounds, tokens, accepted[k]
     every = BlockSource(dataset, slots, block_size=block_size, mask_token_id=mask_token_id, num_anchors=1 << 40,
