@@ -141,8 +141,8 @@ def test_the_training_pass_with_the_kernel_in_interpreter():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_the_kernels_on_cuda_at_the_testbed_shape():
-    """~78k positions' worth in two chunks is too much for a test; 8,192 positions, k 16, rank 256, the testbed's
-    vocabulary, bf16 autocast: the kernels run and match the einsum within bf16 rounding."""
+    """DFlash2's k 16 and rank 256 over the testbed's vocabulary, 8,192 positions (a tenth of a training
+    micro-batch's), bf16 autocast: the kernels run and match the einsum within bf16 rounding."""
     g = torch.Generator(device="cuda").manual_seed(2)
     gate = torch.randn(512, 16, 256, device="cuda", generator=g)
     book = (0.1 * torch.randn(49152, 256, device="cuda", generator=g))
