@@ -137,6 +137,12 @@ def codebook_rows(ids: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
     return F.embedding(ids, codebook)
 
 
+def gathered_pair_term(gate: torch.Tensor, ids: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
+    """<gate, codebook[ids]> over the rank, the reference's way: the rows gathered, then one batched matmul.
+    gate [..., r], ids [..., k], codebook [V, r] -> [..., k]."""
+    return torch.einsum("...r,...kr->...k", gate, codebook_rows(ids, codebook))
+
+
 class CandidateSelector(nn.Module):
     """Low-rank pairwise scores over each draft position's ``top_k`` candidates (module docstring).
 
@@ -163,11 +169,9 @@ class CandidateSelector(nn.Module):
     def pair_scores(self, hidden: torch.Tensor, unary: torch.Tensor, candidate_ids: torch.Tensor,
                     predecessor_ids: torch.Tensor, pair_term: Callable | None = None) -> torch.Tensor:
         """unary [..., k] + <A[prev] * W h, B[cand]> for hidden [..., H], candidate_ids [..., k], prev [...].
-        ``pair_term(gate, candidate_ids, codebook)``: another way to the same <gate, B[cand]> (a trainer's kernel)."""
+        ``pair_term(gate, candidate_ids, codebook)``: another way to ``gathered_pair_term`` (a trainer's kernel)."""
         gate = F.embedding(predecessor_ids, self.predecessor_codebook) * self.hidden_projection(hidden)
-        if pair_term is not None:
-            return unary + pair_term(gate, candidate_ids, self.successor_codebook)
-        return unary + torch.einsum("...r,...kr->...k", gate, codebook_rows(candidate_ids, self.successor_codebook))
+        return unary + (pair_term or gathered_pair_term)(gate, candidate_ids, self.successor_codebook)
 
     def select(self, hidden: torch.Tensor, logits: torch.Tensor, anchor_ids: torch.Tensor,
                temperature: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -280,4 +284,4 @@ class DFlash2DraftModel(DFlashDraftModel):
 
 
 __all__ = ["CandidateSelector", "DFlash2DecoderLayer", "DFlash2DraftModel", "GroupedDynamicCausalConv",
-           "grouped_dynamic_causal_conv"]
+           "gathered_pair_term", "grouped_dynamic_causal_conv"]

@@ -19,16 +19,11 @@ from __future__ import annotations
 
 import torch
 
-from dflashkit.drafter.modeling_dflash2 import codebook_rows
+from dflashkit.drafter.modeling_dflash2 import gathered_pair_term as pair_reference  # the model's own expression
 from dflashkit.targets.runtime.kernels import triton_available
 
 MAX_RANK = 512  # the largest selector rank the kernels hold in registers (the public DFlash2 recipes use 256)
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)  # the kernels sum in float32: float64 stays with torch
-
-
-def pair_reference(gate: torch.Tensor, ids: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
-    """The model's torch expression: gate [..., r], ids [..., k], codebook [V, r] -> [..., k]."""
-    return torch.einsum("...r,...kr->...k", gate, codebook_rows(ids, codebook))
 
 
 def kernel_fits(gate: torch.Tensor, ids: torch.Tensor, codebook: torch.Tensor) -> bool:
