@@ -97,6 +97,12 @@ class GroupedDynamicCausalConv(nn.Module):
             self.kernel_projection.weight.zero_()
 
     def prepare(self, hidden: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        device = hidden.device.type
+        if torch.is_autocast_enabled(device):
+            # mixed-precision training: the norm hands over float32 (its float32 weight); the sublayer's matmuls
+            # would read this in the autocast dtype anyway, so convolve it there too, as a bf16 drafter serves:
+            # half the bytes the convolution reads, writes and keeps for its backward
+            hidden = hidden.to(torch.get_autocast_dtype(device))
         dynamic = self.kernel_projection(hidden).view(*hidden.shape[:-1], 2, self.kernel_size, self.groups)
         out = grouped_dynamic_causal_conv(hidden, dynamic[..., 0, :, :], self.base_kernel[0], self.group_size,
                                           block_size)

@@ -187,3 +187,39 @@ def test_selector_scores_under_autocast_equal_those_of_float32_codebook_rows(mon
     old = scores_and_grads()
     assert all(torch.equal(a, b) for a, b in zip(new, old)) and len(new) == 5
     assert all(t.abs().sum() > 0 for t in new)  # scores, the hidden states' and every parameter's gradient
+
+
+def test_convolution_under_autocast_runs_in_its_dtype_and_keeps_no_float32_activation():
+    """Mixed-precision training hands the convolution float32 (the norm's float32 weight): ``prepare`` convolves in
+    the autocast dtype, as the sublayer's matmuls read it and a bf16 drafter serves, so nothing activation-sized it
+    keeps for the backward is float32; its result is the float32 convolution of the bf16 input to bf16 rounding."""
+    from dflashkit.drafter.modeling_dflash2 import GroupedDynamicCausalConv
+
+    g = torch.Generator().manual_seed(5)
+    conv = GroupedDynamicCausalConv(64, 3, 16)
+    with torch.no_grad():
+        conv.base_kernel.add_(torch.randn(conv.base_kernel.shape, generator=g) * 0.3)
+        conv.kernel_projection.weight.normal_(0, 0.3, generator=g)
+    x = torch.randn(2, 24, 64, generator=g, requires_grad=True)  # float32, 3 blocks of 8
+    activation = x.numel()
+    kept = []
+
+    def pack(t):
+        kept.append(t)
+        return t
+
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out, dynamic = conv.prepare(x, 8)
+    assert out.dtype == dynamic.dtype == torch.bfloat16
+    big = [t for t in kept if t.numel() >= activation]
+    assert big and all(t.dtype == torch.bfloat16 for t in big)
+    out.float().square().sum().backward()
+    assert x.grad is not None and x.grad.abs().sum() > 0 and conv.base_kernel.grad.abs().sum() > 0
+
+    xb = x.detach().to(torch.bfloat16).float()
+    dyn = (xb @ conv.kernel_projection.weight.detach().to(torch.bfloat16).float().T).to(torch.bfloat16).float()
+    dyn = dyn.view(2, 24, 2, 3, 4)[..., 0, :, :]
+    expected = grouped_dynamic_causal_conv(xb, dyn, conv.base_kernel.detach()[0].to(torch.bfloat16).float(), 16, 8)
+    assert rel_err(out.float(), expected) < 2e-2
+    with torch.no_grad():  # outside autocast: float32 throughout, as before
+        assert conv.prepare(x, 8)[0].dtype == torch.float32
