@@ -137,7 +137,13 @@ else
   stage regenerate "$L_REGEN" "$PY" -m dflashkit.extract.regenerate --target "$T" --data "$SRC" \
     --out "$R/regen.jsonl" --resume --max-new-tokens "$NEW" --batch-size "$SLOTS" --max-prompt-length 1024 \
     --no-progress "${FIRST[@]}" "${DEV[@]}" "${LIMIT[@]}"
-  [ -n "$WARM_PID" ] && wait "$WARM_PID"
+  if [ -n "$WARM_PID" ]; then
+    wait "$WARM_PID"
+    # its compiled graphs, for the training's own summary.json to be read against (compile=true only)
+    G=$("$PY" -c "import json, sys; print(json.load(open(sys.argv[1])).get('compiled_graphs') or '')" \
+      "$R/warm/summary.json" 2>/dev/null)
+    [ -n "$G" ] && note "warm-compile: graphs $G"
+  fi
   REGEN_S=$(( $(date +%s) - start ))
   [ -s "$R/regen.jsonl" ] || { note "regenerate wrote nothing: stopping"; exit 1; }
   mkdir -p "$O/regen" && rm -f "$O/regen/regen.jsonl.gz."*

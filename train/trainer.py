@@ -238,6 +238,17 @@ def save_final(run: TrainRun) -> Path:
     return run.last_saved if run.saved_step == run.step else save(run)
 
 
+def compiled_graphs() -> dict:
+    """How this process's compiled graphs came about: ``from_cache`` (the compile cache on disk: an earlier run or
+    a warm-up of the same graphs, e.g. bench/testbed_quality_run.sh's WARM=1, spared their compilation) and
+    ``compiled`` (compiled here, cached or not); a run whose start-up budget matters reads whether it paid."""
+    from torch._dynamo.utils import counters
+
+    inductor = counters["inductor"]
+    return {"from_cache": int(inductor["fxgraph_cache_hit"]),
+            "compiled": int(inductor["fxgraph_cache_miss"] + inductor["fxgraph_cache_bypass"])}
+
+
 def export_and_summarise(run: TrainRun, final: Path, last_eval: dict) -> dict:
     """Export the final checkpoint (rank 0) and write summary.json."""
     cfg, accelerator = run.cfg, run.accelerator
@@ -249,6 +260,8 @@ def export_and_summarise(run: TrainRun, final: Path, last_eval: dict) -> dict:
         export_checkpoint(final, export_dir, overwrite=cfg.overwrite, flag="overwrite=true")
     summary = {"step": run.step, "planned_steps": run.planned, "stopped_by_max_steps": run.total_steps < run.planned,
                "epochs_completed": run.epoch, "checkpoint": str(final), "export_dir": str(export_dir), **last_eval}
+    if cfg.compile:
+        summary["compiled_graphs"] = compiled_graphs()
     if accelerator.is_main_process:
         strict = json.dumps(json_safe(summary), indent=1, allow_nan=False)  # NaN and Inf as null
         atomic_write(out_dir / "summary.json", strict.encode())

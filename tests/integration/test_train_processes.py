@@ -99,3 +99,23 @@ def test_two_processes_stop_together_when_the_run_diverges(tiny_run, tmp_path):
     step = int(lines[0].split(" at step ")[1].split(";")[0])
     assert all(int(p.name.split("-")[1]) < step for p in list_checkpoints(out))
     assert not (out / "export").exists() and not (out / "summary.json").exists()
+
+
+@pytest.mark.slow
+def test_a_second_process_takes_its_compiled_layers_from_the_cache(tiny_run, tmp_path, monkeypatch):
+    """compile=true: summary.json says how many graphs were compiled and how many came from the compile cache.
+    A fresh cache compiles every graph; a second process on the same cache (another run directory, as a warm-up
+    beside the answering and the run after it) compiles none: what bench/testbed_quality_run.sh's WARM=1 counts on."""
+    import json
+
+    target, shards = tiny_run
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "compile-cache"))  # not the user's own cache
+    summaries = []
+    for name in ("warm", "run"):
+        out = tmp_path / name
+        run_checked([sys.executable, "-m", "dflashkit.train",
+                     *as_argv(tiny_overrides(shards, out, epochs=1, compile=True, save_every=0))])
+        summaries.append(json.loads((out / "summary.json").read_text())["compiled_graphs"])
+    warm, run = summaries
+    assert warm["compiled"] >= 1 and warm["from_cache"] == 0
+    assert run == {"from_cache": warm["compiled"], "compiled": 0}
