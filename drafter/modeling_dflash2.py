@@ -261,17 +261,17 @@ class DFlash2DraftModel(DFlashDraftModel):
         predecessor_ids [N, B-1] (the token before each draft position: the anchor, then the true tokens).
 
         ``candidates(draft [N, B-1, H], top_k) -> (logits [N, B-1, top_k], ids [N, B-1, top_k])``: the top_k of the
-        frozen lm_head's logits of the draft positions, without a gradient. dflashkit's trainer passes its block
+        frozen lm_head's logits of the draft positions; logits that carry a gradient pass it on to ``draft`` (the
+        public DFlash2 trainers' coupling; dflashkit's ``selector_unary_grad``). dflashkit's trainer passes its block
         loss here (train/drafter_pass.py), which takes them from the logits it computes anyway, chunk by chunk,
         so the lm_head runs once per position (a separate lm_head pass for them cost DFlash2 ~30% of its training
         throughput). The pairwise term carries the gradient (codebooks, hidden_projection and, through it, the
-        drafter's hidden states). ``pair_term``: ``pair_scores``'s. Returns (scores [N, B-1, top_k] float32,
-        candidate_ids [N, B-1, top_k])."""
+        drafter's hidden states), and the unary term where its logits have one. ``pair_term``: ``pair_scores``'s.
+        Returns (scores [N, B-1, top_k] float32, candidate_ids [N, B-1, top_k])."""
         n, p = predecessor_ids.shape
         draft = hidden.reshape(n, p + 1, -1)[:, 1:]
         unary, ids = candidates(draft, self.candidate_selector.top_k)
-        scores = self.candidate_selector.pair_scores(draft, unary.detach().to(draft.dtype), ids, predecessor_ids,
-                                                     pair_term)
+        scores = self.candidate_selector.pair_scores(draft, unary.to(draft.dtype), ids, predecessor_ids, pair_term)
         return scores.float(), ids
 
     def propose(self, hidden: torch.Tensor, anchor_ids: torch.Tensor, lm_head: nn.Module, temperature: float = 0.0):

@@ -73,6 +73,8 @@ class TrainConfig:
     # (train/selector_loss.py; 1.0 as NeMo Automodel's DFlash2 recipe)
     selector_kernel: bool = False  # dflash2: the selector's pairwise term by Triton kernels without its
     # [positions, top_k, rank] rows (train/selector_pair.py; CUDA only; off until timed on a GPU)
+    selector_unary_grad: bool = False  # dflash2: the selector term's gradient reaches the drafter through its
+    # unary logits too, as in the public DFlash2 trainers (train/selector_loss.py; off until compared on a GPU)
     # --- objective
     loss: str = "dpace"  # "ce" | "dpace" | "kl" (train/loss.py documents each; dpace won the comparison in RESULTS.md)
     gamma: float = 7.0  # position decay exp(-(k-1)/gamma) of ce and kl

@@ -33,7 +33,7 @@ from dflashkit.errors import UserError
 from .block_mask import build_block_masks
 from .data import PackedBlocks
 from .loss import BlockLossOutput, block_loss
-from .selector_loss import SelectorLossOutput, predecessor_ids, selector_loss
+from .selector_loss import SelectorLossOutput, candidate_logits, predecessor_ids, selector_loss
 from .selector_pair import pair_term
 
 
@@ -53,10 +53,11 @@ class BlockLossPass:
     the same loss with ``top_k`` and hands the selector its candidates (the module notes)."""
 
     def __init__(self, head, labels: torch.Tensor, valid: torch.Tensor, teacher: torch.Tensor | None,
-                 loss_options: dict, selector_kernel: bool = False):
+                 loss_options: dict, selector_kernel: bool = False, selector_unary_grad: bool = False):
         self.head, self.labels, self.valid, self.teacher = head, labels, valid, teacher
         self.loss_options = loss_options  # block_loss's keywords: variant, gamma, ..., chunk_tokens, fused
         self.selector_kernel = selector_kernel  # DFlash2: the selector's pairwise term by train/selector_pair.py
+        self.selector_unary_grad = selector_unary_grad  # DFlash2: its unary logits carry a gradient (selector_loss)
         self.out: BlockLossOutput | None = None
 
     def __call__(self, hidden: torch.Tensor, top_k: int = 0) -> BlockLossOutput:
@@ -69,8 +70,11 @@ class BlockLossPass:
         return self.out
 
     def candidates(self, hidden: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The selector's candidates, (top_k logits, their ids) [N, B-1, top_k], from the block loss's pass."""
+        """The selector's candidates, (top_k logits, their ids) [N, B-1, top_k], from the block loss's pass; the
+        logits with their gradient to ``hidden`` when the run asks for it (train/selector_loss.py)."""
         out = self(hidden, top_k)
+        if self.selector_unary_grad and torch.is_grad_enabled():
+            return candidate_logits(hidden, out.top_logits, out.top_ids, self.head.lm_head.weight), out.top_ids
         return out.top_logits, out.top_ids
 
 
@@ -158,17 +162,19 @@ def forward_blocks(model, head, batch: PackedBlocks, *, block_size: int, layer_t
                    sliding_window: int | None, backend: str = "dense", variant: str = "ce", gamma: float = 7.0,
                    dpace_alpha: float = 0.5, kl_weight: float = 0.5, chunk_tokens: int = 2048,
                    fused_loss: bool = False, labels: str = "data", selector: bool = True,
-                   causal: bool = False, selector_kernel: bool = False) -> BlockLossOutput:
+                   causal: bool = False, selector_kernel: bool = False,
+                   selector_unary_grad: bool = False) -> BlockLossOutput:
     """The un-normalised block loss (and metrics) of one packed micro-batch (fused_loss: train/loss.py);
     ``labels="target_argmax"``: against the target's greedy tokens (``target_argmax_labels``), not the data's;
     ``selector=False``: a DFlash2 drafter's selector term is not computed (``out.selector`` is None);
     ``causal``: a causal-in-block drafter's mask (train/block_mask.py); ``selector_kernel``: DFlash2's pairwise
-    term by train/selector_pair.py's kernels where they fit."""
+    term by train/selector_pair.py's kernels where they fit; ``selector_unary_grad``: its unary logits carry a
+    gradient to the drafter (train/selector_loss.py)."""
     targets = target_argmax_labels(head, batch, chunk_tokens) if labels == "target_argmax" else batch.labels
     teacher = batch.last_hidden[batch.teacher_index] if variant == "kl" else None  # after the target's final norm
     loss_pass = BlockLossPass(head, targets, batch.valid, teacher, dict(
         variant=variant, gamma=gamma, dpace_alpha=dpace_alpha, kl_weight=kl_weight, chunk_tokens=chunk_tokens,
-        fused=fused_loss), selector_kernel)
+        fused=fused_loss), selector_kernel, selector_unary_grad)
     term = EXTRA_LOSS_TERMS[drafter_kind(model).architecture] if selector else None  # DFlash2: the selector's
     extra_inputs = None if term is None else term.forward_inputs(batch, targets, loss_pass)
     hidden = draft_hidden(model, head, batch, block_size=block_size, layer_types=layer_types,

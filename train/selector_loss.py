@@ -14,15 +14,18 @@ k - 1 (the anchor token at k = 1). Training teacher-forces that walk:
   divided by the decay-weighted count of valid labels of the whole step, a denominator known from the anchors
   before any forward (as the block loss's), so accumulation and data parallelism give the single-process
   gradient;
-- the candidates and their unary logits come without a gradient (drafter/modeling_dflash2.selector_scores),
-  from the block loss's own lm_head pass (train/loss.py ``top_k``; no second lm_head pass for them): the block
-  loss already trains the logits, and a gradient through the unary term would need the lm_head rows of every
-  candidate ([blocks, B-1, top_k, H]). The gradient reaches the codebooks, the hidden projection and,
-  through it, the drafter's layers.
+- the candidates and their unary logits come from the block loss's own lm_head pass (train/loss.py ``top_k``; no
+  second lm_head pass for them). By default the unary logits carry no gradient: the term's gradient reaches the
+  codebooks, the hidden projection and, through it, the drafter's layers. With ``selector_unary_grad: true``
+  (``candidate_logits``) it also reaches the drafter's final states through the unary logits themselves, as in
+  every public DFlash2 trainer (NeMo Automodel, SpecForge, speculators): the 16-way choice then trains the
+  drafter's own logits too, position 1's first of all. Its backward adds up the frozen lm_head's rows of each
+  position's candidates weighted by their gradients (an ``embedding_bag``), so no [blocks, B-1, top_k, H] tensor
+  is built.
 
 This is the objective of NeMo Automodel's DFlash2 trainer (nemo_automodel/components/speculative/dflash/
 dflash2_core.py: teacher-forced predecessor, CE over the top_k, absent labels excluded), except for the
-detached unary term and the step-level normaliser.
+step-level normaliser and, by default, the detached unary term.
 """
 
 from __future__ import annotations
@@ -42,6 +45,33 @@ class SelectorLossOutput:
     correct: torch.Tensor  # valid labels the teacher-forced selector chose (argmax of its scores)
     counted: torch.Tensor  # valid labels
     weight_sum: torch.Tensor  # decay-weighted count of valid labels: this pass's share of the step's normaliser
+
+
+class _CandidateLogits(torch.autograd.Function):
+    """The block loss's top_k logits as a function of the draft states: the forward hands back the values the
+    loss pass computed; the backward is that of ``hidden @ weight[ids].T`` (the lm_head frozen, its bias a
+    constant): each position's gradient is the sum of its candidates' lm_head rows weighted by their gradients."""
+
+    @staticmethod
+    def forward(ctx, hidden, logits, ids, weight):
+        ctx.save_for_backward(ids, weight)
+        ctx.hidden_dtype = hidden.dtype
+        return logits.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        ids, weight = ctx.saved_tensors
+        k = ids.shape[-1]
+        summed = F.embedding_bag(ids.reshape(-1, k), weight, per_sample_weights=grad.reshape(-1, k).to(weight.dtype),
+                                 mode="sum")
+        return summed.view(*ids.shape[:-1], -1).to(ctx.hidden_dtype), None, None, None
+
+
+def candidate_logits(hidden: torch.Tensor, logits: torch.Tensor, ids: torch.Tensor,
+                     weight: torch.Tensor) -> torch.Tensor:
+    """``logits`` [..., top_k] (the loss pass's, no gradient) with the gradient of ``hidden @ weight[ids].T`` to
+    ``hidden`` [..., H]: the unary term of ``selector_unary_grad`` (module notes)."""
+    return _CandidateLogits.apply(hidden, logits.detach(), ids, weight.detach())
 
 
 def predecessor_ids(block_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

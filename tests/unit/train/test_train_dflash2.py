@@ -1,6 +1,7 @@
 """DFlash2 drafters in the trainer (CPU): the selector term trains the selector, packing changes nothing, runs
 from shards and online train, resume continues the same run, and the export loads strictly in the reference."""
 
+import json
 import shutil
 
 import dflash.model as ref
@@ -123,10 +124,14 @@ def test_dflash2_packed_run_equals_unpacked_run(tiny_run, tmp_path):
 
 @pytest.mark.slow
 def test_dflash2_trains_online(chat_run, tmp_path):
+    """Online, with the selector's unary logits coupled to the drafter (selector_unary_grad; the offline runs
+    above keep the default)."""
     target, data, _ = chat_run
     out = tmp_path / "online"
     train(load_config(None, [], target=target, data=[data], **online_overrides(
-        out, drafter_architecture="dflash2", drafter={"intermediate_size": 64, **DFLASH2})))
+        out, drafter_architecture="dflash2", selector_unary_grad=True,
+        drafter={"intermediate_size": 64, **DFLASH2})))
+    assert json.loads((out / "summary.json").read_text())["step"] >= 1
     sel = losses(out, "train/selector_loss")
     assert sel and all(v == v and v >= 0 for v in sel.values())
     assert all(v == v for v in losses(out).values())

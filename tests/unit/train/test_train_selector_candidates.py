@@ -44,34 +44,38 @@ def step_loss(out, valid, variant):
     return out.loss_sum / loss_denominator(valid, variant, GAMMA) + 0.7 * sel.loss_sum / sel.weight_sum
 
 
-def two_pass_reference(model, head, batch, variant, fused):
-    """The block loss and, beside it, the selector's own top_k pass through the lm_head (the form before issue 36)."""
+def two_pass_reference(model, head, batch, variant, fused, coupled=False):
+    """The block loss and, beside it, the selector's own top_k pass through the lm_head (the form before issue 36);
+    ``coupled``: that pass's logits keep their autograd graph (the unary term's gradient, written the plain way)."""
     hidden = draft_hidden(model, head, batch, block_size=B, layer_types=LAYERS, sliding_window=None)
     teacher = batch.last_hidden[batch.teacher_index] if variant == "kl" else None
     out = block_loss(hidden, head.lm_head.weight, batch.labels, batch.valid, variant=variant, gamma=GAMMA,
                      teacher_hidden=teacher, chunk_tokens=CHUNK, fused=fused)
     n, p = batch.labels.shape
     k, rows = model.candidate_selector.top_k, max(1, CHUNK // p)
-    unary = torch.empty(n, p, k, dtype=torch.float32)
     candidates = torch.empty(n, p, k, dtype=torch.long)
-    with torch.no_grad():
+    pieces = []
+    with torch.set_grad_enabled(coupled):
         for s in range(0, n, rows):
             top = torch.topk(F.linear(hidden[s:s + rows].to(head.lm_head.weight.dtype), head.lm_head.weight).float(),
                              k, dim=-1)
-            unary[s:s + rows], candidates[s:s + rows] = top.values, top.indices
+            pieces.append(top.values)
+            candidates[s:s + rows] = top.indices
+    unary = torch.cat(pieces) if coupled else torch.cat(pieces).detach()
     scores = model.candidate_selector.pair_scores(hidden, unary.to(hidden.dtype), candidates,
                                                   predecessor_ids(batch.block_ids, batch.labels)).float()
     out.selector = selector_loss(scores, candidates, batch.labels, batch.valid, GAMMA)
     return out, candidates
 
 
-def one_step(model, head, batch, variant, fused, reference: bool):
+def one_step(model, head, batch, variant, fused, reference: bool, coupled: bool = False):
     model.zero_grad(set_to_none=True)
     if reference:
-        out, candidates = two_pass_reference(model, head, batch, variant, fused)
+        out, candidates = two_pass_reference(model, head, batch, variant, fused, coupled)
     else:
         out = forward_blocks(model, head, batch, block_size=B, layer_types=LAYERS, sliding_window=None,
-                             variant=variant, gamma=GAMMA, chunk_tokens=CHUNK, fused_loss=fused)
+                             variant=variant, gamma=GAMMA, chunk_tokens=CHUNK, fused_loss=fused,
+                             selector_unary_grad=coupled)
         candidates = out.top_ids  # the loss pass's top_k, handed to the selector
     loss = step_loss(out, batch.valid, variant)
     loss.backward()
@@ -125,3 +129,33 @@ def test_the_loss_pass_top_k_are_the_logits_top_k():
     assert torch.equal(out.top_ids, top.indices) and out.top_logits.dtype == torch.float32
     plain = block_loss(hidden, weight, labels, valid, chunk_tokens=6)
     assert plain.top_logits is None and plain.top_ids is None and torch.equal(plain.loss_sum, out.loss_sum)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_the_coupled_unary_term_gives_the_gradient_of_differentiable_candidate_logits(dtype):
+    """selector_unary_grad: the selector's unary logits carry their gradient to the drafter (as in the public
+    DFlash2 trainers): every parameter's gradient is that of the reference whose top_k logits keep their autograd
+    graph (summed in another order: equal to rounding), the loss unchanged, and the gradients differ from the
+    detached form's (the option acts)."""
+    model, head, batch = setup(dtype)
+    new, _, loss_new, coupled = one_step(model, head, batch, "dpace", False, reference=False, coupled=True)
+    _, _, loss_ref, reference = one_step(model, head, batch, "dpace", False, reference=True, coupled=True)
+    _, _, loss_plain, detached = one_step(model, head, batch, "dpace", False, reference=False)
+    assert int(new.selector.in_candidates) > 0 and loss_new == loss_plain
+    torch.testing.assert_close(loss_new, loss_ref, rtol=0, atol=1e-12 if dtype == torch.float64 else 1e-6)
+    tol = dict(rtol=1e-10, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-6)
+    for name, g in reference.items():
+        torch.testing.assert_close(coupled[name], g, **tol, msg=name)
+    moved = [n for n in reference if not torch.allclose(coupled[n], detached[n], **tol)]
+    assert "layers.0.mlp.down_proj.weight" in moved and not any("codebook" in n for n in moved)
+
+
+def test_the_coupled_unary_term_is_off_without_a_gradient():
+    """Under no_grad (the held-out evaluation) the candidates' logits are the loss pass's, whatever the option."""
+    model, head, batch = setup(torch.float32)
+    with torch.no_grad():
+        on = forward_blocks(model, head, batch, block_size=B, layer_types=LAYERS, sliding_window=None,
+                            variant="ce", gamma=GAMMA, chunk_tokens=CHUNK, selector_unary_grad=True)
+        off = forward_blocks(model, head, batch, block_size=B, layer_types=LAYERS, sliding_window=None,
+                             variant="ce", gamma=GAMMA, chunk_tokens=CHUNK)
+    assert torch.equal(on.selector.loss_sum, off.selector.loss_sum) and torch.equal(on.top_ids, off.top_ids)
