@@ -156,7 +156,7 @@ def target_flops(target: Target, layer_ids: list[int], lens: list[int]) -> float
 # --------------------------------------------------------------------------- steps
 STEP_FIELDS = ("loss", "gamma", "dpace_alpha", "labels", "causal", "grad_accum", "max_grad_norm", "mixed_precision",
                "optimizer", "lr", "compile", "attention", "loss_chunk_tokens", "drafter_architecture",
-               "selector_kernel")  # in the JSON
+               "selector_kernel", "selector_unary_grad")  # in the JSON
 
 
 def train_config(args, attention: str, compiled: bool, gpu: bool, architecture: str) -> TrainConfig:
@@ -165,7 +165,8 @@ def train_config(args, attention: str, compiled: bool, gpu: bool, architecture: 
                        micro_batch_tokens=args.micro_batch_tokens, grad_accum=args.grad_accum, loss=args.loss,
                        loss_chunk_tokens=args.chunk_tokens, compile=compiled, attention=attention,
                        mixed_precision="bf16" if gpu else "no", lr=1e-4, wandb=False, progress=False,
-                       drafter_architecture=architecture, selector_kernel=args.selector_kernel)
+                       drafter_architecture=architecture, selector_kernel=args.selector_kernel,
+                       selector_unary_grad=args.selector_unary_grad)
 
 
 class OneProcess:
@@ -246,6 +247,8 @@ def main(argv=None):
     run.add_argument("--eager-loss", action="store_true", help="the eager loss (compiled layers)")
     run.add_argument("--selector-kernel", action="store_true",
                      help="DFlash2: the selector's pairwise term by train/selector_pair.py's kernels (selector_kernel)")
+    run.add_argument("--selector-unary-grad", action="store_true",
+                     help="DFlash2: the selector's unary logits coupled to the drafter (selector_unary_grad)")
     run.add_argument("--layer-compile", choices=("dynamic", "automatic"), default="dynamic",
                      help="dynamic: layers compiled for symbolic shapes from the start, as the trainer does "
                           "(train/drafter_pass.compile_layers); automatic: torch.compile's default (specialised, then "

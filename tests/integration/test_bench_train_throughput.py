@@ -58,19 +58,20 @@ def test_architecture_lists_it_cannot_time_in_turn_are_refused(tmp_path, argv):
     assert not (tmp_path / "x.json").exists()
 
 
-def test_the_selector_kernel_flag_reaches_the_dflash2_pass(tmp_path, monkeypatch):
-    """--selector-kernel: the steps' drafter pass gets selector_kernel (on the CPU its kernels give way to torch,
-    train/selector_pair.py) and the JSON records it."""
+def test_the_selector_flags_reach_the_dflash2_pass(tmp_path, monkeypatch):
+    """--selector-kernel and --selector-unary-grad: the steps' drafter pass gets selector_kernel (on the CPU its
+    kernels give way to torch, train/selector_pair.py) and selector_unary_grad, and the JSON records both."""
     seen, step = [], btt.Step.__call__
 
     def recorded(self, micros):
-        seen.append((self.cfg.drafter_architecture, self.options["selector_kernel"]))
+        seen.append((self.cfg.drafter_architecture, self.options["selector_kernel"],
+                     self.options["selector_unary_grad"]))
         return step(self, micros)
 
     monkeypatch.setattr(btt.Step, "__call__", recorded)
     out = tmp_path / "k.json"
     btt.main(["--toy", "--device", "cpu", "--drafter-architecture", "dflash2", "--modes", "offline",
-              "--steps", "2", "--warmup", "1", "--selector-kernel", "--out", str(out)])
-    assert seen and set(seen) == {("dflash2", True)}
+              "--steps", "2", "--warmup", "1", "--selector-kernel", "--selector-unary-grad", "--out", str(out)])
+    assert seen and set(seen) == {("dflash2", True, True)}
     r = json.loads(out.read_text())
-    assert r["train_config"]["selector_kernel"] is True
+    assert r["train_config"]["selector_kernel"] is True and r["train_config"]["selector_unary_grad"] is True
