@@ -24,7 +24,7 @@ from dflashkit.train.selector_pair import kernel_fits, pair_reference, pair_term
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--positions", type=int, default=78_000, help="draft positions of one micro-batch")
     ap.add_argument("--k", type=int, default=16)
     ap.add_argument("--rank", type=int, default=256)
