@@ -1,0 +1,25 @@
+"""bench/bench_layer_saved.py on the CPU at a toy size (eager layers: the measurement's plumbing, not its numbers):
+one layer of each architecture at the testbed's width, every tensor kept for the backward counted once."""
+
+import json
+import sys
+
+import pytest
+
+from support.paths import ROOT
+
+sys.path.insert(0, str(ROOT / "bench"))
+import bench_layer_saved as bls  # noqa: E402
+
+
+def test_each_architecture_is_measured_and_dflash2_keeps_more(tmp_path):
+    out = tmp_path / "saved.json"
+    result = bls.main(["--eager", "--blocks", "4", "--context", "32", "--out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(result))
+    dflash, dflash2 = result["layers"]
+    assert (dflash["architecture"], dflash2["architecture"], result["compiled"]) == ("dflash", "dflash2", False)
+    # its convolutions (four a layer) and their kernel projections keep tensors of their own
+    assert dflash2["kept_tensors"] > dflash["kept_tensors"] > 0
+    assert dflash2["block_activations"] > dflash["block_activations"] > 1
+    assert result["dflash2_extra_block_activations"] == dflash2["block_activations"] - dflash["block_activations"]
+    assert dflash["kept_mib"] * 2**20 == pytest.approx(dflash["block_activations"] * 4 * 16 * 576 * 2)
