@@ -68,6 +68,8 @@ VARIANTS: dict[str, list[str]] = {
     "dflash2": ["drafter_architecture=dflash2"],  # the DFlash2 drafter (in-block convolutions + candidate selector)
     # DFlash2 with the selector's term reaching the drafter through its unary logits too (the public trainers')
     "dflash2_coupled": ["drafter_architecture=dflash2", "selector_unary_grad=true"],
+    # and its positions weighted and normalised as the block loss's (SpecForge's form of the term)
+    "dflash2_loss_weighted": ["drafter_architecture=dflash2", "selector_unary_grad=true", "selector_weights=loss"],
     "causal": ["causal=true"],  # causal inside the block, whole context: one drafter for every k (the recipe's)
     "non_causal": ["causal=false"],  # the block non-causal, as every recipe before the serving plan
     # more target-written data from the same prompts: a sampled answer per prompt beside the greedy one
@@ -82,8 +84,8 @@ VARIANTS: dict[str, list[str]] = {
 }
 # variants that never go into a combination of winners (--combine): a layout vLLM 0.24 serves differently
 # (docs/ARCHITECTURE.md), more data or more or fewer steps than the study compares at, another architecture
-NOT_COMBINED = ("sliding_window", "extra_answers", "longer", "dflash2", "dflash2_coupled", "steps_1000", "steps_1400",
-                "steps_1000_anchors", "steps_1400_anchors")
+NOT_COMBINED = ("sliding_window", "extra_answers", "longer", "dflash2", "dflash2_coupled", "dflash2_loss_weighted",
+                "steps_1000", "steps_1400", "steps_1000_anchors", "steps_1400_anchors")
 
 
 def is_replicate(overrides) -> bool:

@@ -75,6 +75,8 @@ class TrainConfig:
     # [positions, top_k, rank] rows (train/selector_pair.py; CUDA only; off until timed on a GPU)
     selector_unary_grad: bool = False  # dflash2: the selector term's gradient reaches the drafter through its
     # unary logits too, as in the public DFlash2 trainers (train/selector_loss.py; off until compared on a GPU)
+    selector_weights: str = "decay"  # dflash2: the selector term's position weights and normaliser: "decay" (the
+    # ce decay) or "loss" (the block loss's own, D-PACE's with the recipe, as SpecForge; train/selector_loss.py)
     # --- objective
     loss: str = "dpace"  # "ce" | "dpace" | "kl" (train/loss.py documents each; dpace won the comparison in RESULTS.md)
     gamma: float = 7.0  # position decay exp(-(k-1)/gamma) of ce and kl
@@ -159,6 +161,8 @@ class TrainConfig:
             raise UserError(f"optimizer: {self.optimizer!r}; use 'adamw' or 'muon'")
         if self.lr_schedule not in ("cosine", "linear"):
             raise UserError(f"lr_schedule: {self.lr_schedule!r}; use 'cosine' or 'linear'")
+        if self.selector_weights not in ("decay", "loss"):
+            raise UserError(f"selector_weights: {self.selector_weights!r}; use 'decay' or 'loss'")
         if self.labels not in ("data", "target_argmax"):
             raise UserError(f"labels: {self.labels!r}; use 'data' or 'target_argmax'")
         if not 0.0 <= self.anchor_density <= 1.0:

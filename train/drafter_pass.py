@@ -32,7 +32,7 @@ from dflashkit.errors import UserError
 
 from .block_mask import build_block_masks
 from .data import PackedBlocks
-from .loss import BlockLossOutput, block_loss
+from .loss import BlockLossOutput, block_loss, loss_denominator
 from .selector_loss import SelectorLossOutput, candidate_logits, predecessor_ids, selector_loss
 from .selector_pair import pair_term
 
@@ -43,7 +43,7 @@ class ExtraLossTerm:
 
     # (batch, labels [N, B-1], the micro-batch's BlockLossPass) -> the keyword arguments the forward takes for it
     forward_inputs: Callable[..., dict]
-    # (what the forward returned for it, labels, valid [N, B-1], gamma) -> the term (out.selector)
+    # (what the forward returned for it, labels, valid [N, B-1], gamma, **the term's weighting) -> out.selector
     loss: Callable[..., SelectorLossOutput]
 
 
@@ -87,10 +87,12 @@ def selector_forward_inputs(batch: PackedBlocks, labels: torch.Tensor, loss_pass
     return {"selector_targets": targets}
 
 
-def selector_term(scored, labels: torch.Tensor, valid: torch.Tensor, gamma: float) -> SelectorLossOutput:
-    """DFlash2: the selector's term from the (scores, candidate_ids) its forward returned."""
+def selector_term(scored, labels: torch.Tensor, valid: torch.Tensor, gamma: float,
+                  **weighting) -> SelectorLossOutput:
+    """DFlash2: the selector's term from the (scores, candidate_ids) its forward returned; ``weighting``:
+    selector_loss's position weights and normaliser (``selector_weights: loss``)."""
     scores, candidates = scored
-    return selector_loss(scores, candidates, labels, valid, gamma)
+    return selector_loss(scores, candidates, labels, valid, gamma, **weighting)
 
 
 # each drafter kind's extra term, keyed like drafter/kinds.py's KINDS; None: the block loss alone
@@ -162,14 +164,15 @@ def forward_blocks(model, head, batch: PackedBlocks, *, block_size: int, layer_t
                    sliding_window: int | None, backend: str = "dense", variant: str = "ce", gamma: float = 7.0,
                    dpace_alpha: float = 0.5, kl_weight: float = 0.5, chunk_tokens: int = 2048,
                    fused_loss: bool = False, labels: str = "data", selector: bool = True,
-                   causal: bool = False, selector_kernel: bool = False,
-                   selector_unary_grad: bool = False) -> BlockLossOutput:
+                   causal: bool = False, selector_kernel: bool = False, selector_unary_grad: bool = False,
+                   selector_weights: str = "decay") -> BlockLossOutput:
     """The un-normalised block loss (and metrics) of one packed micro-batch (fused_loss: train/loss.py);
     ``labels="target_argmax"``: against the target's greedy tokens (``target_argmax_labels``), not the data's;
     ``selector=False``: a DFlash2 drafter's selector term is not computed (``out.selector`` is None);
     ``causal``: a causal-in-block drafter's mask (train/block_mask.py); ``selector_kernel``: DFlash2's pairwise
     term by train/selector_pair.py's kernels where they fit; ``selector_unary_grad``: its unary logits carry a
-    gradient to the drafter (train/selector_loss.py)."""
+    gradient to the drafter; ``selector_weights="loss"``: its positions weighted and normalised as the block
+    loss's (both train/selector_loss.py)."""
     targets = target_argmax_labels(head, batch, chunk_tokens) if labels == "target_argmax" else batch.labels
     teacher = batch.last_hidden[batch.teacher_index] if variant == "kl" else None  # after the target's final norm
     loss_pass = BlockLossPass(head, targets, batch.valid, teacher, dict(
@@ -184,5 +187,9 @@ def forward_blocks(model, head, batch: PackedBlocks, *, block_size: int, layer_t
     _, extra = hidden
     if loss_pass.out is None:
         raise RuntimeError("the drafter's forward took the extra term's inputs but never ran the block loss pass")
-    loss_pass.out.selector = term.loss(extra, targets, batch.valid, gamma)
+    weighting = {}
+    if selector_weights == "loss":  # the block loss's own position weights and normaliser
+        weighting = dict(weights=loss_pass.out.position_weights,
+                         weight_sum=loss_denominator(batch.valid, variant, gamma))
+    loss_pass.out.selector = term.loss(extra, targets, batch.valid, gamma, **weighting)
     return loss_pass.out

@@ -65,11 +65,13 @@ def evaluate(model, head, dataset, indices: list[int], *, block_size: int, layer
              sliding_window: int | None, mask_token_id: int, num_anchors: int, seed: int, gamma: float = 7.0,
              max_length: int | None = None, backend: str = "dense", chunk_tokens: int = 2048,
              fused_loss: bool = False, selector: bool = True, accelerator=None, device=None,
-             causal: bool = False, selector_kernel: bool = False, selector_unary_grad: bool = False) -> dict:
+             causal: bool = False, selector_kernel: bool = False, selector_unary_grad: bool = False,
+             selector_weights: str = "decay") -> dict:
     """Held-out loss (ce objective), per-position accuracy and tau_sim at fixed anchors, and the chain walk's
     tau_walk and per-position acceptance; ``selector``: DFlash2's selector metrics too (train/drafter_pass.py),
     its pairwise term by the kernels with ``selector_kernel`` (train/selector_pair.py); ``selector_unary_grad``
-    changes nothing here (no gradient), it is one of the run's pass options (train/setup.py)."""
+    and ``selector_weights`` change nothing here (no gradient; the ``ce`` objective's weights are the decay), they
+    are among the run's pass options (train/setup.py)."""
     world = accelerator.num_processes if accelerator is not None else 1
     rank = accelerator.process_index if accelerator is not None else 0
     device = device or (accelerator.device if accelerator is not None else torch.device("cpu"))

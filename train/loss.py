@@ -120,6 +120,7 @@ class BlockLossOutput:
     top_logits: torch.Tensor | None = None  # [N, B-1, top_k] float32, no gradient: the top_k logits (top_k > 0)
     top_ids: torch.Tensor | None = None  # [N, B-1, top_k] long: their token ids, the selector's candidates
     selector: object = None  # DFlash2: the selector term of the same pass (train/selector_loss.py), else None
+    position_weights: torch.Tensor | None = None  # [N, B-1] the objective's weight of each position (top_k > 0)
 
 
 # --------------------------------------------------------------------------- the objectives
@@ -275,9 +276,10 @@ def chunked_logit_statistics(hidden, weight, bias, labels, valid, teacher, obj: 
     what every objective needs (logsumexp, the label's logit, the argmax; the teacher's distribution when
     ``obj.soft``), then the weighted loss, the metrics and d(loss)/d(hidden).
 
-    Returns (loss_sum, ce_sum, correct, counted, tau_sum, runs, top_logits, top_ids, grad or None). ``fused``:
-    the logit statistics and the logit gradient run as compiled kernels (the same functions, compiled);
-    ``top_k`` > 0: each row's top_k logits (float32) and token ids from the same logits (empty tensors for 0).
+    Returns (loss_sum, ce_sum, correct, counted, tau_sum, runs, top_logits, top_ids, position_weights, grad or
+    None). ``fused``: the logit statistics and the logit gradient run as compiled kernels (the same functions,
+    compiled); ``top_k`` > 0: each row's top_k logits (float32) and token ids from the same logits, and the
+    objective's weight of each position [N, P] (empty tensors for 0).
     """
     n_blocks, p, h = hidden.shape
     acc = torch.promote_types(hidden.dtype, torch.float32)  # fp32 logits (fp64 when the inputs are)
@@ -294,6 +296,7 @@ def chunked_logit_statistics(hidden, weight, bias, labels, valid, teacher, obj: 
     # once at the end (an exact upcast, or fp64 rounded as a float32 buffer would)
     top_logits = torch.empty(n_blocks * p, top_k, dtype=weight.dtype, device=dev)
     top_ids = torch.empty(n_blocks * p, top_k, dtype=torch.long, device=dev)
+    position_weights = torch.zeros(n_blocks if top_k else 0, p, dtype=acc, device=dev)  # for the selector's term
     for s in range(0, n_blocks, chunk):
         e = min(n_blocks, s + chunk)
         lab, ok = labels[s:e], valid[s:e]
@@ -319,6 +322,8 @@ def chunked_logit_statistics(hidden, weight, bias, labels, valid, teacher, obj: 
             term = (1.0 - obj.soft) * ce + obj.soft * kl
             del t_logp
         w = obj.weights(ce, val, decay)
+        if top_k:
+            position_weights[s:e] = w
         # -- the one metrics block
         loss_sum += (w * term).sum()
         ce_sum += ce.sum()
@@ -334,7 +339,8 @@ def chunked_logit_statistics(hidden, weight, bias, labels, valid, teacher, obj: 
             del g
         del raw, teacher_p
     top_logits = top_logits.to(torch.float32).view(n_blocks, p, top_k)
-    return loss_sum, ce_sum, correct, counted, tau_sum, runs, top_logits, top_ids.view(n_blocks, p, top_k), grad
+    return (loss_sum, ce_sum, correct, counted, tau_sum, runs, top_logits, top_ids.view(n_blocks, p, top_k),
+            position_weights, grad)
 
 
 class _ChunkedBlockLoss(torch.autograd.Function):
@@ -368,7 +374,8 @@ def block_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch
     teacher_hidden: [N, B-1, H] target final-norm outputs at positions a+k-1 (``kl`` only);
     chunk_tokens: rows of logits alive at once (rounded to whole blocks);
     fused: compiled logit kernels for ce and dpace (see the module notes; kl always runs eager);
-    top_k: also each position's top_k logits and ids (``top_logits``, ``top_ids``; DFlash2's selector candidates).
+    top_k: also each position's top_k logits and ids (``top_logits``, ``top_ids``; DFlash2's selector candidates)
+    and the objective's weight of each position (``position_weights``, detached).
     """
     if variant not in VARIANTS:
         raise ValueError(f"loss variant must be one of {VARIANTS}, got {variant!r}")
@@ -386,7 +393,7 @@ def block_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch
                                   None if lm_head_bias is None else lm_head_bias.detach(),
                                   labels, valid.bool(), teacher, obj, float(gamma), chunk,
                                   bool(fused) and not obj.soft, int(top_k))
-    *sums, top_logits, top_ids = out
-    return BlockLossOutput(*sums, blocks=valid.any(-1).sum(),
-                           top_logits=top_logits if top_k else None, top_ids=top_ids if top_k else None)
+    *sums, top_logits, top_ids, position_weights = out
+    return BlockLossOutput(*sums, blocks=valid.any(-1).sum(), top_logits=top_logits if top_k else None,
+                           top_ids=top_ids if top_k else None, position_weights=position_weights if top_k else None)
 

@@ -13,7 +13,10 @@ k - 1 (the anchor token at k = 1). Training teacher-forces that walk:
 - positions are weighted with the ``ce`` decay exp(-(k-1)/gamma) (an early miss ends the block), and the sum is
   divided by the decay-weighted count of valid labels of the whole step, a denominator known from the anchors
   before any forward (as the block loss's), so accumulation and data parallelism give the single-process
-  gradient;
+  gradient. With ``selector_weights: loss`` they take the block loss's own weights instead (the loss pass's
+  ``position_weights``: D-PACE's with the recipe, each position's share of the acceptance it can still add)
+  and the block loss's normaliser (with D-PACE the blocks with a valid label), as SpecForge and NeMo
+  Automodel's later trainer weigh the selector;
 - the candidates and their unary logits come from the block loss's own lm_head pass (train/loss.py ``top_k``; no
   second lm_head pass for them). By default the unary logits carry no gradient: the term's gradient reaches the
   codebooks, the hidden projection and, through it, the drafter's layers. With ``selector_unary_grad: true``
@@ -82,17 +85,22 @@ def predecessor_ids(block_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tens
 
 
 def selector_loss(scores: torch.Tensor, candidates: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor,
-                  gamma: float) -> SelectorLossOutput:
-    """scores / candidates [N, B-1, top_k]; labels (long) / valid (bool) [N, B-1]."""
+                  gamma: float, weights: torch.Tensor | None = None,
+                  weight_sum: torch.Tensor | None = None) -> SelectorLossOutput:
+    """scores / candidates [N, B-1, top_k]; labels (long) / valid (bool) [N, B-1]; ``weights`` [N, B-1] and
+    ``weight_sum`` (this pass's share of the normaliser): the positions' weights in place of the decay's
+    (``selector_weights: loss``, module notes)."""
+    if (weights is None) != (weight_sum is None):
+        raise ValueError("selector_loss: give the position weights and their normaliser together")
     hit = candidates == labels.unsqueeze(-1)
     counted = valid & hit.any(-1)
     slot = hit.to(torch.int64).argmax(-1)
     ce = F.cross_entropy(scores.float().reshape(-1, scores.shape[-1]), slot.reshape(-1),
                          reduction="none").view_as(slot)
     decay = position_decay(labels.shape[1] + 1, gamma, scores.device)
-    loss_sum = (ce * decay * counted).sum()
+    loss_sum = (ce * (decay if weights is None else weights.detach().to(ce.dtype)) * counted).sum()
     with torch.no_grad():
         chosen = candidates.gather(-1, scores.argmax(-1, keepdim=True)).squeeze(-1)
         correct = ((chosen == labels) & valid).sum()
     return SelectorLossOutput(loss_sum=loss_sum, in_candidates=counted.sum(), correct=correct, counted=valid.sum(),
-                              weight_sum=(decay * valid).sum())
+                              weight_sum=(decay * valid).sum() if weight_sum is None else weight_sum)

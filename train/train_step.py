@@ -6,7 +6,8 @@ Design choices:
   micro-batches (known from the anchors alone) and these are summed across ranks. Each micro-batch then
   back-propagates ``loss_sum * W * G / global_denominator`` (accelerate divides by G, DDP/ZeRO average over W),
   so the update equals the single-process one on the same samples. DFlash2's selector term is normalised the
-  same way by the decay-weighted count of valid labels (train/selector_loss.py).
+  same way by the decay-weighted count of valid labels, or with ``selector_weights: loss`` by the block loss's
+  own denominator (train/selector_loss.py).
 - The stop vote rides in the same collective as the denominators: every rank learns that some rank was
   signalled before any forward of the step, so all of them stop at the same step boundary and none waits in a
   collective that the others never reach.
@@ -74,8 +75,10 @@ def train_step(model, optimizer, accelerator, head, micro: list[PackedBlocks], *
     device = accelerator.device
     set_lr(optimizer, cfg.lr, lr_factor)
     denoms = [loss_denominator(m.valid, cfg.loss, cfg.gamma) * m.scale for m in micro]
-    # DFlash2's selector term is normalised by the decay-weighted count of valid labels (selector_loss.py)
-    sel_denoms = [loss_denominator(m.valid, "ce", cfg.gamma) * m.scale for m in micro]
+    # DFlash2's selector term is normalised by the decay-weighted count of valid labels, or with selector_weights
+    # "loss" as the block loss (selector_loss.py)
+    sel_variant = cfg.loss if cfg.selector_weights == "loss" else "ce"
+    sel_denoms = [loss_denominator(m.valid, sel_variant, cfg.gamma) * m.scale for m in micro]
     # one collective: the global loss denominators, the ranks' votes to stop and the previous step's non-finite
     # flags (all stop at the same step)
     previous = nonfinite if nonfinite is not None else torch.zeros(2, device=device)

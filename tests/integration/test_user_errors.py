@@ -185,6 +185,7 @@ def test_a_target_config_that_is_not_json_names_the_file(tmp_path, capsys):
     ("eval_anchors", 0, "eval_anchors must be >= 1"),
     ("max_length", 0, "max_length must be >= 1"),
     ("lr", -1e-4, "lr must be >= 0"),
+    ("selector_weights", "dpace", "selector_weights: 'dpace'; use 'decay' or 'loss'"),
 ])
 def test_counts_are_checked_in_the_config(field, value, said, capsys, tmp_path):
     with pytest.raises(ValueError, match=said.replace("(", r"\(").replace(")", r"\)")):

@@ -159,3 +159,37 @@ def test_the_coupled_unary_term_is_off_without_a_gradient():
         off = forward_blocks(model, head, batch, block_size=B, layer_types=LAYERS, sliding_window=None,
                              variant="ce", gamma=GAMMA, chunk_tokens=CHUNK)
     assert torch.equal(on.selector.loss_sum, off.selector.loss_sum) and torch.equal(on.top_ids, off.top_ids)
+
+
+def test_the_loss_weighted_selector_term_takes_the_block_losss_own_position_weights():
+    """selector_weights="loss": the selector's positions weighted as the block loss weighs them (D-PACE's weights
+    from the block CE, the loss pass's ``position_weights``) and normalised by the block loss's denominator, where
+    "decay" uses the ce decay and the decay-weighted count of valid labels."""
+    from dflashkit.train.loss import dpace_weights
+
+    model, head, batch = setup(torch.float64)
+    run = dict(block_size=B, layer_types=LAYERS, sliding_window=None, variant="dpace", gamma=GAMMA,
+               chunk_tokens=CHUNK)
+    with torch.no_grad():
+        by_loss = forward_blocks(model, head, batch, selector_weights="loss", **run)
+        by_decay = forward_blocks(model, head, batch, **run)
+        hidden = draft_hidden(model, head, batch, block_size=B, layer_types=LAYERS, sliding_window=None)
+    logits = hidden @ head.lm_head.weight.T
+    ce = (torch.logsumexp(logits, -1) - logits.gather(-1, batch.labels.unsqueeze(-1)).squeeze(-1)) * batch.valid
+    weights = dpace_weights(ce, batch.valid, 0.5)
+    torch.testing.assert_close(by_loss.position_weights, weights, rtol=1e-12, atol=1e-12)
+    assert torch.equal(by_loss.position_weights, by_decay.position_weights)  # the pass computes them either way
+    # the selector's scores of the same candidates, by hand, then its term weighted and normalised both ways
+    n = hidden.shape[0]
+    full = torch.cat([torch.zeros(n, 1, H, dtype=hidden.dtype), hidden], 1).reshape(1, -1, H)  # slot 0 unused
+    with torch.no_grad():
+        scores, ids = model.selector_scores(full, predecessor_ids(batch.block_ids, batch.labels),
+                                            lambda draft, k: (by_loss.top_logits, by_loss.top_ids))
+    expected = selector_loss(scores, ids, batch.labels, batch.valid, GAMMA, weights=weights,
+                             weight_sum=loss_denominator(batch.valid, "dpace", GAMMA))
+    plain = selector_loss(scores, ids, batch.labels, batch.valid, GAMMA)
+    for got, want in ((by_loss.selector, expected), (by_decay.selector, plain)):
+        torch.testing.assert_close(got.loss_sum, want.loss_sum, rtol=1e-6, atol=0)
+        assert torch.equal(got.weight_sum, want.weight_sum) and torch.equal(got.in_candidates, want.in_candidates)
+    assert int(expected.in_candidates) > 0 and not torch.allclose(expected.loss_sum, plain.loss_sum)
+    assert torch.equal(expected.weight_sum, batch.valid.any(-1).sum().to(expected.weight_sum.dtype))

@@ -47,17 +47,18 @@ def micro_batches(lens_per_micro, seed=0):
 OPTIONS = dict(block_size=B, layer_types=["full_attention"], sliding_window=None, backend="dense", chunk_tokens=64)
 
 
-def one_step(model, head, micro, stop_requested):
+def one_step(model, head, micro, stop_requested, **config):
     from accelerate import Accelerator
 
-    cfg = load_config(None, [], shards="unused", grad_accum=len(micro), lr=1e-2, max_grad_norm=0.0, loss="ce",
-                      mixed_precision="no")
+    cfg = load_config(None, [], shards="unused", grad_accum=len(micro), lr=1e-2, max_grad_norm=0.0,
+                      mixed_precision="no", **{"loss": "ce", **config})
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=cfg.grad_accum)
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr)
     prepared, optimizer = accelerator.prepare(model, optimizer)
     sums = MetricSums(B - 1, accelerator.device)
+    options = {**OPTIONS, "selector_weights": cfg.selector_weights}
     result = train_step(prepared, optimizer, accelerator, head, micro, cfg=cfg, lr_factor=0.5,
-                        stop_requested=stop_requested, sums=sums, pass_options=OPTIONS)
+                        stop_requested=stop_requested, sums=sums, pass_options=options)
     return result, sums, optimizer
 
 
@@ -125,3 +126,30 @@ def test_dflash2_with_selector_weight_zero_leaves_the_selector_untrained(tiny_ru
     for name in selector:
         assert torch.equal(exported[name], initial.get_parameter(name).detach().to(exported[name].dtype)), name
     assert not torch.equal(exported["fc.weight"], initial.fc.weight.detach().to(exported["fc.weight"].dtype))
+
+
+@pytest.mark.parametrize("weights", ["decay", "loss"])
+def test_a_dflash2_step_weighs_and_normalises_the_selector_term_as_configured(weights):
+    """selector_weights: "decay" normalises the selector's term by the decay-weighted count of valid labels,
+    "loss" by the block loss's own denominator (D-PACE here: the blocks with a valid label), its positions
+    weighted as the block loss's; one step is that update, by hand."""
+    torch.manual_seed(0)
+    model, head = drafter("dflash2", selector_rank=4, selector_top_k=4, conv_group_size=8), Head(V, H)
+    with torch.no_grad():  # the selector off its start (a zero successor codebook scores nothing)
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    micro = micro_batches([[11, 7], [13]])
+    reference = drafter("dflash2", selector_rank=4, selector_top_k=4, conv_group_size=8)
+    reference.load_state_dict(model.state_dict())
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    one_step(model, head, micro, stop_requested=False, loss="dpace", selector_loss_weight=0.7,
+             selector_weights=weights)
+    outs = [forward_blocks(reference, head, m, variant="dpace", selector_weights=weights, **OPTIONS) for m in micro]
+    denom = sum(loss_denominator(m.valid, "dpace", 7.0) for m in micro)
+    sel_denom = sum(loss_denominator(m.valid, "dpace" if weights == "loss" else "ce", 7.0) for m in micro)
+    assert sum(float(o.selector.in_candidates) for o in outs) > 0
+    total = sum(o.loss_sum for o in outs) / denom + 0.7 * sum(o.selector.loss_sum for o in outs) / sel_denom
+    total.backward()
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(model.get_parameter(name).detach(), start[name] - 0.5e-2 * p.grad, rtol=1e-5,
+                                   atol=1e-7, msg=name)
