@@ -150,15 +150,18 @@ def test_the_coupled_unary_term_gives_the_gradient_of_differentiable_candidate_l
     assert "layers.0.mlp.down_proj.weight" in moved and not any("codebook" in n for n in moved)
 
 
-def test_the_coupled_unary_term_is_off_without_a_gradient():
-    """Under no_grad (the held-out evaluation) the candidates' logits are the loss pass's, whatever the option."""
+def test_the_held_out_pass_is_the_same_under_every_selector_option():
+    """The held-out evaluation (no_grad, the ce objective) takes the run's selector options and gives the same
+    numbers: the candidates' logits are the loss pass's without a gradient, and ce's position weights and
+    normaliser are the decay's."""
     model, head, batch = setup(torch.float32)
+    run = dict(block_size=B, layer_types=LAYERS, sliding_window=None, variant="ce", gamma=GAMMA, chunk_tokens=CHUNK)
     with torch.no_grad():
-        on = forward_blocks(model, head, batch, block_size=B, layer_types=LAYERS, sliding_window=None,
-                            variant="ce", gamma=GAMMA, chunk_tokens=CHUNK, selector_unary_grad=True)
-        off = forward_blocks(model, head, batch, block_size=B, layer_types=LAYERS, sliding_window=None,
-                             variant="ce", gamma=GAMMA, chunk_tokens=CHUNK)
-    assert torch.equal(on.selector.loss_sum, off.selector.loss_sum) and torch.equal(on.top_ids, off.top_ids)
+        on = forward_blocks(model, head, batch, selector_unary_grad=True, selector_weights="loss", **run)
+        off = forward_blocks(model, head, batch, **run)
+    assert int(off.selector.in_candidates) > 0 and torch.equal(on.top_ids, off.top_ids)
+    for name in ("loss_sum", "weight_sum", "correct", "in_candidates"):
+        assert torch.equal(getattr(on.selector, name), getattr(off.selector, name)), name
 
 
 def test_the_loss_weighted_selector_term_takes_the_block_losss_own_position_weights():
