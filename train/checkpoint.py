@@ -230,7 +230,8 @@ def check_param_groups(groups: list, optimizer, source) -> None:
     if len(groups) != len(optimizer.param_groups):
         raise UserError(f"{source}: field optimizer.param_groups has {len(groups)} groups, this run's optimizer has "
                         f"{len(optimizer.param_groups)}; resume with the optimizer the checkpoint was written with "
-                        f"(optimizer=adamw or muon, as in its config), or start a new run")
+                        f"(optimizer=adamw or muon, and selector_codebook_lr_scale, as in its config), or start a "
+                        f"new run")
     for k, (saved, group) in enumerate(zip(groups, optimizer.param_groups)):
         params = saved.get("params")
         if not isinstance(params, list) or len(params) != len(group["params"]):

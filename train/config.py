@@ -77,6 +77,8 @@ class TrainConfig:
     # unary logits too, as in the public DFlash2 trainers (train/selector_loss.py; off until compared on a GPU)
     selector_weights: str = "decay"  # dflash2: the selector term's position weights and normaliser: "decay" (the
     # ce decay) or "loss" (the block loss's own, D-PACE's with the recipe, as SpecForge; train/selector_loss.py)
+    selector_codebook_lr_scale: float = 1.0  # dflash2: the selector's two codebooks learn at this multiple of the
+    # lr (their own optimizer group; a codebook row moves only on the steps its token is drawn; train/muon.py)
     # --- objective
     loss: str = "dpace"  # "ce" | "dpace" | "kl" (train/loss.py documents each; dpace won the comparison in RESULTS.md)
     gamma: float = 7.0  # position decay exp(-(k-1)/gamma) of ce and kl
@@ -163,6 +165,9 @@ class TrainConfig:
             raise UserError(f"lr_schedule: {self.lr_schedule!r}; use 'cosine' or 'linear'")
         if self.selector_weights not in ("decay", "loss"):
             raise UserError(f"selector_weights: {self.selector_weights!r}; use 'decay' or 'loss'")
+        if not self.selector_codebook_lr_scale > 0:
+            raise UserError(f"selector_codebook_lr_scale must be > 0 (a multiple of lr), got "
+                            f"{self.selector_codebook_lr_scale}")
         if self.labels not in ("data", "target_argmax"):
             raise UserError(f"labels: {self.labels!r}; use 'data' or 'target_argmax'")
         if not 0.0 <= self.anchor_density <= 1.0:

@@ -66,8 +66,34 @@ def never_decayed(name: str, p) -> bool:
     return p.ndim < 2 or name.endswith("base_kernel")
 
 
-def muon_param_groups(model, *, lr: float, muon_lr: float, weight_decay: float) -> list[dict]:
-    """Muon for the weights of the linear maps, AdamW for the rest; ``base_lr`` is each group's peak lr."""
+def is_codebook(name: str) -> bool:
+    """DFlash2's selector codebooks (``predecessor_codebook``, ``successor_codebook``): tables indexed by token."""
+    return name.endswith("_codebook")
+
+
+def codebook_group(groups: list[dict], model, lr: float, weight_decay: float, scale: float) -> list[dict]:
+    """``groups`` with the selector's codebooks moved into an AdamW group of their own at ``scale`` times ``lr``
+    (as decayed as before); the groups unchanged at scale 1, so the runs and checkpoints of before keep their
+    layout. A codebook row has a gradient only on the steps its token is drawn (public DFlash2 trainers give the
+    codebooks ~10x the lr); ``selector_codebook_lr_scale``."""
+    if scale == 1.0:
+        return groups
+    books = {id(p) for name, p in model.named_parameters() if p.requires_grad and is_codebook(name)}
+    moved = [p for g in groups for p in g["params"] if id(p) in books]
+    if not moved:
+        return groups
+    for g in groups:
+        g["params"] = [p for p in g["params"] if id(p) not in books]
+    book_lr = lr * scale
+    groups.append({"params": moved, "use_muon": False, "lr": book_lr, "base_lr": book_lr,
+                   "weight_decay": weight_decay})
+    return [g for g in groups if g["params"]]
+
+
+def muon_param_groups(model, *, lr: float, muon_lr: float, weight_decay: float,
+                      codebook_lr_scale: float = 1.0) -> list[dict]:
+    """Muon for the weights of the linear maps, AdamW for the rest; ``base_lr`` is each group's peak lr;
+    ``codebook_lr_scale``: ``codebook_group``."""
     linear = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Linear)}
     matrices, decay, no_decay = [], [], []
     for name, p in model.named_parameters():
@@ -83,7 +109,7 @@ def muon_param_groups(model, *, lr: float, muon_lr: float, weight_decay: float) 
     groups = [{"params": matrices, "use_muon": True, "lr": muon_lr, "base_lr": muon_lr, "weight_decay": weight_decay},
               {"params": decay, "use_muon": False, "lr": lr, "base_lr": lr, "weight_decay": weight_decay},
               {"params": no_decay, "use_muon": False, "lr": lr, "base_lr": lr, "weight_decay": 0.0}]
-    return [g for g in groups if g["params"]]
+    return codebook_group([g for g in groups if g["params"]], model, lr, weight_decay, codebook_lr_scale)
 
 
 class Muon(torch.optim.Optimizer):

@@ -144,16 +144,18 @@ def target_identity(head) -> dict:
     return ident
 
 
-def param_groups(model, weight_decay: float) -> list[dict]:
-    """AdamW's groups: weight decay on every parameter but the norms and DFlash2's base kernels."""
+def param_groups(model, weight_decay: float, lr: float = 0.0, codebook_lr_scale: float = 1.0) -> list[dict]:
+    """AdamW's groups: weight decay on every parameter but the norms and DFlash2's base kernels; DFlash2's
+    codebooks in a group of their own at ``codebook_lr_scale`` times ``lr`` unless that is 1 (muon.codebook_group)."""
     decay, no_decay = [], []
-    from .muon import never_decayed
+    from .muon import codebook_group, never_decayed
 
     for name, p in model.named_parameters():
         if not p.requires_grad:  # a frozen part (DFlash2's selector when its term has weight 0)
             continue
         (no_decay if never_decayed(name, p) else decay).append(p)  # norms, DFlash2's base kernels
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return codebook_group(groups, model, lr, weight_decay, codebook_lr_scale)
 
 
 def drafter_pass_options(cfg: TrainConfig, dcfg, device: torch.device) -> dict:
@@ -213,10 +215,11 @@ def build_optimizer(cfg: TrainConfig, model, backend_name: str) -> torch.optim.O
         from .muon import Muon, check_backend, muon_param_groups
 
         check_backend(backend_name)
-        return Muon(muon_param_groups(model, lr=cfg.lr, muon_lr=cfg.muon_lr, weight_decay=cfg.weight_decay),
+        return Muon(muon_param_groups(model, lr=cfg.lr, muon_lr=cfg.muon_lr, weight_decay=cfg.weight_decay,
+                                      codebook_lr_scale=cfg.selector_codebook_lr_scale),
                     lr=cfg.lr, momentum=cfg.muon_momentum, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps)
-    return torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=tuple(cfg.adam_betas),
-                             eps=cfg.adam_eps)
+    return torch.optim.AdamW(param_groups(model, cfg.weight_decay, cfg.lr, cfg.selector_codebook_lr_scale),
+                             lr=cfg.lr, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps)
 
 
 def setup(cfg: TrainConfig, start: Start, resources: ExitStack, vllm_api=None) -> TrainRun:

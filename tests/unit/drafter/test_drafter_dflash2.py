@@ -154,6 +154,54 @@ def test_the_base_convolution_kernels_are_never_weight_decayed():
         assert kernels and not kernels & decayed and "layers.0.self_attn.q_proj.weight" in decayed
 
 
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_the_codebooks_learn_at_their_own_multiple_of_the_lr(optimizer):
+    """``selector_codebook_lr_scale``: the two codebooks, and only they, sit in one AdamW group whose peak lr is
+    the multiple (decayed as before), the schedule scales it like the others, and a first step moves each drawn
+    row by about that lr (Adam's first step is lr * sign(g)); at 1 the groups are those of before."""
+    from dflashkit.train.config import TrainConfig
+    from dflashkit.train.setup import build_optimizer
+    from dflashkit.train.train_step import set_lr
+
+    model = build_drafter(DrafterConfig.for_target(TARGET, block_size=4, mask_token_id=319, num_hidden_layers=1,
+                                                   **DFLASH2))
+    names = {id(p): n for n, p in model.named_parameters()}
+    books = {n for n in names.values() if n.endswith("_codebook")}
+    assert books == {"candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook"}
+
+    def optimizer_for(scale):
+        cfg = TrainConfig(optimizer=optimizer, lr=1e-3, weight_decay=0.1, selector_codebook_lr_scale=scale)
+        return build_optimizer(cfg, model, "ddp")
+
+    plain, scaled = optimizer_for(1.0), optimizer_for(10.0)
+    for opt in (plain, scaled):  # every parameter in exactly one group
+        assert sorted(names[id(p)] for g in opt.param_groups for p in g["params"]) == sorted(names.values())
+    (group,) = [g for g in scaled.param_groups if {names[id(p)] for p in g["params"]} & books]
+    assert {names[id(p)] for p in group["params"]} == books and not group.get("use_muon")
+    assert group["base_lr"] == pytest.approx(1e-2) and group["weight_decay"] == 0.1
+    (before,) = [g for g in plain.param_groups if {names[id(p)] for p in g["params"]} & books]
+    assert before.get("base_lr", 1e-3) == 1e-3 and before["weight_decay"] == 0.1
+    # the layout of before: AdamW's decayed / not decayed; Muon's matrices / decayed tables / not decayed
+    assert len(plain.param_groups) == {"adamw": 2, "muon": 3}[optimizer]
+    set_lr(scaled, 1e-3, 0.5)
+    assert group["lr"] == pytest.approx(5e-3) and all(
+        g["lr"] == pytest.approx(5e-4) for g in scaled.param_groups if g is not group)
+
+    selector = model.candidate_selector
+    with torch.no_grad():
+        selector.successor_codebook.normal_(0.0, 0.02)
+    rows, pull = torch.tensor([3, 7, 11]), torch.randn(3, selector.rank)
+    old = selector.successor_codebook.detach().clone()
+    scaled.zero_grad(set_to_none=True)
+    (selector.successor_codebook[rows] * pull).sum().backward()  # the rows' gradient is ``pull``
+    scaled.step()
+    decayed = -5e-3 * 0.1 * old  # AdamW's decoupled decay at the group's lr, every row alike
+    moved = selector.successor_codebook.detach() - old - decayed
+    assert torch.allclose(moved[rows], -5e-3 * pull.sign(), rtol=1e-3)
+    moved[rows] = 0
+    assert moved.abs().max() < 1e-7  # float32 rounding of rows ~0.02; a step would be 5e-3
+
+
 def test_selector_scores_under_autocast_equal_those_of_float32_codebook_rows(monkeypatch):
     """Under bf16 autocast (mixed-precision training) the successor codebook's rows are gathered already in bf16
     (``codebook_rows``): the scores and every gradient are bit for bit those of F.embedding's float32 rows, which

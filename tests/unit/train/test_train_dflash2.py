@@ -79,9 +79,12 @@ def test_selector_term_is_the_sum_of_per_sequence_terms_and_trains_the_selector(
 
 
 @pytest.mark.slow
-def test_dflash2_trains_from_shards_resumes_and_exports_for_the_reference(tiny_run, tmp_path):
+@pytest.mark.parametrize("codebook_lr_scale", [1.0, 10.0])
+def test_dflash2_trains_from_shards_resumes_and_exports_for_the_reference(tiny_run, tmp_path, codebook_lr_scale):
+    """At 10 the codebooks' optimizer group of their own goes through the checkpoint and back too."""
     target, shards = tiny_run
-    kw = dict(drafter_architecture="dflash2", drafter={"intermediate_size": 64, **DFLASH2}, keep_last=10)
+    kw = dict(drafter_architecture="dflash2", drafter={"intermediate_size": 64, **DFLASH2}, keep_last=10,
+              selector_codebook_lr_scale=codebook_lr_scale)
     straight = tmp_path / "straight"
     summary = train(load_config(None, [], **tiny_overrides(shards, straight, **kw)))
     assert summary["step"] == 10
