@@ -242,10 +242,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     check_numeric_flags(args)
     if args.compare:
-        from .report import compare_reports, read_report
+        from .report import compare_reports, read_outputs, read_report
 
-        for path in args.compare:  # every report readable before --out is touched
+        for path in args.compare:  # every report (and its outputs.jsonl) readable before --out is touched
             read_report(path)
+            read_outputs(path)
         with report_dir(args.out, args.overwrite):
             print(compare_reports(args.compare, args.out))
         return 0

@@ -19,6 +19,12 @@ Design choices:
 - matplotlib is imported only when plots are written, with the Agg backend (no display needed).
 - `compare_reports` reads several report.json files and writes one side-by-side table (and a tau plot); a
   report.json that is not JSON, or lacks a field the table reads, is named with the field, in one line.
+- outputs.jsonl (the local engine's runs): one line per prompt, its dataset and id, the prompt's and the answer's
+  lengths, the rounds and their tokens (τ of the prompt) and the answer's token ids. `--compare` pairs the
+  prompts of reports that have one (`paired_outputs`): how many answers are the same, where the others part,
+  and τ of each report over the prompts whose answers are the same. With the same answers τ differs only by
+  the drafter's proposals; where they part (another dtype, device or target build: greedy decoding picks the
+  other of two near-tied tokens), the two runs draft different text and τ moves for that reason too.
 - A report directory holds only eval's files (`REPORT_FILES`): `dflashkit eval` refuses an --out that holds
   anything else, or an earlier report, unless --overwrite (`report_dir_problem`); nothing of the user's is replaced.
 """
@@ -36,7 +42,9 @@ from .engine import GenerationResult
 # every file `dflashkit eval` writes into --out, in any of its modes (local and vLLM reports, --server, --compare)
 REPORT_FILES = ("report.json", "report.md", "acceptance_histogram.png", "per_position_acceptance.png",
                 "tau_per_dataset.png", "speedup_vs_concurrency.png", "serving.json", "serving.md", "compare.md",
-                "tau_compare.png", "schedule.json", "engines.partial.jsonl")
+                "tau_compare.png", "schedule.json", "engines.partial.jsonl", "outputs.jsonl")
+OUTPUT_FIELDS = {"dataset": str, "id": str, "prompt_tokens": int, "rounds": int, "round_tokens": int, "tau": float,
+                 "tokens": list}
 
 
 def _mean(values) -> float:
@@ -211,10 +219,20 @@ def _save(fig, path: Path) -> str:
     return path.name
 
 
-def write_report(report: dict, out_dir: str | Path, plots: bool = True) -> Path:
-    """report.json, report.md and the plots in out_dir."""
+def output_record(dataset: str, prompt_id: str, result: GenerationResult) -> dict:
+    """One line of outputs.jsonl: a prompt's speculative run (module notes)."""
+    rounds, round_tokens = len(result.acceptance_lengths), sum(result.acceptance_lengths)
+    return {"dataset": dataset, "id": prompt_id, "prompt_tokens": result.prompt_len, "rounds": rounds,
+            "round_tokens": round_tokens, "tau": round_tokens / rounds if rounds else 0.0,
+            "tokens": list(result.tokens)}
+
+
+def write_report(report: dict, out_dir: str | Path, plots: bool = True, outputs: list[dict] | None = None) -> Path:
+    """report.json, report.md and the plots in out_dir; outputs.jsonl first when ``outputs`` is given."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if outputs is not None:
+        atomic_write(out / "outputs.jsonl", "".join(json.dumps(r) + "\n" for r in outputs).encode())
     for with_plots in (False, True) if plots else (False,):  # the numbers first: a failed plot loses nothing
         if with_plots:
             report["plots"] = write_plots(report, out)
@@ -297,8 +315,58 @@ def read_report(path: str | Path) -> dict:
     return check_report(report, file)
 
 
+def read_outputs(path: str | Path) -> dict[tuple[str, str], dict] | None:
+    """A report directory's outputs.jsonl as {(dataset, id): record}; None when it has none (a vLLM report, or
+    one written before the file existed). A line that is not such a record is named with its field."""
+    path = Path(path)
+    file = (path if path.is_dir() else path.parent) / "outputs.jsonl"
+    if not file.is_file():
+        return None
+    fix = "it is written by `dflashkit eval`; run that eval again, or remove the file to compare without it"
+    records = {}
+    for number, line in enumerate(file.read_text(encoding="utf-8").splitlines(), 1):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise UserError(f"{file}: line {number} is not JSON ({error.msg}); {fix}") from None
+        for name, kind in OUTPUT_FIELDS.items():
+            value = record.get(name) if isinstance(record, dict) else None
+            if not isinstance(value, kind) and not (kind is float and isinstance(value, int)):
+                raise UserError(f"{file}: line {number}: field {name} is missing or not {kind.__name__}; {fix}")
+        records[(record["dataset"], record["id"])] = record
+    return records
+
+
+def _first_difference(a: list, b: list) -> int | None:
+    """The first token index where two answers differ (the shorter one's length when one is the other's start);
+    None for the same answer."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def paired_outputs(first: dict, other: dict) -> dict:
+    """Two reports' outputs on the prompts both ran (module notes): the prompts, the same answers, the median
+    token where the others part, and τ of each over all shared prompts and over those with the same answer."""
+    shared = [key for key in first if key in other]
+    parts = {key: _first_difference(first[key]["tokens"], other[key]["tokens"]) for key in shared}
+    same = [key for key in shared if parts[key] is None]
+    parted = sorted(i for i in parts.values() if i is not None)
+
+    def tau(records: dict, keys: list) -> float | None:
+        rounds = sum(records[k]["rounds"] for k in keys)
+        return sum(records[k]["round_tokens"] for k in keys) / rounds if rounds else None
+
+    return {"prompts": len(shared), "same_answers": len(same),
+            "median_first_difference": parted[len(parted) // 2] if parted else None,
+            "tau_first": tau(first, shared), "tau_other": tau(other, shared),
+            "tau_first_same_answers": tau(first, same), "tau_other_same_answers": tau(other, same)}
+
+
 def compare_reports(paths: list[str], out_dir: str | Path | None = None) -> str:
-    """A markdown table of several reports side by side (and tau_compare.png in out_dir)."""
+    """A markdown table of several reports side by side (and tau_compare.png in out_dir); where the reports have
+    outputs.jsonl, a second table pairs each one's prompts with the first report's (``paired_outputs``)."""
     reports = [read_report(p) for p in paths]
     datasets = sorted({name for r in reports for name in r["datasets"]})
     header = ["report", "mode", "budget"] + [f"τ {d}" for d in datasets] + ["τ all", "speedup", "verify/AR step"]
@@ -308,6 +376,13 @@ def compare_reports(paths: list[str], out_dir: str | Path | None = None) -> str:
                      else r["block_size"]] + [r["datasets"].get(d, {}).get("tau") for d in datasets]
                     + [r["overall"]["tau"], r["overall"].get("speedup"), r["overall"].get("verify_over_ar_step")])
     text = "# Comparison\n\n" + _table(rows, header) + "\n"
+    outputs = [read_outputs(p) for p in paths]
+    if outputs[0] is not None and any(o is not None for o in outputs[1:]):
+        paired = [[path] + list(paired_outputs(outputs[0], o).values()) for path, o in zip(paths[1:], outputs[1:])
+                  if o is not None]
+        text += (f"\n## The same prompts against {paths[0]} (outputs.jsonl)\n\n"
+                 + _table(paired, ["report", "prompts", "same answers", "median first difference (token)",
+                                   "τ first", "τ this", "τ first, same answers", "τ this, same answers"]) + "\n")
     if out_dir is not None:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)

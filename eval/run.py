@@ -149,6 +149,7 @@ class DatasetRuns:
     ar: list[GenerationResult] = field(default_factory=list)
     ref: list = field(default_factory=list)  # lossless.ReferenceRun
     ids: list[str] = field(default_factory=list)  # "spec#id" of each reference
+    prompt_ids: list[str] = field(default_factory=list)  # the id of each speculative run's prompt
 
 
 @dataclass
@@ -308,6 +309,7 @@ def eval_prompt(run: EvalRun, decoder: SpeculativeDecoder, spec: str, k: int, pr
         decoder.warm_up(prompt.input_ids)
         laps.lap("warm_up")
     runs.spec.append(decoder.generate(prompt.input_ids))
+    runs.prompt_ids.append(prompt.id)
     laps.lap("speculative")
     if not run.paired(k):
         return
@@ -331,7 +333,7 @@ def report_run(run: EvalRun, settings: dict, out: str | Path) -> dict:
         report = build_report(run, settings)
         run.laps.lap("other")
         report["timing"] = run.laps.seconds
-        write_report(report, out)
+        write_report(report, out, outputs=prompt_outputs(run))
     if late.signal_name:
         report["stop_request"] = late.signal_name
         print(f"dflashkit eval: {late.signal_name} while the report was written; the report is written in full",
@@ -360,6 +362,14 @@ def build_report(run: EvalRun, settings: dict) -> dict:
         report["partial"] = {"reason": run.stop_reason, "prompts_done": report["overall"]["prompts"],
                              "prompts_planned": run.planned}
     return report
+
+
+def prompt_outputs(run: EvalRun) -> list[dict]:
+    """outputs.jsonl's records (eval/report.py ``output_record``): each speculative run, in prompt order."""
+    from .report import output_record
+
+    return [output_record(spec, prompt_id, result) for spec, runs in run.results.items()
+            for prompt_id, result in zip(runs.prompt_ids, runs.spec)]
 
 
 def numbers(parts: list[DatasetRuns], block_size: int, dtype: torch.dtype) -> dict:

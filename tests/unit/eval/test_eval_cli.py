@@ -63,11 +63,24 @@ def test_eval_writes_a_complete_report_and_compares(chat_pair, tmp_path, capsys)
     assert 1 < tree["overall"]["mean_nodes_per_round"] <= 6 and tree["overall"]["lossless"]["mismatches"] == 0
     assert tree["overall"]["lossless"]["exact_match_rate"] == 1.0
 
+    # outputs.jsonl: each prompt's run, adding up to the report's numbers
+    lines = [json.loads(x) for x in (tmp_path / "chain" / "outputs.jsonl").read_text().splitlines()]
+    assert [x["dataset"] for x in lines] == ["builtin:mtbench"] * 2 + ["builtin:humaneval"] * 2
+    assert sum(x["rounds"] for x in lines) == overall["rounds"] and all(len(x["tokens"]) == NEW for x in lines)
+    assert sum(x["round_tokens"] for x in lines) == 4 * (NEW - 1) and len({x["id"] for x in lines}) == 4
+    trees = [json.loads(x) for x in (tmp_path / "tree" / "outputs.jsonl").read_text().splitlines()]
+    assert [x["tokens"] for x in trees] == [x["tokens"] for x in lines]  # lossless: the target's answers
+
     capsys.readouterr()
     assert main(["--compare", str(tmp_path / "chain"), str(tmp_path / "tree"), "--out", str(tmp_path / "cmp")]) == 0
     table = capsys.readouterr().out
     assert "| chain |" in table and "| tree |" in table and f"{overall['tau']:.3f}" in table
     assert (tmp_path / "cmp" / "tau_compare.png").exists()
+    # the same answers, so over them each report's τ is its own overall τ
+    paired = table.split("(outputs.jsonl)")[1]
+    assert (f"| {tmp_path / 'tree'} | 4 | 4 | — | {overall['tau']:.3f} | {tree['overall']['tau']:.3f} | "
+            f"{overall['tau']:.3f} | {tree['overall']['tau']:.3f} |") in paired
+    assert paired.strip() in (tmp_path / "cmp" / "compare.md").read_text()
 
 
 def test_baseline_on_the_first_prompts_only(chat_pair, tmp_path):

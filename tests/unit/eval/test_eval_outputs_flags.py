@@ -155,3 +155,47 @@ def test_compare_names_the_report_and_the_field(tmp_path, capsys, text, said):
     line = error_line(capsys)
     assert f"{bad / 'report.json'}: {said}" in line and "dflashkit eval --out DIR" in line
     assert not (tmp_path / "cmp").exists()
+
+
+def _record(dataset, prompt_id, tokens, rounds, round_tokens):
+    return {"dataset": dataset, "id": prompt_id, "prompt_tokens": 5, "rounds": rounds, "round_tokens": round_tokens,
+            "tau": round_tokens / rounds, "tokens": tokens}
+
+
+def test_compare_pairs_the_prompts_of_two_reports_outputs():
+    """The same answers are counted, a parting answer gives the token where it parts (a shorter answer that is
+    the other's start, its length), and τ of each report over the shared prompts and over those with the same
+    answer come from their rounds; a prompt only one report ran is left out."""
+    from dflashkit.eval.report import paired_outputs
+
+    first = {(r["dataset"], r["id"]): r for r in [
+        _record("a", "1", [1, 2, 3, 4], 2, 3), _record("a", "2", [5, 6, 7, 8], 3, 3),
+        _record("b", "1", [9, 9, 9, 9], 1, 3), _record("b", "2", [1, 1], 1, 1), _record("b", "9", [0], 1, 0)]}
+    other = {(r["dataset"], r["id"]): r for r in [
+        _record("a", "1", [1, 2, 3, 4], 1, 3), _record("a", "2", [5, 6, 0, 8], 1, 3),
+        _record("b", "1", [9, 9, 9, 9], 3, 3), _record("b", "2", [1, 1, 4], 2, 2)]}
+    got = paired_outputs(first, other)
+    assert got == {"prompts": 4, "same_answers": 2, "median_first_difference": 2,
+                   "tau_first": (3 + 3 + 3 + 1) / (2 + 3 + 1 + 1), "tau_other": (3 + 3 + 3 + 2) / (1 + 1 + 3 + 2),
+                   "tau_first_same_answers": 6 / 3, "tau_other_same_answers": 6 / 4}
+    assert paired_outputs(first, {})["tau_first"] is None
+
+
+@pytest.mark.parametrize("line,said", [
+    ("{cut", "line 2 is not JSON"),
+    (json.dumps({**_record("d", "1", [1], 1, 1), "tokens": "1 2"}), "line 2: field tokens is missing or not list"),
+    (json.dumps({k: v for k, v in _record("d", "1", [1], 1, 1).items() if k != "rounds"}),
+     "line 2: field rounds is missing or not int"),
+])
+def test_compare_names_the_outputs_line_and_field(tmp_path, capsys, line, said):
+    good, bad = tmp_path / "good", tmp_path / "bad"
+    for path in (good, bad):
+        path.mkdir()
+        (path / "report.json").write_text(json.dumps(GOOD))
+    (good / "outputs.jsonl").write_text(json.dumps(_record("d", "1", [1], 1, 1)) + "\n")
+    (bad / "outputs.jsonl").write_text(json.dumps(_record("d", "0", [1], 1, 1)) + "\n" + line + "\n")
+    assert cli(["eval", "--compare", str(good), str(good)]) == 0
+    capsys.readouterr()
+    assert cli(["eval", "--compare", str(good), str(bad), "--out", str(tmp_path / "cmp")]) == 2
+    assert f"{bad / 'outputs.jsonl'}: {said}" in error_line(capsys)
+    assert not (tmp_path / "cmp").exists()
