@@ -45,7 +45,8 @@ from dflashkit.train.checkpoint import latest_checkpoint
 ROOT = Path(__file__).resolve().parents[1]
 SLIDING_4_FULL_1 = "[sliding_attention,sliding_attention,sliding_attention,sliding_attention,full_attention]"
 
-# name -> TrainConfig overrides on top of the recipe (`{epochs}` is --epochs). Each comment says what is compared.
+# name -> TrainConfig overrides on top of the recipe (`{epochs}` is --epochs, `{double_epochs}` twice it,
+# `{half_epochs}` half of it, at least 1). Each comment says what is compared.
 VARIANTS: dict[str, list[str]] = {
     # the recipe as it is (recipes/smollm2-135m.yaml: 16k tokens per step and AdamW in RESULTS.md's first screen,
     # 8k and Muon in its second, 4k and Muon since); 512 anchors per sequence, cosine
@@ -78,6 +79,8 @@ VARIANTS: dict[str, list[str]] = {
     # more target-written data from the same prompts: a sampled answer per prompt beside the greedy one
     # (`--extra-data`, e.g. `dflashkit regenerate --temperature 0.8 --top-p 0.95 --seed 1`); not equal data
     "extra_answers": ["data+={extra_data}"],
+    # the same, in half the epochs: about the default's steps, each step's answers twice as varied
+    "extra_answers_same_steps": ["data+={extra_data}", "epochs={half_epochs}"],
     # runs planned to end early (the schedule decays by then, unlike a longer run stopped by time): what a budget of
     # a few minutes reaches (RESULTS.md "time to quality": τ 2.0 took ~1,500 steps of the 3-epoch schedule)
     "steps_1000": ["max_steps=1000"],
@@ -87,9 +90,9 @@ VARIANTS: dict[str, list[str]] = {
 }
 # variants that never go into a combination of winners (--combine): a layout vLLM 0.24 serves differently
 # (docs/ARCHITECTURE.md), more data or more or fewer steps than the study compares at, another architecture
-NOT_COMBINED = ("sliding_window", "extra_answers", "longer", "dflash2", "dflash2_coupled", "dflash2_loss_weighted",
-                "dflash2_codebook_lr",
-                "steps_1000", "steps_1400", "steps_1000_anchors", "steps_1400_anchors")
+NOT_COMBINED = ("sliding_window", "extra_answers", "extra_answers_same_steps", "longer", "dflash2", "dflash2_coupled",
+                "dflash2_loss_weighted", "dflash2_codebook_lr", "steps_1000", "steps_1400", "steps_1000_anchors",
+                "steps_1400_anchors")
 
 
 def is_replicate(overrides) -> bool:
@@ -285,7 +288,8 @@ class Study:
     # --- one variant: train, export, evaluate --------------------------------------------------------------
     def run_variant(self, name: str) -> None:
         a = self.args
-        items = [o.format(epochs=a.epochs, double_epochs=2 * a.epochs, extra_data=a.extra_data)
+        items = [o.format(epochs=a.epochs, double_epochs=2 * a.epochs, half_epochs=max(1, a.epochs // 2),
+                          extra_data=a.extra_data)
                  for o in self.variants[name]]
         extra_data = [o.split("=", 1)[1] for o in items if o.startswith("data+=")]  # more --data for this one
         overrides = [o for o in items if not o.startswith("data+=")]

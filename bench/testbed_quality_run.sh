@@ -18,6 +18,10 @@
 #   4. live chain τ in `dflashkit eval` for every export (bench/recipe_study.py --stage eval: greedy, bf16, MT-bench
 #      80, 256 new tokens), stopped at L_EVAL seconds with the prompts it finished;
 #   5. the held-out τ_walk against seconds, the regeneration's seconds added (bench/time_to_quality.py; CPU).
+# SAMPLED=1 answers the same turns once more, sampled (temperature 0.8, top-p 0.95, seed 1; stage 1b, its pieces
+# under $RUN/out/regen-sampled/), for the variants that train on a second answer per prompt (data+={extra_data}:
+# bench/recipe_study.py's extra_answers, extra_answers_same_steps); REGEN_SAMPLED=FILE[.gz] reuses an earlier
+# lease's. Stage 5 adds only stage 1's seconds (the sampled answers are those variants' own cost).
 # KEEP_DRAFTER=1 leaves each export in 15 MiB pieces under $RUN/out/drafter-<variant>/. TURNS=first answers only
 # the first user turn of each conversation of $DATA/sharegpt.jsonl[.gz] (the 10,219 of the recipe's runs; time to
 # quality on that data, e.g. VARIANTS=steps_1400_anchors PAR=1: one run alone at a time, as a user's would be).
@@ -30,6 +34,7 @@
 #
 # Bringing results back to the next lease (15 MiB a file):
 #   the data:  cat $OUT/regen/regen.jsonl.gz.* > .cache/regen-all.jsonl.gz   (then REGEN=.cache/regen-all.jsonl.gz)
+#   sampled:   cat $OUT/regen-sampled/regen-sampled.jsonl.gz.* > .cache/regen-sampled.jsonl.gz   (REGEN_SAMPLED=...)
 #   a drafter: mkdir -p .cache/drafter && cat $OUT/drafter-default/drafter.tar.* | tar x -C .cache/drafter
 #
 #   python bench/testbed_data.py --out .cache/gpu --sharegpt 0        # here, where the testbed packages are
@@ -61,6 +66,7 @@ VARIANTS=${VARIANTS:-default}
 TURNS=${TURNS:-every}
 absolute() { [ -e "$1" ] && echo "$(cd "$(dirname "$1")" && pwd)/$(basename "$1")" || echo "$1"; }
 T=$(absolute "$T"); [ -n "${REGEN:-}" ] && REGEN=$(absolute "$REGEN")  # run_lib.sh moves the shell into $R
+[ -n "${REGEN_SAMPLED:-}" ] && REGEN_SAMPLED=$(absolute "$REGEN_SAMPLED")
 . "$(dirname "$0")/run_lib.sh"  # ROOT, D, R, O, PY; the shell in $R; stage()
 if [ "$SCALE" = toy ]; then
   DEV=(--device cpu); SLOTS=8; NEW=8; LIMIT=(--limit 16); KS=${KS_TOY:-3}
@@ -120,17 +126,24 @@ warm_compile() {  # the default variant's graphs compiled beside the answering (
   WARM_PID=$!
 }
 answers() { grep -o '"role": "assistant"' "$1" | wc -l; }  # the answered turns of a regenerated JSONL
-REGEN_S=0
-if [ -n "${REGEN:-}" ]; then  # an earlier lease's regenerated data (its out/regen pieces put back together)
-  case "$REGEN" in *.gz) gunzip -c "$REGEN" > "$R/regen.jsonl" ;; *) cp "$REGEN" "$R/regen.jsonl" ;; esac || exit 1
-  note "regenerate: reused $REGEN ($(wc -l < "$R/regen.jsonl") conversations, $(answers "$R/regen.jsonl") answers)"
-else
-  SRC=$(turns_source) || { note "no $D/sharegpt_turns.jsonl[.gz]: write it with bench/testbed_data.py"; exit 2; }
+source_turns() {  # sets SRC (the conversations to answer) and FIRST (the regeneration's turn flag)
+  SRC=$(turns_source) || { note "no $D/sharegpt_turns.jsonl[.gz]: write it with bench/testbed_data.py"; return 1; }
   FIRST=()
   case "$TURNS:$SRC" in
     first:*) FIRST=(--max-turns 1); note "regenerate: the first user turn of each conversation of $SRC" ;;
     *:*/sharegpt.jsonl*) note "regenerate: $SRC holds first turns only (toy fallback)" ;;
   esac
+}
+pieces() {  # FILE DIR: FILE gzipped in pieces of at most 15 MiB under DIR (cat DIR/* | gunzip gives FILE)
+  mkdir -p "$2" && rm -f "$2/$(basename "$1").gz."*
+  gzip -c "$1" | split -b 15M - "$2/$(basename "$1").gz."
+}
+REGEN_S=0
+if [ -n "${REGEN:-}" ]; then  # an earlier lease's regenerated data (its out/regen pieces put back together)
+  case "$REGEN" in *.gz) gunzip -c "$REGEN" > "$R/regen.jsonl" ;; *) cp "$REGEN" "$R/regen.jsonl" ;; esac || exit 1
+  note "regenerate: reused $REGEN ($(wc -l < "$R/regen.jsonl") conversations, $(answers "$R/regen.jsonl") answers)"
+else
+  source_turns || exit 2
   start=$(date +%s)
   WARM_PID=
   [ "${WARM:-0}" = 1 ] && warm_compile
@@ -146,11 +159,31 @@ else
   fi
   REGEN_S=$(( $(date +%s) - start ))
   [ -s "$R/regen.jsonl" ] || { note "regenerate wrote nothing: stopping"; exit 1; }
-  mkdir -p "$O/regen" && rm -f "$O/regen/regen.jsonl.gz."*
-  gzip -c "$R/regen.jsonl" | split -b 15M - "$O/regen/regen.jsonl.gz."
+  pieces "$R/regen.jsonl" "$O/regen"
   note "regenerated: $(wc -l < "$R/regen.jsonl") conversations, $(answers "$R/regen.jsonl") answers;" \
     "$(ls "$O/regen" | wc -l) piece(s) in out/regen"
 fi
+
+# --- 1b. a sampled second answer to every prompt (SAMPLED=1), or an earlier lease's (REGEN_SAMPLED) -------------------
+EXTRA_DATA=()
+if [ -n "${REGEN_SAMPLED:-}" ]; then
+  case "$REGEN_SAMPLED" in
+    *.gz) gunzip -c "$REGEN_SAMPLED" > "$R/regen-sampled.jsonl" ;; *) cp "$REGEN_SAMPLED" "$R/regen-sampled.jsonl" ;;
+  esac || exit 1
+  note "regenerate-sampled: reused $REGEN_SAMPLED ($(wc -l < "$R/regen-sampled.jsonl") conversations," \
+    "$(answers "$R/regen-sampled.jsonl") answers)"
+elif [ "${SAMPLED:-0}" = 1 ]; then
+  [ -n "${SRC:-}" ] || source_turns || exit 2
+  stage regenerate-sampled "$L_REGEN" "$PY" -m dflashkit.extract.regenerate --target "$T" --data "$SRC" \
+    --out "$R/regen-sampled.jsonl" --resume --max-new-tokens "$NEW" --batch-size "$SLOTS" --max-prompt-length 1024 \
+    --temperature 0.8 --top-p 0.95 --seed 1 --no-progress "${FIRST[@]}" "${DEV[@]}" "${LIMIT[@]}"
+  if [ -s "$R/regen-sampled.jsonl" ]; then
+    pieces "$R/regen-sampled.jsonl" "$O/regen-sampled"
+    note "regenerated, sampled: $(wc -l < "$R/regen-sampled.jsonl") conversations," \
+      "$(answers "$R/regen-sampled.jsonl") answers"
+  fi
+fi
+[ -s "$R/regen-sampled.jsonl" ] && EXTRA_DATA=(--extra-data "$R/regen-sampled.jsonl")
 
 # --- 2. the recipe's variants trained online on it, side by side ------------------------------------------------------
 PAR=${PAR:-$(( $(tr -cd , <<< "$VARIANTS" | wc -c) + 1 ))}  # variants at once: all (the items of VARIANTS, at least)
@@ -158,7 +191,7 @@ study() {  # STAGE LIMIT: every variant through bench/recipe_study.py, side by s
   stage "$1-recipe" "$2" "$PY" "$ROOT/bench/recipe_study.py" --target "$T" --data "$R/regen.jsonl" \
     --out "$O/recipe" --work-dir "$R/work" --variants "$VARIANTS" --parallel "$PAR" --epochs "$EPOCHS" \
     --stage "$1" --train-time-limit "$L_TRAIN" --eval-time-limit "$L_EVAL" --extra-overrides "$EXTRA" \
-    --dataset "$D/mtbench.jsonl" "${EVAL[@]}" "${DEV[@]}"
+    --dataset "$D/mtbench.jsonl" "${EVAL[@]}" "${DEV[@]}" "${EXTRA_DATA[@]}"
 }
 study train $(( L_TRAIN + 300 ))
 # the variants as recipe_study named them (its results.json), each with its export if training left one

@@ -121,3 +121,32 @@ def test_the_quality_run_script_trains_on_an_earlier_leases_answers(tmp_path):
     assert f"--data {run / 'regen.jsonl'} " in (run / "stages.txt").read_text()
     (summary,) = json.loads((run / "out" / "time_to_quality.json").read_text()).values()
     assert summary["offset_s"] == 0 and summary["timeline"]
+
+
+@pytest.mark.slow
+def test_the_quality_run_script_adds_a_sampled_answer_for_the_variants_that_ask(tmp_path):
+    """SAMPLED=1: the same turns answered once more, sampled (stage 1b, in pieces under out/regen-sampled); the
+    variants with data+={extra_data} train on both files (extra_answers_same_steps in half the epochs), the
+    default on the greedy answers alone."""
+    data = toy_data(tmp_path / "data", sharegpt=4, sharegpt_turns=3, mtbench=2)
+    run = tmp_path / "run"
+    ends = run_toy_script("testbed_quality_run.sh", run, limits=("L_REGEN", "L_TRAIN", "L_VLLM"), TURNS="first",
+                          L_EVAL="0", SAMPLED="1", VARIANTS="default,extra_answers_same_steps", EPOCHS="2",
+                          TARGET="testbed:smollm2", DATA=str(data))
+    assert set(ends) == {"regenerate", "regenerate-sampled", "train-recipe", "vllm-tau-mtbench",
+                         "time-to-quality"}, ends
+    greedy, sampled = jsonl(run / "regen.jsonl"), jsonl(run / "regen-sampled.jsonl")
+    assert [r["messages"][0] for r in sampled] == [r["messages"][0] for r in greedy] and len(greedy) == 4
+    assert [r["messages"][1]["content"] for r in sampled] != [r["messages"][1]["content"] for r in greedy]
+    pieces = sorted((run / "out" / "regen-sampled").glob("regen-sampled.jsonl.gz.*"))
+    assert pieces and gzip.decompress(b"".join(p.read_bytes() for p in pieces)) == (
+        run / "regen-sampled.jsonl").read_bytes()
+    assert "regenerated, sampled: 4 conversations, 4 answers" in (run / "stages.txt").read_text()
+    rows = json.loads((run / "out" / "recipe" / "results.json").read_text())["variants"]
+    assert rows["extra_answers_same_steps"]["overrides"] == [f"data+={run / 'regen-sampled.jsonl'}", "epochs=1"]
+    assert rows["default"]["overrides"] == [] and all(r["status"] == "trained" for r in rows.values())
+    logs = run / "out" / "recipe" / "results"
+    both = (logs / "extra_answers_same_steps" / "train.log").read_text()
+    assert "online data: 8 samples" in both and "1 epochs =" in both
+    alone = (logs / "default" / "train.log").read_text()
+    assert "online data: 4 samples" in alone and "2 epochs =" in alone

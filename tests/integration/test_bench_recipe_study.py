@@ -87,7 +87,7 @@ def test_every_study_row_loads_against_the_recipe():
 
     for name, overrides in VARIANTS.items():
         # `data+=FILE` is the study's own (more data files for the run), not a TrainConfig override
-        filled = [o.format(double_epochs=6) for o in overrides if not o.startswith("data+=")]
+        filled = [o.format(double_epochs=6, half_epochs=1) for o in overrides if not o.startswith("data+=")]
         cfg = load_config(str(ROOT / "recipes" / "smollm2-135m.yaml"), filled)
         for item in filled:
             key = item.split("=")[0].rstrip("+")
