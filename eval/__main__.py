@@ -68,7 +68,8 @@ ENGINE_ONLY = {
     "dflashkit": {"concurrency": "--server and --engine vllm", "num_speculative_tokens": "--engine vllm",
                   "max_model_len": "--engine vllm", "repeats": "--server and --engine vllm",
                   "baseline": "--engine vllm", "max_requests_per_level": "--server and --engine vllm",
-                  "min_waves": "--server and --engine vllm", "cudagraph_capture_size": "--engine vllm"},
+                  "min_waves": "--server and --engine vllm", "cudagraph_capture_size": "--engine vllm",
+                  "per_prompt": "--engine vllm"},
     "vllm": {"block_size": "the dflashkit engine (with vLLM: --num-speculative-tokens)",
              "time_limit": "the dflashkit engine", "baseline_prompts": "the dflashkit engine",
              "reference_prompts": "the dflashkit engine"},
@@ -163,6 +164,10 @@ def add_vllm_flags(p: argparse.ArgumentParser) -> None:
     served.add_argument("--max-model-len", type=int, default=None,
                         help="default: the longest prompt (multi-turn included) + new tokens + one block")
     served.add_argument("--enforce-eager", action="store_true", help="vLLM without CUDA graphs")
+    served.add_argument("--per-prompt", action="store_const", const=True, default=None,
+                        help="also send every prompt alone to the drafter's engine (the headline k): each one's "
+                             "τ from vLLM's counters and its answer, in outputs.jsonl; `--compare` pairs them with "
+                             "a `dflashkit eval` report of the same prompts")
 
 
 def _fail(message: str, status: int = 1) -> int:
@@ -327,7 +332,7 @@ def _vllm_config(args):
                             repeats=args.repeats or 3, baselines=args.baseline or [],
                             max_requests_per_level=args.max_requests_per_level, min_waves=args.min_waves or 1,
                             cudagraph_capture=args.cudagraph_capture_size or "auto",
-                            schedule_run=not args.no_schedule_run)
+                            schedule_run=not args.no_schedule_run, per_prompt=bool(args.per_prompt))
     config.check()
     return config
 

@@ -19,8 +19,10 @@ Design choices:
 - matplotlib is imported only when plots are written, with the Agg backend (no display needed).
 - `compare_reports` reads several report.json files and writes one side-by-side table (and a tau plot); a
   report.json that is not JSON, or lacks a field the table reads, is named with the field, in one line.
-- outputs.jsonl (the local engine's runs): one line per prompt, its dataset and id, the prompt's and the answer's
-  lengths, the rounds and their tokens (τ of the prompt) and the answer's token ids. `--compare` pairs the
+- outputs.jsonl (the local engine's runs; `--engine vllm --per-prompt`'s): one line per prompt, its dataset and
+  id, the prompt's length, the rounds and their tokens (τ of the prompt) and the answer's token ids. A
+  round's tokens are its accepted drafts and its bonus token before the cap at --max-new-tokens, as vLLM's
+  counters count them (the report's τ counts the tokens kept: a capped answer's last round counts less). `--compare` pairs the
   prompts of reports that have one (`paired_outputs`): how many answers are the same, where the others part,
   and τ of each report over the prompts whose answers are the same. With the same answers τ differs only by
   the drafter's proposals; where they part (another dtype, device or target build: greedy decoding picks the
@@ -221,7 +223,9 @@ def _save(fig, path: Path) -> str:
 
 def output_record(dataset: str, prompt_id: str, result: GenerationResult) -> dict:
     """One line of outputs.jsonl: a prompt's speculative run (module notes)."""
-    rounds, round_tokens = len(result.acceptance_lengths), sum(result.acceptance_lengths)
+    # each round's accepted drafts and its bonus token before the cap at --max-new-tokens, as vLLM's counters
+    # count them (1 + accepted per draft), so that a vLLM report's records pair with these
+    rounds, round_tokens = len(result.accepted_drafts), len(result.accepted_drafts) + sum(result.accepted_drafts)
     return {"dataset": dataset, "id": prompt_id, "prompt_tokens": result.prompt_len, "rounds": rounds,
             "round_tokens": round_tokens, "tau": round_tokens / rounds if rounds else 0.0,
             "tokens": list(result.tokens)}
@@ -333,8 +337,15 @@ def read_outputs(path: str | Path) -> dict[tuple[str, str], dict] | None:
             value = record.get(name) if isinstance(record, dict) else None
             if not isinstance(value, kind) and not (kind is float and isinstance(value, int)):
                 raise UserError(f"{file}: line {number}: field {name} is missing or not {kind.__name__}; {fix}")
-        records[(record["dataset"], record["id"])] = record
+        records[pair_key(record)] = record
     return records
+
+
+def pair_key(record: dict) -> tuple[str, str]:
+    """What pairs two reports' prompts: the dataset's file name (a report of another machine names the same
+    file under another folder; builtin:NAME as it is) and the prompt's id."""
+    dataset = record["dataset"]
+    return (dataset if dataset.startswith("builtin:") else Path(dataset).name, record["id"])
 
 
 def _first_difference(a: list, b: list) -> int | None:

@@ -26,6 +26,12 @@ Design choices:
   target's own greedy answer to the first, written by the engine without the drafter), each engine first
   answers turn 1 (filling its prefix cache, untimed), then turn 2 all at once (timed, τ from the counters).
   The main measurements use the first setting listed.
+- Per prompt (`--per-prompt`): the headline drafter engine also answers every prompt alone, the counters read
+  around each, and writes outputs.jsonl as the local engine does (eval/report.py): a prompt's rounds are its
+  drafts, its round tokens drafts + accepted, so its τ is 1 + accepted / drafts; the answer is that run's. With a
+  `dflashkit eval` report of the same prompts, `--compare` tells answers that part (vLLM's bf16 kernels against
+  the local run's dtype) from proposals that differ on the same answer. The report's `per_prompt` holds their τ
+  beside the batched one.
 - One vLLM at a time: without the drafter first (baselines, turn-1 answers), then with it; each engine is shut
   down and the GPU released before the next starts.
 - CUDA graphs (``cudagraph_capture``): vLLM 0.24 captures graphs only up to 512 tokens a step by default and runs
@@ -82,6 +88,7 @@ class VllmEvalConfig:
     max_requests_per_level: int | None = None  # a level takes at most this many prompts (None: all of them)
     min_waves: int = 1  # a level sends at least this many waves of c requests (prompts cycled)
     cudagraph_capture: str | int = "auto"  # auto: graphs cover every level's step; vllm: vLLM's default; N tokens
+    per_prompt: bool = False  # also every prompt alone on the headline drafter engine: outputs.jsonl (module notes)
 
     def check(self) -> None:
         if not self.concurrency or min(self.concurrency) < 1:
@@ -238,6 +245,7 @@ class ServedRun:
     tokenizer: object
     template_kwargs: dict
     prompts: list[tuple[str, list[int]]]
+    keys: list[tuple[str, str]]  # (dataset spec, prompt id) of each prompt
     turns: list[tuple[str, list[dict], str]]  # multi-turn records: (id, opening turns, second user turn)
     params: object  # SamplingParams
     max_len: int
@@ -284,8 +292,10 @@ def prepare_run(target: str, drafter: str, datasets: list[str], config: VllmEval
     target_dir, _ = resolve_target_dir(target)
     served_dir, stripped = rules.vllm_target_dir(target_dir, scratch)
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
-    prompts = [(f"{spec}#{p.id}", p.input_ids) for spec in datasets
-               for p in load_prompts(spec, tokenizer, num_prompts, max_prompt_tokens, template_kwargs)]
+    loaded = [(spec, p) for spec in datasets
+              for p in load_prompts(spec, tokenizer, num_prompts, max_prompt_tokens, template_kwargs)]
+    prompts = [(f"{spec}#{p.id}", p.input_ids) for spec, p in loaded]
+    keys = [(spec, p.id) for spec, p in loaded]
     turns = multi_turn_prompts(datasets, num_prompts)
     stop = target_stop_ids(target_dir, tokenizer, template_kwargs) if config.use_stop_tokens else []
     params = api.sampling_params(max_tokens=config.max_new_tokens, temperature=0.0, stop_token_ids=stop,
@@ -301,7 +311,8 @@ def prepare_run(target: str, drafter: str, datasets: list[str], config: VllmEval
         notes.append(f"warning: {window}")
         warn(notes[-1])
     return ServedRun(api, config, str(Path(drafter).resolve()), dcfg, ks, headline, target_dir, served_dir,
-                     stripped, target_config, tokenizer, template_kwargs, prompts, turns, params, max_len, notes)
+                     stripped, target_config, tokenizer, template_kwargs, prompts, keys, turns, params, max_len,
+                     notes)
 
 
 def dflash_spec(run: ServedRun, k: int) -> dict:
@@ -357,6 +368,27 @@ def second_turns(run: ServedRun, llm, answers: list[list[int]] | None = None) ->
     return timed_generate(llm, run.api, chats, max(len(chats), 1), run.params), answers
 
 
+def per_prompt_outputs(run: ServedRun, llm) -> list[dict]:
+    """Every prompt alone on ``llm``: outputs.jsonl's records, τ from the counters around each (module notes)."""
+    records = []
+    for (spec, prompt_id), (_, ids) in zip(run.keys, run.prompts):
+        before = spec_counters(llm)
+        (result,) = llm.generate([{"prompt_token_ids": ids}], run.params, use_tqdm=False)
+        after = spec_counters(llm)
+        drafts, accepted = after["drafts"] - before["drafts"], after["accepted"] - before["accepted"]
+        records.append({"dataset": spec, "id": prompt_id, "prompt_tokens": len(ids), "rounds": drafts,
+                        "round_tokens": drafts + accepted, "tau": 1.0 + accepted / drafts if drafts else 0.0,
+                        "tokens": list(result.outputs[0].token_ids)})
+    return records
+
+
+def per_prompt_summary(records: list[dict]) -> dict:
+    """The report's ``per_prompt``: the prompts sent alone and their τ together."""
+    rounds = sum(r["rounds"] for r in records)
+    return {"prompts": len(records), "rounds": rounds, "file": "outputs.jsonl",
+            "tau": sum(r["round_tokens"] for r in records) / rounds if rounds else None}
+
+
 def measure_engine(run: ServedRun, name: str, spec: dict | None, answers: list | None = None,
                    multi_turn: bool = False) -> dict:
     """One engine over the whole sweep (and the multi-turn prompts when asked), shut down after; its cells are
@@ -367,6 +399,8 @@ def measure_engine(run: ServedRun, name: str, spec: dict | None, answers: list |
         result = sweep_levels(run, llm)
         if multi_turn and run.turns:
             result["multi_turn"], result["turn1_answers"] = second_turns(run, llm, answers)
+        if name == "drafter" and run.config.per_prompt:  # the headline k's engine
+            result["per_prompt"] = per_prompt_outputs(run, llm)
     finally:
         close_engine(llm, run.api)
     record_engine(run, name, spec, result)
@@ -438,6 +472,9 @@ def run_vllm_eval(target: str, drafter: str, out: str | Path, datasets: list[str
     args = {"target": target, "datasets": list(datasets), "num_prompts": num_prompts,
             "max_prompt_tokens": max_prompt_tokens}
     report = build_vllm_report(run, results, schedule, baselines, skipped, prefix_runs, args, started)
-    write_report(report, out)
+    outputs = results[f"k{run.headline_k}"].get("per_prompt")
+    if outputs is not None:
+        report["per_prompt"] = per_prompt_summary(outputs)
+    write_report(report, out, outputs=outputs)
     write_schedule(report, out)
     return report

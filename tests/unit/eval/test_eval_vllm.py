@@ -289,3 +289,41 @@ def test_bench_vllm_runs_every_part_on_the_twin(tmp_path):
     assert tau["dflashkit_scope"] == str(tmp_path / "toy" / "chats.jsonl")  # the served dataset's own tau
     assert bench.main(["--parts", "tau", "--out", str(tmp_path / "empty")]) == 1
     assert "run --parts serve first" in (tmp_path / "empty" / "tau.error.json").read_text()
+
+
+def test_per_prompt_runs_pair_with_a_local_report(pair, tmp_path, capsys):
+    """--per-prompt: every prompt alone on the drafter's engine, each one's τ from the counters (the twin's are
+    dflashkit's chain acceptance) and its answer in outputs.jsonl; `--compare` with a local `dflashkit eval`
+    report of the same prompts finds the same answers and, on them, the same τ."""
+    out, local = tmp_path / "vllm", tmp_path / "local"
+    config = VllmEvalConfig(max_new_tokens=NEW, use_stop_tokens=False, concurrency=[1], repeats=1,
+                            schedule_run=False, prefix_caching=["off"], per_prompt=True)
+    report = run_vllm_eval(str(pair / "target"), str(pair / "drafter"), out, [str(pair / "chats.jsonl")], config,
+                           num_prompts=4, api=standin_api())
+    lines = [json.loads(x) for x in (out / "outputs.jsonl").read_text().splitlines()]
+    assert len(lines) == 4 and all(len(x["tokens"]) == NEW for x in lines)
+    assert report["per_prompt"]["prompts"] == 4 and report["per_prompt"]["rounds"] == sum(x["rounds"] for x in lines)
+    # alone or together, the twin's greedy decoding is the same: the summed rounds are the batched run's drafts
+    assert report["per_prompt"]["tau"] == pytest.approx(report["acceptance"]["tau"])
+    assert report["per_prompt"]["rounds"] == report["acceptance"]["drafts"]
+    assert len({x["tau"] for x in lines}) > 1  # per prompt, not one number copied
+
+    assert run_main("dflashkit eval", main, [
+        "--target", str(pair / "target"), "--drafter", str(pair / "drafter"), "--dataset", str(pair / "chats.jsonl"),
+        "--num-prompts", "4", "--max-new-tokens", str(NEW), "--no-stop", "--baseline-prompts", "0",
+        "--out", str(local)]) == 0
+    ours = [json.loads(x) for x in (local / "outputs.jsonl").read_text().splitlines()]
+    assert [x["tokens"] for x in ours] == [x["tokens"] for x in lines]
+    assert [(x["rounds"], x["round_tokens"]) for x in ours] == [(x["rounds"], x["round_tokens"]) for x in lines]
+    capsys.readouterr()
+    assert run_main("dflashkit eval", main, ["--compare", str(local), str(out)]) == 0
+    tau = report["per_prompt"]["tau"]  # counted before the cap, so at least the local report's own τ
+    assert tau >= json.loads((local / "report.json").read_text())["overall"]["tau"]
+    assert f"| {out} | 4 | 4 | — | {tau:.3f} | {tau:.3f} | {tau:.3f} | {tau:.3f} |" in capsys.readouterr().out
+
+
+def test_per_prompt_is_refused_by_the_local_engine(pair, tmp_path, capsys):
+    assert run_main("dflashkit eval", main, [
+        "--target", str(pair / "target"), "--drafter", str(pair / "drafter"), "--dataset", str(pair / "chats.jsonl"),
+        "--per-prompt", "--out", str(tmp_path / "x")]) == 2
+    assert "--per-prompt is read by --engine vllm, not by --engine dflashkit" in capsys.readouterr().err
