@@ -22,11 +22,12 @@ Design choices:
 - outputs.jsonl (the local engine's runs; `--engine vllm --per-prompt`'s): one line per prompt, its dataset and
   id, the prompt's length, the rounds and their tokens (τ of the prompt) and the answer's token ids. A
   round's tokens are its accepted drafts and its bonus token before the cap at --max-new-tokens, as vLLM's
-  counters count them (the report's τ counts the tokens kept: a capped answer's last round counts less). `--compare` pairs the
-  prompts of reports that have one (`paired_outputs`): how many answers are the same, where the others part,
-  and τ of each report over the prompts whose answers are the same. With the same answers τ differs only by
-  the drafter's proposals; where they part (another dtype, device or target build: greedy decoding picks the
-  other of two near-tied tokens), the two runs draft different text and τ moves for that reason too.
+  counters count them (the report's τ counts the tokens kept: a capped answer's last round counts less).
+  `--compare` pairs the prompts of reports that have one (`paired_outputs`): how many answers are the same,
+  where the others part, and τ of each report over the prompts whose answers are the same. With the same
+  answers τ differs only by the drafter's proposals; where they part (another dtype, device or target build:
+  greedy decoding picks the other of two near-tied tokens), the two runs draft different text and τ moves for
+  that reason too.
 - A report directory holds only eval's files (`REPORT_FILES`): `dflashkit eval` refuses an --out that holds
   anything else, or an earlier report, unless --overwrite (`report_dir_problem`); nothing of the user's is replaced.
 """
