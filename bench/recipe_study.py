@@ -74,6 +74,9 @@ VARIANTS: dict[str, list[str]] = {
     # the coupled form with the codebooks at 10x the lr (a public trainer's; a codebook row moves only when drawn)
     "dflash2_codebook_lr": ["drafter_architecture=dflash2", "selector_unary_grad=true",
                             "selector_codebook_lr_scale=10"],
+    # the coupled form with a missing label put among the candidates, so every valid position has a term
+    # (speculators' form: the drafter's logit of the label rises against its top_k)
+    "dflash2_injected": ["drafter_architecture=dflash2", "selector_unary_grad=true", "selector_missing_label=inject"],
     "causal": ["causal=true"],  # causal inside the block, whole context: one drafter for every k (the recipe's)
     "non_causal": ["causal=false"],  # the block non-causal, as every recipe before the serving plan
     # more target-written data from the same prompts: a sampled answer per prompt beside the greedy one
@@ -91,8 +94,8 @@ VARIANTS: dict[str, list[str]] = {
 # variants that never go into a combination of winners (--combine): a layout vLLM 0.24 serves differently
 # (docs/ARCHITECTURE.md), more data or more or fewer steps than the study compares at, another architecture
 NOT_COMBINED = ("sliding_window", "extra_answers", "extra_answers_same_steps", "longer", "dflash2", "dflash2_coupled",
-                "dflash2_loss_weighted", "dflash2_codebook_lr", "steps_1000", "steps_1400", "steps_1000_anchors",
-                "steps_1400_anchors")
+                "dflash2_loss_weighted", "dflash2_codebook_lr", "dflash2_injected", "steps_1000", "steps_1400",
+                "steps_1000_anchors", "steps_1400_anchors")
 
 
 def is_replicate(overrides) -> bool:

@@ -77,6 +77,8 @@ class TrainConfig:
     # unary logits too, as in the public DFlash2 trainers (train/selector_loss.py; off until compared on a GPU)
     selector_weights: str = "decay"  # dflash2: the selector term's position weights and normaliser: "decay" (the
     # ce decay) or "loss" (the block loss's own, D-PACE's with the recipe, as SpecForge; train/selector_loss.py)
+    selector_missing_label: str = "skip"  # dflash2, training: a valid label not among the candidates adds no
+    # selector term ("skip"), or takes the lowest candidate's slot with its own logit ("inject", speculators')
     selector_codebook_lr_scale: float = 1.0  # dflash2: the selector's two codebooks learn at this multiple of the
     # lr (their own optimizer group; a codebook row moves only on the steps its token is drawn; train/muon.py)
     # --- objective
@@ -165,6 +167,8 @@ class TrainConfig:
             raise UserError(f"lr_schedule: {self.lr_schedule!r}; use 'cosine' or 'linear'")
         if self.selector_weights not in ("decay", "loss"):
             raise UserError(f"selector_weights: {self.selector_weights!r}; use 'decay' or 'loss'")
+        if self.selector_missing_label not in ("skip", "inject"):
+            raise UserError(f"selector_missing_label: {self.selector_missing_label!r}; use 'skip' or 'inject'")
         if not self.selector_codebook_lr_scale > 0:
             raise UserError(f"selector_codebook_lr_scale must be > 0 (a multiple of lr), got "
                             f"{self.selector_codebook_lr_scale}")

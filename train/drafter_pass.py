@@ -33,7 +33,7 @@ from dflashkit.errors import UserError
 from .block_mask import build_block_masks
 from .data import PackedBlocks
 from .loss import BlockLossOutput, block_loss, loss_denominator
-from .selector_loss import SelectorLossOutput, candidate_logits, predecessor_ids, selector_loss
+from .selector_loss import SelectorLossOutput, candidate_logits, inject_missing_labels, predecessor_ids, selector_loss
 from .selector_pair import pair_term
 
 
@@ -53,11 +53,14 @@ class BlockLossPass:
     the same loss with ``top_k`` and hands the selector its candidates (the module notes)."""
 
     def __init__(self, head, labels: torch.Tensor, valid: torch.Tensor, teacher: torch.Tensor | None,
-                 loss_options: dict, selector_kernel: bool = False, selector_unary_grad: bool = False):
+                 loss_options: dict, selector_kernel: bool = False, selector_unary_grad: bool = False,
+                 selector_missing_label: str = "skip"):
         self.head, self.labels, self.valid, self.teacher = head, labels, valid, teacher
         self.loss_options = loss_options  # block_loss's keywords: variant, gamma, ..., chunk_tokens, fused
         self.selector_kernel = selector_kernel  # DFlash2: the selector's pairwise term by train/selector_pair.py
         self.selector_unary_grad = selector_unary_grad  # DFlash2: its unary logits carry a gradient (selector_loss)
+        self.selector_missing_label = selector_missing_label  # DFlash2, training: "inject" (selector_loss)
+        self.injected: torch.Tensor | None = None  # the labels ``candidates`` put among them
         self.out: BlockLossOutput | None = None
 
     def __call__(self, hidden: torch.Tensor, top_k: int = 0) -> BlockLossOutput:
@@ -73,9 +76,14 @@ class BlockLossPass:
         """The selector's candidates, (top_k logits, their ids) [N, B-1, top_k], from the block loss's pass; the
         logits with their gradient to ``hidden`` when the run asks for it (train/selector_loss.py)."""
         out = self(hidden, top_k)
+        logits, ids = out.top_logits, out.top_ids
+        if self.selector_missing_label == "inject" and torch.is_grad_enabled():  # training only
+            with torch.autocast(hidden.device.type, enabled=False):
+                logits, ids, self.injected = inject_missing_labels(hidden, logits, ids, self.labels, self.valid,
+                                                                   self.head.lm_head.weight, self.head.lm_head.bias)
         if self.selector_unary_grad and torch.is_grad_enabled():
-            return candidate_logits(hidden, out.top_logits, out.top_ids, self.head.lm_head.weight), out.top_ids
-        return out.top_logits, out.top_ids
+            return candidate_logits(hidden, logits, ids, self.head.lm_head.weight), ids
+        return logits, ids
 
 
 def selector_forward_inputs(batch: PackedBlocks, labels: torch.Tensor, loss_pass: BlockLossPass) -> dict:
@@ -90,7 +98,7 @@ def selector_forward_inputs(batch: PackedBlocks, labels: torch.Tensor, loss_pass
 def selector_term(scored, labels: torch.Tensor, valid: torch.Tensor, gamma: float,
                   **weighting) -> SelectorLossOutput:
     """DFlash2: the selector's term from the (scores, candidate_ids) its forward returned; ``weighting``:
-    selector_loss's position weights and normaliser (``selector_weights: loss``)."""
+    selector_loss's position weights and normaliser (``selector_weights: loss``) and the injected labels."""
     scores, candidates = scored
     return selector_loss(scores, candidates, labels, valid, gamma, **weighting)
 
@@ -165,19 +173,20 @@ def forward_blocks(model, head, batch: PackedBlocks, *, block_size: int, layer_t
                    dpace_alpha: float = 0.5, kl_weight: float = 0.5, chunk_tokens: int = 2048,
                    fused_loss: bool = False, labels: str = "data", selector: bool = True,
                    causal: bool = False, selector_kernel: bool = False, selector_unary_grad: bool = False,
-                   selector_weights: str = "decay") -> BlockLossOutput:
+                   selector_weights: str = "decay", selector_missing_label: str = "skip") -> BlockLossOutput:
     """The un-normalised block loss (and metrics) of one packed micro-batch (fused_loss: train/loss.py);
     ``labels="target_argmax"``: against the target's greedy tokens (``target_argmax_labels``), not the data's;
     ``selector=False``: a DFlash2 drafter's selector term is not computed (``out.selector`` is None);
     ``causal``: a causal-in-block drafter's mask (train/block_mask.py); ``selector_kernel``: DFlash2's pairwise
     term by train/selector_pair.py's kernels where they fit; ``selector_unary_grad``: its unary logits carry a
     gradient to the drafter; ``selector_weights="loss"``: its positions weighted and normalised as the block
-    loss's (both train/selector_loss.py)."""
+    loss's; ``selector_missing_label="inject"``: in training, a label outside the candidates takes the lowest
+    one's slot (all train/selector_loss.py)."""
     targets = target_argmax_labels(head, batch, chunk_tokens) if labels == "target_argmax" else batch.labels
     teacher = batch.last_hidden[batch.teacher_index] if variant == "kl" else None  # after the target's final norm
     loss_pass = BlockLossPass(head, targets, batch.valid, teacher, dict(
         variant=variant, gamma=gamma, dpace_alpha=dpace_alpha, kl_weight=kl_weight, chunk_tokens=chunk_tokens,
-        fused=fused_loss), selector_kernel, selector_unary_grad)
+        fused=fused_loss), selector_kernel, selector_unary_grad, selector_missing_label)
     term = EXTRA_LOSS_TERMS[drafter_kind(model).architecture] if selector else None  # DFlash2: the selector's
     extra_inputs = None if term is None else term.forward_inputs(batch, targets, loss_pass)
     hidden = draft_hidden(model, head, batch, block_size=block_size, layer_types=layer_types,
@@ -191,5 +200,7 @@ def forward_blocks(model, head, batch: PackedBlocks, *, block_size: int, layer_t
     if selector_weights == "loss":  # the block loss's own position weights and normaliser
         weighting = dict(weights=loss_pass.out.position_weights,
                          weight_sum=loss_denominator(batch.valid, variant, gamma))
+    if loss_pass.injected is not None:
+        weighting["injected"] = loss_pass.injected
     loss_pass.out.selector = term.loss(extra, targets, batch.valid, gamma, **weighting)
     return loss_pass.out

@@ -66,12 +66,12 @@ def evaluate(model, head, dataset, indices: list[int], *, block_size: int, layer
              max_length: int | None = None, backend: str = "dense", chunk_tokens: int = 2048,
              fused_loss: bool = False, selector: bool = True, accelerator=None, device=None,
              causal: bool = False, selector_kernel: bool = False, selector_unary_grad: bool = False,
-             selector_weights: str = "decay") -> dict:
+             selector_weights: str = "decay", selector_missing_label: str = "skip") -> dict:
     """Held-out loss (ce objective), per-position accuracy and tau_sim at fixed anchors, and the chain walk's
     tau_walk and per-position acceptance; ``selector``: DFlash2's selector metrics too (train/drafter_pass.py),
     its pairwise term by the kernels with ``selector_kernel`` (train/selector_pair.py), with the run's other
-    selector options too (train/setup.py), which give the same numbers here: no gradient, and the ``ce``
-    objective's position weights are the decay."""
+    selector options too (train/setup.py), which give the same numbers here: no gradient (so no label is
+    injected among the candidates), and the ``ce`` objective's position weights are the decay."""
     world = accelerator.num_processes if accelerator is not None else 1
     rank = accelerator.process_index if accelerator is not None else 0
     device = device or (accelerator.device if accelerator is not None else torch.device("cpu"))
@@ -90,7 +90,7 @@ def evaluate(model, head, dataset, indices: list[int], *, block_size: int, layer
                              sliding_window=sliding_window, backend=backend, variant="ce", gamma=gamma,
                              chunk_tokens=chunk_tokens, fused_loss=fused_loss, selector=selector, causal=causal,
                              selector_kernel=selector_kernel, selector_unary_grad=selector_unary_grad,
-                             selector_weights=selector_weights)
+                             selector_weights=selector_weights, selector_missing_label=selector_missing_label)
         sums.add(out, loss_denominator(batch.valid, "ce", gamma), batch.scale, batch.num_tokens)
     walk = torch.zeros(1 + block_size, dtype=torch.float64, device=device)  # rounds, tokens, accepted[k]
     every = BlockSource(dataset, slots, block_size=block_size, mask_token_id=mask_token_id, num_anchors=1 << 40,

@@ -10,6 +10,10 @@ k - 1 (the anchor token at k = 1). Training teacher-forces that walk:
 - a position whose true token is not among the candidates carries no selector term: no choice of the selector
   can be right there, and the block loss, not the selector, has to bring the token into the candidates. The
   fraction of labels among the candidates (``selector_recall``) is logged: it bounds what the selector can do;
+- with ``selector_missing_label: inject`` (training only; speculators' form) such a label takes the slot of the
+  lowest candidate, with its own logit (``inject_missing_labels``), so every valid position has a term: the
+  codebooks learn its pair term too and, with the unary coupling, the drafter's logit of the label rises against
+  its top_k. Recall and accuracy still count it as not found (``injected``), as decoding would;
 - positions are weighted with the ``ce`` decay exp(-(k-1)/gamma) (an early miss ends the block), and the sum is
   divided by the decay-weighted count of valid labels of the whole step, a denominator known from the anchors
   before any forward (as the block loss's), so accumulation and data parallelism give the single-process
@@ -77,6 +81,26 @@ def candidate_logits(hidden: torch.Tensor, logits: torch.Tensor, ids: torch.Tens
     return _CandidateLogits.apply(hidden, logits.detach(), ids, weight.detach())
 
 
+@torch.no_grad()
+def inject_missing_labels(hidden: torch.Tensor, logits: torch.Tensor, ids: torch.Tensor, labels: torch.Tensor,
+                          valid: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """The candidates (``logits``, ``ids`` [N, P, top_k]) with each valid label that is not among them put in the
+    slot of the lowest candidate, with its logit computed as the loss pass computes logits (the states and the
+    lm_head row in the lm_head's dtype, the bias added, rounded to that dtype once; the sum's order may differ
+    from the pass's matmul in the last bit); returns (logits, ids,
+    injected [N, P]). hidden [N, P, H], labels / valid [N, P]."""
+    injected = valid & ~(ids == labels.unsqueeze(-1)).any(-1)
+    rows = F.embedding(labels, weight)  # [N, P, H] the labels' lm_head rows
+    x, r = hidden.to(weight.dtype).reshape(-1, 1, hidden.shape[-1]), rows.reshape(-1, rows.shape[-1], 1)
+    if bias is None:
+        label_logit = torch.bmm(x, r).view(labels.shape)
+    else:  # the bias added before the one rounding, as F.linear adds it
+        label_logit = torch.baddbmm(bias[labels].reshape(-1, 1, 1), x, r).view(labels.shape)
+    slot = F.one_hot(logits.argmin(-1), ids.shape[-1]).bool() & injected.unsqueeze(-1)
+    return (torch.where(slot, label_logit.to(logits.dtype).unsqueeze(-1), logits),
+            torch.where(slot, labels.unsqueeze(-1), ids), injected)
+
+
 def predecessor_ids(block_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """The token before each draft position, [N, B-1]: the anchor token (block_ids [1, N*B] or [N, B]), then
     labels[:, :-1] (labels[:, k] is token a+k+1; wherever position k+1 is valid, a+k+1 lies in the sequence)."""
@@ -86,10 +110,11 @@ def predecessor_ids(block_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tens
 
 def selector_loss(scores: torch.Tensor, candidates: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor,
                   gamma: float, weights: torch.Tensor | None = None,
-                  weight_sum: torch.Tensor | None = None) -> SelectorLossOutput:
+                  weight_sum: torch.Tensor | None = None, injected: torch.Tensor | None = None) -> SelectorLossOutput:
     """scores / candidates [N, B-1, top_k]; labels (long) / valid (bool) [N, B-1]; ``weights`` [N, B-1] and
     ``weight_sum`` (this pass's share of the normaliser): the positions' weights in place of the decay's
-    (``selector_weights: loss``, module notes)."""
+    (``selector_weights: loss``, module notes); ``injected`` [N, B-1]: the labels ``inject_missing_labels`` put
+    among the candidates, which have a term but count as not found and not chosen."""
     if (weights is None) != (weight_sum is None):
         raise ValueError("selector_loss: give the position weights and their normaliser together")
     hit = candidates == labels.unsqueeze(-1)
@@ -101,6 +126,8 @@ def selector_loss(scores: torch.Tensor, candidates: torch.Tensor, labels: torch.
     loss_sum = (ce * (decay if weights is None else weights.detach().to(ce.dtype)) * counted).sum()
     with torch.no_grad():
         chosen = candidates.gather(-1, scores.argmax(-1, keepdim=True)).squeeze(-1)
-        correct = ((chosen == labels) & valid).sum()
-    return SelectorLossOutput(loss_sum=loss_sum, in_candidates=counted.sum(), correct=correct, counted=valid.sum(),
+        found = valid if injected is None else valid & ~injected
+        correct = ((chosen == labels) & found).sum()
+        in_candidates = (counted if injected is None else counted & ~injected).sum()
+    return SelectorLossOutput(loss_sum=loss_sum, in_candidates=in_candidates, correct=correct, counted=valid.sum(),
                               weight_sum=(decay * valid).sum() if weight_sum is None else weight_sum)

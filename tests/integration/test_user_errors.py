@@ -186,6 +186,7 @@ def test_a_target_config_that_is_not_json_names_the_file(tmp_path, capsys):
     ("max_length", 0, "max_length must be >= 1"),
     ("lr", -1e-4, "lr must be >= 0"),
     ("selector_weights", "dpace", "selector_weights: 'dpace'; use 'decay' or 'loss'"),
+    ("selector_missing_label", "drop", "selector_missing_label: 'drop'; use 'skip' or 'inject'"),
     ("selector_codebook_lr_scale", 0, "selector_codebook_lr_scale must be > 0 (a multiple of lr), got 0"),
 ])
 def test_counts_are_checked_in_the_config(field, value, said, capsys, tmp_path):

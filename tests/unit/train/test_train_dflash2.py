@@ -127,12 +127,12 @@ def test_dflash2_packed_run_equals_unpacked_run(tiny_run, tmp_path):
 
 @pytest.mark.slow
 def test_dflash2_trains_online(chat_run, tmp_path):
-    """Online, with the selector's unary logits coupled to the drafter (selector_unary_grad; the offline runs
-    above keep the default)."""
+    """Online, with the selector's unary logits coupled to the drafter (selector_unary_grad) and missing labels
+    injected among the candidates (selector_missing_label; the offline runs above keep the defaults)."""
     target, data, _ = chat_run
     out = tmp_path / "online"
     train(load_config(None, [], target=target, data=[data], **online_overrides(
-        out, drafter_architecture="dflash2", selector_unary_grad=True,
+        out, drafter_architecture="dflash2", selector_unary_grad=True, selector_missing_label="inject",
         drafter={"intermediate_size": 64, **DFLASH2})))
     assert json.loads((out / "summary.json").read_text())["step"] >= 1
     sel = losses(out, "train/selector_loss")

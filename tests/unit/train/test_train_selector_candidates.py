@@ -196,3 +196,63 @@ def test_the_loss_weighted_selector_term_takes_the_block_losss_own_position_weig
         assert torch.equal(got.weight_sum, want.weight_sum) and torch.equal(got.in_candidates, want.in_candidates)
     assert int(expected.in_candidates) > 0 and not torch.allclose(expected.loss_sum, plain.loss_sum)
     assert torch.equal(expected.weight_sum, batch.valid.any(-1).sum().to(expected.weight_sum.dtype))
+
+
+def test_a_missing_label_takes_the_lowest_candidates_slot_with_its_own_logit():
+    """inject_missing_labels: a valid label outside the candidates replaces the lowest one, with the logit the
+    loss pass would give it (states and row in the lm_head's dtype, bias added; to the dtype's rounding); a label
+    found, or
+    an invalid position, leaves the candidates as they are."""
+    from dflashkit.train.selector_loss import inject_missing_labels
+
+    g = torch.Generator().manual_seed(9)
+    for dtype in (torch.float32, torch.bfloat16):
+        hidden, weight = torch.randn(5, 3, 16, generator=g), torch.randn(50, 16, generator=g).to(dtype)
+        bias = torch.randn(50, generator=g).to(dtype)
+        logits = (F.linear(hidden.to(dtype), weight, bias)).float()
+        top = torch.topk(logits, 4, dim=-1)
+        labels = torch.randint(0, 50, (5, 3), generator=g)
+        labels[0, 0] = top.indices[0, 0, 2]  # one label found among the candidates
+        valid = torch.ones(5, 3, dtype=torch.bool)
+        valid[4, 2] = False
+        new_logits, new_ids, injected = inject_missing_labels(hidden, top.values, top.indices, labels, valid,
+                                                              weight, bias)
+        found = (top.indices == labels.unsqueeze(-1)).any(-1)
+        assert torch.equal(injected, valid & ~found) and int(injected.sum()) >= 10 and not injected[0, 0]
+        for n, p in torch.nonzero(injected).tolist():
+            slot = int(top.values[n, p].argmin())
+            assert int(new_ids[n, p, slot]) == int(labels[n, p])
+            torch.testing.assert_close(new_logits[n, p, slot], logits[n, p, labels[n, p]],  # the pass's logit
+                                       rtol=1e-6 if dtype == torch.float32 else 8e-3, atol=1e-6)
+            keep = [s for s in range(4) if s != slot]
+            assert torch.equal(new_ids[n, p, keep], top.indices[n, p, keep])
+        assert torch.equal(new_ids[~injected], top.indices[~injected])
+        assert torch.equal(new_logits[~injected], top.values[~injected])
+
+
+def test_injected_labels_add_terms_but_are_not_counted_as_found():
+    """selector_missing_label="inject" (training): every valid position gets a selector term (a larger sum),
+    recall and accuracy count what "skip" counts (as decoding would), the drafter's gradient moves with the
+    unary coupling; without a gradient (the held-out pass) nothing is injected."""
+    model, head, batch = setup(torch.float64)
+    run = dict(block_size=B, layer_types=LAYERS, sliding_window=None, variant="dpace", gamma=GAMMA,
+               chunk_tokens=CHUNK, selector_unary_grad=True)
+
+    def step(missing):
+        model.zero_grad(set_to_none=True)
+        out = forward_blocks(model, head, batch, selector_missing_label=missing, **run)
+        step_loss(out, batch.valid, "dpace").backward()
+        return out, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    (skip, g_skip), (inject, g_inject) = step("skip"), step("inject")
+    assert int(skip.selector.counted) > int(skip.selector.in_candidates) > 0  # some labels are missing
+    for name in ("in_candidates", "correct", "counted", "weight_sum"):
+        assert torch.equal(getattr(inject.selector, name), getattr(skip.selector, name)), name
+    assert float(inject.selector.loss_sum) > float(skip.selector.loss_sum)
+    assert torch.equal(inject.loss_sum, skip.loss_sum)  # the block loss is not touched
+    name = "layers.0.mlp.down_proj.weight"
+    assert not torch.allclose(g_inject[name], g_skip[name])
+    with torch.no_grad():
+        held = forward_blocks(model, head, batch, selector_missing_label="inject", **run)
+        plain = forward_blocks(model, head, batch, **run)
+    assert torch.equal(held.selector.loss_sum, plain.selector.loss_sum)
