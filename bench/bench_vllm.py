@@ -182,7 +182,8 @@ def part_tau_k(args, out: Path) -> None:
     import tempfile
 
     from dflashkit.eval.serving_plan import first_positions_tau
-    from dflashkit.eval.vllm_engine import close_engine, start_engine, timed_generate
+    from dflashkit.eval.vllm_engine import close_engine, start_engine
+    from dflashkit.eval.vllm_metrics import timed_generate
 
     drafters = dict(item.split("=", 1) for item in args.drafters) if args.drafters else {"drafter": args.drafter}
     api = api_for(args)
@@ -249,7 +250,8 @@ def part_projection(args, out: Path) -> None:
     import torch
 
     from dflashkit.eval.serving_plan import capture_for
-    from dflashkit.eval.vllm_engine import close_engine, start_engine, timed_generate
+    from dflashkit.eval.vllm_engine import close_engine, start_engine
+    from dflashkit.eval.vllm_metrics import timed_generate
 
     ks = sorted(set(args.ks))
     target, drafter = projection_dirs(out / "projection", args.standin, args.projection_drafter_weights)

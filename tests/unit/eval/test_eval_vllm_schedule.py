@@ -246,7 +246,8 @@ def test_a_level_is_whole_waves_and_at_least_min_waves():
 def test_the_twin_pays_for_steps_above_the_graph_ceiling(planned, tmp_path):
     """4 requests at k = 3 query 16 tokens a step: with graphs up to 8 tokens every decode step runs eagerly and
     the same requests take longer than with graphs up to 16 (the modelled clock: no timing involved)."""
-    from dflashkit.eval.vllm_engine import prepare_run, run_requests, start_served, timed_generate
+    from dflashkit.eval.vllm_engine import prepare_run, run_requests, start_served
+    from dflashkit.eval.vllm_metrics import timed_generate
 
     _, _, root, _ = planned
     rates = {}
