@@ -172,6 +172,7 @@ if [ -n "${REGEN_SAMPLED:-}" ]; then
   esac || exit 1
   note "regenerate-sampled: reused $REGEN_SAMPLED ($(wc -l < "$R/regen-sampled.jsonl") conversations," \
     "$(answers "$R/regen-sampled.jsonl") answers)"
+  EXTRA_DATA=(--extra-data "$R/regen-sampled.jsonl")
 elif [ "${SAMPLED:-0}" = 1 ]; then
   [ -n "${SRC:-}" ] || source_turns || exit 2
   stage regenerate-sampled "$L_REGEN" "$PY" -m dflashkit.extract.regenerate --target "$T" --data "$SRC" \
@@ -181,9 +182,9 @@ elif [ "${SAMPLED:-0}" = 1 ]; then
     pieces "$R/regen-sampled.jsonl" "$O/regen-sampled"
     note "regenerated, sampled: $(wc -l < "$R/regen-sampled.jsonl") conversations," \
       "$(answers "$R/regen-sampled.jsonl") answers"
+    EXTRA_DATA=(--extra-data "$R/regen-sampled.jsonl")  # only what this run answered or was given
   fi
 fi
-[ -s "$R/regen-sampled.jsonl" ] && EXTRA_DATA=(--extra-data "$R/regen-sampled.jsonl")
 
 # --- 2. the recipe's variants trained online on it, side by side ------------------------------------------------------
 PAR=${PAR:-$(( $(tr -cd , <<< "$VARIANTS" | wc -c) + 1 ))}  # variants at once: all (the items of VARIANTS, at least)
