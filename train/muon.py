@@ -71,13 +71,15 @@ def is_codebook(name: str) -> bool:
     return name.endswith("_codebook")
 
 
-def codebook_group(groups: list[dict], model, lr: float, weight_decay: float, scale: float) -> list[dict]:
+def codebook_group(groups: list[dict], model, lr: float | None, weight_decay: float, scale: float) -> list[dict]:
     """``groups`` with the selector's codebooks moved into an AdamW group of their own at ``scale`` times ``lr``
     (as decayed as before); the groups unchanged at scale 1, so the runs and checkpoints of before keep their
     layout. A codebook row has a gradient only on the steps its token is drawn (public DFlash2 trainers give the
     codebooks ~10x the lr); ``selector_codebook_lr_scale``."""
     if scale == 1.0:
         return groups
+    if lr is None:
+        raise ValueError("codebook_group: a codebook lr scale needs the peak lr it multiplies")
     books = {id(p) for name, p in model.named_parameters() if p.requires_grad and is_codebook(name)}
     moved = [p for g in groups for p in g["params"] if id(p) in books]
     if not moved:

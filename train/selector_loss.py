@@ -87,8 +87,8 @@ def inject_missing_labels(hidden: torch.Tensor, logits: torch.Tensor, ids: torch
     """The candidates (``logits``, ``ids`` [N, P, top_k]) with each valid label that is not among them put in the
     slot of the lowest candidate, with its logit computed as the loss pass computes logits (the states and the
     lm_head row in the lm_head's dtype, the bias added, rounded to that dtype once; the sum's order may differ
-    from the pass's matmul in the last bit); returns (logits, ids,
-    injected [N, P]). hidden [N, P, H], labels / valid [N, P]."""
+    from the pass's matmul in the last bit); returns (logits, ids, injected [N, P]). hidden [N, P, H],
+    labels / valid [N, P]."""
     injected = valid & ~(ids == labels.unsqueeze(-1)).any(-1)
     rows = F.embedding(labels, weight)  # [N, P, H] the labels' lm_head rows
     x, r = hidden.to(weight.dtype).reshape(-1, 1, hidden.shape[-1]), rows.reshape(-1, rows.shape[-1], 1)

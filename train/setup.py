@@ -144,7 +144,7 @@ def target_identity(head) -> dict:
     return ident
 
 
-def param_groups(model, weight_decay: float, lr: float = 0.0, codebook_lr_scale: float = 1.0) -> list[dict]:
+def param_groups(model, weight_decay: float, lr: float | None = None, codebook_lr_scale: float = 1.0) -> list[dict]:
     """AdamW's groups: weight decay on every parameter but the norms and DFlash2's base kernels; DFlash2's
     codebooks in a group of their own at ``codebook_lr_scale`` times ``lr`` unless that is 1 (muon.codebook_group)."""
     decay, no_decay = [], []

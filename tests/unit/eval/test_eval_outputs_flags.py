@@ -199,3 +199,19 @@ def test_compare_names_the_outputs_line_and_field(tmp_path, capsys, line, said):
     assert cli(["eval", "--compare", str(good), str(bad), "--out", str(tmp_path / "cmp")]) == 2
     assert f"{bad / 'outputs.jsonl'}: {said}" in error_line(capsys)
     assert not (tmp_path / "cmp").exists()
+
+
+def test_compare_pairs_prompts_whose_dataset_file_sits_in_other_folders(tmp_path, capsys):
+    """A report of another machine names the same dataset file under another folder: its prompts pair by the
+    file's name and the prompt id; a prompt of another file does not pair."""
+    here, there = tmp_path / "here", tmp_path / "there"
+    for path, folder in ((here, "/work/data"), (there, "/root/data")):
+        path.mkdir()
+        (path / "report.json").write_text(json.dumps(GOOD))
+        records = [_record(f"{folder}/humaneval.jsonl", "HumanEval/0", [1, 2, 3], 1, 2),
+                   _record(f"{folder}/mtbench.jsonl", "81", [4, 5], 1, 1 if path == here else 2)]
+        (path / "outputs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (there / "outputs.jsonl").write_text((there / "outputs.jsonl").read_text().replace("/root/data/mtbench",
+                                                                                        "/root/data/other"))
+    assert cli(["eval", "--compare", str(here), str(there)]) == 0
+    assert f"| {there} | 1 | 1 | — | 2.000 | 2.000 | 2.000 | 2.000 |" in capsys.readouterr().out
