@@ -29,6 +29,8 @@ Design choices:
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import functools
 import hashlib
 import importlib
@@ -132,11 +134,29 @@ def _marker_matches(marker: Path, source: dict) -> bool:
         return False
 
 
+@contextlib.contextmanager
+def conversion_lock(out: Path):
+    """Held while ``out`` is converted: a second process that needs the same conversion (the ranks of one launch,
+    a regeneration beside a warm-up run, on a fresh cache) waits for the first and then finds it done, instead of
+    converting again and failing to rename its copy onto the finished one. The lock file sits beside ``out``;
+    where the file system has no flock nothing waits (the rename below then takes the first finished copy)."""
+    import fcntl
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f".{out.name}.lock", "a") as handle:
+        try:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+        except OSError as e:
+            if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+                raise
+        yield  # closing the file drops the lock
+
+
 def _cached_gguf_conversion(gguf: Path, out: Path) -> Path:
     """Dequantize `gguf` once into `out` (float32 safetensors + tokenizer); reuse it while the source is unchanged.
 
     float32 holds every dequantized GGUF value exactly, so the cache is a faithful copy whatever dtype a stage
-    loads it in, and one copy (one identity) serves them all."""
+    loads it in, and one copy (one identity) serves them all. One process converts at a time (conversion_lock)."""
     if not gguf.is_file():
         raise UserError(f"GGUF file {gguf} is missing; reinstall the package that ships it")
     source = {"gguf": gguf.name, "size": gguf.stat().st_size, "storage_dtype": "float32"}
@@ -145,9 +165,16 @@ def _cached_gguf_conversion(gguf: Path, out: Path) -> Path:
         return out
     if importlib.util.find_spec("gguf") is None:
         raise UserError(f"reading {gguf.name} needs the gguf package: pip install gguf")
+    with conversion_lock(out):
+        if not _marker_matches(marker, source):  # else another process converted it while this one waited
+            _convert_gguf(gguf, out, source)
+    return out
+
+
+def _convert_gguf(gguf: Path, out: Path, source: dict) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    out.parent.mkdir(parents=True, exist_ok=True)
+    marker = out / _SOURCE_MARKER
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     tmp.chmod(0o755)  # mkdtemp makes it private; the cache is an ordinary directory
     try:
@@ -168,13 +195,15 @@ def _cached_gguf_conversion(gguf: Path, out: Path) -> Path:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / _SOURCE_MARKER).write_text(json.dumps(source, indent=1))
-        if not _marker_matches(marker, source):  # else another process finished the same conversion first
-            if out.exists():  # a conversion of an older source file
-                shutil.rmtree(out)
+        if out.exists():  # a conversion of an older source file
+            shutil.rmtree(out)
+        try:
             rename_dir_into_place(tmp, out)  # fsynced, renamed, the rename made durable (dflashkit/files.py)
+        except OSError:
+            if not _marker_matches(marker, source):  # else a process without the lock finished first
+                raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return out
 
 
 # ----------------------------------------------------------------------------- families and identity

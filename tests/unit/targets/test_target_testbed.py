@@ -90,3 +90,46 @@ def test_a_gguf_file_spec_uses_its_own_cache_entry(testbed, tmp_path, monkeypatc
     assert (target.model_dir, target.path) == (entry, str(gguf))
     assert target.model.dtype == torch.bfloat16
     assert target.identity()["weights_hash"] == testbed.identity()["weights_hash"]
+
+
+def _waiting_for_flock(pid: int) -> bool:
+    """Whether process ``pid`` waits for a flock (Linux lists waiters in /proc/locks with '->')."""
+    from pathlib import Path
+
+    return any("->" in line and f" {pid} " in line for line in Path("/proc/locks").read_text().splitlines())
+
+
+def test_a_second_process_waits_for_the_conversion_and_reuses_it(testbed, tmp_path):
+    """Two processes that need the same GGUF conversion on a fresh cache (a regeneration beside a warm-up run):
+    the second waits on the conversion lock, finds the first's finished copy and converts nothing itself. Here
+    the test holds the lock and plays the first process: the conversion it leaves is the testbed's files linked
+    in, which a second conversion would have replaced with its own."""
+    import importlib.util
+    import json
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from dflashkit.targets.loading import _SOURCE_MARKER, conversion_lock
+
+    package, name = TESTBEDS["smollm2"]
+    gguf = Path(importlib.util.find_spec(package).origin).parent / name
+    out = tmp_path / "smollm2"
+    code = ("import sys; from pathlib import Path; from dflashkit.targets.loading import _cached_gguf_conversion; "
+            "print(_cached_gguf_conversion(Path(sys.argv[1]), Path(sys.argv[2])))")
+    with conversion_lock(out):
+        child = subprocess.Popen([sys.executable, "-c", code, str(gguf), str(out)], stdout=subprocess.PIPE,
+                                 text=True)
+        deadline = time.monotonic() + 300  # liveness only: the child imports torch, then blocks on the lock
+        while not _waiting_for_flock(child.pid):
+            assert child.poll() is None and time.monotonic() < deadline, "the child never waited on the lock"
+            time.sleep(0.2)
+        out.mkdir()
+        for file in testbed.model_dir.iterdir():
+            (out / file.name).symlink_to(file)
+    stdout, _ = child.communicate(timeout=600)
+    assert child.returncode == 0 and stdout.strip() == str(out)
+    assert all(f.is_symlink() for f in out.iterdir()), "the waiting process converted again"
+    assert json.loads((out / _SOURCE_MARKER).read_text())["gguf"] == gguf.name
+    assert not list(tmp_path.glob(".smollm2.tmp-*"))
