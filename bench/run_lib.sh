@@ -1,5 +1,6 @@
 # Shared by the one-GPU run scripts (bench/testbed_engine_run.sh, bench/testbed_recipe_run.sh,
-# bench/testbed_causal_run.sh, bench/testbed_schedule_run.sh, bench/testbed_quality_run.sh): sourced, not run.
+# bench/testbed_causal_run.sh, bench/testbed_schedule_run.sh, bench/testbed_quality_run.sh,
+# bench/testbed_quality_lease.sh): sourced, not run.
 # Takes D (data dir) and R (run dir) as the caller set them; leaves ROOT (the checkout), D, R and O ($R/out)
 # absolute, PY (PYTHON, default python3, absolute when given as a path), and the shell in $R. Every command runs
 # from the run directory with the scripts by absolute path: `python -m dflashkit...` from the checkout's root would

@@ -13,7 +13,8 @@
 #      (bench/time_to_quality.py reads the curve from $RUN/out/recipe/results/<variant>/metrics.jsonl);
 #   3. τ in vLLM alone on the GPU (bench/bench_vllm.py --parts tau_k: every prompt once, greedy, 256 new tokens,
 #      eager, prefix cache off) for each DFlash export at k = KS (default 15) on MT-bench 80 (out/vllm/mtbench/),
-#      then on HumanEval 164 when $DATA has humaneval.jsonl (out/vllm/humaneval/); a DFlash2 export is left out
+#      then on HumanEval 164 when $DATA has humaneval.jsonl (out/vllm/humaneval/; VLLM_SETS, default "mtbench
+#      humaneval", names the sets, "" none); a DFlash2 export is left out
 #      (vLLM 0.24, the GPU image's, serves DFlash only: ../shared/vllm/README.md);
 #   4. live chain τ in `dflashkit eval` for every export (bench/recipe_study.py --stage eval: greedy, bf16, MT-bench
 #      80, 256 new tokens), stopped at L_EVAL seconds with the prompts it finished;
@@ -217,7 +218,7 @@ done
 if [ ${#SERVED[@]} -gt 0 ]; then
   for set in mtbench:$MT_PROMPTS humaneval:$HE_PROMPTS; do
     name=${set%%:*}
-    [ -f "$D/$name.jsonl" ] || continue
+    [ -f "$D/$name.jsonl" ] && [[ " ${VLLM_SETS-mtbench humaneval} " == *" $name "* ]] || continue
     # shellcheck disable=SC2086
     stage "vllm-tau-$name" "$L_VLLM" "${VENV[@]}" "$ROOT/bench/bench_vllm.py" --parts tau_k --target "$T" \
       --drafters "${SERVED[@]}" --ks $KS --dataset "$D/$name.jsonl" --num-prompts "${set#*:}" \

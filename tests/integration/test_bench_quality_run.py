@@ -7,12 +7,14 @@ curve against seconds. A check that the stages fit together, not a measurement."
 import gzip
 import io
 import json
+import os
+import subprocess
 import tarfile
 
 import pytest
 
 from support.chat_data import chat_records
-from support.run_scripts import run_toy_script, toy_data
+from support.run_scripts import ROOT, run_toy_script, toy_data
 
 
 def jsonl(path):
@@ -78,28 +80,54 @@ def test_the_quality_run_script_runs_every_stage_at_toy_scale(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_quality_run_script_answers_first_turns_only_when_asked(tmp_path):
-    """TURNS=first (time to quality on the recipe's data): only the first user turn of each conversation of
-    sharegpt.jsonl is answered, even beside a file of every turn; L_EVAL=0 leaves `dflashkit eval` out; WARM=1
-    runs a short training on stand-ins of the turns beside the answering, ended before stage 2 starts."""
-    data = toy_data(tmp_path / "data", sharegpt=4, sharegpt_turns=3, mtbench=2)
+def test_the_lease_script_runs_the_kernels_the_pair_and_first_turns_time_to_quality(tmp_path):
+    """bench/testbed_quality_lease.sh STAGES="kernels pairs ttq" at toy scale. kernels: the selector-pair
+    benchmark (torch alone on a CPU); pairs: DFlash2 beside DFlash in one process, twice; ttq: the quality run with
+    TURNS=first (only the first user turn of each conversation of sharegpt.jsonl answered, even beside a file of
+    every turn), L_EVAL=0 (no `dflashkit eval`), vLLM on MT-bench alone although HumanEval is in the data, and
+    WARM=1 (a short training on stand-ins of the turns beside the answering, ended before stage 2 starts). READY
+    names a file that is there."""
+    data = toy_data(tmp_path / "data", sharegpt=4, sharegpt_turns=3, mtbench=2, humaneval=2)
     run = tmp_path / "run"
-    ends = run_toy_script("testbed_quality_run.sh", run, limits=("L_REGEN", "L_TRAIN", "L_VLLM"), TURNS="first",
-                          L_EVAL="0", WARM="1", WARM_STEPS="2", TARGET="testbed:smollm2", DATA=str(data))
-    assert set(ends) == {"warm-compile", "regenerate", "train-recipe", "vllm-tau-mtbench", "time-to-quality"}, ends
-    warm = json.loads((run / "warm" / "summary.json").read_text())
+    ready = tmp_path / "ready"
+    ready.touch()
+    ends = run_toy_script("testbed_quality_lease.sh", run, STAGES="kernels pairs ttq", READY=str(ready),
+                          WARM_STEPS="2", TARGET="testbed:smollm2", DATA=str(data))
+    assert set(ends) == {"kernels-bench", "pair-kernel", "pair-plain", "ttq"}, ends
+    out = run / "out"
+    assert json.loads((out / "selector_pair.json").read_text())["torch_ms"] > 0
+    for form in ("kernel", "plain"):
+        paired = json.loads((out / f"pair_{form}.json").read_text())["paired"]
+        assert set(paired) == {"dflash", "dflash2", "dflash2_vs_dflash"}, paired
+        assert paired["dflash2_vs_dflash"]["throughput_ratio"] > 0
+
+    ttq = run / "ttq"
+    lines = (ttq / "stages.txt").read_text().splitlines()
+    ended = {line.split("] ", 1)[1].split(":", 1)[0]: line for line in lines if ": rc=" in line}
+    assert set(ended) == {"warm-compile", "regenerate", "train-recipe", "vllm-tau-mtbench", "time-to-quality"}, lines
+    assert all(" rc=0 " in line for line in ended.values()), lines
+    assert "variants steps_1400" in lines[0]
+    warm = json.loads((ttq / "warm" / "summary.json").read_text())
     assert warm["step"] == 2 and "eval/tau_walk" in warm  # its steps and the held-out evaluation both ran
-    lines = (run / "stages.txt").read_text().splitlines()
-    ended = next(i for i, line in enumerate(lines) if "warm-compile: rc=" in line)
-    assert ended < next(i for i, line in enumerate(lines) if "train-recipe: " in line)  # stage 2 waited for it
-    regen = jsonl(run / "regen.jsonl")
+    end = next(i for i, line in enumerate(lines) if "warm-compile: rc=" in line)
+    assert end < next(i for i, line in enumerate(lines) if "train-recipe: " in line)  # stage 2 waited for it
+    regen = jsonl(ttq / "regen.jsonl")
     source = jsonl(data / "sharegpt.jsonl")
     assert len(regen) == len(source) == 4
     for row, asked in zip(regen, source):
         assert [m["role"] for m in row["messages"]] == ["user", "assistant"]
         first = next(m for m in asked["messages"] if m["role"] == "user")
         assert row["messages"][0]["content"] == first["content"]
-    assert "regenerate: the first user turn of each conversation" in (run / "stages.txt").read_text()
+    assert "regenerate: the first user turn of each conversation" in (ttq / "stages.txt").read_text()
+    assert list((ttq / "out" / "drafter-steps_1400").glob("drafter.tar.*"))  # KEEP_DRAFTER
+
+
+def test_the_lease_script_refuses_an_unknown_stage(tmp_path):
+    proc = subprocess.run(["bash", "bench/testbed_quality_lease.sh"], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "STAGES": "kernels_typo", "RUN": str(tmp_path / "run"),
+                               "DATA": str(tmp_path), "SCALE": "toy"}, timeout=120)
+    assert proc.returncode == 2
+    assert "unknown stage kernels_typo" in (tmp_path / "run" / "stages.txt").read_text()
 
 
 @pytest.mark.slow

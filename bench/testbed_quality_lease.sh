@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# The quality issue's remaining GPU runs on one H200, in the order STAGES names them (default "kernels ttq
+# pairs"); each stage's results are in $RUN/<stage>/ (or $RUN/out for kernels and pairs) as soon as it ends, and
+# $RUN/stages.txt says when each started and ended, with its exit status:
+#   kernels  the CUDA test of DFlash2's pairwise selector kernels (train/selector_pair.py), then their benchmark
+#            (bench/bench_selector_pair.py, the testbed's micro-batch); ~2 min, no target needed;
+#   ttq      time to quality on the 10,219 first turns: bench/testbed_quality_run.sh with WARM=1 (compiling while
+#            the target answers) and TTQ_VARIANT (default steps_1400: the cosine schedule ending at step 1,400),
+#            alone on the GPU, the held-out curve every 200 steps, τ of the export in vLLM on MT-bench; ~10 min;
+#   pairs    DFlash2's training throughput beside DFlash's, both in one process on the same batches
+#            (bench/bench_train_throughput.py --drafter-architecture dflash,dflash2 --smollm2-shape, offline, 12
+#            steps), with the selector kernels and without; ~6 min, no target needed;
+#   dflash2  DFlash2's forms beside DFlash at equal data (first turns, EPOCHS2 epochs, VARIANTS2 side by side),
+#            live chain τ of each in `dflashkit eval` (vLLM 0.24 serves no DFlash2); ~25 min, a lease of its own;
+#   rows     the recipe's rows on every answered turn: every turn answered greedily and once more sampled
+#            (SAMPLED=1), then ROWS (default seed_1,extra_answers_same_steps) two at a time for 2 epochs, τ in
+#            vLLM, each export kept in pieces; a lease of its own (REGEN=FILE skips the greedy answering).
+# READY=FILE makes the stages that need the target (ttq, dflash2, rows) wait up to 15 minutes for FILE to exist:
+# the target and vLLM may still be arriving while the first stages run.
+#
+#   export PYTHONPATH=$(bash bench/import_path.sh):/tmp/site
+#   TARGET=/root/testbed/smollm2-bf16 DATA=/root/data RUN=/root/run bash bench/testbed_quality_lease.sh   # H200
+#   SCALE=toy STAGES="kernels pairs ttq" TARGET=testbed:smollm2 DATA=.cache/gpu RUN=/tmp/toy \
+#     PYTHON=.venv/bin/python bash bench/testbed_quality_lease.sh                                   # CPU twin
+#
+# The toy scale runs the stages on the CPU (the kernels' benchmark on torch alone at 512 positions, the pair at
+# the toy shape, the quality runs at their toy scale): a check that they fit together, not a measurement.
+set -u
+T=${TARGET:-/root/testbed/smollm2-bf16}
+D=${DATA:-/root/data}
+R=${RUN:-/root/run}
+SCALE=${SCALE:-full}
+STAGES=${STAGES:-kernels ttq pairs}
+absolute() { [ -e "$1" ] && echo "$(cd "$(dirname "$1")" && pwd)/$(basename "$1")" || echo "$1"; }
+T=$(absolute "$T")
+. "$(dirname "$0")/run_lib.sh"  # ROOT, D, R, O, PY; the shell in $R; stage()
+note() { echo "[$(date +%T)] $*" >> "$R/stages.txt"; }
+if [ "$SCALE" = toy ]; then
+  PAIR=(--toy --device cpu --steps 2 --warmup 1); SELECTOR=(--positions 512); KERNEL_FLAG=()
+else
+  PAIR=(--smollm2-shape --steps 12); SELECTOR=(); KERNEL_FLAG=(--selector-kernel)
+fi
+ready() {  # the target's stages wait for READY (above)
+  [ -z "${READY:-}" ] && return 0
+  local i
+  for i in $(seq 180); do [ -e "$READY" ] && return 0; sleep 5; done
+  note "$1: $READY did not appear within 15 minutes: skipped"; return 1
+}
+quality() {  # NAME LIMIT ENV...: bench/testbed_quality_run.sh over $R/NAME with the stage's settings
+  local name=$1 limit=$2; shift 2
+  ready "$name" || return 1
+  stage "$name" "$limit" env "$@" TARGET="$T" DATA="$D" RUN="$R/$name" SCALE="$SCALE" PYTHON="$PY" \
+    bash "$ROOT/bench/testbed_quality_run.sh"
+}
+note "start: scale $SCALE, stages $STAGES, $(nvidia-smi -L 2>/dev/null | wc -l) GPU(s)"
+for s in $STAGES; do
+  case $s in
+  kernels)
+    if [ "$SCALE" != toy ]; then  # on a CPU the test skips itself: the kernels need CUDA
+      stage kernels-test 300 "$PY" -m pytest -q -p no:cacheprovider --rootdir "$ROOT" -k cuda \
+        "$ROOT/tests/unit/train/test_train_selector_pair.py"
+    fi
+    (cd "$ROOT/bench" && stage kernels-bench 300 "$PY" bench_selector_pair.py "${SELECTOR[@]}" \
+      --out "$O/selector_pair.json") ;;
+  ttq)
+    quality ttq 1500 WARM=1 TURNS=first VARIANTS="${TTQ_VARIANT:-steps_1400}" PAR=1 EVAL_EVERY=200 L_EVAL=0 \
+      L_TRAIN=420 KS=15 KEEP_DRAFTER=1 VLLM_SETS=mtbench ;;
+  pairs)
+    for form in kernel plain; do
+      flags=(); [ "$form" = kernel ] && flags=("${KERNEL_FLAG[@]}")
+      (cd "$ROOT/bench" && stage "pair-$form" 400 "$PY" bench_train_throughput.py "${PAIR[@]}" \
+        --drafter-architecture dflash,dflash2 --modes offline "${flags[@]}" --out "$O/pair_$form.json")
+    done ;;
+  dflash2)
+    quality dflash2 3000 TURNS=first VARIANTS="${VARIANTS2:-default,dflash2,dflash2_coupled,dflash2_codebook_lr,dflash2_injected}" \
+      EPOCHS="${EPOCHS2:-2}" L_TRAIN="${L_TRAIN2:-1000}" L_EVAL="${L_EVAL2:-300}" VLLM_SETS= ;;
+  rows)
+    quality rows 4000 SAMPLED=1 TURNS=every VARIANTS="${ROWS:-seed_1,extra_answers_same_steps}" PAR=2 EPOCHS=2 \
+      L_TRAIN="${L_TRAIN3:-1500}" L_EVAL=0 KEEP_DRAFTER=1 ;;
+  *) note "unknown stage $s (kernels, ttq, pairs, dflash2, rows)"; exit 2 ;;
+  esac
+done
+note "all done"
