@@ -195,13 +195,14 @@ def _convert_gguf(gguf: Path, out: Path, source: dict) -> None:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / _SOURCE_MARKER).write_text(json.dumps(source, indent=1))
-        if out.exists():  # a conversion of an older source file
-            shutil.rmtree(out)
-        try:
-            rename_dir_into_place(tmp, out)  # fsynced, renamed, the rename made durable (dflashkit/files.py)
-        except OSError:
-            if not _marker_matches(marker, source):  # else a process without the lock finished first
-                raise
+        if not _marker_matches(marker, source):  # else a process without the lock (no flock) finished first
+            if out.exists():  # a conversion of an older source file
+                shutil.rmtree(out)
+            try:
+                rename_dir_into_place(tmp, out)  # fsynced, renamed, the rename made durable (dflashkit/files.py)
+            except OSError:
+                if not _marker_matches(marker, source):  # the same race, between the check and the rename
+                    raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

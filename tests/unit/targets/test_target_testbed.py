@@ -90,4 +90,3 @@ def test_a_gguf_file_spec_uses_its_own_cache_entry(testbed, tmp_path, monkeypatc
     assert (target.model_dir, target.path) == (entry, str(gguf))
     assert target.model.dtype == torch.bfloat16
     assert target.identity()["weights_hash"] == testbed.identity()["weights_hash"]
-
