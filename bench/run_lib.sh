@@ -2,10 +2,10 @@
 # bench/testbed_causal_run.sh, bench/testbed_schedule_run.sh, bench/testbed_quality_run.sh,
 # bench/testbed_quality_lease.sh): sourced, not run.
 # Takes D (data dir) and R (run dir) as the caller set them; leaves ROOT (the checkout), D, R and O ($R/out)
-# absolute, PY (PYTHON, default python3, absolute when given as a path), and the shell in $R. Every command runs
-# from the run directory with the scripts by absolute path: `python -m dflashkit...` from the checkout's root would
-# import its dflashkit/ folder (the command and version only) where dflashkit is put on PYTHONPATH rather than
-# installed (bench/import_path.sh).
+# absolute, PY (PYTHON, default python3, absolute when given as a path), the shell in $R, and note() and stage().
+# Every command runs from the run directory with the scripts by absolute path: `python -m dflashkit...` from the
+# checkout's root would import its dflashkit/ folder (the command and version only) where dflashkit is put on
+# PYTHONPATH rather than installed (bench/import_path.sh).
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 mkdir -p "$R/out"
 D=$(cd "$D" && pwd)
@@ -15,6 +15,8 @@ PY=${PYTHON:-python3}
 case $PY in */*) PY=$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY") ;; esac
 cd "$R" || exit 1
 export TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+
+note() { echo "[$(date +%T)] $*" >> "$R/stages.txt"; }  # a line of the run's log
 
 stage() {  # stage NAME SECONDS COMMAND...: run under a time limit (SIGINT first), log, record rc and wall time
   local name=$1 limit=$2; shift 2

@@ -33,8 +33,13 @@ SCALE=${SCALE:-full}
 STAGES=${STAGES:-kernels ttq pairs}
 absolute() { [ -e "$1" ] && echo "$(cd "$(dirname "$1")" && pwd)/$(basename "$1")" || echo "$1"; }
 T=$(absolute "$T")
-. "$(dirname "$0")/run_lib.sh"  # ROOT, D, R, O, PY; the shell in $R; stage()
-note() { echo "[$(date +%T)] $*" >> "$R/stages.txt"; }
+. "$(dirname "$0")/run_lib.sh"  # ROOT, D, R, O, PY; the shell in $R; note(), stage()
+for s in $STAGES; do  # a misspelt stage is refused before any stage runs, not after the ones before it
+  case $s in
+    kernels|ttq|pairs|dflash2|rows) ;;
+    *) note "unknown stage $s (kernels, ttq, pairs, dflash2, rows)"; exit 2 ;;
+  esac
+done
 if [ "$SCALE" = toy ]; then
   PAIR=(--toy --device cpu --steps 2 --warmup 1); SELECTOR=(--positions 512); KERNEL_FLAG=()
 else
@@ -72,12 +77,12 @@ for s in $STAGES; do
         --drafter-architecture dflash,dflash2 --modes offline "${flags[@]}" --out "$O/pair_$form.json")
     done ;;
   dflash2)
-    quality dflash2 3000 TURNS=first VARIANTS="${VARIANTS2:-default,dflash2,dflash2_coupled,dflash2_codebook_lr,dflash2_injected}" \
+    quality dflash2 3000 TURNS=first \
+      VARIANTS="${VARIANTS2:-default,dflash2,dflash2_coupled,dflash2_codebook_lr,dflash2_injected}" \
       EPOCHS="${EPOCHS2:-2}" L_TRAIN="${L_TRAIN2:-1000}" L_EVAL="${L_EVAL2:-300}" VLLM_SETS= ;;
   rows)
     quality rows 4000 SAMPLED=1 TURNS=every VARIANTS="${ROWS:-seed_1,extra_answers_same_steps}" PAR=2 EPOCHS=2 \
       L_TRAIN="${L_TRAIN3:-1500}" L_EVAL=0 KEEP_DRAFTER=1 ;;
-  *) note "unknown stage $s (kernels, ttq, pairs, dflash2, rows)"; exit 2 ;;
   esac
 done
 note "all done"

@@ -83,7 +83,6 @@ else
   L_VLLM=${L_VLLM:-300}; L_EVAL=${L_EVAL:-300}
 fi
 VENV=(bash "$ROOT/bench/vllm_env.sh" "$PY")  # the slim vLLM's environment (../shared/vllm/README.md)
-note() { echo "[$(date +%T)] $*" >> "$R/stages.txt"; }
 note "start: scale $SCALE, $(nvidia-smi -L 2>/dev/null | wc -l) GPU(s), variants $VARIANTS"
 
 # --- 1. every user turn of every conversation answered by the target, in order ----------------------------------------

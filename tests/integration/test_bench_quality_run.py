@@ -122,12 +122,13 @@ def test_the_lease_script_runs_the_kernels_the_pair_and_first_turns_time_to_qual
     assert list((ttq / "out" / "drafter-steps_1400").glob("drafter.tar.*"))  # KEEP_DRAFTER
 
 
-def test_the_lease_script_refuses_an_unknown_stage(tmp_path):
+def test_the_lease_script_refuses_an_unknown_stage_before_running_any(tmp_path):
     proc = subprocess.run(["bash", "bench/testbed_quality_lease.sh"], cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ, "STAGES": "kernels_typo", "RUN": str(tmp_path / "run"),
+                          env={**os.environ, "STAGES": "kernels pairs_typo", "RUN": str(tmp_path / "run"),
                                "DATA": str(tmp_path), "SCALE": "toy"}, timeout=120)
     assert proc.returncode == 2
-    assert "unknown stage kernels_typo" in (tmp_path / "run" / "stages.txt").read_text()
+    log = (tmp_path / "run" / "stages.txt").read_text()
+    assert "unknown stage pairs_typo" in log and "kernels-bench" not in log, log
 
 
 @pytest.mark.slow
