@@ -83,7 +83,7 @@ from dflashkit.train.config import TrainConfig
 from dflashkit.train.data import PackedBlocks, collate_blocks, pack_order
 from dflashkit.train.drafter_pass import compile_layers, forward_blocks, mask_backend
 from dflashkit.train.metrics import MetricSums
-from dflashkit.train.setup import build_model, build_optimizer, drafter_pass_options, make_accelerator
+from dflashkit.train.setup import build_model, build_optimizer, conv_kernels, drafter_pass_options, make_accelerator
 from dflashkit.train.train_step import train_step
 
 
@@ -156,7 +156,7 @@ def target_flops(target: Target, layer_ids: list[int], lens: list[int]) -> float
 # --------------------------------------------------------------------------- steps
 STEP_FIELDS = ("loss", "gamma", "dpace_alpha", "labels", "causal", "grad_accum", "max_grad_norm", "mixed_precision",
                "optimizer", "lr", "compile", "attention", "loss_chunk_tokens", "drafter_architecture",
-               "selector_kernel", "selector_unary_grad")  # in the JSON
+               "selector_kernel", "conv_kernel", "selector_unary_grad")  # in the JSON
 
 
 def train_config(args, attention: str, compiled: bool, gpu: bool, architecture: str) -> TrainConfig:
@@ -166,7 +166,7 @@ def train_config(args, attention: str, compiled: bool, gpu: bool, architecture: 
                        loss_chunk_tokens=args.chunk_tokens, compile=compiled, attention=attention,
                        mixed_precision="bf16" if gpu else "no", lr=1e-4, wandb=False, progress=False,
                        drafter_architecture=architecture, selector_kernel=args.selector_kernel,
-                       selector_unary_grad=args.selector_unary_grad)
+                       conv_kernel=args.conv_kernel, selector_unary_grad=args.selector_unary_grad)
 
 
 class OneProcess:
@@ -247,6 +247,8 @@ def main(argv=None):
     run.add_argument("--eager-loss", action="store_true", help="the eager loss (compiled layers)")
     run.add_argument("--selector-kernel", action="store_true",
                      help="DFlash2: the selector's pairwise term by train/selector_pair.py's kernels (selector_kernel)")
+    run.add_argument("--conv-kernel", action="store_true",
+                     help="DFlash2: the in-block convolutions by train/dynamic_conv.py's kernels (conv_kernel)")
     run.add_argument("--selector-unary-grad", action="store_true",
                      help="DFlash2: the selector's unary logits coupled to the drafter (selector_unary_grad)")
     run.add_argument("--layer-compile", choices=("dynamic", "automatic"), default="dynamic",
@@ -319,6 +321,7 @@ def main(argv=None):
         opt = build_optimizer(c, m, str(accelerator.distributed_type).split(".")[-1])
         m, opt = accelerator.prepare(m, opt)
         p = accelerator.unwrap_model(m)  # the drafter itself (DDP's module under several processes)
+        conv_kernels(c, p, dev)
         if compiled:
             compile_layers(p, dynamic={"dynamic": True, "automatic": None}[args.layer_compile])
         o = drafter_pass_options(c, dc, dev)

@@ -2,14 +2,16 @@
 # The quality issue's remaining GPU runs on one H200, in the order STAGES names them (default "kernels ttq
 # pairs"); each stage's results are in $RUN/<stage>/ (or $RUN/out for kernels and pairs) as soon as it ends, and
 # $RUN/stages.txt says when each started and ended, with its exit status:
-#   kernels  the CUDA test of DFlash2's pairwise selector kernels (train/selector_pair.py), then their benchmark
-#            (bench/bench_selector_pair.py, the testbed's micro-batch); ~2 min, no target needed;
+#   kernels  the CUDA tests of DFlash2's kernels (the pairwise selector term, train/selector_pair.py; the in-block
+#            convolution, train/dynamic_conv.py), then their benchmarks at the testbed's micro-batch
+#            (bench/bench_selector_pair.py, bench/bench_dynamic_conv.py); ~3 min, no target needed;
 #   ttq      time to quality on the 10,219 first turns: bench/testbed_quality_run.sh with WARM=1 (compiling while
 #            the target answers) and TTQ_VARIANT (default steps_1400: the cosine schedule ending at step 1,400),
 #            alone on the GPU, the held-out curve every 200 steps, τ of the export in vLLM on MT-bench; ~10 min;
 #   pairs    DFlash2's training throughput beside DFlash's, both in one process on the same batches
 #            (bench/bench_train_throughput.py --drafter-architecture dflash,dflash2 --smollm2-shape, offline, 12
-#            steps), with the selector kernels and without; ~6 min, no target needed;
+#            steps), once per form of PAIR_FORMS (default "plain both conv selector": no kernel, both kernels,
+#            the convolution's alone, the selector's alone; out/pair_<form>.json); ~3 min a form, no target;
 #   dflash2  DFlash2's forms beside DFlash at equal data (first turns, EPOCHS2 epochs, VARIANTS2 side by side),
 #            live chain τ of each in `dflashkit eval` (vLLM 0.24 serves no DFlash2); ~25 min, a lease of its own;
 #   rows     the recipe's rows on every answered turn: every turn answered greedily and once more sampled
@@ -41,9 +43,11 @@ for s in $STAGES; do  # a misspelt stage is refused before any stage runs, not a
   esac
 done
 if [ "$SCALE" = toy ]; then
-  PAIR=(--toy --device cpu --steps 2 --warmup 1); SELECTOR=(--positions 512); KERNEL_FLAG=()
+  PAIR=(--toy --device cpu --steps 2 --warmup 1); SELECTOR=(--positions 512); CONV=(--blocks 32)
+  PAIR_FORMS=${PAIR_FORMS:-both plain}
 else
-  PAIR=(--smollm2-shape --steps 12); SELECTOR=(); KERNEL_FLAG=(--selector-kernel)
+  PAIR=(--smollm2-shape --steps 12); SELECTOR=(); CONV=()
+  PAIR_FORMS=${PAIR_FORMS:-plain both conv selector}
 fi
 ready() {  # the target's stages wait for READY (above)
   [ -z "${READY:-}" ] && return 0
@@ -63,16 +67,22 @@ for s in $STAGES; do
   kernels)
     if [ "$SCALE" != toy ]; then  # on a CPU the test skips itself: the kernels need CUDA
       stage kernels-test 300 "$PY" -m pytest -q -p no:cacheprovider --rootdir "$ROOT" -k cuda \
-        "$ROOT/tests/unit/train/test_train_selector_pair.py"
+        "$ROOT/tests/unit/train/test_train_selector_pair.py" "$ROOT/tests/unit/train/test_train_dynamic_conv.py"
     fi
     (cd "$ROOT/bench" && stage kernels-bench 300 "$PY" bench_selector_pair.py "${SELECTOR[@]}" \
-      --out "$O/selector_pair.json") ;;
+      --out "$O/selector_pair.json")
+    (cd "$ROOT/bench" && stage conv-bench 300 "$PY" bench_dynamic_conv.py "${CONV[@]}" \
+      --out "$O/dynamic_conv.json") ;;
   ttq)
     quality ttq 1500 WARM=1 TURNS=first VARIANTS="${TTQ_VARIANT:-steps_1400}" PAR=1 EVAL_EVERY=200 L_EVAL=0 \
       L_TRAIN=420 KS=15 KEEP_DRAFTER=1 VLLM_SETS=mtbench ;;
   pairs)
-    for form in kernel plain; do
-      flags=(); [ "$form" = kernel ] && flags=("${KERNEL_FLAG[@]}")
+    for form in $PAIR_FORMS; do
+      case $form in
+        plain) flags=() ;; both) flags=(--selector-kernel --conv-kernel) ;;
+        conv) flags=(--conv-kernel) ;; selector) flags=(--selector-kernel) ;;
+        *) note "pairs: unknown form $form (plain, both, conv, selector)"; continue ;;
+      esac
       (cd "$ROOT/bench" && stage "pair-$form" 400 "$PY" bench_train_throughput.py "${PAIR[@]}" \
         --drafter-architecture dflash,dflash2 --modes offline "${flags[@]}" --out "$O/pair_$form.json")
     done ;;

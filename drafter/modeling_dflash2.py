@@ -17,7 +17,8 @@ API (stable; eval/ and train/ build on it):
   sublayer's input x with the first kernel set and returns ``(convolved, dynamic2)``, the second set's dynamic
   taps, both predicted from x by ``kernel_projection``; ``finish(y, dynamic2, block_size)`` convolves the
   sublayer's output y. A layer does ``x = norm(h); x, d = conv.prepare(x); h = h + conv.finish(sublayer(x), d)``
-  around its attention (``attention_conv``) and its MLP (``mlp_conv``).
+  around its attention (``attention_conv``) and its MLP (``mlp_conv``). Both convolve with ``conv_fn``
+  (``grouped_dynamic_causal_conv``; a trainer may set another way to the same values, e.g. dflashkit's kernels).
 - ``CandidateSelector(vocab_size, hidden_size, rank, top_k)``: ``pair_scores(hidden, unary, candidate_ids,
   predecessor_ids, pair_term=None)`` = ``unary + <predecessor_codebook[prev] * hidden_projection(h),
   successor_codebook[cand]>`` for any leading shape (training scores every position at once with the true
@@ -91,6 +92,8 @@ class GroupedDynamicCausalConv(nn.Module):
         self.groups = hidden_size // group_size
         self.base_kernel = nn.Parameter(torch.empty(2, kernel_size, hidden_size))
         self.kernel_projection = nn.Linear(hidden_size, 2 * kernel_size * self.groups, bias=False)
+        # the convolution itself: a trainer may point this at another way to the same values (dflashkit's kernels)
+        self.conv_fn: Callable = grouped_dynamic_causal_conv
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -108,12 +111,11 @@ class GroupedDynamicCausalConv(nn.Module):
             # half the bytes the convolution reads, writes and keeps for its backward
             hidden = hidden.to(torch.get_autocast_dtype(device))
         dynamic = self.kernel_projection(hidden).view(*hidden.shape[:-1], 2, self.kernel_size, self.groups)
-        out = grouped_dynamic_causal_conv(hidden, dynamic[..., 0, :, :], self.base_kernel[0], self.group_size,
-                                          block_size)
+        out = self.conv_fn(hidden, dynamic[..., 0, :, :], self.base_kernel[0], self.group_size, block_size)
         return out, dynamic[..., 1, :, :]
 
     def finish(self, hidden: torch.Tensor, dynamic: torch.Tensor, block_size: int) -> torch.Tensor:
-        return grouped_dynamic_causal_conv(hidden, dynamic, self.base_kernel[1], self.group_size, block_size)
+        return self.conv_fn(hidden, dynamic, self.base_kernel[1], self.group_size, block_size)
 
 
 class _AutocastRows(torch.autograd.Function):

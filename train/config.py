@@ -73,6 +73,8 @@ class TrainConfig:
     # (train/selector_loss.py; 1.0 as NeMo Automodel's DFlash2 recipe)
     selector_kernel: bool = False  # dflash2: the selector's pairwise term by Triton kernels without its
     # [positions, top_k, rank] rows (train/selector_pair.py; CUDA only; off until timed on a GPU)
+    conv_kernel: bool = False  # dflash2: the in-block convolutions by Triton kernels, one pass forward and one
+    # backward, inside the compiled layers (train/dynamic_conv.py; CUDA only; off until timed on a GPU)
     selector_unary_grad: bool = False  # dflash2: the selector term's gradient reaches the drafter through its
     # unary logits too, as in the public DFlash2 trainers (train/selector_loss.py; off until compared on a GPU)
     selector_weights: str = "decay"  # dflash2: the selector term's position weights and normaliser: "decay" (the

@@ -368,11 +368,25 @@ def announce_plan(cfg: TrainConfig, accelerator, backend_name: str, online: bool
                           f"({total_steps / spe:.2f} of {cfg.epochs} epochs)")
 
 
+def conv_kernels(cfg: TrainConfig, model, device: torch.device, say=print) -> int:
+    """With ``conv_kernel``, DFlash2's in-block convolutions by train/dynamic_conv.py's kernels where Triton runs
+    on ``device`` (said either way); returns how many convolutions take them."""
+    if not cfg.conv_kernel or cfg.drafter_architecture != "dflash2":
+        return 0
+    from .dynamic_conv import install
+
+    n = install(model, device)
+    say(f"conv_kernel: {n} in-block convolutions by Triton kernels" if n else
+        f"conv_kernel: Triton does not run on {device}; the convolutions stay the model's torch expression")
+    return n
+
+
 def prepare_drafter(cfg: TrainConfig, accelerator, model, dcfg, backend_name: str, selector: bool):
     """(model, optimizer, pass options): the optimizer built, both prepared by accelerate, the drafter's layers
     compiled when asked, and the drafter pass's fixed arguments (train/drafter_pass.forward_blocks)."""
     optimizer = build_optimizer(cfg, model, backend_name)
     model, optimizer = accelerator.prepare(model, optimizer)
+    conv_kernels(cfg, accelerator.unwrap_model(model), accelerator.device, accelerator.print)
     if cfg.compile:  # per decoder layer, dynamic shapes from the start (train/drafter_pass.compile_layers)
         compile_layers(accelerator.unwrap_model(model))
     pass_options = drafter_pass_options(cfg, dcfg, accelerator.device)

@@ -81,8 +81,9 @@ def test_the_quality_run_script_runs_every_stage_at_toy_scale(tmp_path):
 
 @pytest.mark.slow
 def test_the_lease_script_runs_the_kernels_the_pair_and_first_turns_time_to_quality(tmp_path):
-    """bench/testbed_quality_lease.sh STAGES="kernels pairs ttq" at toy scale. kernels: the selector-pair
-    benchmark (torch alone on a CPU); pairs: DFlash2 beside DFlash in one process, twice; ttq: the quality run with
+    """bench/testbed_quality_lease.sh STAGES="kernels pairs ttq" at toy scale. kernels: the selector-pair and
+    convolution benchmarks (torch alone on a CPU); pairs: DFlash2 beside DFlash in one process, with both
+    kernels asked for (the torch paths on a CPU) and without; ttq: the quality run with
     TURNS=first (only the first user turn of each conversation of sharegpt.jsonl answered, even beside a file of
     every turn), L_EVAL=0 (no `dflashkit eval`), vLLM on MT-bench alone although HumanEval is in the data, and
     WARM=1 (a short training on stand-ins of the turns beside the answering, ended before stage 2 starts). READY
@@ -93,10 +94,12 @@ def test_the_lease_script_runs_the_kernels_the_pair_and_first_turns_time_to_qual
     ready.touch()
     ends = run_toy_script("testbed_quality_lease.sh", run, STAGES="kernels pairs ttq", READY=str(ready),
                           WARM_STEPS="2", TARGET="testbed:smollm2", DATA=str(data))
-    assert set(ends) == {"kernels-bench", "pair-kernel", "pair-plain", "ttq"}, ends
+    assert set(ends) == {"kernels-bench", "conv-bench", "pair-both", "pair-plain", "ttq"}, ends
     out = run / "out"
     assert json.loads((out / "selector_pair.json").read_text())["torch_ms"] > 0
-    for form in ("kernel", "plain"):
+    assert json.loads((out / "dynamic_conv.json").read_text())["compiled_ms"] > 0
+    assert json.loads((out / "pair_both.json").read_text())["train_config"]["conv_kernel"] is True
+    for form in ("both", "plain"):
         paired = json.loads((out / f"pair_{form}.json").read_text())["paired"]
         assert set(paired) == {"dflash", "dflash2", "dflash2_vs_dflash"}, paired
         assert paired["dflash2_vs_dflash"]["throughput_ratio"] > 0

@@ -58,9 +58,11 @@ def test_architecture_lists_it_cannot_time_in_turn_are_refused(tmp_path, argv):
     assert not (tmp_path / "x.json").exists()
 
 
-def test_the_selector_flags_reach_the_dflash2_pass(tmp_path, monkeypatch):
-    """--selector-kernel and --selector-unary-grad: the steps' drafter pass gets selector_kernel (on the CPU its
-    kernels give way to torch, train/selector_pair.py) and selector_unary_grad, and the JSON records both."""
+def test_the_selector_flags_reach_the_dflash2_pass(tmp_path, monkeypatch, capsys):
+    """--selector-kernel, --conv-kernel and --selector-unary-grad: the steps' drafter pass gets selector_kernel
+    (on the CPU its kernels give way to torch, train/selector_pair.py) and selector_unary_grad, the convolutions'
+    switch is asked and answers for the CPU (train/dynamic_conv.py), and the JSON records all three."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     seen, step = [], btt.Step.__call__
 
     def recorded(self, micros):
@@ -71,7 +73,10 @@ def test_the_selector_flags_reach_the_dflash2_pass(tmp_path, monkeypatch):
     monkeypatch.setattr(btt.Step, "__call__", recorded)
     out = tmp_path / "k.json"
     btt.main(["--toy", "--device", "cpu", "--drafter-architecture", "dflash2", "--modes", "offline",
-              "--steps", "2", "--warmup", "1", "--selector-kernel", "--selector-unary-grad", "--out", str(out)])
+              "--steps", "2", "--warmup", "1", "--selector-kernel", "--selector-unary-grad", "--conv-kernel",
+              "--out", str(out)])
     assert seen and set(seen) == {("dflash2", True, True)}
+    assert "conv_kernel: Triton does not run on cpu" in capsys.readouterr().out
     r = json.loads(out.read_text())
     assert r["train_config"]["selector_kernel"] is True and r["train_config"]["selector_unary_grad"] is True
+    assert r["train_config"]["conv_kernel"] is True
