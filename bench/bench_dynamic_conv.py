@@ -11,12 +11,15 @@ through 5 layers runs 40. The rows, taps and gradient are random, in bf16 as und
 base taps float32, as the parameter). Figures: medians of 5 timings of 10 back-to-back calls of forward +
 backward (``*_ms``) and of the forward alone (``*_forward_ms``) for ``eager`` (the torch expression),
 ``compiled`` (that expression through torch.compile, as inductor compiles it inside a layer) and ``kernel``; the
-kernels' value and gradients are checked against the compiled expression's first (bf16 rounding).
+kernels' value and gradients are checked against the compiled expression's first (bf16 rounding). ``--sweep``
+also times the kernels at other tiles (rows x channels a program, warps; ``kernel_tiles``; the default tile is
+train/dynamic_conv_triton.TILE).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 
 import torch
@@ -33,6 +36,7 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=576)
     ap.add_argument("--taps", type=int, default=2)
     ap.add_argument("--group", type=int, default=16)
+    ap.add_argument("--sweep", action="store_true", help="also time the kernels at other tiles (GPU)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -77,6 +81,15 @@ def main() -> None:
     if "kernel_ms" in out:
         out["kernel_vs_compiled"] = out["compiled_ms"] / out["kernel_ms"]
         out["saved_per_step_ms"] = 40 * (out["compiled_ms"] - out["kernel_ms"])  # 4 a layer, 5 layers, 2 micro
+    if "kernel_ms" in out and args.sweep:
+        from dflashkit.train.dynamic_conv_triton import TILE
+
+        default, out["kernel_tiles"] = dict(TILE), []
+        for rows, channels, warps in itertools.product((32, 64, 128), (64, 128), (4, 8)):
+            TILE.update(rows=rows, channels=channels, num_warps=warps)
+            out["kernel_tiles"].append(dict(TILE, ms=ms(lambda: step(dynamic_conv)),
+                                            forward_ms=ms(lambda: step(dynamic_conv, False))))
+        TILE.update(default)
     print(out)
     write_json(args.out, out)
 

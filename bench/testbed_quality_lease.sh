@@ -46,7 +46,7 @@ if [ "$SCALE" = toy ]; then
   PAIR=(--toy --device cpu --steps 2 --warmup 1); SELECTOR=(--positions 512); CONV=(--blocks 32)
   PAIR_FORMS=${PAIR_FORMS:-both plain}
 else
-  PAIR=(--smollm2-shape --steps 12); SELECTOR=(); CONV=()
+  PAIR=(--smollm2-shape --steps 12); SELECTOR=(); CONV=(--sweep)
   PAIR_FORMS=${PAIR_FORMS:-plain both conv selector}
 fi
 ready() {  # the target's stages wait for READY (above)

@@ -27,10 +27,17 @@ MAX_TAPS = 16  # the kernels unroll their taps
 MAX_GROUP = 128  # a group is summed inside one tile of channels
 
 
+def _unit_last(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself where its last dim is contiguous (the kernels' one layout rule), else a contiguous copy: the
+    layouts a compiled graph hands an operator are its own choice."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
 @torch.library.custom_op("dflashkit::dynamic_conv", mutates_args=())
 def _conv(x: torch.Tensor, dyn: torch.Tensor, base: torch.Tensor, group_size: int, block_size: int) -> torch.Tensor:
     from .dynamic_conv_triton import launch_forward
 
+    x, dyn, base = _unit_last(x), _unit_last(dyn), _unit_last(base)
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     launch_forward(x, dyn, base, out, group_size, block_size)
     return out
@@ -47,7 +54,7 @@ def _conv_backward(grad: torch.Tensor, x: torch.Tensor, dyn: torch.Tensor, base:
     from .dynamic_conv_triton import launch_backward, row_tiles
 
     n_rows, hidden = x.shape
-    grad = grad.contiguous()
+    grad, x, dyn, base = grad.contiguous(), _unit_last(x), _unit_last(dyn), _unit_last(base)
     grad_x = torch.empty_like(x, memory_format=torch.contiguous_format)
     grad_dyn = torch.empty(dyn.shape, dtype=dyn.dtype, device=dyn.device)
     per_tile = torch.empty((row_tiles(n_rows, hidden, block_size, group_size), *base.shape), dtype=torch.float32,
@@ -96,10 +103,7 @@ def dynamic_conv(hidden: torch.Tensor, dynamic: torch.Tensor, base: torch.Tensor
     if not kernel_fits(hidden, dynamic, base, group_size, block_size):
         return grouped_dynamic_causal_conv(hidden, dynamic, base, group_size, block_size)
     width = hidden.shape[-1]
-    dyn = dynamic.reshape(-1, *dynamic.shape[-2:])
-    if dyn.stride(-1) != 1:
-        dyn = dyn.contiguous()
-    out = _conv(hidden.reshape(-1, width).contiguous(), dyn, base, group_size, block_size)
+    out = _conv(hidden.reshape(-1, width), dynamic.reshape(-1, *dynamic.shape[-2:]), base, group_size, block_size)
     return out.view(hidden.shape)
 
 

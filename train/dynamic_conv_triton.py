@@ -81,24 +81,29 @@ def _conv_backward(G, X, Dyn, Base, GradX, GradDyn, GradBase, n_rows, hidden, bl
     tl.store(GradX + m[:, None] * stride_gx + h[None, :], grad_x.to(GradX.dtype.element_ty), mask=ok)
 
 
+# the tile's rows and channels and the warps per program; bench/bench_dynamic_conv.py --sweep times others
+TILE = {"rows": 64, "channels": 64, "num_warps": 4}
+
+
 def tiles(block: int, group: int) -> tuple[int, int]:
-    """(BLOCK_M, BLOCK_H): 64 rows (whole blocks where the block is a power of two up to 64; any block is right,
-    a tile's shifted rows are then read from its neighbours) and 64 channels, or one group where it is wider."""
-    return max(64, triton.next_power_of_2(block)), max(64, group)
+    """(BLOCK_M, BLOCK_H): TILE's rows (at least the block's next power of two: whole blocks where the block is
+    a power of two; any block is right, a tile's shifted rows are then read from its neighbours) and channels
+    (at least one group)."""
+    return max(TILE["rows"], triton.next_power_of_2(block)), max(TILE["channels"], group)
 
 
-def launch_forward(x, dyn, base, out, group_size: int, block_size: int, num_warps: int = 4) -> None:
-    """x [M, H], dyn [M, K, H / group_size] (any strides but a contiguous last dim), base [K, H] -> out [M, H]."""
+def launch_forward(x, dyn, base, out, group_size: int, block_size: int) -> None:
+    """x [M, H], dyn [M, K, H / group_size], base [K, H] (each contiguous in its last dim) -> out [M, H]."""
     n_rows, hidden = x.shape
     block_m, block_h = tiles(block_size, group_size)
     grid = (triton.cdiv(n_rows, block_m), triton.cdiv(hidden, block_h))
     _conv_forward[grid](x, dyn, base, out, n_rows, hidden, block_size, x.stride(0), dyn.stride(0), dyn.stride(1),
                         base.stride(0), out.stride(0), K=dyn.shape[1], GS=group_size, BLOCK_M=block_m,
-                        BLOCK_H=block_h, num_warps=num_warps)
+                        BLOCK_H=block_h, num_warps=TILE["num_warps"])
 
 
-def launch_backward(grad, x, dyn, base, grad_x, grad_dyn, grad_base_tiles, group_size: int, block_size: int,
-                    num_warps: int = 4) -> None:
+def launch_backward(grad, x, dyn, base, grad_x, grad_dyn, grad_base_tiles, group_size: int,
+                    block_size: int) -> None:
     """grad [M, H] -> grad_x [M, H], grad_dyn [M, K, G] and grad_base_tiles [row tiles, K, H] (float32), all
     written whole; ``row_tiles`` gives the first dimension of the last."""
     n_rows, hidden = x.shape
@@ -108,7 +113,7 @@ def launch_backward(grad, x, dyn, base, grad_x, grad_dyn, grad_base_tiles, group
                          grad.stride(0), x.stride(0), dyn.stride(0), dyn.stride(1), base.stride(0), grad_x.stride(0),
                          grad_dyn.stride(0), grad_dyn.stride(1), grad_base_tiles.stride(0),
                          grad_base_tiles.stride(1), K=dyn.shape[1], GS=group_size, BLOCK_M=block_m,
-                         BLOCK_H=block_h, num_warps=num_warps)
+                         BLOCK_H=block_h, num_warps=TILE["num_warps"])
 
 
 def row_tiles(n_rows: int, hidden: int, block_size: int, group_size: int) -> int:
