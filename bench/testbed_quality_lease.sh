@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The quality issue's remaining GPU runs on one H200, in the order STAGES names them (default "kernels ttq
-# pairs"); each stage's results are in $RUN/<stage>/ (or $RUN/out for kernels and pairs) as soon as it ends, and
-# $RUN/stages.txt says when each started and ended, with its exit status:
+# The quality issue's remaining GPU runs on one H200, in the order STAGES names them (default "kernels pairs
+# ttq": the two that need no target first, while it is copied in); each stage's results are in $RUN/<stage>/
+# (or $RUN/out for kernels and pairs) as soon as it ends, and $RUN/stages.txt says when each started and ended,
+# with its exit status:
 #   kernels  the CUDA tests of DFlash2's kernels (the pairwise selector term, train/selector_pair.py; the in-block
 #            convolution, train/dynamic_conv.py), then their benchmarks at the testbed's micro-batch
 #            (bench/bench_selector_pair.py, bench/bench_dynamic_conv.py); ~3 min, no target needed;
@@ -10,8 +11,8 @@
 #            alone on the GPU, the held-out curve every 200 steps, τ of the export in vLLM on MT-bench; ~10 min;
 #   pairs    DFlash2's training throughput beside DFlash's, both in one process on the same batches
 #            (bench/bench_train_throughput.py --drafter-architecture dflash,dflash2 --smollm2-shape, offline, 12
-#            steps), once per form of PAIR_FORMS (default "plain both conv selector": no kernel, both kernels,
-#            the convolution's alone, the selector's alone; out/pair_<form>.json); ~3 min a form, no target;
+#            steps), once per form of PAIR_FORMS (default "plain both conv": no kernel, both kernels, the
+#            convolution's alone; "selector": the selector's alone; out/pair_<form>.json); ~2 min a form;
 #   dflash2  DFlash2's forms beside DFlash at equal data (first turns, EPOCHS2 epochs, VARIANTS2 side by side),
 #            live chain τ of each in `dflashkit eval` (vLLM 0.24 serves no DFlash2); ~25 min, a lease of its own;
 #   rows     the recipe's rows on every answered turn: every turn answered greedily and once more sampled
@@ -32,7 +33,7 @@ T=${TARGET:-/root/testbed/smollm2-bf16}
 D=${DATA:-/root/data}
 R=${RUN:-/root/run}
 SCALE=${SCALE:-full}
-STAGES=${STAGES:-kernels ttq pairs}
+STAGES=${STAGES:-kernels pairs ttq}
 absolute() { [ -e "$1" ] && echo "$(cd "$(dirname "$1")" && pwd)/$(basename "$1")" || echo "$1"; }
 T=$(absolute "$T")
 . "$(dirname "$0")/run_lib.sh"  # ROOT, D, R, O, PY; the shell in $R; note(), stage()
@@ -47,7 +48,7 @@ if [ "$SCALE" = toy ]; then
   PAIR_FORMS=${PAIR_FORMS:-both plain}
 else
   PAIR=(--smollm2-shape --steps 12); SELECTOR=(); CONV=(--sweep)
-  PAIR_FORMS=${PAIR_FORMS:-plain both conv selector}
+  PAIR_FORMS=${PAIR_FORMS:-plain both conv}
 fi
 ready() {  # the target's stages wait for READY (above)
   [ -z "${READY:-}" ] && return 0
