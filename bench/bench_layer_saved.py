@@ -2,6 +2,7 @@
 
     python bench/bench_layer_saved.py --out bench/results/layer_saved/cpu.json              # CPU, compiled
     python bench/bench_layer_saved.py --device cuda --out bench/results/layer_saved/h200.json
+    TRITON_INTERPRET=1 python bench/bench_layer_saved.py --conv-kernel --out bench/results/layer_saved/cpu_conv.json
 
 One decoder layer of each architecture (SmolLM2-135M's drafter: hidden 576, 9 heads of 64, 3 KV heads, MLP 1536;
 DFlash2 with its default convolution, 2 taps over groups of 16 channels, its weights moved off the identity
@@ -10,7 +11,9 @@ autocast, compiled for symbolic shapes as the trainer compiles its layers (``--e
 tensor the autograd graph keeps for the backward is counted once (by its storage): MiB and that size in units of
 one bf16 activation of the block ([positions, 576]). The memory a layer keeps is what its backward reads back
 and, compiled, what its forward writes beyond its output: a measure of the convolutions' cost in memory, which
-the CPU gives as well as a GPU (the partitioner that decides what is kept is the same code).
+the CPU gives as well as a GPU (the partitioner that decides what is kept is the same code). ``--conv-kernel``
+adds a third row, DFlash2 with its convolutions by train/dynamic_conv.py's kernels (``conv_kernel: true``),
+where Triton runs: CUDA, or the CPU under TRITON_INTERPRET=1.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ import torch
 from common import write_json
 
 from dflashkit.drafter import DrafterConfig, build_drafter
+from dflashkit.targets.runtime.kernels import triton_available
+from dflashkit.train.dynamic_conv import install
 
 WIDTH = dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3, head_dim=64)
 DFLASH2 = dict(architecture="dflash2", conv_kernel_size=2, conv_group_size=16, selector_rank=256, selector_top_k=16)
@@ -41,8 +46,11 @@ def layer_of(architecture: str, device: torch.device):
     return model.layers[0], model.rotary_emb
 
 
-def kept_for_backward(architecture: str, blocks: int, context: int, device: torch.device, compiled: bool) -> dict:
+def kept_for_backward(architecture: str, blocks: int, context: int, device: torch.device, compiled: bool,
+                      conv_kernel: bool = False) -> dict:
     layer, rotary = layer_of(architecture, device)
+    if conv_kernel:
+        install(layer, device)
     if compiled:
         layer.compile(dynamic=True)
     q = 16 * blocks
@@ -60,7 +68,8 @@ def kept_for_backward(architecture: str, blocks: int, context: int, device: torc
         out = layer(block, ctx, cos, sin)
     out.float().sum().backward()  # the graph runs through: what was kept was used
     total = sum(kept.values())
-    return {"architecture": architecture, "kept_mib": total / 2**20, "kept_tensors": len(kept),
+    return {"architecture": architecture + ("+conv_kernel" if conv_kernel else ""), "kept_mib": total / 2**20,
+            "kept_tensors": len(kept),
             "block_activations": total / (q * WIDTH["hidden_size"] * 2)}
 
 
@@ -70,10 +79,14 @@ def main(argv=None) -> dict:
     ap.add_argument("--blocks", type=int, default=128, help="blocks of 16 draft positions")
     ap.add_argument("--context", type=int, default=2048, help="context positions the block attends to")
     ap.add_argument("--eager", action="store_true", help="the layers not compiled")
+    ap.add_argument("--conv-kernel", action="store_true", help="also DFlash2 with conv_kernel (module docstring)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     device = torch.device(args.device)
-    rows = [kept_for_backward(a, args.blocks, args.context, device, not args.eager) for a in ("dflash", "dflash2")]
+    if args.conv_kernel and not triton_available(device):  # before any row is measured
+        raise SystemExit(f"--conv-kernel: Triton does not run on {device} (CUDA, or the CPU with TRITON_INTERPRET=1)")
+    forms = [("dflash", False), ("dflash2", False)] + [("dflash2", True)] * args.conv_kernel
+    rows = [kept_for_backward(a, args.blocks, args.context, device, not args.eager, k) for a, k in forms]
     result = {"device": str(device), "compiled": not args.eager, "blocks": args.blocks, "context": args.context,
               "torch": torch.__version__, "layers": rows,
               "dflash2_extra_block_activations": rows[1]["block_activations"] - rows[0]["block_activations"]}
