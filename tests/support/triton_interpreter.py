@@ -30,6 +30,23 @@ INTERPRETER_PREAMBLE = textwrap.dedent("""
 """)
 
 
+def count_launches(module: str) -> str:
+    """Script lines (after INTERPRETER_PREAMBLE) that count the calls of ``module``'s ``launch_forward`` and
+    ``launch_backward`` in a dict ``launches`` ({"forward": n, "backward": n}), which the script then prints."""
+    return textwrap.dedent(f"""
+        import {module} as kernel
+        launches = {{"forward": 0, "backward": 0}}
+        forward, backward = kernel.launch_forward, kernel.launch_backward
+        def counted_forward(*args, **kwargs):
+            launches["forward"] += 1
+            return forward(*args, **kwargs)
+        def counted_backward(*args, **kwargs):
+            launches["backward"] += 1
+            return backward(*args, **kwargs)
+        kernel.launch_forward, kernel.launch_backward = counted_forward, counted_backward
+    """)
+
+
 def run_in_interpreter(script: str, *args: str):
     """Run ``script`` (INTERPRETER_PREAMBLE + the test's own lines) under TRITON_INTERPRET=1 in a fresh process
     and return the JSON its last line prints; skip where Triton is not installed."""

@@ -16,7 +16,7 @@ from dflashkit.train.dynamic_conv import kernel_fits
 from dflashkit.train.setup import conv_kernels
 
 from support.packed_blocks import tiny_drafter
-from support.triton_interpreter import INTERPRETER_PREAMBLE, run_in_interpreter
+from support.triton_interpreter import INTERPRETER_PREAMBLE, count_launches, run_in_interpreter
 
 
 def test_the_kernels_fit_only_their_cases():
@@ -63,18 +63,7 @@ def test_the_cpu_path_is_the_models_expression():
     assert torch.equal(conv_kernel_path(x, dyn, base, 8, 8), grouped_dynamic_causal_conv(x, dyn, base, 8, 8))
 
 
-COUNT_LAUNCHES = textwrap.dedent("""
-    import dflashkit.train.dynamic_conv_triton as kernel
-    launches = {"forward": 0, "backward": 0}
-    forward, backward = kernel.launch_forward, kernel.launch_backward
-    def counted_forward(*args, **kwargs):
-        launches["forward"] += 1
-        return forward(*args, **kwargs)
-    def counted_backward(*args, **kwargs):
-        launches["backward"] += 1
-        return backward(*args, **kwargs)
-    kernel.launch_forward, kernel.launch_backward = counted_forward, counted_backward
-""")
+COUNT_LAUNCHES = count_launches("dflashkit.train.dynamic_conv_triton")
 
 KERNEL_SCRIPT = INTERPRETER_PREAMBLE + COUNT_LAUNCHES + textwrap.dedent("""
     from dflashkit.drafter.modeling_dflash2 import grouped_dynamic_causal_conv as reference

@@ -11,7 +11,7 @@ import torch
 from dflashkit.train import selector_pair
 from dflashkit.train.selector_pair import kernel_fits, pair_reference, pair_term
 
-from support.triton_interpreter import INTERPRETER_PREAMBLE, run_in_interpreter
+from support.triton_interpreter import INTERPRETER_PREAMBLE, count_launches, run_in_interpreter
 
 
 def test_the_cpu_path_is_the_models_expression():
@@ -42,18 +42,7 @@ def test_the_kernels_fit_only_their_cases(monkeypatch):
     assert not kernel_fits(gate, ids[:3], book) and not kernel_fits(gate, ids, torch.zeros(9, 8))
 
 
-COUNT_LAUNCHES = textwrap.dedent("""
-    import dflashkit.train.selector_pair_triton as kernel
-    launches = {"forward": 0, "backward": 0}
-    forward, backward = kernel.launch_forward, kernel.launch_backward
-    def counted_forward(*args, **kwargs):
-        launches["forward"] += 1
-        return forward(*args, **kwargs)
-    def counted_backward(*args, **kwargs):
-        launches["backward"] += 1
-        return backward(*args, **kwargs)
-    kernel.launch_forward, kernel.launch_backward = counted_forward, counted_backward
-""")
+COUNT_LAUNCHES = count_launches("dflashkit.train.selector_pair_triton")
 
 KERNEL_SCRIPT = INTERPRETER_PREAMBLE + COUNT_LAUNCHES + textwrap.dedent("""
     from dflashkit.train.selector_pair import pair_reference, pair_term
