@@ -15,6 +15,7 @@
 #            convolution's alone; "selector": the selector's alone; out/pair_<form>.json); ~2 min a form;
 #   dflash2  DFlash2's forms beside DFlash at equal data (first turns, EPOCHS2 epochs, VARIANTS2 side by side),
 #            live chain τ of each in `dflashkit eval` (vLLM 0.24 serves no DFlash2); ~25 min, a lease of its own;
+#            MORE2=conv_kernel=true,selector_kernel=true trains the DFlash2 forms with the kernels (once timed);
 #   rows     the recipe's rows on every answered turn: every turn answered greedily and once more sampled
 #            (SAMPLED=1), then ROWS (default seed_1,extra_answers_same_steps) two at a time for 2 epochs, τ in
 #            vLLM, each export kept in pieces; a lease of its own (REGEN=FILE skips the greedy answering).
@@ -90,7 +91,7 @@ for s in $STAGES; do
   dflash2)
     quality dflash2 3000 TURNS=first \
       VARIANTS="${VARIANTS2:-default,dflash2,dflash2_coupled,dflash2_codebook_lr,dflash2_injected}" \
-      EPOCHS="${EPOCHS2:-2}" L_TRAIN="${L_TRAIN2:-1000}" L_EVAL="${L_EVAL2:-300}" VLLM_SETS= ;;
+      EPOCHS="${EPOCHS2:-2}" L_TRAIN="${L_TRAIN2:-1000}" L_EVAL="${L_EVAL2:-300}" VLLM_SETS= MORE="${MORE2:-}" ;;
   rows)
     quality rows 4000 SAMPLED=1 TURNS=every VARIANTS="${ROWS:-seed_1,extra_answers_same_steps}" PAR=2 EPOCHS=2 \
       L_TRAIN="${L_TRAIN3:-1500}" L_EVAL=0 KEEP_DRAFTER=1 ;;

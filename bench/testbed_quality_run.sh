@@ -26,12 +26,14 @@
 # KEEP_DRAFTER=1 leaves each export in 15 MiB pieces under $RUN/out/drafter-<variant>/. TURNS=first answers only
 # the first user turn of each conversation of $DATA/sharegpt.jsonl[.gz] (the 10,219 of the recipe's runs; time to
 # quality on that data, e.g. VARIANTS=steps_1400_anchors PAR=1: one run alone at a time, as a user's would be).
-# L_EVAL=0 leaves stage 4 out (τ in vLLM only). WARM=1 compiles while the target answers: beside stage 1, a run of
-# WARM_STEPS (10) steps of the recipe (the default variant's overrides) on a stand-in of the data to come (the
-# source's user turns, each answered by its own text: the compiled graphs depend on lengths, not words), with a
-# held-out evaluation at its end, fills the on-disk compile caches that stage 2's runs then read (the compilation is mostly
-# host work, the answering GPU work; the trainer's first 10 steps took 99-121 s on the H200, RESULTS.md); stage 1's
-# seconds, which time_to_quality adds, run until both have ended.
+# MORE=key=value,... adds overrides to every variant's run (e.g. conv_kernel=true,selector_kernel=true: DFlash2's
+# kernels; a DFlash variant ignores both). L_EVAL=0 leaves stage 4 out (τ in vLLM only).
+# WARM=1 compiles while the target answers: beside stage 1, a run of WARM_STEPS (10) steps of the recipe (the default
+# variant's overrides) on a stand-in of the data to come (the source's user turns, each answered by its own text: the
+# compiled graphs depend on lengths, not words), with a held-out evaluation at its end, fills the on-disk compile
+# caches that stage 2's runs then read (the compilation is mostly host work, the answering GPU work; the trainer's
+# first 10 steps took 99-121 s on the H200, RESULTS.md); stage 1's seconds, which time_to_quality adds, run until both
+# have ended.
 #
 # Bringing results back to the next lease (15 MiB a file):
 #   the data:  cat $OUT/regen/regen.jsonl.gz.* > .cache/regen-all.jsonl.gz   (then REGEN=.cache/regen-all.jsonl.gz)
@@ -82,6 +84,7 @@ else
   L_REGEN=${L_REGEN:-420}; L_TRAIN=${L_TRAIN:-$([ -n "${REGEN:-}" ] && echo 900 || echo 600)}
   L_VLLM=${L_VLLM:-300}; L_EVAL=${L_EVAL:-300}
 fi
+[ -n "${MORE:-}" ] && EXTRA="$EXTRA,$MORE"  # every run's own further overrides (above)
 VENV=(bash "$ROOT/bench/vllm_env.sh" "$PY")  # the slim vLLM's environment (../shared/vllm/README.md)
 note "start: scale $SCALE, $(nvidia-smi -L 2>/dev/null | wc -l) GPU(s), variants $VARIANTS"
 

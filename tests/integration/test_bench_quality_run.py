@@ -137,7 +137,8 @@ def test_the_lease_script_refuses_an_unknown_stage_before_running_any(tmp_path):
 @pytest.mark.slow
 def test_the_quality_run_script_trains_on_an_earlier_leases_answers(tmp_path):
     """REGEN=FILE.gz (an earlier lease's out/regen pieces put back together): nothing is answered, the recipe
-    trains on that file as it is, and the curve's seconds start with training (no answering to add)."""
+    trains on that file as it is, and the curve's seconds start with training (no answering to add); MORE's
+    override reaches every run."""
     data = toy_data(tmp_path / "data", mtbench=2)
     earlier = chat_records(5, seed=7)
     regen = tmp_path / "regen-all.jsonl.gz"
@@ -145,12 +146,13 @@ def test_the_quality_run_script_trains_on_an_earlier_leases_answers(tmp_path):
         f.write("".join(json.dumps(r) + "\n" for r in earlier))
     run = tmp_path / "run"
     ends = run_toy_script("testbed_quality_run.sh", run, limits=("L_TRAIN", "L_VLLM"), REGEN=str(regen),
-                          L_EVAL="0", TARGET="testbed:smollm2", DATA=str(data))
+                          L_EVAL="0", MORE="seed=5", TARGET="testbed:smollm2", DATA=str(data))
     assert set(ends) == {"train-recipe", "vllm-tau-mtbench", "time-to-quality"}, ends
     assert jsonl(run / "regen.jsonl") == earlier
     answers = sum(m["role"] == "assistant" for r in earlier for m in r["messages"])
     assert f"regenerate: reused {regen} (5 conversations, {answers} answers)" in (run / "stages.txt").read_text()
     assert f"--data {run / 'regen.jsonl'} " in (run / "stages.txt").read_text()
+    assert ",eval_every=1,seed=5 " in (run / "stages.txt").read_text()  # MORE: after the scale's own overrides
     (summary,) = json.loads((run / "out" / "time_to_quality.json").read_text()).values()
     assert summary["offset_s"] == 0 and summary["timeline"]
 
