@@ -53,11 +53,11 @@ def _conv_backward(grad: torch.Tensor, x: torch.Tensor, dyn: torch.Tensor, base:
                    block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     from .dynamic_conv_triton import launch_backward, row_tiles
 
-    n_rows, hidden = x.shape
+    n_rows = x.shape[0]
     grad, x, dyn, base = grad.contiguous(), _unit_last(x), _unit_last(dyn), _unit_last(base)
     grad_x = torch.empty_like(x, memory_format=torch.contiguous_format)
     grad_dyn = torch.empty(dyn.shape, dtype=dyn.dtype, device=dyn.device)
-    per_tile = torch.empty((row_tiles(n_rows, hidden, block_size, group_size), *base.shape), dtype=torch.float32,
+    per_tile = torch.empty((row_tiles(n_rows, block_size, group_size), *base.shape), dtype=torch.float32,
                            device=x.device)
     launch_backward(grad, x, dyn, base, grad_x, grad_dyn, per_tile, group_size, block_size)
     return grad_x, grad_dyn, per_tile.sum(0).to(base.dtype)
@@ -92,7 +92,8 @@ def kernel_fits(hidden: torch.Tensor, dynamic: torch.Tensor, base: torch.Tensor,
     return (hidden.dtype in FLOATS and dynamic.dtype in FLOATS and base.dtype in FLOATS
             and hidden.dim() == 3 and hidden.shape[-1] == width and width % group_size == 0
             and 1 <= taps <= MAX_TAPS and 0 < group_size <= MAX_GROUP and group_size & (group_size - 1) == 0
-            and dynamic.shape[-2:] == (taps, width // group_size) and hidden.shape[1] % block_size == 0
+            and dynamic.shape == (*hidden.shape[:-1], taps, width // group_size)
+            and hidden.shape[1] % block_size == 0
             and hidden.numel() > 0)
 
 

@@ -14,11 +14,11 @@ and its gradients are
 
 Compiled by inductor, the torch expression took ~29 ms of a DFlash2 training step at the testbed's shape, in
 several passes over [~86k block positions, 576] each way (BENCHMARKS.md, lease 8). Here one program takes a
-[BLOCK_M, BLOCK_H] tile (BLOCK_M a multiple of the block, so the shifted rows it reads are its own) and does the
-forward in one pass, the backward's three gradients in another: x, g and the taps read once a tile, products
-summed in float32. ``grad_base`` is reduced per row tile into a float32 buffer [tiles, K, H] and summed by the
-caller (no atomics: the same bits every run). Base and dyn are rounded to x's dtype before use, as the torch
-expression casts them.
+[BLOCK_M, BLOCK_H] tile (whole blocks where the block is a power of two, so the shifted rows it reads are its
+own) and does the forward in one pass, the backward's three gradients in another: x, g and the taps read once a
+tile, products summed in float32. ``grad_base`` is reduced per row tile into a float32 buffer [tiles, K, H] and
+summed by the caller (no atomics: the same bits every run). Base and dyn are rounded to x's dtype before use, as
+the torch expression casts them.
 """
 
 from __future__ import annotations
@@ -116,6 +116,6 @@ def launch_backward(grad, x, dyn, base, grad_x, grad_dyn, grad_base_tiles, group
                          BLOCK_H=block_h, num_warps=TILE["num_warps"])
 
 
-def row_tiles(n_rows: int, hidden: int, block_size: int, group_size: int) -> int:
-    """The number of row tiles the kernels use for [n_rows, hidden]: the first dimension of grad_base_tiles."""
+def row_tiles(n_rows: int, block_size: int, group_size: int) -> int:
+    """The number of row tiles the kernels use for n_rows rows: the first dimension of grad_base_tiles."""
     return triton.cdiv(n_rows, tiles(block_size, group_size)[0])

@@ -30,6 +30,7 @@ def test_the_kernels_fit_only_their_cases():
     taps = dynamic_conv.MAX_TAPS + 1
     assert not kernel_fits(x, torch.zeros(2, 32, taps, 3), torch.zeros(taps, 48), 16, 16)
     assert not kernel_fits(x, dyn[..., :2], base, 16, 16)  # dynamic taps for another group size
+    assert not kernel_fits(x, dyn[:, :16], base, 16, 16)  # taps for other positions than the rows
 
 
 def test_the_switch_leaves_a_cpu_run_and_dflash_alone(monkeypatch):
