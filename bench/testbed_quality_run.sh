@@ -28,12 +28,12 @@
 # quality on that data, e.g. VARIANTS=steps_1400_anchors PAR=1: one run alone at a time, as a user's would be).
 # MORE=key=value,... adds overrides to every variant's run (e.g. conv_kernel=true,selector_kernel=true: DFlash2's
 # kernels; a DFlash variant ignores both). L_EVAL=0 leaves stage 4 out (τ in vLLM only).
-# WARM=1 compiles while the target answers: beside stage 1, a run of WARM_STEPS (10) steps of the recipe (the default
-# variant's overrides) on a stand-in of the data to come (the source's user turns, each answered by its own text: the
-# compiled graphs depend on lengths, not words), with a held-out evaluation at its end, fills the on-disk compile
-# caches that stage 2's runs then read (the compilation is mostly host work, the answering GPU work; the trainer's
-# first 10 steps took 99-121 s on the H200, RESULTS.md); stage 1's seconds, which time_to_quality adds, run until both
-# have ended.
+# WARM=1 compiles while the target answers: beside stage 1, a run of WARM_STEPS (10; 2 at toy scale) steps of the
+# recipe (the default variant's overrides) on a stand-in of the data to come (the source's user turns, each answered
+# by its own text: the compiled graphs depend on lengths, not words), with a held-out evaluation at its end, fills the
+# on-disk compile caches that stage 2's runs then read (the compilation is mostly host work, the answering GPU work;
+# the trainer's first 10 steps took 99-121 s on the H200, RESULTS.md); stage 1's seconds, which time_to_quality adds,
+# run until both have ended.
 #
 # Bringing results back to the next lease (15 MiB a file):
 #   the data:  cat $OUT/regen/regen.jsonl.gz.* > .cache/regen-all.jsonl.gz   (then REGEN=.cache/regen-all.jsonl.gz)
@@ -122,7 +122,7 @@ warm_compile() {  # the default variant's graphs compiled beside the answering (
   warm_data "$SRC" "$R/warm.jsonl" && [ -s "$R/warm.jsonl" ] ||
     { note "warm-compile: skipped: no stand-in conversations from $SRC"; return; }
   IFS=, read -ra OVERRIDES <<< "$EXTRA"
-  W=${WARM_STEPS:-10}
+  W=${WARM_STEPS:-$([ "$SCALE" = toy ] && echo 2 || echo 10)}  # the toy's own max_steps=2 at toy scale
   stage warm-compile "$L_REGEN" "$PY" -m dflashkit.train --recipe "$ROOT/recipes/smollm2-135m.yaml" \
     --target "$T" --data "$R/warm.jsonl" "output_dir=$R/warm" "${OVERRIDES[@]}" "max_steps=$W" "eval_every=$W" \
     save_every=0 wandb=false progress=false &
