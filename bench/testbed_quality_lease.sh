@@ -38,18 +38,31 @@ STAGES=${STAGES:-kernels pairs ttq}
 absolute() { [ -e "$1" ] && echo "$(cd "$(dirname "$1")" && pwd)/$(basename "$1")" || echo "$1"; }
 T=$(absolute "$T")
 . "$(dirname "$0")/run_lib.sh"  # ROOT, D, R, O, PY; the shell in $R; note(), stage()
-for s in $STAGES; do  # a misspelt stage is refused before any stage runs, not after the ones before it
-  case $s in
-    kernels|ttq|pairs|dflash2|rows) ;;
-    *) note "unknown stage $s (kernels, ttq, pairs, dflash2, rows)"; exit 2 ;;
-  esac
-done
 if [ "$SCALE" = toy ]; then
   PAIR=(--toy --device cpu --steps 2 --warmup 1); SELECTOR=(--positions 512); CONV=(--blocks 32)
   PAIR_FORMS=${PAIR_FORMS:-both plain}
 else
   PAIR=(--smollm2-shape --steps 12); SELECTOR=(); CONV=(--sweep)
   PAIR_FORMS=${PAIR_FORMS:-plain both conv}
+fi
+pair_flags() {  # FORM: the kernel flags of a pair form (PAIR_FORMS above) in FLAGS; 1 for an unknown form
+  case $1 in
+    plain) FLAGS=() ;; both) FLAGS=(--selector-kernel --conv-kernel) ;;
+    conv) FLAGS=(--conv-kernel) ;; selector) FLAGS=(--selector-kernel) ;;
+    *) return 1 ;;
+  esac
+}
+# a misspelt stage or pair form is refused before any stage runs, not after the ones before it
+for s in $STAGES; do
+  case $s in
+    kernels|ttq|pairs|dflash2|rows) ;;
+    *) note "unknown stage $s (kernels, ttq, pairs, dflash2, rows)"; exit 2 ;;
+  esac
+done
+if [[ " $STAGES " == *" pairs "* ]]; then
+  for form in $PAIR_FORMS; do
+    pair_flags "$form" || { note "unknown pair form $form (plain, both, conv, selector)"; exit 2; }
+  done
 fi
 ready() {  # the target's stages wait for READY (above)
   [ -z "${READY:-}" ] && return 0
@@ -80,13 +93,9 @@ for s in $STAGES; do
       L_TRAIN=420 KS=15 KEEP_DRAFTER=1 VLLM_SETS=mtbench ;;
   pairs)
     for form in $PAIR_FORMS; do
-      case $form in
-        plain) flags=() ;; both) flags=(--selector-kernel --conv-kernel) ;;
-        conv) flags=(--conv-kernel) ;; selector) flags=(--selector-kernel) ;;
-        *) note "pairs: unknown form $form (plain, both, conv, selector)"; continue ;;
-      esac
+      pair_flags "$form"
       (cd "$ROOT/bench" && stage "pair-$form" 400 "$PY" bench_train_throughput.py "${PAIR[@]}" \
-        --drafter-architecture dflash,dflash2 --modes offline "${flags[@]}" --out "$O/pair_$form.json")
+        --drafter-architecture dflash,dflash2 --modes offline "${FLAGS[@]}" --out "$O/pair_$form.json")
     done ;;
   dflash2)
     quality dflash2 3000 TURNS=first \

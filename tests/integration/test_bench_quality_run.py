@@ -125,13 +125,17 @@ def test_the_lease_script_runs_the_kernels_the_pair_and_first_turns_time_to_qual
     assert list((ttq / "out" / "drafter-steps_1400").glob("drafter.tar.*"))  # KEEP_DRAFTER
 
 
-def test_the_lease_script_refuses_an_unknown_stage_before_running_any(tmp_path):
+@pytest.mark.parametrize("env, refusal", [({"STAGES": "kernels pairs_typo"}, "unknown stage pairs_typo"),
+                                          ({"STAGES": "kernels pairs", "PAIR_FORMS": "plain bothh"},
+                                           "unknown pair form bothh")])
+def test_the_lease_script_refuses_an_unknown_stage_or_pair_form_before_running_any(tmp_path, env, refusal):
+    """A misspelt stage, or a misspelt pair form where the pairs stage runs, exits 2 before the kernels stage."""
     proc = subprocess.run(["bash", "bench/testbed_quality_lease.sh"], cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ, "STAGES": "kernels pairs_typo", "RUN": str(tmp_path / "run"),
-                               "DATA": str(tmp_path), "SCALE": "toy"}, timeout=120)
+                          env={**os.environ, **env, "RUN": str(tmp_path / "run"), "DATA": str(tmp_path),
+                               "SCALE": "toy"}, timeout=120)
     assert proc.returncode == 2
     log = (tmp_path / "run" / "stages.txt").read_text()
-    assert "unknown stage pairs_typo" in log and "kernels-bench" not in log, log
+    assert refusal in log and "kernels-bench" not in log, log
 
 
 @pytest.mark.slow
