@@ -72,8 +72,11 @@ def _conv_backward(G, X, Dyn, Base, GradX, GradDyn, GradBase, n_rows, groups, st
         b = tl.load(Base + o * stride_b + h, mask=j_ok[:, None], other=0.0).to(X.dtype.element_ty).to(tl.float32)
         # grad_x: the output row m + o of the same block read this row through tap o
         ahead = (m_ok & (t + o < BS) & (m + o < n_rows))[:, None] & j_ok[None, :]
-        g_ahead = tl.load(G + (m + o)[:, None, None] * stride_g + h[None, :, :], mask=ahead[:, :, None],
-                          other=0.0).to(tl.float32)
+        if o == 0:  # tap 0 reads the row itself: g is already loaded
+            g_ahead = g
+        else:
+            g_ahead = tl.load(G + (m + o)[:, None, None] * stride_g + h[None, :, :], mask=ahead[:, :, None],
+                              other=0.0).to(tl.float32)
         d_ahead = tl.load(Dyn + (m + o)[:, None] * stride_dm + o * stride_do + j[None, :], mask=ahead,
                           other=0.0).to(X.dtype.element_ty).to(tl.float32)
         grad_x += (b[None, :, :] + d_ahead[:, :, None]) * g_ahead
@@ -100,28 +103,30 @@ def tiles(block: int, group: int) -> tuple[int, int]:
     return max(TILE["rows"], triton.next_power_of_2(block)), max(TILE["channels"], group)
 
 
+def _geometry(x, dyn, group_size: int, block_size: int) -> tuple[tuple[int, int], dict]:
+    """Both kernels' grid (row tiles, group tiles) and compile-time arguments for rows x and taps dyn."""
+    block_m, block_h = tiles(block_size, group_size)
+    grid = (triton.cdiv(x.shape[0], block_m), triton.cdiv(dyn.shape[2], block_h // group_size))
+    return grid, {"K": dyn.shape[1], "GS": group_size, "BS": block_size, "BLOCK_M": block_m,
+                  "BLOCK_G": block_h // group_size, "num_warps": TILE["num_warps"]}
+
+
 def launch_forward(x, dyn, base, out, group_size: int, block_size: int) -> None:
     """x [M, H], dyn [M, K, H / group_size], base [K, H] (each contiguous in its last dim) -> out [M, H]."""
-    n_rows, groups = x.shape[0], dyn.shape[2]
-    block_m, block_h = tiles(block_size, group_size)
-    grid = (triton.cdiv(n_rows, block_m), triton.cdiv(groups, block_h // group_size))
-    _conv_forward[grid](x, dyn, base, out, n_rows, groups, x.stride(0), dyn.stride(0), dyn.stride(1),
-                        base.stride(0), out.stride(0), K=dyn.shape[1], GS=group_size, BS=block_size,
-                        BLOCK_M=block_m, BLOCK_G=block_h // group_size, num_warps=TILE["num_warps"])
+    grid, meta = _geometry(x, dyn, group_size, block_size)
+    _conv_forward[grid](x, dyn, base, out, x.shape[0], dyn.shape[2], x.stride(0), dyn.stride(0), dyn.stride(1),
+                        base.stride(0), out.stride(0), **meta)
 
 
 def launch_backward(grad, x, dyn, base, grad_x, grad_dyn, grad_base_tiles, group_size: int,
                     block_size: int) -> None:
     """grad [M, H] -> grad_x [M, H], grad_dyn [M, K, G] and grad_base_tiles [row tiles, K, H] (float32), all
     written whole; ``row_tiles`` gives the first dimension of the last."""
-    n_rows, groups = x.shape[0], dyn.shape[2]
-    block_m, block_h = tiles(block_size, group_size)
-    grid = (triton.cdiv(n_rows, block_m), triton.cdiv(groups, block_h // group_size))
-    _conv_backward[grid](grad, x, dyn, base, grad_x, grad_dyn, grad_base_tiles, n_rows, groups,
+    grid, meta = _geometry(x, dyn, group_size, block_size)
+    _conv_backward[grid](grad, x, dyn, base, grad_x, grad_dyn, grad_base_tiles, x.shape[0], dyn.shape[2],
                          grad.stride(0), x.stride(0), dyn.stride(0), dyn.stride(1), base.stride(0), grad_x.stride(0),
                          grad_dyn.stride(0), grad_dyn.stride(1), grad_base_tiles.stride(0),
-                         grad_base_tiles.stride(1), K=dyn.shape[1], GS=group_size, BS=block_size,
-                         BLOCK_M=block_m, BLOCK_G=block_h // group_size, num_warps=TILE["num_warps"])
+                         grad_base_tiles.stride(1), **meta)
 
 
 def row_tiles(n_rows: int, block_size: int, group_size: int) -> int:
