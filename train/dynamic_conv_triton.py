@@ -92,8 +92,8 @@ def _conv_backward(G, X, Dyn, Base, GradX, GradDyn, GradBase, n_rows, groups, st
              mask=ok[:, :, None])
 
 
-# the tile's rows and channels and the warps per program; bench/bench_dynamic_conv.py --sweep times others
-TILE = {"rows": 64, "channels": 64, "num_warps": 4}
+# the tile (rows x channels a program, warps): the best of bench_dynamic_conv.py --sweep on one H100 (BENCHMARKS.md)
+TILE = {"rows": 128, "channels": 64, "num_warps": 4}
 
 
 def tiles(block: int, group: int) -> tuple[int, int]:
