@@ -28,8 +28,9 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -196,6 +197,7 @@ class TrainRun:
     step: int = 0  # optimizer steps taken
     epoch: int = 0  # current epoch
     done: int = 0  # micro-batches of the current epoch consumed (all ranks)
+    startup: dict = field(default_factory=dict)  # where the start-up's seconds went (trainer.report_startup)
 
     def lr_factor(self) -> float:
         """The schedule's multiplier on the peak lr for the next step."""
@@ -243,8 +245,10 @@ def setup(cfg: TrainConfig, start: Start, resources: ExitStack, vllm_api=None) -
 
     # --- data, target head, drafter -----------------------------------------------------------------------
     use_last_hidden = cfg.loss == "kl" or cfg.labels == "target_argmax"  # the target's final hidden states
+    loading = time.perf_counter()
     dataset, head, model, dcfg = load_data_and_drafter(cfg, start, accelerator, resources, use_last_hidden,
                                                        vllm_api)
+    load_s = time.perf_counter() - loading
     check_last_hidden(cfg, dataset)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing = True
@@ -269,7 +273,8 @@ def setup(cfg: TrainConfig, start: Start, resources: ExitStack, vllm_api=None) -
     run = TrainRun(cfg=cfg, accelerator=accelerator, dataset=dataset, head=head, model=model, dcfg=dcfg,
                    optimizer=optimizer, train_idx=train_idx, eval_idx=eval_idx, packs=packs, planned=planned,
                    total_steps=total_steps, warmup=int(round(cfg.warmup_ratio * total_steps)),
-                   pass_options=pass_options, use_last_hidden=use_last_hidden, online=online)
+                   pass_options=pass_options, use_last_hidden=use_last_hidden, online=online,
+                   startup={"load_s": load_s})
 
     # --- resume -------------------------------------------------------------------------------------------
     if start.resume is not None:

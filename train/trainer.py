@@ -69,6 +69,8 @@ def _train(cfg: TrainConfig, start: Start, vllm_api=None, started: float | None 
     with ExitStack() as resources:
         # --- setup: data, target head, drafter, optimizer, schedule, resume (train/setup.py) -------------
         run = setup(cfg, start, resources, vllm_api)
+        if started is not None:
+            run.startup["setup_s"] = time.time() - started
         summary = _train_run(run, started)
     run.accelerator.wait_for_everyone()
     return summary
@@ -123,6 +125,7 @@ def train_loop(run: TrainRun, tracker: Tracker, bar, stop: StopRequest) -> None:
     run.model.train()
     sums, t0 = MetricSums(run.dcfg.block_size - 1, accelerator.device), time.perf_counter()
     last_eval: dict = {}
+    run.startup["from_step"] = run.step
     while run.step < run.total_steps and run.epoch < cfg.epochs and not stop.agreed:
         batches, steps_left = epoch_batches(run)
         for _ in range(steps_left):
@@ -146,6 +149,8 @@ def train_loop(run: TrainRun, tracker: Tracker, bar, stop: StopRequest) -> None:
             if run.step % cfg.log_every == 0 or run.step == run.total_steps:
                 metrics = train_metrics(run, sums, factor, result.grad_norm, time.perf_counter() - t0)
                 tracker.log(metrics, run.step)
+                if "first_log_step" not in run.startup:
+                    report_startup(run, tracker.started)
                 bar.set_postfix(bar_postfix(metrics, last_eval), refresh=False)  # shown at the bar's next line
                 sums, t0 = MetricSums(run.dcfg.block_size - 1, accelerator.device), time.perf_counter()
             if cfg.eval_every and run.step % cfg.eval_every == 0 and run.step < run.total_steps:
@@ -157,6 +162,25 @@ def train_loop(run: TrainRun, tracker: Tracker, bar, stop: StopRequest) -> None:
             if cfg.save_every and run.step % cfg.save_every == 0:
                 save(run)
             pause_point(f"step-{run.step}-done", until=lambda: stop.requested)  # test hook; returns on a stop
+
+
+def report_startup(run: TrainRun, started: float) -> None:
+    """Say once, at this process's first logged step, where the seconds before it went: the setup (``load_s``:
+    the data, the target and the drafter; then the optimizer and the compile wrappers), the first steps (in a
+    compiled run mostly the drafter's compilation; online, the target's first passes too) and, with compile=true,
+    how many graphs the compile cache had spared by then. ``started``: when elapsed_s began (metrics.jsonl). Kept in
+    ``run.startup`` for summary.json; printed, so a run stopped before its end keeps it in its log too."""
+    st = run.startup
+    st["first_log_step"], st["first_log_s"] = run.step, time.time() - started
+    steps, setup_s = run.step - st.get("from_step", 0), st.get("setup_s", 0.0)
+    line = f"start-up: step {run.step} at {st['first_log_s']:.0f} s:"
+    if "setup_s" in st:
+        line += f" setup {setup_s:.0f} s (data, target and drafter {st.get('load_s', 0.0):.0f} s), then"
+    line += f" {steps} step(s) in {st['first_log_s'] - setup_s:.0f} s"
+    if run.cfg.compile:
+        st["compiled_graphs"] = graphs = compiled_graphs()
+        line += f"; compiled graphs: {graphs['from_cache']} from the cache, {graphs['compiled']} compiled"
+    run.accelerator.print(line)
 
 
 def settle(run: TrainRun) -> None:
@@ -193,7 +217,8 @@ def preempted(run: TrainRun, stop: StopRequest) -> dict:
         print(f"dflashkit train: stopped by {stop.signal_name or 'a signal on another rank'} at step {run.step} "
               f"of {run.total_steps}; checkpoint {final} written. Resume with the same command (resume=auto, "
               f"the default); `dflashkit export {final} DIR` exports it as it is.", file=sys.stderr, flush=True)
-    return {"step": run.step, "planned_steps": run.planned, "preempted": True, "checkpoint": str(final)}
+    return {"step": run.step, "planned_steps": run.planned, "preempted": True, "checkpoint": str(final),
+            "startup": run.startup}
 
 
 def epoch_batches(run: TrainRun):
@@ -262,6 +287,7 @@ def export_and_summarise(run: TrainRun, final: Path, last_eval: dict) -> dict:
                "epochs_completed": run.epoch, "checkpoint": str(final), "export_dir": str(export_dir), **last_eval}
     if cfg.compile:
         summary["compiled_graphs"] = compiled_graphs()
+    summary["startup"] = dict(run.startup)  # its compiled_graphs: at the first logged step
     if accelerator.is_main_process:
         strict = json.dumps(json_safe(summary), indent=1, allow_nan=False)  # NaN and Inf as null
         atomic_write(out_dir / "summary.json", strict.encode())

@@ -74,6 +74,22 @@ def test_loss_variants_train_and_max_steps_is_announced(tiny_run, tmp_path, caps
     assert len(losses) == 3 and all(torch.isfinite(torch.tensor(v)) for v in losses.values())
 
 
+def test_the_start_up_is_accounted_at_the_first_logged_step(tiny_run, tmp_path, capsys):
+    """The seconds before this process's first logged step, in one log line (a run stopped before its end keeps
+    it) and in summary.json: the setup, its loading share, then the first steps up to that row's elapsed_s."""
+    _, shards = tiny_run
+    out = tmp_path / "run"
+    summary = train(load_config(None, [], **tiny_overrides(shards, out, max_steps=4, log_every=2, save_every=0)))
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("start-up:")]
+    st = summary["startup"]
+    assert len(lines) == 1 and lines[0].startswith("start-up: step 2 at ") and "then 2 step(s) in" in lines[0]
+    assert st["first_log_step"] == 2 and st["from_step"] == 0 and "compiled_graphs" not in st  # compile=false
+    assert 0 < st["load_s"] <= st["setup_s"] <= st["first_log_s"]
+    row = next(r for r in read_metrics(out) if r["step"] == 2 and "train/loss" in r)
+    assert st["setup_s"] < row["elapsed_s"] <= st["first_log_s"]
+    assert json.loads((out / "summary.json").read_text())["startup"] == st
+
+
 def test_manifest_mismatch_is_refused_naming_the_field(tiny_run, tmp_path):
     target, shards = tiny_run
     with pytest.raises(ValueError, match=r"^target_layer_ids: the shards were extracted with"):
