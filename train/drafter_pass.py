@@ -125,10 +125,18 @@ def compile_layers(model, dynamic: bool | None = True) -> None:
     recompiled graph ran the flex_attention kernels far slower than a layer compiled dynamic from the start, on
     the same inputs (BENCHMARKS.md, bench/bench_train_throughput.py --layer-probe). ``dynamic=None`` keeps the
     old behaviour (for the
-    comparison). Every layer can be compiled many times over a run; the dynamo cache limit is raised for that."""
+    comparison). Every layer can be compiled many times over a run; the dynamo cache limit is raised for that.
+
+    Sizes that happen to be equal in the first call are not taken for one size (``use_duck_shape`` off, for the
+    process): with it on, a first micro-batch whose context and block positions had the same count compiled
+    graphs that assumed them equal, and the next micro-batch compiled the layers again (a tiny online run on the
+    CPU, ``TORCH_LOGS=recompiles``: the guard ``context.size()[1] == block.size()[1]`` failed at its 2nd step)."""
     import torch._dynamo as dynamo
+    from torch.fx.experimental import _config as fx_config
 
     dynamo.config.cache_size_limit = max(dynamo.config.cache_size_limit, 64)
+    if dynamic and hasattr(fx_config, "use_duck_shape"):
+        fx_config.use_duck_shape = False
     for layer in model.layers:
         layer.compile(dynamic=dynamic)
 

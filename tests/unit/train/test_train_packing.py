@@ -224,12 +224,22 @@ def test_packed_compiled_flex_equals_dense_on_cuda(backend):
             torch.testing.assert_close(outs["flex"][1][n], g, rtol=2e-3, atol=2e-5, msg=n)
 
 
-def test_compiled_layers_follow_new_shapes_without_recompiling():
+@pytest.mark.parametrize("first", [([100, 90], 40), ([100, 90], 24)], ids=["sizes_apart", "sizes_equal"])
+def test_compiled_layers_follow_new_shapes_without_recompiling(first):
     """compile_layers (the trainer's compile) builds each layer's graph for symbolic sizes at its first call: a
     second packed micro-batch of other sizes runs the same graphs (no recompilation, which torch.compile's default
-    would do) and the loss and gradients equal the eager model's. CPU, dense masks, inductor's C++ backend."""
+    would do) and the loss and gradients equal the eager model's. CPU, dense masks, inductor's C++ backend. Also
+    when the first micro-batch's context and block positions happen to have one size (both are padded to 128):
+    compiled with duck sizing (PyTorch's default) the graphs assumed them equal and the second micro-batch
+    compiled them again."""
     from torch._dynamo.utils import counters
+    from torch.fx.experimental import _config as fx_config
 
+    with fx_config.patch(use_duck_shape=True):  # the default, restored after; compile_layers turns it off
+        compiled_layers_follow_new_shapes(first, counters)
+
+
+def compiled_layers_follow_new_shapes(first, counters) -> None:
     torch._dynamo.reset()
     counters.clear()
     V, H, B = 32, 16, 4
@@ -239,9 +249,12 @@ def test_compiled_layers_follow_new_shapes_without_recompiling():
     compile_layers(compiled)
     head = Head(V, H)
     graphs = []
-    for lens in ([100, 90], [150, 120, 60]):  # context 256 / 384 and 384 / 512 block tokens after padding
+    # context / block tokens after padding: 256 / 384 (24 anchors: 256 / 256), then 384 / 512
+    for k, (lens, anchors) in enumerate((first, ([150, 120, 60], 40))):
         samples = [{**s, "hidden": s["hidden"].float()} for s in make_samples(lens, V, H, seed=len(lens))]
-        batch = collate_blocks(samples, block_size=B, mask_token_id=V - 1, num_anchors=40, seed=0)
+        batch = collate_blocks(samples, block_size=B, mask_token_id=V - 1, num_anchors=anchors, seed=0)
+        if k == 0:
+            assert (batch.ctx_len == batch.block_ids.shape[1]) == (anchors == 24)
         outs = {}
         for name, model in (("eager", eager), ("compiled", compiled)):
             model.zero_grad()
