@@ -6,9 +6,11 @@
 #   kernels  the CUDA tests of DFlash2's kernels (the pairwise selector term, train/selector_pair.py; the in-block
 #            convolution, train/dynamic_conv.py), then their benchmarks at the testbed's micro-batch
 #            (bench/bench_selector_pair.py, bench/bench_dynamic_conv.py); ~3 min, no target needed;
-#   ttq      time to quality on the 10,219 first turns: bench/testbed_quality_run.sh with WARM=1 (compiling while
-#            the target answers) and TTQ_VARIANT (default steps_1400: the cosine schedule ending at step 1,400),
-#            alone on the GPU, the held-out curve every 200 steps, τ of the export in vLLM on MT-bench; ~10 min;
+#   ttq      time to quality on the 10,219 first turns: bench/testbed_quality_run.sh with TTQ_VARIANT (default
+#            steps_1400: the cosine schedule ending at step 1,400), alone on the GPU, the held-out curve every 200
+#            steps, τ of the export in vLLM on MT-bench; ~10 min. TTQ_WARM=1 compiles beside the answering (off:
+#            on one H100 the warm-up took 170 s against 63 s of answering, RESULTS.md); TORCH_LOGS=recompiles
+#            (TTQ_TORCH_LOGS) puts every recompilation and its reason in the training's log;
 #   pairs    DFlash2's training throughput beside DFlash's, both in one process on the same batches
 #            (bench/bench_train_throughput.py --drafter-architecture dflash,dflash2 --smollm2-shape, offline, 12
 #            steps), once per form of PAIR_FORMS (default "plain both conv": no kernel, both kernels, the
@@ -89,8 +91,9 @@ for s in $STAGES; do
     (cd "$ROOT/bench" && stage conv-bench 300 "$PY" bench_dynamic_conv.py "${CONV[@]}" \
       --out "$O/dynamic_conv.json") ;;
   ttq)
-    quality ttq 1500 WARM=1 TURNS=first VARIANTS="${TTQ_VARIANT:-steps_1400}" PAR=1 EVAL_EVERY=200 L_EVAL=0 \
-      L_TRAIN=420 KS=15 KEEP_DRAFTER=1 VLLM_SETS=mtbench ;;
+    quality ttq 1500 WARM="${TTQ_WARM:-0}" TORCH_LOGS="${TTQ_TORCH_LOGS:-recompiles}" TURNS=first \
+      VARIANTS="${TTQ_VARIANT:-steps_1400}" PAR=1 EVAL_EVERY=200 L_EVAL=0 L_TRAIN=420 KS=15 KEEP_DRAFTER=1 \
+      VLLM_SETS=mtbench ;;
   pairs)
     for form in $PAIR_FORMS; do
       pair_flags "$form"

@@ -33,7 +33,8 @@
 # by its own text: the compiled graphs depend on lengths, not words), with a held-out evaluation at its end, fills the
 # on-disk compile caches that stage 2's runs then read (the compilation is mostly host work, the answering GPU work;
 # the trainer's first 10 steps took 99-121 s on the H200, RESULTS.md); stage 1's seconds, which time_to_quality adds,
-# run until both have ended.
+# run until both have ended. Measured once (one H100, RESULTS.md "Time to quality with the compilation beside the
+# answering"), it lost time: the warm-up took 170 s against 63 s of answering, the trainer still 88 s to step 10.
 #
 # Bringing results back to the next lease (15 MiB a file):
 #   the data:  cat $OUT/regen/regen.jsonl.gz.* > .cache/regen-all.jsonl.gz   (then REGEN=.cache/regen-all.jsonl.gz)

@@ -86,14 +86,15 @@ def test_the_lease_script_runs_the_kernels_the_pair_and_first_turns_time_to_qual
     kernels asked for (the torch paths on a CPU) and without; ttq: the quality run with
     TURNS=first (only the first user turn of each conversation of sharegpt.jsonl answered, even beside a file of
     every turn), L_EVAL=0 (no `dflashkit eval`), vLLM on MT-bench alone although HumanEval is in the data, and
-    WARM=1 (a short training on stand-ins of the turns beside the answering, ended before stage 2 starts; 2 steps,
-    the toy scale's own, without WARM_STEPS). READY names a file that is there."""
+    TTQ_WARM=1 (WARM=1: a short training on stand-ins of the turns beside the answering, ended before stage 2
+    starts; 2 steps, the toy scale's own, without WARM_STEPS); the training's log says where its start-up went.
+    READY names a file that is there."""
     data = toy_data(tmp_path / "data", sharegpt=4, sharegpt_turns=3, mtbench=2, humaneval=2)
     run = tmp_path / "run"
     ready = tmp_path / "ready"
     ready.touch()
     ends = run_toy_script("testbed_quality_lease.sh", run, STAGES="kernels pairs ttq", READY=str(ready),
-                          TARGET="testbed:smollm2", DATA=str(data))
+                          TARGET="testbed:smollm2", DATA=str(data), TTQ_WARM="1")
     assert set(ends) == {"kernels-bench", "conv-bench", "pair-both", "pair-plain", "ttq"}, ends
     out = run / "out"
     assert json.loads((out / "selector_pair.json").read_text())["torch_ms"] > 0
@@ -123,6 +124,8 @@ def test_the_lease_script_runs_the_kernels_the_pair_and_first_turns_time_to_qual
         assert row["messages"][0]["content"] == first["content"]
     assert "regenerate: the first user turn of each conversation" in (ttq / "stages.txt").read_text()
     assert list((ttq / "out" / "drafter-steps_1400").glob("drafter.tar.*"))  # KEEP_DRAFTER
+    train_log = (ttq / "out" / "recipe" / "results" / "steps_1400" / "train.log").read_text()
+    assert "start-up: step " in train_log, train_log[-2000:]
 
 
 @pytest.mark.parametrize("env, refusal", [({"STAGES": "kernels pairs_typo"}, "unknown stage pairs_typo"),
