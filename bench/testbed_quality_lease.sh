@@ -15,6 +15,8 @@
 #            (bench/bench_train_throughput.py --drafter-architecture dflash,dflash2 --smollm2-shape, offline, 12
 #            steps), once per form of PAIR_FORMS (default "plain both conv": no kernel, both kernels, the
 #            convolution's alone; "selector": the selector's alone; out/pair_<form>.json); ~2 min a form;
+#            PAIR_PROFILE=1 also profiles 3 steps of each architecture, every kernel's time
+#            (out/profile_<form>_dflash.txt, out/profile_<form>_dflash2.txt);
 #   dflash2  DFlash2's forms beside DFlash at equal data (first turns, EPOCHS2 epochs, VARIANTS2 side by side),
 #            live chain τ of each in `dflashkit eval` (vLLM 0.24 serves no DFlash2); ~25 min, a lease of its own;
 #            MORE2=conv_kernel=true,selector_kernel=true trains the DFlash2 forms with the kernels (once timed);
@@ -97,6 +99,7 @@ for s in $STAGES; do
   pairs)
     for form in $PAIR_FORMS; do
       pair_flags "$form"
+      [ "${PAIR_PROFILE:-0}" = 1 ] && FLAGS+=(--profile "$O/profile_$form.txt")
       (cd "$ROOT/bench" && stage "pair-$form" 400 "$PY" bench_train_throughput.py "${PAIR[@]}" \
         --drafter-architecture dflash,dflash2 --modes offline "${FLAGS[@]}" --out "$O/pair_$form.json")
     done ;;

@@ -83,7 +83,7 @@ def test_the_quality_run_script_runs_every_stage_at_toy_scale(tmp_path):
 def test_the_lease_script_runs_the_kernels_the_pair_and_first_turns_time_to_quality(tmp_path):
     """bench/testbed_quality_lease.sh STAGES="kernels pairs ttq" at toy scale. kernels: the selector-pair and
     convolution benchmarks (torch alone on a CPU); pairs: DFlash2 beside DFlash in one process, with both
-    kernels asked for (the torch paths on a CPU) and without; ttq: the quality run with
+    kernels asked for (the torch paths on a CPU) and without, each profiled (PAIR_PROFILE=1); ttq: the quality run with
     TURNS=first (only the first user turn of each conversation of sharegpt.jsonl answered, even beside a file of
     every turn), L_EVAL=0 (no `dflashkit eval`), vLLM on MT-bench alone although HumanEval is in the data, and
     TTQ_WARM=1 (WARM=1: a short training on stand-ins of the turns beside the answering, ended before stage 2
@@ -94,7 +94,7 @@ def test_the_lease_script_runs_the_kernels_the_pair_and_first_turns_time_to_qual
     ready = tmp_path / "ready"
     ready.touch()
     ends = run_toy_script("testbed_quality_lease.sh", run, STAGES="kernels pairs ttq", READY=str(ready),
-                          TARGET="testbed:smollm2", DATA=str(data), TTQ_WARM="1")
+                          TARGET="testbed:smollm2", DATA=str(data), TTQ_WARM="1", PAIR_PROFILE="1")
     assert set(ends) == {"kernels-bench", "conv-bench", "pair-both", "pair-plain", "ttq"}, ends
     out = run / "out"
     assert json.loads((out / "selector_pair.json").read_text())["torch_ms"] > 0
@@ -104,6 +104,8 @@ def test_the_lease_script_runs_the_kernels_the_pair_and_first_turns_time_to_qual
         paired = json.loads((out / f"pair_{form}.json").read_text())["paired"]
         assert set(paired) == {"dflash", "dflash2", "dflash2_vs_dflash"}, paired
         assert paired["dflash2_vs_dflash"]["throughput_ratio"] > 0
+        for arch in ("dflash", "dflash2"):  # PAIR_PROFILE=1: each architecture's steps, operator by operator
+            assert "every operator (total ms, calls" in (out / f"profile_{form}_{arch}.txt").read_text()
 
     ttq = run / "ttq"
     lines = (ttq / "stages.txt").read_text().splitlines()
