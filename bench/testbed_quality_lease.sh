@@ -19,7 +19,7 @@
 #            (out/profile_<form>_dflash.txt, out/profile_<form>_dflash2.txt);
 #   dflash2  DFlash2's forms beside DFlash at equal data (first turns, EPOCHS2 epochs, VARIANTS2 side by side),
 #            live chain τ of each in `dflashkit eval` (vLLM 0.24 serves no DFlash2); ~25 min, a lease of its own;
-#            MORE2=conv_kernel=true,selector_kernel=true trains the DFlash2 forms with the kernels (once timed);
+#            MORE2=conv_kernel=true,selector_kernel=true trains the DFlash2 forms with the kernels;
 #   rows     the recipe's rows on every answered turn: every turn answered greedily and once more sampled
 #            (SAMPLED=1), then ROWS (default seed_1,extra_answers_same_steps) two at a time for 2 epochs, τ in
 #            vLLM, each export kept in pieces; a lease of its own (REGEN=FILE skips the greedy answering).

@@ -72,9 +72,9 @@ class TrainConfig:
     selector_loss_weight: float = 1.0  # dflash2: weight of the selector term added to the block loss
     # (train/selector_loss.py; 1.0 as NeMo Automodel's DFlash2 recipe)
     selector_kernel: bool = False  # dflash2: the selector's pairwise term by Triton kernels without its
-    # [positions, top_k, rank] rows (train/selector_pair.py; CUDA only; off until timed on a GPU)
+    # [positions, top_k, rank] rows (train/selector_pair.py; CUDA only; off: ~1% of a step on one H100)
     conv_kernel: bool = False  # dflash2: the in-block convolutions by Triton kernels, one pass forward and one
-    # backward, inside the compiled layers (train/dynamic_conv.py; CUDA only; off until timed on a GPU)
+    # backward, inside the compiled layers (train/dynamic_conv.py; CUDA only; off: a few % of a step on one H100)
     selector_unary_grad: bool = False  # dflash2: the selector term's gradient reaches the drafter through its
     # unary logits too, as in the public DFlash2 trainers (train/selector_loss.py; off until compared on a GPU)
     selector_weights: str = "decay"  # dflash2: the selector term's position weights and normaliser: "decay" (the

@@ -8,11 +8,12 @@ kernels do the forward in one pass and the three gradients in another. They are 
 (``dflashkit::dynamic_conv`` and its backward), so a layer compiled with dynamic shapes calls them without a graph
 break; inductor compiles the norms, casts and matmuls around them as before.
 
-Used when the run asks for it (``conv_kernel: true``; off by default until it is timed on a GPU): ``install``
-points every convolution of a DFlash2 drafter at ``dynamic_conv``, which takes the kernels where they fit and
-the model's own expression elsewhere (the CPU without the interpreter; float64; a group size that is not a power
-of two up to 128; a run of positions that is not whole blocks). Values: the kernels sum in float32 and round
-once, as inductor's fused kernels do; eager torch rounds after each tap in bf16 (the tests bound both).
+Used when the run asks for it (``conv_kernel: true``; off by default: on one H100 the operator is at best 12%
+under inductor, and with the selector's kernel it took ~10 ms off a ~254 ms DFlash2 step, BENCHMARKS.md):
+``install`` points every convolution of a DFlash2 drafter at ``dynamic_conv``, which takes the kernels where
+they fit and the model's own expression elsewhere (the CPU without the interpreter; float64; a group size that
+is not a power of two up to 128; a run of positions that is not whole blocks). Values: the kernels sum in float32
+and round once, as inductor's fused kernels do; eager torch rounds after each tap in bf16 (the tests bound both).
 """
 
 from __future__ import annotations

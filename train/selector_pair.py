@@ -8,7 +8,8 @@ costs more than a DFlash step (H200, BENCHMARKS.md lease 8). ``pair_term`` is th
 kernels of train/selector_pair_triton.py run (CUDA, or the interpreter in the tests): one pass reads the rows from
 the codebook for the scores, one for both gradients, and no [positions, top_k, rank] tensor exists.
 
-It is used when the run asks for it (``selector_kernel: true``; off by default until it is timed on a GPU), and
+It is used when the run asks for it (``selector_kernel: true``; off by default: on one H100 it took 3.6 ms
+against torch's 4.8 and a twentieth of the memory, but ~1% of a step, BENCHMARKS.md), and
 only where the kernels fit; elsewhere (the CPU) it is the model's own torch expression. Under autocast the kernels
 compute as autocast's matmul would: gate and codebook rows in the autocast dtype, products summed in float32,
 the scores in that dtype; the gradients are summed in float32 (the codebook's with atomics: its last bits vary
