@@ -47,7 +47,8 @@ class TrainConfig:
     data_limit: int = 0  # 0 -> every record; > 0 -> only the first data_limit records
     chat_template: str = ""  # Jinja file replacing the tokenizer's chat template (as extract --chat-template)
     chat_template_kwargs: dict = field(default_factory=dict)  # template variables, e.g. {enable_thinking: false}
-    tokenize_workers: int = 0  # processes rendering + tokenizing the data at start (0: inline)
+    tokenize_workers: int | str = "auto"  # processes rendering + tokenizing the data at start (0: inline); auto:
+    # one per 4 of this process's cores (the cores over the launch's processes on this machine), at most 4
     token_cache: bool = True  # keep the token ids under output_dir/token-cache: a resumed run skips tokenizing
     target_dtype: str = "auto"  # the target's dtype: auto (bfloat16 on GPU, float32 on CPU), bfloat16, float32
     target_batch_tokens: int = 16384  # padded tokens per target forward (planned samples are run together)
@@ -191,10 +192,13 @@ class TrainConfig:
                 raise UserError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name, zero in (("max_steps", "the epochs decide"), ("eval_samples", "no held-out evaluation"),
                            ("num_workers", "read in the training process"), ("data_limit", "every record"),
-                           ("tokenize_workers", "inline"), ("save_every", "only at the end"),
+                           ("save_every", "only at the end"),
                            ("eval_every", "only at the end")):
             if int(getattr(self, name)) < 0:
                 raise UserError(f"{name} must be >= 0 (0: {zero}), got {getattr(self, name)}")
+        if self.tokenize_workers != "auto" and (isinstance(self.tokenize_workers, (str, bool, float))
+                                                or int(self.tokenize_workers) < 0):
+            raise UserError(f"tokenize_workers must be auto or a count >= 0 (0: inline), got {self.tokenize_workers!r}")
         if not self.lr >= 0:  # 0 keeps the starting weights (a check of init_from)
             raise UserError(f"lr must be >= 0, got {self.lr}")
         if int(self.micro_batch_tokens) < 0:
@@ -323,6 +327,13 @@ def read_recipe(recipe: str) -> dict:
 def coerce(value, kind: str, name: str):
     """``value`` as a TrainConfig field of type ``kind`` (YAML reads 6e-4 as a string; an int field takes 4 but
     not 4.7 or true); UserError naming the field when it is not one."""
+    if kind == "int | str":  # a count or a word (tokenize_workers: 4 or auto)
+        if value == "auto":
+            return value
+        try:
+            return coerce(value, "int", name)
+        except UserError:
+            raise UserError(f"{name}: {value!r} is neither auto nor a whole number") from None
     if kind == "str" and isinstance(value, bool):  # YAML 1.1 reads an unquoted no / yes as a boolean
         return "no" if value is False else "yes"
     if kind == "str":

@@ -11,6 +11,7 @@ import torch
 
 from dflashkit.extract.shards.reader import ShardDataset
 from dflashkit.train.config import load_config
+from dflashkit.train.online import tokenize_workers
 from dflashkit.train.trainer import train
 
 from support.chat_data import chat_records
@@ -266,3 +267,26 @@ def test_an_error_inside_the_training_loop_leaves_the_process_as_it_was(chat_run
     assert len(loaded) == 1 and seen["hooks"] > 0 and seen["handlers"] != before  # both were in place
     assert hooks(loaded[0]) == 0
     assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
+
+
+@pytest.mark.parametrize("cores,processes,workers", [
+    (2, 1, 0),     # CI's machine: inline, no process to spawn
+    (7, 1, 0),     # one worker would only wait beside the run
+    (8, 1, 2),
+    (16, 1, 4),    # the GPU host of RESULTS.md: the quality runs' 4
+    (64, 1, 4),    # never more than 4: the run waits on the target's load meanwhile
+    (16, 8, 0),    # eight ranks on 16 cores, each tokenizing everything: inline
+    (128, 8, 4),
+])
+def test_auto_tokenize_workers_follow_the_cores_of_each_process(cores, processes, workers):
+    assert tokenize_workers("auto", cores=cores, local_processes=processes) == workers
+    assert tokenize_workers(3, cores=cores, local_processes=processes) == 3  # a count is kept as given
+
+
+def test_tokenize_workers_is_auto_by_default_and_takes_a_count(monkeypatch):
+    assert load_config(None, []).tokenize_workers == "auto"
+    assert load_config(None, ["tokenize_workers=3"]).tokenize_workers == 3
+    assert load_config(None, ["tokenize_workers=auto"]).tokenize_workers == "auto"
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # what accelerate and torchrun set for the processes of a machine
+    assert tokenize_workers("auto", cores=64) == 4
+    assert tokenize_workers("auto", cores=16) == 0
