@@ -23,6 +23,7 @@ import sys
 
 from dflashkit.drafter.config import DEFAULT_NUM_HIDDEN_LAYERS
 from dflashkit.errors import UserError
+from dflashkit.extract.data.batching import resolve_tokenize_workers
 from dflashkit.extract.data.chat import BadSample
 from dflashkit.extract.run import ENGINES, extract, parse_size
 from dflashkit.extract.shards.format import CODECS
@@ -34,6 +35,15 @@ def parse_layer_ids(text: str) -> list[int]:
         return [int(x) for x in text.split(",")]
     except ValueError:
         raise argparse.ArgumentTypeError(f"layer ids {text!r}: write comma-separated integers, e.g. 1,9,17") from None
+
+
+def workers_arg(text: str):
+    """--tokenize-workers: auto or a count >= 0."""
+    if text == "auto":
+        return text
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r}: use auto or a count >= 0 (0: inline)")
+    return int(text)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -77,7 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--batch-tokens", type=int, default=16384, help="padded tokens per forward batch")
     g.add_argument("--max-batch-size", type=int, default=64, help="samples per forward batch")
     g.add_argument("--bucket-window", type=int, default=4096, help="samples sorted by length together")
-    g.add_argument("--tokenize-workers", type=int, default=0, help="processes rendering + tokenizing (0: inline)")
+    g.add_argument("--tokenize-workers", type=workers_arg, default="auto",
+                   help="processes rendering + tokenizing (0: inline; auto: one per 4 cores of each rank, at most 4)")
     g.add_argument("--shard-size", type=parse_size, default=parse_size("512MB"), help="bytes per shard, e.g. 1GB")
     g.add_argument("--staging-size", type=parse_size, default=parse_size("4GB"),
                    help="host memory for features waiting for the disk (pinned on a GPU); the forward waits "
@@ -108,7 +119,7 @@ def main(argv=None) -> int:
                 chat_template=args.chat_template, chat_template_kwargs=template_kwargs, max_length=args.max_length,
                 overlong=args.overlong, on_bad=args.on_bad, batch_tokens=args.batch_tokens,
                 max_batch_size=args.max_batch_size, bucket_window=args.bucket_window,
-                tokenize_workers=args.tokenize_workers, shard_size=args.shard_size,
+                tokenize_workers=resolve_tokenize_workers(args.tokenize_workers), shard_size=args.shard_size,
                 staging_size=args.staging_size, codec=args.codec, store_last_hidden=args.store_last_hidden,
                 resume=args.resume, overwrite=args.overwrite, progress=not args.no_progress, engine=args.engine,
                 tensor_parallel_size=args.tensor_parallel_size, gpu_memory_utilization=args.gpu_memory_utilization,

@@ -28,7 +28,6 @@ Design choices:
 
 from __future__ import annotations
 
-import os
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -319,24 +318,12 @@ def live_manifest(cfg, target) -> dict:
             "vocab_size": target.vocab_size, "mask_token_id": None}
 
 
-def tokenize_workers(setting, cores: int | None = None, local_processes: int | None = None) -> int:
-    """The processes that tokenize the data at start: a count as given; ``auto`` one per 4 of this process's
-    cores (the machine's usable cores shared by the launch's processes on it, LOCAL_WORLD_SIZE), at most 4, so
-    inline below 8 cores: spawning a worker costs ~2 s, and one process tokenizes ~90k tokens/s."""
-    if setting != "auto":
-        return int(setting)
-    if cores is None:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    if local_processes is None:
-        local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
-    workers = cores // max(1, local_processes) // 4
-    return min(4, workers) if workers >= 2 else 0
-
-
 def encode_online_data(cfg, tokenizer, say=print, rank: int = 0) -> list:
     """``cfg.data`` encoded as ``encode_data`` does, with the run's settings (token cache under output_dir)."""
+    from dflashkit.extract.data.batching import resolve_tokenize_workers
+
     return encode_data(cfg.data, tokenizer, max_length=cfg.max_length, chat_template=cfg.chat_template,
                        template_kwargs=cfg.chat_template_kwargs, limit=cfg.data_limit or None,
-                       tokenize_workers=tokenize_workers(cfg.tokenize_workers), say=say,
+                       tokenize_workers=resolve_tokenize_workers(cfg.tokenize_workers), say=say,
                        cache_dir=str(Path(cfg.output_dir) / "token-cache") if cfg.token_cache else None,
                        write_cache=rank == 0)

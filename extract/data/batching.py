@@ -13,6 +13,7 @@ Design choices:
 
 from __future__ import annotations
 
+import os
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from itertools import islice
@@ -80,6 +81,20 @@ def _encode_items(items) -> tuple[list[Sample], list[tuple[str, str, str]]]:
 def _chunks(items: list, n: int) -> list[list]:
     size = max(1, -(-len(items) // max(1, n)))
     return [items[i: i + size] for i in range(0, len(items), size)]
+
+
+def resolve_tokenize_workers(setting, cores: int | None = None, local_processes: int | None = None) -> int:
+    """The processes that tokenize the data at start: a count as given; ``auto`` one per 4 of this process's
+    cores (the machine's usable cores shared by the launch's processes on it, LOCAL_WORLD_SIZE), at most 4, so
+    inline below 8 cores: spawning a worker costs ~2 s, and one process tokenizes ~90k tokens/s."""
+    if setting != "auto":
+        return int(setting)
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if local_processes is None:
+        local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    workers = cores // max(1, local_processes) // 4
+    return min(4, workers) if workers >= 2 else 0
 
 
 def encoded_windows(specs, split, limit, bucket_window: int, tokenize_workers: int, tokenizer, cfg: ChatConfig,

@@ -115,6 +115,10 @@ def test_wrong_settings_fail_before_any_work(tiny, tmp_path, capsys):
     assert main(["--target", tiny, "--data", data, "--out", str(tmp_path / "o2"), "--chat-template", str(plain),
                  "--no-progress"]) == 2
     assert "cannot mark assistant spans" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # argparse's refusal, before the target is loaded
+        main(["--target", tiny, "--data", data, "--out", str(tmp_path / "o3"), "--tokenize-workers", "many"])
+    assert "--tokenize-workers: 'many': use auto or a count >= 0 (0: inline)" in capsys.readouterr().err
+    assert not (tmp_path / "o3").exists()
 
 
 def test_template_flags_workers_dtype_and_progress(tiny, tmp_path, capsys):

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
+from dflashkit.extract.data.batching import resolve_tokenize_workers as tokenize_workers
 from dflashkit.extract.shards.reader import ShardDataset
 from dflashkit.train.config import load_config
-from dflashkit.train.online import tokenize_workers
 from dflashkit.train.trainer import train
 
 from support.chat_data import chat_records
