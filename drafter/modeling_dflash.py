@@ -100,21 +100,30 @@ def autocast_inputs(q, k, v):
     return q, k, v
 
 
+def flex_attention_for(cuda: bool):
+    """The flex_attention that ``attend`` runs (compiled on CUDA), built at the first call. Call it before any
+    compiled layer runs (train/drafter_pass.compile_layers does): built inside a traced layer, the list it fills
+    becomes a guard that the next call fails, and the layer compiled again (a recompilation per run on the GPU,
+    ``TORCH_LOGS=recompiles``: ``not G['_FLEX']``)."""
+    if not _FLEX:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _FLEX.append(torch.compile(flex_attention, dynamic=False) if cuda else flex_attention)
+    return _FLEX[0]
+
+
 def attend(q, k, v, mask, scale):
     """SDPA with a bool/float mask, flex_attention with a BlockMask (CUDA training), or the mask's own attend."""
     if mask is not None and not torch.is_tensor(mask):  # flex_attention or the mask's own: autocast's dtype
         q, k, v = autocast_inputs(q, k, v)
     if type(mask).__name__ == "BlockMask":
-        if not _FLEX:
-            from torch.nn.attention.flex_attention import flex_attention
-
-            _FLEX.append(torch.compile(flex_attention, dynamic=False) if q.is_cuda else flex_attention)
+        flex = flex_attention_for(q.is_cuda)
         # Training packs are padded to multiples of flex_attention's 128-token tile (train/data.PAD_MULTIPLE). In a
         # layer compiled for dynamic shapes the kernels cannot see that and keep their bounds checks; this test
         # becomes a guard of the compiled graph, and the option lets the kernels drop them, as for static shapes.
         aligned = q.is_cuda and q.shape[2] % FLEX_TILE == 0 and k.shape[2] % FLEX_TILE == 0
         opts = {"IS_DIVISIBLE": True} if aligned else None
-        return _FLEX[0](q, k, v, block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
+        return flex(q, k, v, block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
                         kernel_options=opts)
     if mask is not None and not torch.is_tensor(mask):  # a mask object that attends itself
         return mask.attend(q, k, v, scale)

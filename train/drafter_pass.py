@@ -116,7 +116,7 @@ def mask_backend(attention: str, device: torch.device) -> str:
     return "flex" if device.type == "cuda" else "dense"
 
 
-def compile_layers(model, dynamic: bool | None = True) -> None:
+def compile_layers(model, dynamic: bool | None = True, backend: str = "inductor") -> None:
     """``torch.compile`` each decoder layer of the drafter (the fastest compiled unit measured, BENCHMARKS.md),
     for symbolic sizes from the first call (``dynamic=True``).
 
@@ -130,15 +130,27 @@ def compile_layers(model, dynamic: bool | None = True) -> None:
     Sizes that happen to be equal in the first call are not taken for one size (``use_duck_shape`` off, for the
     process): with it on, a first micro-batch whose context and block positions had the same count compiled
     graphs that assumed them equal, and the next micro-batch compiled the layers again (a tiny online run on the
-    CPU, ``TORCH_LOGS=recompiles``: the guard ``context.size()[1] == block.size()[1]`` failed at its 2nd step)."""
+    CPU, ``TORCH_LOGS=recompiles``: the guard ``context.size()[1] == block.size()[1]`` failed at its 2nd step).
+    For the same reason inductor's fusion of reductions of mixed order (the norms' backward on the GPU) skips its
+    size checks (``mix_order_reduction_non_strict_mode``): each check became a guard on the micro-batch's size
+    (``576*block.size()[1] >= 5242880``), and on one H200 a run of 909 steps compiled every layer again when its
+    sizes crossed one (steps 30-40: +12 s DFlash, +34 s DFlash2) and again at the epoch's last, small micro-batch
+    (+14 s, +36 s; RESULTS.md "DFlash2 at today's recipe")."""
     import torch._dynamo as dynamo
+    from torch._inductor import config as inductor_config
     from torch.fx.experimental import _config as fx_config
 
+    from dflashkit.drafter.modeling_dflash import flex_attention_for
+
     dynamo.config.cache_size_limit = max(dynamo.config.cache_size_limit, 64)
+    flex_attention_for(next(model.parameters()).is_cuda)  # built before the layers trace it (its docstring)
+    triton = inductor_config.triton
+    if hasattr(triton, "mix_order_reduction_non_strict_mode"):
+        triton.mix_order_reduction_non_strict_mode = True
     if dynamic and hasattr(fx_config, "use_duck_shape"):
         fx_config.use_duck_shape = False
     for layer in model.layers:
-        layer.compile(dynamic=dynamic)
+        layer.compile(dynamic=dynamic, backend=backend)
 
 
 def draft_hidden(model, head, batch: PackedBlocks, *, block_size: int, layer_types: list[str],

@@ -269,3 +269,40 @@ def compiled_layers_follow_new_shapes(first, counters) -> None:
     assert batch.ctx_len == 384 and batch.block_ids.shape[1] == 512
     assert graphs[0] >= 1 and graphs[1] == graphs[0], graphs  # the new shapes added no graph
     torch._dynamo.reset()
+
+
+def test_compiled_layers_trace_a_flex_attention_built_before_them(monkeypatch):
+    """attend() builds its flex_attention at the first call. Built inside the first traced layer, the list it fills
+    became a guard (``not G['_FLEX']``) that every later call failed, so the layers compiled again (seen on the
+    GPU). compile_layers builds it first: two flex forwards of other sizes run one graph. CPU, dynamo with the
+    eager backend (inductor's C++ flex kernels fail to build for symbolic sizes here), no gradient (flex_attention
+    has no backward on the CPU). Also: inductor's mixed-order reductions skip their size checks, each a guard."""
+    from torch._dynamo.utils import counters
+    from torch._inductor import config as inductor_config
+
+    from dflashkit.drafter import modeling_dflash
+
+    monkeypatch.setattr(modeling_dflash, "_FLEX", [])  # as in a fresh process
+    torch._dynamo.reset()
+    counters.clear()
+    V, H, B = 32, 16, 4
+    eager = tiny_drafter(V, H, B, ["full_attention", "full_attention"], None).float()
+    compiled = tiny_drafter(V, H, B, ["full_attention", "full_attention"], None).float()
+    compiled.load_state_dict(eager.state_dict())
+    with inductor_config.patch({"triton.mix_order_reduction_non_strict_mode": False}):
+        compile_layers(compiled, backend="eager")
+        assert inductor_config.triton.mix_order_reduction_non_strict_mode
+    head = Head(V, H)
+    graphs = []
+    for lens in ([100, 90], [150, 120, 60]):
+        samples = [{**s, "hidden": s["hidden"].float()} for s in make_samples(lens, V, H, seed=len(lens))]
+        batch = collate_blocks(samples, block_size=B, mask_token_id=V - 1, num_anchors=40, seed=0)
+        with torch.no_grad():
+            want = forward_blocks(eager, head, batch, block_size=B, layer_types=["full_attention"] * 2,
+                                  sliding_window=None).loss_sum
+            got = forward_blocks(compiled, head, batch, block_size=B, layer_types=["full_attention"] * 2,
+                                 sliding_window=None, backend="flex").loss_sum
+        assert got.item() == pytest.approx(want.item(), rel=1e-5)
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs == [1, 1], graphs  # both layers and both sizes: one graph
+    torch._dynamo.reset()
