@@ -4,7 +4,8 @@
 # (or $RUN/out for kernels and pairs) as soon as it ends, and $RUN/stages.txt says when each started and ended,
 # with its exit status:
 #   kernels  the CUDA tests of DFlash2's kernels (the pairwise selector term, train/selector_pair.py; the in-block
-#            convolution, train/dynamic_conv.py), then their benchmarks at the testbed's micro-batch
+#            convolution, train/dynamic_conv.py) and of the compiled layers against eager ones (compile_layers'
+#            options: test_train_packing.py, test_train_gpu.py), then the kernels' benchmarks at the testbed's micro-batch
 #            (bench/bench_selector_pair.py, bench/bench_dynamic_conv.py); ~3 min, no target needed;
 #   ttq      time to quality on the 10,219 first turns: bench/testbed_quality_run.sh with TTQ_VARIANT (default
 #            steps_1400: the cosine schedule ending at step 1,400), alone on the GPU, the held-out curve every 200
@@ -86,7 +87,8 @@ for s in $STAGES; do
   kernels)
     if [ "$SCALE" != toy ]; then  # on a CPU the test skips itself: the kernels need CUDA
       stage kernels-test 300 "$PY" -m pytest -q -p no:cacheprovider --rootdir "$ROOT" -k cuda \
-        "$ROOT/tests/unit/train/test_train_selector_pair.py" "$ROOT/tests/unit/train/test_train_dynamic_conv.py"
+        "$ROOT/tests/unit/train/test_train_selector_pair.py" "$ROOT/tests/unit/train/test_train_dynamic_conv.py" \
+        "$ROOT/tests/unit/train/test_train_packing.py" "$ROOT/tests/unit/train/test_train_gpu.py"
     fi
     (cd "$ROOT/bench" && stage kernels-bench 300 "$PY" bench_selector_pair.py "${SELECTOR[@]}" \
       --out "$O/selector_pair.json")
