@@ -239,13 +239,19 @@ def test_compiled_layers_follow_new_shapes_without_recompiling(first):
         compiled_layers_follow_new_shapes(first, counters)
 
 
-def compiled_layers_follow_new_shapes(first, counters) -> None:
+def eager_and_uncompiled_twin(V: int, H: int, B: int, counters):
+    """Two 2-layer drafters with the same weights, dynamo's state and counters fresh (the second to compile)."""
     torch._dynamo.reset()
     counters.clear()
-    V, H, B = 32, 16, 4
     eager = tiny_drafter(V, H, B, ["full_attention", "full_attention"], None).float()
-    compiled = tiny_drafter(V, H, B, ["full_attention", "full_attention"], None).float()
-    compiled.load_state_dict(eager.state_dict())
+    twin = tiny_drafter(V, H, B, ["full_attention", "full_attention"], None).float()
+    twin.load_state_dict(eager.state_dict())
+    return eager, twin
+
+
+def compiled_layers_follow_new_shapes(first, counters) -> None:
+    V, H, B = 32, 16, 4
+    eager, compiled = eager_and_uncompiled_twin(V, H, B, counters)
     compile_layers(compiled)
     head = Head(V, H)
     graphs = []
@@ -283,12 +289,8 @@ def test_compiled_layers_trace_a_flex_attention_built_before_them(monkeypatch):
     from dflashkit.drafter import modeling_dflash
 
     monkeypatch.setattr(modeling_dflash, "_FLEX", [])  # as in a fresh process
-    torch._dynamo.reset()
-    counters.clear()
     V, H, B = 32, 16, 4
-    eager = tiny_drafter(V, H, B, ["full_attention", "full_attention"], None).float()
-    compiled = tiny_drafter(V, H, B, ["full_attention", "full_attention"], None).float()
-    compiled.load_state_dict(eager.state_dict())
+    eager, compiled = eager_and_uncompiled_twin(V, H, B, counters)
     with inductor_config.patch({"triton.mix_order_reduction_non_strict_mode": False}):
         compile_layers(compiled, backend="eager")
         assert inductor_config.triton.mix_order_reduction_non_strict_mode
