@@ -5,8 +5,8 @@
 # with its exit status:
 #   kernels  the CUDA tests of DFlash2's kernels (the pairwise selector term, train/selector_pair.py; the in-block
 #            convolution, train/dynamic_conv.py) and of the compiled layers against eager ones (compile_layers'
-#            options: test_train_packing.py, test_train_gpu.py), then the kernels' benchmarks at the testbed's micro-batch
-#            (bench/bench_selector_pair.py, bench/bench_dynamic_conv.py); ~3 min, no target needed;
+#            options: test_train_packing.py, test_train_gpu.py), then the kernels' benchmarks at the testbed's
+#            micro-batch (bench/bench_selector_pair.py, bench/bench_dynamic_conv.py); ~3 min, no target needed;
 #   ttq      time to quality on the 10,219 first turns: bench/testbed_quality_run.sh with TTQ_VARIANT (default
 #            steps_1400: the cosine schedule ending at step 1,400), alone on the GPU, the held-out curve every 200
 #            steps, τ of the export in vLLM on MT-bench; ~10 min. TTQ_WARM=1 compiles beside the answering (off:
