@@ -11,7 +11,9 @@
 #            steps_1400: the cosine schedule ending at step 1,400), alone on the GPU, the held-out curve every 200
 #            steps, τ of the export in vLLM on MT-bench; ~10 min. TTQ_WARM=1 compiles beside the answering (off:
 #            on one H100 the warm-up took 170 s against 63 s of answering, RESULTS.md); TORCH_LOGS=recompiles
-#            (TTQ_TORCH_LOGS) puts every recompilation and its reason in the training's log;
+#            (TTQ_TORCH_LOGS) puts every recompilation and its reason in the training's log; TTQ_LIVE_STEPS
+#            (e.g. "1200 1600 2000" with TTQ_VARIANT=default, the 3-epoch schedule) serves those checkpoints in
+#            vLLM too, for the first that reaches each live τ (testbed_quality_run.sh's LIVE_STEPS);
 #   pairs    DFlash2's training throughput beside DFlash's, both in one process on the same batches
 #            (bench/bench_train_throughput.py --drafter-architecture dflash,dflash2 --smollm2-shape, offline, 12
 #            steps), once per form of PAIR_FORMS (default "plain both conv": no kernel, both kernels, the
@@ -97,7 +99,7 @@ for s in $STAGES; do
   ttq)
     quality ttq 1500 WARM="${TTQ_WARM:-0}" TORCH_LOGS="${TTQ_TORCH_LOGS:-recompiles}" TURNS=first \
       VARIANTS="${TTQ_VARIANT:-steps_1400}" PAR=1 EVAL_EVERY=200 L_EVAL=0 L_TRAIN=420 KS=15 KEEP_DRAFTER=1 \
-      VLLM_SETS=mtbench ;;
+      VLLM_SETS=mtbench LIVE_STEPS="${TTQ_LIVE_STEPS:-}" ;;
   pairs)
     for form in $PAIR_FORMS; do
       pair_flags "$form"

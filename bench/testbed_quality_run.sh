@@ -18,7 +18,13 @@
 #      (vLLM 0.24, the GPU image's, serves DFlash only: ../shared/vllm/README.md);
 #   4. live chain τ in `dflashkit eval` for every export (bench/recipe_study.py --stage eval: greedy, bf16, MT-bench
 #      80, 256 new tokens), stopped at L_EVAL seconds with the prompts it finished;
-#   5. the held-out τ_walk against seconds, the regeneration's seconds added (bench/time_to_quality.py; CPU).
+#   5. the held-out τ_walk against seconds, the regeneration's seconds added, calibrated against every live τ that
+#      stage 3 measured on MT-bench (bench/time_to_quality.py --live-from; CPU).
+# LIVE_STEPS="1200 1600 ..." serves checkpoints of the schedule too, not only its end: every checkpoint is kept
+# (keep_last), and each DFlash variant's checkpoint of each step is exported for vLLM (`dflashkit export --for
+# vllm`) and measured in stage 3 as <variant>_step<N>, so stage 5 gives the first measured checkpoint that reached
+# each live τ, with its time (live_reached). Give steps that are multiples of both save_every (200) and EVAL_EVERY;
+# each adds ~90 s to L_VLLM.
 # SAMPLED=1 answers the same turns once more, sampled (temperature 0.8, top-p 0.95, seed 1; stage 1b, its pieces
 # under $RUN/out/regen-sampled/), for the variants that train on a second answer per prompt (data+={extra_data}:
 # bench/recipe_study.py's extra_answers, extra_answers_same_steps); REGEN_SAMPLED=FILE[.gz] reuses an earlier
@@ -84,6 +90,15 @@ else
   MT_PROMPTS=80; HE_PROMPTS=164
   L_REGEN=${L_REGEN:-420}; L_TRAIN=${L_TRAIN:-$([ -n "${REGEN:-}" ] && echo 900 || echo 600)}
   L_VLLM=${L_VLLM:-300}; L_EVAL=${L_EVAL:-300}
+fi
+if [ -n "${LIVE_STEPS:-}" ]; then  # checkpoints served beside the export (above): every checkpoint kept
+  for s in $LIVE_STEPS; do
+    [[ $s =~ ^[1-9][0-9]*$ ]] ||
+      { note "LIVE_STEPS: '$s' is not a step number (e.g. LIVE_STEPS=\"1200 1600\")"; exit 2; }
+  done
+  EXTRA="$EXTRA,keep_last=100000"
+  [ "$SCALE" = toy ] && EXTRA="$EXTRA,save_every=1"  # the toy's 2 steps, each checkpointed
+  L_VLLM=$(( L_VLLM + 90 * $(wc -w <<< "$LIVE_STEPS") ))
 fi
 [ -n "${MORE:-}" ] && EXTRA="$EXTRA,$MORE"  # every run's own further overrides (above)
 VENV=(bash "$ROOT/bench/vllm_env.sh" "$PY")  # the slim vLLM's environment (../shared/vllm/README.md)
@@ -214,6 +229,12 @@ for v in $NAMES; do
     note "$v: DFlash2, not served by vLLM 0.24 (stage 3 leaves it out)"
   else
     SERVED+=("$v=$x")
+    for s in ${LIVE_STEPS:-}; do  # its checkpoints of LIVE_STEPS, exported for vLLM beside it
+      ck=$R/work/train/$v/checkpoints/$(printf 'step-%08d' "$s")
+      [ -d "$ck" ] || { note "$v: no checkpoint of step $s (LIVE_STEPS)"; continue; }
+      stage "export-${v}_step$s" 300 "$PY" -m dflashkit.train.export "$ck" "$R/work/live/${v}_step$s" --for vllm \
+        --overwrite && SERVED+=("${v}_step$s=$R/work/live/${v}_step$s")
+    done
   fi
 done
 
@@ -235,6 +256,8 @@ fi
 # --- 5. the held-out curve against seconds, the regeneration's included -----------------------------------------------
 RUNS=()
 for v in $NAMES; do [ -f "$O/recipe/results/$v/metrics.jsonl" ] && RUNS+=("$O/recipe/results/$v"); done
+LIVE=()  # every live τ stage 3 measured on MT-bench: the calibration's pairs
+[ -f "$O/vllm/mtbench/g_tau_per_k.json" ] && LIVE=(--live-from "$O/vllm/mtbench/g_tau_per_k.json")
 [ ${#RUNS[@]} -gt 0 ] && stage time-to-quality 120 "$PY" "$ROOT/bench/time_to_quality.py" "${RUNS[@]}" \
-  --taus 1.7 2.0 2.5 3.0 --offset-s "$REGEN_S" --out "$O/time_to_quality.json"
+  --taus 1.7 2.0 2.5 3.0 --offset-s "$REGEN_S" "${LIVE[@]}" --out "$O/time_to_quality.json"
 note "all done"

@@ -1,7 +1,7 @@
 """Wall time to a quality, read off a training run's metrics.jsonl (issue 36 item 3): so a user can budget a run.
 
     python bench/time_to_quality.py RUN_DIR [RUN_DIR ...] --taus 1.7 2.0 \\
-        [--live STEP=TAU ...] [--offset-s S] --out bench/results/time_to_quality.json
+        [--live STEP=TAU ...] [--live-from G_TAU_PER_K.json] [--offset-s S] --out bench/results/time_to_quality.json
 
 What it reads, per run directory (train/tracking.py), every row in the order written: the held-out evaluation
 rows (``eval/tau_walk``: the τ a drafter gets walking the held-out blocks with the target's tokens, logged every
@@ -17,7 +17,12 @@ target's tokens, not a live decode; RESULTS.md: 2.76 held-out against 2.09 live 
 ``--live STEP=TAU`` pairs (live τ measured on the checkpoint of STEP, from `dflashkit eval` or vLLM) calibrate it:
 a least-squares line live = a · τ_walk + b over the pairs (one pair: the ratio, b = 0), and each threshold is also
 given as the τ_walk that line maps onto it and the first time that was reached (``live_taus``). The calibration
-is a model, said as one in the JSON; its pairs are listed with it.
+is a model, said as one in the JSON; its pairs are listed with it. ``live_reached`` is the measurement itself: the
+first measured checkpoint whose live τ reached each threshold, with its time (None when none did).
+``--live-from`` reads the pairs of each run from bench/bench_vllm.py's ``g_tau_per_k.json`` instead (per run,
+not one set for all): a drafter named ``<run>_step<N>`` is the checkpoint of step N of the run whose directory is
+named ``<run>``, one named ``<run>`` is that run's export (the step its ``summary.json`` gives), each at the
+largest k measured; a measured step without a held-out evaluation is listed under ``live_unpaired`` and left out.
 Runs without ``elapsed_s`` (metrics written before it was logged) are refused in one line naming the file.
 """
 
@@ -88,7 +93,32 @@ def summarise(rows: list[dict], taus: list[float], live: dict[int, float], offse
         out["live_taus"] = {str(t): {"tau_walk": (t - b) / a, "reached": first_time(points, (t - b) / a)}
                             for t in taus} if a > 0 else {
             "skipped": f"live tau does not rise with tau_walk over these pairs (a = {a:.3g}): no threshold maps"}
+        seconds = {p["step"]: p["seconds"] for p in points}
+        out["live_reached"] = {str(t): next(({"step": s, "seconds": seconds[s], "live": live[s]}
+                                             for s in sorted(live) if live[s] >= t), None) for t in taus}
     return out
+
+
+def live_from_vllm(results: dict, run_dir: Path) -> dict[int, float]:
+    """The live τ of one run's checkpoints and export from bench_vllm.py's g_tau_per_k.json (``--live-from``)."""
+    name = run_dir.name
+    best: dict[str, dict] = {}  # drafter name -> its row at the largest k
+    for row in results.get("rows", []):
+        if row.get("tau") is not None and (row["drafter"] not in best or row["k"] > best[row["drafter"]]["k"]):
+            best[row["drafter"]] = row
+    live = {}
+    for drafter, row in best.items():
+        if drafter == name:
+            summary = run_dir / "summary.json"
+            step = json.loads(summary.read_text()).get("step") if summary.is_file() else None
+            if step is None:
+                continue  # an export whose step is not known pairs with nothing
+        elif drafter.startswith(name + "_step") and drafter[len(name) + 5:].isdigit():
+            step = drafter[len(name) + 5:]
+        else:
+            continue
+        live[int(step)] = float(row["tau"])
+    return live
 
 
 def parse_live(items: list[str]) -> dict[int, float]:
@@ -106,10 +136,20 @@ def main(argv=None) -> int:
     p.add_argument("runs", nargs="+", help="training output directories (each with metrics.jsonl)")
     p.add_argument("--taus", type=float, nargs="+", default=[1.7, 2.0])
     p.add_argument("--live", nargs="+", default=[], metavar="STEP=TAU", help="live τ at evaluated checkpoints")
+    p.add_argument("--live-from", default=None, metavar="G_TAU_PER_K.json",
+                   help="each run's live τ from bench_vllm.py's results (<run>_step<N> and <run>), instead of --live")
     p.add_argument("--offset-s", type=float, default=0.0, help="seconds before training (e.g. regeneration)")
     p.add_argument("--out", default=None, help="the JSON (default: print it)")
     args = p.parse_args(argv)
+    if args.live and args.live_from:
+        raise SystemExit("give --live or --live-from, not both")
     live = parse_live(args.live)
+    vllm = None
+    if args.live_from:
+        try:
+            vllm = json.loads(Path(args.live_from).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise SystemExit(f"--live-from {args.live_from}: not a readable JSON file ({e})") from None
     result = {}
     for run in args.runs:
         source = Path(run) / "metrics.jsonl"
@@ -117,7 +157,15 @@ def main(argv=None) -> int:
             raise SystemExit(f"{source}: not found: give a training output directory")
         text = source.read_text()  # every row in the order written (a resumed run's too); a cut last row skipped
         rows = [json.loads(line) for line in text[: text.rfind("\n") + 1].splitlines() if line.strip()]
+        unpaired = {}
+        if vllm is not None:
+            live = live_from_vllm(vllm, Path(run))
+            evaluated = {p["step"] for p in timeline(rows, str(source))}
+            unpaired = {str(s): t for s, t in live.items() if s not in evaluated}
+            live = {s: t for s, t in live.items() if s in evaluated}
         result[run] = summarise(rows, args.taus, live, args.offset_s, str(source))
+        if unpaired:
+            result[run]["live_unpaired"] = unpaired
     text = json.dumps(result, indent=2) + "\n"
     if args.out:
         Path(args.out).write_text(text)

@@ -167,6 +167,37 @@ def test_the_quality_run_script_trains_on_an_earlier_leases_answers(tmp_path):
 
 
 @pytest.mark.slow
+def test_the_quality_run_script_serves_the_checkpoints_live_steps_names(tmp_path):
+    """LIVE_STEPS: every checkpoint kept, the checkpoint of each named step that exists exported for vLLM and
+    measured beside the export (<variant>_step<N>), a step without one noted; stage 5 pairs each run's live τ
+    with its held-out τ_walk and gives the first measured checkpoint that reached each τ."""
+    data = toy_data(tmp_path / "data", mtbench=2)
+    regen = tmp_path / "regen.jsonl"
+    regen.write_text("".join(json.dumps(r) + "\n" for r in chat_records(5, seed=7)))
+    run = tmp_path / "run"
+    ends = run_toy_script("testbed_quality_run.sh", run, limits=("L_TRAIN", "L_VLLM"), REGEN=str(regen),
+                          L_EVAL="0", LIVE_STEPS="1 5", TARGET="testbed:smollm2", DATA=str(data))
+    assert set(ends) == {"train-recipe", "export-default_step1", "vllm-tau-mtbench", "time-to-quality"}, ends
+    stages = (run / "stages.txt").read_text()
+    assert ",keep_last=100000,save_every=1 " in stages
+    assert "default: no checkpoint of step 5 (LIVE_STEPS)" in stages
+    assert json.loads((run / "work" / "live" / "default_step1" / "config.json").read_text())["architectures"] == [
+        "DFlashDraftModel"]
+    rows = json.loads((run / "out" / "vllm" / "mtbench" / "g_tau_per_k.json").read_text())["rows"]
+    tau = {r["drafter"]: r["tau"] for r in rows}
+    assert set(tau) == {"default", "default_step1"}, rows
+    (summary,) = json.loads((run / "out" / "time_to_quality.json").read_text()).values()
+    pairs = summary["calibration"]["pairs"]
+    assert [(p["step"], p["live"]) for p in pairs] == [(1, tau["default_step1"]), (2, tau["default"])]
+    assert set(summary["live_reached"]) == {"1.7", "2.0", "2.5", "3.0"}
+    refused = subprocess.run(["bash", "bench/testbed_quality_run.sh"], cwd=ROOT, capture_output=True, text=True,
+                             env={**os.environ, "RUN": str(tmp_path / "refused"), "DATA": str(data),
+                                  "SCALE": "toy", "REGEN": str(regen), "LIVE_STEPS": "1200 16OO"}, timeout=120)
+    assert refused.returncode == 2
+    assert "LIVE_STEPS: '16OO' is not a step number" in (tmp_path / "refused" / "stages.txt").read_text()
+
+
+@pytest.mark.slow
 def test_the_quality_run_script_adds_a_sampled_answer_for_the_variants_that_ask(tmp_path):
     """SAMPLED=1: the same turns answered once more, sampled (stage 1b, in pieces under out/regen-sampled); the
     variants with data+={extra_data} train on both files (extra_answers_same_steps in half the epochs), the

@@ -28,6 +28,9 @@ def test_time_to_each_tau_adds_resumed_segments():
     assert cal["calibration"]["a"] == pytest.approx(0.5) and cal["calibration"]["b"] == pytest.approx(0.75)
     assert cal["live_taus"]["1.7"]["tau_walk"] == pytest.approx(1.9)
     assert cal["live_taus"]["1.7"]["reached"] == {"step": 40, "seconds": 190.0}
+    # measured, not modelled: the first checkpoint whose live tau reached the threshold
+    assert cal["live_reached"] == {"1.7": {"step": 50, "seconds": 240.0, "live": 1.9}}
+    assert ttq.summarise(rows, [2.0], {30: 1.65, 50: 1.9})["live_reached"] == {"2.0": None}
     assert ttq.calibration([(2.0, 1.5)]) == (0.75, 0.0)  # one pair: the ratio
     assert "does not rise" in ttq.summarise(rows, [1.7], {30: 1.9, 50: 1.6})["live_taus"]["skipped"]
     with pytest.raises(SystemExit, match=r"--live steps \[35\] have no held-out evaluation"):
@@ -50,3 +53,39 @@ def test_the_tracker_logs_elapsed_time(tmp_path):
     assert "wrote" in done.stdout
     result = json.loads((tmp_path / "t.json").read_text())[str(tmp_path)]
     assert result["taus"]["1.5"]["step"] == 5
+
+
+def test_live_tau_per_run_from_the_engines_results(tmp_path):
+    """--live-from: each run's pairs from bench_vllm.py's g_tau_per_k.json (<run>_step<N>: the checkpoint of step
+    N; <run>: the export, at the step summary.json gives; the largest k of each), not one set for every run; a
+    measured step without a held-out evaluation is listed apart, and another run's rows pair with nothing."""
+    runs = {}
+    for name, walks in (("default", {20: 1.5, 40: 2.1, 50: 2.3}), ("other", {20: 1.2, 50: 1.4})):
+        run = tmp_path / name
+        run.mkdir()
+        rows = [{"step": s, "elapsed_s": 10.0 * s, "eval/tau_walk": w} for s, w in walks.items()]
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (run / "summary.json").write_text(json.dumps({"step": 50}))
+        runs[name] = run
+    vllm = {"rows": [{"drafter": "default_step20", "k": 15, "tau": 1.3},
+                     {"drafter": "default_step40", "k": 7, "tau": 1.6},
+                     {"drafter": "default_step40", "k": 15, "tau": 1.8},  # the largest k is the one read
+                     {"drafter": "default_step30", "k": 15, "tau": 1.7},  # no held-out evaluation at step 30
+                     {"drafter": "default", "k": 15, "tau": 2.0},  # the export: step 50 (summary.json)
+                     {"drafter": "elsewhere", "k": 15, "tau": 9.9}]}
+    (tmp_path / "g.json").write_text(json.dumps(vllm))
+    out = tmp_path / "t.json"
+    subprocess.run([sys.executable, str(ROOT / "bench" / "time_to_quality.py"), str(runs["default"]),
+                    str(runs["other"]), "--taus", "1.7", "2.0", "--live-from", str(tmp_path / "g.json"),
+                    "--out", str(out)], capture_output=True, text=True, check=True)
+    result = json.loads(out.read_text())
+    mine, other = result[str(runs["default"])], result[str(runs["other"])]
+    assert [(p["step"], p["live"]) for p in mine["calibration"]["pairs"]] == [(20, 1.3), (40, 1.8), (50, 2.0)]
+    assert mine["live_unpaired"] == {"30": 1.7}
+    assert mine["live_reached"] == {"1.7": {"step": 40, "seconds": 400.0, "live": 1.8},
+                                    "2.0": {"step": 50, "seconds": 500.0, "live": 2.0}}
+    assert "calibration" not in other and "live_unpaired" not in other
+    both = subprocess.run([sys.executable, str(ROOT / "bench" / "time_to_quality.py"), str(runs["default"]),
+                           "--live", "20=1.3", "--live-from", str(tmp_path / "g.json")], capture_output=True,
+                          text=True)
+    assert both.returncode != 0 and "give --live or --live-from, not both" in both.stderr
