@@ -88,6 +88,9 @@ VARIANTS: dict[str, list[str]] = {
     # a few minutes reaches (RESULTS.md "time to quality": τ 2.0 took ~1,500 steps of the 3-epoch schedule)
     "steps_1000": ["max_steps=1000"],
     "steps_1400": ["max_steps=1400"],
+    # the schedule that could fit 300 s end to end at ~0.1 s a step (one H100 after the compile fixes, RESULTS.md
+    # "Time to quality after the compile fixes": 37 s answering, 48 s to step 10), where 1,400 steps gave live 1.86
+    "steps_2000": ["max_steps=2000"],
     "steps_1000_anchors": ["max_steps=1000", "anchor_density=0.375"],  # and the study's faster steps
     "steps_1400_anchors": ["max_steps=1400", "anchor_density=0.375"],  # as many steps in ~the time of 1,000
 }
@@ -95,7 +98,7 @@ VARIANTS: dict[str, list[str]] = {
 # (docs/ARCHITECTURE.md), more data or more or fewer steps than the study compares at, another architecture
 NOT_COMBINED = ("sliding_window", "extra_answers", "extra_answers_same_steps", "longer", "dflash2", "dflash2_coupled",
                 "dflash2_loss_weighted", "dflash2_codebook_lr", "dflash2_injected", "steps_1000", "steps_1400",
-                "steps_1000_anchors", "steps_1400_anchors")
+                "steps_2000", "steps_1000_anchors", "steps_1400_anchors")
 
 
 def is_replicate(overrides) -> bool:
