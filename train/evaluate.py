@@ -16,6 +16,13 @@ Design choices:
   (tests/integration/test_train_eval_consistency.py), so ``eval/tau_walk`` and ``eval/walk_accept_k`` (fraction
   of rounds whose draft position k was accepted, the report's per-position acceptance) are the held-out numbers
   to compare with an eval report.
+- Held-out samples are packed like training's micro-batches (``batch_tokens``; the trainer gives its
+  micro-batch, capped at ``max_length``, so a pass holds no more anchors than one longest sample's did) and each
+  pack's features are read once for both passes: an online run's target runs once per pack in right-padded
+  batches (``OnlineFeatures.read``) instead of twice per sample, alone. On the testbed's GPU runs the
+  per-sample form took ~3 s (H100) to ~5 s (H200) per evaluation of 64 samples (RESULTS.md "Live tau at
+  checkpoints"). Sums are over blocks, so packing changes the numbers by float rounding only; anchors are keyed
+  by sample index, so the same samples are evaluated at the same anchors however they are packed.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ import math
 
 import torch
 
-from .data import BlockSource, block_loader
+from .data import collate_blocks, pack_order
 from .drafter_pass import forward_blocks
 from .loss import loss_denominator
 from .metrics import MetricSums
@@ -60,59 +67,80 @@ def chain_walk(anchors: list[int], runs: list[int], block_size: int) -> tuple[in
     return rounds, tokens, accepted
 
 
+def eval_pack_tokens(micro_batch_tokens: int, max_length: int | None) -> int:
+    """The held-out packs' token budget (``evaluate``'s ``batch_tokens``): the training's micro-batch capped at
+    ``max_length``, so a pack holds no more anchors than one sample could; 0 (training one sequence at a time)
+    keeps one sample per pass."""
+    if micro_batch_tokens <= 0:
+        return 0
+    return min(micro_batch_tokens, max_length) if max_length else micro_batch_tokens
+
+
+def read_samples(dataset, indices: list[int]) -> dict[int, dict]:
+    """{index: sample dict} of these samples; a dataset with ``read`` (train/online.OnlineFeatures) computes them
+    together (the target batched), any other is read one index at a time."""
+    read = getattr(dataset, "read", None)
+    return read(indices) if read is not None else {i: dataset[i] for i in indices}
+
+
 @torch.no_grad()
 def evaluate(model, head, dataset, indices: list[int], *, block_size: int, layer_types: list[str],
              sliding_window: int | None, mask_token_id: int, num_anchors: int, seed: int, gamma: float = 7.0,
              max_length: int | None = None, backend: str = "dense", chunk_tokens: int = 2048,
              fused_loss: bool = False, selector: bool = True, accelerator=None, device=None,
              causal: bool = False, selector_kernel: bool = False, selector_unary_grad: bool = False,
-             selector_weights: str = "decay", selector_missing_label: str = "skip") -> dict:
+             selector_weights: str = "decay", selector_missing_label: str = "skip", batch_tokens: int = 0) -> dict:
     """Held-out loss (ce objective), per-position accuracy and tau_sim at fixed anchors, and the chain walk's
     tau_walk and per-position acceptance; ``selector``: DFlash2's selector metrics too (train/drafter_pass.py),
     its pairwise term by the kernels with ``selector_kernel`` (train/selector_pair.py), with the run's other
     selector options too (train/setup.py), which give the same numbers here: no gradient (so no label is
-    injected among the candidates), and the ``ce`` objective's position weights are the decay."""
+    injected among the candidates), and the ``ce`` objective's position weights are the decay.
+    ``batch_tokens`` > 0 packs the samples up to that many tokens per pass (``eval_pack_tokens``; it needs the
+    dataset's ``lengths``); 0 evaluates one sample per pass."""
     world = accelerator.num_processes if accelerator is not None else 1
     rank = accelerator.process_index if accelerator is not None else 0
     device = device or (accelerator.device if accelerator is not None else torch.device("cpu"))
-    per_rank = math.ceil(len(indices) / world) if indices else 0
-    slots = [(indices[i * world + rank], False) if i * world + rank < len(indices) else (indices[0], True)
+    lengths = getattr(dataset, "lengths", None)
+    packs = (pack_order(list(indices), lengths, batch_tokens, max_length) if batch_tokens > 0 and lengths is not None
+             else [[i] for i in indices])
+    per_rank = math.ceil(len(packs) / world)
+    # every rank runs the same number of passes (ZeRO-3 and FSDP gather inside them); a padding pass counts zero
+    slots = [(packs[i * world + rank], False) if i * world + rank < len(packs) else (packs[0], True)
              for i in range(per_rank)]
-    source = BlockSource(dataset, slots, block_size=block_size, mask_token_id=mask_token_id,
-                         num_anchors=num_anchors, seed=seed, epoch=0, max_length=max_length,
-                         use_last_hidden=False, fixed_anchors=True)
+    options = dict(block_size=block_size, mask_token_id=mask_token_id, seed=seed, max_length=max_length)
+    passes = dict(block_size=block_size, layer_types=layer_types, sliding_window=sliding_window, backend=backend,
+                  variant="ce", gamma=gamma, chunk_tokens=chunk_tokens, fused_loss=fused_loss, causal=causal)
     was_training = model.training
     model.eval()
     sums = MetricSums(block_size - 1, device)
-    for batch in block_loader(source):
+    walk = [0] * (1 + block_size)  # rounds, tokens, accepted[k]: host integers, one transfer at the end
+    for pack, padding in slots:
+        read = read_samples(dataset, pack)
+        samples = [{**read[i], "index": i} for i in pack]
+        scale = 0.0 if padding else 1.0
+        batch = collate_blocks(samples, num_anchors=num_anchors, fixed_anchors=True, scale=scale, **options)
         batch = batch.to(device)
-        out = forward_blocks(model, head, batch, block_size=block_size, layer_types=layer_types,
-                             sliding_window=sliding_window, backend=backend, variant="ce", gamma=gamma,
-                             chunk_tokens=chunk_tokens, fused_loss=fused_loss, selector=selector, causal=causal,
-                             selector_kernel=selector_kernel, selector_unary_grad=selector_unary_grad,
-                             selector_weights=selector_weights, selector_missing_label=selector_missing_label)
+        out = forward_blocks(model, head, batch, selector=selector, selector_kernel=selector_kernel,
+                             selector_unary_grad=selector_unary_grad, selector_weights=selector_weights,
+                             selector_missing_label=selector_missing_label, **passes)
         sums.add(out, loss_denominator(batch.valid, "ce", gamma), batch.scale, batch.num_tokens)
-    walk = torch.zeros(1 + block_size, dtype=torch.float64, device=device)  # rounds, tokens, accepted[k]
-    every = BlockSource(dataset, slots, block_size=block_size, mask_token_id=mask_token_id, num_anchors=1 << 40,
-                        seed=seed, epoch=0, max_length=max_length, use_last_hidden=False)  # all candidates
-    for batch in block_loader(every):  # padding passes run too (every rank the same passes), and count nothing
-        batch = batch.to(device)
-        out = forward_blocks(model, head, batch, block_size=block_size, layer_types=layer_types,
-                             sliding_window=sliding_window, backend=backend, variant="ce", gamma=gamma,
-                             chunk_tokens=chunk_tokens, fused_loss=fused_loss, selector=False,
-                             causal=causal)  # runs only
-        if batch.scale == 0.0:
+        # the chain walk: every anchor candidate of the same samples, runs only
+        every = collate_blocks(samples, num_anchors=1 << 40, scale=scale, check_finite=False, **options)
+        every = every.to(device)
+        out = forward_blocks(model, head, every, selector=False, **passes)
+        if padding:
             continue
-        anchors, runs = batch.anchors.tolist(), out.runs.tolist()
-        for s in range(len(batch.block_offsets) - 1):
-            lo, hi, start = batch.block_offsets[s], batch.block_offsets[s + 1], batch.context_offsets[s]
+        anchors, runs = every.anchors.tolist(), out.runs.tolist()
+        for s in range(len(every.block_offsets) - 1):
+            lo, hi, start = every.block_offsets[s], every.block_offsets[s + 1], every.context_offsets[s]
             rounds, tokens, accepted = chain_walk([a - start for a in anchors[lo:hi]], runs[lo:hi], block_size)
-            walk += torch.tensor([rounds, tokens, *accepted], dtype=torch.float64, device=device)
+            walk = [w + n for w, n in zip(walk, [rounds, tokens, *accepted])]
     model.train(was_training)
     metrics = sums.reduce(accelerator).metrics("eval")
+    totals = torch.tensor(walk, dtype=torch.float64, device=device)
     if accelerator is not None and accelerator.num_processes > 1:
-        walk = accelerator.reduce(walk, reduction="sum")
-    rounds, tokens, *accepted = walk.tolist()
+        totals = accelerator.reduce(totals, reduction="sum")
+    rounds, tokens, *accepted = totals.tolist()
     metrics["eval/tau_walk"] = tokens / rounds if rounds else float("nan")
     for k, n in enumerate(accepted):
         metrics[f"eval/walk_accept_{k + 1}"] = n / rounds if rounds else float("nan")

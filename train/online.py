@@ -16,8 +16,9 @@ Design choices:
   ``store_last_hidden`` the final-norm output of the same forward, for the ``kl`` loss).
 - The trainer announces the order in which it will read samples (``plan``). Reading the next planned sample runs
   the target once on it and the planned samples after it, right-padded, up to ``batch_tokens`` padded tokens,
-  and keeps that batch's features until the next batch; any other read (held-out evaluation, a repeated sample
-  that pads the last step of an epoch) runs the sample alone. The outcome depends on this batching only through
+  and keeps that batch's features until the next batch; any other read (a repeated sample that pads the last
+  step of an epoch) runs the sample alone, and ``read`` (held-out evaluation's packs) runs the samples it is
+  given batched the same way. The outcome depends on this batching only through
   float rounding.
 - Features are handed over in bf16, the dtype shards store them in, so an online run and an ``extract`` +
   ``train --shards`` run on the same samples see the same numbers.
@@ -233,6 +234,26 @@ class OnlineFeatures(torch.utils.data.Dataset):
             self._cache = self.features(self._next_planned())
             return self._cache[i]
         return self.features([i])[i]  # out of plan: alone, leaving the planned batch in place
+
+    def read(self, indices: list[int]) -> dict[int, dict]:
+        """{index: sample dict} of these samples out of plan (held-out evaluation, train/evaluate.py): the target
+        run on them in order, in right-padded batches of at most ``batch_tokens`` padded tokens (a longer sample
+        alone), leaving the planned batch in place."""
+        out = {i: self._cache[i] for i in indices if i in self._cache}
+        group: list[int] = []
+        longest = 0
+        for i in indices:
+            if i in out or i in group:
+                continue
+            longest_next = max(longest, self.lengths[i])
+            if group and (len(group) + 1) * longest_next > self.batch_tokens:
+                out.update(self.features(group))
+                group, longest_next = [], self.lengths[i]
+            group.append(i)
+            longest = longest_next
+        if group:
+            out.update(self.features(group))
+        return out
 
     def _next_planned(self) -> list[int]:
         """The next planned samples whose right-padded batch fits ``batch_tokens`` (at least one)."""

@@ -43,7 +43,7 @@ from dflashkit.stopping import StopRequest
 from .checkpoint import save_checkpoint
 from .config import TrainConfig
 from .data import BlockSource, block_loader, rank_slots
-from .evaluate import evaluate
+from .evaluate import eval_pack_tokens, evaluate
 from .metrics import MetricSums, json_safe
 from .run_dir import Start, check_output_paths, start_of_run
 from .setup import TrainRun, setup
@@ -255,7 +255,8 @@ def held_out_eval(run: TrainRun) -> dict:
     cfg = run.cfg
     return evaluate(run.model, run.head, run.dataset, run.eval_idx, mask_token_id=run.dcfg.mask_token_id,
                     num_anchors=cfg.eval_anchors, seed=cfg.seed, gamma=cfg.gamma, max_length=cfg.max_length,
-                    accelerator=run.accelerator, **run.pass_options)
+                    accelerator=run.accelerator, batch_tokens=eval_pack_tokens(cfg.micro_batch_tokens, cfg.max_length),
+                    **run.pass_options)
 
 
 def save_final(run: TrainRun) -> Path:

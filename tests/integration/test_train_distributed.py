@@ -15,9 +15,10 @@ from support.training import as_argv
 
 def common(shards, out, **kw):
     d = dict(shards=str(shards), output_dir=str(out), mask_token_id=95, num_hidden_layers=2, block_size=4,
-             num_anchors=8, eval_samples=2, eval_anchors=4, epochs=1, mixed_precision="no", wandb=False,
+             num_anchors=8, eval_samples=3, eval_anchors=4, epochs=1, mixed_precision="no", wandb=False,
              save_every=0, log_every=1, eval_every=0, num_workers=0, progress=False, max_steps=3,
              drafter={"intermediate_size": 64}, micro_batch_tokens=0)  # one sequence per micro-batch
+    # 3 held-out samples on 2 processes: one rank's last evaluation pass pads (every rank the same passes: ZeRO-3)
     d.update(kw)
     return as_argv(d)
 

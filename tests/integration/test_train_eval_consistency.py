@@ -182,3 +182,36 @@ def test_chain_walk_rules():
     # turn 1: a=2 (run 1, 2 tokens) -> a=4 (run 3 reaches the end token at 7: 3 tokens, no bonus) -> done
     # turn 2: a=10 (run 3 reaches 13: 3 tokens) -> done
     assert (rounds, tokens, accepted) == (3, 8, [3, 2, 2])
+
+
+class Prefixes(list):
+    """Held-out samples as a dataset with ``lengths`` (what packing reads): prefixes of S, whose features are the
+    prefixes of S's features (the target is causal)."""
+
+    def __init__(self, seq, hidden, loss_mask, cuts):
+        super().__init__({"input_ids": seq[:n], "loss_mask": loss_mask[:n], "hidden": hidden[:n]} for n in cuts)
+        self.lengths = list(cuts)
+
+
+def test_held_out_packs_give_the_numbers_of_one_sample_per_pass(setup):
+    """evaluate packs the held-out samples (batch_tokens) and reads each pack once for both of its passes; the
+    metrics are sums over blocks and the anchors are keyed by sample index, so packing changes nothing but
+    float rounding: the same loss, accuracies, tau_sim, and the same chain walk (tau_walk, acceptance)."""
+    _, head, seq, hidden, loss_mask = setup
+    model, cfg = make_drafter(head, ["full_attention"], None, steps=25, setup_=setup)
+    dataset = Prefixes(seq, hidden, loss_mask, [PROMPT + NEW, 40, 33, 27, 20])
+
+    def run(batch_tokens):
+        return evaluate(model, head, dataset, list(range(len(dataset))), block_size=BLOCK, sliding_window=None,
+                        layer_types=cfg.layer_types, mask_token_id=MASK, num_anchors=8, seed=0,
+                        batch_tokens=batch_tokens)
+
+    alone, paired, whole = run(0), run(80), run(4096)  # one sample a pass; 3 packs; 1 pack
+    assert alone["eval/tau_walk"] > 1.2  # drafts are accepted, so the walk compares real runs
+    for packed in (paired, whole):
+        assert sorted(packed) == sorted(alone)
+        for key, value in alone.items():
+            if key.startswith(("eval/tau_walk", "eval/walk_accept")):
+                assert packed[key] == value, key  # counts of accepted drafts: exact
+            else:
+                assert packed[key] == pytest.approx(value, rel=1e-5, abs=1e-7), key

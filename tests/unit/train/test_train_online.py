@@ -92,6 +92,47 @@ def test_online_features_equal_the_extracted_ones_with_layer_l_minus_1(chat_run)
             assert (diff <= want[key].float().abs() * 2 ** -7 + 1e-6).all(), (i, key)
 
 
+def test_held_out_reads_run_the_target_batched_and_leave_the_planned_batch(chat_run):
+    """OnlineFeatures.read (held-out evaluation's packs): the samples in right-padded batches of at most
+    batch_tokens padded tokens, in order, each at most one bf16 step from its features alone; the planned batch it
+    interrupts is still there to read after it."""
+    from dflashkit.targets.loading import load_target
+    from dflashkit.train.online import OnlineFeatures, encode_data
+
+    class Counted(OnlineFeatures):  # the real dataset, noting the samples (positions) of each target forward
+        def run_target(self, todo):
+            self.forwards.append([next(k for k, s in enumerate(self.samples) if s is t) for t in todo])
+            return super().run_target(todo)
+
+    target_dir, data, _ = chat_run
+    target = load_target(target_dir)
+    samples = encode_data([data], target.tokenizer, max_length=MAX_LENGTH, chat_template="", template_kwargs={},
+                          limit=None, tokenize_workers=0, say=lambda _: None)
+    with OnlineFeatures(target, samples, LAYERS, store_last_hidden=False, batch_tokens=1, device="cpu") as alone:
+        want = {i: alone[i] for i in range(len(samples))}
+    budget = 3 * max(len(s.input_ids) for s in samples)  # room for 3 of the longest: several batches
+    with Counted(target, samples, LAYERS, store_last_hidden=False, batch_tokens=budget, device="cpu") as ds:
+        ds.forwards = []
+        ds.plan([0, 1, 2, 3])
+        first = ds[0]  # the planned batch: 0, 1 and what else fits, in one forward
+        assert ds.forwards[0][:2] == [0, 1]
+        held = [5, 7, 8, 9, 10, 11, 12, 13, 4]
+        got = ds.read(held)
+        batches = ds.forwards[1:]
+        assert [i for b in batches for i in b] == held  # each once, in order
+        assert 1 < len(batches) < len(held)
+        for b in batches:
+            assert len(b) * max(len(samples[i].input_ids) for i in b) <= budget
+        n = len(ds.forwards)
+        assert ds[1] is not None and ds[0] is first and len(ds.forwards) == n  # the planned batch stayed
+        assert ds.read([1, 6])[1] is ds[1] and ds.forwards[n:] == [[6]]  # 1 from the planned batch, 6 run
+    assert sorted(got) == sorted(held)
+    for i in held:
+        assert torch.equal(got[i]["input_ids"], want[i]["input_ids"])
+        diff = (got[i]["hidden"].float() - want[i]["hidden"].float()).abs()
+        assert (diff <= want[i]["hidden"].float().abs() * 2 ** -7 + 1e-6).all(), i
+
+
 @pytest.mark.parametrize("loss,packed,optimizer", [("kl", False, "adamw"), ("dpace", False, "adamw"),
                                                    ("dpace", True, "adamw"), ("dpace", True, "muon")])
 def test_online_training_equals_extract_then_train_shards(chat_run, tmp_path, capsys, loss, packed, optimizer):
