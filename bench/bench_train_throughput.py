@@ -153,6 +153,19 @@ def target_flops(target: Target, layer_ids: list[int], lens: list[int]) -> float
     return float(sum(runs * (2 * params * t + 4 * (t * (t + 1) // 2) * hq * hd) for t in lens))
 
 
+def muon_layout(optimizer) -> dict | None:
+    """How the Muon step orthogonalises the drafter's matrices: their count, the stacks (train/muon.py
+    ``stacks``) and the byte cap that made them; None for AdamW."""
+    from dflashkit.train import muon
+
+    inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper holds the optimizer
+    if not isinstance(inner, muon.Muon):
+        return None
+    matrices = [p for g in inner.param_groups if g["use_muon"] for p in g["params"]]
+    return {"matrices": len(matrices), "stacks": len(muon.stacks(matrices, muon.STACK_BYTES)),
+            "stack_bytes": muon.STACK_BYTES}
+
+
 # --------------------------------------------------------------------------- steps
 STEP_FIELDS = ("loss", "gamma", "dpace_alpha", "labels", "causal", "grad_accum", "max_grad_norm", "mixed_precision",
                "optimizer", "lr", "compile", "attention", "loss_chunk_tokens", "drafter_architecture",
@@ -166,7 +179,8 @@ def train_config(args, attention: str, compiled: bool, gpu: bool, architecture: 
                        loss_chunk_tokens=args.chunk_tokens, compile=compiled, attention=attention,
                        mixed_precision="bf16" if gpu else "no", lr=1e-4, wandb=False, progress=False,
                        drafter_architecture=architecture, selector_kernel=args.selector_kernel,
-                       conv_kernel=args.conv_kernel, selector_unary_grad=args.selector_unary_grad)
+                       conv_kernel=args.conv_kernel, selector_unary_grad=args.selector_unary_grad,
+                       optimizer=args.optimizer)
 
 
 class OneProcess:
@@ -251,6 +265,11 @@ def main(argv=None):
                      help="DFlash2: the in-block convolutions by train/dynamic_conv.py's kernels (conv_kernel)")
     run.add_argument("--selector-unary-grad", action="store_true",
                      help="DFlash2: the selector's unary logits coupled to the drafter (selector_unary_grad)")
+    run.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw",
+                     help="the step's optimizer (TrainConfig.optimizer; the testbed recipe's is muon)")
+    run.add_argument("--muon-stack-bytes", type=int, default=None,
+                     help="muon: fp32 bytes of same-shape matrices orthogonalised as one stack (train/muon.py "
+                          "STACK_BYTES; 0: one matrix at a time, the step before the stacks)")
     run.add_argument("--layer-compile", choices=("dynamic", "automatic"), default="dynamic",
                      help="dynamic: layers compiled for symbolic shapes from the start, as the trainer does "
                           "(train/drafter_pass.compile_layers); automatic: torch.compile's default (specialised, then "
@@ -290,6 +309,12 @@ def main(argv=None):
         ap.error("--drafter-architecture with several values: one process, --modes offline, one --attention and "
                  "no --layer-probe")
 
+    if args.muon_stack_bytes is not None:
+        if args.optimizer != "muon":
+            ap.error("--muon-stack-bytes goes with --optimizer muon")
+        from dflashkit.train import muon
+
+        muon.STACK_BYTES = args.muon_stack_bytes
     if args.device == "cpu":
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before anything asks CUDA (as recipe_study does for its runs)
 
@@ -430,6 +455,7 @@ def main(argv=None):
                "layer_compile": args.layer_compile,
                "fused_loss": options["fused_loss"], "mask": options["backend"],
                "train_config": {k: getattr(cfg, k) for k in STEP_FIELDS},
+               "muon": muon_layout(optimizer),
                "matmul_tflops": rate / 1e12 if rate else None, "peak_tflops": PEAK_BF16 / 1e12,
                "tokens_per_step_mean": sum(tokens) / len(tokens),
                "sequences_per_micro_batch_mean": sum(len(p) for p in packs) / len(packs),

@@ -20,13 +20,17 @@
 #            convolution's alone; "selector": the selector's alone; out/pair_<form>.json); ~2 min a form;
 #            PAIR_PROFILE=1 also profiles 3 steps of each architecture, every kernel's time
 #            (out/profile_<form>_dflash.txt, out/profile_<form>_dflash2.txt);
+#   optim    the recipe's own step (4k tokens, G 1; bench/bench_train_throughput.py --target, offline and online,
+#            30 steps) with each optimizer form of OPTIM_FORMS (default "adamw muon_one muon": AdamW; Muon with one
+#            matrix per Newton-Schulz stack, its step before the stacks; Muon as the recipe runs it, same-shape
+#            matrices stacked; out/optim_<form>.json); ~1 min a form, after the target is there;
 #   dflash2  DFlash2's forms beside DFlash at equal data (first turns, EPOCHS2 epochs, VARIANTS2 side by side),
 #            live chain τ of each in `dflashkit eval` (vLLM 0.24 serves no DFlash2); ~25 min, a lease of its own;
 #            MORE2=conv_kernel=true,selector_kernel=true trains the DFlash2 forms with the kernels;
 #   rows     the recipe's rows on every answered turn: every turn answered greedily and once more sampled
 #            (SAMPLED=1), then ROWS (default seed_1,extra_answers_same_steps) two at a time for 2 epochs, τ in
 #            vLLM, each export kept in pieces; a lease of its own (REGEN=FILE skips the greedy answering).
-# READY=FILE makes the stages that need the target (ttq, dflash2, rows) wait up to 15 minutes for FILE to exist:
+# READY=FILE makes the stages that need the target (ttq, optim, dflash2, rows) wait up to 15 minutes for FILE to exist:
 # the target and vLLM may still be arriving while the first stages run.
 #
 #   export PYTHONPATH=$(bash bench/import_path.sh):/tmp/site
@@ -48,10 +52,13 @@ T=$(absolute "$T")
 if [ "$SCALE" = toy ]; then
   PAIR=(--toy --device cpu --steps 2 --warmup 1); SELECTOR=(--positions 512); CONV=(--blocks 32)
   PAIR_FORMS=${PAIR_FORMS:-both plain}
+  OPTIM=(--toy --device cpu --steps 2 --warmup 1 --modes offline,online)
 else
   PAIR=(--smollm2-shape --steps 12); SELECTOR=(); CONV=(--sweep)
   PAIR_FORMS=${PAIR_FORMS:-plain both conv}
+  OPTIM=(--target "$T" --micro-batch-tokens 4096 --grad-accum 1 --steps 30 --warmup 5 --modes offline,online)
 fi
+OPTIM_FORMS=${OPTIM_FORMS:-adamw muon_one muon}
 pair_flags() {  # FORM: the kernel flags of a pair form (PAIR_FORMS above) in FLAGS; 1 for an unknown form
   case $1 in
     plain) FLAGS=() ;; both) FLAGS=(--selector-kernel --conv-kernel) ;;
@@ -59,16 +66,28 @@ pair_flags() {  # FORM: the kernel flags of a pair form (PAIR_FORMS above) in FL
     *) return 1 ;;
   esac
 }
+optim_flags() {  # FORM: the optimizer flags of an optim form (OPTIM_FORMS above) in FLAGS; 1 for an unknown form
+  case $1 in
+    adamw) FLAGS=(--optimizer adamw) ;; muon) FLAGS=(--optimizer muon) ;;
+    muon_one) FLAGS=(--optimizer muon --muon-stack-bytes 0) ;;
+    *) return 1 ;;
+  esac
+}
 # a misspelt stage or pair form is refused before any stage runs, not after the ones before it
 for s in $STAGES; do
   case $s in
-    kernels|ttq|pairs|dflash2|rows) ;;
-    *) note "unknown stage $s (kernels, ttq, pairs, dflash2, rows)"; exit 2 ;;
+    kernels|ttq|pairs|optim|dflash2|rows) ;;
+    *) note "unknown stage $s (kernels, ttq, pairs, optim, dflash2, rows)"; exit 2 ;;
   esac
 done
 if [[ " $STAGES " == *" pairs "* ]]; then
   for form in $PAIR_FORMS; do
     pair_flags "$form" || { note "unknown pair form $form (plain, both, conv, selector)"; exit 2; }
+  done
+fi
+if [[ " $STAGES " == *" optim "* ]]; then
+  for form in $OPTIM_FORMS; do
+    optim_flags "$form" || { note "unknown optim form $form (adamw, muon_one, muon)"; exit 2; }
   done
 fi
 ready() {  # the target's stages wait for READY (above)
@@ -106,6 +125,13 @@ for s in $STAGES; do
       [ "${PAIR_PROFILE:-0}" = 1 ] && FLAGS+=(--profile "$O/profile_$form.txt")
       (cd "$ROOT/bench" && stage "pair-$form" 400 "$PY" bench_train_throughput.py "${PAIR[@]}" \
         --drafter-architecture dflash,dflash2 --modes offline "${FLAGS[@]}" --out "$O/pair_$form.json")
+    done ;;
+  optim)
+    ready optim || continue
+    for form in $OPTIM_FORMS; do
+      optim_flags "$form"
+      (cd "$ROOT/bench" && stage "optim-$form" 400 "$PY" bench_train_throughput.py "${OPTIM[@]}" "${FLAGS[@]}" \
+        --out "$O/optim_$form.json")
     done ;;
   dflash2)
     quality dflash2 3000 TURNS=first \

@@ -17,6 +17,12 @@ Design choices:
   by token (embeddings, DFlash2's codebooks: plain 2-D parameters, not linear maps) stay on AdamW, as the Muon
   authors recommend. Muon matrices take the decoupled weight decay; norms never do (as the AdamW path).
 - Newton-Schulz runs in fp32 on the parameter's device (the drafter's matrices are small next to the target).
+- The step is batched: the momentum, decay and AdamW updates are ``torch._foreach`` ops over a group, and the
+  matrices of one shape are orthogonalised as one stack (``stacks``: up to ``STACK_BYTES`` of fp32 at once, so a
+  large drafter's matrices still go one at a time). The testbed drafter's 36 matrices come in 5 shapes, so
+  Newton-Schulz runs 5 stacks, not 36 matrices, each ~45 kernel launches. On a GPU whose small steps wait on the
+  host (the testbed's, RESULTS.md) those launches were host time. The numbers are the per-matrix ones up to
+  float rounding (the tests compare the two, and the AdamW part with ``torch.optim.AdamW``).
 - Data parallelism: under DDP every rank holds the all-reduced gradient and the whole matrix, so every rank
   computes the same update. FSDP and DeepSpeed ZeRO hand the optimizer flattened or sharded pieces, on which the
   orthogonalisation of the whole matrix cannot be computed; the trainer refuses that combination, and ``step``
@@ -34,23 +40,38 @@ from dflashkit.errors import UserError
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # the quintic of Jordan et al.: fast growth of small singular values
 NS_STEPS = 5  # Newton-Schulz iterations per update
 RMS_MATCH = 0.2  # Moonlight: update * 0.2 * sqrt(max(m, n)) has AdamW's update RMS
+STACK_BYTES = 256 << 20  # matrices of one shape orthogonalised together up to this much fp32 (see ``stacks``)
 
 
 @torch.no_grad()
 def newton_schulz(g: torch.Tensor, steps: int = NS_STEPS, eps: float = 1e-7) -> torch.Tensor:
-    """About U V^T for g = U S V^T (singular values mapped into ~[0.7, 1.2]), computed in fp32."""
-    if g.ndim != 2:
+    """About U V^T for g = U S V^T (singular values mapped into ~[0.7, 1.2]), computed in fp32; ``g`` is one
+    matrix [m, n] or a stack of them [s, m, n], each orthogonalised on its own (one batched matmul per product)."""
+    if g.ndim not in (2, 3):
         raise ValueError(f"Newton-Schulz orthogonalises matrices; got a tensor of shape {tuple(g.shape)}")
     a, b, c = NS_COEFFICIENTS
     x = g.float()
-    tall = x.shape[0] > x.shape[1]
+    tall = x.shape[-2] > x.shape[-1]
     if tall:  # iterate on the wide orientation: A = X X^T is the smaller Gram matrix
-        x = x.T
-    x = x / (x.norm() + eps)  # spectral norm <= Frobenius norm <= 1: inside the iteration's basin
+        x = x.mT
+    # spectral norm <= Frobenius norm <= 1: inside the iteration's basin
+    x = x / (torch.linalg.matrix_norm(x, keepdim=True) + eps)
     for _ in range(steps):
-        gram = x @ x.T
+        gram = x @ x.mT
         x = a * x + (b * gram + c * gram @ gram) @ x
-    return x.T if tall else x
+    return x.mT if tall else x
+
+
+def stacks(tensors: list[torch.Tensor], max_bytes: int = STACK_BYTES) -> list[list[int]]:
+    """The indices of ``tensors`` grouped for one batched Newton-Schulz each: the same shape, device and dtype, in
+    order, at most ``max_bytes`` of fp32 per group (a larger matrix alone)."""
+    groups: dict[tuple, list[list[int]]] = {}
+    for i, t in enumerate(tensors):
+        runs = groups.setdefault((tuple(t.shape), t.device, t.dtype), [[]])
+        if runs[-1] and (len(runs[-1]) + 1) * t.numel() * 4 > max_bytes:
+            runs.append([])
+        runs[-1].append(i)
+    return [run for runs in groups.values() for run in runs]
 
 
 def check_backend(backend_name: str) -> None:
@@ -138,42 +159,52 @@ class Muon(torch.optim.Optimizer):
 
     def _muon_group(self, group: dict) -> None:
         lr, mu, wd = float(group["lr"]), float(group["momentum"]), float(group["weight_decay"])
-        for p in group["params"]:
-            if p.grad is None:
-                continue
+        params = [p for p in group["params"] if p.grad is not None]
+        for p in params:
             if p.ndim != 2:
                 raise UserError(f"optimizer=muon got a parameter of shape {tuple(p.shape)} in a Muon group: the "
                                 f"backend flattened or sharded it (FSDP, DeepSpeed ZeRO); use optimizer=adamw there")
-            state = self.state[p]
-            if "momentum_buffer" not in state:
-                state["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32)
-            buf = state["momentum_buffer"]
-            grad = p.grad.float()
-            buf.mul_(mu).add_(grad)  # M_t = mu M_{t-1} + G_t
-            direction = grad.add(buf, alpha=mu) if group["nesterov"] else buf  # Nesterov: G_t + mu M_t
-            update = newton_schulz(direction, int(group["ns_steps"]))
-            update.mul_(RMS_MATCH * math.sqrt(max(p.shape)))
-            if wd:
-                p.mul_(1.0 - lr * wd)
-            p.add_(update.to(p.dtype), alpha=-lr)
+        if not params:
+            return
+        for p in params:
+            if "momentum_buffer" not in self.state[p]:
+                self.state[p]["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32)
+        bufs = [self.state[p]["momentum_buffer"] for p in params]
+        grads = [p.grad.float() for p in params]
+        torch._foreach_mul_(bufs, mu)  # M_t = mu M_{t-1} + G_t
+        torch._foreach_add_(bufs, grads)
+        directions = torch._foreach_add(grads, bufs, alpha=mu) if group["nesterov"] else bufs  # G_t + mu M_t
+        if wd:
+            torch._foreach_mul_(params, 1.0 - lr * wd)
+        for run in stacks(params, STACK_BYTES):
+            update = newton_schulz(torch.stack([directions[i] for i in run]), int(group["ns_steps"]))
+            update.mul_(RMS_MATCH * math.sqrt(max(params[run[0]].shape)))
+            torch._foreach_add_([params[i] for i in run], list(update.to(params[run[0]].dtype).unbind(0)),
+                                alpha=-lr)
 
     def _adamw_group(self, group: dict) -> None:
         lr, wd, eps = float(group["lr"]), float(group["weight_decay"]), float(group["eps"])
         beta1, beta2 = (float(b) for b in group["betas"])
-        for p in group["params"]:
-            if p.grad is None:
-                continue
+        params = [p for p in group["params"] if p.grad is not None]
+        if not params:
+            return
+        for p in params:
             state = self.state[p]
             if "step" not in state:
                 state["step"] = torch.zeros((), dtype=torch.float32)
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["step"] += 1
-            t = float(state["step"])
-            grad = p.grad
-            state["exp_avg"].lerp_(grad, 1.0 - beta1)
-            state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
-            if wd:
-                p.mul_(1.0 - lr * wd)
-            denom = (state["exp_avg_sq"] / (1.0 - beta2 ** t)).sqrt_().add_(eps)
-            p.addcdiv_(state["exp_avg"], denom, value=-lr / (1.0 - beta1 ** t))
+            state["step"] += 1  # a CPU scalar: no launch
+        steps = [float(self.state[p]["step"]) for p in params]
+        exp_avg = [self.state[p]["exp_avg"] for p in params]
+        exp_avg_sq = [self.state[p]["exp_avg_sq"] for p in params]
+        grads = [p.grad for p in params]
+        torch._foreach_lerp_(exp_avg, grads, 1.0 - beta1)
+        torch._foreach_mul_(exp_avg_sq, beta2)
+        torch._foreach_addcmul_(exp_avg_sq, grads, grads, value=1.0 - beta2)
+        if wd:
+            torch._foreach_mul_(params, 1.0 - lr * wd)
+        denom = torch._foreach_div(exp_avg_sq, [1.0 - beta2 ** t for t in steps])
+        torch._foreach_sqrt_(denom)
+        torch._foreach_add_(denom, eps)
+        torch._foreach_addcdiv_(params, exp_avg, denom, [-lr / (1.0 - beta1 ** t) for t in steps])

@@ -81,9 +81,10 @@ def test_the_quality_run_script_runs_every_stage_at_toy_scale(tmp_path):
 
 @pytest.mark.slow
 def test_the_lease_script_runs_the_kernels_the_pair_and_first_turns_time_to_quality(tmp_path):
-    """bench/testbed_quality_lease.sh STAGES="kernels pairs ttq" at toy scale. kernels: the selector-pair and
+    """bench/testbed_quality_lease.sh STAGES="kernels pairs optim ttq" at toy scale. kernels: the selector-pair and
     convolution benchmarks (torch alone on a CPU); pairs: DFlash2 beside DFlash in one process, with both
-    kernels asked for (the torch paths on a CPU) and without, each profiled (PAIR_PROFILE=1); ttq: the quality run with
+    kernels asked for (the torch paths on a CPU) and without, each profiled (PAIR_PROFILE=1); optim: the step
+    with AdamW, Muon one matrix at a time and Muon stacked; ttq: the quality run with
     TURNS=first (only the first user turn of each conversation of sharegpt.jsonl answered, even beside a file of
     every turn), L_EVAL=0 (no `dflashkit eval`), vLLM on MT-bench alone although HumanEval is in the data, and
     TTQ_WARM=1 (WARM=1: a short training on stand-ins of the turns beside the answering, ended before stage 2
@@ -93,10 +94,16 @@ def test_the_lease_script_runs_the_kernels_the_pair_and_first_turns_time_to_qual
     run = tmp_path / "run"
     ready = tmp_path / "ready"
     ready.touch()
-    ends = run_toy_script("testbed_quality_lease.sh", run, STAGES="kernels pairs ttq", READY=str(ready),
+    ends = run_toy_script("testbed_quality_lease.sh", run, STAGES="kernels pairs optim ttq", READY=str(ready),
                           TARGET="testbed:smollm2", DATA=str(data), TTQ_WARM="1", PAIR_PROFILE="1")
-    assert set(ends) == {"kernels-bench", "conv-bench", "pair-both", "pair-plain", "ttq"}, ends
+    assert set(ends) == {"kernels-bench", "conv-bench", "pair-both", "pair-plain", "optim-adamw", "optim-muon_one",
+                         "optim-muon", "ttq"}, ends
     out = run / "out"
+    optim = {form: json.loads((out / f"optim_{form}.json").read_text()) for form in ("adamw", "muon_one", "muon")}
+    assert optim["adamw"]["muon"] is None and optim["adamw"]["train_config"]["optimizer"] == "adamw"
+    one, stacked = optim["muon_one"]["muon"], optim["muon"]["muon"]
+    assert one["matrices"] == one["stacks"] == stacked["matrices"] > stacked["stacks"]
+    assert all({"offline", "online"} <= set(r["single"]) for r in optim.values())
     assert json.loads((out / "selector_pair.json").read_text())["torch_ms"] > 0
     assert json.loads((out / "dynamic_conv.json").read_text())["compiled_ms"] > 0
     assert json.loads((out / "pair_both.json").read_text())["train_config"]["conv_kernel"] is True
@@ -132,9 +139,11 @@ def test_the_lease_script_runs_the_kernels_the_pair_and_first_turns_time_to_qual
 
 @pytest.mark.parametrize("env, refusal", [({"STAGES": "kernels pairs_typo"}, "unknown stage pairs_typo"),
                                           ({"STAGES": "kernels pairs", "PAIR_FORMS": "plain bothh"},
-                                           "unknown pair form bothh")])
+                                           "unknown pair form bothh"),
+                                          ({"STAGES": "kernels optim", "OPTIM_FORMS": "muon adam"},
+                                           "unknown optim form adam")])
 def test_the_lease_script_refuses_an_unknown_stage_or_pair_form_before_running_any(tmp_path, env, refusal):
-    """A misspelt stage, or a misspelt pair form where the pairs stage runs, exits 2 before the kernels stage."""
+    """A misspelt stage, or a misspelt pair or optim form where its stage runs, exits 2 before the kernels stage."""
     proc = subprocess.run(["bash", "bench/testbed_quality_lease.sh"], cwd=ROOT, capture_output=True, text=True,
                           env={**os.environ, **env, "RUN": str(tmp_path / "run"), "DATA": str(tmp_path),
                                "SCALE": "toy"}, timeout=120)

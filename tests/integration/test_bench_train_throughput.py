@@ -80,3 +80,29 @@ def test_the_selector_flags_reach_the_dflash2_pass(tmp_path, monkeypatch, capsys
     r = json.loads(out.read_text())
     assert r["train_config"]["selector_kernel"] is True and r["train_config"]["selector_unary_grad"] is True
     assert r["train_config"]["conv_kernel"] is True
+
+
+@pytest.mark.parametrize("stack_bytes,stacked", [(None, True), (0, False)])
+def test_the_muon_step_is_timed_with_its_stacks(tmp_path, stack_bytes, stacked):
+    """--optimizer muon times the recipe's optimizer; --muon-stack-bytes 0 the step with one matrix per stack;
+    the JSON says how the drafter's matrices were stacked."""
+    from dflashkit.train import muon
+
+    out = tmp_path / "m.json"
+    before = muon.STACK_BYTES
+    extra = [] if stack_bytes is None else ["--muon-stack-bytes", str(stack_bytes)]
+    try:
+        btt.main(["--toy", "--device", "cpu", "--modes", "offline", "--steps", "2", "--warmup", "1",
+                  "--optimizer", "muon", *extra, "--out", str(out)])
+    finally:
+        muon.STACK_BYTES = before
+    r = json.loads(out.read_text())
+    assert r["train_config"]["optimizer"] == "muon" and r["single"]["offline"]["steps"] == 2
+    layout = r["muon"]
+    assert layout["matrices"] > 5 and (layout["stacks"] < layout["matrices"]) == stacked
+    assert layout["stack_bytes"] == (before if stack_bytes is None else 0)
+
+
+def test_muon_stack_bytes_needs_muon(tmp_path):
+    with pytest.raises(SystemExit):
+        btt.main(["--toy", "--device", "cpu", "--muon-stack-bytes", "0", "--out", str(tmp_path / "x.json")])

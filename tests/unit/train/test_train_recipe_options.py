@@ -9,11 +9,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from dflashkit.train import muon
 from dflashkit.train.anchors import anchor_candidates, anchor_count
 from dflashkit.train.config import load_config
 from dflashkit.train.data import collate_blocks
 from dflashkit.train.drafter_pass import target_argmax_labels
-from dflashkit.train.muon import RMS_MATCH, Muon, check_backend, muon_param_groups, newton_schulz
+from dflashkit.train.muon import RMS_MATCH, Muon, check_backend, muon_param_groups, newton_schulz, stacks
 from dflashkit.train.setup import lr_at
 from dflashkit.train.tracking import read_metrics
 from dflashkit.train.trainer import train
@@ -95,6 +96,82 @@ def test_muon_step_orthogonalises_the_matrices_and_adamw_moves_the_rest():
     for p in model.parameters():
         for key, value in opt.state[p].items():
             assert torch.equal(again.state[p][key], value)
+
+
+def test_newton_schulz_of_a_stack_is_each_matrix_on_its_own():
+    g = torch.randn(4, 24, 40, generator=torch.Generator().manual_seed(1))
+    g[2] *= 50.0  # each matrix is normalised by its own norm, not the stack's
+    for x in (g, g.mT):  # wide and tall
+        out = newton_schulz(x)
+        for i in range(len(x)):
+            torch.testing.assert_close(out[i], newton_schulz(x[i]), rtol=1e-5, atol=1e-6)
+
+
+def test_stacks_group_matrices_of_one_shape_in_order_within_the_byte_cap():
+    ts = [torch.zeros(4, 8), torch.zeros(8, 4), torch.zeros(4, 8), torch.zeros(4, 8, dtype=torch.float64),
+          torch.zeros(4, 8), torch.zeros(8, 4)]
+    assert stacks(ts) == [[0, 2, 4], [1, 5], [3]]
+    assert stacks(ts, max_bytes=2 * 4 * 8 * 4) == [[0, 2], [4], [1, 5], [3]]  # two 4x8 fp32 matrices at most
+    assert stacks(ts, max_bytes=0) == [[0], [2], [4], [1], [5], [3]]  # a matrix over the cap goes alone
+
+
+def test_muon_batched_step_equals_one_matrix_at_a_time(monkeypatch):
+    """The stacked Newton-Schulz and the foreach updates give the per-matrix step (over steps: momentum, decay),
+    on a drafter whose matrices come in several shapes, some shared."""
+    import copy
+
+    model = tiny_drafter()
+    alone = copy.deepcopy(model)
+    groups = muon_param_groups(model, lr=1e-2, muon_lr=2e-2, weight_decay=0.1)
+    shapes = [tuple(p.shape) for g in groups if g["use_muon"] for p in g["params"]]
+    assert len(set(shapes)) < len(shapes)  # something is stacked
+    batched = Muon(groups, momentum=0.95)
+    one = Muon(muon_param_groups(alone, lr=1e-2, muon_lr=2e-2, weight_decay=0.1), momentum=0.95)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        for p, q in zip(model.parameters(), alone.parameters()):
+            p.grad = torch.randn(p.shape, generator=gen)
+            q.grad = p.grad.clone()
+        batched.step()
+        with monkeypatch.context() as m:
+            m.setattr(muon, "STACK_BYTES", 0)  # every matrix its own stack: the per-matrix loop
+            one.step()
+    for (n, p), q in zip(model.named_parameters(), alone.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6, msg=n)
+        assert not torch.equal(p.detach(), before[n]), n  # every parameter moved
+
+
+def test_muon_adamw_part_is_torch_adamw():
+    """The parameters Muon leaves to AdamW (norms, tables) step as torch.optim.AdamW with the same groups:
+    decoupled decay (here on half of them), bias corrections, over several steps."""
+    import copy
+
+    model = tiny_drafter()
+    ref = copy.deepcopy(model)
+    names = {id(p): n for n, p in model.named_parameters()}
+    plain = [p for g in muon_param_groups(model, lr=1e-2, muon_lr=2e-2, weight_decay=0.1) if not g["use_muon"]
+             for p in g["params"]]
+    half = len(plain) // 2
+    assert half >= 2
+    split = [(plain[:half], 0.1), (plain[half:], 0.0)]
+    ours = Muon([{"params": ps, "use_muon": False, "lr": 1e-2, "weight_decay": wd} for ps, wd in split],
+                betas=(0.9, 0.95), eps=1e-8)
+    by_name = dict(ref.named_parameters())
+    oracle = torch.optim.AdamW([{"params": [by_name[names[id(p)]] for p in ps], "lr": 1e-2, "weight_decay": wd}
+                                for ps, wd in split], betas=(0.9, 0.95), eps=1e-8, foreach=False)
+    start = {names[id(p)]: p.detach().clone() for p in plain}
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(4):
+        for p in plain:
+            p.grad = torch.randn(p.shape, generator=gen)
+            by_name[names[id(p)]].grad = p.grad.clone()
+        ours.step()
+        oracle.step()
+    for p in plain:
+        n = names[id(p)]
+        assert not torch.equal(p.detach(), start[n]), n  # it moved
+        torch.testing.assert_close(p.detach(), by_name[n].detach(), rtol=1e-6, atol=1e-7, msg=n)
 
 
 def test_muon_refuses_sharded_backends_and_a_flattened_matrix():
