@@ -106,3 +106,19 @@ def test_the_muon_step_is_timed_with_its_stacks(tmp_path, stack_bytes, stacked):
 def test_muon_stack_bytes_needs_muon(tmp_path):
     with pytest.raises(SystemExit):
         btt.main(["--toy", "--device", "cpu", "--muon-stack-bytes", "0", "--out", str(tmp_path / "x.json")])
+
+
+def test_the_optimizer_step_bench_times_each_form_on_the_same_gradients(tmp_path):
+    """bench/bench_optimizer_step.py at the toy shape on the CPU: the three forms, each step timed, the Muon
+    forms' stacks counted (the check that it runs, not a measurement)."""
+    import bench_optimizer_step as bos
+
+    from dflashkit.train import muon
+
+    before = muon.STACK_BYTES
+    r = bos.main(["--toy", "--device", "cpu", "--steps", "3", "--warmup", "1", "--out", str(tmp_path / "o.json")])
+    assert muon.STACK_BYTES == before  # muon_one's cap is put back
+    assert json.loads((tmp_path / "o.json").read_text()) == r
+    assert set(r["forms"]) == {"adamw", "muon_one", "muon"}
+    assert all(len(f["step_ms"]) == 3 and f["step_ms_median"] > 0 for f in r["forms"].values())
+    assert 1 < r["muon_stacks"] < r["muon_matrices"]
