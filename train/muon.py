@@ -160,13 +160,12 @@ class Muon(torch.optim.Optimizer):
     def _muon_group(self, group: dict) -> None:
         lr, mu, wd = float(group["lr"]), float(group["momentum"]), float(group["weight_decay"])
         params = [p for p in group["params"] if p.grad is not None]
+        if not params:
+            return
         for p in params:
             if p.ndim != 2:
                 raise UserError(f"optimizer=muon got a parameter of shape {tuple(p.shape)} in a Muon group: the "
                                 f"backend flattened or sharded it (FSDP, DeepSpeed ZeRO); use optimizer=adamw there")
-        if not params:
-            return
-        for p in params:
             if "momentum_buffer" not in self.state[p]:
                 self.state[p]["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32)
         bufs = [self.state[p]["momentum_buffer"] for p in params]

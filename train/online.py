@@ -188,6 +188,18 @@ def read_token_cache(path: Path, say=print):
     return samples, skipped
 
 
+def padded_batch_end(order: list[int], start: int, lengths, batch_tokens: int) -> int:
+    """The end of the batch that starts at ``order[start]``: the samples after it while the right-padded batch
+    (count x longest) fits ``batch_tokens`` and no sample repeats; at least one sample."""
+    end, longest = start, 0
+    while end < len(order):
+        longest_next = max(longest, lengths[order[end]])
+        if end > start and ((end - start + 1) * longest_next > batch_tokens or order[end] in order[start:end]):
+            break
+        longest, end = longest_next, end + 1
+    return end
+
+
 class OnlineFeatures(torch.utils.data.Dataset):
     """Samples with features from the live target: ``ds[i]`` -> the dict a ``ShardDataset`` returns. A context
     manager: the capture hooks are on the target inside ``with OnlineFeatures(...) as ds`` (or while an ExitStack
@@ -237,36 +249,22 @@ class OnlineFeatures(torch.utils.data.Dataset):
 
     def read(self, indices: list[int]) -> dict[int, dict]:
         """{index: sample dict} of these samples out of plan (held-out evaluation, train/evaluate.py): the target
-        run on them in order, in right-padded batches of at most ``batch_tokens`` padded tokens (a longer sample
-        alone), leaving the planned batch in place."""
+        run on them in order, in right-padded batches as the planned reads' (``padded_batch_end``), leaving the
+        planned batch in place."""
         out = {i: self._cache[i] for i in indices if i in self._cache}
-        group: list[int] = []
-        longest = 0
-        for i in indices:
-            if i in out or i in group:
-                continue
-            longest_next = max(longest, self.lengths[i])
-            if group and (len(group) + 1) * longest_next > self.batch_tokens:
-                out.update(self.features(group))
-                group, longest_next = [], self.lengths[i]
-            group.append(i)
-            longest = longest_next
-        if group:
-            out.update(self.features(group))
+        todo = list(dict.fromkeys(i for i in indices if i not in out))
+        start = 0
+        while start < len(todo):
+            end = padded_batch_end(todo, start, self.lengths, self.batch_tokens)
+            out.update(self.features(todo[start:end]))
+            start = end
         return out
 
     def _next_planned(self) -> list[int]:
         """The next planned samples whose right-padded batch fits ``batch_tokens`` (at least one)."""
-        batch, longest = [], 0
-        while self._pos < len(self._plan):
-            i = self._plan[self._pos]
-            longest_next = max(longest, self.lengths[i])
-            if batch and ((len(batch) + 1) * longest_next > self.batch_tokens or i in batch):
-                break
-            batch.append(i)
-            longest = longest_next
-            self._pos += 1
-        return batch
+        start = self._pos
+        self._pos = padded_batch_end(self._plan, start, self.lengths, self.batch_tokens)
+        return self._plan[start:self._pos]
 
     def features(self, indices: list[int]) -> dict[int, dict]:
         """Run the target once on these samples: {index: sample dict}."""

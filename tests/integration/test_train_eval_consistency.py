@@ -24,7 +24,7 @@ from dflashkit.targets.loading import load_target, load_target_head
 from dflashkit.train.anchors import sample_anchors, sample_generator
 from dflashkit.train.data import PAD_MULTIPLE, pack_sequences
 from dflashkit.train.drafter_pass import draft_hidden
-from dflashkit.train.evaluate import chain_walk, evaluate
+from dflashkit.train.evaluate import chain_walk, eval_pack_tokens, evaluate
 from dflashkit.train.loss import block_loss, loss_denominator
 
 from support.tiny_targets import make_tiny_target, tiny_tokenizer
@@ -201,12 +201,20 @@ def test_held_out_packs_give_the_numbers_of_one_sample_per_pass(setup):
     model, cfg = make_drafter(head, ["full_attention"], None, steps=25, setup_=setup)
     dataset = Prefixes(seq, hidden, loss_mask, [PROMPT + NEW, 40, 33, 27, 20])
 
-    def run(batch_tokens):
-        return evaluate(model, head, dataset, list(range(len(dataset))), block_size=BLOCK, sliding_window=None,
-                        layer_types=cfg.layer_types, mask_token_id=MASK, num_anchors=8, seed=0,
-                        batch_tokens=batch_tokens)
+    passes = []
+    model.register_forward_hook(lambda *_: passes.append(1))  # one call per drafter pass
 
-    alone, paired, whole = run(0), run(80), run(4096)  # one sample a pass; 3 packs; 1 pack
+    def run(batch_tokens):
+        passes.clear()
+        metrics = evaluate(model, head, dataset, list(range(len(dataset))), block_size=BLOCK, sliding_window=None,
+                           layer_types=cfg.layer_types, mask_token_id=MASK, num_anchors=8, seed=0,
+                           batch_tokens=batch_tokens)
+        return metrics, len(passes)
+
+    (alone, n0), (paired, n1), (whole, n2) = run(0), run(80), run(4096)  # one sample a pass; 3 packs; 1 pack
+    assert (n0, n1, n2) == (10, 6, 2)  # two passes (fixed anchors, the walk) per pack
+    assert eval_pack_tokens(4096, 2048) == 2048 and eval_pack_tokens(4096, None) == 4096
+    assert eval_pack_tokens(0, 2048) == 0  # a run that trains one sequence at a time evaluates one at a time
     assert alone["eval/tau_walk"] > 1.2  # drafts are accepted, so the walk compares real runs
     for packed in (paired, whole):
         assert sorted(packed) == sorted(alone)
