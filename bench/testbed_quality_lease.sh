@@ -22,16 +22,16 @@
 #            (out/profile_<form>_dflash.txt, out/profile_<form>_dflash2.txt);
 #   optim    the recipe's own step (4k tokens, G 1; bench/bench_train_throughput.py --target, offline and online,
 #            30 steps) with each optimizer form of OPTIM_FORMS (default "adamw muon_one muon": AdamW; Muon with one
-#            matrix per Newton-Schulz stack, its step before the stacks; Muon as the recipe runs it, same-shape
-#            matrices stacked; out/optim_<form>.json); ~1 min a form, after the target is there;
+#            matrix per Newton-Schulz stack, as before the stacks; Muon as the recipe runs it, same-shape matrices
+#            stacked; out/optim_<form>.json); ~1 min a form, after the target is there;
 #   dflash2  DFlash2's forms beside DFlash at equal data (first turns, EPOCHS2 epochs, VARIANTS2 side by side),
 #            live chain τ of each in `dflashkit eval` (vLLM 0.24 serves no DFlash2); ~25 min, a lease of its own;
 #            MORE2=conv_kernel=true,selector_kernel=true trains the DFlash2 forms with the kernels;
 #   rows     the recipe's rows on every answered turn: every turn answered greedily and once more sampled
 #            (SAMPLED=1), then ROWS (default seed_1,extra_answers_same_steps) two at a time for 2 epochs, τ in
 #            vLLM, each export kept in pieces; a lease of its own (REGEN=FILE skips the greedy answering).
-# READY=FILE makes the stages that need the target (ttq, optim, dflash2, rows) wait up to 15 minutes for FILE to exist:
-# the target and vLLM may still be arriving while the first stages run.
+# READY=FILE makes the stages that need the target (ttq, optim, dflash2, rows) wait up to 15 minutes for FILE to
+# exist: the target and vLLM may still be arriving while the first stages run.
 #
 #   export PYTHONPATH=$(bash bench/import_path.sh):/tmp/site
 #   TARGET=/root/testbed/smollm2-bf16 DATA=/root/data RUN=/root/run bash bench/testbed_quality_lease.sh   # H200
