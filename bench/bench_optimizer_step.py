@@ -1,5 +1,6 @@
 """The optimizer step alone on the testbed drafter's shape: AdamW, Muon with one matrix per Newton-Schulz stack,
-and Muon as the trainer runs it (same-shape matrices stacked, train/muon.py), timed in turn on the same gradients.
+Muon as the trainer runs it (same-shape matrices stacked, train/muon.py) and the same with Newton-Schulz in bf16
+(``muon_ns_dtype: bfloat16``), timed in turn on the same gradients.
 
 Design choices:
 - The drafter is built as the trainer builds one for the SmolLM2-135M testbed (``--smollm2-shape``: 5 layers of
@@ -33,7 +34,7 @@ from dflashkit.train import muon  # noqa: E402
 from dflashkit.train.config import TrainConfig  # noqa: E402
 from dflashkit.train.setup import build_optimizer  # noqa: E402
 
-FORMS = ("adamw", "muon_one", "muon")
+FORMS = ("adamw", "muon_one", "muon", "muon_bf16")
 
 
 def step_once(opt, params, grads, device, one_matrix: bool) -> float:
@@ -76,7 +77,8 @@ def main(argv=None):
     forms = {}
     for form in FORMS:
         model = copy.deepcopy(base)
-        cfg = TrainConfig(optimizer="adamw" if form == "adamw" else "muon", lr=6e-4, weight_decay=0.01)
+        cfg = TrainConfig(optimizer="adamw" if form == "adamw" else "muon", lr=6e-4, weight_decay=0.01,
+                          muon_ns_dtype="bfloat16" if form == "muon_bf16" else "float32")
         params = [p for p in model.parameters() if p.requires_grad]
         forms[form] = (build_optimizer(cfg, model, "NO"), params)
     gen = torch.Generator(device=device).manual_seed(0)

@@ -16,7 +16,10 @@ Design choices:
   kernel and selector projections) (``muon_param_groups``); norm weights, biases, n-D tensors and tables indexed
   by token (embeddings, DFlash2's codebooks: plain 2-D parameters, not linear maps) stay on AdamW, as the Muon
   authors recommend. Muon matrices take the decoupled weight decay; norms never do (as the AdamW path).
-- Newton-Schulz runs in fp32 on the parameter's device (the drafter's matrices are small next to the target).
+- Newton-Schulz runs in fp32 on the parameter's device (the drafter's matrices are small next to the target), or
+  in bf16 with ``muon_ns_dtype: bfloat16`` (the Muon authors' form). The stacked fp32 step on the testbed drafter
+  is bound by its ~260 GFLOP of fp32 matmuls (BENCHMARKS.md "The Muon step in same-shape stacks"); bf16 is the
+  option to take most of that off, and its effect on quality is a recipe-study row (``muon_ns_bf16``).
 - The step is batched: the momentum, decay and AdamW updates are ``torch._foreach`` ops over a group, and the
   matrices of one shape are orthogonalised as one stack (``stacks``: up to ``STACK_BYTES`` of fp32 at once, so a
   large drafter's matrices still go one at a time). The testbed drafter's 36 matrices come in 5 shapes, so
@@ -40,13 +43,16 @@ from dflashkit.errors import UserError
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # the quintic of Jordan et al.: fast growth of small singular values
 NS_STEPS = 5  # Newton-Schulz iterations per update
 RMS_MATCH = 0.2  # Moonlight: update * 0.2 * sqrt(max(m, n)) has AdamW's update RMS
+NS_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # Newton-Schulz's matmuls (muon_ns_dtype)
 STACK_BYTES = 256 << 20  # matrices of one shape orthogonalised together up to this much fp32 (see ``stacks``)
 
 
 @torch.no_grad()
-def newton_schulz(g: torch.Tensor, steps: int = NS_STEPS, eps: float = 1e-7) -> torch.Tensor:
-    """About U V^T for g = U S V^T (singular values mapped into ~[0.7, 1.2]), computed in fp32; ``g`` is one
-    matrix [m, n] or a stack of them [s, m, n], each orthogonalised on its own (one batched matmul per product)."""
+def newton_schulz(g: torch.Tensor, steps: int = NS_STEPS, eps: float = 1e-7,
+                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """About U V^T for g = U S V^T (singular values mapped into ~[0.7, 1.2]), computed in ``dtype`` (fp32, or
+    bf16 as the Muon authors run it; the normalisation in fp32 either way); ``g`` is one matrix [m, n] or a stack
+    of them [s, m, n], each orthogonalised on its own (one batched matmul per product). Returns fp32."""
     if g.ndim not in (2, 3):
         raise ValueError(f"Newton-Schulz orthogonalises matrices; got a tensor of shape {tuple(g.shape)}")
     a, b, c = NS_COEFFICIENTS
@@ -55,10 +61,11 @@ def newton_schulz(g: torch.Tensor, steps: int = NS_STEPS, eps: float = 1e-7) -> 
     if tall:  # iterate on the wide orientation: A = X X^T is the smaller Gram matrix
         x = x.mT
     # spectral norm <= Frobenius norm <= 1: inside the iteration's basin
-    x = x / (torch.linalg.matrix_norm(x, keepdim=True) + eps)
+    x = (x / (torch.linalg.matrix_norm(x, keepdim=True) + eps)).to(dtype)
     for _ in range(steps):
         gram = x @ x.mT
         x = a * x + (b * gram + c * gram @ gram) @ x
+    x = x.float()
     return x.mT if tall else x
 
 
@@ -139,10 +146,15 @@ class Muon(torch.optim.Optimizer):
     """Muon on groups with ``use_muon=True`` (2-D parameters), AdamW on the others (module docstring)."""
 
     def __init__(self, param_groups, *, lr: float = 6e-4, momentum: float = 0.95, nesterov: bool = True,
-                 ns_steps: int = NS_STEPS, betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.0):
+                 ns_steps: int = NS_STEPS, betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.0,
+                 ns_dtype: str = "float32"):
         defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps, betas=tuple(betas), eps=eps,
                         weight_decay=weight_decay, use_muon=False)
         super().__init__(param_groups, defaults)
+        if ns_dtype not in NS_DTYPES:
+            raise UserError(f"muon_ns_dtype: {ns_dtype!r}; use one of {', '.join(NS_DTYPES)}")
+        # the run's choice, not saved with the state: a resumed run computes as its config says
+        self.ns_dtype = NS_DTYPES[ns_dtype]
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -176,7 +188,8 @@ class Muon(torch.optim.Optimizer):
         if wd:
             torch._foreach_mul_(params, 1.0 - lr * wd)
         for run in stacks(params, STACK_BYTES):
-            update = newton_schulz(torch.stack([directions[i] for i in run]), int(group["ns_steps"]))
+            update = newton_schulz(torch.stack([directions[i] for i in run]), int(group["ns_steps"]),
+                                   dtype=self.ns_dtype)
             update.mul_(RMS_MATCH * math.sqrt(max(params[run[0]].shape)))
             torch._foreach_add_([params[i] for i in run], list(update.to(params[run[0]].dtype).unbind(0)),
                                 alpha=-lr)

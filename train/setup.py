@@ -219,7 +219,8 @@ def build_optimizer(cfg: TrainConfig, model, backend_name: str) -> torch.optim.O
         check_backend(backend_name)
         return Muon(muon_param_groups(model, lr=cfg.lr, muon_lr=cfg.muon_lr, weight_decay=cfg.weight_decay,
                                       codebook_lr_scale=cfg.selector_codebook_lr_scale),
-                    lr=cfg.lr, momentum=cfg.muon_momentum, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps)
+                    lr=cfg.lr, momentum=cfg.muon_momentum, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps,
+                    ns_dtype=cfg.muon_ns_dtype)
     return torch.optim.AdamW(param_groups(model, cfg.weight_decay, cfg.lr, cfg.selector_codebook_lr_scale),
                              lr=cfg.lr, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps)
 

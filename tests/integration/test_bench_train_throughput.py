@@ -109,7 +109,7 @@ def test_muon_stack_bytes_needs_muon(tmp_path):
 
 
 def test_the_optimizer_step_bench_times_each_form_on_the_same_gradients(tmp_path):
-    """bench/bench_optimizer_step.py at the toy shape on the CPU: the three forms, each step timed, the Muon
+    """bench/bench_optimizer_step.py at the toy shape on the CPU: the four forms, each step timed, the Muon
     forms' stacks counted (the check that it runs, not a measurement)."""
     import bench_optimizer_step as bos
 
@@ -119,6 +119,6 @@ def test_the_optimizer_step_bench_times_each_form_on_the_same_gradients(tmp_path
     r = bos.main(["--toy", "--device", "cpu", "--steps", "3", "--warmup", "1", "--out", str(tmp_path / "o.json")])
     assert muon.STACK_BYTES == before  # muon_one's cap is put back
     assert json.loads((tmp_path / "o.json").read_text()) == r
-    assert set(r["forms"]) == {"adamw", "muon_one", "muon"}
+    assert set(r["forms"]) == {"adamw", "muon_one", "muon", "muon_bf16"}
     assert all(len(f["step_ms"]) == 3 and f["step_ms_median"] > 0 for f in r["forms"].values())
     assert 1 < r["muon_stacks"] < r["muon_matrices"]

@@ -174,6 +174,40 @@ def test_muon_adamw_part_is_torch_adamw():
         torch.testing.assert_close(p.detach(), by_name[n].detach(), rtol=1e-6, atol=1e-7, msg=n)
 
 
+def test_newton_schulz_in_bf16_keeps_the_fp32_result_within_bf16_rounding():
+    """muon_ns_dtype=bfloat16: the same singular vectors and the values in the same band, each within bf16
+    rounding of the fp32 result (condition number ~316, as the fp32 test)."""
+    values = torch.logspace(-1.5, 1.0, 48)
+    g, u, v = with_singular_values(48, 96, values)
+    stack = torch.stack([g, 3.0 * g])
+    full, half = newton_schulz(stack), newton_schulz(stack, dtype=torch.bfloat16)
+    assert half.dtype == torch.float32 and not torch.equal(half, full)  # computed apart, handed back in fp32
+    for out in half:
+        core = u.T @ out @ v  # U^T NS(G) V: diagonal, the mapped singular values
+        values_out = torch.diag(core)
+        assert values_out.min() > 0.6 and values_out.max() < 1.25, values_out
+        torch.testing.assert_close(values_out, torch.diag(u.T @ full[0] @ v), rtol=0, atol=0.03)
+        assert (core - torch.diag(values_out)).abs().max() < 0.05  # bf16 rounding off the diagonal
+
+
+def test_muon_ns_dtype_reaches_the_step_and_a_bad_one_is_refused(tmp_path):
+    model = tiny_drafter()
+    opt = Muon(muon_param_groups(model, lr=1e-2, muon_lr=1e-2, weight_decay=0.0), ns_dtype="bfloat16")
+    assert opt.ns_dtype == torch.bfloat16
+    state = opt.state_dict()  # the choice is the run's config, not part of the saved state
+    again = Muon(muon_param_groups(model, lr=1e-2, muon_lr=1e-2, weight_decay=0.0))
+    again.load_state_dict(state)
+    assert again.ns_dtype == torch.float32
+    with pytest.raises(ValueError, match="muon_ns_dtype: 'fp16'"):
+        Muon([{"params": [torch.nn.Parameter(torch.randn(4, 4))], "use_muon": True}], ns_dtype="fp16")
+    with pytest.raises(ValueError, match="muon_ns_dtype: 'half'; use 'float32' or 'bfloat16'"):
+        load_config(None, ["muon_ns_dtype=half"], output_dir=str(tmp_path))
+    from dflashkit.train.setup import build_optimizer
+
+    cfg = load_config(None, ["optimizer=muon", "muon_ns_dtype=bfloat16"], output_dir=str(tmp_path))
+    assert build_optimizer(cfg, model, "NO").ns_dtype == torch.bfloat16
+
+
 def test_muon_refuses_sharded_backends_and_a_flattened_matrix():
     for backend in ("FSDP", "DEEPSPEED"):  # the trainer's check, before any step (accelerate's backend names)
         with pytest.raises(ValueError, match=f"needs whole weight matrices on every rank, and {backend} shards"):
