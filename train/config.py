@@ -28,6 +28,8 @@ from dflashkit.drafter.config import (
 )
 from dflashkit.errors import UserError
 
+MUON_NS_DTYPES = ("float32", "bfloat16")  # muon_ns_dtype's values: the torch dtypes of Newton-Schulz (train/muon.py)
+
 LOSSES = ("ce", "dpace", "kl")
 
 
@@ -183,7 +185,7 @@ class TrainConfig:
                             f"got {self.anchor_density}")
         if not 0.0 <= self.muon_momentum < 1.0:
             raise UserError(f"muon_momentum must be in [0, 1), got {self.muon_momentum}")
-        if self.muon_ns_dtype not in ("float32", "bfloat16"):
+        if self.muon_ns_dtype not in MUON_NS_DTYPES:
             raise UserError(f"muon_ns_dtype: {self.muon_ns_dtype!r}; use 'float32' or 'bfloat16'")
         if self.attention not in ("auto", "flex", "dense", "split"):
             raise UserError(f"attention: {self.attention!r}; use 'auto', 'flex', 'dense' or 'split'")

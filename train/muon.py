@@ -40,10 +40,12 @@ import torch
 
 from dflashkit.errors import UserError
 
+from .config import MUON_NS_DTYPES
+
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # the quintic of Jordan et al.: fast growth of small singular values
 NS_STEPS = 5  # Newton-Schulz iterations per update
 RMS_MATCH = 0.2  # Moonlight: update * 0.2 * sqrt(max(m, n)) has AdamW's update RMS
-NS_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # Newton-Schulz's matmuls (muon_ns_dtype)
+NS_DTYPES = {name: getattr(torch, name) for name in MUON_NS_DTYPES}  # Newton-Schulz's matmuls (muon_ns_dtype)
 STACK_BYTES = 256 << 20  # matrices of one shape orthogonalised together up to this much fp32 (see ``stacks``)
 
 

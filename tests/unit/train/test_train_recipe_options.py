@@ -194,6 +194,17 @@ def test_muon_ns_dtype_reaches_the_step_and_a_bad_one_is_refused(tmp_path):
     model = tiny_drafter()
     opt = Muon(muon_param_groups(model, lr=1e-2, muon_lr=1e-2, weight_decay=0.0), ns_dtype="bfloat16")
     assert opt.ns_dtype == torch.bfloat16
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    gen = torch.Generator().manual_seed(3)
+    grads = {n: torch.randn(p.shape, generator=gen) for n, p in model.named_parameters()}
+    for n, p in model.named_parameters():
+        p.grad = grads[n].clone()
+    opt.step()  # the first step's update is NS(g) (NS ignores the gradient's scale): here the bf16 one
+    q = "layers.0.mlp.down_proj.weight"
+    p = dict(model.named_parameters())[q]
+    update = (before[q] - p.detach()) / (1e-2 * RMS_MATCH * max(p.shape) ** 0.5)
+    near_bf16 = (update - newton_schulz(grads[q], dtype=torch.bfloat16)).norm()
+    assert near_bf16 < 0.5 * (update - newton_schulz(grads[q])).norm()  # closer to bf16's than to fp32's
     state = opt.state_dict()  # the choice is the run's config, not part of the saved state
     again = Muon(muon_param_groups(model, lr=1e-2, muon_lr=1e-2, weight_decay=0.0))
     again.load_state_dict(state)
