@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 from bench_train_throughput import target_config  # noqa: E402
 
-from dflashkit.drafter import DrafterConfig, build_drafter  # noqa: E402
+from dflashkit.drafter import DrafterConfig, build_drafter, default_target_layer_ids  # noqa: E402
 from dflashkit.train import muon  # noqa: E402
 from dflashkit.train.config import TrainConfig  # noqa: E402
 from dflashkit.train.setup import build_optimizer  # noqa: E402
@@ -69,7 +69,7 @@ def main(argv=None):
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     tcfg = target_config("smollm2" if args.smollm2_shape else "toy", None)
     layers = 5 if args.smollm2_shape else 2
-    taps = [1, 8, 15, 22, 29] if args.smollm2_shape else [1, 3]
+    taps = default_target_layer_ids(tcfg.num_hidden_layers, 5 if args.smollm2_shape else 3)  # as the bench's
     dcfg = DrafterConfig.for_target(tcfg, num_hidden_layers=layers, block_size=16, target_layer_ids=taps,
                                     mask_token_id=tcfg.vocab_size - 1)
     torch.manual_seed(0)
