@@ -79,7 +79,7 @@ from dflashkit import launch
 from dflashkit.drafter import DrafterConfig, default_target_layer_ids
 from dflashkit.targets.capture import LayerCapture
 from dflashkit.targets.loading import Target, load_target
-from dflashkit.train.config import TrainConfig
+from dflashkit.train.config import MUON_NS_DTYPES, TrainConfig
 from dflashkit.train.data import PackedBlocks, collate_blocks, pack_order
 from dflashkit.train.drafter_pass import compile_layers, forward_blocks, mask_backend
 from dflashkit.train.metrics import MetricSums
@@ -155,7 +155,7 @@ def target_flops(target: Target, layer_ids: list[int], lens: list[int]) -> float
 
 def muon_layout(optimizer) -> dict | None:
     """How the Muon step orthogonalises the drafter's matrices: their count, the stacks (train/muon.py
-    ``stacks``) and the byte cap that made them; None for AdamW."""
+    ``stacks``), the byte cap that made them and Newton-Schulz's dtype; None for AdamW."""
     from dflashkit.train import muon
 
     inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper holds the optimizer
@@ -163,13 +163,13 @@ def muon_layout(optimizer) -> dict | None:
         return None
     matrices = [p for g in inner.param_groups if g["use_muon"] for p in g["params"]]
     return {"matrices": len(matrices), "stacks": len(muon.stacks(matrices, muon.STACK_BYTES)),
-            "stack_bytes": muon.STACK_BYTES}
+            "stack_bytes": muon.STACK_BYTES, "ns_dtype": str(inner.ns_dtype).removeprefix("torch.")}
 
 
 # --------------------------------------------------------------------------- steps
 STEP_FIELDS = ("loss", "gamma", "dpace_alpha", "labels", "causal", "grad_accum", "max_grad_norm", "mixed_precision",
                "optimizer", "lr", "compile", "attention", "loss_chunk_tokens", "drafter_architecture",
-               "selector_kernel", "conv_kernel", "selector_unary_grad")  # in the JSON
+               "selector_kernel", "conv_kernel", "selector_unary_grad", "muon_ns_dtype")  # in the JSON
 
 
 def train_config(args, attention: str, compiled: bool, gpu: bool, architecture: str) -> TrainConfig:
@@ -180,7 +180,7 @@ def train_config(args, attention: str, compiled: bool, gpu: bool, architecture: 
                        mixed_precision="bf16" if gpu else "no", lr=1e-4, wandb=False, progress=False,
                        drafter_architecture=architecture, selector_kernel=args.selector_kernel,
                        conv_kernel=args.conv_kernel, selector_unary_grad=args.selector_unary_grad,
-                       optimizer=args.optimizer)
+                       optimizer=args.optimizer, muon_ns_dtype=args.muon_ns_dtype)
 
 
 class OneProcess:
@@ -270,6 +270,8 @@ def main(argv=None):
     run.add_argument("--muon-stack-bytes", type=int, default=None,
                      help="muon: fp32 bytes of same-shape matrices orthogonalised as one stack (train/muon.py "
                           "STACK_BYTES; 0: one matrix at a time, the step before the stacks)")
+    run.add_argument("--muon-ns-dtype", choices=MUON_NS_DTYPES, default="float32",
+                     help="muon: the dtype of Newton-Schulz (TrainConfig.muon_ns_dtype; the recipe's is float32)")
     run.add_argument("--layer-compile", choices=("dynamic", "automatic"), default="dynamic",
                      help="dynamic: layers compiled for symbolic shapes from the start, as the trainer does "
                           "(train/drafter_pass.compile_layers); automatic: torch.compile's default (specialised, then "
@@ -309,9 +311,9 @@ def main(argv=None):
         ap.error("--drafter-architecture with several values: one process, --modes offline, one --attention and "
                  "no --layer-probe")
 
+    if args.optimizer != "muon" and (args.muon_stack_bytes is not None or args.muon_ns_dtype != "float32"):
+        ap.error("--muon-stack-bytes and --muon-ns-dtype go with --optimizer muon")
     if args.muon_stack_bytes is not None:
-        if args.optimizer != "muon":
-            ap.error("--muon-stack-bytes goes with --optimizer muon")
         from dflashkit.train import muon
 
         muon.STACK_BYTES = args.muon_stack_bytes

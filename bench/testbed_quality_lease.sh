@@ -23,9 +23,12 @@
 #   optim    the recipe's own step (4k tokens, G 1; bench/bench_train_throughput.py --target, offline and online,
 #            30 steps) with each optimizer form of OPTIM_FORMS (default "adamw muon_one muon": AdamW; Muon with one
 #            matrix per Newton-Schulz stack, as before the stacks; Muon as the recipe runs it, same-shape matrices
-#            stacked; out/optim_<form>.json); ~1 min a form, after the target is there;
+#            stacked; also muon_bf16: stacked, Newton-Schulz in bf16; out/optim_<form>.json); ~1 min a form, after
+#            the target is there; OPTIM_PROFILE=FORM also profiles 3 online steps of that form
+#            (out/profile_optim_FORM.txt: every operator's host time and every kernel's device time);
 #   dflash2  DFlash2's forms beside DFlash at equal data (first turns, EPOCHS2 epochs, VARIANTS2 side by side),
 #            live chain τ of each in `dflashkit eval` (vLLM 0.24 serves no DFlash2); ~25 min, a lease of its own;
+#            REGEN2=FILE trains on those answers instead of answering again (e.g. /root/run/ttq/regen.jsonl after ttq);
 #            MORE2=conv_kernel=true,selector_kernel=true trains the DFlash2 forms with the kernels;
 #   rows     the recipe's rows on every answered turn: every turn answered greedily and once more sampled
 #            (SAMPLED=1), then ROWS (default seed_1,extra_answers_same_steps) two at a time for 2 epochs, τ in
@@ -70,6 +73,7 @@ optim_flags() {  # FORM: the optimizer flags of an optim form (OPTIM_FORMS above
   case $1 in
     adamw) FLAGS=(--optimizer adamw) ;; muon) FLAGS=(--optimizer muon) ;;
     muon_one) FLAGS=(--optimizer muon --muon-stack-bytes 0) ;;
+    muon_bf16) FLAGS=(--optimizer muon --muon-ns-dtype bfloat16) ;;
     *) return 1 ;;
   esac
 }
@@ -87,7 +91,7 @@ if [[ " $STAGES " == *" pairs "* ]]; then
 fi
 if [[ " $STAGES " == *" optim "* ]]; then
   for form in $OPTIM_FORMS; do
-    optim_flags "$form" || { note "unknown optim form $form (adamw, muon_one, muon)"; exit 2; }
+    optim_flags "$form" || { note "unknown optim form $form (adamw, muon_one, muon, muon_bf16)"; exit 2; }
   done
 fi
 ready() {  # the target's stages wait for READY (above)
@@ -130,11 +134,12 @@ for s in $STAGES; do
     ready optim || continue
     for form in $OPTIM_FORMS; do
       optim_flags "$form"
+      [ "${OPTIM_PROFILE:-}" = "$form" ] && FLAGS+=(--profile "$O/profile_optim_$form.txt")
       (cd "$ROOT/bench" && stage "optim-$form" 400 "$PY" bench_train_throughput.py "${OPTIM[@]}" "${FLAGS[@]}" \
         --out "$O/optim_$form.json")
     done ;;
   dflash2)
-    quality dflash2 3000 TURNS=first \
+    quality dflash2 3000 TURNS=first REGEN="${REGEN2:-}" \
       VARIANTS="${VARIANTS2:-default,dflash2,dflash2_coupled,dflash2_codebook_lr,dflash2_injected}" \
       EPOCHS="${EPOCHS2:-2}" L_TRAIN="${L_TRAIN2:-1000}" L_EVAL="${L_EVAL2:-300}" VLLM_SETS= MORE="${MORE2:-}" ;;
   rows)

@@ -82,15 +82,18 @@ def test_the_selector_flags_reach_the_dflash2_pass(tmp_path, monkeypatch, capsys
     assert r["train_config"]["conv_kernel"] is True
 
 
-@pytest.mark.parametrize("stack_bytes,stacked", [(None, True), (0, False)])
-def test_the_muon_step_is_timed_with_its_stacks(tmp_path, stack_bytes, stacked):
+@pytest.mark.parametrize("stack_bytes,stacked,ns_dtype", [(None, True, None), (0, False, None),
+                                                            (None, True, "bfloat16")])
+def test_the_muon_step_is_timed_with_its_stacks(tmp_path, stack_bytes, stacked, ns_dtype):
     """--optimizer muon times the recipe's optimizer; --muon-stack-bytes 0 the step with one matrix per stack;
-    the JSON says how the drafter's matrices were stacked."""
+    --muon-ns-dtype bfloat16 with bf16 Newton-Schulz; the JSON says how the drafter's matrices were stacked and
+    in which dtype."""
     from dflashkit.train import muon
 
     out = tmp_path / "m.json"
     before = muon.STACK_BYTES
     extra = [] if stack_bytes is None else ["--muon-stack-bytes", str(stack_bytes)]
+    extra += [] if ns_dtype is None else ["--muon-ns-dtype", ns_dtype]
     try:
         btt.main(["--toy", "--device", "cpu", "--modes", "offline", "--steps", "2", "--warmup", "1",
                   "--optimizer", "muon", *extra, "--out", str(out)])
@@ -98,14 +101,17 @@ def test_the_muon_step_is_timed_with_its_stacks(tmp_path, stack_bytes, stacked):
         muon.STACK_BYTES = before
     r = json.loads(out.read_text())
     assert r["train_config"]["optimizer"] == "muon" and r["single"]["offline"]["steps"] == 2
+    assert r["train_config"]["muon_ns_dtype"] == (ns_dtype or "float32")
     layout = r["muon"]
     assert layout["matrices"] > 5 and (layout["stacks"] < layout["matrices"]) == stacked
     assert layout["stack_bytes"] == (before if stack_bytes is None else 0)
+    assert layout["ns_dtype"] == (ns_dtype or "float32")
 
 
-def test_muon_stack_bytes_needs_muon(tmp_path):
+@pytest.mark.parametrize("flag", [["--muon-stack-bytes", "0"], ["--muon-ns-dtype", "bfloat16"]])
+def test_muon_flags_need_muon(tmp_path, flag):
     with pytest.raises(SystemExit):
-        btt.main(["--toy", "--device", "cpu", "--muon-stack-bytes", "0", "--out", str(tmp_path / "x.json")])
+        btt.main(["--toy", "--device", "cpu", *flag, "--out", str(tmp_path / "x.json")])
 
 
 def test_the_optimizer_step_bench_times_each_form_on_the_same_gradients(tmp_path):
