@@ -21,7 +21,7 @@ from typing import Iterator
 
 import torch
 
-from .chat import BadSample, ChatConfig, encode_record, special_tokens
+from .chat import BadSample, ChatConfig, encode_records, special_tokens
 from .sources import iter_records
 
 
@@ -64,17 +64,17 @@ def _init_worker(tokenizer, cfg: ChatConfig):
 
 
 def _encode_items(items) -> tuple[list[Sample], list[tuple[str, str, str]]]:
+    """These records' samples and skipped ones (reason, detail, where), tokenized together (encode_records)."""
     tok, cfg, specials = _WORKER["tokenizer"], _WORKER["cfg"], _WORKER["specials"]
+    encoded = iter(encode_records([item.record for item in items if item.bad is None], tok, cfg, specials))
     samples, bad = [], []
     for item in items:
-        try:
-            if item.bad is not None:
-                raise BadSample(*item.bad)
-            s = encode_record(item.record, tok, cfg, specials)
+        s = BadSample(*item.bad) if item.bad is not None else next(encoded)
+        if isinstance(s, BadSample):
+            bad.append((s.reason, s.detail, item.where))
+        else:
             samples.append(Sample(item.index, item.where, s.input_ids, s.loss_mask, s.truncated,
                                   s.dropped_leading_turns))
-        except BadSample as e:
-            bad.append((e.reason, e.detail, item.where))
     return samples, bad
 
 

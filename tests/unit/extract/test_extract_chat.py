@@ -15,9 +15,12 @@ from dflashkit.extract.data.chat import (
     ChatConfig,
     NoChatTemplate,
     TemplateError,
+    _decode,
+    _decode_many,
     chat_template_hash,
     check_template,
     encode_record,
+    encode_records,
     end_of_turn_token,
     tokenizer_hash,
 )
@@ -123,6 +126,53 @@ def test_over_long_samples_truncate_or_drop():
     with pytest.raises(BadSample) as e:  # truncation leaving no assistant token is over-long too
         encode_record(record, tok, ChatConfig(max_length=full.loss_mask.index(True)))
     assert e.value.reason == "too_long"
+
+
+def _same(a, b) -> bool:  # two results of encode_records: equal samples, or the same skip
+    if isinstance(a, BadSample) or isinstance(b, BadSample):
+        return type(a) is type(b) and (a.reason, a.detail) == (b.reason, b.detail)
+    return a == b
+
+
+@pytest.mark.parametrize("family", ["chatml-smollm2", "qwen3-thinking"])
+def test_records_encoded_together_are_each_as_alone(family):
+    """One tokenizer call for a batch of records (good, truncated, plain text, dropped turns, every bad kind, in
+    between): each record's sample or skip is the one it gets alone, in its place, and each good sample is the
+    template's own rendering."""
+    template, kwargs, first, _ = FAMILIES[family]
+    tok = smollm2_tokenizer() if template is None else family_tokenizer()
+    cfg = ChatConfig(chat_template=template, template_kwargs=kwargs, max_length=48)
+    long = {"messages": [{"role": "user", "content": "short"}, {"role": "assistant", "content": "word " * 60}]}
+    lead = {"conversations": [{"from": "gpt", "value": "before"}, {"from": "human", "value": "Hi"},
+                              {"from": "gpt", "value": "Hello"}]}
+    records = [first, BAD[0][0], long, {"text": "plain text here"}, lead, BAD[3][0], _conv("a", "b"), BAD[4][0],
+               {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y " * 80}]}]
+    together = encode_records(records, tok, cfg)
+    alone = [encode_records([r], tok, cfg)[0] for r in records]
+    assert len(together) == len(records) and all(_same(a, b) for a, b in zip(together, alone))
+    kinds = [r.reason if isinstance(r, BadSample) else "ok" for r in together]
+    assert kinds == ["ok", "unknown_role", "ok", "ok", "ok", "no_assistant_turn", "ok", "not_utf8", "ok"]
+    assert together[2].truncated and len(together[2].input_ids) == 48 and together[4].dropped_leading_turns == 1
+    for r, got in zip(records, together):
+        if not isinstance(got, BadSample) and "messages" in r and not got.truncated:
+            rendered = tok.apply_chat_template(r["messages"], tokenize=False, chat_template=template, **kwargs)
+            assert tok.decode(got.input_ids, skip_special_tokens=False) == rendered
+
+
+def test_supervised_segments_decode_in_one_call_as_one_by_one():
+    """A plain fast tokenizer decodes the segments in one Rust call, with what its decode gives each; a
+    tokenizer class with its own decode keeps it."""
+    tok = smollm2_tokenizer()
+    seqs = [tok("Hello <|im_end|> there", add_special_tokens=False)["input_ids"], [], tok(" é ∑ 🙂 x")["input_ids"]]
+    assert _decode_many(tok, seqs) == [_decode(tok, s) for s in seqs] == ["Hello <|im_end|> there", "", " é ∑ 🙂 x"]
+
+    class Shouting(type(tok)):
+        def decode(self, token_ids, **kwargs):
+            return super().decode(token_ids, **kwargs).upper()
+
+    loud = copy.deepcopy(tok)
+    loud.__class__ = Shouting
+    assert _decode_many(loud, seqs) == ["HELLO <|IM_END|> THERE", "", " É ∑ 🙂 X"]
 
 
 def test_template_refusing_a_conversation_is_a_bad_record():
