@@ -13,7 +13,8 @@
 #            on one H100 the warm-up took 170 s against 63 s of answering, RESULTS.md); TORCH_LOGS=recompiles
 #            (TTQ_TORCH_LOGS) puts every recompilation and its reason in the training's log; TTQ_LIVE_STEPS
 #            (e.g. "1200 1600 2000" with TTQ_VARIANT=default, the 3-epoch schedule) serves those checkpoints in
-#            vLLM too, for the first that reaches each live τ (testbed_quality_run.sh's LIVE_STEPS);
+#            vLLM too, for the first that reaches each live τ (testbed_quality_run.sh's LIVE_STEPS); TTQ_EVAL_EVERY
+#            (default 200, the curve's resolution; the recipe's own is 500) sets the held-out evaluations' spacing;
 #   pairs    DFlash2's training throughput beside DFlash's, both in one process on the same batches
 #            (bench/bench_train_throughput.py --drafter-architecture dflash,dflash2 --smollm2-shape, offline, 12
 #            steps), once per form of PAIR_FORMS (default "plain both conv": no kernel, both kernels, the
@@ -26,6 +27,9 @@
 #            stacked; also muon_bf16: stacked, Newton-Schulz in bf16; out/optim_<form>.json); ~1 min a form, after
 #            the target is there; OPTIM_PROFILE=FORM also profiles 3 online steps of that form
 #            (out/profile_optim_FORM.txt: every operator's host time and every kernel's device time);
+#   data     the online start-up's data step (bench/bench_encode_data.py: records tokenized together against one
+#            record per call, inline and with DATA_WORKERS workers, default "0 4 8", 3 times each) on the regenerated
+#            first turns of the ttq stage ($R/ttq/regen.jsonl, or DATA_FILE); out/encode_data.json; ~3 min;
 #   dflash2  DFlash2's forms beside DFlash at equal data (first turns, EPOCHS2 epochs, VARIANTS2 side by side),
 #            live chain τ of each in `dflashkit eval` (vLLM 0.24 serves no DFlash2); ~25 min, a lease of its own;
 #            REGEN2=FILE trains on those answers instead of answering again (e.g. /root/run/ttq/regen.jsonl after ttq);
@@ -56,10 +60,12 @@ if [ "$SCALE" = toy ]; then
   PAIR=(--toy --device cpu --steps 2 --warmup 1); SELECTOR=(--positions 512); CONV=(--blocks 32)
   PAIR_FORMS=${PAIR_FORMS:-both plain}
   OPTIM=(--toy --device cpu --steps 2 --warmup 1 --modes offline,online)
+  ENCODE=(--workers ${DATA_WORKERS:-0} --repeats 1)
 else
   PAIR=(--smollm2-shape --steps 12); SELECTOR=(); CONV=(--sweep)
   PAIR_FORMS=${PAIR_FORMS:-plain both conv}
   OPTIM=(--target "$T" --micro-batch-tokens 4096 --grad-accum 1 --steps 30 --warmup 5 --modes offline,online)
+  ENCODE=(--workers ${DATA_WORKERS:-0 4 8} --repeats 3)
 fi
 OPTIM_FORMS=${OPTIM_FORMS:-adamw muon_one muon}
 pair_flags() {  # FORM: the kernel flags of a pair form (PAIR_FORMS above) in FLAGS; 1 for an unknown form
@@ -80,8 +86,8 @@ optim_flags() {  # FORM: the optimizer flags of an optim form (OPTIM_FORMS above
 # a misspelt stage or pair form is refused before any stage runs, not after the ones before it
 for s in $STAGES; do
   case $s in
-    kernels|ttq|pairs|optim|dflash2|rows) ;;
-    *) note "unknown stage $s (kernels, ttq, pairs, optim, dflash2, rows)"; exit 2 ;;
+    kernels|ttq|pairs|optim|data|dflash2|rows) ;;
+    *) note "unknown stage $s (kernels, ttq, pairs, optim, data, dflash2, rows)"; exit 2 ;;
   esac
 done
 if [[ " $STAGES " == *" pairs "* ]]; then
@@ -121,7 +127,7 @@ for s in $STAGES; do
       --out "$O/dynamic_conv.json") ;;
   ttq)
     quality ttq 1500 WARM="${TTQ_WARM:-0}" TORCH_LOGS="${TTQ_TORCH_LOGS:-recompiles}" TURNS=first \
-      VARIANTS="${TTQ_VARIANT:-steps_1400}" PAR=1 EVAL_EVERY=200 L_EVAL=0 L_TRAIN=420 KS=15 KEEP_DRAFTER=1 \
+      VARIANTS="${TTQ_VARIANT:-steps_1400}" PAR=1 EVAL_EVERY="${TTQ_EVAL_EVERY:-200}" L_EVAL=0 L_TRAIN=420 KS=15 KEEP_DRAFTER=1 \
       VLLM_SETS=mtbench LIVE_STEPS="${TTQ_LIVE_STEPS:-}" ;;
   pairs)
     for form in $PAIR_FORMS; do
@@ -138,6 +144,10 @@ for s in $STAGES; do
       (cd "$ROOT/bench" && stage "optim-$form" 400 "$PY" bench_train_throughput.py "${OPTIM[@]}" "${FLAGS[@]}" \
         --out "$O/optim_$form.json")
     done ;;
+  data)
+    ready data || continue
+    (cd "$ROOT/bench" && stage data 600 "$PY" bench_encode_data.py --data "${DATA_FILE:-$R/ttq/regen.jsonl}" \
+      --target "$T" "${ENCODE[@]}" --out "$O/encode_data.json") ;;
   dflash2)
     quality dflash2 3000 TURNS=first REGEN="${REGEN2:-}" \
       VARIANTS="${VARIANTS2:-default,dflash2,dflash2_coupled,dflash2_codebook_lr,dflash2_injected}" \

@@ -81,10 +81,11 @@ def test_the_quality_run_script_runs_every_stage_at_toy_scale(tmp_path):
 
 @pytest.mark.slow
 def test_the_lease_script_runs_the_kernels_the_pair_and_first_turns_time_to_quality(tmp_path):
-    """bench/testbed_quality_lease.sh STAGES="kernels pairs optim ttq" at toy scale. kernels: the selector-pair and
+    """bench/testbed_quality_lease.sh STAGES="kernels pairs optim ttq data" at toy scale. kernels: the selector-pair and
     convolution benchmarks (torch alone on a CPU); pairs: DFlash2 beside DFlash in one process, with both
     kernels asked for (the torch paths on a CPU) and without, each profiled (PAIR_PROFILE=1); optim: the step
-    with AdamW, Muon one matrix at a time and Muon stacked; ttq: the quality run with
+    with AdamW, Muon one matrix at a time, Muon stacked (profiled: OPTIM_PROFILE) and stacked in bf16; data: the
+    start-up's data step timed both ways on the ttq stage's answers; ttq: the quality run with
     TURNS=first (only the first user turn of each conversation of sharegpt.jsonl answered, even beside a file of
     every turn), L_EVAL=0 (no `dflashkit eval`), vLLM on MT-bench alone although HumanEval is in the data, and
     TTQ_WARM=1 (WARM=1: a short training on stand-ins of the turns beside the answering, ended before stage 2
@@ -94,15 +95,22 @@ def test_the_lease_script_runs_the_kernels_the_pair_and_first_turns_time_to_qual
     run = tmp_path / "run"
     ready = tmp_path / "ready"
     ready.touch()
-    ends = run_toy_script("testbed_quality_lease.sh", run, STAGES="kernels pairs optim ttq", READY=str(ready),
-                          TARGET="testbed:smollm2", DATA=str(data), TTQ_WARM="1", PAIR_PROFILE="1")
-    assert set(ends) == {"kernels-bench", "conv-bench", "pair-both", "pair-plain", "optim-adamw", "optim-muon_one",
-                         "optim-muon", "ttq"}, ends
+    forms = ("adamw", "muon_one", "muon", "muon_bf16")
+    ends = run_toy_script("testbed_quality_lease.sh", run, STAGES="kernels pairs optim ttq data", READY=str(ready),
+                          TARGET="testbed:smollm2", DATA=str(data), TTQ_WARM="1", PAIR_PROFILE="1",
+                          OPTIM_FORMS=" ".join(forms), OPTIM_PROFILE="muon")
+    assert set(ends) == {"kernels-bench", "conv-bench", "pair-both", "pair-plain", "ttq", "data",
+                         *(f"optim-{form}" for form in forms)}, ends
     out = run / "out"
-    optim = {form: json.loads((out / f"optim_{form}.json").read_text()) for form in ("adamw", "muon_one", "muon")}
+    optim = {form: json.loads((out / f"optim_{form}.json").read_text()) for form in forms}
     assert optim["adamw"]["muon"] is None and optim["adamw"]["train_config"]["optimizer"] == "adamw"
-    one, stacked = optim["muon_one"]["muon"], optim["muon"]["muon"]
-    assert one["matrices"] == one["stacks"] == stacked["matrices"] > stacked["stacks"]
+    one, stacked, bf16 = optim["muon_one"]["muon"], optim["muon"]["muon"], optim["muon_bf16"]["muon"]
+    assert one["matrices"] == one["stacks"] == stacked["matrices"] > stacked["stacks"] == bf16["stacks"]
+    assert stacked["ns_dtype"] == "float32" and bf16["ns_dtype"] == "bfloat16"
+    assert "every operator (total ms, calls" in (out / "profile_optim_muon.txt").read_text()
+    assert not (out / "profile_optim_adamw.txt").exists()
+    encoded = json.loads((out / "encode_data.json").read_text())
+    assert encoded["samples"] == 4 and set(encoded["runs"]) == {"together_w0", "per_record_w0"}
     assert all({"offline", "online"} <= set(r["single"]) for r in optim.values())
     assert json.loads((out / "selector_pair.json").read_text())["torch_ms"] > 0
     assert json.loads((out / "dynamic_conv.json").read_text())["compiled_ms"] > 0
