@@ -5,7 +5,8 @@
 # with its exit status:
 #   kernels  the CUDA tests of DFlash2's kernels (the pairwise selector term, train/selector_pair.py; the in-block
 #            convolution, train/dynamic_conv.py) and of the compiled layers against eager ones (compile_layers'
-#            options: test_train_packing.py, test_train_gpu.py), then the kernels' benchmarks at the testbed's
+#            options: test_train_packing.py, test_train_gpu.py; the held-out evaluation through the training's
+#            compiled graphs: test_train_eval_consistency.py), then the kernels' benchmarks at the testbed's
 #            micro-batch (bench/bench_selector_pair.py, bench/bench_dynamic_conv.py); ~3 min, no target needed;
 #   ttq      time to quality on the 10,219 first turns: bench/testbed_quality_run.sh with TTQ_VARIANT (default
 #            steps_1400: the cosine schedule ending at step 1,400), alone on the GPU, the held-out curve every 200
@@ -119,7 +120,8 @@ for s in $STAGES; do
     if [ "$SCALE" != toy ]; then  # on a CPU the test skips itself: the kernels need CUDA
       stage kernels-test 300 "$PY" -m pytest -q -p no:cacheprovider --rootdir "$ROOT" -k cuda \
         "$ROOT/tests/unit/train/test_train_selector_pair.py" "$ROOT/tests/unit/train/test_train_dynamic_conv.py" \
-        "$ROOT/tests/unit/train/test_train_packing.py" "$ROOT/tests/unit/train/test_train_gpu.py"
+        "$ROOT/tests/unit/train/test_train_packing.py" "$ROOT/tests/unit/train/test_train_gpu.py" \
+        "$ROOT/tests/integration/test_train_eval_consistency.py"
     fi
     (cd "$ROOT/bench" && stage kernels-bench 300 "$PY" bench_selector_pair.py "${SELECTOR[@]}" \
       --out "$O/selector_pair.json")
@@ -127,8 +129,8 @@ for s in $STAGES; do
       --out "$O/dynamic_conv.json") ;;
   ttq)
     quality ttq 1500 WARM="${TTQ_WARM:-0}" TORCH_LOGS="${TTQ_TORCH_LOGS:-recompiles}" TURNS=first \
-      VARIANTS="${TTQ_VARIANT:-steps_1400}" PAR=1 EVAL_EVERY="${TTQ_EVAL_EVERY:-200}" L_EVAL=0 L_TRAIN=420 KS=15 KEEP_DRAFTER=1 \
-      VLLM_SETS=mtbench LIVE_STEPS="${TTQ_LIVE_STEPS:-}" ;;
+      VARIANTS="${TTQ_VARIANT:-steps_1400}" PAR=1 EVAL_EVERY="${TTQ_EVAL_EVERY:-200}" L_EVAL=0 L_TRAIN=420 KS=15 \
+      KEEP_DRAFTER=1 VLLM_SETS=mtbench LIVE_STEPS="${TTQ_LIVE_STEPS:-}" ;;
   pairs)
     for form in $PAIR_FORMS; do
       pair_flags "$form"

@@ -153,6 +153,12 @@ def compile_layers(model, dynamic: bool | None = True, backend: str = "inductor"
         layer.compile(dynamic=dynamic, backend=backend)
 
 
+def layers_compiled(model) -> bool:
+    """Whether ``compile_layers`` compiled this (unwrapped) drafter's decoder layers."""
+    layers = getattr(model, "layers", None)
+    return bool(layers) and all(getattr(layer, "_compiled_call_impl", None) is not None for layer in layers)
+
+
 def draft_hidden(model, head, batch: PackedBlocks, *, block_size: int, layer_types: list[str],
                  sliding_window: int | None, backend: str = "dense", extra_inputs: dict | None = None,
                  causal: bool = False):

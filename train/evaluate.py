@@ -23,16 +23,24 @@ Design choices:
   per-sample form took ~3 s (H100) to ~5 s (H200) per evaluation of 64 samples (RESULTS.md "Live tau at
   checkpoints"). Sums are over blocks, so packing changes the numbers by float rounding only; anchors are keyed
   by sample index, so the same samples are evaluated at the same anchors however they are packed.
+- Compiled drafter layers in one plain process (no DDP, FSDP or DeepSpeed wrapper) run the evaluation's passes
+  in grad mode, with the model left in train mode (the drafter has no dropout: the same numbers): through the
+  graphs the training compiled. In no-grad mode (or eval mode, a guard too) every layer was compiled again at
+  the first evaluation: it took 22 s on one H200 against ~5 s for the later ones (RESULTS.md "Live tau at
+  checkpoints"). Each pass's autograd graph is dropped with its output, and the passes' DFlash2 options that
+  act only under a gradient (the injected label, the coupled unary logits) are off, as in no-grad mode. A
+  wrapped model keeps no-grad mode: a forward in grad mode without a backward would leave its hooks waiting.
 """
 
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 
 import torch
 
 from .data import collate_blocks, pack_order
-from .drafter_pass import forward_blocks
+from .drafter_pass import forward_blocks, layers_compiled
 from .loss import loss_denominator
 from .metrics import MetricSums
 
@@ -83,6 +91,14 @@ def read_samples(dataset, indices: list[int]) -> dict[int, dict]:
     return read(indices) if read is not None else {i: dataset[i] for i in indices}
 
 
+def training_graphs(model, accelerator) -> bool:
+    """Whether ``evaluate``'s passes run through the training's compiled graphs (the module notes): compiled
+    layers in one process, the model not wrapped."""
+    if accelerator is not None and (accelerator.num_processes > 1 or accelerator.unwrap_model(model) is not model):
+        return False
+    return layers_compiled(model)
+
+
 @torch.no_grad()
 def evaluate(model, head, dataset, indices: list[int], *, block_size: int, layer_types: list[str],
              sliding_window: int | None, mask_token_id: int, num_anchors: int, seed: int, gamma: float = 7.0,
@@ -93,8 +109,9 @@ def evaluate(model, head, dataset, indices: list[int], *, block_size: int, layer
     """Held-out loss (ce objective), per-position accuracy and tau_sim at fixed anchors, and the chain walk's
     tau_walk and per-position acceptance; ``selector``: DFlash2's selector metrics too (train/drafter_pass.py),
     its pairwise term by the kernels with ``selector_kernel`` (train/selector_pair.py), with the run's other
-    selector options too (train/setup.py), which give the same numbers here: no gradient (so no label is
-    injected among the candidates), and the ``ce`` objective's position weights are the decay.
+    selector options too (train/setup.py), which give the same numbers here: the two that act only under a
+    gradient (``selector_unary_grad``, ``selector_missing_label``) are off in every pass (no label is injected
+    among the candidates), and the ``ce`` objective's position weights are the decay.
     ``batch_tokens`` > 0 packs the samples up to that many tokens per pass (``eval_pack_tokens``; it needs the
     dataset's ``lengths``); 0 evaluates one sample per pass."""
     world = accelerator.num_processes if accelerator is not None else 1
@@ -110,8 +127,9 @@ def evaluate(model, head, dataset, indices: list[int], *, block_size: int, layer
     options = dict(block_size=block_size, mask_token_id=mask_token_id, seed=seed, max_length=max_length)
     passes = dict(block_size=block_size, layer_types=layer_types, sliding_window=sliding_window, backend=backend,
                   variant="ce", gamma=gamma, chunk_tokens=chunk_tokens, fused_loss=fused_loss, causal=causal)
+    graphs = training_graphs(model, accelerator)  # the module notes
     was_training = model.training
-    model.eval()
+    model.train(graphs)
     sums = MetricSums(block_size - 1, device)
     walk = [0] * (1 + block_size)  # rounds, tokens, accepted[k]: host integers, one transfer at the end
     for pack, padding in slots:
@@ -120,17 +138,20 @@ def evaluate(model, head, dataset, indices: list[int], *, block_size: int, layer
         scale = 0.0 if padding else 1.0
         batch = collate_blocks(samples, num_anchors=num_anchors, fixed_anchors=True, scale=scale, **options)
         batch = batch.to(device)
-        out = forward_blocks(model, head, batch, selector=selector, selector_kernel=selector_kernel,
-                             selector_unary_grad=selector_unary_grad, selector_weights=selector_weights,
-                             selector_missing_label=selector_missing_label, **passes)
+        with torch.enable_grad() if graphs else nullcontext():
+            out = forward_blocks(model, head, batch, selector=selector, selector_kernel=selector_kernel,
+                                 selector_unary_grad=False, selector_weights=selector_weights,
+                                 selector_missing_label="skip", **passes)
         sums.add(out, loss_denominator(batch.valid, "ce", gamma), batch.scale, batch.num_tokens)
+        del out  # and its autograd graph, before the next pass
         # the chain walk: every anchor candidate of the same samples, runs only
         every = collate_blocks(samples, num_anchors=1 << 40, scale=scale, check_finite=False, **options)
         every = every.to(device)
-        out = forward_blocks(model, head, every, selector=False, **passes)
+        with torch.enable_grad() if graphs else nullcontext():
+            runs = forward_blocks(model, head, every, selector=False, **passes).runs
         if padding:
             continue
-        anchors, runs = every.anchors.tolist(), out.runs.tolist()
+        anchors, runs = every.anchors.tolist(), runs.tolist()
         for s in range(len(every.block_offsets) - 1):
             lo, hi, start = every.block_offsets[s], every.block_offsets[s + 1], every.context_offsets[s]
             rounds, tokens, accepted = chain_walk([a - start for a in anchors[lo:hi]], runs[lo:hi], block_size)

@@ -223,3 +223,50 @@ def test_held_out_packs_give_the_numbers_of_one_sample_per_pass(setup):
                 assert packed[key] == value, key  # counts of accepted drafts: exact
             else:
                 assert packed[key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
+def test_compiled_layers_are_evaluated_through_the_training_graphs(setup, monkeypatch, device):
+    """With compiled layers in one process, evaluate's passes run in grad mode through the graphs a training
+    step compiled: no graph is compiled for them, the numbers are the eager model's, and the model's mode and
+    gradients are as before. In no-grad mode (the form before) the same evaluation compiles its own graphs.
+    On CUDA as the trainer runs there: flex_attention with the packed BlockMask and the fused loss."""
+    import copy
+
+    from torch._dynamo.utils import counters
+
+    from dflashkit.train import evaluate as evaluate_module
+    from dflashkit.train.drafter_pass import compile_layers, forward_blocks, layers_compiled
+
+    _, head, seq, hidden, loss_mask = setup
+    eager, cfg = make_drafter(head, ["full_attention", "full_attention"], None, steps=10, setup_=setup)
+    head, eager = copy.deepcopy(head).to(device), eager.to(device)
+    cuda = device == "cuda"
+    passes = dict(block_size=BLOCK, sliding_window=None, layer_types=cfg.layer_types,
+                  backend="flex" if cuda else "dense", fused_loss=cuda)
+    dataset = Prefixes(seq, hidden, loss_mask, [PROMPT + NEW, 40, 33])
+    options = dict(mask_token_id=MASK, num_anchors=8, seed=0, batch_tokens=4096, device=torch.device(device),
+                   **passes)
+    want = evaluate(eager, head, dataset, list(range(3)), **options)
+    model = copy.deepcopy(eager).train()
+    assert not layers_compiled(model)
+    torch._dynamo.reset()
+    compile_layers(model)
+    assert layers_compiled(model)
+    for cuts in ([PROMPT + NEW, 33], [40, 27]):  # training steps: the layers' grad-mode graphs (dynamic sizes)
+        anchors = [sample_anchors(loss_mask[:n], 8, sample_generator(0, n, 0)) for n in cuts]
+        batch = pack_sequences([seq[:n] for n in cuts], [loss_mask[:n] for n in cuts], [hidden[:n] for n in cuts],
+                               anchors, BLOCK, MASK, pad_multiple=PAD_MULTIPLE).to(device)
+        forward_blocks(model, head, batch, **passes).loss_sum.backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    compiled_before = counters["stats"]["unique_graphs"]
+    got = evaluate(model, head, dataset, list(range(3)), **options)
+    assert counters["stats"]["unique_graphs"] == compiled_before  # nothing compiled for the evaluation
+    assert model.training and all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))
+    assert sorted(got) == sorted(want)
+    for key, value in want.items():
+        assert got[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+    monkeypatch.setattr(evaluate_module, "training_graphs", lambda *_: False)  # the no-grad form compiles anew
+    evaluate(model, head, dataset, list(range(3)), **options)
+    assert counters["stats"]["unique_graphs"] > compiled_before
