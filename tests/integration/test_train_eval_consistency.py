@@ -231,10 +231,8 @@ def test_compiled_layers_are_evaluated_through_the_training_graphs(setup, monkey
     """With compiled layers in one process, evaluate's passes run in grad mode through the graphs a training
     step compiled: no graph is compiled for them, the numbers are the eager model's, and the model's mode and
     gradients are as before. In no-grad mode (the form before) the same evaluation compiles its own graphs.
-    On CUDA as the trainer runs there: flex_attention with the packed BlockMask and the fused loss."""
+    On CUDA with the fused loss; the testbed's run logs its recompilations (RESULTS.md)."""
     import copy
-
-    from torch._dynamo.utils import counters
 
     from dflashkit.train import evaluate as evaluate_module
     from dflashkit.train.drafter_pass import compile_layers, forward_blocks, layers_compiled
@@ -243,8 +241,9 @@ def test_compiled_layers_are_evaluated_through_the_training_graphs(setup, monkey
     eager, cfg = make_drafter(head, ["full_attention", "full_attention"], None, steps=10, setup_=setup)
     head, eager = copy.deepcopy(head).to(device), eager.to(device)
     cuda = device == "cuda"
-    passes = dict(block_size=BLOCK, sliding_window=None, layer_types=cfg.layer_types,
-                  backend="flex" if cuda else "dense", fused_loss=cuda)
+    # dense masks on CUDA too: the compiled flex kernel wants head dims of 16 or more (this drafter's are 8)
+    passes = dict(block_size=BLOCK, sliding_window=None, layer_types=cfg.layer_types, backend="dense",
+                  fused_loss=cuda)
     dataset = Prefixes(seq, hidden, loss_mask, [PROMPT + NEW, 40, 33])
     options = dict(mask_token_id=MASK, num_anchors=8, seed=0, batch_tokens=4096, device=torch.device(device),
                    **passes)
@@ -260,13 +259,24 @@ def test_compiled_layers_are_evaluated_through_the_training_graphs(setup, monkey
                                anchors, BLOCK, MASK, pad_multiple=PAD_MULTIPLE).to(device)
         forward_blocks(model, head, batch, **passes).loss_sum.backward()
     grads = [p.grad.clone() for p in model.parameters()]
-    compiled_before = counters["stats"]["unique_graphs"]
+    compiled_before = layer_graphs()
+    assert compiled_before >= 2  # the first layer's input without a gradient, the others' with one
     got = evaluate(model, head, dataset, list(range(3)), **options)
-    assert counters["stats"]["unique_graphs"] == compiled_before  # nothing compiled for the evaluation
+    assert layer_graphs() == compiled_before  # no layer graph compiled for the evaluation
     assert model.training and all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))
     assert sorted(got) == sorted(want)
     for key, value in want.items():
         assert got[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
     monkeypatch.setattr(evaluate_module, "training_graphs", lambda *_: False)  # the no-grad form compiles anew
     evaluate(model, head, dataset, list(range(3)), **options)
-    assert counters["stats"]["unique_graphs"] > compiled_before
+    assert layer_graphs() > compiled_before
+
+
+def layer_graphs() -> int:
+    """The compiled graphs of the drafter's decoder layers (dynamo's cache entries of their forward); the fused
+    loss's own small graphs (CUDA) are not counted: they may specialise again on a new chunk offset."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from dflashkit.drafter.modeling_dflash import DFlashDecoderLayer
+
+    return len(_debug_get_cache_entry_list(DFlashDecoderLayer.forward.__code__))
