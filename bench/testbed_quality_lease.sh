@@ -16,6 +16,8 @@
 #            (e.g. "1200 1600 2000" with TTQ_VARIANT=default, the 3-epoch schedule) serves those checkpoints in
 #            vLLM too, for the first that reaches each live τ (testbed_quality_run.sh's LIVE_STEPS); TTQ_EVAL_EVERY
 #            (default 200, the curve's resolution; the recipe's own is 500) sets the held-out evaluations' spacing;
+#            TTQ_L_EVAL=SECONDS (default 0: none) measures the export's live chain τ in `dflashkit eval` too, after
+#            vLLM (the DFlash side of a DFlash2 comparison on the same answers: REGEN2=$RUN/ttq/regen.jsonl);
 #   pairs    DFlash2's training throughput beside DFlash's, both in one process on the same batches
 #            (bench/bench_train_throughput.py --drafter-architecture dflash,dflash2 --smollm2-shape, offline, 12
 #            steps), once per form of PAIR_FORMS (default "plain both conv": no kernel, both kernels, the
@@ -129,8 +131,8 @@ for s in $STAGES; do
       --out "$O/dynamic_conv.json") ;;
   ttq)
     quality ttq 1500 WARM="${TTQ_WARM:-0}" TORCH_LOGS="${TTQ_TORCH_LOGS:-recompiles}" TURNS=first \
-      VARIANTS="${TTQ_VARIANT:-steps_1400}" PAR=1 EVAL_EVERY="${TTQ_EVAL_EVERY:-200}" L_EVAL=0 L_TRAIN=420 KS=15 \
-      KEEP_DRAFTER=1 VLLM_SETS=mtbench LIVE_STEPS="${TTQ_LIVE_STEPS:-}" ;;
+      VARIANTS="${TTQ_VARIANT:-steps_1400}" PAR=1 EVAL_EVERY="${TTQ_EVAL_EVERY:-200}" L_EVAL="${TTQ_L_EVAL:-0}" \
+      L_TRAIN=420 KS=15 KEEP_DRAFTER=1 VLLM_SETS=mtbench LIVE_STEPS="${TTQ_LIVE_STEPS:-}" ;;
   pairs)
     for form in $PAIR_FORMS; do
       pair_flags "$form"

@@ -87,7 +87,8 @@ def test_the_lease_script_runs_the_kernels_the_pair_and_first_turns_time_to_qual
     with AdamW, Muon one matrix at a time, Muon stacked (profiled: OPTIM_PROFILE) and stacked in bf16; data: the
     start-up's data step timed both ways on the ttq stage's answers; ttq: the quality run with
     TURNS=first (only the first user turn of each conversation of sharegpt.jsonl answered, even beside a file of
-    every turn), L_EVAL=0 (no `dflashkit eval`), vLLM on MT-bench alone although HumanEval is in the data, and
+    every turn), TTQ_L_EVAL (the export's live chain τ in `dflashkit eval` after vLLM), vLLM on MT-bench alone
+    although HumanEval is in the data, and
     TTQ_WARM=1 (WARM=1: a short training on stand-ins of the turns beside the answering, ended before stage 2
     starts; 2 steps, the toy scale's own, without WARM_STEPS); the training's log says where its start-up went.
     READY names a file that is there."""
@@ -97,7 +98,7 @@ def test_the_lease_script_runs_the_kernels_the_pair_and_first_turns_time_to_qual
     ready.touch()
     forms = ("adamw", "muon_one", "muon", "muon_bf16")
     ends = run_toy_script("testbed_quality_lease.sh", run, STAGES="kernels pairs optim ttq data", READY=str(ready),
-                          TARGET="testbed:smollm2", DATA=str(data), TTQ_WARM="1", PAIR_PROFILE="1",
+                          TARGET="testbed:smollm2", DATA=str(data), TTQ_WARM="1", TTQ_L_EVAL="120", PAIR_PROFILE="1",
                           OPTIM_FORMS=" ".join(forms), OPTIM_PROFILE="muon")
     assert set(ends) == {"kernels-bench", "conv-bench", "pair-both", "pair-plain", "ttq", "data",
                          *(f"optim-{form}" for form in forms)}, ends
@@ -125,7 +126,8 @@ def test_the_lease_script_runs_the_kernels_the_pair_and_first_turns_time_to_qual
     ttq = run / "ttq"
     lines = (ttq / "stages.txt").read_text().splitlines()
     ended = {line.split("] ", 1)[1].split(":", 1)[0]: line for line in lines if ": rc=" in line}
-    assert set(ended) == {"warm-compile", "regenerate", "train-recipe", "vllm-tau-mtbench", "time-to-quality"}, lines
+    assert set(ended) == {"warm-compile", "regenerate", "train-recipe", "vllm-tau-mtbench", "eval-recipe",
+                          "time-to-quality"}, lines
     assert all(" rc=0 " in line for line in ended.values()), lines
     assert "variants steps_1400" in lines[0]
     warm = json.loads((ttq / "warm" / "summary.json").read_text())
@@ -141,6 +143,8 @@ def test_the_lease_script_runs_the_kernels_the_pair_and_first_turns_time_to_qual
         assert row["messages"][0]["content"] == first["content"]
     assert "regenerate: the first user turn of each conversation" in (ttq / "stages.txt").read_text()
     assert list((ttq / "out" / "drafter-steps_1400").glob("drafter.tar.*"))  # KEEP_DRAFTER
+    report = json.loads((ttq / "out" / "recipe" / "results" / "steps_1400" / "report.json").read_text())
+    assert report["overall"]["tau"] >= 1.0  # TTQ_L_EVAL: the export's live chain τ
     train_log = (ttq / "out" / "recipe" / "results" / "steps_1400" / "train.log").read_text()
     assert "start-up: step " in train_log, train_log[-2000:]
 
