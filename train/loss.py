@@ -300,13 +300,16 @@ def chunked_logit_statistics(hidden, weight, bias, labels, valid, teacher, obj: 
     for s in range(0, n_blocks, chunk):
         e = min(n_blocks, s + chunk)
         lab, ok = labels[s:e], valid[s:e]
+        # the compiled kernels' labels start at offset 0 in every chunk: a slice's offset (0 for the first chunk,
+        # s*p after) made them compile twice more, once per side of the framework's 0/1 specialisation
+        flat_lab = lab.reshape(-1).clone() if fused else lab.reshape(-1)
         val = ok.to(acc)
         # cast, then flattened: one copy (the cast of the draft positions' strided view is already contiguous)
         raw = F.linear(hidden[s:e].to(weight.dtype).reshape(-1, h), weight, bias)  # [rows, V], lm_head dtype
         if grouped:
-            lse, tgt, top, group_max = stats(raw, lab.reshape(-1), acc, TOPK_GROUP)
+            lse, tgt, top, group_max = stats(raw, flat_lab, acc, TOPK_GROUP)
         else:
-            (lse, tgt, top), group_max = stats(raw, lab.reshape(-1), acc), None
+            (lse, tgt, top), group_max = stats(raw, flat_lab, acc), None
         if top_k:  # the selector's candidates, from these logits (module notes)
             if raw.dtype != top_logits.dtype:  # autocast around the engine: the logits' own dtype
                 top_logits = top_logits.to(raw.dtype)
@@ -334,7 +337,7 @@ def chunked_logit_statistics(hidden, weight, bias, labels, valid, teacher, obj: 
         tau_sum += ((1.0 + runs[s:e]) * ok.any(-1)).sum()
         if need_grad:
             soft_p = None if teacher_p is None else teacher_p.mul_(obj.soft)
-            g = logit_grad(raw, lse, lab.reshape(-1), w.reshape(-1), 1.0 - obj.soft, soft_p)
+            g = logit_grad(raw, lse, flat_lab, w.reshape(-1), 1.0 - obj.soft, soft_p)
             grad[s:e].view(-1, h).copy_(g @ weight)  # upcast as it is written
             del g
         del raw, teacher_p

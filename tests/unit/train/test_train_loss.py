@@ -137,3 +137,24 @@ def test_bad_arguments():
         block_loss(hidden, weight, labels, valid, variant="kl")
     with pytest.raises(ValueError, match="dpace_alpha"):
         block_loss(hidden, weight, labels, valid, variant="dpace", dpace_alpha=0.0)
+
+
+@pytest.mark.slow  # compiling for the CPU
+def test_fused_kernels_compile_once_per_shape_kind_whatever_the_chunk_offset():
+    """A chunk's labels reach the compiled kernels at offset 0. As a slice (offset 0 for the first chunk, s*p
+    after) they fell on both sides of the compiler's 0/1 specialisation: a first chunk of a new size then
+    compiled each kernel once more. Here: 10 blocks in chunks of 4 (4, 4, 2), then 3 blocks (one chunk of a
+    new size at offset 0). Each kernel compiles its static graph and one dynamic graph, no third."""
+    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from dflashkit.train.loss import _logit_grad, _logit_stats
+
+    torch._dynamo.reset()
+    for n in (10, 3):
+        hidden, weight, labels, valid, _ = make(n=n, p=5, h=16, v=300, seed=n)
+        out = block_loss(hidden.clone().requires_grad_(True), weight, labels, valid, variant="dpace",
+                         chunk_tokens=20, fused=True)
+        out.loss_sum.backward()
+    for fn in (_logit_stats, _logit_grad):
+        entries = len(_debug_get_cache_entry_list(fn.__code__))
+        assert 1 <= entries <= 2, (fn.__name__, entries)
