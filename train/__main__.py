@@ -94,13 +94,15 @@ def config_from_args(args: argparse.Namespace):
 
 
 def main(argv: list[str] | None = None) -> int:
+    from dflashkit import IMPORTED_AT  # the process's start: the run's clock counts its imports
+
     cfg = config_from_args(parse_args(argv))
     from .run_dir import main_process
     from .train_step import TrainingDiverged
     from .trainer import train
 
     try:
-        train(cfg)  # a user error propagates to dflashkit.cli.run_main: one line, exit 2
+        train(cfg, started=IMPORTED_AT)  # a user error propagates to dflashkit.cli.run_main: one line, exit 2
     except TrainingDiverged as e:  # valid input, failed run: one line (every rank stopped alike), exit 1
         if main_process():
             print(f"dflashkit train: error: {e}", file=sys.stderr, flush=True)

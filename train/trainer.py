@@ -51,26 +51,32 @@ from .tracking import Tracker
 from .train_step import TrainingDiverged, check_finite, train_step
 
 
-def train(cfg: TrainConfig, vllm_api=None) -> dict:
+def train(cfg: TrainConfig, vllm_api=None, started: float | None = None) -> dict:
     """Train as ``cfg`` says (the module docstring), holding the lock on ``cfg.output_dir`` throughout. Raises
     ``TrainingDiverged`` when a loss, gradient norm or weight becomes NaN or Inf. ``vllm_api``: the vLLM calls of
-    a ``target_engine=vllm`` run (None: the installed vLLM; train/online_vllm.py)."""
+    a ``target_engine=vllm`` run (None: the installed vLLM; train/online_vllm.py). ``started``: when the run's
+    clock began (metrics.jsonl's elapsed_s), for a command the process's start (``dflashkit.IMPORTED_AT``: its
+    imports count); None: now."""
     from dflashkit.outputs import OutputLock
 
-    started = time.time()  # metrics.jsonl's elapsed_s counts from here: setup (target load, data) included
+    called = time.time()
+    started = called if started is None else min(float(started), called)  # setup (target load, data) included
 
     check_output_paths(cfg)  # before any work: the run directory, the export directory, init_from
     with OutputLock(cfg.output_dir, "train"):
-        return _train(cfg, start_of_run(cfg), vllm_api, started)  # start: the checkpoint to resume, init_from, checked
+        return _train(cfg, start_of_run(cfg), vllm_api, started, called)  # start: the checkpoint to resume, init_from
 
 
-def _train(cfg: TrainConfig, start: Start, vllm_api=None, started: float | None = None) -> dict:
+def _train(cfg: TrainConfig, start: Start, vllm_api=None, started: float | None = None,
+           called: float | None = None) -> dict:
     # what the run holds open (an online run's capture hooks on its target), released however the run ends
     with ExitStack() as resources:
         # --- setup: data, target head, drafter, optimizer, schedule, resume (train/setup.py) -------------
         run = setup(cfg, start, resources, vllm_api)
         if started is not None:
             run.startup["setup_s"] = time.time() - started
+            if called is not None and called > started:  # a command: its imports before train() was called
+                run.startup["imports_s"] = called - started
         summary = _train_run(run, started)
     run.accelerator.wait_for_everyone()
     return summary
@@ -165,8 +171,9 @@ def train_loop(run: TrainRun, tracker: Tracker, bar, stop: StopRequest) -> None:
 
 
 def report_startup(run: TrainRun, started: float) -> None:
-    """Say once, at this process's first logged step, where the seconds before it went: the setup (``load_s``:
-    the data, the target and the drafter; then the optimizer and the compile wrappers), the first steps (in a
+    """Say once, at this process's first logged step, where the seconds before it went: the setup (``imports_s``:
+    a command's imports before ``train`` was called; ``load_s``: the data, the target and the drafter; then the
+    optimizer and the compile wrappers), the first steps (in a
     compiled run mostly the drafter's compilation; online, the target's first passes too) and, with compile=true,
     how many graphs the compile cache had spared by then. ``started``: when elapsed_s began (metrics.jsonl). Kept in
     ``run.startup`` for summary.json; printed, so a run stopped before its end keeps it in its log too."""
@@ -175,7 +182,8 @@ def report_startup(run: TrainRun, started: float) -> None:
     steps, setup_s = run.step - st.get("from_step", 0), st.get("setup_s", 0.0)
     line = f"start-up: step {run.step} at {st['first_log_s']:.0f} s:"
     if "setup_s" in st:
-        line += f" setup {setup_s:.0f} s (data, target and drafter {st.get('load_s', 0.0):.0f} s), then"
+        imports = f"imports {st['imports_s']:.0f} s; " if "imports_s" in st else ""
+        line += f" setup {setup_s:.0f} s ({imports}data, target and drafter {st.get('load_s', 0.0):.0f} s), then"
     line += f" {steps} step(s) in {st['first_log_s'] - setup_s:.0f} s"
     if run.cfg.compile:
         st["compiled_graphs"] = graphs = compiled_graphs()

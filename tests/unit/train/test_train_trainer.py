@@ -16,7 +16,7 @@ from dflashkit.train.trainer import train
 
 from support.paths import ROOT
 from support.shards import make_shards
-from support.training import tiny_overrides, train_losses
+from support.training import as_argv, tiny_overrides, train_losses
 
 RECIPES = ROOT / "recipes"
 
@@ -88,6 +88,24 @@ def test_the_start_up_is_accounted_at_the_first_logged_step(tiny_run, tmp_path, 
     row = next(r for r in read_metrics(out) if r["step"] == 2 and "train/loss" in r)
     assert st["setup_s"] < row["elapsed_s"] <= st["first_log_s"]
     assert json.loads((out / "summary.json").read_text())["startup"] == st
+    assert "imports_s" not in st and "imports" not in lines[0]  # called in-process: its clock starts at the call
+
+
+def test_the_command_counts_its_imports_in_the_runs_clock(tiny_run, tmp_path, capsys):
+    """`dflashkit train` (its main) starts metrics.jsonl's clock at the process's first import of dflashkit, so
+    a run's wall time counts the command's imports (torch, transformers) before ``train`` was called; the
+    start-up line and summary.json say how long they took."""
+    import dflashkit
+    from dflashkit.train.__main__ import main
+
+    _, shards = tiny_run
+    out = tmp_path / "run"
+    assert main(as_argv(tiny_overrides(shards, out, max_steps=2, log_every=2, save_every=0))) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("start-up:")]
+    st = json.loads((out / "summary.json").read_text())["startup"]
+    assert 0 < st["imports_s"] < st["setup_s"] and f"(imports {st['imports_s']:.0f} s; data" in lines[0]
+    for row in read_metrics(out):  # every row's clock began at the import, not at the call
+        assert row["wall_time"] - row["elapsed_s"] == pytest.approx(dflashkit.IMPORTED_AT, abs=1e-3)
 
 
 def test_manifest_mismatch_is_refused_naming_the_field(tiny_run, tmp_path):
