@@ -6,10 +6,11 @@
 What it reads, per run directory (train/tracking.py), every row in the order written: the held-out evaluation
 rows (``eval/tau_walk``: the τ a drafter gets walking the held-out blocks with the target's tokens, logged every
 ``eval_every`` steps and at the end) and each row's ``elapsed_s`` (seconds since the training process began, its
-setup included; for `dflashkit train` its imports too, from 8f75367 on: before, the clock began when
-``train`` was called, and the runs' 5-30 s of imports were not counted, RESULTS.md). A resumed run starts ``elapsed_s`` again from 0: the segments are added up (a row whose
-elapsed_s is below the one before starts a new segment, counted from the previous segment's last row), so the
-time is the training processes' own, without the pauses between them. ``--offset-s`` adds what came before
+setup included; for `dflashkit train` its imports too, since 2026-12-05 late: before, the clock began when
+``train`` was called, and the runs' 5-30 s of imports were not counted, RESULTS.md). A resumed run starts
+``elapsed_s`` again from 0: the segments are added up (a row whose elapsed_s is below the one before starts a
+new segment, counted from the previous segment's last row), so the time is the training processes' own, without
+the pauses between them. ``--offset-s`` adds what came before
 training (e.g. the regeneration's wall time) to every time.
 
 What it writes: per run, the timeline (step, seconds, τ_walk), the first time τ_walk reached each of ``--taus``
