@@ -32,6 +32,8 @@ Design choices:
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from dflashkit.errors import UserError
@@ -63,16 +65,21 @@ def engine_api(cfg, vllm_api, world: int):
     return real_vllm_api()
 
 
-def open_online_vllm(cfg, device, compute_dtype: torch.dtype, say=print, rank: int = 0):
+def open_online_vllm(cfg, device, compute_dtype: torch.dtype, say=print, rank: int = 0, parts: dict | None = None):
     """Describe ``cfg.target`` (no weights) and encode ``cfg.data``: (target description, head, live manifest,
-    samples), as ``online.open_online`` returns them."""
+    samples), as ``online.open_online`` returns them, with its ``parts``."""
     from dflashkit.targets.loading import load_target_head
     from dflashkit.targets.vllm_capture import describe_target
 
     check_online_inputs(cfg)
+    loading = time.perf_counter()
     target = describe_target(cfg.target)
     head = load_target_head(cfg.target, dtype=compute_dtype, device=device)
-    return target, head, live_manifest(cfg, target), encode_online_data(cfg, target.tokenizer, say, rank)
+    loaded = time.perf_counter()
+    samples = encode_online_data(cfg, target.tokenizer, say, rank)
+    if parts is not None:
+        parts.update(target_s=loaded - loading, data_s=time.perf_counter() - loaded)
+    return target, head, live_manifest(cfg, target), samples
 
 
 def capture_config(cfg, device):

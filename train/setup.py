@@ -246,9 +246,9 @@ def setup(cfg: TrainConfig, start: Start, resources: ExitStack, vllm_api=None) -
 
     # --- data, target head, drafter -----------------------------------------------------------------------
     use_last_hidden = cfg.loss == "kl" or cfg.labels == "target_argmax"  # the target's final hidden states
-    loading = time.perf_counter()
+    loading, parts = time.perf_counter(), {}
     dataset, head, model, dcfg = load_data_and_drafter(cfg, start, accelerator, resources, use_last_hidden,
-                                                       vllm_api)
+                                                       vllm_api, parts)
     load_s = time.perf_counter() - loading
     check_last_hidden(cfg, dataset)
     if cfg.gradient_checkpointing:
@@ -275,7 +275,7 @@ def setup(cfg: TrainConfig, start: Start, resources: ExitStack, vllm_api=None) -
                    optimizer=optimizer, train_idx=train_idx, eval_idx=eval_idx, packs=packs, planned=planned,
                    total_steps=total_steps, warmup=int(round(cfg.warmup_ratio * total_steps)),
                    pass_options=pass_options, use_last_hidden=use_last_hidden, online=online,
-                   startup={"load_s": load_s})
+                   startup={"load_s": load_s, **parts})
 
     # --- resume -------------------------------------------------------------------------------------------
     if start.resume is not None:
@@ -284,10 +284,11 @@ def setup(cfg: TrainConfig, start: Start, resources: ExitStack, vllm_api=None) -
 
 
 def load_data_and_drafter(cfg: TrainConfig, start: Start, accelerator, resources: ExitStack,
-                          use_last_hidden: bool, vllm_api=None):
+                          use_last_hidden: bool, vllm_api=None, parts: dict | None = None):
     """(dataset, head, model, DrafterConfig): the samples (shards, or the live target's features: train/online.py,
     train/online_vllm.py), the target's frozen head, and the drafter (new, seeded by ``cfg.seed`` alone, or
-    ``start``'s init_from one), checked against the shards' manifest or the live target."""
+    ``start``'s init_from one), checked against the shards' manifest or the live target. ``parts`` (a dict) gets
+    the seconds of each: ``data_s``, ``target_s``, ``drafter_s``."""
     from accelerate.utils import set_seed
 
     from dflashkit.extract.shards.manifest import check_manifest_matches
@@ -296,20 +297,26 @@ def load_data_and_drafter(cfg: TrainConfig, start: Start, accelerator, resources
 
     compute_dtype = torch.bfloat16 if cfg.mixed_precision == "bf16" else torch.float32
     device, rank, world = accelerator.device, accelerator.process_index, accelerator.num_processes
+    parts = {} if parts is None else parts
     if cfg.data and vllm_api is not None:  # online, the target in a vLLM engine: only described here
         from .online_vllm import open_online_vllm
 
-        target, head, manifest, samples = open_online_vllm(cfg, device, compute_dtype, accelerator.print, rank)
+        target, head, manifest, samples = open_online_vllm(cfg, device, compute_dtype, accelerator.print, rank,
+                                                           parts)
     elif cfg.data:  # online: each rank loads its own frozen target; accelerate never sees it
         from .online import open_online
 
-        target, head, manifest, samples = open_online(cfg, device, compute_dtype, accelerator.print, rank)
+        target, head, manifest, samples = open_online(cfg, device, compute_dtype, accelerator.print, rank, parts)
     else:
+        reading = time.perf_counter()
         if cfg.verify_shards:
             verify_shards(cfg.shards, rank, world)
         dataset = ShardDataset(cfg.shards)
         manifest = dataset.manifest
+        read = time.perf_counter()
         head = load_target_head(cfg.target or manifest["target"]["path"], dtype=compute_dtype, device=device)
+        parts.update(data_s=read - reading, target_s=time.perf_counter() - read)
+    building = time.perf_counter()
     set_seed(cfg.seed)  # the drafter's initial weights depend on the seed alone, whatever loading consumed
     model, dcfg = build_model(cfg, manifest, head, start.init_model)
     if cfg.data:
@@ -317,6 +324,7 @@ def load_data_and_drafter(cfg: TrainConfig, start: Start, accelerator, resources
                                                           vllm_api))
     else:
         check_manifest_matches(manifest, dcfg, target_identity(head))
+    parts["drafter_s"] = time.perf_counter() - building
     return dataset, head, model, dcfg
 
 

@@ -172,7 +172,8 @@ def train_loop(run: TrainRun, tracker: Tracker, bar, stop: StopRequest) -> None:
 
 def report_startup(run: TrainRun, started: float) -> None:
     """Say once, at this process's first logged step, where the seconds before it went: the setup (``imports_s``:
-    a command's imports before ``train`` was called; ``load_s``: the data, the target and the drafter; then the
+    a command's imports before ``train`` was called; ``load_s``: the data, the target and the drafter, each also
+    on its own, ``data_s``, ``target_s``, ``drafter_s``; then the
     optimizer and the compile wrappers), the first steps (in a
     compiled run mostly the drafter's compilation; online, the target's first passes too) and, with compile=true,
     how many graphs the compile cache had spared by then. ``started``: when elapsed_s began (metrics.jsonl). Kept in
@@ -183,7 +184,10 @@ def report_startup(run: TrainRun, started: float) -> None:
     line = f"start-up: step {run.step} at {st['first_log_s']:.0f} s:"
     if "setup_s" in st:
         imports = f"imports {st['imports_s']:.0f} s; " if "imports_s" in st else ""
-        line += f" setup {setup_s:.0f} s ({imports}data, target and drafter {st.get('load_s', 0.0):.0f} s), then"
+        each = "".join(f", {name} {st[f'{name}_s']:.0f} s" for name in ("data", "target", "drafter")
+                       if f"{name}_s" in st)
+        line += (f" setup {setup_s:.0f} s ({imports}data, target and drafter {st.get('load_s', 0.0):.0f} s"
+                 f"{each}), then")
     line += f" {steps} step(s) in {st['first_log_s'] - setup_s:.0f} s"
     if run.cfg.compile:
         st["compiled_graphs"] = graphs = compiled_graphs()

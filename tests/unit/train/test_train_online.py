@@ -153,6 +153,9 @@ def test_online_training_equals_extract_then_train_shards(chat_run, tmp_path, ca
         assert b[step] == pytest.approx(a[step], rel=1e-6, abs=1e-7), step
     for key in ("eval/loss", "eval/tau_sim", "eval/acc"):
         assert online[key] == pytest.approx(offline[key], rel=1e-6), key
+    st = online["startup"]  # online, the load's parts are the data's encoding, the target's load and the drafter
+    assert all(st[k] > 0 for k in ("data_s", "target_s", "drafter_s"))
+    assert st["data_s"] + st["target_s"] + st["drafter_s"] <= st["load_s"]
     from safetensors.torch import load_file
 
     wa = load_file(str(Path(offline["checkpoint"]) / "model.safetensors"))
