@@ -36,7 +36,8 @@
 #   dflash2  DFlash2's forms beside DFlash at equal data (first turns, EPOCHS2 epochs, VARIANTS2 side by side),
 #            live chain τ of each in `dflashkit eval` (vLLM 0.24 serves no DFlash2); ~25 min, a lease of its own;
 #            REGEN2=FILE trains on those answers instead of answering again (e.g. /root/run/ttq/regen.jsonl after ttq);
-#            MORE2=conv_kernel=true,selector_kernel=true trains the DFlash2 forms with the kernels;
+#            MORE2=conv_kernel=true,selector_kernel=true trains the DFlash2 forms with the kernels; TURNS2=every
+#            answers every user turn instead (more data: e.g. VARIANTS2=default,dflash2 MORE2=max_steps=3000);
 #   rows     the recipe's rows on every answered turn: every turn answered greedily and once more sampled
 #            (SAMPLED=1), then ROWS (default seed_1,extra_answers_same_steps) two at a time for 2 epochs, τ in
 #            vLLM, each export kept in pieces; a lease of its own (REGEN=FILE skips the greedy answering).
@@ -153,7 +154,7 @@ for s in $STAGES; do
     (cd "$ROOT/bench" && stage data 600 "$PY" bench_encode_data.py --data "${DATA_FILE:-$R/ttq/regen.jsonl}" \
       --target "$T" "${ENCODE[@]}" --out "$O/encode_data.json") ;;
   dflash2)
-    quality dflash2 3000 TURNS=first REGEN="${REGEN2:-}" \
+    quality dflash2 3000 TURNS="${TURNS2:-first}" REGEN="${REGEN2:-}" \
       VARIANTS="${VARIANTS2:-default,dflash2,dflash2_coupled,dflash2_codebook_lr,dflash2_injected}" \
       EPOCHS="${EPOCHS2:-2}" L_TRAIN="${L_TRAIN2:-1000}" L_EVAL="${L_EVAL2:-300}" VLLM_SETS= MORE="${MORE2:-}" ;;
   rows)

@@ -165,6 +165,28 @@ def test_the_lease_script_refuses_an_unknown_stage_or_pair_form_before_running_a
 
 
 @pytest.mark.slow
+def test_the_lease_scripts_dflash2_stage_trains_both_architectures_on_every_answered_turn(tmp_path):
+    """STAGES=dflash2 TURNS2=every VARIANTS2=default,dflash2: every user turn answered (multi-turn rows), then
+    DFlash and DFlash2 side by side on them, each export of its own architecture, each walked live in
+    `dflashkit eval`, and no vLLM stage (vLLM 0.24 serves no DFlash2)."""
+    data = toy_data(tmp_path / "data", sharegpt=4, sharegpt_turns=3, mtbench=2)
+    run = tmp_path / "run"
+    ends = run_toy_script("testbed_quality_lease.sh", run, STAGES="dflash2", TURNS2="every",
+                          VARIANTS2="default,dflash2", EPOCHS2="1", L_EVAL2="120", TARGET="testbed:smollm2",
+                          DATA=str(data))
+    assert set(ends) == {"dflash2"}, ends
+    stages = (run / "dflash2" / "stages.txt").read_text()
+    assert "regenerate: rc=0" in stages and "the first user turn" not in stages and "vllm-tau" not in stages
+    regen = jsonl(run / "dflash2" / "regen.jsonl")
+    assert max(sum(m["role"] == "assistant" for m in row["messages"]) for row in regen) > 1  # multi-turn
+    results = json.loads((run / "dflash2" / "out" / "recipe" / "results.json").read_text())["variants"]
+    for name, arch in (("default", "DFlashDraftModel"), ("dflash2", "DFlash2DraftModel")):
+        export = json.loads((run / "dflash2" / "work" / "train" / name / "export" / "config.json").read_text())
+        assert export["architectures"] == [arch], name
+        assert results[name]["status"] == "done" and results[name]["tau"] >= 1.0, results[name]
+
+
+@pytest.mark.slow
 def test_the_quality_run_script_trains_on_an_earlier_leases_answers(tmp_path):
     """REGEN=FILE.gz (an earlier lease's out/regen pieces put back together): nothing is answered, the recipe
     trains on that file as it is, and the curve's seconds start with training (no answering to add); MORE's
