@@ -10,8 +10,8 @@ setup included; for `dflashkit train` its imports too, since 2026-12-05 late: be
 ``train`` was called, and the runs' 5-30 s of imports were not counted, RESULTS.md). A resumed run starts
 ``elapsed_s`` again from 0: the segments are added up (a row whose elapsed_s is below the one before starts a
 new segment, counted from the previous segment's last row), so the time is the training processes' own, without
-the pauses between them. ``--offset-s`` adds what came before
-training (e.g. the regeneration's wall time) to every time.
+the pauses between them. ``--offset-s`` adds what came before training (e.g. the regeneration's wall time) to
+every time.
 
 What it writes: per run, the timeline (step, seconds, τ_walk), the first time τ_walk reached each of ``--taus``
 (None when it never did), and the final τ_walk and its time. τ_walk is not live τ (held-out blocks with the

@@ -314,11 +314,8 @@ def open_online(cfg, device, compute_dtype: torch.dtype, say=print, rank: int = 
     # the training head shares the target's tensors when the dtypes agree, else it is read on its own
     head = target_head_of(target, dtype) if dtype == compute_dtype else \
         load_target_head(cfg.target, dtype=compute_dtype, device=device)
-    loaded = time.perf_counter()
-    samples = encode_online_data(cfg, target.tokenizer, say, rank)
-    if parts is not None:
-        parts.update(target_s=loaded - loading, data_s=time.perf_counter() - loaded)
-    return target, head, live_manifest(cfg, target), samples
+    return target, head, live_manifest(cfg, target), encode_online_data(cfg, target.tokenizer, say, rank, parts,
+                                                                        loading)
 
 
 def check_online_inputs(cfg) -> None:
@@ -344,12 +341,21 @@ def live_manifest(cfg, target) -> dict:
             "vocab_size": target.vocab_size, "mask_token_id": None}
 
 
-def encode_online_data(cfg, tokenizer, say=print, rank: int = 0) -> list:
-    """``cfg.data`` encoded as ``encode_data`` does, with the run's settings (token cache under output_dir)."""
+def encode_online_data(cfg, tokenizer, say=print, rank: int = 0, parts: dict | None = None,
+                       loading: float | None = None) -> list:
+    """``cfg.data`` encoded as ``encode_data`` does, with the run's settings (token cache under output_dir).
+    ``parts`` (a dict) gets its seconds as ``data_s``, and the target's as ``target_s``: from ``loading`` (when the
+    target began to load) to now."""
     from dflashkit.extract.data.batching import resolve_tokenize_workers
 
-    return encode_data(cfg.data, tokenizer, max_length=cfg.max_length, chat_template=cfg.chat_template,
-                       template_kwargs=cfg.chat_template_kwargs, limit=cfg.data_limit or None,
-                       tokenize_workers=resolve_tokenize_workers(cfg.tokenize_workers), say=say,
-                       cache_dir=str(Path(cfg.output_dir) / "token-cache") if cfg.token_cache else None,
-                       write_cache=rank == 0)
+    encoding = time.perf_counter()
+    samples = encode_data(cfg.data, tokenizer, max_length=cfg.max_length, chat_template=cfg.chat_template,
+                          template_kwargs=cfg.chat_template_kwargs, limit=cfg.data_limit or None,
+                          tokenize_workers=resolve_tokenize_workers(cfg.tokenize_workers), say=say,
+                          cache_dir=str(Path(cfg.output_dir) / "token-cache") if cfg.token_cache else None,
+                          write_cache=rank == 0)
+    if parts is not None:
+        parts["data_s"] = time.perf_counter() - encoding
+        if loading is not None:
+            parts["target_s"] = encoding - loading
+    return samples

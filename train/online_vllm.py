@@ -75,11 +75,8 @@ def open_online_vllm(cfg, device, compute_dtype: torch.dtype, say=print, rank: i
     loading = time.perf_counter()
     target = describe_target(cfg.target)
     head = load_target_head(cfg.target, dtype=compute_dtype, device=device)
-    loaded = time.perf_counter()
-    samples = encode_online_data(cfg, target.tokenizer, say, rank)
-    if parts is not None:
-        parts.update(target_s=loaded - loading, data_s=time.perf_counter() - loaded)
-    return target, head, live_manifest(cfg, target), samples
+    return target, head, live_manifest(cfg, target), encode_online_data(cfg, target.tokenizer, say, rank, parts,
+                                                                        loading)
 
 
 def capture_config(cfg, device):

@@ -173,11 +173,11 @@ def train_loop(run: TrainRun, tracker: Tracker, bar, stop: StopRequest) -> None:
 def report_startup(run: TrainRun, started: float) -> None:
     """Say once, at this process's first logged step, where the seconds before it went: the setup (``imports_s``:
     a command's imports before ``train`` was called; ``load_s``: the data, the target and the drafter, each also
-    on its own, ``data_s``, ``target_s``, ``drafter_s``; then the
-    optimizer and the compile wrappers), the first steps (in a
-    compiled run mostly the drafter's compilation; online, the target's first passes too) and, with compile=true,
-    how many graphs the compile cache had spared by then. ``started``: when elapsed_s began (metrics.jsonl). Kept in
-    ``run.startup`` for summary.json; printed, so a run stopped before its end keeps it in its log too."""
+    on its own, ``data_s``, ``target_s``, ``drafter_s``; then the optimizer and the compile wrappers), the first
+    steps (in a compiled run mostly the drafter's compilation; online, the target's first passes too) and, with
+    compile=true, how many graphs the compile cache had spared by then. ``started``: when elapsed_s began
+    (metrics.jsonl). Kept in ``run.startup`` for summary.json; printed, so a run stopped before its end keeps it in
+    its log too."""
     st = run.startup
     st["first_log_step"], st["first_log_s"] = run.step, time.time() - started
     steps, setup_s = run.step - st.get("from_step", 0), st.get("setup_s", 0.0)

@@ -122,6 +122,10 @@ def test_training_with_the_target_in_vllm_equals_in_process_online_training(chat
         assert b[step] == a[step], step
     for key in ("eval/loss", "eval/tau_sim", "eval/acc"):
         assert vl[key] == hf[key], key
+    for summary in (hf, vl):  # the load's parts timed on both paths: the data's encoding, the target, the drafter
+        st = summary["startup"]
+        assert all(st[k] > 0 for k in ("data_s", "target_s", "drafter_s"))
+        assert st["data_s"] + st["target_s"] + st["drafter_s"] <= st["load_s"]
     from safetensors.torch import load_file
 
     wa = load_file(str(Path(hf["checkpoint"]) / "model.safetensors"))
