@@ -54,8 +54,9 @@ class BlockLossPass:
 
     def __init__(self, head, labels: torch.Tensor, valid: torch.Tensor, teacher: torch.Tensor | None,
                  loss_options: dict, selector_kernel: bool = False, selector_unary_grad: bool = False,
-                 selector_missing_label: str = "skip"):
+                 selector_missing_label: str = "skip", loss_grad: bool = True):
         self.head, self.labels, self.valid, self.teacher = head, labels, valid, teacher
+        self.loss_grad = loss_grad  # False: the loss engine computes no gradient, even in grad mode (evaluation)
         self.loss_options = loss_options  # block_loss's keywords: variant, gamma, ..., chunk_tokens, fused
         self.selector_kernel = selector_kernel  # DFlash2: the selector's pairwise term by train/selector_pair.py
         self.selector_unary_grad = selector_unary_grad  # DFlash2: its unary logits carry a gradient (selector_loss)
@@ -67,7 +68,8 @@ class BlockLossPass:
         # autocast off: inside a forward that accelerate runs under bf16 autocast, the engine still computes in
         # the dtypes it picks itself, as after the forward
         with torch.autocast(hidden.device.type, enabled=False):
-            self.out = block_loss(hidden, self.head.lm_head.weight, self.labels, self.valid,
+            states = hidden if self.loss_grad else hidden.detach()
+            self.out = block_loss(states, self.head.lm_head.weight, self.labels, self.valid,
                                   teacher_hidden=self.teacher, lm_head_bias=self.head.lm_head.bias, top_k=top_k,
                                   **self.loss_options)
         return self.out
@@ -199,7 +201,8 @@ def forward_blocks(model, head, batch: PackedBlocks, *, block_size: int, layer_t
                    dpace_alpha: float = 0.5, kl_weight: float = 0.5, chunk_tokens: int = 2048,
                    fused_loss: bool = False, labels: str = "data", selector: bool = True,
                    causal: bool = False, selector_kernel: bool = False, selector_unary_grad: bool = False,
-                   selector_weights: str = "decay", selector_missing_label: str = "skip") -> BlockLossOutput:
+                   selector_weights: str = "decay", selector_missing_label: str = "skip",
+                   loss_grad: bool = True) -> BlockLossOutput:
     """The un-normalised block loss (and metrics) of one packed micro-batch (fused_loss: train/loss.py);
     ``labels="target_argmax"``: against the target's greedy tokens (``target_argmax_labels``), not the data's;
     ``selector=False``: a DFlash2 drafter's selector term is not computed (``out.selector`` is None);
@@ -207,12 +210,13 @@ def forward_blocks(model, head, batch: PackedBlocks, *, block_size: int, layer_t
     term by train/selector_pair.py's kernels where they fit; ``selector_unary_grad``: its unary logits carry a
     gradient to the drafter; ``selector_weights="loss"``: its positions weighted and normalised as the block
     loss's; ``selector_missing_label="inject"``: in training, a label outside the candidates takes the lowest
-    one's slot (all train/selector_loss.py)."""
+    one's slot (all train/selector_loss.py); ``loss_grad=False``: the block loss computes no gradient of the
+    states, even in grad mode (train/evaluate.py's passes through the training's graphs)."""
     targets = target_argmax_labels(head, batch, chunk_tokens) if labels == "target_argmax" else batch.labels
     teacher = batch.last_hidden[batch.teacher_index] if variant == "kl" else None  # after the target's final norm
     loss_pass = BlockLossPass(head, targets, batch.valid, teacher, dict(
         variant=variant, gamma=gamma, dpace_alpha=dpace_alpha, kl_weight=kl_weight, chunk_tokens=chunk_tokens,
-        fused=fused_loss), selector_kernel, selector_unary_grad, selector_missing_label)
+        fused=fused_loss), selector_kernel, selector_unary_grad, selector_missing_label, loss_grad)
     term = EXTRA_LOSS_TERMS[drafter_kind(model).architecture] if selector else None  # DFlash2: the selector's
     extra_inputs = None if term is None else term.forward_inputs(batch, targets, loss_pass)
     hidden = draft_hidden(model, head, batch, block_size=block_size, layer_types=layer_types,

@@ -29,8 +29,9 @@ Design choices:
   at the first evaluation: its window took 19.5 s on one H100 against 3.5 s now, with no recompilation of the
   layers in the training log (RESULTS.md "Time to quality with the host-time cuts"). Each pass's autograd graph
   is dropped with its output, and the passes' DFlash2 options that act only under a gradient (the injected
-  label, the coupled unary logits) are off, as in no-grad mode. A wrapped model keeps no-grad mode: a forward
-  in grad mode without a backward would leave its hooks waiting.
+  label, the coupled unary logits) are off, as in no-grad mode; the block loss computes no gradient of the
+  states (``loss_grad=False``), which the loss engine would otherwise compute with the loss. A wrapped model
+  keeps no-grad mode: a forward in grad mode without a backward would leave its hooks waiting.
 """
 
 from __future__ import annotations
@@ -142,14 +143,14 @@ def evaluate(model, head, dataset, indices: list[int], *, block_size: int, layer
         with torch.enable_grad() if graphs else nullcontext():
             out = forward_blocks(model, head, batch, selector=selector, selector_kernel=selector_kernel,
                                  selector_unary_grad=False, selector_weights=selector_weights,
-                                 selector_missing_label="skip", **passes)
+                                 selector_missing_label="skip", loss_grad=False, **passes)
         sums.add(out, loss_denominator(batch.valid, "ce", gamma), batch.scale, batch.num_tokens)
         del out  # and its autograd graph, before the next pass
         # the chain walk: every anchor candidate of the same samples, runs only
         every = collate_blocks(samples, num_anchors=1 << 40, scale=scale, check_finite=False, **options)
         every = every.to(device)
         with torch.enable_grad() if graphs else nullcontext():
-            runs = forward_blocks(model, head, every, selector=False, **passes).runs
+            runs = forward_blocks(model, head, every, selector=False, loss_grad=False, **passes).runs
         if padding:
             continue
         anchors, runs = every.anchors.tolist(), runs.tolist()

@@ -261,7 +261,14 @@ def test_compiled_layers_are_evaluated_through_the_training_graphs(setup, monkey
     grads = [p.grad.clone() for p in model.parameters()]
     compiled_before = layer_graphs()
     assert compiled_before >= 2  # the first layer's input without a gradient, the others' with one
+    from dflashkit.train import loss as loss_module
+
+    asked = []  # need_grad of every loss engine call: the evaluation computes no gradient of the states
+    engine = loss_module.chunked_logit_statistics
+    monkeypatch.setattr(loss_module, "chunked_logit_statistics", lambda *a: asked.append(a[10]) or engine(*a))
     got = evaluate(model, head, dataset, list(range(3)), **options)
+    assert asked and not any(asked)
+    monkeypatch.setattr(loss_module, "chunked_logit_statistics", engine)
     assert layer_graphs() == compiled_before  # no layer graph compiled for the evaluation
     assert model.training and all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))
     assert sorted(got) == sorted(want)
