@@ -19,9 +19,10 @@ report.json, they are copied to OUT/results/NAME/ (checkpoints stay under OUT/wo
 OUT/results.md are rewritten, so a session can copy results out stage by stage. A variant whose results are
 already in OUT is not run again (--rerun runs it again). `--stage train` stops each variant at its export
 (status "trained") and a later `--stage eval` over the same OUT evaluates those exports, so the GPU can serve other
-work in between (bench/testbed_engine_run.sh). `--combine SCREEN/results.json` adds `combo`, every variant of an
-earlier (screening) study that beat its `default` row, at once (bench/testbed_recipe_run.sh: a 1-epoch screen, then
-the combination at 3 epochs).
+work in between (bench/testbed_engine_run.sh); it evaluates again a row whose evaluation was cut by
+--eval-time-limit (status "eval_partial"), failed or was killed. `--combine SCREEN/results.json` adds `combo`,
+every variant of an earlier (screening) study that beat its `default` row, at once (bench/testbed_recipe_run.sh: a
+1-epoch screen, then the combination at 3 epochs).
 """
 
 from __future__ import annotations
@@ -154,6 +155,11 @@ def parse_variants(specs: list[str]) -> dict[str, list[str]]:
 
 def override_key(item: str) -> str:
     return item.split("=", 1)[0].strip()
+
+
+# the statuses of a row whose training ended with its export: `--stage eval` evaluates it (again, after an evaluation
+# that was cut by --eval-time-limit, failed or killed)
+TRAINED = ("trained", "evaluating", "eval_partial", "eval_failed")
 
 
 def evaluated(row: dict) -> bool:
@@ -311,7 +317,12 @@ class Study:
             return
         run_dir, eval_dir = self.work / "train" / name, self.work / "eval" / name
         if a.stage == "eval":  # the export of an earlier `--stage train` of this study
-            if previous.get("status") != "trained" or not (run_dir / "export" / "config.json").is_file():
+            if previous.get("status") not in TRAINED:
+                say(f"{name}: --stage eval needs an earlier --stage train over this --out ({self.out}/results.json "
+                    f"has {previous.get('status') or 'no row'} for it); skipped")
+                self.record(name, status="eval_failed", error="no finished training of an earlier --stage train")
+                return
+            if not (run_dir / "export" / "config.json").is_file():
                 say(f"{name}: --stage eval needs the export of an earlier --stage train in {run_dir}; skipped")
                 self.record(name, status="eval_failed", error="no export of an earlier --stage train")
                 return

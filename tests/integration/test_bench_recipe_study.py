@@ -137,7 +137,7 @@ def test_train_stage_then_eval_stage_over_the_same_out(tmp_path, capsys):
     common = ["--target", target, "--data", data, "--out", str(out), "--epochs", "1", "--device", "cpu",
               "--num-prompts", "1", "--max-new-tokens", "8", "--extra-overrides", TOY]
     assert main([*common, "--variants", "default", "--stage", "eval"]) == 1  # nothing trained yet
-    assert "needs the export of an earlier --stage train" in capsys.readouterr().out
+    assert "needs an earlier --stage train over this --out" in capsys.readouterr().out
     started = time.time()
     assert main([*common, "--variants", "default", "--stage", "train", "--rerun"]) == 0
     assert "--stage eval evaluates it" in capsys.readouterr().out
@@ -162,6 +162,20 @@ def test_train_stage_then_eval_stage_over_the_same_out(tmp_path, capsys):
     row = json.loads((out / "results.json").read_text())["variants"]["default"]
     report = json.loads((out / "results" / "default" / "report.json").read_text())
     assert row["status"] == "done" and row["step"] == 2 and row["tau"] == report["overall"]["tau"]
+    # an evaluation cut by --eval-time-limit is evaluated again by a later --stage eval (with a longer limit)
+    results = json.loads((out / "results.json").read_text())
+    results["variants"]["default"].update(status="eval_partial", tau=0.5)
+    (out / "results.json").write_text(json.dumps(results))
+    assert main([*common, "--variants", "default", "--stage", "eval"]) == 0
+    assert "default: tau" in capsys.readouterr().out
+    row = json.loads((out / "results.json").read_text())["variants"]["default"]
+    assert row["status"] == "done" and row["tau"] == report["overall"]["tau"]
+    # without its export it says which file is missing
+    config.rename(config.with_suffix(".away"))
+    results["variants"]["default"].update(status="eval_partial")
+    (out / "results.json").write_text(json.dumps(results))
+    assert main([*common, "--variants", "default", "--stage", "eval"]) == 1
+    assert f"needs the export of an earlier --stage train in {run_dir}" in capsys.readouterr().out
 
 
 @pytest.mark.slow
