@@ -18,6 +18,7 @@
 #            (default 200, the curve's resolution; the recipe's own is 500) sets the held-out evaluations' spacing;
 #            TTQ_L_EVAL=SECONDS (default 0: none) measures the export's live chain τ in `dflashkit eval` too, after
 #            vLLM (the DFlash side of a DFlash2 comparison on the same answers: REGEN2=$RUN/ttq/regen.jsonl);
+#            TTQ_MORE=KEY=VALUE,... adds recipe overrides (e.g. muon_ns_dtype=bfloat16; a second form with its own RUN);
 #   pairs    DFlash2's training throughput beside DFlash's, both in one process on the same batches
 #            (bench/bench_train_throughput.py --drafter-architecture dflash,dflash2 --smollm2-shape, offline, 12
 #            steps), once per form of PAIR_FORMS (default "plain both conv": no kernel, both kernels, the
@@ -133,7 +134,7 @@ for s in $STAGES; do
   ttq)
     quality ttq 1500 WARM="${TTQ_WARM:-0}" TORCH_LOGS="${TTQ_TORCH_LOGS:-recompiles}" TURNS=first \
       VARIANTS="${TTQ_VARIANT:-steps_1400}" PAR=1 EVAL_EVERY="${TTQ_EVAL_EVERY:-200}" L_EVAL="${TTQ_L_EVAL:-0}" \
-      L_TRAIN=420 KS=15 KEEP_DRAFTER=1 VLLM_SETS=mtbench LIVE_STEPS="${TTQ_LIVE_STEPS:-}" ;;
+      L_TRAIN=420 KS=15 KEEP_DRAFTER=1 VLLM_SETS=mtbench LIVE_STEPS="${TTQ_LIVE_STEPS:-}" MORE="${TTQ_MORE:-}" ;;
   pairs)
     for form in $PAIR_FORMS; do
       pair_flags "$form"

@@ -88,7 +88,7 @@ def test_the_lease_script_runs_the_kernels_the_pair_and_first_turns_time_to_qual
     start-up's data step timed both ways on the ttq stage's answers; ttq: the quality run with
     TURNS=first (only the first user turn of each conversation of sharegpt.jsonl answered, even beside a file of
     every turn), TTQ_L_EVAL (the export's live chain τ in `dflashkit eval` after vLLM), vLLM on MT-bench alone
-    although HumanEval is in the data, and
+    although HumanEval is in the data, TTQ_MORE (an override of the recipe, on the training's command line), and
     TTQ_WARM=1 (WARM=1: a short training on stand-ins of the turns beside the answering, ended before stage 2
     starts; 2 steps, the toy scale's own, without WARM_STEPS); the training's log says where its start-up went.
     READY names a file that is there."""
@@ -99,7 +99,7 @@ def test_the_lease_script_runs_the_kernels_the_pair_and_first_turns_time_to_qual
     forms = ("adamw", "muon_one", "muon", "muon_bf16")
     ends = run_toy_script("testbed_quality_lease.sh", run, STAGES="kernels pairs optim ttq data", READY=str(ready),
                           TARGET="testbed:smollm2", DATA=str(data), TTQ_WARM="1", TTQ_L_EVAL="120", PAIR_PROFILE="1",
-                          OPTIM_FORMS=" ".join(forms), OPTIM_PROFILE="muon")
+                          OPTIM_FORMS=" ".join(forms), OPTIM_PROFILE="muon", TTQ_MORE="muon_ns_dtype=bfloat16")
     assert set(ends) == {"kernels-bench", "conv-bench", "pair-both", "pair-plain", "ttq", "data",
                          *(f"optim-{form}" for form in forms)}, ends
     out = run / "out"
@@ -147,6 +147,7 @@ def test_the_lease_script_runs_the_kernels_the_pair_and_first_turns_time_to_qual
     assert report["overall"]["tau"] >= 1.0  # TTQ_L_EVAL: the export's live chain τ
     train_log = (ttq / "out" / "recipe" / "results" / "steps_1400" / "train.log").read_text()
     assert "start-up: step " in train_log, train_log[-2000:]
+    assert " muon_ns_dtype=bfloat16 " in train_log.splitlines()[0]  # TTQ_MORE: on the training's command line
 
 
 @pytest.mark.parametrize("env, refusal", [({"STAGES": "kernels pairs_typo"}, "unknown stage pairs_typo"),
