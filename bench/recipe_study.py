@@ -320,7 +320,7 @@ class Study:
             if previous.get("status") not in TRAINED:
                 say(f"{name}: --stage eval needs an earlier --stage train over this --out ({self.out}/results.json "
                     f"has {previous.get('status') or 'no row'} for it); skipped")
-                self.record(name, status="eval_failed", error="no finished training of an earlier --stage train")
+                self.record(name, status="not_trained", error="no finished training of an earlier --stage train")
                 return
             if not (run_dir / "export" / "config.json").is_file():
                 say(f"{name}: --stage eval needs the export of an earlier --stage train in {run_dir}; skipped")

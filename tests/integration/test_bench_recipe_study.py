@@ -176,6 +176,14 @@ def test_train_stage_then_eval_stage_over_the_same_out(tmp_path, capsys):
     (out / "results.json").write_text(json.dumps(results))
     assert main([*common, "--variants", "default", "--stage", "eval"]) == 1
     assert f"needs the export of an earlier --stage train in {run_dir}" in capsys.readouterr().out
+    # an export in the work directory that this --out has no training of is not evaluated, a second time neither
+    config.with_suffix(".away").rename(config)
+    del results["variants"]["default"]
+    (out / "results.json").write_text(json.dumps(results))
+    for _ in range(2):
+        assert main([*common, "--variants", "default", "--stage", "eval"]) == 1
+        assert "needs an earlier --stage train over this --out" in capsys.readouterr().out
+    assert json.loads((out / "results.json").read_text())["variants"]["default"]["status"] == "not_trained"
 
 
 @pytest.mark.slow
