@@ -12,6 +12,8 @@ which also covers the drafter's static cache across rounds (for sliding-window l
 mask over cache slots must give training's train/block_mask.py rule).
 """
 
+import inspect
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -265,7 +267,13 @@ def test_compiled_layers_are_evaluated_through_the_training_graphs(setup, monkey
 
     asked = []  # need_grad of every loss engine call: the evaluation computes no gradient of the states
     engine = loss_module.chunked_logit_statistics
-    monkeypatch.setattr(loss_module, "chunked_logit_statistics", lambda *a: asked.append(a[10]) or engine(*a))
+    need_grad = inspect.signature(engine).bind  # the argument by its name, however the call passes it
+
+    def recording(*args, **kwargs):
+        asked.append(need_grad(*args, **kwargs).arguments["need_grad"])
+        return engine(*args, **kwargs)
+
+    monkeypatch.setattr(loss_module, "chunked_logit_statistics", recording)
     got = evaluate(model, head, dataset, list(range(3)), **options)
     assert asked and not any(asked)
     monkeypatch.setattr(loss_module, "chunked_logit_statistics", engine)
