@@ -184,10 +184,10 @@ def report_startup(run: TrainRun, started: float) -> None:
     line = f"start-up: step {run.step} at {st['first_log_s']:.0f} s:"
     if "setup_s" in st:
         imports = f"imports {st['imports_s']:.0f} s; " if "imports_s" in st else ""
-        each = "".join(f", {name} {st[f'{name}_s']:.0f} s" for name in ("data", "target", "drafter")
-                       if f"{name}_s" in st)
-        line += (f" setup {setup_s:.0f} s ({imports}data, target and drafter {st.get('load_s', 0.0):.0f} s"
-                 f"{each}), then")
+        each = ", ".join(f"{name} {st[f'{name}_s']:.0f} s" for name in ("data", "target", "drafter")
+                         if f"{name}_s" in st)
+        loads = f"loads {st.get('load_s', 0.0):.0f} s" + (f": {each}" if each else " (data, target and drafter)")
+        line += f" setup {setup_s:.0f} s ({imports}{loads}), then"
     line += f" {steps} step(s) in {st['first_log_s'] - setup_s:.0f} s"
     if run.cfg.compile:
         st["compiled_graphs"] = graphs = compiled_graphs()

@@ -87,7 +87,8 @@ def test_the_start_up_is_accounted_at_the_first_logged_step(tiny_run, tmp_path, 
     assert 0 < st["load_s"] <= st["setup_s"] <= st["first_log_s"]
     parts = [st["data_s"], st["target_s"], st["drafter_s"]]  # the load's parts, each timed: shards, head, drafter
     assert all(p > 0 for p in parts) and sum(parts) <= st["load_s"]
-    assert f"data {st['data_s']:.0f} s, target {st['target_s']:.0f} s, drafter {st['drafter_s']:.0f} s)" in lines[0]
+    assert (f"(loads {st['load_s']:.0f} s: data {st['data_s']:.0f} s, target {st['target_s']:.0f} s, "
+            f"drafter {st['drafter_s']:.0f} s)") in lines[0]
     row = next(r for r in read_metrics(out) if r["step"] == 2 and "train/loss" in r)
     assert st["setup_s"] < row["elapsed_s"] <= st["first_log_s"]
     assert json.loads((out / "summary.json").read_text())["startup"] == st
