@@ -162,8 +162,9 @@ def muon_layout(optimizer) -> dict | None:
     if not isinstance(inner, muon.Muon):
         return None
     matrices = [p for g in inner.param_groups if g["use_muon"] for p in g["params"]]
+    dtype = inner.ns_dtype_on(matrices[0].device) if matrices else inner.ns_dtype
     return {"matrices": len(matrices), "stacks": len(muon.stacks(matrices, muon.STACK_BYTES)),
-            "stack_bytes": muon.STACK_BYTES, "ns_dtype": str(inner.ns_dtype).removeprefix("torch.")}
+            "stack_bytes": muon.STACK_BYTES, "ns_dtype": str(dtype).removeprefix("torch.")}
 
 
 # --------------------------------------------------------------------------- steps
@@ -271,7 +272,8 @@ def main(argv=None):
                      help="muon: fp32 bytes of same-shape matrices orthogonalised as one stack (train/muon.py "
                           "STACK_BYTES; 0: one matrix at a time, the step before the stacks)")
     run.add_argument("--muon-ns-dtype", choices=MUON_NS_DTYPES, default="float32",
-                     help="muon: the dtype of Newton-Schulz (TrainConfig.muon_ns_dtype; the recipe's is float32)")
+                     help="muon: the dtype of Newton-Schulz (TrainConfig.muon_ns_dtype; the testbed recipe's is auto, "
+                          "bfloat16 on a GPU)")
     run.add_argument("--layer-compile", choices=("dynamic", "automatic"), default="dynamic",
                      help="dynamic: layers compiled for symbolic shapes from the start, as the trainer does "
                           "(train/drafter_pass.compile_layers); automatic: torch.compile's default (specialised, then "

@@ -28,7 +28,7 @@ from dflashkit.drafter.config import (
 )
 from dflashkit.errors import UserError
 
-MUON_NS_DTYPES = ("float32", "bfloat16")  # muon_ns_dtype's values: the torch dtypes of Newton-Schulz (train/muon.py)
+MUON_NS_DTYPES = ("float32", "bfloat16", "auto")  # muon_ns_dtype's values (train/muon.py); auto: bf16 on a GPU
 
 LOSSES = ("ce", "dpace", "kl")
 
@@ -108,7 +108,8 @@ class TrainConfig:
     # (train/muon.py; single process or DDP; refused under FSDP and DeepSpeed, which shard or flatten the matrices)
     muon_lr: float = 0.0  # peak lr of the Muon matrices; 0 -> lr (Muon's update is scaled to AdamW's RMS)
     muon_momentum: float = 0.95  # Muon's Nesterov momentum
-    muon_ns_dtype: str = "float32"  # Newton-Schulz's matmuls: "float32" or "bfloat16" (the Muon authors' form)
+    muon_ns_dtype: str = "float32"  # Newton-Schulz's matmuls: "float32", "bfloat16" (the Muon authors' form) or
+    # "auto": bfloat16 where the matrices are on a GPU, float32 on a CPU (whose bf16 matmuls are far slower)
     warmup_ratio: float = 0.04  # fraction of all steps with linear warmup
     weight_decay: float = 0.0  # AdamW decoupled weight decay (norm weights are never decayed)
     adam_betas: list = field(default_factory=lambda: [0.9, 0.95])  # AdamW betas
@@ -186,7 +187,8 @@ class TrainConfig:
         if not 0.0 <= self.muon_momentum < 1.0:
             raise UserError(f"muon_momentum must be in [0, 1), got {self.muon_momentum}")
         if self.muon_ns_dtype not in MUON_NS_DTYPES:
-            raise UserError(f"muon_ns_dtype: {self.muon_ns_dtype!r}; use 'float32' or 'bfloat16'")
+            raise UserError(f"muon_ns_dtype: {self.muon_ns_dtype!r}; use 'float32', 'bfloat16' or 'auto' (bfloat16 "
+                            f"on a GPU, float32 on a CPU)")
         if self.attention not in ("auto", "flex", "dense", "split"):
             raise UserError(f"attention: {self.attention!r}; use 'auto', 'flex', 'dense' or 'split'")
         check_block_size(self.block_size)  # bounds of the drafter's fields live in drafter/config.py

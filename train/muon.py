@@ -16,10 +16,13 @@ Design choices:
   kernel and selector projections) (``muon_param_groups``); norm weights, biases, n-D tensors and tables indexed
   by token (embeddings, DFlash2's codebooks: plain 2-D parameters, not linear maps) stay on AdamW, as the Muon
   authors recommend. Muon matrices take the decoupled weight decay; norms never do (as the AdamW path).
-- Newton-Schulz runs in fp32 on the parameter's device (the drafter's matrices are small next to the target), or
-  in bf16 with ``muon_ns_dtype: bfloat16`` (the Muon authors' form). The stacked fp32 step on the testbed drafter
-  is bound by its ~260 GFLOP of fp32 matmuls (BENCHMARKS.md "The Muon step in same-shape stacks"); bf16 is the
-  option to take most of that off, and its effect on quality is a recipe-study row (``muon_ns_bf16``).
+- Newton-Schulz runs on the parameter's device (the drafter's matrices are small next to the target), in fp32
+  (TrainConfig's default), in bf16 with ``muon_ns_dtype: bfloat16`` (the Muon authors' form), or with ``auto`` in
+  bf16 on a GPU and fp32 on a CPU, whose bf16 matmuls are far slower (the testbed recipe's choice). The stacked
+  fp32 step on the testbed drafter is bound by its ~260 GFLOP of fp32 matmuls (BENCHMARKS.md "The Muon step in
+  same-shape stacks"); in bf16 the recipe's whole step ran 1.09x faster on one H100, and the held-out curve of
+  2,000 steps stayed within 0.02 of the fp32 runs' (RESULTS.md). The recipe study's ``muon_ns_fp32`` row runs
+  the fp32 form against it.
 - The step is batched: the momentum, decay and AdamW updates are ``torch._foreach`` ops over a group, and the
   matrices of one shape are orthogonalised as one stack (``stacks``: up to ``STACK_BYTES`` of fp32 at once, so a
   large drafter's matrices still go one at a time). The testbed drafter's 36 matrices come in 5 shapes, so
@@ -45,7 +48,7 @@ from .config import MUON_NS_DTYPES
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # the quintic of Jordan et al.: fast growth of small singular values
 NS_STEPS = 5  # Newton-Schulz iterations per update
 RMS_MATCH = 0.2  # Moonlight: update * 0.2 * sqrt(max(m, n)) has AdamW's update RMS
-NS_DTYPES = {name: getattr(torch, name) for name in MUON_NS_DTYPES}  # Newton-Schulz's matmuls (muon_ns_dtype)
+NS_DTYPES = {name: getattr(torch, name) for name in MUON_NS_DTYPES if name != "auto"}  # muon_ns_dtype's dtypes
 STACK_BYTES = 256 << 20  # matrices of one shape orthogonalised together up to this much fp32 (see ``stacks``)
 
 
@@ -153,10 +156,17 @@ class Muon(torch.optim.Optimizer):
         defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps, betas=tuple(betas), eps=eps,
                         weight_decay=weight_decay, use_muon=False)
         super().__init__(param_groups, defaults)
-        if ns_dtype not in NS_DTYPES:
-            raise UserError(f"muon_ns_dtype: {ns_dtype!r}; use one of {', '.join(NS_DTYPES)}")
-        # the run's choice, not saved with the state: a resumed run computes as its config says
-        self.ns_dtype = NS_DTYPES[ns_dtype]
+        if ns_dtype not in MUON_NS_DTYPES:
+            raise UserError(f"muon_ns_dtype: {ns_dtype!r}; use one of {', '.join(MUON_NS_DTYPES)}")
+        # the run's choice, not saved with the state: a resumed run computes as its config says; None: auto
+        self.ns_dtype = NS_DTYPES.get(ns_dtype)
+
+    def ns_dtype_on(self, device: torch.device) -> torch.dtype:
+        """Newton-Schulz's dtype for matrices on ``device``: the fixed one, or for auto bf16 on a GPU and fp32
+        elsewhere (a CPU's bf16 matmuls run 15-37x slower than its fp32 ones at the testbed's shapes)."""
+        if self.ns_dtype is not None:
+            return self.ns_dtype
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -191,7 +201,7 @@ class Muon(torch.optim.Optimizer):
             torch._foreach_mul_(params, 1.0 - lr * wd)
         for run in stacks(params, STACK_BYTES):
             update = newton_schulz(torch.stack([directions[i] for i in run]), int(group["ns_steps"]),
-                                   dtype=self.ns_dtype)
+                                   dtype=self.ns_dtype_on(params[run[0]].device))
             update.mul_(RMS_MATCH * math.sqrt(max(params[run[0]].shape)))
             torch._foreach_add_([params[i] for i in run], list(update.to(params[run[0]].dtype).unbind(0)),
                                 alpha=-lr)

@@ -83,11 +83,11 @@ def test_the_selector_flags_reach_the_dflash2_pass(tmp_path, monkeypatch, capsys
 
 
 @pytest.mark.parametrize("stack_bytes,stacked,ns_dtype", [(None, True, None), (0, False, None),
-                                                            (None, True, "bfloat16")])
+                                                            (None, True, "bfloat16"), (None, True, "auto")])
 def test_the_muon_step_is_timed_with_its_stacks(tmp_path, stack_bytes, stacked, ns_dtype):
     """--optimizer muon times the recipe's optimizer; --muon-stack-bytes 0 the step with one matrix per stack;
-    --muon-ns-dtype bfloat16 with bf16 Newton-Schulz; the JSON says how the drafter's matrices were stacked and
-    in which dtype."""
+    --muon-ns-dtype bfloat16 with bf16 Newton-Schulz (auto: the recipe's, fp32 on this CPU); the JSON says how
+    the drafter's matrices were stacked and in which dtype they were orthogonalised."""
     from dflashkit.train import muon
 
     out = tmp_path / "m.json"
@@ -105,7 +105,7 @@ def test_the_muon_step_is_timed_with_its_stacks(tmp_path, stack_bytes, stacked, 
     layout = r["muon"]
     assert layout["matrices"] > 5 and (layout["stacks"] < layout["matrices"]) == stacked
     assert layout["stack_bytes"] == (before if stack_bytes is None else 0)
-    assert layout["ns_dtype"] == (ns_dtype or "float32")
+    assert layout["ns_dtype"] == ("float32" if ns_dtype in (None, "auto") else ns_dtype)
 
 
 @pytest.mark.parametrize("flag", [["--muon-stack-bytes", "0"], ["--muon-ns-dtype", "bfloat16"]])

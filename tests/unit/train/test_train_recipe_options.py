@@ -25,6 +25,8 @@ from support.training import online_overrides as overrides
 from support.training import tiny_overrides
 from support.training import train_losses as losses
 
+RECIPES = Path(__file__).resolve().parents[3] / "recipes"
+
 
 def with_singular_values(m: int, n: int, values: torch.Tensor, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
@@ -211,7 +213,7 @@ def test_muon_ns_dtype_reaches_the_step_and_a_bad_one_is_refused(tmp_path):
     assert again.ns_dtype == torch.float32
     with pytest.raises(ValueError, match="muon_ns_dtype: 'fp16'"):
         Muon([{"params": [torch.nn.Parameter(torch.randn(4, 4))], "use_muon": True}], ns_dtype="fp16")
-    with pytest.raises(ValueError, match="muon_ns_dtype: 'half'; use 'float32' or 'bfloat16'"):
+    with pytest.raises(ValueError, match="muon_ns_dtype: 'half'; use 'float32', 'bfloat16' or 'auto'"):
         load_config(None, ["muon_ns_dtype=half"], output_dir=str(tmp_path))
     from dflashkit.train.setup import build_optimizer
 
@@ -389,3 +391,39 @@ def test_causal_option_trains_a_drafter_whose_export_every_engine_reads_as_causa
     a = load_file(str(Path(causal["checkpoint"]) / "model.safetensors"))
     b = load_file(str(Path(plain["checkpoint"]) / "model.safetensors"))
     assert not torch.equal(a["fc.weight"], b["fc.weight"])  # same seed and data: the mask made the difference
+
+
+def muon_step_update(model, ns_dtype: str, grads: dict, name: str) -> torch.Tensor:
+    """One first step of Muon with ``ns_dtype`` from fresh weights: the update of ``name`` (its NS(g))."""
+    opt = Muon(muon_param_groups(model, lr=1e-2, muon_lr=1e-2, weight_decay=0.0), ns_dtype=ns_dtype)
+    p = dict(model.named_parameters())[name]
+    before = p.detach().clone()
+    for n, q in model.named_parameters():
+        q.grad = grads[n].clone()
+    opt.step()
+    return before - p.detach()
+
+
+def test_auto_newton_schulz_is_fp32_on_a_cpu_and_bf16_on_a_gpu():
+    """muon_ns_dtype=auto (the testbed recipe's): the fp32 step, bit for bit, on a CPU; bf16 on a GPU. The
+    recipe on a CPU (make demo) keeps the fast fp32 matmuls."""
+    torch.manual_seed(0)
+    model = tiny_drafter()
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    gen = torch.Generator().manual_seed(5)
+    grads = {n: torch.randn(p.shape, generator=gen) for n, p in model.named_parameters()}
+    q = "layers.0.mlp.down_proj.weight"
+    updates = {}
+    for form in ("auto", "float32", "bfloat16"):
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.copy_(start[n])
+        updates[form] = muon_step_update(model, form, grads, q)
+    assert torch.equal(updates["auto"], updates["float32"])
+    assert not torch.equal(updates["auto"], updates["bfloat16"])
+    opt = Muon([{"params": [torch.nn.Parameter(torch.randn(4, 4))], "use_muon": True}], ns_dtype="auto")
+    assert opt.ns_dtype is None and opt.ns_dtype_on(torch.device("cpu")) == torch.float32
+    assert opt.ns_dtype_on(torch.device("cuda", 0)) == torch.bfloat16  # a device object; no GPU needed
+    assert Muon(opt.param_groups, ns_dtype="float32").ns_dtype_on(torch.device("cuda")) == torch.float32
+    recipe = load_config(str(RECIPES / "smollm2-135m.yaml"))
+    assert recipe.optimizer == "muon" and recipe.muon_ns_dtype == "auto"
