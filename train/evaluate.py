@@ -16,6 +16,12 @@ Design choices:
   (tests/integration/test_train_eval_consistency.py), so ``eval/tau_walk`` and ``eval/walk_accept_k`` (fraction
   of rounds whose draft position k was accepted, the report's per-position acceptance) are the held-out numbers
   to compare with an eval report.
+- The walk follows the drafter's own proposal rule, as decoding does (drafter/kinds.py): the argmax for DFlash,
+  the candidate selector's greedy path for DFlash2 (the reference's rule, and vLLM's). The selector's accepted
+  run is its teacher-forced choices' leading run (train/selector_loss.py ``runs``): up to its first miss the
+  path has chosen the true tokens, so every predecessor it saw is the one teacher forcing gives it. For DFlash2
+  the argmax walk is kept beside it (``eval/tau_walk_argmax``, ``eval/walk_argmax_accept_k``): what the selector
+  adds or loses, position by position. Before 2026-12-06 a DFlash2 run's ``eval/tau_walk`` was the argmax walk.
 - Held-out samples are packed like training's micro-batches (``batch_tokens``; the trainer gives its
   micro-batch, capped at ``max_length``, so a pass holds no more anchors than one longest sample's did) and each
   pack's features are read once for both passes: an online run's target runs once per pack in right-padded
@@ -40,6 +46,8 @@ import math
 from contextlib import nullcontext
 
 import torch
+
+from dflashkit.drafter.kinds import drafter_kind
 
 from .data import collate_blocks, pack_order
 from .drafter_pass import forward_blocks, layers_compiled
@@ -109,11 +117,12 @@ def evaluate(model, head, dataset, indices: list[int], *, block_size: int, layer
              causal: bool = False, selector_kernel: bool = False, selector_unary_grad: bool = False,
              selector_weights: str = "decay", selector_missing_label: str = "skip", batch_tokens: int = 0) -> dict:
     """Held-out loss (ce objective), per-position accuracy and tau_sim at fixed anchors, and the chain walk's
-    tau_walk and per-position acceptance; ``selector``: DFlash2's selector metrics too (train/drafter_pass.py),
-    its pairwise term by the kernels with ``selector_kernel`` (train/selector_pair.py), with the run's other
-    selector options too (train/setup.py), which give the same numbers here: the two that act only under a
-    gradient (``selector_unary_grad``, ``selector_missing_label``) are off in every pass (no label is injected
-    among the candidates), and the ``ce`` objective's position weights are the decay.
+    tau_walk and per-position acceptance by the drafter's proposal rule (DFlash2: its selector's path, and the
+    argmax walk beside it, whatever ``selector`` says); ``selector``: DFlash2's selector metrics too
+    (train/drafter_pass.py), its pairwise term by the kernels with ``selector_kernel`` (train/selector_pair.py),
+    with the run's other selector options too (train/setup.py), which give the same numbers here: the two that
+    act only under a gradient (``selector_unary_grad``, ``selector_missing_label``) are off in every pass (no
+    label is injected among the candidates), and the ``ce`` objective's position weights are the decay.
     ``batch_tokens`` > 0 packs the samples up to that many tokens per pass (``eval_pack_tokens``; it needs the
     dataset's ``lengths``); 0 evaluates one sample per pass."""
     world = accelerator.num_processes if accelerator is not None else 1
@@ -133,7 +142,9 @@ def evaluate(model, head, dataset, indices: list[int], *, block_size: int, layer
     was_training = model.training
     model.train(graphs)
     sums = MetricSums(block_size - 1, device)
-    walk = [0] * (1 + block_size)  # rounds, tokens, accepted[k]: host integers, one transfer at the end
+    # per proposal rule, rounds, tokens, accepted[k]: host integers, one transfer at the end. "": the drafter's
+    # own rule (DFlash2: the selector's path); "_argmax": a DFlash2 drafter's argmax, beside it
+    walks = {"": [0] * (1 + block_size)}
     for pack, padding in slots:
         read = read_samples(dataset, pack)
         samples = [{**read[i], "index": i} for i in pack]
@@ -149,22 +160,30 @@ def evaluate(model, head, dataset, indices: list[int], *, block_size: int, layer
         # the chain walk: every anchor candidate of the same samples, runs only
         every = collate_blocks(samples, num_anchors=1 << 40, scale=scale, check_finite=False, **options)
         every = every.to(device)
-        with torch.enable_grad() if graphs else nullcontext():
-            runs = forward_blocks(model, head, every, selector=False, loss_grad=False, **passes).runs
+        with torch.enable_grad() if graphs else nullcontext():  # a DFlash2 drafter's selector whatever its weight
+            walked = forward_blocks(model, head, every, selector=True, selector_kernel=selector_kernel,
+                                    selector_unary_grad=False, selector_missing_label="skip", loss_grad=False,
+                                    **passes)
         if padding:
             continue
-        anchors, runs = every.anchors.tolist(), runs.tolist()
-        for s in range(len(every.block_offsets) - 1):
-            lo, hi, start = every.block_offsets[s], every.block_offsets[s + 1], every.context_offsets[s]
-            rounds, tokens, accepted = chain_walk([a - start for a in anchors[lo:hi]], runs[lo:hi], block_size)
-            walk = [w + n for w, n in zip(walk, [rounds, tokens, *accepted])]
+        rules = {"": walked.runs} if walked.selector is None else {"": walked.selector.runs, "_argmax": walked.runs}
+        anchors = every.anchors.tolist()
+        for rule, runs in rules.items():
+            runs, walk = runs.tolist(), walks.setdefault(rule, [0] * (1 + block_size))
+            for s in range(len(every.block_offsets) - 1):
+                lo, hi, start = every.block_offsets[s], every.block_offsets[s + 1], every.context_offsets[s]
+                rounds, tokens, accepted = chain_walk([a - start for a in anchors[lo:hi]], runs[lo:hi], block_size)
+                walk[:] = [w + n for w, n in zip(walk, [rounds, tokens, *accepted])]
     model.train(was_training)
     metrics = sums.reduce(accelerator).metrics("eval")
-    totals = torch.tensor(walk, dtype=torch.float64, device=device)
-    if accelerator is not None and accelerator.num_processes > 1:
-        totals = accelerator.reduce(totals, reduction="sum")
-    rounds, tokens, *accepted = totals.tolist()
-    metrics["eval/tau_walk"] = tokens / rounds if rounds else float("nan")
-    for k, n in enumerate(accepted):
-        metrics[f"eval/walk_accept_{k + 1}"] = n / rounds if rounds else float("nan")
+    if "_argmax" not in walks and drafter_kind(model).architecture == "dflash2":
+        walks["_argmax"] = [0] * (1 + block_size)  # a rank with padding passes only: it still joins the reduce
+    for rule, walk in walks.items():
+        totals = torch.tensor(walk, dtype=torch.float64, device=device)
+        if accelerator is not None and accelerator.num_processes > 1:
+            totals = accelerator.reduce(totals, reduction="sum")
+        rounds, tokens, *accepted = totals.tolist()
+        metrics[f"eval/tau_walk{rule}"] = tokens / rounds if rounds else float("nan")
+        for k, n in enumerate(accepted):
+            metrics[f"eval/walk{rule}_accept_{k + 1}"] = n / rounds if rounds else float("nan")
     return metrics

@@ -52,6 +52,9 @@ class SelectorLossOutput:
     correct: torch.Tensor  # valid labels the teacher-forced selector chose (argmax of its scores)
     counted: torch.Tensor  # valid labels
     weight_sum: torch.Tensor  # decay-weighted count of valid labels: this pass's share of the step's normaliser
+    # [N] per block, the leading run of positions whose label the teacher-forced selector chose: the accepted run
+    # of the selector's greedy path (up to its first miss every predecessor it saw is the true token)
+    runs: torch.Tensor | None = None
 
 
 class _CandidateLogits(torch.autograd.Function):
@@ -127,7 +130,9 @@ def selector_loss(scores: torch.Tensor, candidates: torch.Tensor, labels: torch.
     with torch.no_grad():
         chosen = candidates.gather(-1, scores.argmax(-1, keepdim=True)).squeeze(-1)
         found = valid if injected is None else valid & ~injected
-        correct = ((chosen == labels) & found).sum()
+        chose_label = (chosen == labels) & found
+        correct = chose_label.sum()
         in_candidates = (counted if injected is None else counted & ~injected).sum()
+        runs = torch.cumprod(chose_label.to(torch.int32), dim=-1).sum(-1)
     return SelectorLossOutput(loss_sum=loss_sum, in_candidates=in_candidates, correct=correct, counted=valid.sum(),
-                              weight_sum=(decay * valid).sum() if weight_sum is None else weight_sum)
+                              weight_sum=(decay * valid).sum() if weight_sum is None else weight_sum, runs=runs)

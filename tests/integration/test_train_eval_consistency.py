@@ -60,14 +60,15 @@ def setup(target_dir):
     return target, head, seq, hidden[0], loss_mask
 
 
-def make_drafter(head, layer_types, sliding_window, steps, setup_, causal=False):
-    """A drafter built as the trainer builds one, briefly trained on S so that drafts are often accepted."""
+def make_drafter(head, layer_types, sliding_window, steps, setup_, causal=False, **kind):
+    """A drafter built as the trainer builds one, briefly trained on S so that drafts are often accepted
+    (``kind``: DrafterConfig's architecture fields, e.g. a DFlash2 drafter's)."""
     _, _, seq, hidden, loss_mask = setup_
     torch.manual_seed(0)
     cfg = DrafterConfig.for_target(head.config, num_hidden_layers=len(layer_types), block_size=BLOCK,
                                    target_layer_ids=TAPS, mask_token_id=MASK, layer_types=layer_types,
                                    sliding_window=sliding_window, input_embedding_scale=float(head.embedding_scale),
-                                   intermediate_size=64, causal=causal)
+                                   intermediate_size=64, causal=causal, **kind)
     model = build_drafter(cfg).train()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     for step in range(steps):
@@ -173,6 +174,39 @@ def test_held_out_walk_equals_live_tau(setup, tmp_path):
     print(f"tau_sim {metrics['eval/tau_sim']:.3f}, tau_walk {metrics['eval/tau_walk']:.3f}, live tau "
           f"{report['tau']:.3f}; acc_k {[round(metrics[f'eval/acc_{k}'], 3) for k in range(1, BLOCK)]}, "
           f"live per-position {[round(x, 3) for x in report['per_position_acceptance']]}")
+
+
+def test_a_dflash2_walk_follows_its_selector_as_live_decoding_does(setup, tmp_path):
+    """A DFlash2 drafter proposes its candidate selector's greedy path, live and in vLLM: evaluate's tau_walk and
+    walk_accept_k on S are the eval report's for it, and the argmax walk (eval/tau_walk_argmax) is kept beside
+    it. The successor codebook is drawn at random, so the path departs from the argmax: were the walk the argmax
+    one, the two figures would not differ and the live comparison would fail."""
+    target, head, seq, hidden, loss_mask = setup
+    model, cfg = make_drafter(head, ["full_attention"], None, steps=25, setup_=setup, architecture="dflash2",
+                              conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=5)
+    with torch.no_grad():
+        selector = model.candidate_selector
+        selector.successor_codebook.normal_(0.0, 1.0, generator=torch.Generator().manual_seed(1))
+        selector.predecessor_codebook.mul_(50.0)
+    dataset = [{"input_ids": seq, "loss_mask": loss_mask, "hidden": hidden}]
+    metrics = evaluate(model, head, dataset, [0], block_size=BLOCK, layer_types=cfg.layer_types, sliding_window=None,
+                       mask_token_id=MASK, num_anchors=8, seed=0, selector=False)  # the walk's rule regardless
+    decoder = SpeculativeDecoder(target, load_drafter(save_drafter(model, tmp_path / "drafter")),
+                                 DecodeConfig(mode="chain", max_new_tokens=NEW, cuda_graphs=False))
+    try:
+        live = decoder.generate(seq[:PROMPT].tolist())
+    finally:
+        decoder.close()
+    assert live.tokens == seq[PROMPT:].tolist()
+    report = summarize([live], None, BLOCK)
+    assert len(set(live.acceptance_lengths)) >= 2
+    assert metrics["eval/tau_walk"] == pytest.approx(report["tau"], abs=1e-12)
+    walk = [metrics[f"eval/walk_accept_{k}"] for k in range(1, BLOCK)]
+    assert walk == pytest.approx(report["per_position_acceptance"], abs=1e-12)
+    argmax = [metrics[f"eval/walk_argmax_accept_{k}"] for k in range(1, BLOCK)]
+    assert argmax != walk and metrics["eval/tau_walk_argmax"] != metrics["eval/tau_walk"]
+    print(f"DFlash2: selector walk {metrics['eval/tau_walk']:.3f} {[round(x, 3) for x in walk]}, argmax walk "
+          f"{metrics['eval/tau_walk_argmax']:.3f} {[round(x, 3) for x in argmax]}, live {report['tau']:.3f}")
 
 
 def test_chain_walk_rules():

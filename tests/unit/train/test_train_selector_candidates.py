@@ -256,3 +256,20 @@ def test_injected_labels_add_terms_but_are_not_counted_as_found():
         held = forward_blocks(model, head, batch, selector_missing_label="inject", **run)
         plain = forward_blocks(model, head, batch, **run)
     assert torch.equal(held.selector.loss_sum, plain.selector.loss_sum)
+
+
+def test_the_selectors_run_is_the_leading_run_of_its_chosen_labels():
+    """runs: per block, how many positions from the first the selector chose the label at, stopping at the first
+    wrong choice, invalid position or label left out of the candidates (its greedy path's accepted run)."""
+    candidates = torch.tensor([[[5, 6], [7, 8], [9, 1], [2, 3]],
+                               [[5, 6], [7, 8], [9, 1], [2, 3]],
+                               [[5, 6], [7, 8], [9, 1], [2, 3]]])
+    scores = torch.tensor([[[1.0, 0.0], [0.0, 1.0], [1.0, 0.0], [0.0, 1.0]]] * 3)  # chooses 5, 8, 9, 3
+    labels = torch.tensor([[5, 8, 1, 3],    # third choice wrong: run 2
+                           [5, 8, 9, 3],    # all four right
+                           [5, 4, 9, 3]])   # label 4 not among the candidates: run 1
+    valid = torch.ones(3, 4, dtype=torch.bool)
+    out = selector_loss(scores, candidates, labels, valid, GAMMA)
+    assert out.runs.tolist() == [2, 4, 1] and int(out.correct) == 3 + 4 + 3
+    valid[1, 2] = False  # an invalid position ends the run, as the block loss's runs
+    assert selector_loss(scores, candidates, labels, valid, GAMMA).runs.tolist() == [2, 2, 1]
