@@ -150,6 +150,20 @@ def test_draft_uses_only_context_before_the_anchor(setup):
     assert F.linear(h[0], head.lm_head.weight).argmax(-1).tolist() == base
 
 
+def live_report(target, model, seq, tmp_path) -> dict:
+    """The eval report of live greedy chain decoding from S's prompt with the drafter's export: lossless (the
+    tokens are S), with accepted and rejected drafts both occurring."""
+    decoder = SpeculativeDecoder(target, load_drafter(save_drafter(model, tmp_path / "drafter")),
+                                 DecodeConfig(mode="chain", max_new_tokens=NEW, cuda_graphs=False))
+    try:
+        live = decoder.generate(seq[:PROMPT].tolist())
+    finally:
+        decoder.close()
+    assert live.tokens == seq[PROMPT:].tolist()
+    assert len(set(live.acceptance_lengths)) >= 2
+    return summarize([live], None, BLOCK)
+
+
 def test_held_out_walk_equals_live_tau(setup, tmp_path):
     """evaluate's tau_walk and walk_accept_k on S are the live tau and per-position acceptance of the eval report
     for the prompt of S (greedy data: the live run visits the same anchors), while tau_sim, a uniform average
@@ -159,15 +173,7 @@ def test_held_out_walk_equals_live_tau(setup, tmp_path):
     dataset = [{"input_ids": seq, "loss_mask": loss_mask, "hidden": hidden}]
     metrics = evaluate(model, head, dataset, [0], block_size=BLOCK, layer_types=cfg.layer_types, sliding_window=None,
                        mask_token_id=MASK, num_anchors=8, seed=0)
-    decoder = SpeculativeDecoder(target, load_drafter(save_drafter(model, tmp_path / "drafter")),
-                                 DecodeConfig(mode="chain", max_new_tokens=NEW, cuda_graphs=False))
-    try:
-        live = decoder.generate(seq[:PROMPT].tolist())
-    finally:
-        decoder.close()
-    assert live.tokens == seq[PROMPT:].tolist()
-    report = summarize([live], None, BLOCK)
-    assert len(set(live.acceptance_lengths)) >= 2  # accepted and rejected drafts both occur
+    report = live_report(target, model, seq, tmp_path)
     assert metrics["eval/tau_walk"] == pytest.approx(report["tau"], abs=1e-12)
     walk = [metrics[f"eval/walk_accept_{k}"] for k in range(1, BLOCK)]
     assert walk == pytest.approx(report["per_position_acceptance"], abs=1e-12)
@@ -191,15 +197,7 @@ def test_a_dflash2_walk_follows_its_selector_as_live_decoding_does(setup, tmp_pa
     dataset = [{"input_ids": seq, "loss_mask": loss_mask, "hidden": hidden}]
     metrics = evaluate(model, head, dataset, [0], block_size=BLOCK, layer_types=cfg.layer_types, sliding_window=None,
                        mask_token_id=MASK, num_anchors=8, seed=0, selector=False)  # the walk's rule regardless
-    decoder = SpeculativeDecoder(target, load_drafter(save_drafter(model, tmp_path / "drafter")),
-                                 DecodeConfig(mode="chain", max_new_tokens=NEW, cuda_graphs=False))
-    try:
-        live = decoder.generate(seq[:PROMPT].tolist())
-    finally:
-        decoder.close()
-    assert live.tokens == seq[PROMPT:].tolist()
-    report = summarize([live], None, BLOCK)
-    assert len(set(live.acceptance_lengths)) >= 2
+    report = live_report(target, model, seq, tmp_path)
     assert metrics["eval/tau_walk"] == pytest.approx(report["tau"], abs=1e-12)
     walk = [metrics[f"eval/walk_accept_{k}"] for k in range(1, BLOCK)]
     assert walk == pytest.approx(report["per_position_acceptance"], abs=1e-12)

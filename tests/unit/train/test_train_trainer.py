@@ -107,7 +107,7 @@ def test_the_command_counts_its_imports_in_the_runs_clock(tiny_run, tmp_path, ca
     assert main(as_argv(tiny_overrides(shards, out, max_steps=2, log_every=2, save_every=0))) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("start-up:")]
     st = json.loads((out / "summary.json").read_text())["startup"]
-    assert 0 < st["imports_s"] < st["setup_s"] and f"(imports {st['imports_s']:.0f} s; data" in lines[0]
+    assert 0 < st["imports_s"] < st["setup_s"] and f"(imports {st['imports_s']:.0f} s; loads " in lines[0]
     for row in read_metrics(out):  # every row's clock began at the import, not at the call
         assert row["wall_time"] - row["elapsed_s"] == pytest.approx(dflashkit.IMPORTED_AT, abs=1e-3)
 
