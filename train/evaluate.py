@@ -143,8 +143,9 @@ def evaluate(model, head, dataset, indices: list[int], *, block_size: int, layer
     model.train(graphs)
     sums = MetricSums(block_size - 1, device)
     # per proposal rule, rounds, tokens, accepted[k]: host integers, one transfer at the end. "": the drafter's
-    # own rule (DFlash2: the selector's path); "_argmax": a DFlash2 drafter's argmax, beside it
-    walks = {"": [0] * (1 + block_size)}
+    # own rule (DFlash2: the selector's path); "_argmax": the argmax beside it, for a kind that proposes otherwise
+    rules = ("", "_argmax") if drafter_kind(model).selector is not None else ("",)
+    walks = {rule: [0] * (1 + block_size) for rule in rules}
     for pack, padding in slots:
         read = read_samples(dataset, pack)
         samples = [{**read[i], "index": i} for i in pack]
@@ -166,18 +167,16 @@ def evaluate(model, head, dataset, indices: list[int], *, block_size: int, layer
                                     **passes)
         if padding:
             continue
-        rules = {"": walked.runs} if walked.selector is None else {"": walked.selector.runs, "_argmax": walked.runs}
+        by_rule = {"": walked.runs} if walked.selector is None else {"": walked.selector.runs, "_argmax": walked.runs}
         anchors = every.anchors.tolist()
-        for rule, runs in rules.items():
-            runs, walk = runs.tolist(), walks.setdefault(rule, [0] * (1 + block_size))
+        for rule, runs in by_rule.items():
+            runs, walk = runs.tolist(), walks[rule]
             for s in range(len(every.block_offsets) - 1):
                 lo, hi, start = every.block_offsets[s], every.block_offsets[s + 1], every.context_offsets[s]
                 rounds, tokens, accepted = chain_walk([a - start for a in anchors[lo:hi]], runs[lo:hi], block_size)
                 walk[:] = [w + n for w, n in zip(walk, [rounds, tokens, *accepted])]
     model.train(was_training)
     metrics = sums.reduce(accelerator).metrics("eval")
-    if "_argmax" not in walks and drafter_kind(model).architecture == "dflash2":
-        walks["_argmax"] = [0] * (1 + block_size)  # a rank with padding passes only: it still joins the reduce
     for rule, walk in walks.items():
         totals = torch.tensor(walk, dtype=torch.float64, device=device)
         if accelerator is not None and accelerator.num_processes > 1:
