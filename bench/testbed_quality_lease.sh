@@ -39,6 +39,7 @@
 #            REGEN2=FILE trains on those answers instead of answering again (e.g. /root/run/ttq/regen.jsonl after ttq);
 #            MORE2=conv_kernel=true,selector_kernel=true trains the DFlash2 forms with the kernels; TURNS2=every
 #            answers every user turn instead (more data: e.g. VARIANTS2=default,dflash2 MORE2=max_steps=3000);
+#            EVAL_HUMANEVAL=1 also walks each export on HumanEval 164 (testbed_quality_run.sh's stage 4);
 #   rows     the recipe's rows on every answered turn: every turn answered greedily and once more sampled
 #            (SAMPLED=1), then ROWS (default seed_1,extra_answers_same_steps) two at a time for 2 epochs, τ in
 #            vLLM, each export kept in pieces; a lease of its own (REGEN=FILE skips the greedy answering).

@@ -17,7 +17,9 @@
 #      humaneval", names the sets, "" none); a DFlash2 export is left out
 #      (vLLM 0.24, the GPU image's, serves DFlash only: ../shared/vllm/README.md);
 #   4. live chain τ in `dflashkit eval` for every export (bench/recipe_study.py --stage eval: greedy, bf16, MT-bench
-#      80, 256 new tokens), stopped at L_EVAL seconds with the prompts it finished;
+#      80, 256 new tokens), stopped at L_EVAL seconds with the prompts it finished; EVAL_HUMANEVAL=1 then walks each
+#      export alone on HumanEval 164 too, each stopped at L_EVAL seconds (out/eval-humaneval/<variant>/report.json;
+#      the only live τ of a DFlash2 export there, which vLLM 0.24 does not serve);
 #   5. the held-out τ_walk against seconds, the regeneration's seconds added, calibrated against every live τ that
 #      stage 3 measured on MT-bench (bench/time_to_quality.py --live-from; CPU).
 # LIVE_STEPS="1200 1600 ..." serves checkpoints of the schedule too, not only its end: every checkpoint is kept
@@ -250,8 +252,21 @@ if [ ${#SERVED[@]} -gt 0 ]; then
   done
 fi
 
-# --- 4. live chain τ in `dflashkit eval`, MT-bench --------------------------------------------------------------------
+# --- 4. live chain τ in `dflashkit eval`, MT-bench; with EVAL_HUMANEVAL=1 then HumanEval, each export alone ---------
 [ "$L_EVAL" != 0 ] && study eval $(( L_EVAL + 300 ))
+if [ "${EVAL_HUMANEVAL:-0}" = 1 ] && [ "$L_EVAL" != 0 ]; then
+  if [ -f "$D/humaneval.jsonl" ]; then
+    for v in $NAMES; do
+      x=$R/work/train/$v/export
+      [ -f "$x/config.json" ] || continue
+      stage "eval-humaneval-$v" $(( L_EVAL + 120 )) "$PY" -m dflashkit eval --target "$T" --drafter "$x" \
+        --dataset "$D/humaneval.jsonl" --num-prompts "$HE_PROMPTS" --max-new-tokens "$NEW" --baseline-prompts 0 \
+        --mode chain --time-limit "$L_EVAL" --out "$O/eval-humaneval/$v" "${DEV[@]}"
+    done
+  else
+    note "EVAL_HUMANEVAL=1: no $D/humaneval.jsonl (bench/testbed_data.py writes it): HumanEval left out"
+  fi
+fi
 
 # --- 5. the held-out curve against seconds, the regeneration's included -----------------------------------------------
 RUNS=()

@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import tarfile
+from pathlib import Path
 
 import pytest
 
@@ -169,12 +170,13 @@ def test_the_lease_script_refuses_an_unknown_stage_or_pair_form_before_running_a
 def test_the_lease_scripts_dflash2_stage_trains_both_architectures_on_every_answered_turn(tmp_path):
     """STAGES=dflash2 TURNS2=every VARIANTS2=default,dflash2: every user turn answered (multi-turn rows), then
     DFlash and DFlash2 side by side on them, each export of its own architecture, each walked live in
-    `dflashkit eval`, and no vLLM stage (vLLM 0.24 serves no DFlash2)."""
-    data = toy_data(tmp_path / "data", sharegpt=4, sharegpt_turns=3, mtbench=2)
+    `dflashkit eval` on MT-bench and (EVAL_HUMANEVAL=1) on HumanEval, and no vLLM stage (vLLM 0.24 serves no
+    DFlash2)."""
+    data = toy_data(tmp_path / "data", sharegpt=4, sharegpt_turns=3, mtbench=2, humaneval=2)
     run = tmp_path / "run"
     ends = run_toy_script("testbed_quality_lease.sh", run, STAGES="dflash2", TURNS2="every",
                           VARIANTS2="default,dflash2", EPOCHS2="1", L_EVAL2="120", TARGET="testbed:smollm2",
-                          DATA=str(data))
+                          DATA=str(data), EVAL_HUMANEVAL="1")
     assert set(ends) == {"dflash2"}, ends
     stages = (run / "dflash2" / "stages.txt").read_text()
     assert "regenerate: rc=0" in stages and "the first user turn" not in stages and "vllm-tau" not in stages
@@ -185,6 +187,10 @@ def test_the_lease_scripts_dflash2_stage_trains_both_architectures_on_every_answ
         export = json.loads((run / "dflash2" / "work" / "train" / name / "export" / "config.json").read_text())
         assert export["architectures"] == [arch], name
         assert results[name]["status"] == "done" and results[name]["tau"] >= 1.0, results[name]
+        assert f"eval-humaneval-{name}: rc=0" in stages, stages
+        report = json.loads((run / "dflash2" / "out" / "eval-humaneval" / name / "report.json").read_text())
+        assert [Path(d).name for d in report["datasets"]] == ["humaneval.jsonl"], report["datasets"]
+        assert report["overall"]["prompts"] == 1 and report["overall"]["tau"] >= 1.0, report["overall"]
 
 
 @pytest.mark.slow
