@@ -202,21 +202,27 @@ def _shared_header(prompt_tail: str, rest: str, specials: list[str]) -> str:
     return common[:cut]
 
 
+def _disagree(i: int) -> TemplateError:
+    return TemplateError(f"turn {i} does not render as a continuation of the generation prompt before it "
+                         "(prefix renderings disagree, e.g. reasoning under a thinking-off template)")
+
+
 def assistant_spans(tokenizer, messages: list[dict], cfg: ChatConfig,
                     specials: list[str] | None = None) -> tuple[str, list[tuple[int, int]]]:
-    """The rendered conversation and the (start, end) character span of each supervised assistant turn."""
+    """The rendered conversation and the (start, end) character span of each supervised assistant turn.
+
+    Each turn costs two renderings, its generation prompt and the history up to it (the last turn's history is the
+    conversation itself); the history before the prompt is rendered only for a turn that later turns change."""
     specials = special_tokens(tokenizer) if specials is None else specials
     full = render(tokenizer, messages, cfg)
     spans: list[tuple[int, int]] = []
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        before = render(tokenizer, messages[:i], cfg)
         prompt = render(tokenizer, messages[:i], cfg, add_generation_prompt=True)
-        alone = render(tokenizer, messages[: i + 1], cfg)
-        if not (full.startswith(before) and prompt.startswith(before) and alone.startswith(prompt)):
-            raise TemplateError(f"turn {i} does not render as a continuation of the generation prompt before it "
-                                "(prefix renderings disagree, e.g. reasoning under a thinking-off template)")
+        alone = full if i + 1 == len(messages) else render(tokenizer, messages[: i + 1], cfg)
+        if not alone.startswith(prompt):
+            raise _disagree(i)
         found = last_special(alone[len(prompt):], specials)
         if found is None:
             raise TemplateError(f"no end-of-turn special token after assistant turn {i}: the template "
@@ -227,6 +233,9 @@ def assistant_spans(tokenizer, messages: list[dict], cfg: ChatConfig,
             start = len(prompt)
             end = start + len(supervised)
         else:  # e.g. Qwen3: earlier turns lose their reasoning / the thinking-off header
+            before = render(tokenizer, messages[:i], cfg)
+            if not (full.startswith(before) and prompt.startswith(before)):
+                raise _disagree(i)
             start = len(before) + len(_shared_header(prompt[len(before):], full[len(before):], specials))
             k = full.find(eot, start)
             if k < 0:

@@ -197,3 +197,23 @@ def test_hashes_tell_tokenizers_and_templates_apart():
     assert tokenizer_hash(tok) == tokenizer_hash(copy.deepcopy(tok)) != tokenizer_hash(fam)
     assert chat_template_hash(tok) != chat_template_hash(tok, ChatConfig(chat_template=QWEN3))
     assert end_of_turn_token(fam, ChatConfig(chat_template=LLAMA3)) == "<|eot_id|>"
+
+
+@pytest.mark.parametrize("family, renders", [("chatml-smollm2", 4), ("qwen3-thinking", 5)])
+def test_each_turn_costs_two_renderings_and_a_changed_one_a_third(family, renders):
+    """The data step's cost is mostly the template's renderings: the conversation once, then per assistant turn
+    its generation prompt and its history (the last turn's is the conversation itself). Only a turn that later
+    turns render differently (Qwen3 drops the reasoning of earlier turns) also renders the history before it."""
+    template, kwargs, record, expected = FAMILIES[family]
+    tok = copy.deepcopy(family_tokenizer() if template else smollm2_tokenizer())
+    calls = []
+    real = tok.apply_chat_template
+
+    def counted(messages, *args, **kw):
+        calls.append(len(messages))
+        return real(messages, *args, **kw)
+
+    tok.apply_chat_template = counted
+    sample = encode_record(record, tok, ChatConfig(chat_template=template, template_kwargs=kwargs))
+    assert supervised_runs(tok, sample) == expected
+    assert len(calls) == renders
