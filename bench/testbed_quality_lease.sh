@@ -42,7 +42,10 @@
 #            EVAL_HUMANEVAL=1 also walks each export on HumanEval 164 (testbed_quality_run.sh's stage 4);
 #   rows     the recipe's rows on every answered turn: every turn answered greedily and once more sampled
 #            (SAMPLED=1), then ROWS (default seed_1,extra_answers_same_steps) two at a time for 2 epochs, τ in
-#            vLLM, each export kept in pieces; a lease of its own (REGEN=FILE skips the greedy answering).
+#            vLLM, each export kept in pieces; a lease of its own (REGEN=FILE skips the greedy answering). The
+#            whole schedule takes 9-13 min a row alone on one H100, so more than two rows need a lease each pair;
+#            MORE=max_steps=N screens them on a shorter schedule instead (e.g. ROWS=default,seed_1,kl,non_causal,
+#            extra_answers_same_steps MORE=max_steps=2000 VLLM_SETS=mtbench: ~4 min a row alone, five in a lease);
 # READY=FILE makes the stages that need the target (ttq, optim, dflash2, rows) wait up to 15 minutes for FILE to
 # exist: the target and vLLM may still be arriving while the first stages run.
 #

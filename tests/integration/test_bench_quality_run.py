@@ -274,3 +274,28 @@ def test_the_quality_run_script_adds_a_sampled_answer_for_the_variants_that_ask(
     assert "online data: 8 samples" in both and "1 epochs =" in both
     alone = (logs / "default" / "train.log").read_text()
     assert "online data: 4 samples" in alone and "2 epochs =" in alone
+
+
+@pytest.mark.slow
+def test_the_lease_scripts_rows_stage_screens_rows_beside_a_sampled_answer(tmp_path):
+    """STAGES=rows with a screen's settings (ROWS, MORE=max_steps=N, VLLM_SETS=mtbench): every user turn answered
+    greedily and once more sampled, the rows trained side by side on the shorter schedule, the sampled answers
+    given only to the row that asks for them, each export served on MT-bench alone and kept in pieces."""
+    data = toy_data(tmp_path / "data", sharegpt=4, sharegpt_turns=3, mtbench=2, humaneval=2)
+    run = tmp_path / "run"
+    ends = run_toy_script("testbed_quality_lease.sh", run, STAGES="rows", ROWS="kl,extra_answers_same_steps",
+                          MORE="max_steps=1", VLLM_SETS="mtbench", TARGET="testbed:smollm2", DATA=str(data))
+    assert set(ends) == {"rows"}, ends
+    stages = (run / "rows" / "stages.txt").read_text()
+    for stage in ("regenerate", "regenerate-sampled", "train-recipe", "vllm-tau-mtbench"):
+        assert f"{stage}: rc=0" in stages, stages
+    assert "vllm-tau-humaneval" not in stages, stages
+    results = json.loads((run / "rows" / "out" / "recipe" / "results.json").read_text())["variants"]
+    sampled = f"data+={run / 'rows' / 'regen-sampled.jsonl'}"
+    assert sampled in results["extra_answers_same_steps"]["overrides"] and sampled not in results["kl"]["overrides"]
+    for name in ("kl", "extra_answers_same_steps"):
+        summary = json.loads((run / "rows" / "work" / "train" / name / "summary.json").read_text())
+        assert summary["step"] == 1 and summary["stopped_by_max_steps"], (name, summary)
+        assert (run / "rows" / "out" / f"drafter-{name}" / "drafter.tar.aa").stat().st_size > 0, name
+    served = json.loads((run / "rows" / "out" / "vllm" / "mtbench" / "g_tau_per_k.json").read_text())["rows"]
+    assert sorted(r["drafter"] for r in served) == ["extra_answers_same_steps", "kl"], served
