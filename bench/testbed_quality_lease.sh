@@ -45,7 +45,8 @@
 #            vLLM, each export kept in pieces; a lease of its own (REGEN=FILE skips the greedy answering). The
 #            whole schedule takes 9-13 min a row alone on one H100, so more than two rows need a lease each pair;
 #            MORE=max_steps=N screens them on a shorter schedule instead (e.g. ROWS=default,seed_1,kl,non_causal,
-#            extra_answers_same_steps MORE=max_steps=2000 VLLM_SETS=mtbench: ~4 min a row alone, five in a lease);
+#            extra_answers_same_steps MORE=max_steps=2000 VLLM_SETS=mtbench: ~4 min a row alone, after ~4 min of
+#            sampled answering);
 # READY=FILE makes the stages that need the target (ttq, optim, dflash2, rows) wait up to 15 minutes for FILE to
 # exist: the target and vLLM may still be arriving while the first stages run.
 #
