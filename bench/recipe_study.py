@@ -80,6 +80,9 @@ VARIANTS: dict[str, list[str]] = {
     # the coupled form with a missing label put among the candidates, so every valid position has a term
     # (speculators' form: the drafter's logit of the label rises against its top_k)
     "dflash2_injected": ["drafter_architecture=dflash2", "selector_unary_grad=true", "selector_missing_label=inject"],
+    # DFlash2 whose layers learn from the block loss alone (the selector's term stops at its projection): is its
+    # position-1 deficit against DFlash (RESULTS.md "DFlash beside DFlash2") the selector's pull on the layers?
+    "dflash2_detached": ["drafter_architecture=dflash2", "selector_hidden_grad=false"],
     "causal": ["causal=true"],  # causal inside the block, whole context: one drafter for every k (the recipe's)
     "non_causal": ["causal=false"],  # the block non-causal, as every recipe before the serving plan
     # more target-written data from the same prompts: a sampled answer per prompt beside the greedy one
@@ -100,8 +103,8 @@ VARIANTS: dict[str, list[str]] = {
 # variants that never go into a combination of winners (--combine): a layout vLLM 0.24 serves differently
 # (docs/ARCHITECTURE.md), more data or more or fewer steps than the study compares at, another architecture
 NOT_COMBINED = ("sliding_window", "extra_answers", "extra_answers_same_steps", "longer", "dflash2", "dflash2_coupled",
-                "dflash2_loss_weighted", "dflash2_codebook_lr", "dflash2_injected", "steps_1000", "steps_1400",
-                "steps_2000", "steps_1000_anchors", "steps_1400_anchors")
+                "dflash2_loss_weighted", "dflash2_codebook_lr", "dflash2_injected", "dflash2_detached", "steps_1000",
+                "steps_1400", "steps_2000", "steps_1000_anchors", "steps_1400_anchors")
 
 
 def is_replicate(overrides) -> bool:

@@ -262,7 +262,7 @@ class DFlash2DraftModel(DFlashDraftModel):
 
     def selector_scores(self, hidden: torch.Tensor, predecessor_ids: torch.Tensor,
                         candidates: Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]],
-                        pair_term: Callable | None = None):
+                        pair_term: Callable | None = None, hidden_grad: bool = True):
         """Teacher-forced selector scores of packed training blocks: hidden [1, N*B, H] (the forward's output),
         predecessor_ids [N, B-1] (the token before each draft position: the anchor, then the true tokens).
 
@@ -273,11 +273,14 @@ class DFlash2DraftModel(DFlashDraftModel):
         so the lm_head runs once per position (a separate lm_head pass for them cost DFlash2 ~30% of its training
         throughput). The pairwise term carries the gradient (codebooks, hidden_projection and, through it, the
         drafter's hidden states), and the unary term where its logits have one. ``pair_term``: ``pair_scores``'s.
+        ``hidden_grad=False``: the pairwise term reads the hidden states detached, so its gradient stops at the
+        codebooks and hidden_projection (dflashkit's ``selector_hidden_grad``).
         Returns (scores [N, B-1, top_k] float32, candidate_ids [N, B-1, top_k])."""
         n, p = predecessor_ids.shape
         draft = hidden.reshape(n, p + 1, -1)[:, 1:]
         unary, ids = candidates(draft, self.candidate_selector.top_k)
-        scores = self.candidate_selector.pair_scores(draft, unary.to(draft.dtype), ids, predecessor_ids, pair_term)
+        scores = self.candidate_selector.pair_scores(draft if hidden_grad else draft.detach(), unary.to(draft.dtype),
+                                                     ids, predecessor_ids, pair_term)
         return scores.float(), ids
 
     def propose(self, hidden: torch.Tensor, anchor_ids: torch.Tensor, lm_head: nn.Module, temperature: float = 0.0):

@@ -54,13 +54,14 @@ class BlockLossPass:
 
     def __init__(self, head, labels: torch.Tensor, valid: torch.Tensor, teacher: torch.Tensor | None,
                  loss_options: dict, selector_kernel: bool = False, selector_unary_grad: bool = False,
-                 selector_missing_label: str = "skip", loss_grad: bool = True):
+                 selector_missing_label: str = "skip", loss_grad: bool = True, selector_hidden_grad: bool = True):
         self.head, self.labels, self.valid, self.teacher = head, labels, valid, teacher
         self.loss_grad = loss_grad  # False: the loss engine computes no gradient, even in grad mode (evaluation)
         self.loss_options = loss_options  # block_loss's keywords: variant, gamma, ..., chunk_tokens, fused
         self.selector_kernel = selector_kernel  # DFlash2: the selector's pairwise term by train/selector_pair.py
         self.selector_unary_grad = selector_unary_grad  # DFlash2: its unary logits carry a gradient (selector_loss)
         self.selector_missing_label = selector_missing_label  # DFlash2, training: "inject" (selector_loss)
+        self.selector_hidden_grad = selector_hidden_grad  # DFlash2: False detaches its pairwise term's states
         self.injected: torch.Tensor | None = None  # the labels ``candidates`` put among them
         self.out: BlockLossOutput | None = None
 
@@ -94,6 +95,8 @@ def selector_forward_inputs(batch: PackedBlocks, labels: torch.Tensor, loss_pass
     targets = dict(candidates=loss_pass.candidates, predecessor_ids=predecessor_ids(batch.block_ids, labels))
     if loss_pass.selector_kernel:  # the pairwise term without its [positions, top_k, rank] rows, where it fits
         targets["pair_term"] = pair_term
+    if not loss_pass.selector_hidden_grad:  # the drafter's layers then learn from the block loss alone
+        targets["hidden_grad"] = False
     return {"selector_targets": targets}
 
 
@@ -202,13 +205,14 @@ def forward_blocks(model, head, batch: PackedBlocks, *, block_size: int, layer_t
                    fused_loss: bool = False, labels: str = "data", selector: bool = True,
                    causal: bool = False, selector_kernel: bool = False, selector_unary_grad: bool = False,
                    selector_weights: str = "decay", selector_missing_label: str = "skip",
-                   loss_grad: bool = True) -> BlockLossOutput:
+                   loss_grad: bool = True, selector_hidden_grad: bool = True) -> BlockLossOutput:
     """The un-normalised block loss (and metrics) of one packed micro-batch (fused_loss: train/loss.py);
     ``labels="target_argmax"``: against the target's greedy tokens (``target_argmax_labels``), not the data's;
     ``selector=False``: a DFlash2 drafter's selector term is not computed (``out.selector`` is None);
     ``causal``: a causal-in-block drafter's mask (train/block_mask.py); ``selector_kernel``: DFlash2's pairwise
     term by train/selector_pair.py's kernels where they fit; ``selector_unary_grad``: its unary logits carry a
-    gradient to the drafter; ``selector_weights="loss"``: its positions weighted and normalised as the block
+    gradient to the drafter; ``selector_hidden_grad=False``: its pairwise term's does not reach the drafter's
+    layers; ``selector_weights="loss"``: its positions weighted and normalised as the block
     loss's; ``selector_missing_label="inject"``: in training, a label outside the candidates takes the lowest
     one's slot (all train/selector_loss.py); ``loss_grad=False``: the block loss computes no gradient of the
     states, even in grad mode (train/evaluate.py's passes through the training's graphs)."""
@@ -216,7 +220,8 @@ def forward_blocks(model, head, batch: PackedBlocks, *, block_size: int, layer_t
     teacher = batch.last_hidden[batch.teacher_index] if variant == "kl" else None  # after the target's final norm
     loss_pass = BlockLossPass(head, targets, batch.valid, teacher, dict(
         variant=variant, gamma=gamma, dpace_alpha=dpace_alpha, kl_weight=kl_weight, chunk_tokens=chunk_tokens,
-        fused=fused_loss), selector_kernel, selector_unary_grad, selector_missing_label, loss_grad)
+        fused=fused_loss), selector_kernel, selector_unary_grad, selector_missing_label, loss_grad,
+        selector_hidden_grad)
     term = EXTRA_LOSS_TERMS[drafter_kind(model).architecture] if selector else None  # DFlash2: the selector's
     extra_inputs = None if term is None else term.forward_inputs(batch, targets, loss_pass)
     hidden = draft_hidden(model, head, batch, block_size=block_size, layer_types=layer_types,

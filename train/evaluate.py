@@ -115,14 +115,16 @@ def evaluate(model, head, dataset, indices: list[int], *, block_size: int, layer
              max_length: int | None = None, backend: str = "dense", chunk_tokens: int = 2048,
              fused_loss: bool = False, selector: bool = True, accelerator=None, device=None,
              causal: bool = False, selector_kernel: bool = False, selector_unary_grad: bool = False,
-             selector_weights: str = "decay", selector_missing_label: str = "skip", batch_tokens: int = 0) -> dict:
+             selector_weights: str = "decay", selector_missing_label: str = "skip", batch_tokens: int = 0,
+             selector_hidden_grad: bool = True) -> dict:
     """Held-out loss (ce objective), per-position accuracy and tau_sim at fixed anchors, and the chain walk's
     tau_walk and per-position acceptance by the drafter's proposal rule (DFlash2: its selector's path, and the
     argmax walk beside it, whatever ``selector`` says); ``selector``: DFlash2's selector metrics too
     (train/drafter_pass.py), its pairwise term by the kernels with ``selector_kernel`` (train/selector_pair.py),
-    with the run's other selector options too (train/setup.py), which give the same numbers here: the two that
-    act only under a gradient (``selector_unary_grad``, ``selector_missing_label``) are off in every pass (no
-    label is injected among the candidates), and the ``ce`` objective's position weights are the decay.
+    with the run's other selector options too (train/setup.py), which give the same numbers here: the three that
+    act only under a gradient (``selector_unary_grad``, ``selector_missing_label``, ``selector_hidden_grad``) are
+    off in every pass (no label is injected among the candidates), and the ``ce`` objective's position weights
+    are the decay.
     ``batch_tokens`` > 0 packs the samples up to that many tokens per pass (``eval_pack_tokens``; it needs the
     dataset's ``lengths``); 0 evaluates one sample per pass."""
     world = accelerator.num_processes if accelerator is not None else 1

@@ -23,7 +23,8 @@ k - 1 (the anchor token at k = 1). Training teacher-forces that walk:
   Automodel's later trainer weigh the selector;
 - the candidates and their unary logits come from the block loss's own lm_head pass (train/loss.py ``top_k``; no
   second lm_head pass for them). By default the unary logits carry no gradient: the term's gradient reaches the
-  codebooks, the hidden projection and, through it, the drafter's layers. With ``selector_unary_grad: true``
+  codebooks, the hidden projection and, through it, the drafter's layers (``selector_hidden_grad: false`` stops it
+  at the projection: the pairwise term reads the states detached). With ``selector_unary_grad: true``
   (``candidate_logits``) it also reaches the drafter's final states through the unary logits themselves, as in
   every public DFlash2 trainer (NeMo Automodel, SpecForge, speculators): the 16-way choice then trains the
   drafter's own logits too, position 1's first of all. Its backward adds up the frozen lm_head's rows of each

@@ -167,7 +167,8 @@ def drafter_pass_options(cfg: TrainConfig, dcfg, device: torch.device) -> dict:
                 causal=dcfg.causal, backend=mask_backend(cfg.attention, device), chunk_tokens=cfg.loss_chunk_tokens,
                 selector=cfg.selector_loss_weight > 0, fused_loss=cfg.compile and device.type == "cuda",
                 selector_kernel=bool(cfg.selector_kernel), selector_unary_grad=bool(cfg.selector_unary_grad),
-                selector_weights=cfg.selector_weights, selector_missing_label=cfg.selector_missing_label)
+                selector_hidden_grad=bool(cfg.selector_hidden_grad), selector_weights=cfg.selector_weights,
+                selector_missing_label=cfg.selector_missing_label)
 
 
 @dataclass

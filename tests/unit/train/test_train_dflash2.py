@@ -127,13 +127,15 @@ def test_dflash2_packed_run_equals_unpacked_run(tiny_run, tmp_path):
 
 @pytest.mark.slow
 def test_dflash2_trains_online(chat_run, tmp_path):
-    """Online, with the selector's unary logits coupled to the drafter (selector_unary_grad) and missing labels
-    injected among the candidates (selector_missing_label; the offline runs above keep the defaults)."""
+    """Online, with the selector's unary logits coupled to the drafter (selector_unary_grad), missing labels
+    injected among the candidates (selector_missing_label) and its pairwise term kept off the layers
+    (selector_hidden_grad; the offline runs above keep the defaults): the trainer and its held-out passes take
+    them all."""
     target, data, _ = chat_run
     out = tmp_path / "online"
     train(load_config(None, [], target=target, data=[data], **online_overrides(
         out, drafter_architecture="dflash2", selector_unary_grad=True, selector_missing_label="inject",
-        drafter={"intermediate_size": 64, **DFLASH2})))
+        selector_hidden_grad=False, drafter={"intermediate_size": 64, **DFLASH2})))
     assert json.loads((out / "summary.json").read_text())["step"] >= 1
     sel = losses(out, "train/selector_loss")
     assert sel and all(v == v and v >= 0 for v in sel.values())

@@ -24,10 +24,10 @@ def test_the_options_follow_the_config_the_drafter_and_the_device():
     cpu = drafter_pass_options(cfg, dcfg, torch.device("cpu"))
     assert cpu == dict(block_size=4, layer_types=["sliding_attention", "full_attention"], sliding_window=16,
                        causal=True, backend="dense", chunk_tokens=512, selector=False, fused_loss=False,
-                       selector_kernel=False, selector_unary_grad=False, selector_weights="decay",
-                       selector_missing_label="skip")
+                       selector_kernel=False, selector_unary_grad=False, selector_hidden_grad=True,
+                       selector_weights="decay", selector_missing_label="skip")
     for option, value in (("selector_kernel", True), ("selector_unary_grad", True), ("selector_weights", "loss"),
-                          ("selector_missing_label", "inject")):
+                          ("selector_missing_label", "inject"), ("selector_hidden_grad", False)):
         assert drafter_pass_options(TrainConfig(**{option: value}, wandb=False), dcfg, torch.device("cpu"))[
             option] == value
     gpu = drafter_pass_options(cfg, dcfg, torch.device("cuda", 0))  # no GPU needed: only the device's type counts

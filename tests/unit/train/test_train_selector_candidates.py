@@ -273,3 +273,37 @@ def test_the_selectors_run_is_the_leading_run_of_its_chosen_labels():
     assert out.runs.tolist() == [2, 4, 1] and int(out.correct) == 3 + 4 + 3
     valid[1, 2] = False  # an invalid position ends the run, as the block loss's runs
     assert selector_loss(scores, candidates, labels, valid, GAMMA).runs.tolist() == [2, 2, 1]
+
+
+def test_the_detached_selector_term_leaves_the_drafters_layers_to_the_block_loss():
+    """selector_hidden_grad=False: the selector's pairwise term reads the hidden states detached, so every
+    parameter outside the selector gets the block loss's gradient alone (as with no selector term at all), the
+    codebooks and the hidden projection still learn, and the loss is the same; by default the term moves the
+    layers too (the option acts)."""
+    model, head, batch = setup(torch.float64)
+    run = dict(block_size=B, layer_types=LAYERS, sliding_window=None, variant="dpace", gamma=GAMMA,
+               chunk_tokens=CHUNK)
+
+    def grads(**options):
+        model.zero_grad(set_to_none=True)
+        out = forward_blocks(model, head, batch, **run, **options)
+        loss = step_loss(out, batch.valid, "dpace") if out.selector is not None else (
+            out.loss_sum / loss_denominator(batch.valid, "dpace", GAMMA))
+        loss.backward()
+        return loss.detach(), {n: (p.grad.clone() if p.grad is not None else None) for n, p in model.named_parameters()}
+
+    loss_detached, detached = grads(selector_hidden_grad=False)
+    loss_coupled, coupled = grads()
+    _, block_only = grads(selector=False)
+    assert loss_detached == loss_coupled
+    selector_params = [n for n in detached if n.startswith("candidate_selector.")]
+    assert sorted(selector_params) == ["candidate_selector.hidden_projection.weight",
+                                       "candidate_selector.predecessor_codebook",
+                                       "candidate_selector.successor_codebook"]
+    for name in selector_params:
+        assert detached[name].abs().sum() > 0 and block_only[name] is None, name
+        torch.testing.assert_close(detached[name], coupled[name], rtol=1e-12, atol=1e-14, msg=name)
+    layers = [n for n in detached if n not in selector_params]
+    for name in layers:
+        torch.testing.assert_close(detached[name], block_only[name], rtol=1e-12, atol=1e-14, msg=name)
+    assert any(not torch.allclose(coupled[n], block_only[n], rtol=1e-9, atol=1e-12) for n in layers)
