@@ -123,8 +123,8 @@ def evaluate(model, head, dataset, indices: list[int], *, block_size: int, layer
     (train/drafter_pass.py), its pairwise term by the kernels with ``selector_kernel`` (train/selector_pair.py),
     with the run's other selector options too (train/setup.py), which give the same numbers here: the three that
     act only under a gradient (``selector_unary_grad``, ``selector_missing_label``, ``selector_hidden_grad``) are
-    off in every pass (no label is injected among the candidates), and the ``ce`` objective's position weights
-    are the decay.
+    left out of every pass (no label is injected among the candidates; no gradient is taken), and the ``ce``
+    objective's position weights are the decay.
     ``batch_tokens`` > 0 packs the samples up to that many tokens per pass (``eval_pack_tokens``; it needs the
     dataset's ``lengths``); 0 evaluates one sample per pass."""
     world = accelerator.num_processes if accelerator is not None else 1
