@@ -95,7 +95,7 @@ def selector_forward_inputs(batch: PackedBlocks, labels: torch.Tensor, loss_pass
     targets = dict(candidates=loss_pass.candidates, predecessor_ids=predecessor_ids(batch.block_ids, labels))
     if loss_pass.selector_kernel:  # the pairwise term without its [positions, top_k, rank] rows, where it fits
         targets["pair_term"] = pair_term
-    if not loss_pass.selector_hidden_grad:  # the drafter's layers then learn from the block loss alone
+    if not loss_pass.selector_hidden_grad:  # the pairwise term's gradient stops at the selector's projection
         targets["hidden_grad"] = False
     return {"selector_targets": targets}
 
