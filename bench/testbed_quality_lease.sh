@@ -40,13 +40,14 @@
 #            MORE2=conv_kernel=true,selector_kernel=true trains the DFlash2 forms with the kernels; TURNS2=every
 #            answers every user turn instead (more data: e.g. VARIANTS2=default,dflash2 MORE2=max_steps=3000);
 #            EVAL_HUMANEVAL=1 also walks each export on HumanEval 164 (testbed_quality_run.sh's stage 4);
-#   rows     the recipe's rows on every answered turn: every turn answered greedily and once more sampled
-#            (SAMPLED=1), then ROWS (default seed_1,extra_answers_same_steps) two at a time for 2 epochs, τ in
-#            vLLM, each export kept in pieces; a lease of its own (REGEN=FILE skips the greedy answering). The
-#            whole schedule takes 9-13 min a row alone on one H100, so more than two rows need a lease each pair;
-#            MORE=max_steps=N screens them on a shorter schedule instead (e.g. ROWS=default,seed_1,kl,non_causal,
-#            extra_answers_same_steps MORE=max_steps=2000 VLLM_SETS=mtbench: ~4 min a row alone, after ~4 min of
-#            sampled answering);
+#   rows     the recipe's rows on every answered turn: every turn answered greedily, and once more sampled
+#            (SAMPLED=1) when a row reads the sampled answers (extra_answers, extra_answers_same_steps); then ROWS
+#            (default seed_1,extra_answers_same_steps) PAR3 (default 2) at a time for 2 epochs, τ in vLLM of the
+#            DFlash rows (a DFlash2 row has its held-out curve only), each export kept in pieces; a lease of its
+#            own (REGEN=FILE skips the greedy answering). The whole schedule takes 9-13 min a row alone on one
+#            H100, so more than two rows need a lease each pair; MORE=max_steps=N screens them on a shorter
+#            schedule instead (e.g. ROWS=default,seed_1,kl,non_causal,extra_answers_same_steps MORE=max_steps=2000
+#            VLLM_SETS=mtbench: ~4 min a row alone, after ~4 min of sampled answering);
 # READY=FILE makes the stages that need the target (ttq, optim, dflash2, rows) wait up to 15 minutes for FILE to
 # exist: the target and vLLM may still be arriving while the first stages run.
 #
@@ -164,7 +165,9 @@ for s in $STAGES; do
       VARIANTS="${VARIANTS2:-default,dflash2,dflash2_coupled,dflash2_codebook_lr,dflash2_injected}" \
       EPOCHS="${EPOCHS2:-2}" L_TRAIN="${L_TRAIN2:-1000}" L_EVAL="${L_EVAL2:-300}" VLLM_SETS= MORE="${MORE2:-}" ;;
   rows)
-    quality rows 4000 SAMPLED=1 TURNS=every VARIANTS="${ROWS:-seed_1,extra_answers_same_steps}" PAR=2 EPOCHS=2 \
+    ROWS=${ROWS:-seed_1,extra_answers_same_steps}
+    SAMPLED=0; [[ ",$ROWS" == *,extra_answers* ]] && SAMPLED=1  # the sampled answers only for a row that reads them
+    quality rows 4000 SAMPLED=$SAMPLED TURNS=every VARIANTS="$ROWS" PAR="${PAR3:-2}" EPOCHS=2 \
       L_TRAIN="${L_TRAIN3:-1500}" L_EVAL=0 KEEP_DRAFTER=1 ;;
   esac
 done

@@ -299,3 +299,28 @@ def test_the_lease_scripts_rows_stage_screens_rows_beside_a_sampled_answer(tmp_p
         assert (run / "rows" / "out" / f"drafter-{name}" / "drafter.tar.aa").stat().st_size > 0, name
     served = json.loads((run / "rows" / "out" / "vllm" / "mtbench" / "g_tau_per_k.json").read_text())["rows"]
     assert sorted(r["drafter"] for r in served) == ["extra_answers_same_steps", "kl"], served
+
+
+@pytest.mark.slow
+def test_the_lease_scripts_rows_stage_answers_once_when_no_row_reads_sampled_answers(tmp_path):
+    """ROWS without an extra-answers row: the turns are answered greedily only (no sampled answering, whose minutes
+    no row would use), PAR3 rows at once; a DFlash2 row trains and is kept beside the DFlash one, which alone is
+    served in vLLM."""
+    data = toy_data(tmp_path / "data", sharegpt=4, sharegpt_turns=3, mtbench=2)
+    run = tmp_path / "run"
+    ends = run_toy_script("testbed_quality_lease.sh", run, STAGES="rows", ROWS="non_causal,dflash2_detached",
+                          PAR3="2", MORE="max_steps=1", VLLM_SETS="mtbench", TARGET="testbed:smollm2", DATA=str(data))
+    assert set(ends) == {"rows"}, ends
+    stages = (run / "rows" / "stages.txt").read_text()
+    for stage in ("regenerate", "train-recipe", "vllm-tau-mtbench"):
+        assert f"{stage}: rc=0" in stages, stages
+    assert "regenerate-sampled" not in stages and not (run / "rows" / "regen-sampled.jsonl").exists(), stages
+    assert "dflash2_detached: DFlash2, not served by vLLM 0.24" in stages, stages
+    results = json.loads((run / "rows" / "out" / "recipe" / "results.json").read_text())["variants"]
+    assert "selector_hidden_grad=false" in results["dflash2_detached"]["overrides"], results
+    for name in ("non_causal", "dflash2_detached"):
+        summary = json.loads((run / "rows" / "work" / "train" / name / "summary.json").read_text())
+        assert summary["step"] == 1 and summary["stopped_by_max_steps"], (name, summary)
+        assert (run / "rows" / "out" / f"drafter-{name}" / "drafter.tar.aa").stat().st_size > 0, name
+    served = json.loads((run / "rows" / "out" / "vllm" / "mtbench" / "g_tau_per_k.json").read_text())["rows"]
+    assert [r["drafter"] for r in served] == ["non_causal"], served
