@@ -82,7 +82,7 @@ class TrainConfig:
     # unary logits too, as in the public DFlash2 trainers (train/selector_loss.py; off until compared on a GPU)
     selector_hidden_grad: bool = True  # dflash2: the selector's pairwise term trains the drafter's layers through
     # its hidden projection; false stops it there (without selector_unary_grad the layers then learn from the block
-    # loss alone; train/selector_loss.py)
+    # loss alone; train/selector_loss.py); behind on the testbed (RESULTS.md "The recipe's rows on every answered turn")
     selector_weights: str = "decay"  # dflash2: the selector term's position weights and normaliser: "decay" (the
     # ce decay) or "loss" (the block loss's own, D-PACE's with the recipe, as SpecForge; train/selector_loss.py)
     selector_missing_label: str = "skip"  # dflash2, training: a valid label not among the candidates adds no
