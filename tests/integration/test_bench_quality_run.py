@@ -309,9 +309,10 @@ def test_the_lease_scripts_rows_stage_answers_once_when_no_row_reads_sampled_ans
     data = toy_data(tmp_path / "data", sharegpt=4, sharegpt_turns=3, mtbench=2)
     run = tmp_path / "run"
     ends = run_toy_script("testbed_quality_lease.sh", run, STAGES="rows", ROWS="non_causal,dflash2_detached",
-                          PAR3="2", MORE="max_steps=1", VLLM_SETS="mtbench", TARGET="testbed:smollm2", DATA=str(data))
+                          PAR3="1", MORE="max_steps=1", VLLM_SETS="mtbench", TARGET="testbed:smollm2", DATA=str(data))
     assert set(ends) == {"rows"}, ends
     stages = (run / "rows" / "stages.txt").read_text()
+    assert "--parallel 1 " in stages, stages  # PAR3, not the stage's default of 2
     for stage in ("regenerate", "train-recipe", "vllm-tau-mtbench"):
         assert f"{stage}: rc=0" in stages, stages
     assert "regenerate-sampled" not in stages and not (run / "rows" / "regen-sampled.jsonl").exists(), stages
