@@ -42,7 +42,9 @@
 #            EVAL_HUMANEVAL=1 also walks each export on HumanEval 164 (testbed_quality_run.sh's stage 4);
 #   rows     the recipe's rows on every answered turn: every turn answered greedily, and once more sampled
 #            (SAMPLED=1) when a row reads the sampled answers (extra_answers, extra_answers_same_steps); then ROWS
-#            (default seed_1,extra_answers_same_steps) PAR3 (default 2) at a time for 2 epochs, τ in vLLM of the
+#            (default seed_1,extra_answers_same_steps) PAR3 (default 2) at a time for EPOCHS3 (default 2) epochs
+#            (3: the recipe's own count, ~1.5x the time; extra_answers_same_steps takes half, rounded down, so
+#            its steps equal the others' at an even count only), τ in vLLM of the
 #            DFlash rows (a DFlash2 row has its held-out curve only), each export kept in pieces; a lease of its
 #            own (REGEN=FILE skips the greedy answering). The whole schedule takes 9-13 min a row alone on one
 #            H100, so more than two rows need a lease each pair; MORE=max_steps=N screens them on a shorter
@@ -167,7 +169,7 @@ for s in $STAGES; do
   rows)
     ROWS=${ROWS:-seed_1,extra_answers_same_steps}
     SAMPLED=0; [[ ",$ROWS" == *,extra_answers* ]] && SAMPLED=1  # the sampled answers only for a row that reads them
-    quality rows 4000 SAMPLED=$SAMPLED TURNS=every VARIANTS="$ROWS" PAR="${PAR3:-2}" EPOCHS=2 \
+    quality rows 4000 SAMPLED=$SAMPLED TURNS=every VARIANTS="$ROWS" PAR="${PAR3:-2}" EPOCHS="${EPOCHS3:-2}" \
       L_TRAIN="${L_TRAIN3:-1500}" L_EVAL=0 KEEP_DRAFTER=1 ;;
   esac
 done

@@ -309,10 +309,11 @@ def test_the_lease_scripts_rows_stage_answers_once_when_no_row_reads_sampled_ans
     data = toy_data(tmp_path / "data", sharegpt=4, sharegpt_turns=3, mtbench=2)
     run = tmp_path / "run"
     ends = run_toy_script("testbed_quality_lease.sh", run, STAGES="rows", ROWS="non_causal,dflash2_detached",
-                          PAR3="1", MORE="max_steps=1", VLLM_SETS="mtbench", TARGET="testbed:smollm2", DATA=str(data))
+                          PAR3="1", EPOCHS3="3", MORE="max_steps=1", VLLM_SETS="mtbench", TARGET="testbed:smollm2",
+                          DATA=str(data))
     assert set(ends) == {"rows"}, ends
     stages = (run / "rows" / "stages.txt").read_text()
-    assert "--parallel 1 " in stages, stages  # PAR3, not the stage's default of 2
+    assert "--parallel 1 --epochs 3 " in stages, stages  # PAR3 and EPOCHS3, not the stage's defaults (2, 2)
     for stage in ("regenerate", "train-recipe", "vllm-tau-mtbench"):
         assert f"{stage}: rc=0" in stages, stages
     assert "regenerate-sampled" not in stages and not (run / "rows" / "regen-sampled.jsonl").exists(), stages
@@ -322,6 +323,7 @@ def test_the_lease_scripts_rows_stage_answers_once_when_no_row_reads_sampled_ans
     for name in ("non_causal", "dflash2_detached"):
         summary = json.loads((run / "rows" / "work" / "train" / name / "summary.json").read_text())
         assert summary["step"] == 1 and summary["stopped_by_max_steps"], (name, summary)
+        assert "3 epochs =" in (run / "rows" / "out" / "recipe" / "results" / name / "train.log").read_text(), name
         assert (run / "rows" / "out" / f"drafter-{name}" / "drafter.tar.aa").stat().st_size > 0, name
     served = json.loads((run / "rows" / "out" / "vllm" / "mtbench" / "g_tau_per_k.json").read_text())["rows"]
     assert [r["drafter"] for r in served] == ["non_causal"], served
