@@ -82,6 +82,7 @@ VARIANTS: dict[str, list[str]] = {
     "dflash2_injected": ["drafter_architecture=dflash2", "selector_unary_grad=true", "selector_missing_label=inject"],
     # DFlash2 whose layers learn from the block loss alone (the selector's term stops at its projection): is its
     # position-1 deficit against DFlash (RESULTS.md "DFlash beside DFlash2") the selector's pull on the layers?
+    # Not by the one screen that ran it: behind the coupled form (RESULTS.md "The recipe's rows on every answered turn")
     "dflash2_detached": ["drafter_architecture=dflash2", "selector_hidden_grad=false"],
     "causal": ["causal=true"],  # causal inside the block, whole context: one drafter for every k (the recipe's)
     "non_causal": ["causal=false"],  # the block non-causal, as every recipe before the serving plan
