@@ -84,6 +84,10 @@ VARIANTS: dict[str, list[str]] = {
     # position-1 deficit against DFlash (RESULTS.md "DFlash beside DFlash2") the selector's pull on the layers?
     # Not by the one screen that ran it: behind the coupled form (RESULTS.md "The recipe's rows on every answered turn")
     "dflash2_detached": ["drafter_architecture=dflash2", "selector_hidden_grad=false"],
+    # DFlash2 with four taps in its in-block convolution instead of two (each position mixes the three before it)
+    "dflash2_kernel4": ["drafter_architecture=dflash2", "drafter={conv_kernel_size: 4}"],
+    # DFlash2 whose selector chooses among each position's top 32 tokens instead of 16
+    "dflash2_top32": ["drafter_architecture=dflash2", "drafter={selector_top_k: 32}"],
     "causal": ["causal=true"],  # causal inside the block, whole context: one drafter for every k (the recipe's)
     "non_causal": ["causal=false"],  # the block non-causal, as every recipe before the serving plan
     # more target-written data from the same prompts: a sampled answer per prompt beside the greedy one
@@ -104,8 +108,9 @@ VARIANTS: dict[str, list[str]] = {
 # variants that never go into a combination of winners (--combine): a layout vLLM 0.24 serves differently
 # (docs/ARCHITECTURE.md), more data or more or fewer steps than the study compares at, another architecture
 NOT_COMBINED = ("sliding_window", "extra_answers", "extra_answers_same_steps", "longer", "dflash2", "dflash2_coupled",
-                "dflash2_loss_weighted", "dflash2_codebook_lr", "dflash2_injected", "dflash2_detached", "steps_1000",
-                "steps_1400", "steps_2000", "steps_1000_anchors", "steps_1400_anchors")
+                "dflash2_loss_weighted", "dflash2_codebook_lr", "dflash2_injected", "dflash2_detached",
+                "dflash2_kernel4", "dflash2_top32", "steps_1000", "steps_1400", "steps_2000", "steps_1000_anchors",
+                "steps_1400_anchors")
 
 
 def is_replicate(overrides) -> bool:
@@ -155,6 +160,14 @@ def parse_variants(specs: list[str]) -> dict[str, list[str]]:
     if not chosen:
         raise UserError("--variants: name at least one variant")
     return chosen
+
+
+def fill(item: str, **values) -> str:
+    """``epochs={double_epochs}`` with its placeholders filled; other braces stay (``drafter={selector_top_k: 32}``
+    is a YAML mapping, not a placeholder)."""
+    for key, value in values.items():
+        item = item.replace("{" + key + "}", str(value))
+    return item
 
 
 def override_key(item: str) -> str:
@@ -306,8 +319,8 @@ class Study:
     # --- one variant: train, export, evaluate --------------------------------------------------------------
     def run_variant(self, name: str) -> None:
         a = self.args
-        items = [o.format(epochs=a.epochs, double_epochs=2 * a.epochs, half_epochs=max(1, a.epochs // 2),
-                          extra_data=a.extra_data)
+        items = [fill(o, epochs=a.epochs, double_epochs=2 * a.epochs, half_epochs=max(1, a.epochs // 2),
+                      extra_data=a.extra_data or "")
                  for o in self.variants[name]]
         extra_data = [o.split("=", 1)[1] for o in items if o.startswith("data+=")]  # more --data for this one
         overrides = [o for o in items if not o.startswith("data+=")]
