@@ -44,12 +44,13 @@
 #            (SAMPLED=1) when a row reads the sampled answers (extra_answers, extra_answers_same_steps); then ROWS
 #            (default seed_1,extra_answers_same_steps) PAR3 (default 2) at a time for EPOCHS3 (default 2) epochs
 #            (3: the recipe's own count, ~1.5x the time; extra_answers_same_steps takes half, rounded down, so
-#            its steps equal the others' at an even count only), τ in vLLM of the
-#            DFlash rows (a DFlash2 row has its held-out curve only), each export kept in pieces; a lease of its
-#            own (REGEN=FILE skips the greedy answering). The whole schedule takes 9-13 min a row alone on one
-#            H100, so more than two rows need a lease each pair; MORE=max_steps=N screens them on a shorter
-#            schedule instead (e.g. ROWS=default,seed_1,kl,non_causal,extra_answers_same_steps MORE=max_steps=2000
-#            VLLM_SETS=mtbench: ~4 min a row alone, after ~4 min of sampled answering);
+#            its steps equal the others' at an even count only), τ in vLLM of the DFlash rows (vLLM 0.24
+#            serves no DFlash2); L_EVAL3=SECONDS also measures every row's live chain τ in `dflashkit eval` on
+#            MT-bench, PAR3 at once (EVAL_HUMANEVAL=1 adds HumanEval, a row at a time); each export kept in
+#            pieces; a lease of its own (REGEN=FILE skips the greedy answering). The whole schedule takes 9-13
+#            min a row alone on one H100, so more than two rows need a lease each pair; MORE=max_steps=N screens
+#            them on a shorter schedule instead (e.g. ROWS=default,seed_1,kl,non_causal,extra_answers_same_steps
+#            MORE=max_steps=2000 VLLM_SETS=mtbench: ~4 min a row alone, after ~4 min of sampled answering);
 # READY=FILE makes the stages that need the target (ttq, optim, dflash2, rows) wait up to 15 minutes for FILE to
 # exist: the target and vLLM may still be arriving while the first stages run.
 #
@@ -170,7 +171,7 @@ for s in $STAGES; do
     ROWS=${ROWS:-seed_1,extra_answers_same_steps}
     SAMPLED=0; [[ ",$ROWS" == *,extra_answers* ]] && SAMPLED=1  # the sampled answers only for a row that reads them
     quality rows 4000 SAMPLED=$SAMPLED TURNS=every VARIANTS="$ROWS" PAR="${PAR3:-2}" EPOCHS="${EPOCHS3:-2}" \
-      L_TRAIN="${L_TRAIN3:-1500}" L_EVAL=0 KEEP_DRAFTER=1 ;;
+      L_TRAIN="${L_TRAIN3:-1500}" L_EVAL="${L_EVAL3:-0}" KEEP_DRAFTER=1 ;;
   esac
 done
 note "all done"

@@ -309,17 +309,20 @@ def test_the_lease_scripts_rows_stage_answers_once_when_no_row_reads_sampled_ans
     data = toy_data(tmp_path / "data", sharegpt=4, sharegpt_turns=3, mtbench=2)
     run = tmp_path / "run"
     ends = run_toy_script("testbed_quality_lease.sh", run, STAGES="rows", ROWS="non_causal,dflash2_detached",
-                          PAR3="1", EPOCHS3="3", MORE="max_steps=1", VLLM_SETS="mtbench", TARGET="testbed:smollm2",
-                          DATA=str(data))
+                          PAR3="1", EPOCHS3="3", L_EVAL3="120", MORE="max_steps=1", VLLM_SETS="mtbench",
+                          TARGET="testbed:smollm2", DATA=str(data))
     assert set(ends) == {"rows"}, ends
     stages = (run / "rows" / "stages.txt").read_text()
     assert "--parallel 1 --epochs 3 " in stages, stages  # PAR3 and EPOCHS3, not the stage's defaults (2, 2)
-    for stage in ("regenerate", "train-recipe", "vllm-tau-mtbench"):
+    for stage in ("regenerate", "train-recipe", "vllm-tau-mtbench", "eval-recipe"):
         assert f"{stage}: rc=0" in stages, stages
     assert "regenerate-sampled" not in stages and not (run / "rows" / "regen-sampled.jsonl").exists(), stages
     assert "dflash2_detached: DFlash2, not served by vLLM 0.24" in stages, stages
     results = json.loads((run / "rows" / "out" / "recipe" / "results.json").read_text())["variants"]
     assert "selector_hidden_grad=false" in results["dflash2_detached"]["overrides"], results
+    for name in ("non_causal", "dflash2_detached"):  # L_EVAL3: each row's live τ, the DFlash2 one's too
+        report = json.loads((run / "rows" / "out" / "recipe" / "results" / name / "report.json").read_text())
+        assert results[name]["tau"] == report["overall"]["tau"] >= 1, (name, results[name])
     for name in ("non_causal", "dflash2_detached"):
         summary = json.loads((run / "rows" / "work" / "train" / name / "summary.json").read_text())
         assert summary["step"] == 1 and summary["stopped_by_max_steps"], (name, summary)
