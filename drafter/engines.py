@@ -20,10 +20,14 @@ the engine file it comes from). The rest of this module turns that table into ru
   fields, one per engine: vLLM 0.24 reads only ``dflash_config.causal``, SGLang and the reference only the
   top-level ``is_causal``. An export of that layout writes both true; a config that sets only one, or sets them
   differently, or sets either false, is refused (``causal_in_block``): engines would run it differently.
-- vLLM 0.24 serving rules (``VLLM_024_RULES``, each citing the vLLM file): a tap of the target's last layer is read
-  before its final norm, sliding-window drafter layers run as full attention (both refused by ``export --for
-  vllm``, warned otherwise and by ``eval --engine vllm``), num_speculative_tokens must be block_size - 1 by hand,
-  and a GGUF quantization_config in the target's config.json is stripped in a copy (``vllm_target_dir``).
+- vLLM serving rules by version (``VLLM_RULES``: ``VLLM_024_RULES`` and ``VLLM_026_RULES``, each row citing the
+  vLLM file of that release), acted on for the INSTALLED vLLM (``installed_vllm_version``; 0.26, the engine the
+  project serves with, when none is installed): a tap of the target's last layer is read before its final norm
+  (both; refused by ``export --for vllm``, warned otherwise and by ``eval --engine vllm``); sliding-window drafter
+  layers run as full attention on 0.24 (refused and warned the same way) and as trained on 0.26; a per-batch-size
+  schedule runs on the V1 model runner on 0.24 and on V2 on 0.26 (``schedule_runner``); a drafter mixing sliding
+  and full layers forces V2 on 0.26; num_speculative_tokens must be block_size - 1 by hand; a GGUF
+  quantization_config in the target's config.json is stripped in a copy (``vllm_target_dir``).
 - vLLM 0.28 DFlash2 rules (in drafter/vllm_dflash2.py: ``VLLM_028_DFLASH2_RULES``, each citing the 0.28 file;
   0.28 needs torch 2.13, so they are checked against its source in a CPU test, not run): the four DFlash2 fields
   under ``dflash_config``, the weights it loads by name and shape (``vllm028_dflash2_problems``),
@@ -39,6 +43,7 @@ the engine file it comes from). The rest of this module turns that table into ru
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from dflashkit.errors import UserError
@@ -70,12 +75,13 @@ ENGINE_FIELDS: dict[str, tuple[str, str]] = {
     # qwen3_dflash.DFlashQwen3DecoderLayer: is_neox_style (default True); models/dflash: rope_is_neox_style
     "is_neox_style": ("rotate halves (True) or pairs", "rotate halves (True) or pairs"),
     # vLLM 0.24: qwen3_dflash.py:112-121,165-263 never read layer_types / sliding_window (every layer full
-    # attention; VLLM_024_RULES["sliding_window"]). models/dflash._get_dflash_layer_attention_params (:166-191):
+    # attention; VLLM_024_RULES["sliding_window"]); 0.26 reads both per layer (VLLM_026_RULES["sliding_window"]).
+    # SGLang models/dflash._get_dflash_layer_attention_params (:166-191):
     # full -> ENCODER_ONLY (non-causal) unless is_causal, sliding -> DECODER (causal) with window_left =
     # sliding_window - 1; without layer_types every layer is non-causal and is_causal is ignored (:170-171)
-    "layer_types": ("not read (0.24): every layer full attention",
+    "layer_types": ("0.24: not read, every layer full attention; 0.26: per layer, as SGLang",
                     "per layer: full (non-causal) or sliding (causal, windowed)"),
-    "sliding_window": ("not read (0.24)", "keys a sliding query sees, itself included"),
+    "sliding_window": ("0.24: not read; 0.26: keys a sliding query sees", "keys a sliding query sees, itself included"),
     # vLLM 0.24 never reads is_causal; SGLang models/dflash.py:157-163 reads it from the text config (with
     # layer_types present); the reference dflash 0.1.0 model.py:363-367 too
     "is_causal": ("not read (0.24)", "true: full_attention layers causal inside the block, no window"),
@@ -196,10 +202,12 @@ def causal_in_block(config: dict, source: str = "config.json") -> bool:
                     f"block, remove both for one trained non-causal")
 
 
-# ----------------------------------------------------------------------------- vLLM 0.24 serving rules
-# What vLLM 0.24.0 does that a drafter trained by dflashkit must be checked against, one row per rule:
-# rule -> (what vLLM 0.24 does, where in its wheel's vllm/ it is). `check_export_for` and `vllm_warnings` act on
-# them; `vllm_num_speculative_tokens` and `vllm_target_dir` are what `dflashkit eval --engine vllm` applies.
+# ----------------------------------------------------------------------------- vLLM serving rules by version
+# What vLLM does that a drafter trained by dflashkit must be checked against, one table per release and one row per
+# rule: rule -> (what that release does, where in its wheel's vllm/ it is; ../shared/vllm-0.24/README.md and
+# ../shared/vllm/README.md). `check_export_for` and `vllm_warnings` act on the table of the version given (the
+# installed vLLM's, ``installed_vllm_version``); `vllm_num_speculative_tokens` and `vllm_target_dir` are what
+# `dflashkit eval --engine vllm` applies.
 VLLM_024_RULES: dict[str, tuple[str, str]] = {
     "last_layer_tap": ("id L-1 is captured as hidden + residual before the final norm, where dflashkit and the "
                        "reference read the final-norm output (HF hidden_states[L])",
@@ -207,6 +215,14 @@ VLLM_024_RULES: dict[str, tuple[str, str]] = {
                        "models/interfaces.py:1335-1337"),
     "sliding_window": ("layer_types / sliding_window are not read: every drafter layer is full attention",
                        "model_executor/models/qwen3_dflash.py:112-121"),
+    "mixed_layers": ("not read (every layer full attention): any runner serves the drafter",
+                     "model_executor/models/qwen3_dflash.py:112-121"),
+    "schedule_runner": ("a per-batch-size schedule (num_speculative_tokens_per_batch_size) runs on the V1 model "
+                        "runner: V2 lists dynamic speculative decoding as unsupported; piecewise CUDA graphs",
+                        "config/vllm.py:2034-2035, 758-773"),
+    "zero_k_range": ("a schedule's k = 0 range still queries one token a request and runs the drafter's pass",
+                     "v1/spec_decode/llm_base_proposer.py:463, 538-547"),
+    "dspark": ("no DSpark: the only block-drafter method is dflash", "config/speculative.py:56"),
     "block_size": ("block_size is not read; num_speculative_tokens is required and 1 + N tokens are queried per "
                    "step, so N = block_size - 1 must be set by hand",
                    "config/speculative.py:821-825; v1/spec_decode/dflash.py:109; "
@@ -226,33 +242,105 @@ VLLM_024_RULES: dict[str, tuple[str, str]] = {
                           "config/vllm.py:1683-1694, 1675-1676 (docstring); engine/arg_utils.py:1464-1467 "
                           "(--max-cudagraph-capture-size)"),
 }
-VLLM_DEFAULT_CUDAGRAPH_CEILING = 512  # tokens a step: vLLM 0.24's largest default capture size
-VLLM_VERSION = "0.24"  # the release the rules above were read from
-ENGINE_CHOICES = ("all", "vllm")  # `dflashkit export --for`: every engine, or vLLM 0.24 only
+_AS_024 = " (0.24's lines: the 0.26 notes list no change)"
+VLLM_026_RULES: dict[str, tuple[str, str]] = {
+    "last_layer_tap": (VLLM_024_RULES["last_layer_tap"][0],
+                       "model_executor/models/llama.py:419-428,435; qwen2.py:415-422,429; "
+                       "models/interfaces.py:1349-1359"),
+    "sliding_window": ("layer_types / sliding_window are read per layer: a sliding_attention layer is causal with a "
+                       "window of sliding_window keys, its own included, a full one non-causal: served as trained",
+                       "model_executor/models/qwen3_dflash.py:55-132, 278-289; "
+                       "v1/attention/backends/flash_attn.py:308-319, 654-659"),
+    "mixed_layers": ("a drafter mixing sliding and full layers needs several KV groups: it forces the V2 model "
+                     "runner, and the V1 runner refuses it",
+                     "config/vllm.py:565-568, 593-603; model_executor/models/qwen3_dflash.py:101-112"),
+    "schedule_runner": ("a per-batch-size schedule runs on the V2 model runner (the default for dense models; "
+                        "dynamic k is no longer on V2's unsupported list), one decode CUDA graph per k",
+                        "config/vllm.py:605-622, 2127-2214; v1/worker/gpu/cudagraph_utils.py:196-214"),
+    "zero_k_range": ("a schedule's k = 0 range still runs the drafter's query pass: the drafter drafts N and the "
+                     "scheduler keeps the first k", "v1/core/sched/scheduler.py:625-634, 1132-1137; "
+                     "v1/worker/gpu/spec_decode/dflash/speculator.py:45"),
+    "dspark": ("DSpark is served (method dspark, from 0.25), on the V2 model runner only",
+               "config/speculative.py:62, 75, 882-887; config/vllm.py:555-563"),
+    "block_size": (VLLM_024_RULES["block_size"][0], "config/speculative.py:990-994; v1/spec_decode/dflash.py:115; "
+                   "v1/worker/gpu/spec_decode/dflash/speculator.py:45"),
+    "target_window": (VLLM_024_RULES["target_window"][0], VLLM_024_RULES["target_window"][1] + _AS_024),
+    "gguf_quantization_config": (VLLM_024_RULES["gguf_quantization_config"][0], "config/model.py:1034-1110"),
+    "cudagraph_ceiling": (VLLM_024_RULES["cudagraph_ceiling"][0], VLLM_024_RULES["cudagraph_ceiling"][1] + _AS_024),
+}
+VLLM_RULES = {"0.24": VLLM_024_RULES, "0.26": VLLM_026_RULES}  # the release whose rules a version follows
+VLLM_DEFAULT_CUDAGRAPH_CEILING = 512  # tokens a step: vLLM's largest default capture size (0.24, 0.26)
+VLLM_VERSION = "0.26"  # the release the project serves with: the rules when no vLLM is installed
+ENGINE_CHOICES = ("all", "vllm")  # `dflashkit export --for`: every engine, or the installed vLLM only
 
 
-def last_layer_tap_reason(target_layer_ids, num_target_layers: int) -> str | None:
-    """Why vLLM 0.24 would feed this drafter a different feature than it trained on (id L-1), or None."""
+def installed_vllm_version() -> str | None:
+    """The installed vLLM's version from its package metadata (vLLM itself is not imported), or None."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("vllm")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def vllm_release(version: str | None = None) -> str:
+    """The release of ``VLLM_RULES`` that vLLM ``version`` follows: "0.24" before 0.26, "0.26" from it on (later
+    releases need another torch and are not checked here). None, or a version that names no release (the CPU
+    stand-in's "stand-in"): the installed vLLM's, else ``VLLM_VERSION``."""
+    found = re.match(r"\s*(\d+)\.(\d+)", version or "") or re.match(r"(\d+)\.(\d+)", installed_vllm_version() or "")
+    if not found:
+        return VLLM_VERSION
+    return "0.24" if (int(found[1]), int(found[2])) < (0, 26) else "0.26"
+
+
+def vllm_rule(name: str, version: str | None = None) -> tuple[str, str]:
+    """(what vLLM ``version`` does, where) for one rule."""
+    return VLLM_RULES[vllm_release(version)][name]
+
+
+def serves_sliding_window(version: str | None = None) -> bool:
+    """Whether vLLM ``version`` serves sliding_attention drafter layers as trained (rule "sliding_window")."""
+    return vllm_release(version) != "0.24"
+
+
+def schedule_runner(version: str | None = None) -> str:
+    """The model runner ("v1" or "v2") vLLM ``version`` serves a per-batch-size schedule on (rule
+    "schedule_runner")."""
+    return "v1" if vllm_release(version) == "0.24" else "v2"
+
+
+def is_mixed_layers(layer_types) -> bool:
+    """True for a drafter with both sliding and full attention layers (rule "mixed_layers")."""
+    return len(set(layer_types)) > 1
+
+
+def last_layer_tap_reason(target_layer_ids, num_target_layers: int, version: str | None = None) -> str | None:
+    """Why vLLM would feed this drafter a different feature than it trained on (id L-1), or None."""
     last = int(num_target_layers) - 1
     if last not in [int(i) for i in target_layer_ids]:
         return None
     return (f"target_layer_ids {list(target_layer_ids)} include {last}, the target's last layer: vLLM "
-            f"{VLLM_VERSION} captures it before the final norm while training read it after "
-            f"({VLLM_024_RULES['last_layer_tap'][1]}); train with ids below {last} (the default ids stop at L-3)")
+            f"{vllm_release(version)} captures it before the final norm while training read it after "
+            f"({vllm_rule('last_layer_tap', version)[1]}); train with ids below {last} (the default ids stop at "
+            f"L-3)")
 
 
-def sliding_window_reason(layer_types) -> str | None:
-    """Why vLLM 0.24 serves this drafter differently from its training (sliding-window layers), or None."""
+def sliding_window_reason(layer_types, version: str | None = None) -> str | None:
+    """Why vLLM ``version`` serves this drafter differently from its training (sliding-window layers on 0.24), or
+    None (no sliding layer, or a release that serves them as trained)."""
     sliding = [i for i, t in enumerate(layer_types) if t == "sliding_attention"]
-    if not sliding:
+    if not sliding or serves_sliding_window(version):
         return None
-    return (f"drafter layers {sliding} are sliding_attention: vLLM {VLLM_VERSION} ignores layer_types and "
-            f"sliding_window and serves them as full attention ({VLLM_024_RULES['sliding_window'][1]}), so "
-            f"acceptance there is lower than trained; train with full_attention layers for vLLM")
+    return (f"drafter layers {sliding} are sliding_attention: vLLM {vllm_release(version)} ignores layer_types and "
+            f"sliding_window and serves them as full attention ({vllm_rule('sliding_window', version)[1]}), so "
+            f"acceptance there is lower than trained; serve with vLLM 0.26 or later, or train with full_attention "
+            f"layers")
 
 
-def target_window_reason(target_config: dict, max_model_len: int | None = None) -> str | None:
-    """Why vLLM 0.24 would serve a drafter of this target (its config.json) with windowed attention it was not
+def target_window_reason(target_config: dict, max_model_len: int | None = None,
+                         version: str | None = None) -> str | None:
+    """Why vLLM ``version`` would serve a drafter of this target (its config.json) with windowed attention it was not
     trained with, or None: the target's one sliding window reaches the drafter's layers (rule "target_window");
     nothing when the window covers ``max_model_len``."""
     text = target_config.get("text_config") or target_config
@@ -262,25 +350,27 @@ def target_window_reason(target_config: dict, max_model_len: int | None = None) 
     types = text.get("layer_types") or []
     if not window or len(set(types)) > 1 or (max_model_len is not None and int(window) >= int(max_model_len)):
         return None
-    return (f"the target's sliding_window {window} is one for every layer, and vLLM {VLLM_VERSION} gives it to "
-            f"the drafter's layers too ({VLLM_024_RULES['target_window'][1]}): beyond {window} tokens of context "
-            f"the drafter attends to fewer keys than in training and acceptance drops; serve with max_model_len "
-            f"<= {window} to stay within what it was trained on")
+    return (f"the target's sliding_window {window} is one for every layer, and vLLM {vllm_release(version)} gives it "
+            f"to the drafter's layers too ({vllm_rule('target_window', version)[1]}): beyond {window} tokens of "
+            f"context the drafter attends to fewer keys than in training and acceptance drops; serve with "
+            f"max_model_len <= {window} to stay within what it was trained on")
 
 
-def vllm_warnings(config) -> list[str]:
-    """What vLLM 0.24 would serve differently from training, for a DrafterConfig (empty when nothing)."""
-    reasons = [last_layer_tap_reason(config.target_layer_ids, config.num_target_layers),
-               sliding_window_reason(config.layer_types)]
+def vllm_warnings(config, version: str | None = None) -> list[str]:
+    """What vLLM ``version`` (default: the installed one, ``vllm_release``) would serve differently from
+    training, for a DrafterConfig (empty when nothing)."""
+    reasons = [last_layer_tap_reason(config.target_layer_ids, config.num_target_layers, version),
+               sliding_window_reason(config.layer_types, version)]
     return [r for r in reasons if r]
 
 
-def check_export_for(config, engine: str = "all", warn=print) -> None:
-    """Act on the vLLM rules at export: for ``engine="vllm"`` a rule that vLLM 0.24 breaks is a UserError; for
-    every engine ("all") it is a warning passed to ``warn``."""
+def check_export_for(config, engine: str = "all", warn=print, version: str | None = None) -> None:
+    """Act on the rules of vLLM ``version`` (default: the installed one, ``vllm_release``) at export: for
+    ``engine="vllm"`` a rule that it breaks is a UserError; for every engine ("all") it is a warning passed to
+    ``warn``."""
     if engine not in ENGINE_CHOICES:
         raise UserError(f"--for {engine!r}: choose one of {', '.join(ENGINE_CHOICES)}")
-    for reason in vllm_warnings(config):
+    for reason in vllm_warnings(config, version):
         if engine == "vllm":
             raise UserError(f"export for vLLM refused: {reason}")
         warn(f"warning: {reason}")

@@ -19,10 +19,26 @@ def _config(**kw):
     return DrafterConfig.for_target(tiny_target_config(), num_hidden_layers=2, block_size=4, mask_token_id=5, **kw)
 
 
-def test_every_rule_cites_the_vllm_file():
-    assert set(rules.VLLM_024_RULES) == {"last_layer_tap", "sliding_window", "target_window", "block_size",
-                                       "gguf_quantization_config", "cudagraph_ceiling"}
-    assert all(".py:" in where for _, where in rules.VLLM_024_RULES.values())
+def test_every_rule_of_every_release_cites_the_vllm_file():
+    names = {"last_layer_tap", "sliding_window", "mixed_layers", "schedule_runner", "zero_k_range", "dspark",
+             "target_window", "block_size", "gguf_quantization_config", "cudagraph_ceiling"}
+    assert set(rules.VLLM_RULES) == {"0.24", "0.26"}
+    for table in rules.VLLM_RULES.values():
+        assert set(table) == names and all(".py:" in where for _, where in table.values())
+
+
+@pytest.mark.parametrize("version,release", [("0.24.0", "0.24"), ("0.25.1", "0.24"), ("0.26.0", "0.26"),
+                                             ("0.26.0 (CPU stand-in)", "0.26"), ("0.27.0rc1", "0.26")])
+def test_a_version_follows_its_release_rules(version, release):
+    assert rules.vllm_release(version) == release
+    assert rules.schedule_runner(version) == {"0.24": "v1", "0.26": "v2"}[release]
+
+
+def test_without_an_installed_vllm_the_rules_are_those_the_project_serves_with(monkeypatch):
+    monkeypatch.setattr(rules, "installed_vllm_version", lambda: None)
+    assert rules.vllm_release(None) == rules.vllm_release("stand-in") == rules.VLLM_VERSION == "0.26"
+    monkeypatch.setattr(rules, "installed_vllm_version", lambda: "0.24.0")
+    assert rules.vllm_release(None) == "0.24" and rules.vllm_release("0.26.0") == "0.26"
 
 
 def test_a_tap_of_the_last_layer_is_refused_for_vllm_and_warned_otherwise():
@@ -37,13 +53,24 @@ def test_a_tap_of_the_last_layer_is_refused_for_vllm_and_warned_otherwise():
     assert len(warned) == 1
 
 
-def test_sliding_window_layers_are_refused_for_vllm_and_warned_otherwise():
+def test_sliding_window_layers_are_refused_for_vllm_024_and_warned_otherwise():
     cfg = _config(layer_types=["sliding_attention", "full_attention"], sliding_window=8)
-    with pytest.raises(ValueError, match=r"drafter layers \[0\] are sliding_attention.*full attention"):
-        rules.check_export_for(cfg, "vllm")
+    with pytest.raises(ValueError, match=r"drafter layers \[0\] are sliding_attention: vLLM 0.24.*full attention"):
+        rules.check_export_for(cfg, "vllm", version="0.24.0")
     warned = []
-    rules.check_export_for(cfg, "all", warn=warned.append)
+    rules.check_export_for(cfg, "all", warn=warned.append, version="0.24.0")
     assert len(warned) == 1 and "ignores layer_types" in warned[0]
+
+
+def test_sliding_window_layers_are_served_as_trained_by_vllm_026(monkeypatch):
+    cfg = _config(layer_types=["sliding_attention", "full_attention"], sliding_window=8)
+    warned = []
+    rules.check_export_for(cfg, "vllm", warn=warned.append, version="0.26.0")
+    rules.check_export_for(cfg, "all", warn=warned.append, version="0.26.0")
+    assert warned == [] and rules.vllm_warnings(cfg, "0.26.0") == []
+    monkeypatch.setattr(rules, "installed_vllm_version", lambda: "0.24.0")  # export acts on the installed vLLM
+    with pytest.raises(ValueError, match="vLLM 0.24 ignores layer_types"):
+        rules.check_export_for(cfg, "vllm")
 
 
 def test_export_cli_refuses_for_vllm_in_one_line(tmp_path, capsys, monkeypatch):
