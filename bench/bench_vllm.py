@@ -60,14 +60,13 @@ def write_json(out: Path, name: str, data: dict) -> None:
 
 
 def api_for(args):
-    from dflashkit.eval.vllm_engine import VllmApi, real_vllm_api
+    from dflashkit.eval.vllm_engine import real_vllm_api
 
     if not args.standin:
         return real_vllm_api()
     from dflashkit.eval import vllm_standin
 
-    clock = vllm_standin.ModelledClock()
-    return VllmApi(lambda **kw: vllm_standin.LLM(clock=clock, **kw), vllm_standin.SamplingParams, clock)
+    return vllm_standin.standin_api()
 
 
 def toy_pair(root: Path) -> tuple[str, str, str]:

@@ -21,6 +21,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from dflashkit.drafter.engines import schedule_runner
+
 
 def _x(value) -> str:
     return "—" if value is None else f"{value:.2f}×"
@@ -111,10 +113,16 @@ def plan_verdict(report: dict) -> dict:
                  + (f"{_speedups(engines['schedule']['levels'])}: not deployed." if measured
                     else "nothing (its engine did not run): not deployed."))
     v1 = {c: v["speedup"] for c, v in engines["v1"]["levels"].items()} if "v1" in engines else None
-    if v1:  # a schedule makes vLLM 0.24 leave its V2 runner: that runner's own cost bounds what a schedule can get
+    # vLLM 0.24 serves a schedule on its V1 runner, whose own cost then bounds what a schedule can get; 0.26 on
+    # the default V2 runner (drafter/engines.py rule "schedule_runner")
+    on_v1 = schedule_runner(report.get("versions", {}).get("vllm")) == "v1"
+    if v1 and on_v1:
         text += (f" A schedule runs on vLLM's V1 model runner (piecewise CUDA graphs), which without speculation "
                  f"measured {_speedups(engines['v1']['levels'])} of the default runner: no schedule can beat "
                  f"its own runner's cost.")
+    elif v1:
+        text += (f" A schedule runs on vLLM's default (V2) model runner here; the V1 runner without speculation "
+                 f"measured {_speedups(engines['v1']['levels'])} of it, a cost a schedule does not pay.")
     text += " Fastest per concurrency: " + ", ".join(f"{c}: {_label(w)}" for c, w in winners.items()) + "."
     return {"text": text, "plan": plan, "never_losing": chosen["never_losing"], "rule": chosen["rule"],
             "v1_runner": v1,

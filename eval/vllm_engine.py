@@ -41,8 +41,9 @@ Design choices:
   level at its k (``vllm_cudagraph_capture_size``) and the serve commands carry the same flag; "vllm" keeps
   vLLM's default (what a deployment gets without the flag); a number sets it for every engine.
 - num_speculative_tokens defaults to block_size - 1 (vLLM reads no block_size); another value runs with a
-  warning. vLLM 0.24's other rules (drafter/engines.py VLLM_024_RULES): taps of the last target layer and
-  sliding-window drafter layers are warned about; a target config.json with a GGUF quantization_config is
+  warning. The other rules of the vLLM that runs (drafter/engines.py VLLM_RULES, by ``VllmApi.version``): taps of
+  the last target layer are warned about, sliding-window drafter layers on 0.24 (0.26 serves them as trained);
+  a target config.json with a GGUF quantization_config is
   served from a copy without it, kept in the report's directory (the report's serve commands name it).
 """
 
@@ -220,7 +221,7 @@ def prepare_run(target: str, drafter: str, datasets: list[str], config: VllmEval
         check_vllm_num_speculative_tokens(dcfg, k)
     if config.schedule or (len(ks) > 1 and config.schedule_run):
         check_vllm_schedule(dcfg, config.schedule or [[1, 1, ks[-1]]])
-    notes = [f"warning: {reason}" for reason in rules.vllm_warnings(dcfg)]
+    notes = [f"warning: {reason}" for reason in rules.vllm_warnings(dcfg, api.version)]
     for note in notes:
         warn(note)
     notes += [f"warning: num_speculative_tokens {k} != block_size - 1 = {dcfg.block_size - 1}: acceptance "
@@ -248,7 +249,7 @@ def prepare_run(target: str, drafter: str, datasets: list[str], config: VllmEval
     max_len = config.max_model_len or -(-(longest + config.max_new_tokens + max(ks) + 1) // 256) * 256
     headline = dcfg.block_size - 1 if dcfg.block_size - 1 in ks else ks[-1]
     target_config = json.loads((Path(target_dir) / "config.json").read_text())
-    window = rules.target_window_reason(target_config, max_len)
+    window = rules.target_window_reason(target_config, max_len, api.version)
     if window:
         notes.append(f"warning: {window}")
         warn(notes[-1])
@@ -264,7 +265,8 @@ def dflash_spec(run: ServedRun, k: int) -> dict:
 def start_served(run: ServedRun, name: str, spec: dict | None, prefix: str):
     """One vLLM engine of the run (its start-up time recorded under ``name``); the ``v1`` baseline on the V1
     model runner with piecewise CUDA graphs only, as vLLM 0.24 runs a schedule's engine (config/vllm.py:758-773),
-    so that it differs from the schedule's engine at k = 0 by the drafter's pass alone."""
+    so that it differs from the schedule's engine at k = 0 by the drafter's pass alone (on 0.26 a schedule stays
+    on the default runner: drafter/engines.py rule "schedule_runner")."""
     from .serving_plan import V1_RUNNER
 
     t0 = time.perf_counter()

@@ -117,13 +117,21 @@ def prefix_rows(run, results: dict, prefix_runs: dict) -> dict:
     return out
 
 
+def schedule_runner_note(version: str) -> str:
+    """Which model runner vLLM ``version`` serves a schedule on (drafter/engines.py rule "schedule_runner")."""
+    from dflashkit.drafter import engines as rules
+
+    what, where = rules.vllm_rule("schedule_runner", version)
+    return (f"vLLM {rules.vllm_release(version)}: {what} ({where}); the fixed-k engines ran on the runner vLLM "
+            f"picks")
+
+
 def schedule_section(run, results: dict, schedule: dict, table: dict) -> dict:
     """The derived schedule, its serve command and, when its engine ran, what it measured."""
     speculates = any(k for *_, k in schedule[SCHEDULE_FIELD])
     spec = schedule_spec(run.drafter, schedule)
     out = {**schedule, "speculative_config": spec, "serve_command": serve_command(run, spec if speculates else None),
-           "runner": "vLLM 0.24 serves a schedule on its V1 model runner with piecewise CUDA graphs "
-                     "(config/vllm.py:2034-2035, 758-773); the fixed-k engines ran on the runner vLLM picks"}
+           "runner": schedule_runner_note(run.api.version)}
     if "schedule" in results:
         out["measured"] = {c: v["speedup"] for c, v in table["schedule"]["levels"].items()}
         out["tau"] = (results["schedule"]["all"]["acceptance"] or {}).get("tau")

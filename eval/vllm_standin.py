@@ -34,7 +34,14 @@ Design choices:
   request is decoded once per k of the schedule (blocks of k + 1); a step at k advances it to the end of the
   round of that decode which covers its position: exact while a request's k does not change, a model of the
   rounds when it does (the counters then count what the step advanced). At k = 0 a step queries one token and
-  still pays the drafter's pass over it (vLLM 0.24's V1 proposer runs it to keep the drafter's cache filled).
+  still pays the drafter's pass over it (vLLM 0.24's V1 proposer runs it to keep the drafter's cache filled; 0.26
+  drafts N and keeps the first k: drafter/engines.py rule "zero_k_range").
+- One release at a time (``version``, default ``VERSION``: 0.26, the engine the project serves with; 0.24 for
+  side-by-side checks), following its row of drafter/engines.py ``VLLM_RULES``: on 0.24 every drafter layer is
+  full attention (non-causal unless the drafter is causal in the block), so a sliding-window drafter is served
+  unlike its training; on 0.26 as trained. The model runner (``model_runner``, recorded, not modelled) is V2
+  unless ``VLLM_USE_V2_MODEL_RUNNER=0``, and on 0.24 V1 for a schedule; on 0.26 a drafter mixing sliding and
+  full layers is refused on V1 (ValueError), as vLLM refuses it.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ from dataclasses import dataclass, field
 
 from dflashkit.targets.vllm_capture_standin import CompletionOutput, RequestOutput  # vllm.outputs twins
 
+VERSION = "0.26.0"  # the vLLM release the twin follows unless told another (LLM's ``version``)
 SPEC_DRAFTS = "vllm:spec_decode_num_drafts"
 SPEC_DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
 SPEC_ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
@@ -156,6 +164,25 @@ def ngram_accepted(sequence: list[int], position: int, k: int, lookup_min: int, 
     return 0
 
 
+def served_drafter(drafter, version: str, model_runner: str):
+    """The drafter as vLLM ``version`` runs it (drafter/engines.py rules "sliding_window", "mixed_layers"): on
+    0.24 every layer full attention, causal only when the drafter is causal in the block; on 0.26 as trained, and
+    a drafter mixing sliding and full layers refused on the V1 runner."""
+    from dflashkit.drafter import engines as rules
+
+    layers = [layer.self_attn for layer in getattr(drafter, "layers", []) if hasattr(layer, "self_attn")]
+    types = [attn.layer_type for attn in layers]
+    if rules.serves_sliding_window(version):
+        if rules.is_mixed_layers(types) and model_runner == "v1":
+            raise ValueError(f"vLLM {version}: a DFlash drafter mixing sliding and full attention layers needs the "
+                             f"V2 model runner ({rules.vllm_rule('mixed_layers', version)[1]})")
+        return drafter
+    causal = bool(getattr(drafter.config, "is_causal", None))  # dflash_config.causal: an export writes both
+    for attn in layers:
+        attn.layer_type, attn.sliding_window, attn.is_causal = "full_attention", None, causal
+    return drafter
+
+
 class _EngineObject:  # a vLLM config object: not JSON
     def __init__(self, kind: str):
         self.kind = kind
@@ -166,13 +193,15 @@ class LLM:
 
     def __init__(self, model: str, *, speculative_config: dict | None = None, enable_prefix_caching: bool = True,
                  max_num_seqs: int = 256, disable_log_stats: bool = True, clock: ModelledClock | None = None,
-                 cost: StepCost | None = None, **engine_kwargs):
+                 cost: StepCost | None = None, version: str = VERSION, **engine_kwargs):
         from dflashkit.targets.loading import load_target
 
         self.model = str(model)
         self.target = load_target(model)
         self.engine_kwargs = engine_kwargs  # dtype, max_model_len, gpu_memory_utilization, ...: not modelled
-        # the model runner vLLM 0.24 would pick from VLLM_USE_V2_MODEL_RUNNER (recorded, not modelled)
+        self.version = version
+        # the model runner vLLM would pick from VLLM_USE_V2_MODEL_RUNNER (recorded, not modelled); a schedule may
+        # change it (``_speculation``)
         self.model_runner = "v1" if os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == "0" else "v2"
         graphs = (engine_kwargs.get("compilation_config") or {}).get("max_cudagraph_capture_size")
         self._graph_ceiling = None if engine_kwargs.get("enforce_eager") else graphs
@@ -208,13 +237,17 @@ class LLM:
         if self.method == "dflash":
             from dflashkit.drafter import load_drafter
 
-            self.drafter = load_drafter(spec["model"])
+            self.drafter = served_drafter(load_drafter(spec["model"]), self.version, self.model_runner)
         else:
             low, high = spec.get("prompt_lookup_min"), spec.get("prompt_lookup_max")
             self.ngram = (int(low or high or 5), int(high or low or 5))  # vLLM's defaults (config/speculative.py)
         if spec.get("num_speculative_tokens_per_batch_size") is not None:
             self.lookup = schedule_lookup(spec["num_speculative_tokens_per_batch_size"], self.max_num_seqs,
                                           self.num_speculative_tokens)
+            from dflashkit.drafter.engines import schedule_runner
+
+            if schedule_runner(self.version) == "v1":  # 0.24: V2 does not serve a schedule
+                self.model_runner = "v1"
 
     # ------------------------------------------------------------------ decoding
     def _ks(self) -> list[int]:
@@ -378,3 +411,13 @@ class _NoDrafter:
 
     def eval(self):
         return self
+
+
+def standin_api(version: str = VERSION):
+    """The VllmApi of `eval --engine vllm` over this twin following vLLM ``version`` (one modelled clock shared
+    by its engines); the version it reports names the twin."""
+    from .vllm_engine import VllmApi
+
+    clock = ModelledClock()
+    return VllmApi(lambda **kw: LLM(clock=clock, version=version, **kw), SamplingParams, clock,
+                   version=f"{version} (CPU stand-in)")

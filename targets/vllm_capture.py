@@ -22,7 +22,8 @@ What vLLM 0.24 does (paths in the wheel's vllm/):
   order (model_executor/models/llama.py:411-420, qwen2.py:407-414, models/interfaces.py:1328-1337), and taken
   before the final norm (llama.py:427). So target layer ``i`` is aux id ``i + 1`` (``aux_layer_ids``); for
   ``i = L - 1`` that is the un-normed output where dflashkit reads the final-norm output
-  (drafter/engines.py VLLM_024_RULES "last_layer_tap"), so that tap is refused, as is --store-last-hidden.
+  (drafter/engines.py VLLM_RULES "last_layer_tap", 0.24 and 0.26 alike), so that tap is refused, as is
+  --store-last-hidden.
 - ``kv_transfer_config={"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
   "kv_connector_extra_config": {"shared_storage_path": DIR}}``: when a request finishes, TP rank 0 alone
   (distributed/kv_transfer/kv_connector/v1/example_hidden_states_connector.py:161-163, 254, 316-317) writes

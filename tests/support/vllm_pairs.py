@@ -8,7 +8,7 @@ import transformers as tf
 
 from dflashkit.drafter import DrafterConfig, build_drafter, save_drafter
 from dflashkit.eval import vllm_standin
-from dflashkit.eval.vllm_engine import VllmApi
+from dflashkit.eval.vllm_engine import VllmApi  # noqa: F401 (the type returned)
 
 from .tiny_targets import VOCAB, tiny_target_config, tiny_tokenizer
 
@@ -35,7 +35,7 @@ def write_pair(root: Path, block_size: int, causal: bool = False, chats: int = 4
     return root
 
 
-def standin_api() -> VllmApi:
-    """The twin's LLM and SamplingParams sharing one modelled clock with whoever times them."""
-    clock = vllm_standin.ModelledClock()
-    return VllmApi(lambda **kw: vllm_standin.LLM(clock=clock, **kw), vllm_standin.SamplingParams, clock)
+def standin_api(version: str = vllm_standin.VERSION) -> VllmApi:
+    """The twin's LLM and SamplingParams, following vLLM ``version``, sharing one modelled clock with whoever
+    times them."""
+    return vllm_standin.standin_api(version)

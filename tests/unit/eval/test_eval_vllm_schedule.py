@@ -20,6 +20,7 @@ from dflashkit.eval.serving_plan import (
     schedule_lookup,
     schedule_ranges,
 )
+from dflashkit.eval.serving_verdict import plan_verdict
 from dflashkit.eval.vllm_engine import VllmEvalConfig, run_vllm_eval
 from dflashkit.eval.vllm_standin import LLM, SamplingParams, ngram_accepted
 
@@ -119,10 +120,15 @@ def test_the_plan_is_what_measured_never_slower(planned):
     else:
         assert json.dumps(engines[expected]["speculative_config"]) in report["serve_command"]
     assert "not deployed" in verdict["text"]
-    # the V1 runner's own cost (no speculation on it) is named: the bound on any schedule served by vLLM 0.24
+    # the V1 runner's own cost (no speculation on it) is named; on vLLM 0.24 it bounds any schedule (served on
+    # V1), on 0.26 (the twin's default) a schedule stays on the default runner (engines.py "schedule_runner")
     assert verdict["v1_runner"] == {c: v["speedup"] for c, v in engines["v1"]["levels"].items()}
-    assert "V1 model runner" in verdict["text"]
+    assert report["versions"]["vllm"] == "0.26.0 (CPU stand-in)"
+    assert "default (V2) model runner" in verdict["text"] and "no schedule can beat" not in verdict["text"]
     assert f"{verdict['v1_runner']['1']:.2f}× at 1" in verdict["text"]
+    assert report["schedule"]["runner"].startswith("vLLM 0.26: a per-batch-size schedule runs on the V2")
+    on_024 = plan_verdict({**report, "versions": {**report["versions"], "vllm": "0.24.0"}})
+    assert "A schedule runs on vLLM's V1 model runner" in on_024["text"] and "no schedule can beat" in on_024["text"]
 
 
 def test_pick_plan_and_where_a_k_pays():
