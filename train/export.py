@@ -11,8 +11,8 @@ written with ``dflashkit.drafter.save_drafter`` in bfloat16 (the published draft
 would make SGLang and vLLM serve the drafter in float16), with the config's ``dtype`` set to the weights';
 an incomplete, corrupted or altered checkpoint (trainer.json checked field by field) and one holding NaN or Inf
 weights are refused. The installed vLLM's rules (drafter/engines.py VLLM_RULES; 0.26 when none is): a tap
-of the last target layer, or sliding-window drafter layers on 0.24, are warned about, or refused with ``--for vllm``; the
-printed serve command sets num_speculative_tokens = block_size - 1.
+of the last target layer, or sliding-window drafter layers on 0.24, are warned about, or refused with ``--for vllm``;
+the printed serve command sets num_speculative_tokens = block_size - 1.
 """
 
 from __future__ import annotations
