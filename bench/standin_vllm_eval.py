@@ -1,0 +1,23 @@
+"""`dflashkit eval` with `--engine vllm` served by the CPU twin of vllm.LLM (eval/vllm_standin.py) following vLLM
+VERSION: the CPU scale of the lease scripts that serve with two vLLM releases (bench/testbed_engine026_lease.sh).
+
+    python bench/standin_vllm_eval.py 0.24.0 --engine vllm --target DIR --drafter DIR --out DIR ...
+
+Everything after VERSION is `dflashkit eval`'s command line; only where vLLM comes from changes.
+"""
+
+import sys
+
+from dflashkit.cli import run_main
+from dflashkit.eval import __main__ as eval_cli
+from dflashkit.eval import vllm_engine, vllm_standin
+
+
+def main(argv: list[str]) -> int:
+    version, rest = argv[0], argv[1:]
+    vllm_engine.real_vllm_api = lambda: vllm_standin.standin_api(version)  # what run_vllm_eval calls for vLLM
+    return run_main("dflashkit eval", eval_cli.main, rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
