@@ -55,7 +55,7 @@ def compare(served: dict[str, dict], chain_report: dict | None) -> dict:
                                                    "differing": differing}
     if chain_report is not None:
         out["dflashkit_eval"] = {"tau": chain_report["overall"]["tau"], "mode": "chain",
-                                 "prompts": chain_report.get("prompts")}
+                                 "prompts": chain_report["overall"].get("prompts")}
     return out
 
 

@@ -21,7 +21,9 @@ Design choices:
   (v1/spec_decode/llm_base_proposer.py:463), at k = 0 still one query (:538-547). So a drafter served with a
   schedule must propose well at every k it names: a causal-in-block drafter (dflash_config.causal) proposes the
   same first j tokens for every k >= j; a non-causal one changes its proposals with k. The schedule's engine is
-  measured like the others, so what the schedule costs is in its cells.
+  measured like the others, so what the schedule costs is in its cells. vLLM 0.26 serves a schedule on its
+  default V2 runner instead, drafting N and keeping the first k, a k = 0 range included (drafter/engines.py rules
+  "schedule_runner", "zero_k_range").
 - The plan to deploy is chosen from what was measured, not from what the cells predict (``pick_plan``): among
   every engine that speculates (the drafter at each fixed k, the schedule's own engine, the baselines), those
   never slower than no speculation beyond the noise at any level; of these the fastest at the lowest level.
