@@ -8,15 +8,14 @@ Everything after VERSION is `dflashkit eval`'s command line; only where vLLM com
 
 import sys
 
-from dflashkit.cli import run_main
-from dflashkit.eval import __main__ as eval_cli
+from dflashkit.cli import main as dflashkit_main
 from dflashkit.eval import vllm_engine, vllm_standin
 
 
 def main(argv: list[str]) -> int:
     version, rest = argv[0], argv[1:]
     vllm_engine.real_vllm_api = lambda: vllm_standin.standin_api(version)  # what run_vllm_eval calls for vLLM
-    return run_main("dflashkit eval", eval_cli.main, rest)
+    return dflashkit_main(["eval", *rest])
 
 
 if __name__ == "__main__":
