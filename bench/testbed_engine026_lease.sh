@@ -51,7 +51,8 @@ if [ "$SCALE" = toy ]; then
   SERVE26=("$PY" "$ROOT/bench/standin_vllm_eval.py" 0.26.0)
 else
   K=${K:-15}; LEVELS=${LEVELS:-1 16}; GRID_KS=${GRID_KS:-1 3 7 15}; GRID_LEVELS=${GRID_LEVELS:-1 4 16 64 128}
-  TRAIN_DATA=builtin:sharegpt; PROMPTS=builtin:mtbench
+  # the builtin sets need the testbed packages; a GPU machine without them takes the files of bench/testbed_data.py
+  TRAIN_DATA=${TRAIN_DATA:-builtin:sharegpt}; PROMPTS=${PROMPTS:-builtin:mtbench}
   TRAIN=(max_steps="${STEPS:-1000}" data_limit="${DATA_LIMIT:-20000}" eval_every=0 save_every=500 keep_last=1)
   EVAL=(--num-prompts 80 --max-new-tokens 256); CHAIN=(--dtype bfloat16)
   GRID=(--repeats 3 --min-waves 4 --max-requests-per-level 8)
