@@ -51,7 +51,7 @@ from pathlib import Path
 
 from dflashkit import launch
 from dflashkit.errors import UserError
-from dflashkit.extract.data.chat import BadSample, normalize_record
+from dflashkit.extract.data.rendering import BadSample, normalize_record
 from dflashkit.files import atomic_write, open_appending, pause_point, sync, whole_lines
 from dflashkit.stopping import StopRequest
 

@@ -37,14 +37,8 @@ from dflashkit import launch
 from dflashkit.drafter.config import DEFAULT_NUM_HIDDEN_LAYERS
 from dflashkit.errors import UserError
 from dflashkit.extract.data import batching
-from dflashkit.extract.data.chat import (
-    SKIP_REASONS,
-    BadSample,
-    ChatConfig,
-    chat_template_hash,
-    read_chat_template,
-    tokenizer_hash,
-)
+from dflashkit.extract.data.chat import chat_template_hash, tokenizer_hash
+from dflashkit.extract.data.rendering import SKIP_REASONS, BadSample, ChatConfig, read_chat_template
 from dflashkit.extract.shards.manifest import MANIFEST, SCHEMA_VERSION, update_totals, write_manifest
 from dflashkit.extract.shards.writer import ShardWriter, merge_manifests, prepare_resume
 

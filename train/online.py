@@ -78,7 +78,8 @@ def encode_data(specs: list[str], tokenizer, *, max_length: int | None, chat_tem
     and tokenizing. The key covers the data files (path, size, modification time), the tokenizer, the chat
     settings and the chat code itself, so any change re-encodes."""
     from dflashkit.extract.data import batching
-    from dflashkit.extract.data.chat import SKIP_REASONS, ChatConfig, check_template, read_chat_template
+    from dflashkit.extract.data.chat import check_template
+    from dflashkit.extract.data.rendering import SKIP_REASONS, ChatConfig, read_chat_template
 
     template = read_chat_template(chat_template, flag="chat_template")
     cfg = ChatConfig(max_length=max_length, overlong="truncate", template_kwargs=dict(template_kwargs),
@@ -123,7 +124,7 @@ def token_cache_key(specs: list[str], tokenizer, cfg, limit: int | None) -> str:
     import json
     from dataclasses import asdict
 
-    from dflashkit.extract.data import chat, sources
+    from dflashkit.extract.data import chat, rendering, sources
 
     files = []
     for spec in specs:
@@ -135,7 +136,8 @@ def token_cache_key(specs: list[str], tokenizer, cfg, limit: int | None) -> str:
     parts = {"format": TOKEN_CACHE_FORMAT, "specs": list(specs), "files": files, "limit": limit,
              "tokenizer": [getattr(tokenizer, "name_or_path", ""), len(tokenizer),
                            getattr(tokenizer, "chat_template", None) or ""],
-             "chat": asdict(cfg), "code": hashlib.sha256(Path(chat.__file__).read_bytes()).hexdigest()}
+             "chat": asdict(cfg),
+             "code": hashlib.sha256(b"".join(Path(m.__file__).read_bytes() for m in (chat, rendering))).hexdigest()}
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 

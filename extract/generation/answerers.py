@@ -17,7 +17,7 @@ import torch
 
 from dflashkit import launch
 from dflashkit.errors import UserError
-from dflashkit.extract.data.chat import BadSample, ChatConfig, render
+from dflashkit.extract.data.rendering import BadSample, ChatConfig, render
 from dflashkit.targets.chat_template import stop_token_ids
 
 Chunk = list[tuple[int, list[dict]]]  # conversations answered together: (record index, its turns)

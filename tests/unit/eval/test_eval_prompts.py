@@ -7,7 +7,7 @@ import pytest
 
 from dflashkit.errors import UserError
 from dflashkit.eval.prompts import multi_turn_prompts, opening_turns
-from dflashkit.extract.data.chat import normalize_record
+from dflashkit.extract.data.rendering import normalize_record
 
 SHAREGPT = {"id": "s", "conversations": [{"from": "gpt", "value": "a leading answer"},
                                          {"from": "system", "value": "be brief"},
