@@ -174,7 +174,7 @@ def served_prompts(target: str, datasets: list[str], num_prompts: int, scratch: 
     served, _ = rules.vllm_target_dir(target_dir, scratch)
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     prompts = [(f"{spec}#{p.id}", p.input_ids) for spec in datasets
-               for p in load_prompts(spec, tokenizer, num_prompts, None, {})]
+               for p in load_prompts(spec, tokenizer, num_prompts)]
     return served, prompts, target_stop_ids(target_dir, tokenizer)
 
 

@@ -125,12 +125,12 @@ def test_mismatched_drafter_is_refused(chat_pair, tmp_path, capsys):
 
 
 def test_chat_template_kwargs_render_as_extraction_does(chat_pair):
-    from dflashkit.extract.data.chat import ChatConfig, render
+    from dflashkit.extract.data.rendering import ChatConfig, render
 
     _, tokenizer = chat_pair
     qwen = tf.AutoTokenizer.from_pretrained(tokenizer.name_or_path)
     qwen.chat_template = QWEN3
-    off = load_prompts("builtin:mtbench", qwen, 1, template_kwargs={"enable_thinking": False})[0]
+    off = load_prompts("builtin:mtbench", qwen, 1, chat=ChatConfig(template_kwargs={"enable_thinking": False}))[0]
     on = load_prompts("builtin:mtbench", qwen, 1)[0]
     assert off.input_ids != on.input_ids  # the kwargs reach the template
     text = render(qwen, off.messages, ChatConfig(template_kwargs={"enable_thinking": False}), True)
