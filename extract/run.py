@@ -280,6 +280,7 @@ def _new_manifest(target, layer_ids: list[int], cfg: ChatConfig, data: list[str]
         "schema_version": SCHEMA_VERSION, "format": "dflashkit-shards", "complete": False,
         "target": target.identity(), "family": target.family, "tokenizer_hash": tokenizer_hash(tok),
         "chat_template_hash": chat_template_hash(tok, cfg), "template_kwargs": cfg.template_kwargs,
+        "chat_template": cfg.chat_template,  # --chat-template's text (None: the tokenizer's); an export records it
         "target_layer_ids": layer_ids, "num_target_layers": target.num_layers, "hidden_size": target.hidden_size,
         "vocab_size": target.vocab_size, "feature_dim": len(layer_ids) * target.hidden_size, "codec": codec,
         "store_last_hidden": bool(store_last_hidden), "dtype": str(torch_dtype).removeprefix("torch."),

@@ -336,6 +336,19 @@ def target_dtype(cfg, device) -> torch.dtype:
     return launch.default_dtype(device, None if cfg.target_dtype == "auto" else cfg.target_dtype)
 
 
+def chat_settings(cfg, manifest: dict | None) -> dict:
+    """The chat template (its text; None: the target tokenizer's own) and kwargs the run's data was rendered
+    with, as the export records them: the run's own settings when it encodes its data (``manifest`` None), else
+    what the shard manifest records (only the kwargs from an extraction that predates its ``chat_template``)."""
+    from dflashkit.extract.data.rendering import read_chat_template
+
+    if manifest is None:
+        return {"chat_template": read_chat_template(cfg.chat_template, flag="chat_template"),
+                "chat_template_kwargs": dict(cfg.chat_template_kwargs)}
+    recorded = {"chat_template_kwargs": manifest["template_kwargs"]} if "template_kwargs" in manifest else {}
+    return {"chat_template": manifest["chat_template"], **recorded} if "chat_template" in manifest else recorded
+
+
 def live_manifest(cfg, target) -> dict:
     """What a shard manifest would say of the live target (``target``: a loaded one, or a description)."""
     return {"target": target.identity(), "target_layer_ids": list(cfg.target_layer_ids) or None,
