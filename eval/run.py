@@ -36,6 +36,7 @@ from torch import nn
 
 from dflashkit import launch
 from dflashkit.errors import UserError
+from dflashkit.extract.data.rendering import ChatConfig
 from dflashkit.progress import progress_bar
 from dflashkit.stopping import StopRequest
 
@@ -93,13 +94,14 @@ def check_pair(target, drafter, drafter_path: str) -> None:
                         + ". Train or export the drafter for this target.")
 
 
-def stop_ids(target, chat: EvalChat) -> tuple[int, ...]:
-    """The ids an answer of the loaded ``target`` ends on under the run's template: targets/chat_template
-    .stop_token_ids, the set regeneration ends its answers on too."""
+def stop_ids(target, chat: ChatConfig | None = None) -> tuple[int, ...]:
+    """The ids an answer of the loaded ``target`` ends on under the run's template (None: the tokenizer's, no
+    kwargs): targets/chat_template.stop_token_ids, the set regeneration ends its answers on too."""
     from dflashkit.targets.chat_template import stop_token_ids
 
+    chat = chat or ChatConfig()
     return stop_token_ids(target.tokenizer, getattr(target.model, "generation_config", None),
-                          chat.config.chat_template, chat.config.template_kwargs)
+                          chat.chat_template, chat.template_kwargs)
 
 
 # ----------------------------------------------------------------------------- what the steps share
@@ -220,7 +222,7 @@ def run_eval(target: str, drafter: str, out: str | Path, datasets: list[str], co
     loaded, draft_model, torch_dtype = load_pair(target, drafter, device, device_map, dtype)
     prompts = load_all_prompts(loaded, datasets, num_prompts, max_prompt_tokens, chat)
     if use_stop_tokens:
-        config.stop_token_ids = stop_ids(loaded, chat)
+        config.stop_token_ids = stop_ids(loaded, chat.config)
     run = EvalRun(loaded, draft_model, drafter, torch_dtype, config, prompts, chat, baseline_prompts, reference_prompts,
                   BaselineRuns(shared_baseline, config), laps)
     laps.lap("load")
