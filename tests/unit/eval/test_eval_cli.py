@@ -197,6 +197,8 @@ def test_eval_renders_as_the_export_records_the_drafter_was_trained(chat_pair, t
     assert "warning" not in out.err
     args = json.loads((tmp_path / "r" / "report.json").read_text())["args"]
     assert (args["chat_template_sha256"], args["chat_template_kwargs"]) == (sha, kwargs)
+    assert f"chat template `{sha[:12]}` (from {tmp_path / 'pair' / 'drafter'}/config.json)" in (
+        tmp_path / "r" / "report.md").read_text()
     prompt = load_prompts("builtin:mtbench", tokenizer, 1, chat=chat.config)[0]
     assert tokenizer.decode(prompt.input_ids).startswith("<|im_start|>system\nOne line only.<|im_end|>")
 
