@@ -86,8 +86,8 @@ def load_prompts(spec: str, tokenizer, num_prompts: int | None = None, max_promp
             ids = ids[-max_prompt_tokens:]
         prompts.append(Prompt(spec, str(item.record.get("id", item.where)), messages, ids))
     if skipped:
-        counts = ", ".join(f"{reason} {n}" for reason, n in sorted(skipped.items()))
-        (warn or (lambda line: print(line, file=sys.stderr)))(f"{spec}: skipped {sum(skipped.values())} records "
+        counts, n = ", ".join(f"{reason} {k}" for reason, k in sorted(skipped.items())), sum(skipped.values())
+        (warn or (lambda line: print(line, file=sys.stderr)))(f"{spec}: skipped {n} record{'s' * (n != 1)} "
                                                               f"({counts}), as training skips them")
     if not prompts:
         raise UserError(f"{spec}: no usable prompt found")

@@ -99,7 +99,7 @@ def test_unknown_roles_get_the_training_rule_in_eval(tmp_path):
     said = []
     prompts = load_prompts(str(data), smollm2_tokenizer(), warn=said.append)
     assert [p.id for p in prompts] == ["o", "s2"]
-    assert said == [f"{data}: skipped 1 records (unknown_role 1), as training skips them"]
+    assert said == [f"{data}: skipped 1 record (unknown_role 1), as training skips them"]
     found = [name.split("#")[1] for name, _, _ in multi_turn_prompts([str(data)], 10)]
     assert found == ["o", "s2"]
 
