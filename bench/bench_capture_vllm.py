@@ -83,7 +83,7 @@ TOY_WORDS = ["alpha", "beta", "gamma", "delta", "echo", "fox", "golf", "hotel", 
 # ----------------------------------------------------------------------------- inputs: data, targets, engines
 def write_sharegpt(path: Path, n: int) -> None:
     """The first ``n`` records of builtin:sharegpt that extraction keeps (a user turn, then an answer) as JSONL."""
-    from dflashkit.extract.data.chat import BadSample, normalize_record
+    from dflashkit.extract.data.rendering import BadSample, normalize_record
     from dflashkit.extract.data.sources import iter_records
 
     kept = []
@@ -131,7 +131,7 @@ def toy_inputs(root: Path, n: int) -> tuple[str, str]:
 def encode_samples(args, tokenizer) -> list:
     """The first --samples records of --data as extraction encodes them (batching.Sample, bad records dropped)."""
     from dflashkit.extract.data.batching import encoded_windows
-    from dflashkit.extract.data.chat import ChatConfig
+    from dflashkit.extract.data.rendering import ChatConfig
 
     windows = encoded_windows([args.data], None, args.samples, args.samples, 0, tokenizer,
                               ChatConfig(max_length=args.max_length), 0, 1)

@@ -31,7 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_json  # noqa: E402
 
 from dflashkit.extract.data import batching  # noqa: E402
-from dflashkit.extract.data.chat import BadSample, encode_records  # noqa: E402
+from dflashkit.extract.data.chat import encode_records  # noqa: E402
+from dflashkit.extract.data.rendering import BadSample  # noqa: E402
 
 FORMS = ("together", "per_record")
 

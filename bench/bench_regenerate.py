@@ -39,7 +39,7 @@ import torch
 from common import sync, write_json
 
 from dflashkit import launch
-from dflashkit.extract.data.chat import BadSample, normalize_record, render
+from dflashkit.extract.data.rendering import BadSample, normalize_record, render
 from dflashkit.extract.data.sources import iter_records, prompt_turns
 from dflashkit.extract.generation.answerers import TargetGenerator
 from dflashkit.extract.generation.generator import SlotGenerator

@@ -85,8 +85,10 @@ def toy_pair(root: Path) -> tuple[str, str, str]:
     vocab = {t: i for i, t in enumerate(["<unk>", "<pad>", "<s>", "</s>", "w0", "w1"])}
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tf.PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", pad_token="<pad>",
-                               eos_token="</s>").save_pretrained(root / "target")
+    tokenizer = tf.PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", pad_token="<pad>",
+                                           eos_token="</s>")
+    tokenizer.chat_template = "{{ messages | map(attribute='content') | join('\n\n') }}"  # no turn markers
+    tokenizer.save_pretrained(root / "target")
     save_drafter(build_drafter(DrafterConfig.for_target(config, num_hidden_layers=1, block_size=4, mask_token_id=5,
                                                         initializer_range=0.02)), root / "drafter")
     g = torch.Generator().manual_seed(1)
@@ -173,7 +175,7 @@ def served_prompts(target: str, datasets: list[str], num_prompts: int, scratch: 
     served, _ = rules.vllm_target_dir(target_dir, scratch)
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     prompts = [(f"{spec}#{p.id}", p.input_ids) for spec in datasets
-               for p in load_prompts(spec, tokenizer, num_prompts, None, {})]
+               for p in load_prompts(spec, tokenizer, num_prompts)]
     return served, prompts, target_stop_ids(target_dir, tokenizer)
 
 

@@ -6,7 +6,9 @@ An export directory holds:
   ``fc.weight``, ``hidden_norm.weight``, ``norm.weight``; nothing of the target.
 - ``config.json``: Qwen3 fields + DFlash fields (see DrafterConfig.to_json_dict; only fields vLLM and SGLang read
   alike, engines.py), ``dtype`` = the weights' dtype, ``auto_map`` -> the shipped ``modeling_dflash.py``, so
-  ``AutoModel.from_pretrained(dir, trust_remote_code=True)`` works without dflashkit (``spec_generate`` included).
+  ``AutoModel.from_pretrained(dir, trust_remote_code=True)`` works without dflashkit (``spec_generate`` included);
+  from a training run also ``chat_template`` (the Jinja text it rendered with; null: the target tokenizer's
+  own) and ``chat_template_kwargs``, which eval renders its prompts with (eval/chat_settings.py).
 
 An existing directory at the export path is replaced only when it is a drafter export (``export_dir_problem``)
 or the caller passes ``overwrite``; a file there is an error (``dflashkit/outputs.py``). The files get the
@@ -86,11 +88,13 @@ def build_drafter(config: DrafterConfig, dtype: torch.dtype = torch.float32) -> 
 
 
 def save_drafter(model: DFlashDraftModel, out_dir: str | os.PathLike, dtype: torch.dtype | None = None,
-                 overwrite: bool = False, flag: str = "--overwrite") -> Path:
+                 overwrite: bool = False, flag: str = "--overwrite", chat: dict | None = None) -> Path:
     """Write the export directory atomically (a temporary sibling renamed into place). An existing directory is
     replaced only when it is an export (or ``overwrite``); ``flag`` is the option named in the refusal. What an
     interrupted export to the same path left is recovered or removed first (``recover_interrupted_export``);
-    weights that are not finite are refused before anything is written."""
+    weights that are not finite are refused before anything is written. ``chat``: the chat settings training
+    rendered its data with (``chat_template``: the text, None for the target tokenizer's own;
+    ``chat_template_kwargs``), written into config.json, where eval reads them (eval/chat_settings.py)."""
     config: DrafterConfig = getattr(model, "dflash", None) or DrafterConfig.from_json_dict(model.config.to_dict())
     out = Path(out_dir)
     state = {k: (v.to(dtype) if dtype else v).detach().to("cpu").contiguous()
@@ -104,7 +108,7 @@ def save_drafter(model: DFlashDraftModel, out_dir: str | os.PathLike, dtype: tor
     tmp = make_temp_dir(out.parent, prefix=f".{_sibling_stem(out)}.")
     held = _hold(tmp)  # while held, another export's recovery leaves this directory alone
     try:
-        _write_export(tmp, state, config)
+        _write_export(tmp, state, config, chat or {})
         pause_point("export-copy-written")  # crash tests: a kill here leaves the full copy
         if out.is_dir():  # checked above: an export, an empty directory, or overwrite
             old = make_temp_dir(out.parent, f".{_sibling_stem(out)}.old-")  # a fresh name: nothing of the user's
@@ -127,12 +131,13 @@ def save_drafter(model: DFlashDraftModel, out_dir: str | os.PathLike, dtype: tor
     return out
 
 
-def _write_export(directory: Path, state: dict[str, torch.Tensor], config: DrafterConfig) -> None:
+def _write_export(directory: Path, state: dict[str, torch.Tensor], config: DrafterConfig, chat: dict) -> None:
     """The export's files in ``directory``, made durable with the directory (``fsync_tree``) before the caller
     renames it into place."""
     save_safetensors(state, directory / "model.safetensors", metadata={"format": "pt"})
     cfg = config.to_json_dict()
     cfg["torch_dtype"] = cfg["dtype"] = str(state["fc.weight"].dtype).replace("torch.", "")
+    cfg.update({k: chat[k] for k in ("chat_template", "chat_template_kwargs") if k in chat})
     (directory / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     for name in kind_for(config.architecture).modeling_files:  # what config.json's auto_map loads
         shutil.copyfile(MODELING_DIR / name, directory / name)

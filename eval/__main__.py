@@ -96,9 +96,12 @@ def build_parser() -> argparse.ArgumentParser:
     what.add_argument("--overwrite", action="store_true",
                       help="write into an --out that holds files (an earlier report, files of yours): eval's files "
                            "of the same names are replaced, nothing else is touched")
-    what.add_argument("--chat-template-kwargs", default="{}",
+    what.add_argument("--chat-template", default=None, metavar="FILE",
+                      help="Jinja file replacing the target tokenizer's chat template (as extraction and training; "
+                           "default: the template the drafter was trained with, recorded in its config.json)")
+    what.add_argument("--chat-template-kwargs", default=None,
                       help='JSON of extra chat template variables (as extraction and training), '
-                           'e.g. \'{"enable_thinking": false}\'')
+                           'e.g. \'{"enable_thinking": false}\' (default: those the drafter was trained with)')
     what.add_argument("--time-limit", type=float, default=None, metavar="S",
                       help="stop after the prompt running when S seconds have passed; write a partial report")
     what.add_argument("--engine", choices=["dflashkit", "vllm"], default="dflashkit",
@@ -265,13 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not (args.target and args.drafter and args.out):
         raise UserError("needs --target, --drafter and --out (or --compare / --server)")
-    try:
-        template_kwargs = json.loads(args.chat_template_kwargs)
-    except json.JSONDecodeError as error:
-        raise UserError(f"--chat-template-kwargs {args.chat_template_kwargs!r} is not JSON ({error}); "
-                        'write e.g. \'{"enable_thinking": false}\'') from None
-    if not isinstance(template_kwargs, dict):
-        raise UserError(f"--chat-template-kwargs must be a JSON object, got {args.chat_template_kwargs!r}")
+    template_kwargs = _template_kwargs(args.chat_template_kwargs)
     check_engine_flags(args)
     if args.engine == "vllm":
         config = _vllm_config(args)
@@ -290,14 +287,28 @@ def main(argv: list[str] | None = None) -> int:
     return _summary(report, args.out)
 
 
-def _run_local(args, config, template_kwargs: dict) -> dict:
+def _template_kwargs(text: str | None) -> dict | None:
+    """--chat-template-kwargs as a dict (None: not given, the drafter's own are used)."""
+    if text is None:
+        return None
+    try:
+        template_kwargs = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise UserError(f"--chat-template-kwargs {text!r} is not JSON ({error}); "
+                        'write e.g. \'{"enable_thinking": false}\'') from None
+    if not isinstance(template_kwargs, dict):
+        raise UserError(f"--chat-template-kwargs must be a JSON object, got {text!r}")
+    return template_kwargs
+
+
+def _run_local(args, config, template_kwargs: dict | None) -> dict:
     from .run import run_eval
 
     return run_eval(args.target, args.drafter, args.out, args.dataset, config, num_prompts=args.num_prompts,
                     baseline_prompts=args.baseline_prompts, max_prompt_tokens=args.max_prompt_tokens,
                     use_stop_tokens=not args.no_stop, device=args.device, device_map=args.device_map,
                     dtype=args.dtype, chat_template_kwargs=template_kwargs, time_limit_s=args.time_limit,
-                    reference_prompts=args.reference_prompts)
+                    reference_prompts=args.reference_prompts, chat_template=args.chat_template)
 
 
 def _summary(report: dict, out: str) -> int:
@@ -337,11 +348,12 @@ def _vllm_config(args):
     return config
 
 
-def _main_vllm(args, config, template_kwargs: dict) -> int:
+def _main_vllm(args, config, template_kwargs: dict | None) -> int:
     from .vllm_engine import run_vllm_eval
 
     report = run_vllm_eval(args.target, args.drafter, args.out, args.dataset, config, args.num_prompts,
-                           args.max_prompt_tokens, template_kwargs)  # user errors: dflashkit.cli.run_main
+                           args.max_prompt_tokens, template_kwargs,
+                           chat_template=args.chat_template)  # user errors: dflashkit.cli.run_main
     print(f"{report['plan_verdict']['text']}\n{report['verdict']['text']}\ntau {report['overall']['tau']:.3f} "
           f"(vLLM, k {report['num_speculative_tokens']}); lossless "
           f"{report['lossless']['identical']}/{report['lossless']['requests']} identical; report in {args.out}")

@@ -137,6 +137,14 @@ SUMMARY_FIELDS = [("tau", "τ"), ("rounds", "rounds"), ("mean_nodes_per_round", 
                   ("baseline_prompts", "AR baseline prompts")]
 
 
+def _template_words(args: dict) -> str:
+    """Which chat template the prompts were rendered with, from where (eval/chat_settings.py)."""
+    if "chat_template_from" not in args:  # a report from before the template was recorded
+        return "not recorded"
+    sha = args.get("chat_template_sha256")
+    return f"{'`' + sha[:12] + '`' if sha else 'of the target'} (from {args['chat_template_from']})"
+
+
 def render_markdown(report: dict) -> str:
     if report.get("engine") == "vllm":  # `eval --engine vllm`: its verdict, concurrency and prefix-cache tables
         from .serving_verdict import render_vllm_markdown
@@ -158,7 +166,8 @@ def render_markdown(report: dict) -> str:
     parts += [f"target `{report['target'].get('path')}` ({report['target'].get('dtype')}), drafter "
               f"`{report['drafter'].get('path')}`, {sampling}, block size {report['block_size']}, "
               f"{args.get('max_new_tokens')} new tokens per prompt, device {report['versions'].get('device')}, "
-              f"chat template kwargs `{json.dumps(args.get('chat_template_kwargs') or {})}` ({trained})", ""]
+              f"chat template kwargs `{json.dumps(args.get('chat_template_kwargs') or {})}` ({trained}), chat template "
+              f"{_template_words(args)}", ""]
     names = list(report["datasets"]) + ["all"]
     rows = [[name] + [(report["datasets"].get(name) or report["overall"]).get(f) for f, _ in SUMMARY_FIELDS]
             for name in names]

@@ -17,14 +17,14 @@ Design choices:
 - A stop request (Ctrl-C, SIGTERM, time limit; dflashkit/stopping.py) is honoured between prompts: the report then
   covers the prompts done and says it is partial (report["partial"]); the caller exits non-zero. Once every
   prompt is done, a stop request no longer interrupts anything: the report is written in full.
-- Chat template kwargs render the prompts through the same call as extraction and training; when the drafter's
-  config.json records the kwargs it was trained with (`chat_template_kwargs`) and they differ, a warning says so
-  and the report keeps both.
+- The prompts are rendered by training's renderer with the chat template and kwargs the drafter was trained with
+  (its config.json records them) unless --chat-template / --chat-template-kwargs say otherwise
+  (eval/chat_settings.py); the run's first line and the report say which and from where, and a flag that
+  differs from the drafter's training is warned about.
 """
 
 from __future__ import annotations
 
-import json
 import platform
 import sys
 import time
@@ -36,9 +36,11 @@ from torch import nn
 
 from dflashkit import launch
 from dflashkit.errors import UserError
+from dflashkit.extract.data.rendering import ChatConfig
 from dflashkit.progress import progress_bar
 from dflashkit.stopping import StopRequest
 
+from .chat_settings import EvalChat, describe, mismatch_warnings, resolve_chat
 from .engine import DecodeConfig, GenerationResult, SpeculativeDecoder
 from .prompts import Prompt
 
@@ -62,21 +64,20 @@ def _versions(device) -> dict:
     return out
 
 
-def drafter_identity(path: str, drafter) -> dict:
+def drafter_identity(path: str, drafter, chat: EvalChat) -> dict:
+    """The report's drafter: its files, shape, and the chat settings its config.json records (None: not
+    recorded; chat_template_sha256 None: trained with the target tokenizer's own)."""
     import hashlib
 
     weights = Path(path) / "model.safetensors"
     digest = hashlib.sha256(weights.read_bytes()).hexdigest() if weights.exists() else None
+    trained = chat.trained.get("chat_template", "")
     return {"path": str(Path(path).resolve()), "weights_sha256": digest, "block_size": drafter.block_size,
             "target_layer_ids": list(drafter.target_layer_ids), "mask_token_id": drafter.mask_token_id,
             "num_hidden_layers": drafter.config.num_hidden_layers,
-            "chat_template_kwargs": trained_template_kwargs(path)}
-
-
-def trained_template_kwargs(drafter_path: str) -> dict | None:
-    """The chat template kwargs the drafter was trained with, when its config.json records them."""
-    config = Path(drafter_path) / "config.json"
-    return json.loads(config.read_text()).get("chat_template_kwargs") if config.exists() else None
+            "chat_template_recorded": "chat_template" in chat.trained,
+            "chat_template_sha256": hashlib.sha256(trained.encode()).hexdigest() if trained else None,
+            "chat_template_kwargs": chat.trained.get("chat_template_kwargs")}
 
 
 def check_pair(target, drafter, drafter_path: str) -> None:
@@ -93,13 +94,14 @@ def check_pair(target, drafter, drafter_path: str) -> None:
                         + ". Train or export the drafter for this target.")
 
 
-def stop_ids(target, template_kwargs: dict | None = None) -> tuple[int, ...]:
-    """The ids an answer of the loaded ``target`` ends on: targets/chat_template.stop_token_ids, the set
-    regeneration ends its answers on too."""
+def stop_ids(target, chat: ChatConfig | None = None) -> tuple[int, ...]:
+    """The ids an answer of the loaded ``target`` ends on under the run's template (None: the tokenizer's, no
+    kwargs): targets/chat_template.stop_token_ids, the set regeneration ends its answers on too."""
     from dflashkit.targets.chat_template import stop_token_ids
 
+    chat = chat or ChatConfig()
     return stop_token_ids(target.tokenizer, getattr(target.model, "generation_config", None),
-                          template_kwargs=template_kwargs)
+                          chat.chat_template, chat.template_kwargs)
 
 
 # ----------------------------------------------------------------------------- what the steps share
@@ -162,6 +164,7 @@ class EvalRun:
     dtype: torch.dtype
     config: DecodeConfig
     prompts: dict[str, list[Prompt]]  # dataset spec -> its prompts
+    chat: EvalChat  # the chat template and kwargs the prompts were rendered with
     baseline_prompts: int | None  # the AR baseline on the first N prompts of each dataset (None: all)
     reference_prompts: int | None  # the lossless check on the first N of those (None: all of them)
     baseline: BaselineRuns
@@ -193,29 +196,34 @@ def run_eval(target: str, drafter: str, out: str | Path, datasets: list[str], co
              use_stop_tokens: bool = True, device: str | None = None, device_map: str | None = None,
              dtype: str | None = None, chat_template_kwargs: dict | None = None,
              time_limit_s: float | None = None, reference_prompts: int | None = None,
-             shared_baseline: dict | None = None) -> dict:
+             shared_baseline: dict | None = None, chat_template: str | None = None) -> dict:
     """Evaluate the drafter at `drafter` on the target `target`; report.json / report.md / plots in `out`.
 
     baseline_prompts: the autoregressive baseline runs on the first N prompts of each dataset (None: all);
     reference_prompts: the lossless check (HF generate, slow) on the first N of those (None: all of them).
     config.stop_token_ids is filled from the target unless use_stop_tokens is False.
+    chat_template (a Jinja file) / chat_template_kwargs: None renders as the drafter was trained
+    (eval/chat_settings.py).
     shared_baseline: a dict that keeps the AR runs and references by prompt across calls in one process (chain
     and tree of the same target, prompts and decoding settings need them once).
     Returns the report; report["partial"] is set when a stop request cut the run short.
     """
+    chat = resolve_chat(drafter, chat_template, chat_template_kwargs)
+    print(f"dflashkit eval: {describe(chat)}")
+    for warning in mismatch_warnings(chat, drafter):
+        print(warning, file=sys.stderr)
     settings = {"target": target, "drafter": drafter, "datasets": list(datasets), "num_prompts": num_prompts,
                 "baseline_prompts": baseline_prompts, "reference_prompts": reference_prompts,
                 "max_prompt_tokens": max_prompt_tokens,
                 "use_stop_tokens": use_stop_tokens, "device": device, "device_map": device_map, "dtype": dtype,
-                "chat_template_kwargs": chat_template_kwargs or {}, "time_limit_s": time_limit_s,
+                **chat.record(), "time_limit_s": time_limit_s,
                 **{k: v for k, v in vars(config).items() if k != "stop_token_ids"}}
     laps = Laps()
     loaded, draft_model, torch_dtype = load_pair(target, drafter, device, device_map, dtype)
-    warn_template_kwargs(drafter, chat_template_kwargs)
-    prompts = load_all_prompts(loaded, datasets, num_prompts, max_prompt_tokens, chat_template_kwargs)
+    prompts = load_all_prompts(loaded, datasets, num_prompts, max_prompt_tokens, chat)
     if use_stop_tokens:
-        config.stop_token_ids = stop_ids(loaded, chat_template_kwargs)
-    run = EvalRun(loaded, draft_model, drafter, torch_dtype, config, prompts, baseline_prompts, reference_prompts,
+        config.stop_token_ids = stop_ids(loaded, chat.config)
+    run = EvalRun(loaded, draft_model, drafter, torch_dtype, config, prompts, chat, baseline_prompts, reference_prompts,
                   BaselineRuns(shared_baseline, config), laps)
     laps.lap("load")
     with SpeculativeDecoder(loaded, draft_model, config) as decoder:  # the target given back however it ends
@@ -242,21 +250,12 @@ def load_pair(target: str, drafter: str, device: str | None, device_map: str | N
     return loaded, draft_model, torch_dtype
 
 
-def warn_template_kwargs(drafter: str, chat_template_kwargs: dict | None) -> None:
-    """A warning when the drafter was trained with other chat template kwargs than this run renders with."""
-    trained = trained_template_kwargs(drafter)
-    if trained is not None and trained != (chat_template_kwargs or {}):
-        print(f"warning: {drafter}/config.json says the drafter was trained with chat template kwargs "
-              f"{json.dumps(trained)}, this run renders with {json.dumps(chat_template_kwargs or {})}; "
-              "pass --chat-template-kwargs to match", file=sys.stderr)
-
-
 def load_all_prompts(target, datasets: list[str], num_prompts: int | None, max_prompt_tokens: int | None,
-                     chat_template_kwargs: dict | None) -> dict[str, list[Prompt]]:
-    """Each dataset's prompts, rendered with the target's tokenizer and chat template."""
+                     chat: EvalChat) -> dict[str, list[Prompt]]:
+    """Each dataset's prompts, rendered with the target's tokenizer and the run's chat settings."""
     from .prompts import load_prompts
 
-    return {spec: load_prompts(spec, target.tokenizer, num_prompts, max_prompt_tokens, chat_template_kwargs)
+    return {spec: load_prompts(spec, target.tokenizer, num_prompts, max_prompt_tokens, chat.config)
             for spec in datasets}
 
 
@@ -354,7 +353,7 @@ def build_report(run: EvalRun, settings: dict) -> dict:
         "versions": _versions(device),
         "target": {**run.target.identity(), "family": run.target.family, "num_layers": run.target.num_layers,
                    "dtype": str(run.dtype).removeprefix("torch.")},
-        "drafter": drafter_identity(run.drafter_path, run.drafter),
+        "drafter": drafter_identity(run.drafter_path, run.drafter, run.chat),
         "datasets": {spec: numbers([runs], block_size, run.dtype) for spec, runs in done.items()},
         "overall": numbers(list(done.values()), block_size, run.dtype),
     }

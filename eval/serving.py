@@ -239,6 +239,7 @@ def run_sweep(server: str | list[str], datasets: list[str], num_prompts: int, co
     """`dflashkit eval --server URL`: prompts from the datasets, results in out (serving.json, serving.md);
     with NAME=URL pairs the serving plan of every server (serving.json, serving.md, schedule.json)."""
     servers = parse_servers([server] if isinstance(server, str) else list(server))
+    from dflashkit.extract.data.rendering import BadSample
     from dflashkit.extract.data.sources import iter_records
 
     from .prompts import opening_turns
@@ -249,9 +250,12 @@ def run_sweep(server: str | list[str], datasets: list[str], num_prompts: int, co
         for item in iter_records(spec):
             if taken >= num_prompts:
                 break
-            if item.record is not None:
-                conversations.append(opening_turns(item.record, item.where))
-                taken += 1
+            try:
+                if item.record is not None:
+                    conversations.append(opening_turns(item.record, item.where))
+                    taken += 1
+            except BadSample:  # a record training skips for its turns (eval/prompts.py)
+                continue
     if "none" in servers:
         return write_plan(run_server_plan(servers, conversations, concurrency, repeats, max_tokens, temperature,
                                           model, timeout, max_requests_per_level, min_waves), out)

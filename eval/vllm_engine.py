@@ -61,6 +61,7 @@ from typing import Callable
 from dflashkit.errors import UserError
 from dflashkit.targets.vllm_runtime import import_vllm, model_runner, release_gpu, wait_for_gpu_memory_to_settle
 
+from .chat_settings import EvalChat, describe, resolve_chat
 from .prompts import multi_turn_prompts, target_stop_ids
 from .serving_plan import capture_size, run_requests
 from .vllm_metrics import per_prompt_records, per_prompt_summary, timed_generate
@@ -186,7 +187,7 @@ class ServedRun:
     stripped: bool
     target_config: dict
     tokenizer: object
-    template_kwargs: dict
+    chat: EvalChat  # the chat template and kwargs the prompts are rendered with (eval/chat_settings.py)
     prompts: list[tuple[str, list[int]]]
     keys: list[tuple[str, str]]  # (dataset spec, prompt id) of each prompt
     turns: list[tuple[str, list[dict], str]]  # multi-turn records: (id, opening turns, second user turn)
@@ -202,17 +203,18 @@ class ServedRun:
 
 
 def prepare_run(target: str, drafter: str, datasets: list[str], config: VllmEvalConfig, num_prompts: int,
-                max_prompt_tokens: int | None, template_kwargs: dict, api: VllmApi, warn, scratch: str) -> ServedRun:
+                max_prompt_tokens: int | None, chat: EvalChat, api: VllmApi, warn, scratch: str) -> ServedRun:
     """Read the drafter, the target and the prompts; the checks and warnings that come before any engine."""
     from transformers import AutoTokenizer
 
     from dflashkit.drafter import engines as rules
     from dflashkit.drafter import read_drafter_config
     from dflashkit.drafter.vllm_dflash2 import check_vllm_num_speculative_tokens, check_vllm_schedule
+    from dflashkit.extract.data.rendering import prompt_ids
     from dflashkit.targets.loading import resolve_target_dir
 
-    from .prompts import load_prompts, render
-    from .run import trained_template_kwargs
+    from .chat_settings import mismatch_warnings
+    from .prompts import load_prompts
 
     dcfg = read_drafter_config(drafter)
     ks = sorted({rules.vllm_num_speculative_tokens(dcfg.block_size, k, warn, causal=dcfg.causal)
@@ -227,24 +229,22 @@ def prepare_run(target: str, drafter: str, datasets: list[str], config: VllmEval
     notes += [f"warning: num_speculative_tokens {k} != block_size - 1 = {dcfg.block_size - 1}: acceptance "
               "differs from what the drafter gets with the blocks it was trained on"
               for k in ks if k != dcfg.block_size - 1 and not (dcfg.causal and k < dcfg.block_size)]
-    trained = trained_template_kwargs(drafter)
-    if trained is not None and trained != template_kwargs:
-        notes.append(f"warning: drafter trained with chat template kwargs {json.dumps(trained)}, "
-                     f"rendered with {json.dumps(template_kwargs)}")
-        warn(notes[-1])
+    for note in mismatch_warnings(chat, drafter):
+        notes.append(note)
+        warn(note)
     target_dir, _ = resolve_target_dir(target)
     served_dir, stripped = rules.vllm_target_dir(target_dir, scratch)
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     loaded = [(spec, p) for spec in datasets
-              for p in load_prompts(spec, tokenizer, num_prompts, max_prompt_tokens, template_kwargs)]
+              for p in load_prompts(spec, tokenizer, num_prompts, max_prompt_tokens, chat.config, warn)]
     prompts = [(f"{spec}#{p.id}", p.input_ids) for spec, p in loaded]
     keys = [(spec, p.id) for spec, p in loaded]
     turns = multi_turn_prompts(datasets, num_prompts)
-    stop = target_stop_ids(target_dir, tokenizer, template_kwargs) if config.use_stop_tokens else []
+    stop = target_stop_ids(target_dir, tokenizer, chat.config) if config.use_stop_tokens else []
     params = api.sampling_params(max_tokens=config.max_new_tokens, temperature=0.0, stop_token_ids=stop,
                                  ignore_eos=not config.use_stop_tokens)
     longest = max([len(ids) for _, ids in prompts]
-                  + [len(render(tokenizer, messages, template_kwargs)) + config.max_new_tokens
+                  + [len(prompt_ids(tokenizer, messages, chat.config)) + config.max_new_tokens
                      + len(tokenizer(second)["input_ids"]) + 64 for _, messages, second in turns])
     max_len = config.max_model_len or -(-(longest + config.max_new_tokens + max(ks) + 1) // 256) * 256
     headline = dcfg.block_size - 1 if dcfg.block_size - 1 in ks else ks[-1]
@@ -254,7 +254,7 @@ def prepare_run(target: str, drafter: str, datasets: list[str], config: VllmEval
         notes.append(f"warning: {window}")
         warn(notes[-1])
     return ServedRun(api, config, str(Path(drafter).resolve()), dcfg, ks, headline, target_dir, served_dir,
-                     stripped, target_config, tokenizer, template_kwargs, prompts, keys, turns, params, max_len,
+                     stripped, target_config, tokenizer, chat, prompts, keys, turns, params, max_len,
                      notes)
 
 
@@ -300,14 +300,14 @@ def sweep_levels(run: ServedRun, llm) -> dict:
 def second_turns(run: ServedRun, llm, answers: list[list[int]] | None = None) -> tuple[dict, list]:
     """Turn 1 of the multi-turn records (untimed, filling the prefix cache), then turn 2 all at once (timed);
     turn 2 follows ``answers`` (the engine without speculation's), or this engine's own turn-1 answers."""
-    from .prompts import render
+    from dflashkit.extract.data.rendering import prompt_ids
 
-    turn1 = [render(run.tokenizer, messages, run.template_kwargs) for _, messages, _ in run.turns]
+    turn1 = [prompt_ids(run.tokenizer, messages, run.chat.config) for _, messages, _ in run.turns]
     first = llm.generate([{"prompt_token_ids": ids} for ids in turn1], run.params, use_tqdm=False)
     answers = answers or [list(r.outputs[0].token_ids) for r in first]
-    chats = [(name, render(run.tokenizer, messages + [
+    chats = [(name, prompt_ids(run.tokenizer, messages + [
         {"role": "assistant", "content": run.tokenizer.decode(answer, skip_special_tokens=True)},
-        {"role": "user", "content": second}], run.template_kwargs))
+        {"role": "user", "content": second}], run.chat.config))
         for (name, messages, second), answer in zip(run.turns, answers)]
     return timed_generate(llm, run.api, chats, max(len(chats), 1), run.params), answers
 
@@ -364,9 +364,12 @@ def measure_prefix_settings(run: ServedRun, answers: list | None) -> dict:
 
 def run_vllm_eval(target: str, drafter: str, out: str | Path, datasets: list[str], config: VllmEvalConfig,
                   num_prompts: int = 20, max_prompt_tokens: int | None = None,
-                  chat_template_kwargs: dict | None = None, api: VllmApi | None = None, warn=None) -> dict:
+                  chat_template_kwargs: dict | None = None, api: VllmApi | None = None, warn=None,
+                  chat_template: str | None = None) -> dict:
     """Serve the pair with vLLM in-process: no speculation, the drafter at each k, the baselines, then the
-    schedule derived from them; report.json / report.md / schedule.json / plots in `out` (the returned report)."""
+    schedule derived from them; report.json / report.md / schedule.json / plots in `out` (the returned report).
+    chat_template (a Jinja file) / chat_template_kwargs: None renders as the drafter was trained
+    (eval/chat_settings.py)."""
     from .report import write_report
     from .serving_plan import baseline_specs, derive_schedule, given_schedule, schedule_spec
     from .vllm_report import build_vllm_report, level_speedups, write_schedule
@@ -374,8 +377,10 @@ def run_vllm_eval(target: str, drafter: str, out: str | Path, datasets: list[str
     config.check()
     started, warn = time.perf_counter(), warn or (lambda message: print(message, file=sys.stderr))
     # a target copy without a GGUF quantization_config stays in `out`: the report's serve commands name it
-    run = prepare_run(target, drafter, datasets, config, num_prompts, max_prompt_tokens,
-                      chat_template_kwargs or {}, api or real_vllm_api(), warn, str(out))
+    chat = resolve_chat(drafter, chat_template, chat_template_kwargs)
+    print(f"dflashkit eval: {describe(chat)}")
+    run = prepare_run(target, drafter, datasets, config, num_prompts, max_prompt_tokens, chat,
+                      api or real_vllm_api(), warn, str(out))
     run.out = Path(out)
     run.out.mkdir(parents=True, exist_ok=True)
     (run.out / PARTIAL_FILE).unlink(missing_ok=True)

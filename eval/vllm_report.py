@@ -152,7 +152,7 @@ def build_vllm_report(run, results: dict, schedule: dict, baselines: dict, skipp
     overall_acc = head["acceptance"]
     report = {
         "engine": "vllm", "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "args": {"mode": "vllm", **args, "drafter": run.drafter, "chat_template_kwargs": run.template_kwargs,
+        "args": {"mode": "vllm", **args, "drafter": run.drafter, **run.chat.record(),
                  "max_model_len": run.max_len, **vars(run.config)},
         "block_size": run.dcfg.block_size, "num_speculative_tokens": run.headline_k, "ks": run.ks,
         "serve_command_fixed_k": serve_command(run, specs[f"k{run.headline_k}"]),

@@ -24,7 +24,7 @@ import sys
 from dflashkit.drafter.config import DEFAULT_NUM_HIDDEN_LAYERS
 from dflashkit.errors import UserError
 from dflashkit.extract.data.batching import resolve_tokenize_workers
-from dflashkit.extract.data.chat import BadSample
+from dflashkit.extract.data.rendering import BadSample
 from dflashkit.extract.run import ENGINES, extract, parse_size
 from dflashkit.extract.shards.format import CODECS
 from dflashkit.extract.shards.writer import ShardWriteError

@@ -51,7 +51,7 @@ from pathlib import Path
 
 from dflashkit import launch
 from dflashkit.errors import UserError
-from dflashkit.extract.data.chat import BadSample, normalize_record
+from dflashkit.extract.data.rendering import BadSample, normalize_record, read_chat_template
 from dflashkit.files import atomic_write, open_appending, pause_point, sync, whole_lines
 from dflashkit.stopping import StopRequest
 
@@ -90,6 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
     g.add_argument("--top-k", type=int, default=0, help="0: no top-k")
     g.add_argument("--seed", type=int, default=0, help="sampling seed")
+    g.add_argument("--chat-template", default=None,
+                   help="--target: Jinja file replacing the tokenizer's chat template (as extract and train)")
     g.add_argument("--chat-template-kwargs", default="{}", help='JSON, e.g. \'{"enable_thinking": false}\'')
     g.add_argument("--max-prompt-length", type=int, default=None,
                    help="a turn whose prompt is longer ends its conversation there (the answered turns are kept; "
@@ -187,14 +189,19 @@ def _regenerate(data: list[str], out, *, overwrite: bool = False, target: str | 
                top_p: float = 1.0, top_k: int = 0, seed: int = 0, chat_template_kwargs: dict | None = None,
                max_prompt_length: int | None = None, max_turns: int | None = None, batch_size: int = 16,
                chunk_factor: int = 8, cuda_graph: bool = True, concurrency: int = 16, dtype: str | None = None,
-               device: str | None = None, progress: bool = True, decode_attention: str = "triton") -> dict:
+               device: str | None = None, progress: bool = True, decode_attention: str = "triton",
+               chat_template: str | None = None) -> dict:
     """Answer every user turn of the conversations of ``data`` with ``target`` (a local model) or ``server`` (an
     OpenAI-compatible URL) into the JSONL file ``out``; return the counts. The parameters are the command's flags
-    (see ``build_parser``); ``chat_template_kwargs`` is a dict."""
+    (see ``build_parser``); ``chat_template_kwargs`` is a dict, ``chat_template`` a Jinja file."""
     from dflashkit.extract.data.sources import check_has_records
 
     # --- flags, this rank's output, what it holds already ------------------------------------------------
     _check_generation_flags(target, server, temperature, top_p, top_k)
+    if server and chat_template:
+        raise UserError("--chat-template renders prompts for --target; a server renders with its own template: "
+                        "start it with that template (vLLM/SGLang --chat-template) instead")
+    template = read_chat_template(chat_template)  # a missing file stops here, before the target loads
     rank, world, _ = launch.ranks()
     out = Path(out)
     data = [str(data)] if isinstance(data, (str, Path)) else [str(d) for d in data]
@@ -210,7 +217,7 @@ def _regenerate(data: list[str], out, *, overwrite: bool = False, target: str | 
     else:
         gen = TargetGenerator(target, max_prompt_length=max_prompt_length, batch_size=batch_size, dtype=dtype,
                               device=str(launch.local_device(device)), cuda_graph=cuda_graph,
-                              decode_attention=decode_attention, **sampling)
+                              decode_attention=decode_attention, chat_template=template, **sampling)
     # conversations answered together: several times the slots, so refills keep the slots busy
     chunk_size = concurrency * 4 if server else batch_size * chunk_factor
 
@@ -392,7 +399,8 @@ def main(argv=None) -> int:
                        max_prompt_length=args.max_prompt_length, max_turns=args.max_turns, batch_size=args.batch_size,
                        chunk_factor=args.chunk_factor, cuda_graph=not args.no_cuda_graph,
                        concurrency=args.concurrency, dtype=args.dtype, device=args.device,
-                       progress=not args.no_progress, decode_attention=args.decode_attention)
+                       progress=not args.no_progress, decode_attention=args.decode_attention,
+                       chat_template=args.chat_template)
     except BadSample as e:  # other user errors propagate to dflashkit.cli.run_main (one line, exit 2)
         raise UserError(f"{e}; fix the record, or pass --on-bad skip") from None
     except KeyboardInterrupt:

@@ -37,14 +37,8 @@ from dflashkit import launch
 from dflashkit.drafter.config import DEFAULT_NUM_HIDDEN_LAYERS
 from dflashkit.errors import UserError
 from dflashkit.extract.data import batching
-from dflashkit.extract.data.chat import (
-    SKIP_REASONS,
-    BadSample,
-    ChatConfig,
-    chat_template_hash,
-    read_chat_template,
-    tokenizer_hash,
-)
+from dflashkit.extract.data.chat import chat_template_hash, tokenizer_hash
+from dflashkit.extract.data.rendering import SKIP_REASONS, BadSample, ChatConfig, read_chat_template
 from dflashkit.extract.shards.manifest import MANIFEST, SCHEMA_VERSION, update_totals, write_manifest
 from dflashkit.extract.shards.writer import ShardWriter, merge_manifests, prepare_resume
 
@@ -286,6 +280,7 @@ def _new_manifest(target, layer_ids: list[int], cfg: ChatConfig, data: list[str]
         "schema_version": SCHEMA_VERSION, "format": "dflashkit-shards", "complete": False,
         "target": target.identity(), "family": target.family, "tokenizer_hash": tokenizer_hash(tok),
         "chat_template_hash": chat_template_hash(tok, cfg), "template_kwargs": cfg.template_kwargs,
+        "chat_template": cfg.chat_template,  # --chat-template's text (None: the tokenizer's); an export records it
         "target_layer_ids": layer_ids, "num_target_layers": target.num_layers, "hidden_size": target.hidden_size,
         "vocab_size": target.vocab_size, "feature_dim": len(layer_ids) * target.hidden_size, "codec": codec,
         "store_last_hidden": bool(store_last_hidden), "dtype": str(torch_dtype).removeprefix("torch."),

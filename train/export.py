@@ -87,7 +87,8 @@ def export_checkpoint(path: str | os.PathLike, out_dir: str | os.PathLike, dtype
     check_output_dir(out_dir, what="a drafter directory", problem=export_dir_problem, overwrite=overwrite, flag=flag)
     model = load_checkpoint_drafter(path, dtype)
     check_export_for(model.dflash, engine, warn=lambda message: print(message, file=sys.stderr))
-    return save_drafter(model, out_dir, overwrite=overwrite, flag=flag)
+    chat = read_trainer_state(resolve_checkpoint(path)).get("chat") or {}  # what eval renders prompts with
+    return save_drafter(model, out_dir, overwrite=overwrite, flag=flag, chat=chat)
 
 
 def build_parser() -> argparse.ArgumentParser:

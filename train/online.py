@@ -78,7 +78,8 @@ def encode_data(specs: list[str], tokenizer, *, max_length: int | None, chat_tem
     and tokenizing. The key covers the data files (path, size, modification time), the tokenizer, the chat
     settings and the chat code itself, so any change re-encodes."""
     from dflashkit.extract.data import batching
-    from dflashkit.extract.data.chat import SKIP_REASONS, ChatConfig, check_template, read_chat_template
+    from dflashkit.extract.data.chat import check_template
+    from dflashkit.extract.data.rendering import SKIP_REASONS, ChatConfig, read_chat_template
 
     template = read_chat_template(chat_template, flag="chat_template")
     cfg = ChatConfig(max_length=max_length, overlong="truncate", template_kwargs=dict(template_kwargs),
@@ -123,7 +124,7 @@ def token_cache_key(specs: list[str], tokenizer, cfg, limit: int | None) -> str:
     import json
     from dataclasses import asdict
 
-    from dflashkit.extract.data import chat, sources
+    from dflashkit.extract.data import chat, rendering, sources
 
     files = []
     for spec in specs:
@@ -135,7 +136,8 @@ def token_cache_key(specs: list[str], tokenizer, cfg, limit: int | None) -> str:
     parts = {"format": TOKEN_CACHE_FORMAT, "specs": list(specs), "files": files, "limit": limit,
              "tokenizer": [getattr(tokenizer, "name_or_path", ""), len(tokenizer),
                            getattr(tokenizer, "chat_template", None) or ""],
-             "chat": asdict(cfg), "code": hashlib.sha256(Path(chat.__file__).read_bytes()).hexdigest()}
+             "chat": asdict(cfg),
+             "code": hashlib.sha256(b"".join(Path(m.__file__).read_bytes() for m in (chat, rendering))).hexdigest()}
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
@@ -332,6 +334,19 @@ def target_dtype(cfg, device) -> torch.dtype:
     """The dtype the target runs in: auto is the launch's default (bf16 on a GPU, fp32 on the CPU); train/config.py
     checked the name."""
     return launch.default_dtype(device, None if cfg.target_dtype == "auto" else cfg.target_dtype)
+
+
+def chat_settings(cfg, manifest: dict | None) -> dict:
+    """The chat template (its text; None: the target tokenizer's own) and kwargs the run's data was rendered
+    with, as the export records them: the run's own settings when it encodes its data (``manifest`` None), else
+    what the shard manifest records (only the kwargs from an extraction that predates its ``chat_template``)."""
+    from dflashkit.extract.data.rendering import read_chat_template
+
+    if manifest is None:
+        return {"chat_template": read_chat_template(cfg.chat_template, flag="chat_template"),
+                "chat_template_kwargs": dict(cfg.chat_template_kwargs)}
+    recorded = {"chat_template_kwargs": manifest["template_kwargs"]} if "template_kwargs" in manifest else {}
+    return {"chat_template": manifest["chat_template"], **recorded} if "chat_template" in manifest else recorded
 
 
 def live_manifest(cfg, target) -> dict:

@@ -199,6 +199,7 @@ class TrainRun:
     epoch: int = 0  # current epoch
     done: int = 0  # micro-batches of the current epoch consumed (all ranks)
     startup: dict = field(default_factory=dict)  # where the start-up's seconds went (trainer.report_startup)
+    chat: dict = field(default_factory=dict)  # the chat settings the data was rendered with (online.chat_settings)
 
     def lr_factor(self) -> float:
         """The schedule's multiplier on the peak lr for the next step."""
@@ -209,7 +210,7 @@ class TrainRun:
         """What a checkpoint records of the run besides the weights and the optimizer (train/checkpoint.py)."""
         return {"step": self.step, "epoch": self.epoch, "epoch_samples_done": self.done,
                 "samples_per_step": self.accelerator.num_processes * self.cfg.grad_accum,
-                "config": self.cfg.to_dict(), "drafter_config": self.dcfg.to_json_dict()}
+                "config": self.cfg.to_dict(), "drafter_config": self.dcfg.to_json_dict(), "chat": self.chat}
 
 
 def build_optimizer(cfg: TrainConfig, model, backend_name: str) -> torch.optim.Optimizer:
@@ -271,12 +272,15 @@ def setup(cfg: TrainConfig, start: Start, resources: ExitStack, vllm_api=None) -
                   total_steps)
 
     # --- optimizer, backend -------------------------------------------------------------------------------
+    from .online import chat_settings
+
     model, optimizer, pass_options = prepare_drafter(cfg, accelerator, model, dcfg, backend_name, selector)
     run = TrainRun(cfg=cfg, accelerator=accelerator, dataset=dataset, head=head, model=model, dcfg=dcfg,
                    optimizer=optimizer, train_idx=train_idx, eval_idx=eval_idx, packs=packs, planned=planned,
                    total_steps=total_steps, warmup=int(round(cfg.warmup_ratio * total_steps)),
                    pass_options=pass_options, use_last_hidden=use_last_hidden, online=online,
-                   startup={"load_s": load_s, **parts})
+                   startup={"load_s": load_s, **parts},
+                   chat=chat_settings(cfg, None if online else dataset.manifest))
 
     # --- resume -------------------------------------------------------------------------------------------
     if start.resume is not None:

@@ -21,7 +21,8 @@ from typing import Iterator
 
 import torch
 
-from .chat import BadSample, ChatConfig, encode_records, special_tokens
+from .chat import encode_records, special_tokens
+from .rendering import BadSample, ChatConfig
 from .sources import iter_records
 
 

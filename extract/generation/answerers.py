@@ -17,7 +17,7 @@ import torch
 
 from dflashkit import launch
 from dflashkit.errors import UserError
-from dflashkit.extract.data.chat import BadSample, ChatConfig, render
+from dflashkit.extract.data.rendering import BadSample, ChatConfig, prompt_ids
 from dflashkit.targets.chat_template import stop_token_ids
 
 Chunk = list[tuple[int, list[dict]]]  # conversations answered together: (record index, its turns)
@@ -30,7 +30,7 @@ class TargetGenerator:
     def __init__(self, target: str, *, template_kwargs: dict, max_new_tokens: int, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, max_prompt_length: int | None = None, batch_size: int = 16,
                  dtype: str | None = None, device: str | None = None, cuda_graph: bool = True,
-                 decode_attention: str = "triton"):
+                 decode_attention: str = "triton", chat_template: str | None = None):
         from dflashkit.targets.loading import load_target
         from dflashkit.targets.runtime.parts import attention_only
 
@@ -40,7 +40,7 @@ class TargetGenerator:
         torch_dtype = launch.default_dtype(device, dtype)
         self.target = load_target(target, dtype=torch_dtype, device=device)
         self.tok = self.target.tokenizer
-        self.cfg = ChatConfig(template_kwargs=template_kwargs)
+        self.cfg = ChatConfig(template_kwargs=template_kwargs, chat_template=chat_template)  # as training renders
         self.stop_ids = list(stop_token_ids(self.tok, self.target.model.generation_config, self.cfg.chat_template,
                                             self.cfg.template_kwargs))  # the ones eval ends answers on
         self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.stop_ids[0]
@@ -56,8 +56,7 @@ class TargetGenerator:
 
     def _prompt(self, history: list[dict]) -> list[int]:
         """Token ids that ask for the next assistant turn of `history` (BadSample if longer than allowed)."""
-        prompt = self.tok(render(self.tok, history, self.cfg, add_generation_prompt=True),
-                          add_special_tokens=False)["input_ids"]
+        prompt = prompt_ids(self.tok, history, self.cfg)
         if self.max_prompt_length is not None and len(prompt) > self.max_prompt_length:
             raise BadSample("too_long", f"a prompt of {len(prompt)} tokens > --max-prompt-length "
                                         f"{self.max_prompt_length}")

@@ -19,8 +19,8 @@ def stop_ids_of_each_command(target: str) -> dict[str, tuple[int, ...]]:
     regenerate = TargetGenerator(target, template_kwargs={}, max_new_tokens=4, device="cpu", dtype="float32",
                                  cuda_graph=False)
     target_dir, _ = resolve_target_dir(target)
-    return {"regenerate": tuple(regenerate.stop_ids), "eval": stop_ids(regenerate.target, {}),
-            "eval --engine vllm": tuple(target_stop_ids(Path(target_dir), regenerate.tok, {}))}
+    return {"regenerate": tuple(regenerate.stop_ids), "eval": stop_ids(regenerate.target),
+            "eval --engine vllm": tuple(target_stop_ids(Path(target_dir), regenerate.tok))}
 
 
 def test_testbed_answers_end_on_the_same_tokens():

@@ -30,7 +30,8 @@ MAY_IMPORT = {
     "extract.generation": ("helpers", "drafter", "targets", "extract.data"),  # answerers, slot generator
     "extract": ("helpers", "drafter", "targets", "extract.data", "extract.shards", "extract.generation"),  # run
     "train": ("helpers", "drafter", "targets", "extract.data", "extract.shards"),
-    "eval": ("helpers", "drafter", "targets", "extract.data.sources"),  # no train, no other extract module
+    # eval reads records and renders prompts as training does (the one renderer); no train, no other extract module
+    "eval": ("helpers", "drafter", "targets", "extract.data.sources", "extract.data.rendering"),
     "commands": ("*",),  # the `dflashkit` command's own subcommands (demo, __main__)
     "bench": ("*",),  # benchmark scripts
 }

@@ -15,7 +15,7 @@ import pytest
 
 from dflashkit.cli import main as cli
 from dflashkit.errors import UserError
-from dflashkit.extract.data.chat import read_chat_template
+from dflashkit.extract.data.rendering import read_chat_template
 from dflashkit.extract.data.sources import iter_records
 from dflashkit.train.config import load_config
 

@@ -12,6 +12,9 @@ from dflashkit.eval.vllm_engine import VllmApi  # noqa: F401 (the type returned)
 
 from .tiny_targets import VOCAB, tiny_target_config, tiny_tokenizer
 
+# the pair's chat template: the turns' words, a blank line between turns (the word tokenizer has no turn markers)
+JOINED_TURNS = "{{ messages | map(attribute='content') | join('\n\n') }}"
+
 
 def write_pair(root: Path, block_size: int, causal: bool = False, chats: int = 4) -> Path:
     """``root``/target (a 6-token random Llama, word tokenizer w0/w1), ``root``/drafter (random, for it) and
@@ -19,7 +22,9 @@ def write_pair(root: Path, block_size: int, causal: bool = False, chats: int = 4
     torch.manual_seed(0)
     config = tiny_target_config(initializer_range=1.0)
     tf.LlamaForCausalLM(config).save_pretrained(root / "target")
-    tiny_tokenizer(num_words=2).save_pretrained(root / "target")
+    tokenizer = tiny_tokenizer(num_words=2)
+    tokenizer.chat_template = JOINED_TURNS
+    tokenizer.save_pretrained(root / "target")
     save_drafter(build_drafter(DrafterConfig.for_target(config, num_hidden_layers=1, block_size=block_size,
                                                         mask_token_id=VOCAB - 1, initializer_range=0.02,
                                                         causal=causal)), root / "drafter")

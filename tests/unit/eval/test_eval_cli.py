@@ -125,12 +125,12 @@ def test_mismatched_drafter_is_refused(chat_pair, tmp_path, capsys):
 
 
 def test_chat_template_kwargs_render_as_extraction_does(chat_pair):
-    from dflashkit.extract.data.chat import ChatConfig, render
+    from dflashkit.extract.data.rendering import ChatConfig, render
 
     _, tokenizer = chat_pair
     qwen = tf.AutoTokenizer.from_pretrained(tokenizer.name_or_path)
     qwen.chat_template = QWEN3
-    off = load_prompts("builtin:mtbench", qwen, 1, template_kwargs={"enable_thinking": False})[0]
+    off = load_prompts("builtin:mtbench", qwen, 1, chat=ChatConfig(template_kwargs={"enable_thinking": False}))[0]
     on = load_prompts("builtin:mtbench", qwen, 1)[0]
     assert off.input_ids != on.input_ids  # the kwargs reach the template
     text = render(qwen, off.messages, ChatConfig(template_kwargs={"enable_thinking": False}), True)
@@ -166,3 +166,42 @@ def test_chain_and_tree_share_the_baseline_in_one_process(chat_pair, tmp_path):
     assert sorted(k[0] for k in shared) == ["ar", "ar", "ref", "ref"]  # two prompts, each run once
     assert reports[0]["overall"]["ar_step_ms"] == reports[1]["overall"]["ar_step_ms"]
     assert all(r["overall"]["lossless"]["mismatches"] == 0 for r in reports)
+
+
+def test_eval_renders_as_the_export_records_the_drafter_was_trained(chat_pair, tmp_path, capsys):
+    """The export records the chat template and kwargs training rendered with (config.json); eval renders with
+    them unless told otherwise, and its first line and report say which and from where."""
+    import hashlib
+    import shutil
+
+    from dflashkit.drafter import load_drafter
+    from dflashkit.eval.chat_settings import resolve_chat
+
+    root, tokenizer = chat_pair
+    persona = ("{% if persona is defined %}<|im_start|>system\n{{ persona }}<|im_end|>\n{% endif %}"
+               "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+               "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    kwargs = {"persona": "One line only."}
+    shutil.copytree(root / "target", tmp_path / "pair" / "target")
+    save_drafter(load_drafter(root / "drafter"), tmp_path / "pair" / "drafter",
+                 chat={"chat_template": persona, "chat_template_kwargs": kwargs})
+    recorded = json.loads((tmp_path / "pair" / "drafter" / "config.json").read_text())
+    assert (recorded["chat_template"], recorded["chat_template_kwargs"]) == (persona, kwargs)
+    chat = resolve_chat(tmp_path / "pair" / "drafter", None, None)
+    assert (chat.config.chat_template, chat.config.template_kwargs) == (persona, kwargs)
+
+    assert _run(tmp_path / "pair", tmp_path / "r", "--baseline-prompts", "0") == 0
+    out = capsys.readouterr()
+    sha = hashlib.sha256(persona.encode()).hexdigest()
+    assert f"chat template sha256 {sha[:12]} (from {tmp_path / 'pair' / 'drafter'}/config.json)" in out.out
+    assert "warning" not in out.err
+    args = json.loads((tmp_path / "r" / "report.json").read_text())["args"]
+    assert (args["chat_template_sha256"], args["chat_template_kwargs"]) == (sha, kwargs)
+    assert f"chat template `{sha[:12]}` (from {tmp_path / 'pair' / 'drafter'}/config.json)" in (
+        tmp_path / "r" / "report.md").read_text()
+    prompt = load_prompts("builtin:mtbench", tokenizer, 1, chat=chat.config)[0]
+    assert tokenizer.decode(prompt.input_ids).startswith("<|im_start|>system\nOne line only.<|im_end|>")
+
+    assert _run(tmp_path / "pair", tmp_path / "s", "--chat-template-kwargs", "{}", "--baseline-prompts", "0") == 0
+    out = capsys.readouterr()
+    assert "kwargs {} (from --chat-template-kwargs)" in out.out and "trained with chat template kwargs" in out.err

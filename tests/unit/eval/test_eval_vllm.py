@@ -19,7 +19,6 @@ from dflashkit.eval.vllm_engine import VllmEvalConfig, run_vllm_eval
 from dflashkit.targets.vllm_runtime import MISSING_VLLM
 
 from support.paths import ROOT
-from support.tiny_targets import tiny_tokenizer
 from support.vllm_pairs import standin_api, write_pair
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -63,7 +62,7 @@ def test_report_has_vllm_acceptance_levels_and_plots(served, pair):
     decoder = SpeculativeDecoder(target, load_drafter(pair / "drafter"),
                                  DecodeConfig(max_new_tokens=NEW, cuda_graphs=False))
     accepted = [decoder.generate(p.input_ids).accepted_drafts
-                for p in load_prompts(str(pair / "chats.jsonl"), tiny_tokenizer(num_words=2), 4)]
+                for p in load_prompts(str(pair / "chats.jsonl"), tf.AutoTokenizer.from_pretrained(pair / "target"), 4)]
     rounds = sum(map(len, accepted))
     acc = report["acceptance"]
     assert acc["drafts"] == rounds and acc["tau"] == pytest.approx(1 + sum(map(sum, accepted)) / rounds)

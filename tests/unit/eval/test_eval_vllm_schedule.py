@@ -8,6 +8,7 @@ import os
 import pytest
 
 from dflashkit.errors import UserError
+from dflashkit.eval.chat_settings import resolve_chat
 from dflashkit.eval.serving_plan import (
     baseline_specs,
     best_k,
@@ -225,7 +226,8 @@ def test_engines_get_graphs_for_their_largest_step(planned, tmp_path):
 
     _, _, root, _ = planned
     run = prepare_run(str(root / "target"), str(root / "drafter"), [str(root / "chats.jsonl")],
-                      VllmEvalConfig(concurrency=[1, 256], num_speculative_tokens=[1, 3]), 2, None, {},
+                      VllmEvalConfig(concurrency=[1, 256], num_speculative_tokens=[1, 3]), 2, None,
+                      resolve_chat(root / "drafter", None, None),
                       standin_api(), print, str(tmp_path))
     k3 = {"method": "dflash", "model": run.drafter, "num_speculative_tokens": 3}
     assert capture_size(run, None) is None and capture_size(run, {**k3, "num_speculative_tokens": 1}) is None  # 512
@@ -262,7 +264,7 @@ def test_the_twin_pays_for_steps_above_the_graph_ceiling(planned, tmp_path):
                                 use_stop_tokens=False, cudagraph_capture=capture)
         config.check()
         run = prepare_run(str(root / "target"), str(root / "drafter"), [str(root / "chats.jsonl")], config, 4,
-                          None, {}, standin_api(), print, str(tmp_path))
+                          None, resolve_chat(root / "drafter", None, None), standin_api(), print, str(tmp_path))
         llm = start_served(run, "drafter", {"method": "dflash", "model": run.drafter, "num_speculative_tokens": 3},
                            "on")
         assert llm.graph_ceiling == capture

@@ -11,10 +11,6 @@ import copy
 import pytest
 
 from dflashkit.extract.data.chat import (
-    BadSample,
-    ChatConfig,
-    NoChatTemplate,
-    TemplateError,
     _decode,
     _decode_many,
     chat_template_hash,
@@ -24,6 +20,7 @@ from dflashkit.extract.data.chat import (
     end_of_turn_token,
     tokenizer_hash,
 )
+from dflashkit.extract.data.rendering import BadSample, ChatConfig, NoChatTemplate, TemplateError
 
 from support.chat_data import smollm2_tokenizer
 from support.chat_templates import GEMMA, LLAMA3, PLAIN, QWEN3, family_tokenizer, supervised_runs

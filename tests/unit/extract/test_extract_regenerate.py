@@ -203,3 +203,28 @@ def test_max_turns_answers_only_the_first_user_turns(server, tmp_path):
     assert row["messages"] == [{"role": "user", "content": "alpha beta"},
                                {"role": "assistant", "content": "answer to alpha beta"}]
     assert len(_FakeServer.bodies) == 1
+
+
+def test_a_chat_template_renders_regenerated_prompts_as_training_and_eval_do(tiny, tmp_path, capsys):
+    """--chat-template reaches regeneration's prompts as it reaches extraction's, training's and eval's: the one
+    renderer's prompt ids (extract/data/rendering.py); a server renders with its own template, so the flag is
+    refused there."""
+    from dflashkit.extract.data.rendering import ChatConfig, prompt_ids
+    from dflashkit.extract.generation.answerers import TargetGenerator
+
+    persona = ("{% if persona is defined %}<|im_start|>system\n{{ persona }}<|im_end|>\n{% endif %}"
+               "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+               "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    kwargs = {"persona": "One line only."}
+    history = [{"role": "user", "content": "Name a colour."}]
+    gen = TargetGenerator(tiny, template_kwargs=kwargs, chat_template=persona, max_new_tokens=2, device="cpu",
+                          dtype="float32", cuda_graph=False)
+    chat = ChatConfig(chat_template=persona, template_kwargs=kwargs)
+    assert gen._prompt(history) == prompt_ids(gen.tok, history, chat) != prompt_ids(gen.tok, history, ChatConfig())
+    assert gen.tok.decode(gen._prompt(history)).startswith("<|im_start|>system\nOne line only.")
+    (tmp_path / "persona.jinja").write_text(persona)
+    data = write_jsonl(tmp_path / "in.jsonl", REGENERATE_RECORDS[:1])
+    assert main(["--server", "http://127.0.0.1:9/v1", "--model", "m", "--chat-template",
+                 str(tmp_path / "persona.jinja"), "--data", data, "--out", str(tmp_path / "o.jsonl"),
+                 "--no-progress"]) == 2
+    assert "a server renders with its own template" in capsys.readouterr().err

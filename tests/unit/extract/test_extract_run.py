@@ -10,7 +10,8 @@ import torch
 
 from dflashkit.cli import run_main
 from dflashkit.extract.__main__ import main as extract_main
-from dflashkit.extract.data.chat import ChatConfig, encode_record
+from dflashkit.extract.data.chat import encode_record
+from dflashkit.extract.data.rendering import ChatConfig
 from dflashkit.extract.run import extract
 from dflashkit.extract.shards.format import FP8_ABS_ERR, FP8_REL_ERR
 from dflashkit.extract.shards.manifest import read_manifest

@@ -334,3 +334,28 @@ def test_tokenize_workers_is_auto_by_default_and_takes_a_count(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # what accelerate and torchrun set for the processes of a machine
     assert tokenize_workers("auto", cores=64) == 4
     assert tokenize_workers("auto", cores=16) == 0
+
+
+def test_the_export_records_the_chat_settings_the_data_was_rendered_with(chat_run, tmp_path):
+    """The export's config.json records the chat template (its text; null: the target tokenizer's own) and the
+    kwargs the training data was rendered with, where eval reads them: an online run's own settings, a shard
+    run's from the extraction manifest (an older manifest without the template: the kwargs alone)."""
+    from dflashkit.train.online import chat_settings
+
+    target_dir, data, shards = chat_run
+    persona = ("{% if persona is defined %}<|im_start|>system\n{{ persona }}<|im_end|>\n{% endif %}"
+               "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+               "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    (tmp_path / "persona.jinja").write_text(persona)
+    kwargs = {"persona": "One line only."}
+    short = dict(max_steps=1, save_every=0, eval_every=0)
+    online = train(load_config(None, [], **overrides(tmp_path / "online", target=target_dir, data=[data],
+                                                     chat_template=str(tmp_path / "persona.jinja"),
+                                                     chat_template_kwargs=kwargs, **short)))
+    offline = train(load_config(None, [], **overrides(tmp_path / "offline", shards=str(shards), **short)))
+    recorded = [json.loads((Path(run["export_dir"]) / "config.json").read_text()) for run in (online, offline)]
+    assert [(r["chat_template"], r["chat_template_kwargs"]) for r in recorded] == [(persona, kwargs), (None, {})]
+    manifest = ShardDataset(shards).manifest
+    assert manifest["chat_template"] is None
+    del manifest["chat_template"]
+    assert chat_settings(None, manifest) == {"chat_template_kwargs": {}}
