@@ -36,7 +36,7 @@ from .sources import ROLE_ALIASES, conversation_fields
 
 # every reason a sample can be skipped for; the manifest counts skips under these names
 SKIP_REASONS = ("malformed_json", "not_utf8", "unknown_format", "unknown_role", "empty_content",
-                "no_assistant_turn", "no_user_turn", "too_long", "template_error")
+                "no_assistant_turn", "no_user_turn", "too_long", "template_error", "too_large")
 PROBE_CONVERSATION = [{"role": "user", "content": "What is 2+2?"},
                       {"role": "assistant", "content": "2+2 is 4."},
                       {"role": "user", "content": "And 3+3?\n"},
