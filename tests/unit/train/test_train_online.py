@@ -221,7 +221,7 @@ def test_cli_flags_reach_the_config(chat_run, tmp_path):
     from dflashkit.train.__main__ import main
 
     target_dir, data, _ = chat_run
-    copy = shutil.copy(data, tmp_path / "copy.jsonl")  # a second input (the same one twice is refused)
+    copy = str(shutil.copy(data, tmp_path / "copy.jsonl"))  # a second input (the same one twice is refused)
     argv = ["--target", target_dir, "--data", data, "--data", copy, "--output-dir", str(tmp_path / "run")]
     argv += [f"{k}={json.dumps(v) if isinstance(v, (dict, list, bool)) else v}"
              for k, v in overrides(tmp_path / "run", max_steps=1, save_every=0, eval_every=0).items()]
