@@ -23,8 +23,9 @@ from dflashkit.errors import UserError
 def data_fingerprint(cfg, manifest: dict | None) -> dict:
     """The run's data: its online inputs (``cfg.data``) or the shards of ``manifest`` (a ShardDataset's)."""
     if cfg.data:
-        from dflashkit.extract.data.sources import describe_sources
+        from dflashkit.extract.data.sources import check_sources, describe_sources
 
+        check_sources(list(cfg.data))  # an input given twice, or one that can be read only once: its own message
         return {"kind": "online", "inputs": describe_sources(list(cfg.data)), "data_limit": int(cfg.data_limit)}
     digests = "\n".join(sorted(str(s.get("sha256")) for s in manifest["shards"]))
     return {"kind": "shards", "samples": sum(int(s["samples"]) for s in manifest["shards"]),

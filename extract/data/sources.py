@@ -40,7 +40,8 @@ from typing import Iterator
 from dflashkit.errors import UserError
 
 BUILTINS = ("builtin:sharegpt", "builtin:mtbench", "builtin:humaneval")
-MAX_RECORD_BYTES = 8 << 20  # a larger record is skipped (too_large): ~2M tokens, beyond any training sequence
+MAX_RECORD_BYTES = 4 << 20  # a larger record is skipped (too_large): ~1M tokens, far beyond any training sequence
+# (rendering and tokenizing a record costs ~100 times its size: under half a GiB at the cap)
 FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".jsonl.gz")
 RECORD_KEYS = {"messages", "conversations", "prompt", "text"}
 # ShareGPT / OpenAI role names -> chat template roles; extraction, regeneration and eval all read turns with these
