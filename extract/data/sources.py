@@ -299,18 +299,21 @@ def _source_path(spec: str) -> Path:
         if spec not in BUILTINS:
             raise UserError(f"unknown built-in data {spec!r}; choose one of {', '.join(BUILTINS)}")
         return builtin_path(spec)
-    read_once = ("data '-' is standard input" if spec == "-" else None)
+    if spec == "-":
+        raise _read_once("data '-' is standard input")
     path = Path(spec).expanduser()
-    if read_once is None and not path.exists():
+    if not path.exists():
         raise UserError(f"data {spec!r} not found: give a .jsonl/.json/.parquet file, a directory of "
                         f"them, a saved datasets directory, or one of {', '.join(BUILTINS)}")
-    if read_once is None and not (path.is_file() or path.is_dir()):
+    if not (path.is_file() or path.is_dir()):
         kind = "a FIFO (named pipe)" if stat.S_ISFIFO(path.stat().st_mode) else "not a regular file"
-        read_once = f"data {spec!r} is {kind}"
-    if read_once:
-        raise UserError(f"{read_once}, which can be read only once, and dflashkit reads its data several times "
-                        "(to check, count, hash and resume): save it to a file and give that file's path")
+        raise _read_once(f"data {spec!r} is {kind}")
     return path
+
+
+def _read_once(what: str) -> UserError:
+    return UserError(f"{what}, which can be read only once, and dflashkit reads its data several times (to check, "
+                     "count, hash and resume): save it to a file and give that file's path")
 
 
 def _source_files(spec: str, path: Path) -> list[Path]:
