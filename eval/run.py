@@ -285,7 +285,8 @@ def run_references(run: EvalRun) -> None:
 
 def decode_prompts(run: EvalRun, decoder: SpeculativeDecoder, time_limit_s: float | None) -> None:
     """Every prompt in order (eval_prompt); a stop request (Ctrl-C, SIGTERM, the time limit) ends the loop after the
-    prompt it came during, and is kept in ``run.stop_reason``."""
+    prompt it came during, and is kept in ``run.stop_reason`` when prompts are left (only then is the report
+    partial)."""
     run.results = {spec: DatasetRuns() for spec in run.prompts}
     with StopRequest(time_limit_s) as stop, progress_bar(total=run.planned, desc=f"eval {run.config.mode}",
                                                          unit="prompt") as bar:
@@ -294,7 +295,8 @@ def decode_prompts(run: EvalRun, decoder: SpeculativeDecoder, time_limit_s: floa
             run.laps.lap("other")
             eval_prompt(run, decoder, spec, k, prompt)
             bar.update()
-            run.stop_reason = stop.reason()
+            if done + 1 < run.planned:  # a stop after the last prompt leaves nothing out: the report is whole
+                run.stop_reason = stop.reason()
             if run.stop_reason:
                 return
 

@@ -240,7 +240,19 @@ def _regenerate(data: list[str], out, *, overwrite: bool = False, target: str | 
     # --- summary; the ranks' parts merged into --out -----------------------------------------------------
     _report(answering.counts, path, rank, world)
     _merge(out, rank, world, resumed=bool(done))
+    _check_not_all_skipped(answering.counts, out, world)
     return answering.counts
+
+
+def _check_not_all_skipped(counts: dict, out: Path, world: int) -> None:
+    """A run whose output holds no conversation because every one was skipped fails (exit 2 naming the reasons
+    and counts, this rank's with several) instead of passing for a success."""
+    rows = counts["written"] + counts["already_done"] if world == 1 else int(out.is_file() and out.stat().st_size > 0)
+    if rows:
+        return
+    skipped = ", ".join(f"{k} {v}" for k, v in sorted(counts["skipped"].items())) or "none"
+    raise UserError(f"regenerate: every conversation was skipped ({skipped}{' on this rank' if world > 1 else ''}): "
+                    f"{out} holds none; fix the records (--on-bad fail stops at the first bad one, naming it)")
 
 
 def _check_generation_flags(target: str | None, server: str | None, temperature: float, top_p: float,

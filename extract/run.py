@@ -44,7 +44,7 @@ from dflashkit.extract.shards.writer import ShardWriter, merge_manifests, prepar
 
 # manifest fields a resumed run must agree on (dotted paths)
 RESUME_FIELDS = ("target.config_hash", "target.weights_hash", "tokenizer_hash", "chat_template_hash",
-                 "template_kwargs", "target_layer_ids", "codec", "store_last_hidden", "data", "args.max_length",
+                 "template_kwargs", "target_layer_ids", "codec", "store_last_hidden", "args.max_length",
                  "args.overlong", "args.limit", "args.split", "args.bucket_window", "world_size", "engine.name")
 ENGINES = ("hf", "vllm")  # who runs the target: Hugging Face in this process, or vLLM (targets/vllm_capture.py)
 
@@ -75,6 +75,14 @@ def _get(d: dict, dotted: str):
 
 
 def _check_resume(old: dict, new: dict, out: Path) -> None:
+    """The earlier run's settings and data (by content: a path spelled another way is the same data) must be
+    this run's."""
+    from dflashkit.extract.data.sources import data_difference
+
+    differs = data_difference(old.get("data") or [], new["data"])
+    if differs:
+        raise UserError(f"--resume: {out} was extracted from other data: {differs}; resume with the original data "
+                        "or write to a new --out")
     for field in RESUME_FIELDS:
         if _get(old, field) != _get(new, field):
             raise UserError(f"--resume: {out} was extracted with {field}={_get(old, field)!r}, this run has "
@@ -420,4 +428,15 @@ def _complete(manifest: dict, writer: ShardWriter, tally: _Tally, out: Path, ran
         manifest = json.loads((out / MANIFEST).read_text())
     if rank == 0:
         print(_summary(manifest, out, time.time() - tally.started, tally.tokens * world), file=sys.stderr)
+    check_not_all_skipped(manifest, out)
     return manifest
+
+
+def check_not_all_skipped(manifest: dict, out: Path) -> None:
+    """An extraction that holds no sample because every record was skipped is a failure the user must see (exit
+    2 naming the reasons), not a success with nothing in it."""
+    if manifest["totals"]["samples"]:
+        return
+    skipped = ", ".join(f"{k} {v}" for k, v in sorted(manifest["skipped"].items()) if v) or "none"
+    raise UserError(f"extract: every record was skipped ({skipped}): {out} holds no sample; fix the records "
+                    "(--on-bad fail stops at the first bad one, naming its line) and run again with --overwrite")

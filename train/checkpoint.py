@@ -4,7 +4,7 @@ A checkpoint ``<output_dir>/checkpoints/step-00001200/`` holds:
 - ``model.safetensors``: the drafter's fp32 master weights, full (unsharded) tensors under their module names;
 - ``optimizer.safetensors``: AdamW state per parameter (``state.<name>.exp_avg``, ``.exp_avg_sq``, ``.step``);
 - ``trainer.json``: step, epoch, samples of the epoch consumed, the TrainConfig, the DrafterConfig, the
-  optimizer's hyper-parameters, world size;
+  optimizer's hyper-parameters, world size, the data's fingerprint (train/data_fingerprint.py);
 - ``rng-rank<r>.safetensors`` + ``rng-rank<r>.json``: every rank's torch / CUDA / Python / NumPy RNG state;
 - ``checkpoint.json`` (written last): byte size and sha256 of every file above.
 

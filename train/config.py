@@ -136,6 +136,8 @@ class TrainConfig:
     save_every: int = 1000  # optimizer steps between checkpoints (0: only at the end)
     keep_last: int = 3  # checkpoints kept (older ones are deleted)
     resume: str = "auto"  # "auto" (latest complete checkpoint in output_dir), "none", or a checkpoint dir
+    resume_other_data: bool = False  # resume a checkpoint on data other than the data it was trained on (said at
+    # start); without it such a resume is refused, naming what differs (train/data_fingerprint.py)
     export_dir: str = ""  # where the final drafter is exported; empty -> output_dir/export
     overwrite: bool = False  # write into an output_dir that holds files not of a training run, and replace an
     # export_dir that is not a drafter export (a file at either path is never replaced; dflashkit/outputs.py)
@@ -216,6 +218,10 @@ class TrainConfig:
                             f"got {self.micro_batch_tokens}")
         if not 0.0 <= self.warmup_ratio < 1.0:
             raise UserError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
+        if self.block_size > self.max_length:  # no block fits a sequence: every step would be padding
+            raise UserError(f"block_size={self.block_size} is larger than max_length={self.max_length}: a block "
+                            f"must fit in a training sequence; lower block_size or raise max_length to at least "
+                            f"{self.block_size}")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -16,6 +16,7 @@ Design choices:
   checkpoint (an older one would leave later checkpoints that ``resume=auto`` picks over the new ones).
 - A checkpoint is checked when it is picked, before the target loads: complete (checkpoint.json's sizes and
   sha256), and trainer.json's fields of the expected types (train/checkpoint.check_trainer_state).
+- A resume reads the data its checkpoint was trained on (train/data_fingerprint.py), checked here too.
 - An ``init_from`` drafter keeps its own architecture: a setting of the run that differs from its default and
   from the drafter (block_size, num_hidden_layers, taps, layer types, window, ``drafter:`` fields, mask token,
   architecture) is refused naming each, never silently ignored. The drafter is loaded here too
@@ -163,6 +164,7 @@ class Start:
 
     resume: ResumePoint | None  # the checkpoint the run continues; None: a new run
     init_model: object | None  # the init_from drafter (dflashkit.drafter.load_drafter checked it); None: a new one
+    data: dict | None = None  # a resumed run's data fingerprint, checked against the checkpoint's (setup: a new run's)
 
 
 def start_of_run(cfg: TrainConfig) -> Start:
@@ -173,7 +175,22 @@ def start_of_run(cfg: TrainConfig) -> Start:
         from dflashkit.drafter import load_drafter
 
         init_model = load_drafter(cfg.init_from)
-    return Start(resume=resume_point(cfg), init_model=init_model)
+    resume = resume_point(cfg)
+    return Start(resume=resume, init_model=init_model, data=resumed_data(cfg, resume))
+
+
+def resumed_data(cfg: TrainConfig, resume: ResumePoint | None) -> dict | None:
+    """The data fingerprint of a resumed run, refused (before the target loads) when it is not the checkpoint's
+    unless resume_other_data=true (train/data_fingerprint.py); None for a new run."""
+    from dflashkit.extract.shards.manifest import read_manifest
+
+    from .data_fingerprint import check_same_data, data_fingerprint
+
+    if resume is None or not (cfg.data or cfg.shards):  # no data at all: setup says so
+        return None
+    data = data_fingerprint(cfg, None if cfg.data else read_manifest(cfg.shards))
+    check_same_data(resume.state.get("data"), data, resume.path / "trainer.json", cfg.resume_other_data, say)
+    return data
 
 
 def resume_point(cfg: TrainConfig) -> ResumePoint | None:

@@ -17,7 +17,8 @@ Design choices:
   runs here, before the first step; what can be checked before the target and the data load (the run
   directory, the checkpoint to resume, the init_from drafter) is checked before setup (train/run_dir.py).
 - A resumed checkpoint must fit the run: its drafter's shape-defining fields, optimizer groups and position
-  within this run's epochs; else one line names the field.
+  within this run's epochs, and its data (train/data_fingerprint.py, checked in train/run_dir.py before the target
+  loads); else one line names the field.
 - ``max_steps`` shorter than the epochs is announced at start (and recorded in summary.json).
 - A DFlash2 drafter trained with ``selector_loss_weight=0`` keeps its selector as initialised: those
   parameters are frozen before the backend wraps the drafter, so no pass computes the selector's scores and
@@ -41,6 +42,7 @@ from dflashkit.errors import UserError
 from .checkpoint import load_checkpoint
 from .config import TrainConfig
 from .data import epoch_order, pack_order, split_indices, steps_per_epoch
+from .data_fingerprint import data_fingerprint
 from .drafter_pass import compile_layers, mask_backend
 from .run_dir import ResumePoint, Start
 
@@ -191,6 +193,7 @@ class TrainRun:
     pass_options: dict  # the drafter pass's fixed arguments (train/drafter_pass.forward_blocks)
     use_last_hidden: bool  # the samples carry the target's final hidden states (kl loss, target_argmax labels)
     online: bool  # features come from the target in the loop
+    data: dict = field(default_factory=dict)  # the data's fingerprint, kept in checkpoints (train/data_fingerprint.py)
     resumed_from: Path | None = None  # the checkpoint the run resumed from
     last_saved: Path | None = None  # the run's newest checkpoint on disk (resumed from or written): finite
     saved_step: int = -1  # the step of last_saved
@@ -210,7 +213,8 @@ class TrainRun:
         """What a checkpoint records of the run besides the weights and the optimizer (train/checkpoint.py)."""
         return {"step": self.step, "epoch": self.epoch, "epoch_samples_done": self.done,
                 "samples_per_step": self.accelerator.num_processes * self.cfg.grad_accum,
-                "config": self.cfg.to_dict(), "drafter_config": self.dcfg.to_json_dict(), "chat": self.chat}
+                "config": self.cfg.to_dict(), "drafter_config": self.dcfg.to_json_dict(), "chat": self.chat,
+                "data": self.data}
 
 
 def build_optimizer(cfg: TrainConfig, model, backend_name: str) -> torch.optim.Optimizer:
@@ -279,6 +283,7 @@ def setup(cfg: TrainConfig, start: Start, resources: ExitStack, vllm_api=None) -
                    optimizer=optimizer, train_idx=train_idx, eval_idx=eval_idx, packs=packs, planned=planned,
                    total_steps=total_steps, warmup=int(round(cfg.warmup_ratio * total_steps)),
                    pass_options=pass_options, use_last_hidden=use_last_hidden, online=online,
+                   data=start.data or data_fingerprint(cfg, getattr(dataset, "manifest", None)),
                    startup={"load_s": load_s, **parts},
                    chat=chat_settings(cfg, None if online else dataset.manifest))
 

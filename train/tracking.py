@@ -9,6 +9,11 @@ Design choices:
   seconds) and ``elapsed_s`` (seconds since this process's run began, its setup included, and for `dflashkit
   train` the process's imports; a resumed run starts again from 0), so the wall time to a quality can be read
   off (bench/time_to_quality.py).
+- The rows never run ahead of the run's durable state for long: a run that resumes from the checkpoint of step S
+  (or starts again at 0, no checkpoint having been written) first drops the rows of steps after S, which the
+  earlier process logged but never saved (it was killed, or its save failed), so the file holds each step once,
+  and only steps that led to the resumed state. Rows are still written as steps run (a live run's curves stay
+  live); between two checkpoints they are of steps a crash would take back, and the next resume takes them out.
 - wandb and tensorboard are imported lazily; wandb runs in offline mode when no ``WANDB_API_KEY`` is set (the
   run can be synced later with ``wandb sync``). A missing wandb package is a warning, not an error (a run of
   days should not die for a dashboard; metrics.jsonl has everything); a missing tensorboard is an error.
@@ -38,7 +43,8 @@ class Tracker:
             return
         self.dir = Path(output_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
-        whole_lines(self.dir / "metrics.jsonl")  # a row cut by a crash is cut off before this run appends
+        kept = whole_lines(self.dir / "metrics.jsonl")  # a row cut by a crash is cut off before this run appends
+        drop_rows_after(self.dir / "metrics.jsonl", kept, resume_step)
         self.file = open_appending(self.dir / "metrics.jsonl")
         name = run_name or self.dir.resolve().name
         if wandb:
@@ -95,6 +101,15 @@ class Tracker:
             self.wandb_run.finish()
         if self.tb is not None:
             self.tb.close()
+
+
+def drop_rows_after(path: Path, text: bytes, step: int) -> None:
+    """Rewrite the log ``path`` (its whole lines ``text``) without the rows of steps after ``step``, if it has any:
+    they were logged by a process whose state at those steps was never saved (the module docstring)."""
+    lines = text.splitlines(keepends=True)
+    kept = [line for line in lines if not line.strip() or json.loads(line)["step"] <= step]
+    if len(kept) < len(lines):
+        atomic_write(path, b"".join(kept))
 
 
 def read_metrics(output_dir: str | os.PathLike) -> list[dict]:

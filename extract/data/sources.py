@@ -14,6 +14,14 @@ Design choices:
   not a sample), ``builtin:mtbench`` (the 80 MT-bench questions, user turns only: regenerate answers them),
   ``builtin:humaneval`` (164 problems as a user request and the canonical completion).
 - ``datasets`` and ``pyarrow`` are imported only when a parquet file or a saved dataset is read.
+- A record larger than ``MAX_RECORD_BYTES`` is skipped as ``too_large``: a JSON line is read with that cap and
+  the rest of an overlong line is passed over in chunks (never parsed, so one 50 MB line costs no gigabytes of
+  rendering and tokens); a record of another format is measured by its text once parsed. No sample that long
+  fits a training sequence.
+- The inputs are checked before any is opened (``check_sources``): every command reads its data several times
+  (a first look before the target loads, a count, the records, a hash), so a FIFO, standard input or a device,
+  which can be read once, is refused at once, and so is an input given twice (the same file under two spellings,
+  a link to it, or a file inside a directory also given), whose records would count twice.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ import gzip
 import hashlib
 import json
 import os
+import stat
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +40,8 @@ from typing import Iterator
 from dflashkit.errors import UserError
 
 BUILTINS = ("builtin:sharegpt", "builtin:mtbench", "builtin:humaneval")
+MAX_RECORD_BYTES = 4 << 20  # a larger record is skipped (too_large): ~1M tokens, far beyond any training sequence
+# (rendering and tokenizing a record costs ~100 times its size: under half a GiB at the cap)
 FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".jsonl.gz")
 RECORD_KEYS = {"messages", "conversations", "prompt", "text"}
 # ShareGPT / OpenAI role names -> chat template roles; extraction, regeneration and eval all read turns with these
@@ -49,12 +60,36 @@ class SourceItem:
 # ---------------------------------------------------------------- local files
 
 
+def _capped_lines(f, cap: int) -> Iterator[tuple[bytes | None, int]]:
+    """(line, its size) for each line of the binary file ``f``; a line longer than ``cap`` bytes is read past in
+    chunks and given as (None, its size), so it is never held whole."""
+    while raw := f.readline(cap + 1):
+        if len(raw) <= cap or raw.endswith(b"\n"):
+            yield raw, len(raw)
+            continue
+        size = len(raw)
+        while (chunk := f.readline(1 << 20)) and not chunk.endswith(b"\n"):
+            size += len(chunk)
+        yield None, size + len(chunk)
+
+
+def _too_large(size: int) -> tuple[str, str]:
+    def bytes_in_words(n: int) -> str:
+        return f"{n / 2**20:.1f} MiB" if n >= 1 << 20 else f"{n} bytes"
+
+    return ("too_large", f"the record is {bytes_in_words(size)}, over the {bytes_in_words(MAX_RECORD_BYTES)} a "
+                         "record may hold; split the conversation")
+
+
 def _iter_jsonl(path: Path, opener=open) -> Iterator[tuple[str, dict | None, tuple[str, str] | None]]:
     line_no = 0
     try:
         with opener(path, "rb") as f:
-            for line_no, raw in enumerate(f, 1):
+            for line_no, (raw, size) in enumerate(_capped_lines(f, MAX_RECORD_BYTES), 1):
                 where = f"{path}:{line_no}"
+                if raw is None:
+                    yield where, None, _too_large(size)
+                    continue
                 if line_no == 1 and raw.startswith(codecs.BOM_UTF8):  # not part of the first record
                     raw = raw[len(codecs.BOM_UTF8):]
                 if not raw.strip():
@@ -257,24 +292,79 @@ def prompt_turns(messages: list[dict]) -> list[dict]:
 # ---------------------------------------------------------------- public
 
 
+def _source_path(spec: str) -> Path:
+    """The file or directory a spec names (a built-in's file in its package), checked to be one that can be read
+    more than once."""
+    if spec.startswith("builtin:"):
+        if spec not in BUILTINS:
+            raise UserError(f"unknown built-in data {spec!r}; choose one of {', '.join(BUILTINS)}")
+        return builtin_path(spec)
+    if spec == "-":
+        raise _read_once("data '-' is standard input")
+    path = Path(spec).expanduser()
+    if not path.exists():
+        raise UserError(f"data {spec!r} not found: give a .jsonl/.json/.parquet file, a directory of "
+                        f"them, a saved datasets directory, or one of {', '.join(BUILTINS)}")
+    if not (path.is_file() or path.is_dir()):
+        kind = "a FIFO (named pipe)" if stat.S_ISFIFO(path.stat().st_mode) else "not a regular file"
+        raise _read_once(f"data {spec!r} is {kind}")
+    return path
+
+
+def _read_once(what: str) -> UserError:
+    return UserError(f"{what}, which can be read only once, and dflashkit reads its data several times (to check, "
+                     "count, hash and resume): save it to a file and give that file's path")
+
+
+def _source_files(spec: str, path: Path) -> list[Path]:
+    """The files whose records a spec yields (a saved datasets directory counts as one)."""
+    if path.is_dir() and not _is_saved_dataset(path):
+        return sorted(p for p in path.rglob("*") if p.is_file() and p.name.lower().endswith(FILE_SUFFIXES))
+    return [path]
+
+
+def check_sources(specs: list[str]) -> None:
+    """UserError, before any input is opened, for one that can be read only once (``_source_path``) and for one
+    given twice: the same file (or a file inside a directory also given) under any spelling or link."""
+    seen: dict[tuple[int, int], str] = {}
+    for spec in specs:
+        for f in _source_files(spec, _source_path(spec)):
+            st = f.stat()
+            first = seen.setdefault((st.st_dev, st.st_ino), spec)
+            if first != spec or specs.count(spec) > 1:
+                same = "" if first == spec else f" as {first!r}"
+                raise UserError(f"data {spec!r}: {f.resolve()} is given again{same}; its records would be read "
+                                "twice: give each input once")
+
+
 def iter_records(specs: list[str] | str, split: str | None = None) -> Iterator[SourceItem]:
-    """Every record of the given sources, in order, each with its stable index."""
+    """Every record of the given sources, in order, each with its stable index; a record over
+    ``MAX_RECORD_BYTES`` comes as a bad one (too_large)."""
     specs = [specs] if isinstance(specs, str) else list(specs)
+    check_sources(specs)
     index = 0
     for spec in specs:
-        if spec.startswith("builtin:"):
-            if spec not in BUILTINS:
-                raise UserError(f"unknown built-in data {spec!r}; choose one of {', '.join(BUILTINS)}")
-            stream = _iter_builtin(spec)
-        else:
-            path = Path(spec).expanduser()
-            if not path.exists():
-                raise UserError(f"data {spec!r} not found: give a .jsonl/.json/.parquet file, a directory of "
-                                f"them, a saved datasets directory, or one of {', '.join(BUILTINS)}")
-            stream = _iter_path(path, split)
+        stream = _iter_builtin(spec) if spec.startswith("builtin:") else _iter_path(_source_path(spec), split)
         for where, rec, bad in stream:
+            size = _text_size(rec) if rec is not None else 0
+            if size > MAX_RECORD_BYTES:  # parsed from a format read whole (JSON array, Parquet, a saved dataset)
+                rec, bad = None, _too_large(size)
             yield SourceItem(index, where, rec, bad)
             index += 1
+
+
+def _text_size(value) -> int:
+    """The characters of text a parsed record holds (its strings, keys included), stopping past the cap."""
+    total, stack = 0, [value]
+    while stack and total <= MAX_RECORD_BYTES:
+        v = stack.pop()
+        if isinstance(v, str):
+            total += len(v)
+        elif isinstance(v, dict):
+            stack += list(v.keys()) + list(v.values())
+        elif isinstance(v, (list, tuple)):
+            stack += v
+    return total
 
 
 def check_has_records(specs: list[str] | str, split: str | None = None) -> None:
@@ -286,18 +376,44 @@ def check_has_records(specs: list[str] | str, split: str | None = None) -> None:
                         "with one chat record per line, array element or row")
 
 
+def _file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
 def describe_sources(specs: list[str] | str) -> list[dict]:
-    """What the manifest records about the data: spec, and size + sha256 of each local file (None for dirs)."""
+    """What a manifest or a checkpoint records about the data: per spec, its bytes and sha256 (a directory's:
+    over its files' relative paths and sha256, so a file added, removed or changed in it shows)."""
     specs = [specs] if isinstance(specs, str) else list(specs)
     out = []
     for spec in specs:
-        path = builtin_path(spec) if spec.startswith("builtin:") and spec in BUILTINS else Path(spec).expanduser()
-        entry = {"spec": spec, "bytes": None, "sha256": None}
+        path = _source_path(spec)
         if path.is_file():
-            h = hashlib.sha256()
-            with open(path, "rb") as f:
-                for chunk in iter(lambda: f.read(1 << 22), b""):
-                    h.update(chunk)
-            entry.update(bytes=os.path.getsize(path), sha256=h.hexdigest())
-        out.append(entry)
+            out.append({"spec": spec, "bytes": os.path.getsize(path), "sha256": _file_sha256(path)})
+            continue
+        files = sorted(p for p in path.rglob("*") if p.is_file())
+        h = hashlib.sha256()
+        for f in files:
+            h.update(f"{f.relative_to(path).as_posix()}\0{_file_sha256(f)}\n".encode())
+        out.append({"spec": spec, "bytes": sum(f.stat().st_size for f in files), "sha256": h.hexdigest()})
     return out
+
+
+def data_difference(recorded: list[dict], current: list[dict]) -> str | None:
+    """How the data ``current`` (``describe_sources``) differs in content from ``recorded``, in words naming the
+    first input that differs; None when they hold the same bytes (whatever the paths are called now) or when
+    ``recorded`` holds no digest of an input (a directory, in a manifest of before this rule)."""
+    def named(entry: dict) -> str:
+        digest = (entry.get("sha256") or "?")[:12]
+        return f"{entry.get('spec')} ({entry.get('bytes')} bytes, sha256 {digest}…)"
+
+    if len(recorded) != len(current):
+        return (f"{len(recorded)} input(s) ({', '.join(e.get('spec', '?') for e in recorded)}) where this run "
+                f"gives {len(current)} ({', '.join(e['spec'] for e in current)})")
+    for k, (old, new) in enumerate(zip(recorded, current), 1):
+        if old.get("sha256") is not None and (old.get("bytes"), old["sha256"]) != (new["bytes"], new["sha256"]):
+            return f"input {k} was {named(old)}, this run's is {named(new)}"
+    return None

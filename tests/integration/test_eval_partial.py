@@ -80,3 +80,16 @@ def test_signal_after_the_last_prompt_still_writes_the_whole_report(chat_pair, t
     assert report["overall"]["lossless"]["prompts"] == 4 and report["plots"]
     assert (out / "acceptance_histogram.png").stat().st_size > 0
     assert "SIGINT while the report was written" in proc.stderr.read().decode()
+
+
+def test_time_limit_after_the_last_prompt_is_a_whole_report(chat_pair, tmp_path, capsys):
+    """A time limit that passes during the only prompt planned left nothing out: the report used to say
+    "(PARTIAL) ... 1 of 1 prompts" and the command exit 1."""
+    root = chat_pair
+    args = ["--target", str(root / "target"), "--drafter", str(root / "drafter"), "--dataset", "builtin:mtbench",
+            "--num-prompts", "1", "--max-new-tokens", "4", "--no-stop", "--out", str(tmp_path / "r"),
+            "--time-limit", "0"]
+    assert main(args) == 0, capsys.readouterr().err
+    report = json.loads((tmp_path / "r" / "report.json").read_text())
+    assert "partial" not in report and report["overall"]["prompts"] == 1
+    assert "PARTIAL" not in (tmp_path / "r" / "report.md").read_text()

@@ -3,6 +3,7 @@ features (layer L-1 included), the same loss at every step, the same weights; re
 (several processes: tests/integration/test_train_online_launch.py)."""
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -220,12 +221,13 @@ def test_cli_flags_reach_the_config(chat_run, tmp_path):
     from dflashkit.train.__main__ import main
 
     target_dir, data, _ = chat_run
-    argv = ["--target", target_dir, "--data", data, "--data", data, "--output-dir", str(tmp_path / "run")]
+    copy = str(shutil.copy(data, tmp_path / "copy.jsonl"))  # a second input (the same one twice is refused)
+    argv = ["--target", target_dir, "--data", data, "--data", copy, "--output-dir", str(tmp_path / "run")]
     argv += [f"{k}={json.dumps(v) if isinstance(v, (dict, list, bool)) else v}"
              for k, v in overrides(tmp_path / "run", max_steps=1, save_every=0, eval_every=0).items()]
     assert main(argv) == 0
     cfg = json.loads((tmp_path / "run" / "checkpoints" / "step-00000001" / "trainer.json").read_text())["config"]
-    assert cfg["data"] == [data, data] and cfg["target"] == target_dir and cfg["shards"] == ""
+    assert cfg["data"] == [data, copy] and cfg["target"] == target_dir and cfg["shards"] == ""
 
 
 # --------------------------------------------------------------------------- samples ordered by their data index
