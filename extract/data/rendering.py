@@ -40,7 +40,7 @@ from .sources import ROLE_ALIASES, conversation_fields
 
 # every reason a sample can be skipped for; the manifest counts skips under these names
 SKIP_REASONS = ("malformed_json", "not_utf8", "unknown_format", "unknown_role", "empty_content",
-                "no_assistant_turn", "no_user_turn", "too_long", "template_error")
+                "no_assistant_turn", "no_user_turn", "too_long", "template_error", "too_large")
 
 
 class BadSample(Exception):
