@@ -132,6 +132,18 @@ def run_inputs(cfg: TrainConfig) -> dict:
             "chat_template": cfg.chat_template, "resume": resume}
 
 
+def written_by_a_run(path: Path) -> list[Path]:
+    """The entries of a run's directory ``path`` (checkpoints/, tb/, an export) that a training run wrote: step
+    directories and their temporaries, TensorBoard event files, a drafter export's files."""
+    from dflashkit.drafter.export import EXPORT_FILES, export_dir_problem
+
+    if path.name == "checkpoints":
+        return [p for p in path.iterdir() if STEP_DIR.match(p.name.removeprefix(".tmp-").removeprefix(".old-"))]
+    if path.name == "tb":
+        return [p for p in path.iterdir() if p.name.startswith("events.out.tfevents.") and p.is_file()]
+    return [path / name for name in EXPORT_FILES if (path / name).exists()] if export_dir_problem(path) is None else []
+
+
 # --------------------------------------------------------------------------- init_from
 def config_default(name: str):
     f = next(f for f in dataclasses.fields(TrainConfig) if f.name == name)
@@ -237,17 +249,23 @@ def check_resume_path(cfg: TrainConfig, path: Path) -> None:
 
 
 def clear_earlier_run(cfg: TrainConfig) -> None:
-    """overwrite=true with resume=none: delete what an earlier run left in output_dir, saying so."""
+    """overwrite=true with resume=none: delete what an earlier run left in output_dir, saying so; only what a run
+    writes (``written_by_a_run``): anything else under those names is kept."""
     out_dir = Path(cfg.output_dir)
     export_dir = export_path(cfg)
     doomed = [out_dir / name for name in EARLIER_RUN_FILES]
     doomed += [p for p in {out_dir / "export", export_dir} if p.parent == out_dir]
     gone = []
     for p in doomed:
-        if p.is_dir() and not p.is_symlink():
-            shutil.rmtree(p)
-        elif p.exists() or p.is_symlink():
+        if p.is_symlink() or p.is_file():
             p.unlink()
+        elif p.is_dir():
+            for entry in written_by_a_run(p):
+                shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+            if any(p.iterdir()):
+                say(f"overwrite=true: kept {p}: it holds files no training run writes")
+                continue
+            p.rmdir()
         else:
             continue
         gone.append(p.name)

@@ -16,6 +16,7 @@ from dflashkit.cli import main as cli
 
 from support.chat_data import chat_records, write_jsonl
 from support.paths import TINY_RECIPE
+from support.shards import make_shards
 from support.tiny_targets import make_tiny_target
 from support.training import tiny_overrides
 
@@ -44,7 +45,6 @@ def run(tmp_path_factory):
 
     from dflashkit.train.config import TrainConfig
     from dflashkit.train.trainer import train
-    from support.shards import make_shards
 
     root = tmp_path_factory.mktemp("apart")
     target = make_tiny_target(root / "target")
@@ -52,12 +52,12 @@ def run(tmp_path_factory):
     train(TrainConfig(**tiny_overrides(shards, root / "run", max_steps=1, eval_samples=1)))
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
-    return root / "run"
+    return root / "run", shards
 
 
 def copy_run(run, tmp_path):
     """A copy of the module's run, for a test that may change it."""
-    shutil.copytree(run, tmp_path / "run")
+    shutil.copytree(run[0], tmp_path / "run")
     return tmp_path / "run"
 
 
@@ -171,6 +171,20 @@ def test_a_changed_checkpoint_file_is_refused_not_exported(run, tmp_path, capsys
     assert cli(["export", str(run / "checkpoints" / "step-00000001"), str(tmp_path / "d")]) == 2
     assert "does not match its sha256" in capsys.readouterr().err
     assert not (tmp_path / "d").exists()
+
+
+def test_train_overwrite_deletes_only_what_a_run_wrote(run, tmp_path):
+    from dflashkit.train.config import TrainConfig
+    from dflashkit.train.trainer import train
+
+    copy = copy_run(run, tmp_path)
+    (copy / "checkpoints" / "notes.txt").write_text("mine\n")
+    (copy / "export" / "README.md").write_text("my drafter card\n")
+    train(TrainConfig(**tiny_overrides(run[1], copy, max_steps=1, eval_samples=1, resume="none", overwrite=True,
+                                       export_dir=str(tmp_path / "new-export"))))
+    assert (copy / "checkpoints" / "notes.txt").read_text() == "mine\n"
+    assert (copy / "export" / "README.md").read_text() == "my drafter card\n"
+    assert (copy / "export" / "model.safetensors").is_file()  # not an export alone: kept whole, not half-deleted
 
 
 def test_regenerate_never_reads_its_output_back_from_a_data_folder(tmp_path, capsys):
