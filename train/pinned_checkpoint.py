@@ -168,22 +168,23 @@ def _open_file(pinned: PinnedCheckpoint, directory: int, name: str) -> None:
 def _checkpoint_meta(pinned: PinnedCheckpoint, directory: int) -> dict:
     """checkpoint.json, opened and read into ``pinned``; its fields checked as verify_checkpoint does."""
     _open_file(pinned, directory, "checkpoint.json")
-    where = f"checkpoint {pinned.path} cannot be exported: checkpoint.json"
+    where = f"checkpoint {pinned.path} cannot be exported: checkpoint.json"  # worded as verify_checkpoint's
     try:
         meta = json.loads(pinned.read_bytes("checkpoint.json"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise UserError(f"{where} is not valid JSON ({e})") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise UserError(f"{where}: format is not {FORMAT!r}")
+        found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+        raise UserError(f"{where} format {found!r}, expected {FORMAT!r}")
     files, step = meta.get("files"), meta.get("step")
     if not isinstance(files, dict) or not set(REQUIRED_FILES) <= set(files):
-        raise UserError(f"{where}: field files does not list {list(REQUIRED_FILES)}")
+        raise UserError(f"{where} field files does not list {list(REQUIRED_FILES)}")
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-        raise UserError(f"{where}: field step is {step!r}, expected a whole number >= 0")
+        raise UserError(f"{where} field step is {step!r}, expected a whole number >= 0")
     for name, info in files.items():  # plain names of this directory, each with its size and sha256
         if "/" in name or name in ("", ".", "..") or not isinstance(info, dict) \
                 or not isinstance(info.get("bytes"), int) or not isinstance(info.get("sha256"), str):
-            raise UserError(f"{where}: field files[{name!r}] is not {{bytes: int, sha256: str}} for a file here")
+            raise UserError(f"{where} field files[{name!r}] is not {{bytes: int, sha256: str}} for a file here")
     return meta
 
 
