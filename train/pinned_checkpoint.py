@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dflashkit.errors import UserError
+from dflashkit.files import pause_point
 
 from .checkpoint import FORMAT, REQUIRED_FILES, latest_checkpoint, verify_checkpoint
 
@@ -67,14 +68,7 @@ class PinnedCheckpoint:
         self.fds.clear()
 
     def read_bytes(self, name: str) -> bytes:
-        fd = self.fds[name]
-        size, chunks, offset = os.fstat(fd).st_size, [], 0
-        while offset < size:
-            chunks.append(os.pread(fd, min(1 << 24, size - offset), offset))
-            if not chunks[-1]:
-                break
-            offset += len(chunks[-1])
-        return b"".join(chunks)
+        return b"".join(_blocks(self.fds[name]))
 
     def trainer_state(self) -> dict:
         """trainer.json, read from the open file (the caller checks its fields: train/checkpoint.py)."""
@@ -112,8 +106,10 @@ def pin_checkpoint(given: str | os.PathLike) -> PinnedCheckpoint:
     given = Path(given)
     if is_step_dir(given) and not given.is_dir():
         raise UserError(f"checkpoint {given} cannot be exported: no such directory")
-    for _ in range(_TRIES):
+    for attempt in range(_TRIES):
         path = resolve_checkpoint(given)
+        if attempt == 0:
+            pause_point("export-checkpoint-resolved", until=_released)  # crash tests: rotate it away now
         try:
             return _open_checkpoint(path)
         except _Vanished as gone:
@@ -123,6 +119,11 @@ def pin_checkpoint(given: str | os.PathLike) -> PinnedCheckpoint:
                                 f"the run directory (its newest)") from None
     raise UserError(f"{given}: its newest checkpoint was removed {_TRIES} times while being read (a training "
                     f"rotating checkpoints faster than they are read); export once the run has ended")
+
+
+def _released() -> bool:
+    """Whether the test holding an export at its pause point let it go on (it removes the pause file)."""
+    return not os.path.exists(os.environ.get("DFLASHKIT_TEST_PAUSE_FILE", ""))
 
 
 def _open_checkpoint(path: Path) -> PinnedCheckpoint:
@@ -194,13 +195,17 @@ def _file_problem(pinned: PinnedCheckpoint, name: str, info: dict) -> str | None
     size = os.fstat(fd).st_size
     if size != info["bytes"]:
         return f"{name} has {size} bytes, checkpoint.json says {info['bytes']}"
-    digest, offset = hashlib.sha256(), 0
-    while offset < size:
-        block = os.pread(fd, min(1 << 24, size - offset), offset)
-        if not block:
-            break
+    digest = hashlib.sha256()
+    for block in _blocks(fd):
         digest.update(block)
-        offset += len(block)
     if digest.hexdigest() != info["sha256"]:
         return f"{name} does not match its sha256 in checkpoint.json (corrupted)"
     return None
+
+
+def _blocks(fd: int, block: int = 1 << 24):
+    """The bytes of the open file ``fd`` from its start, in blocks (``pread``: its offset is left alone)."""
+    offset = 0
+    while data := os.pread(fd, block, offset):
+        yield data
+        offset += len(data)

@@ -3,13 +3,12 @@ by every command before anything is touched, --overwrite included (dflashkit/out
 command never reads its own output back; an export names the step it actually read, however the run rotates its
 checkpoints meanwhile (train/pinned_checkpoint.py)."""
 
-import json
 import shutil
 
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from dflashkit.cli import COMMANDS
 from dflashkit.cli import main as cli
@@ -18,7 +17,7 @@ from support.chat_data import chat_records, write_jsonl
 from support.paths import TINY_RECIPE
 from support.shards import make_shards
 from support.tiny_targets import make_tiny_target
-from support.training import tiny_overrides
+from support.training import later_checkpoint, tiny_overrides
 
 APART = "a command never writes where it reads, --overwrite or not"
 
@@ -103,25 +102,6 @@ def test_export_over_the_runs_checkpoints_is_refused_and_every_checkpoint_kept(r
     assert "contains the input checkpoint" in refused(capsys, checkpoints, step)
     assert tree(run) == before
     assert cli(["export", str(run), str(run / "export")]) == 0  # beside the checkpoints, in the run: fine
-
-
-def later_checkpoint(run, step: int) -> None:
-    """What a training still running writes next: checkpoint ``step`` with other weights, then the rotation
-    (keep_last=1) that removes every older one."""
-    from dflashkit.files import sha256_file
-    from dflashkit.train.checkpoint import list_checkpoints, rotate_checkpoints
-
-    newest = list_checkpoints(run)[-1]
-    later = newest.with_name(f"step-{step:08d}")
-    shutil.copytree(newest, later)
-    weights = {k: v + 1.0 for k, v in load_file(later / "model.safetensors").items()}
-    save_file(weights, later / "model.safetensors", metadata={"format": "pt"})
-    meta = json.loads((later / "checkpoint.json").read_text())
-    meta["step"] = step
-    meta["files"]["model.safetensors"] = {"bytes": (later / "model.safetensors").stat().st_size,
-                                          "sha256": sha256_file(later / "model.safetensors")}
-    (later / "checkpoint.json").write_text(json.dumps(meta))
-    rotate_checkpoints(run, step, keep_last=1)
 
 
 def test_export_while_the_run_rotates_names_the_step_it_read(run, tmp_path, capsys, monkeypatch):
