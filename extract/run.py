@@ -102,7 +102,20 @@ def extraction_problem(path: Path) -> str | None:
     from dflashkit.outputs import describe_foreign, foreign_entries
 
     foreign = foreign_entries(path, _written_by_extract)
-    return describe_foreign(foreign) if foreign else None
+    if foreign:
+        return describe_foreign(foreign)
+    for manifest in [path / MANIFEST, *path.glob("manifest.rank*.json")]:  # extract's own: JSON with its schema
+        if manifest.exists() and not _is_extract_manifest(manifest):
+            return f"its {manifest.name} is not a manifest dflashkit extract writes"
+    return None
+
+
+def _is_extract_manifest(path: Path) -> bool:
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(manifest, dict) and "schema_version" in manifest
 
 
 def _written_by_extract(name: str) -> bool:

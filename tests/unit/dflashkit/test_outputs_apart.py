@@ -191,6 +191,19 @@ def test_overwrite_of_a_file_regenerate_did_not_write_is_refused(tmp_path, capsy
     assert out.read_text() == '{"title": "my notes"}\n'
 
 
+def test_extract_overwrite_refuses_a_folder_whose_names_only_look_like_an_extraction(tmp_path, capsys):
+    data = write_jsonl(tmp_path / "chats.jsonl", chat_records(2))
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "manifest.json").write_text('{"title": "my manifest"}\n')  # the user's, named as extract names its own
+    before = tree(out)
+    assert cli(["extract", "--target", str(tmp_path / "no-target"), "--data", data, "--out", str(out), "--overwrite",
+                "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "manifest.json is not a manifest dflashkit extract writes" in err and "removes only what it wrote" in err
+    assert tree(out) == before
+
+
 # --------------------------------------------------------------------------- every command applies the rule
 def command_cases(tmp_path) -> dict:
     """For each command that writes, (argv whose output overlaps an input, the input, its relation)."""
