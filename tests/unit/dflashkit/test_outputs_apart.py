@@ -183,12 +183,13 @@ def test_regenerate_never_reads_its_output_back_from_a_data_folder(tmp_path, cap
 def test_overwrite_of_a_file_regenerate_did_not_write_is_refused(tmp_path, capsys):
     data = write_jsonl(tmp_path / "chats.jsonl", chat_records(2))
     out = tmp_path / "notes.jsonl"
-    out.write_text('{"title": "my notes"}\n')
-    assert cli(["regenerate", "--target", str(tmp_path / "no-target"), "--data", data, "--out", str(out),
-                "--overwrite", "--no-progress"]) == 2
-    err = capsys.readouterr().err
-    assert str(out) in err and "only its own output" in err
-    assert out.read_text() == '{"title": "my notes"}\n'
+    for text in ('{"title": "my notes"}\n', "one line of mine, no newline"):
+        out.write_text(text)
+        assert cli(["regenerate", "--target", str(tmp_path / "no-target"), "--data", data, "--out", str(out),
+                    "--overwrite", "--no-progress"]) == 2
+        err = capsys.readouterr().err
+        assert str(out) in err and "only its own output" in err
+        assert out.read_text() == text
 
 
 def test_extract_overwrite_refuses_a_folder_whose_names_only_look_like_an_extraction(tmp_path, capsys):
