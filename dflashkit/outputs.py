@@ -202,6 +202,7 @@ def check_apart(outputs: dict, inputs: dict, *, existing_only: bool = True) -> N
 
 
 def _apart_message(out_flag: str, out, relation: str, in_flag: str, source) -> str:
+    """The one line of ``check_apart``: both paths as given (and where a link leads), the rule and the fix."""
     shown = {os.path.abspath(out): _resolved(out), os.path.abspath(source): _resolved(source)}
     links = [f"{given} -> {real}" for given, real in shown.items() if given != real]
     fix = {"is": f"pick another {out_flag}", "lies inside": f"pick an {out_flag} outside {source}",

@@ -111,6 +111,7 @@ def extraction_problem(path: Path) -> str | None:
 
 
 def _is_extract_manifest(path: Path) -> bool:
+    """Whether ``path`` is a manifest extract wrote (a JSON object with its schema_version), not only named so."""
     try:
         manifest = json.loads(path.read_text())
     except (OSError, ValueError):
