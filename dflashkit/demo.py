@@ -33,6 +33,7 @@ from typing import Callable
 
 from dflashkit.errors import UserError
 from dflashkit.files import atomic_write
+from dflashkit.outputs import check_apart
 
 TARGET = "testbed:smollm2"
 MASK_TOKEN_ID = 16  # SmolLM2's reserved <empty_output>: its tokenizer has no mask token and no spare rows
@@ -201,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     device, scale = demo_plan(args.device, args.scale, cuda_available=launch.local_device().type == "cuda")
     print(plan_line(device, scale, chosen=args.device is None or args.scale is None), flush=True)
     run = Path(args.run_dir)
+    check_apart({"--run-dir": run}, {"--target": args.target, "--train-data": args.train_data,
+                                     "--eval-data": args.eval_data})
     stages_dir = run / "stages"
     stages_dir.mkdir(parents=True, exist_ok=True)
     if args.restart:

@@ -10,7 +10,8 @@ over the final name, and the directory holding that name is fsynced (so the rena
 - files written ahead without a name, named later in order: ``write_unnamed`` + ``publish`` (shards);
 - a directory (a drafter export, a training checkpoint, a converted GGUF target): its files written into a
   temporary directory beside it, ``fsync_tree`` (every file, then the directory), one rename into place (the commit
-  point), ``fsync_dir`` of the parent; ``rename_dir_into_place`` does the last three where nothing is in the way;
+  point), ``fsync_dir`` of the parent; ``rename_dir_into_place`` does the last three where nothing is in the way,
+  ``swap_dir_into_place`` where the previous directory is moved aside first;
 - an append log (regenerate's JSONL, continued by --resume; training's metrics.jsonl): ``open_appending`` makes
   the file's name durable before a line is written, ``sync`` after each batch of lines. The one shape that keeps
   the old content and adds to it: a crash leaves every line synced so far plus at most one cut last line, which
@@ -275,6 +276,21 @@ def rename_dir_into_place(tmp: Path, path: Path) -> None:
     fsynced so the rename survives too."""
     path = Path(path)
     fsync_tree(Path(tmp))
+    os.rename(tmp, path)
+    fsync_dir(path.parent)
+
+
+def swap_dir_into_place(tmp: Path, path: Path, aside: Path, pause_name: str | None = None) -> None:
+    """``rename_dir_into_place`` where a directory may be at ``path`` already: it is first moved to ``aside/NAME``
+    (``aside``: an empty directory beside ``path`` that the caller made, and removes once this returns), then
+    ``tmp`` is renamed to ``path``; ``pause_name``: a ``pause_point`` between the two renames (crash tests). A crash
+    between them leaves no ``path`` and the previous directory whole under ``aside``, for the caller to move back."""
+    path = Path(path)
+    fsync_tree(Path(tmp))
+    if path.is_dir() and not path.is_symlink():
+        os.rename(path, Path(aside) / path.name)
+        if pause_name:
+            pause_point(pause_name)
     os.rename(tmp, path)
     fsync_dir(path.parent)
 

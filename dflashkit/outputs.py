@@ -19,6 +19,13 @@ Design choices:
   id is the rendezvous run id and the master's address and port, which every rank of one launch has and two
   launches running at the same time cannot share (the second could not bind the port). A rank that finds the
   lock held by its own launch goes on; whichever rank wrote the lock removes it at exit.
+- **Outputs apart from inputs.** Every command, before it touches anything, compares each path it writes with
+  each path it reads (``check_apart``: data files and directories, shards, a checkpoint, a run's checkpoints, a
+  drafter, a target), symbolic links resolved: an output that is, lies inside or contains an input stops in one
+  line naming both, ``--overwrite`` or not. So no command writes over what it reads, nor reads back what it writes.
+- **``--overwrite`` removes only what the command wrote.** A directory that a command replaces whole (an export,
+  an extraction) is replaced only when its recogniser claims every entry, ``--overwrite`` included; the flag
+  forces only a command that writes beside what is there (train's output_dir, eval's report directory).
 - **Blocked paths are one line, early.** Before a command makes or writes its output, the nearest existing
   directory on the way to it must be a directory this process may write: a file where a directory should be, a
   directory without write permission and a read-only file system stop with one line naming the path and the fix
@@ -153,15 +160,69 @@ def blocked_error(error: OSError, path: str | os.PathLike, what: str) -> UserErr
     return None
 
 
+# --------------------------------------------------------------------------- outputs apart from inputs
+def _resolved(path: str | os.PathLike) -> str:
+    return os.path.realpath(os.path.abspath(os.path.expanduser(os.fspath(path))))
+
+
+def _relation(output: str, source: str) -> str | None:
+    """How the resolved ``output`` stands to the resolved input ``source``: "is", "lies inside", "contains"."""
+    if output == source:
+        return "is"
+    if output.startswith(source.rstrip(os.sep) + os.sep):
+        return "lies inside"
+    if source.startswith(output.rstrip(os.sep) + os.sep):
+        return "contains"
+    return None
+
+
+def _same_file(a: str | os.PathLike, b: str | os.PathLike) -> bool:
+    try:  # another name of one file (a hard link, a bind mount) is that file
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def check_apart(outputs: dict, inputs: dict, *, existing_only: bool = True) -> None:
+    """The one rule between what a command writes and what it reads, called before it touches anything: an
+    output path (``outputs``: flag -> path or None) that is, lies inside or contains an input (``inputs``: flag ->
+    a path, a list of paths or None), symbolic links resolved, stops in one line naming both and the fix,
+    ``--overwrite`` or not. Inputs that name no existing local path (``builtin:``, ``testbed:``, a hub model name,
+    a URL) are not compared; ``existing_only=False`` compares paths that a run will make too."""
+    for out_flag, out in outputs.items():
+        if not out:
+            continue
+        for in_flag, given in inputs.items():
+            for source in given if isinstance(given, (list, tuple)) else [given]:
+                if not source or (existing_only and not os.path.lexists(os.path.expanduser(os.fspath(source)))):
+                    continue
+                relation = _relation(_resolved(out), _resolved(source)) or ("is" if _same_file(out, source) else None)
+                if relation is not None:
+                    raise UserError(_apart_message(out_flag, out, relation, in_flag, source))
+
+
+def _apart_message(out_flag: str, out, relation: str, in_flag: str, source) -> str:
+    """The one line of ``check_apart``: both paths as given (and where a link leads), the rule and the fix."""
+    shown = {os.path.abspath(out): _resolved(out), os.path.abspath(source): _resolved(source)}
+    links = [f"{given} -> {real}" for given, real in shown.items() if given != real]
+    fix = {"is": f"pick another {out_flag}", "lies inside": f"pick an {out_flag} outside {source}",
+           "contains": f"pick an {out_flag} that does not hold {source}"}[relation]
+    note = f" ({', '.join(links)})" if links else ""
+    return (f"{out_flag} {out} {relation} the input {in_flag} {source}{note}: a command never writes where it "
+            f"reads, --overwrite or not; {fix}")
+
+
 # --------------------------------------------------------------------------- what may be replaced
 def check_output_dir(path: str | os.PathLike, *, what: str, problem: Callable[[Path], str | None],
-                     overwrite: bool, flag: str = "--overwrite", forcing: str = "replace it",
+                     overwrite: bool, flag: str = "--overwrite", forcing: str | None = None,
                      beside: bool = False) -> bool:
     """Whether ``path`` may be written as ``what`` (e.g. "a drafter directory"); True when something is there to
     replace. ``problem(path)`` says why an existing, non-empty directory is not of that kind (None: it is).
     Raises a one-line ``UserError`` for a file or link in the way (always), for a path that cannot be written
     (``check_writable``; ``beside``: the output is written as a temporary sibling and renamed into place) and for a
-    directory of another kind (unless ``overwrite``); ``forcing`` says what ``flag`` does."""
+    directory of another kind. ``forcing``: what ``flag`` (``overwrite``) does for a command that writes beside
+    what is there; None (a command that replaces the directory whole) and nothing forces it: a command removes
+    only what it wrote."""
     path = Path(path)
     check_name_length(path)
     if path.is_symlink() or (path.exists() and not path.is_dir()):
@@ -171,11 +232,14 @@ def check_output_dir(path: str | os.PathLike, *, what: str, problem: Callable[[P
     check_writable(path, what, beside=beside)
     if not path.is_dir() or not [p for p in path.iterdir() if p.name != LOCK_NAME]:
         return False
-    if overwrite:
+    if overwrite and forcing is not None:
         return True
     reason = problem(path)
     if reason is None:
         return True
+    if forcing is None:
+        raise UserError(f"{path}: not {what} ({reason}); dflashkit removes only what it wrote, {flag} or not: move "
+                        f"those files away or pick another path")
     raise UserError(f"{path}: not {what} ({reason}); pick another path, or pass {flag} to {forcing}")
 
 

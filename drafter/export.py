@@ -10,8 +10,8 @@ An export directory holds:
   from a training run also ``chat_template`` (the Jinja text it rendered with; null: the target tokenizer's
   own) and ``chat_template_kwargs``, which eval renders its prompts with (eval/chat_settings.py).
 
-An existing directory at the export path is replaced only when it is a drafter export (``export_dir_problem``)
-or the caller passes ``overwrite``; a file there is an error (``dflashkit/outputs.py``). The files get the
+An existing directory at the export path is replaced only when it is a drafter export (``export_dir_problem``),
+``overwrite`` or not; a file there is an error (``dflashkit/outputs.py``). The files get the
 umask's usual modes (0644 / 0755), so a server running as another user can read them. Weights with NaN or Inf
 are never written.
 
@@ -43,7 +43,14 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from dflashkit.errors import UserError
-from dflashkit.files import check_name_length, fitted_name, fsync_dir, fsync_tree, name_limit, pause_point
+from dflashkit.files import (
+    check_name_length,
+    fitted_name,
+    name_limit,
+    pause_point,
+    rename_dir_into_place,
+    swap_dir_into_place,
+)
 from dflashkit.outputs import check_output_dir, describe_foreign, foreign_entries, make_temp_dir, save_safetensors
 from dflashkit.untrusted import contained_file
 
@@ -88,9 +95,11 @@ def build_drafter(config: DrafterConfig, dtype: torch.dtype = torch.float32) -> 
 
 
 def save_drafter(model: DFlashDraftModel, out_dir: str | os.PathLike, dtype: torch.dtype | None = None,
-                 overwrite: bool = False, flag: str = "--overwrite", chat: dict | None = None) -> Path:
+                 overwrite: bool = False, flag: str = "--overwrite", chat: dict | None = None,
+                 metadata: dict[str, str] | None = None) -> Path:
     """Write the export directory atomically (a temporary sibling renamed into place). An existing directory is
-    replaced only when it is an export (or ``overwrite``); ``flag`` is the option named in the refusal. What an
+    replaced only when it is an export, ``overwrite`` or not; ``flag`` is the option named in the refusal.
+    ``metadata``: strings recorded in model.safetensors' metadata (what the export was made from). What an
     interrupted export to the same path left is recovered or removed first (``recover_interrupted_export``);
     weights that are not finite are refused before anything is written. ``chat``: the chat settings training
     rendered its data with (``chat_template``: the text, None for the target tokenizer's own;
@@ -108,40 +117,33 @@ def save_drafter(model: DFlashDraftModel, out_dir: str | os.PathLike, dtype: tor
     tmp = make_temp_dir(out.parent, prefix=f".{_sibling_stem(out)}.")
     held = _hold(tmp)  # while held, another export's recovery leaves this directory alone
     try:
-        _write_export(tmp, state, config, chat or {})
+        _write_export(tmp, state, config, chat or {}, metadata)
         pause_point("export-copy-written")  # crash tests: a kill here leaves the full copy
-        if out.is_dir():  # checked above: an export, an empty directory, or overwrite
-            old = make_temp_dir(out.parent, f".{_sibling_stem(out)}.old-")  # a fresh name: nothing of the user's
-            held_old = _hold(old)
-            try:
-                out.rename(old / out.name)
-                pause_point("export-between-renames")  # crash tests: a kill here leaves no NAME, only .NAME.old-*
-                tmp.rename(out)
-            finally:
-                os.close(held_old)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(out)
+        old = make_temp_dir(out.parent, f".{_sibling_stem(out)}.old-")  # a fresh name: nothing of the user's
+        held_old = _hold(old)
+        try:  # an export or an empty directory at NAME (checked above) goes to .NAME.old-*/NAME first
+            swap_dir_into_place(tmp, out, old, pause_name="export-between-renames")  # crash tests: no NAME then
+        finally:
+            os.close(held_old)
+        shutil.rmtree(old, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     finally:
         os.close(held)
-    fsync_dir(out.parent)  # the rename into place is the commit point: make it durable (dflashkit/files.py)
     return out
 
 
-def _write_export(directory: Path, state: dict[str, torch.Tensor], config: DrafterConfig, chat: dict) -> None:
-    """The export's files in ``directory``, made durable with the directory (``fsync_tree``) before the caller
-    renames it into place."""
-    save_safetensors(state, directory / "model.safetensors", metadata={"format": "pt"})
+def _write_export(directory: Path, state: dict[str, torch.Tensor], config: DrafterConfig, chat: dict,
+                  metadata: dict[str, str] | None = None) -> None:
+    """The export's files in ``directory`` (made durable by the caller's rename into place, dflashkit/files.py)."""
+    save_safetensors(state, directory / "model.safetensors", metadata={"format": "pt", **(metadata or {})})
     cfg = config.to_json_dict()
     cfg["torch_dtype"] = cfg["dtype"] = str(state["fc.weight"].dtype).replace("torch.", "")
     cfg.update({k: chat[k] for k in ("chat_template", "chat_template_kwargs") if k in chat})
     (directory / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     for name in kind_for(config.architecture).modeling_files:  # what config.json's auto_map loads
         shutil.copyfile(MODELING_DIR / name, directory / name)
-    fsync_tree(directory)
 
 
 def check_finite(state: dict[str, torch.Tensor], what: str, dtype: torch.dtype | None = None) -> None:
@@ -221,8 +223,7 @@ def recover_interrupted_export(out: Path) -> None:
     restored, removed = None, [p.name for p in copies + olds]
     for old in olds:
         if (old / out.name).is_dir() and not os.path.lexists(out):
-            (old / out.name).rename(out)
-            fsync_dir(out.parent)
+            rename_dir_into_place(old / out.name, out)
             restored = old
     for leftover in copies + olds:
         shutil.rmtree(leftover)

@@ -249,6 +249,10 @@ def report_dir(out: str | None, overwrite: bool):
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     check_numeric_flags(args)
+    from dflashkit.outputs import check_apart
+
+    check_apart({"--out": args.out}, {"--drafter": args.drafter, "--target": args.target, "--dataset": args.dataset,
+                                      "--compare": args.compare})
     if args.compare:
         from .report import compare_reports, read_outputs, read_report
 

@@ -33,10 +33,11 @@ Design choices:
   several ranks each writes ``<out>.rank<r>-of-<world>`` (resumed the same way) and rank 0 merges them, by
   index, into --out at the end. Greedy output is the same either way (up to bf16 rounding between batch
   shapes); sampled output is seeded per conversation (--seed + index) on a server, per chunk locally.
-- An existing --out is continued only with --resume and only when it is regenerate's output; --overwrite
-  starts it afresh; a directory at --out is an error. One run per --out: the run holds the lock file
-  ``<out>.lock`` beside it (not a lock on the directory, so several runs can write files into one folder); the
-  ranks of one launch share it (dflashkit/outputs.py).
+- An existing --out is continued only with --resume and replaced only with --overwrite, either only when it is
+  regenerate's output; a directory at --out is an error, and so is an --out that is, lies inside or contains
+  --data or --target (dflashkit/outputs.py ``check_apart``): the output is never read back as input.
+  One run per --out: the run holds the lock file ``<out>.lock`` beside it (not a lock on the directory, so
+  several runs can write files into one folder); the ranks of one launch share it (dflashkit/outputs.py).
 """
 
 from __future__ import annotations
@@ -127,10 +128,12 @@ def check_regenerated(out: Path) -> None:
         row = json.loads(first)
         ok = isinstance(row, dict) and "index" in row and "messages" in row
     except ValueError:
-        ok = not first.endswith(b"\n")  # one cut line: a run killed while writing its first row
+        # one cut line: a run killed while writing its first row (which starts as every row regenerate writes)
+        ok = not first.endswith(b"\n") and first.startswith(b'{"index": ')
     if not ok:
-        raise UserError(f"{out}: line 1 is not a row that dflashkit regenerate writes (index, messages); pick "
-                        f"another --out, or pass --overwrite to replace it")
+        raise UserError(f"{out}: line 1 is not a row that dflashkit regenerate writes (index, messages), and "
+                        f"regenerate continues (--resume) or removes (--overwrite) only its own output: move the "
+                        f"file away or pick another --out")
 
 
 def done_indices(out: Path) -> set[int]:
@@ -176,8 +179,10 @@ def merge_parts(out: Path, world: int) -> int:
 def regenerate(data: list[str], out, *, overwrite: bool = False, **kwargs) -> dict:
     """Answer every user turn of the conversations of ``data`` into the JSONL file ``out`` (see ``_regenerate``);
     ``overwrite`` starts ``out`` afresh. The run holds the lock ``<out>.lock`` (dflashkit/outputs.py)."""
-    from dflashkit.outputs import OutputLock, check_output_file
+    from dflashkit.outputs import OutputLock, check_apart, check_output_file
 
+    check_apart({"--out": out}, {"--data": [data] if isinstance(data, (str, Path)) else list(data),
+                                 "--target": kwargs.get("target")})
     check_output_file(out, "the output of dflashkit regenerate")
     with OutputLock(out, "regenerate", sidecar=True):
         return _regenerate(data, out, overwrite=overwrite, **kwargs)
@@ -272,8 +277,9 @@ def _prepare_output(out: Path, path: Path, rank: int, *, resume: bool, overwrite
 
     check_resume_flags(out, resume=resume, overwrite=overwrite,
                        holds="rows" if any(p.exists() and p.stat().st_size for p in (out, path)) else None)
-    if overwrite:  # each rank its own part; rank 0 the merged file
+    if overwrite:  # each rank its own part; rank 0 the merged file; only files regenerate wrote
         for p in {path, out} if rank == 0 else {path}:
+            check_regenerated(p)
             p.unlink(missing_ok=True)
     if not resume:
         return set()

@@ -103,24 +103,39 @@ def extraction_problem(path: Path) -> str | None:
     """Why the directory ``path`` does not hold an extraction (files this command writes), or None."""
     from dflashkit.outputs import describe_foreign, foreign_entries
 
-    def owned(name: str) -> bool:
-        return (name == MANIFEST or (name.startswith("manifest.rank") and name.endswith(".json"))
-                or (name.startswith("shard-") and name.endswith(".safetensors"))
-                or (name.startswith((".shard-", ".manifest")) and name.endswith(".tmp")))
+    foreign = foreign_entries(path, _written_by_extract)
+    if foreign:
+        return describe_foreign(foreign)
+    for manifest in [path / MANIFEST, *path.glob("manifest.rank*.json")]:  # extract's own: JSON with its schema
+        if manifest.exists() and not _is_extract_manifest(manifest):
+            return f"its {manifest.name} is not a manifest dflashkit extract writes"
+    return None
 
-    foreign = foreign_entries(path, owned)
-    return describe_foreign(foreign) if foreign else None
+
+def _is_extract_manifest(path: Path) -> bool:
+    """Whether ``path`` is a manifest extract wrote (a JSON object with its schema_version), not only named so."""
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(manifest, dict) and "schema_version" in manifest
+
+
+def _written_by_extract(name: str) -> bool:
+    """Whether ``name`` in an output directory is a file extraction writes (manifests, shards, their temporaries)."""
+    return (name == MANIFEST or (name.startswith("manifest.rank") and name.endswith(".json"))
+            or (name.startswith("shard-") and name.endswith(".safetensors"))
+            or (name.startswith((".shard-", ".manifest")) and name.endswith(".tmp")))
 
 
 def _clear_output(out: Path, rank: int) -> None:
-    """--overwrite: rank 0 empties --out (all but the lock) before any rank writes."""
+    """--overwrite: rank 0 removes the files of the earlier extraction in --out (only those: the lock stays, and
+    anything else was refused before, ``extraction_problem``) before any rank writes."""
     import shutil
-
-    from dflashkit.outputs import LOCK_NAME
 
     if rank == 0:
         for p in out.iterdir():
-            if p.name != LOCK_NAME:
+            if _written_by_extract(p.name):
                 shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
     launch.barrier()
 
@@ -129,8 +144,10 @@ def extract(target: str, data: list[str], out, *, overwrite: bool = False, **kwa
     """Extract the features of ``target`` for the records of ``data`` into shards in ``out``; return the
     manifest. The keyword arguments are the command's flags (see ``build_parser`` and ``_extract``);
     ``overwrite`` replaces what ``out`` holds. The run holds the lock on ``out`` (dflashkit/outputs.py)."""
-    from dflashkit.outputs import OutputLock
+    from dflashkit.outputs import OutputLock, check_apart
 
+    check_apart({"--out": out}, {"--data": [data] if isinstance(data, (str, Path)) else list(data),
+                                 "--target": target, "--chat-template": kwargs.get("chat_template")})
     with OutputLock(out, "extract"):
         return _extract(target, data, out, overwrite=overwrite, **kwargs)
 

@@ -41,7 +41,7 @@ import torch
 from safetensors import safe_open
 
 from dflashkit.errors import UserError
-from dflashkit.files import fsync_dir, fsync_tree, pause_point, sha256_file
+from dflashkit.files import pause_point, sha256_file, swap_dir_into_place
 from dflashkit.outputs import save_safetensors
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
@@ -306,11 +306,11 @@ def save_checkpoint(accelerator, model, optimizer, trainer_state: dict, output_d
         files = {f.name: {"bytes": f.stat().st_size, "sha256": sha256_file(f)} for f in sorted(tmp.iterdir())}
         meta = {"format": FORMAT, "step": step, "files": files}
         (tmp / "checkpoint.json").write_text(json.dumps(meta, indent=1))
-        fsync_tree(tmp)  # every rank's files and checkpoint.json, then the directory: durable before the rename
-        if final.exists():  # a re-run of the same step replaces the old copy
-            shutil.rmtree(final)
-        tmp.rename(final)
-        fsync_dir(root)
+        aside = root / f".old-step-{step:08d}"  # a re-run of the same step replaces the old copy, moved here
+        shutil.rmtree(aside, ignore_errors=True)
+        aside.mkdir()
+        swap_dir_into_place(tmp, final, aside)  # every file durable, then the renames (dflashkit/files.py)
+        shutil.rmtree(aside)
         rotate_checkpoints(output_dir, step, keep_last)
         pause_point(f"checkpoint-{step}-saved")
     accelerator.wait_for_everyone()

@@ -139,8 +139,8 @@ class TrainConfig:
     resume_other_data: bool = False  # resume a checkpoint on data other than the data it was trained on (said at
     # start); without it such a resume is refused, naming what differs (train/data_fingerprint.py)
     export_dir: str = ""  # where the final drafter is exported; empty -> output_dir/export
-    overwrite: bool = False  # write into an output_dir that holds files not of a training run, and replace an
-    # export_dir that is not a drafter export (a file at either path is never replaced; dflashkit/outputs.py)
+    overwrite: bool = False  # write into an output_dir that holds files not of a training run (they are kept), and
+    # delete an earlier run there; an export_dir that is not a drafter export is never replaced (dflashkit/outputs.py)
     # --- tracking
     log_every: int = 10  # optimizer steps between metric logs
     eval_every: int = 500  # optimizer steps between held-out evaluations (0: only at the end)

@@ -3,16 +3,19 @@
     python -m dflashkit.train.export runs/smollm2/checkpoints/step-00001200 drafters/smollm2
     python -m dflashkit.train.export runs/smollm2 drafters/smollm2          # newest complete checkpoint
     python -m dflashkit.train.export CKPT DIR --dtype float32           # default bfloat16
-    python -m dflashkit.train.export CKPT DIR --overwrite   # DIR holds something else: replace it anyway
     python -m dflashkit.train.export CKPT DIR --for vllm                # refuse what vLLM 0.24 serves unlike training
 
 The checkpoint's fp32 master weights and its DrafterConfig (trainer.json) are loaded into a fresh drafter and
 written with ``dflashkit.drafter.save_drafter`` in bfloat16 (the published drafters' dtype; a float32 config
 would make SGLang and vLLM serve the drafter in float16), with the config's ``dtype`` set to the weights';
 an incomplete, corrupted or altered checkpoint (trainer.json checked field by field) and one holding NaN or Inf
-weights are refused. The installed vLLM's rules (drafter/engines.py VLLM_RULES; 0.26 when none is): a tap
-of the last target layer, or sliding-window drafter layers on 0.24, are warned about, or refused with ``--for vllm``;
-the printed serve command sets num_speculative_tokens = block_size - 1.
+weights are refused. The checkpoint is resolved once and its files held open while they are read
+(train/pinned_checkpoint.py), so a training still rotating checkpoints cannot change what is exported: the
+printed line and the weights' metadata (``dflashkit_step``, ``dflashkit_checkpoint``) name the step read. DIR
+never is, lies inside or contains what is read, and is replaced only when it holds a drafter export. The
+installed vLLM's rules (drafter/engines.py VLLM_RULES; 0.26 when none is): a tap of the last target layer,
+or sliding-window drafter layers on 0.24, are warned about, or refused with ``--for vllm``; the printed serve
+command sets num_speculative_tokens = block_size - 1.
 """
 
 from __future__ import annotations
@@ -26,42 +29,21 @@ import torch
 
 from dflashkit.errors import UserError
 
-from .checkpoint import (
-    check_trainer_state,
-    latest_checkpoint,
-    nonfinite_tensor,
-    read_trainer_state,
-    read_weights,
-    verify_checkpoint,
-)
+from .checkpoint import check_trainer_state, checkpoints_root, nonfinite_tensor
+from .pinned_checkpoint import PinnedCheckpoint, is_step_dir, pin_checkpoint
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def resolve_checkpoint(path: str | os.PathLike) -> Path:
-    """A step directory, or a run's output dir (its newest complete checkpoint)."""
-    path = Path(path)
-    if (path / "checkpoint.json").is_file() or path.name.startswith("step-"):
-        return path
-    found = latest_checkpoint(path, warn=lambda msg: print(msg))
-    if found is None:
-        raise UserError(f"{path}: neither a checkpoint (checkpoint.json) nor a run directory with complete "
-                        f"checkpoints under {path}/checkpoints")
-    return found
-
-
-def load_checkpoint_drafter(path: str | os.PathLike, dtype: torch.dtype = torch.float32):
-    """The drafter stored in a training checkpoint (eval mode, CPU)."""
+def load_checkpoint_drafter(pinned: PinnedCheckpoint, dtype: torch.dtype = torch.float32):
+    """The drafter stored in a pinned training checkpoint (eval mode, CPU)."""
     from dflashkit.drafter import DrafterConfig, build_drafter
 
-    path = resolve_checkpoint(path)
-    problem = verify_checkpoint(path)
-    if problem is not None:
-        raise UserError(f"checkpoint {path} cannot be exported: {problem}")
-    state = check_trainer_state(read_trainer_state(path), path, fields=("drafter_config",))
+    path = pinned.path
+    state = check_trainer_state(pinned.trainer_state(), path, fields=("drafter_config",))
     dcfg = DrafterConfig.from_json_dict(state["drafter_config"], source=f"{path}/trainer.json")
     model = build_drafter(dcfg)
-    weights = read_weights(path)
+    weights = pinned.weights()
     bad = nonfinite_tensor(weights)
     if bad is not None:  # training stops before writing such a checkpoint; this one was written otherwise
         raise UserError(f"{path}/model.safetensors: tensor {bad} holds NaN or Inf; a diverged drafter is never "
@@ -74,21 +56,34 @@ def load_checkpoint_drafter(path: str | os.PathLike, dtype: torch.dtype = torch.
     return model.to(dtype).eval()
 
 
+def checkpoint_inputs(path: str | os.PathLike) -> Path:
+    """What an export from ``path`` reads: the step directory, or a run directory's checkpoints/ (an export into
+    the run directory beside them, e.g. RUN/export, reads nothing of its own)."""
+    path = Path(path)
+    return path if is_step_dir(path) else checkpoints_root(path)
+
+
 def export_checkpoint(path: str | os.PathLike, out_dir: str | os.PathLike, dtype: torch.dtype = torch.bfloat16,
-                      engine: str = "all", overwrite: bool = False, flag: str = "--overwrite") -> Path:
+                      engine: str = "all", overwrite: bool = False,
+                      flag: str = "--overwrite") -> tuple[Path, int, Path]:
     """engine: "all" (warn about what vLLM 0.24 serves differently) or "vllm" (refuse it); drafter/engines.py.
-    An existing ``out_dir`` is replaced only when it holds an export, or with ``overwrite`` (``flag``: the option
-    the refusal names); checked before the checkpoint is read."""
+    ``out_dir`` must lie apart from the checkpoint (dflashkit/outputs.py ``check_apart``); an existing one is
+    replaced only when it holds an export (``overwrite``, ``flag``: kept for the callers, forces nothing); both
+    checked before the checkpoint is read. The checkpoint is pinned (train/pinned_checkpoint.py): returns (the
+    export, the step read, the step directory read), which the export's metadata records too."""
     from dflashkit.drafter import save_drafter
     from dflashkit.drafter.engines import check_export_for
     from dflashkit.drafter.export import export_dir_problem
-    from dflashkit.outputs import check_output_dir
+    from dflashkit.outputs import check_apart, check_output_dir
 
+    check_apart({"out_dir": out_dir}, {"checkpoint": checkpoint_inputs(path)})
     check_output_dir(out_dir, what="a drafter directory", problem=export_dir_problem, overwrite=overwrite, flag=flag)
-    model = load_checkpoint_drafter(path, dtype)
-    check_export_for(model.dflash, engine, warn=lambda message: print(message, file=sys.stderr))
-    chat = read_trainer_state(resolve_checkpoint(path)).get("chat") or {}  # what eval renders prompts with
-    return save_drafter(model, out_dir, overwrite=overwrite, flag=flag, chat=chat)
+    with pin_checkpoint(path) as pinned:
+        model = load_checkpoint_drafter(pinned, dtype)
+        check_export_for(model.dflash, engine, warn=lambda message: print(message, file=sys.stderr))
+        chat = pinned.trainer_state().get("chat") or {}  # what eval renders prompts with
+        out = save_drafter(model, out_dir, overwrite=overwrite, flag=flag, chat=chat, metadata=pinned.metadata())
+    return out, pinned.step, pinned.path
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -102,15 +97,16 @@ def build_parser() -> argparse.ArgumentParser:
                     help="all: an export every engine loads (warns what vLLM 0.24 serves differently); vllm: "
                          "refuse a drafter vLLM 0.24 would serve unlike its training (drafter/engines.py)")
     ap.add_argument("--overwrite", action="store_true",
-                    help="replace out_dir even when it is not a drafter export (a file there is never replaced)")
+                    help="accepted for older scripts: a drafter export at out_dir is replaced anyway, anything else "
+                         "never is")
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    out = export_checkpoint(args.checkpoint, args.out_dir, DTYPES[args.dtype], args.engine,
-                            overwrite=args.overwrite)  # errors: cli.run_main
-    print(f"exported {resolve_checkpoint(args.checkpoint)} -> {out}")
+    out, step, source = export_checkpoint(args.checkpoint, args.out_dir, DTYPES[args.dtype], args.engine,
+                                          overwrite=args.overwrite)  # errors: cli.run_main
+    print(f"exported step {step} ({source}) -> {out}")
     from dflashkit.drafter import read_drafter_config
     from dflashkit.drafter.engines import vllm_serve_command
 

@@ -10,7 +10,7 @@ so the drafter written here is the one `dflashkit train` would start from.
     dflashkit init-drafter --target /models/Qwen3-8B --out drafter0 --recipe recipes/qwen3-8b.yaml
     python -m dflashkit.train.init_drafter --target /models/Qwen3-8B --out drafter0 target_layer_ids=[1,9,17,25,33]
 
---out is replaced only when it already holds a drafter export (or is empty); --overwrite replaces any directory.
+--out is replaced only when it already holds a drafter export (or is empty), --overwrite or not.
 """
 
 from __future__ import annotations
@@ -47,11 +47,10 @@ def parse_layer_types(text: str | None, num_layers: int) -> list[str] | None:
 
 def init_drafter(cfg: TrainConfig, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16, overwrite: bool = False):
     """Build a new drafter for ``cfg.target`` as training does (seeded by ``cfg.seed``) and export it to
-    ``out_dir`` (replaced only when it is an export, or with ``overwrite``); returns (export path,
-    DrafterConfig)."""
+    ``out_dir`` (replaced only when it is an export); returns (export path, DrafterConfig)."""
     from dflashkit.drafter import save_drafter
     from dflashkit.drafter.export import export_dir_problem
-    from dflashkit.outputs import check_output_dir
+    from dflashkit.outputs import check_apart, check_output_dir
     from dflashkit.targets.loading import load_target_head
 
     from .setup import build_model
@@ -60,6 +59,7 @@ def init_drafter(cfg: TrainConfig, out_dir: str | Path, dtype: torch.dtype = tor
         raise UserError("target: no target given; pass --target (an HF model dir, a .gguf file or testbed:smollm2)")
     if cfg.init_from:
         raise UserError(f"init_from={cfg.init_from}: init-drafter writes a new drafter; drop init_from")
+    check_apart({"--out": out_dir}, {"--target": cfg.target})
     check_output_dir(out_dir, what="a drafter directory", problem=export_dir_problem, overwrite=overwrite)
     torch.manual_seed(cfg.seed)
     head = load_target_head(cfg.target)
@@ -82,7 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, help="init seed (= seed; default 0)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     ap.add_argument("--overwrite", action="store_true",
-                    help="replace --out even when it is not a drafter export (a file there is never replaced)")
+                    help="accepted for older scripts: a drafter export at --out is replaced anyway, anything "
+                         "else never is")
     ap.add_argument("overrides", nargs="*", metavar="key=value", help="any TrainConfig field (train/config.py)")
     return ap
 

@@ -97,14 +97,17 @@ def earlier_run(cfg: TrainConfig) -> list[str]:
 
 
 def check_output_paths(cfg: TrainConfig) -> Path:
-    """Refuse, before any work, an output_dir that holds files of something else and an export_dir that is not a
-    drafter export (unless ``overwrite``), a file at either path always, a ``resume=none`` run into an earlier
+    """Refuse, before any work, an output_dir or export_dir that is, lies inside or contains what the run reads
+    (``run_inputs``), an output_dir that holds files of something else (unless ``overwrite``), an export_dir that
+    is not a drafter export, a file at either path always, a ``resume=none`` run into an earlier
     run's output_dir (unless ``overwrite``: the earlier run is deleted when the run starts), and an ``init_from``
     drafter that the run's settings contradict. Returns the export directory."""
     from dflashkit.drafter.export import export_dir_problem
-    from dflashkit.outputs import check_output_dir
+    from dflashkit.outputs import check_apart, check_output_dir
 
     out_dir, export_dir = Path(cfg.output_dir), export_path(cfg)
+    check_apart({"output_dir": out_dir, "export_dir": export_dir}, run_inputs(cfg))
+    check_apart({"export_dir": export_dir}, {"output_dir/checkpoints": checkpoints_root(out_dir)}, existing_only=False)
     owned = frozenset({*RUN_FILES, export_dir.name} if export_dir.parent == out_dir else RUN_FILES)
     check_output_dir(out_dir, what="a training run directory", problem=functools.partial(foreign_run_files,
                      owned=owned), overwrite=cfg.overwrite, flag="overwrite=true", forcing="write into it anyway")
@@ -118,6 +121,28 @@ def check_output_paths(cfg: TrainConfig) -> Path:
     if cfg.init_from:
         check_init_from(cfg)
     return export_dir
+
+
+def run_inputs(cfg: TrainConfig) -> dict:
+    """What the run reads, by field, for the rule that no output overlaps an input (dflashkit/outputs.py
+    ``check_apart``); a ``resume`` checkpoint of this output_dir is the run's own, not an input."""
+    resume = cfg.resume if cfg.resume not in ("auto", "none", "") else None
+    if resume and Path(resume).resolve().parent == checkpoints_root(cfg.output_dir).resolve():
+        resume = None
+    return {"shards": cfg.shards, "data": list(cfg.data), "target": cfg.target, "init_from": cfg.init_from,
+            "chat_template": cfg.chat_template, "resume": resume}
+
+
+def written_by_a_run(path: Path) -> list[Path]:
+    """The entries of a run's directory ``path`` (checkpoints/, tb/, an export) that a training run wrote: step
+    directories and their temporaries, TensorBoard event files, a drafter export's files."""
+    from dflashkit.drafter.export import EXPORT_FILES, export_dir_problem
+
+    if path.name == "checkpoints":
+        return [p for p in path.iterdir() if STEP_DIR.match(p.name.removeprefix(".tmp-").removeprefix(".old-"))]
+    if path.name == "tb":
+        return [p for p in path.iterdir() if p.name.startswith("events.out.tfevents.") and p.is_file()]
+    return [path / name for name in EXPORT_FILES if (path / name).exists()] if export_dir_problem(path) is None else []
 
 
 # --------------------------------------------------------------------------- init_from
@@ -241,17 +266,23 @@ def check_resume_path(cfg: TrainConfig, path: Path) -> None:
 
 
 def clear_earlier_run(cfg: TrainConfig) -> None:
-    """overwrite=true with resume=none: delete what an earlier run left in output_dir, saying so."""
+    """overwrite=true with resume=none: delete what an earlier run left in output_dir, saying so; only what a run
+    writes (``written_by_a_run``): anything else under those names is kept."""
     out_dir = Path(cfg.output_dir)
     export_dir = export_path(cfg)
     doomed = [out_dir / name for name in EARLIER_RUN_FILES]
     doomed += [p for p in {out_dir / "export", export_dir} if p.parent == out_dir]
     gone = []
     for p in doomed:
-        if p.is_dir() and not p.is_symlink():
-            shutil.rmtree(p)
-        elif p.exists() or p.is_symlink():
+        if p.is_symlink() or p.is_file():
             p.unlink()
+        elif p.is_dir():
+            for entry in written_by_a_run(p):
+                shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+            if any(p.iterdir()):
+                say(f"overwrite=true: kept {p}: it holds files no training run writes")
+                continue
+            p.rmdir()
         else:
             continue
         gone.append(p.name)

@@ -45,7 +45,7 @@ def test_an_output_path_that_is_a_file_is_refused_before_any_work(tmp_path, caps
     assert cli(extract_argv(data, in_the_way)) == 2
     line = error_line(capsys, "dflashkit extract")
     assert f"{in_the_way}: a file is in the way" in line and NO_TARGET not in line
-    assert cli(["train", f"shards={tmp_path}", f"output_dir={in_the_way}"]) == 2
+    assert cli(["train", f"shards={tmp_path / 'shards'}", f"output_dir={in_the_way}"]) == 2
     assert f"{in_the_way}: a file is in the way" in error_line(capsys, "dflashkit train")
     assert in_the_way.read_text() == "my notes"
 

@@ -60,3 +60,28 @@ def online_overrides(out, **kw) -> dict:
                 micro_batch_tokens=0)  # one sequence per micro-batch unless a test packs
     base.update(kw)
     return base
+
+
+def later_checkpoint(run, step: int) -> Path:
+    """What a training still running writes next into the run directory ``run``: checkpoint ``step`` (a copy of
+    the newest with other weights, checkpoint.json to match), then the rotation (keep_last=1) that removes every
+    older one. Returns the new step directory."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from dflashkit.files import sha256_file
+    from dflashkit.train.checkpoint import list_checkpoints, rotate_checkpoints
+
+    newest = list_checkpoints(run)[-1]
+    later = newest.with_name(f"step-{step:08d}")
+    shutil.copytree(newest, later)
+    weights = {k: v + 1.0 for k, v in load_file(later / "model.safetensors").items()}
+    save_file(weights, later / "model.safetensors", metadata={"format": "pt"})
+    meta = json.loads((later / "checkpoint.json").read_text())
+    meta["step"] = step
+    meta["files"]["model.safetensors"] = {"bytes": (later / "model.safetensors").stat().st_size,
+                                          "sha256": sha256_file(later / "model.safetensors")}
+    (later / "checkpoint.json").write_text(json.dumps(meta))
+    rotate_checkpoints(run, step, keep_last=1)
+    return later

@@ -21,7 +21,7 @@ def argv_writing(command: str, out, tmp_path) -> list[str]:
         "extract": ["extract", "--target", NO_TARGET, "--data", data, "--out", str(out), "--no-progress"],
         "regenerate": ["regenerate", "--target", NO_TARGET, "--data", data, "--out", f"{out}.jsonl",
                        "--no-progress"],
-        "train": ["train", f"shards={tmp_path}", f"output_dir={out}", "wandb=false", "progress=false"],
+        "train": ["train", f"shards={tmp_path / 'shards'}", f"output_dir={out}", "wandb=false", "progress=false"],
         "export": ["export", str(tmp_path / "no-such-checkpoint"), str(out)],
         "init-drafter": ["init-drafter", "--target", NO_TARGET, "--out", str(out)],
         "eval": ["eval", "--target", NO_TARGET, "--drafter", str(tmp_path / "no-such-drafter"), "--out", str(out)],

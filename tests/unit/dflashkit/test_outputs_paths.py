@@ -59,11 +59,18 @@ def test_export_into_a_directory_of_other_files_refuses_and_keeps_them(trained, 
     assert not any(p.name.startswith(".dst") for p in tmp_path.iterdir())  # no hidden copy left beside it
 
 
-def test_overwrite_replaces_and_an_earlier_export_is_replaced_without_it(trained, tmp_path, capsys):
+def test_overwrite_never_replaces_other_files_and_an_earlier_export_is_replaced_without_it(trained, tmp_path,
+                                                                                            capsys):
+    """--overwrite removes only what export wrote (issue 71): a directory of the user's files is kept."""
     _, _, run = trained
     dst = tmp_path / "dst"
-    mine(dst)
-    assert cli(["export", str(run), str(dst), "--overwrite"]) == 0
+    before = mine(dst)
+    assert cli(["export", str(run), str(dst), "--overwrite"]) == 2
+    err = one_line_error(capsys)
+    assert str(dst) in err and "notes.txt" in err and "removes only what it wrote" in err
+    assert {p.name: p.read_bytes() for p in dst.iterdir()} == before
+    dst = tmp_path / "export"
+    assert cli(["export", str(run), str(dst)]) == 0
     assert sorted(p.name for p in dst.iterdir()) == ["config.json", "model.safetensors", "modeling_dflash.py"]
     first = (dst / "model.safetensors").stat().st_ino
     assert cli(["export", str(run), str(dst), "--dtype", "float32"]) == 0  # an export: replaced, no flag needed
@@ -94,8 +101,9 @@ def test_init_drafter_refuses_a_directory_of_other_files(tmp_path, capsys):
     err = one_line_error(capsys)
     assert str(dst) in err and "--overwrite" in err
     assert {p.name: p.read_bytes() for p in dst.iterdir()} == before
-    assert cli(argv + ["--overwrite"]) == 0
-    assert not (dst / "notes.txt").exists() and (dst / "model.safetensors").is_file()
+    assert cli(argv + ["--overwrite"]) == 2  # --overwrite removes only what dflashkit wrote (issue 71)
+    assert "removes only what it wrote" in one_line_error(capsys)
+    assert {p.name: p.read_bytes() for p in dst.iterdir()} == before
 
 
 def test_train_refuses_foreign_output_and_export_dirs_before_training(trained, tmp_path, capsys):
@@ -116,9 +124,13 @@ def test_train_refuses_foreign_output_and_export_dirs_before_training(trained, t
     assert str(export) in err and "overwrite=true" in err
     assert {p.name: p.read_bytes() for p in export.iterdir()} == before_export
     assert not (run2 / "checkpoints").exists()
-    # overwrite=true: the run writes beside the user's files, and the export replaces the foreign directory
-    assert cli(argv[:4] + [f"output_dir={run2}", f"export_dir={export}", "overwrite=true"] + argv[5:]) == 0
-    assert (export / "model.safetensors").is_file() and not (export / "notes.txt").exists()
+    # overwrite=true: the run may write beside the user's files, but never replaces a directory it did not write
+    assert cli(argv[:4] + [f"output_dir={run2}", f"export_dir={export}", "overwrite=true"] + argv[5:]) == 2
+    assert str(export) in one_line_error(capsys)
+    assert {p.name: p.read_bytes() for p in export.iterdir()} == before_export
+    assert cli(argv[:4] + [f"output_dir={out}", "overwrite=true"] + argv[5:]) == 0
+    assert {name: (out / name).read_bytes() for name in before} == before  # the user's files, beside the run's
+    assert (out / "export" / "model.safetensors").is_file()
 
 
 def test_exports_checkpoints_and_shards_follow_the_umask(tmp_path):
@@ -167,7 +179,7 @@ def chat_target(tmp_path_factory):
     return save_tiny_chat_target(tmp_path_factory.mktemp("chat") / "target")
 
 
-def test_extract_refuses_foreign_files_and_overwrite_replaces_an_extraction(chat_target, tmp_path, capsys):
+def test_extract_refuses_foreign_files_even_with_overwrite_which_replaces_an_extraction(chat_target, tmp_path, capsys):
     from dflashkit.extract.shards.manifest import read_manifest
 
     data = write_jsonl(tmp_path / "d.jsonl", chat_records(3))
@@ -179,8 +191,13 @@ def test_extract_refuses_foreign_files_and_overwrite_replaces_an_extraction(chat
     err = one_line_error(capsys)
     assert str(out) in err and "--overwrite" in err
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
-    assert cli(argv + ["--overwrite"]) == 0
-    assert not (out / "notes.txt").exists() and read_manifest(out)["totals"]["samples"] == 3
+    assert cli(argv + ["--overwrite"]) == 2  # --overwrite removes only what extract wrote (issue 71)
+    assert "removes only what it wrote" in one_line_error(capsys)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    out = tmp_path / "out2"
+    argv[argv.index("--out") + 1] = str(out)
+    assert cli(argv) == 0
+    assert read_manifest(out)["totals"]["samples"] == 3
     capsys.readouterr()
     assert cli(argv) == 2  # an extraction: continued with --resume, replaced with --overwrite, never silently
     err = one_line_error(capsys)

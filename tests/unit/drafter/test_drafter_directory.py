@@ -232,8 +232,8 @@ def test_an_export_moved_aside_by_a_killed_export_is_named_on_load_and_recovered
 def test_a_moved_aside_directory_that_is_not_an_export_goes_back_and_is_not_replaced(tmp_path):
     d = tmp_path / "d"
     (tmp_path / ".d.old-89abcdef" / "d").mkdir(parents=True)
-    (tmp_path / ".d.old-89abcdef" / "d" / "notes.txt").write_text("mine")  # replaced with --overwrite, then killed
-    with pytest.raises(UserError, match="not a drafter directory.*pass --overwrite"):
+    (tmp_path / ".d.old-89abcdef" / "d" / "notes.txt").write_text("mine")  # replaced by an older version, killed
+    with pytest.raises(UserError, match="not a drafter directory.*removes only what it wrote"):
         save_drafter(_model(), d)
     assert (d / "notes.txt").read_text() == "mine" and sorted(p.name for p in tmp_path.iterdir()) == ["d"]
 

@@ -79,8 +79,8 @@ def test_export_cli_refuses_for_vllm_in_one_line(tmp_path, capsys, monkeypatch):
     from dflashkit.train import export
 
     model = build_drafter(_config(target_layer_ids=[0, 3]))
-    monkeypatch.setattr(export, "load_checkpoint_drafter", lambda path, dtype: model)
-    monkeypatch.setattr(export, "resolve_checkpoint", lambda path: tmp_path / "ckpt")
+    monkeypatch.setattr(export, "load_checkpoint_drafter", lambda pinned, dtype: model)
+    monkeypatch.setattr(export, "pin_checkpoint", lambda path: export.PinnedCheckpoint(tmp_path / "ckpt", step=1))
     assert run_main("dflashkit export", export.main, [str(tmp_path / "ckpt"), str(tmp_path / "out"), "--for",
                                                       "vllm"]) == 2
     err = capsys.readouterr().err.strip().splitlines()

@@ -3,6 +3,7 @@
 the drafter's, flags the chosen engine does not read, and `--compare` of a report.json that is not one."""
 
 import json
+import shutil
 
 import pytest
 
@@ -47,12 +48,15 @@ def test_a_report_md_and_json_of_yours_are_not_replaced(chat_pair, tmp_path, cap
 
 def test_a_drafter_export_or_a_folder_of_other_files_is_refused_before_the_target_loads(chat_pair, tmp_path, capsys):
     root, _ = chat_pair
-    drafter = root / "drafter"
+    drafter = tmp_path / "other-drafter"  # an export, not the one evaluated (that one is an input: issue 71)
+    shutil.copytree(root / "drafter", drafter)
     before = contents(drafter)
     assert cli(eval_argv(root, drafter, target=NO_TARGET)) == 2
     line = error_line(capsys)
     assert f"{drafter}: not a new report directory" in line and "config.json" in line and "--overwrite" in line
     assert NO_TARGET not in line and contents(drafter) == before
+    assert cli(eval_argv(root, root / "drafter", "--overwrite", target=NO_TARGET)) == 2
+    assert "is the input --drafter" in error_line(capsys)
     notes = tmp_path / "notes"
     notes.mkdir()
     (notes / "todo.txt").write_text("x")
