@@ -15,6 +15,9 @@ Design choices:
   id is refused, not guessed.
 - The exported config is a Qwen3 config (``model_type: "qwen3"``) plus the DFlash fields; the DFlash fields live
   both at top level and under ``dflash_config``, because vLLM, SGLang and the reference read them from either.
+- What differs by kind (``architecture``) the kind says (drafter/kinds/): config.json's ``architectures`` name and
+  ``auto_map`` module, and the kind's own fields (DFlash2's four), declared in its file, inherited here through
+  ``KindFields``, checked by it and written under ``dflash_config`` only.
 """
 
 from __future__ import annotations
@@ -27,8 +30,7 @@ from typing import Any
 from dflashkit.errors import UserError
 
 from . import engines
-from .kinds import KINDS, by_class_name, kind_for
-from .kinds.dflash2 import CONFIG_FIELDS as DFLASH2_DEFAULTS
+from .kinds import KINDS, KindFields, by_class_name, kind_for
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -120,7 +122,7 @@ def check_num_hidden_layers(num_hidden_layers: int, field: str = "num_hidden_lay
 
 
 @dataclass
-class DrafterConfig:
+class DrafterConfig(KindFields):  # + each kind's own fields, keyword-only (drafter/kinds/: config_fields)
     hidden_size: int  # = the target's hidden size (the drafter reads its embeddings and lm_head)
     num_target_layers: int  # decoder layers of the target, used for the default taps and checks
     vocab_size: int  # the target's embedding rows (logits come from the target's lm_head)
@@ -145,13 +147,7 @@ class DrafterConfig:
     attention_bias: bool = False  # bias in q/k/v/o projections (Qwen3: none)
     hidden_act: str = "silu"  # SwiGLU activation
     initializer_range: float = 0.02  # std of the random init of linear layers
-    architecture: str = "dflash"  # a key of drafter/kinds/ KINDS: the kind, which owns everything below
-    # the kinds' own fields: each kind's file gives their defaults and meaning (its config_fields); a kind's fields
-    # are ignored, and not exported, for every other kind
-    conv_kernel_size: int = DFLASH2_DEFAULTS["conv_kernel_size"]
-    conv_group_size: int = DFLASH2_DEFAULTS["conv_group_size"]
-    selector_rank: int = DFLASH2_DEFAULTS["selector_rank"]
-    selector_top_k: int = DFLASH2_DEFAULTS["selector_top_k"]
+    architecture: str = "dflash"  # a key of drafter/kinds/ KINDS: the kind (DFlash, DFlash2)
 
     def __post_init__(self):
         self.num_hidden_layers = check_num_hidden_layers(self.num_hidden_layers)

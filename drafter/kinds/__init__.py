@@ -19,13 +19,14 @@ What a new kind provides (DSpark: a DFlash backbone plus its own heads):
    propose (or the argmax), config_fields (its own whole-number fields and defaults), loss_term and loss_options
    (a frozen options dataclass with ``evaluation()``, built from a run's settings), and its capabilities:
    chain_only_reason, trained_block_reason, whole_block_only, served_by.
-3. Its entry in ``KINDS`` below.
-4. Its config fields as DrafterConfig fields (drafter/config.py; one line each, default from its
-   ``config_fields``), and the term's code in train/ under its ``loss_term`` name (``EXTRA_LOSS_TERMS``) when
-   it has one.
+3. Its entry in ``KINDS`` below; its config fields then become DrafterConfig fields (``KindFields``).
+4. When it has an extra loss term, the term's code in train/ under its ``loss_term`` name
+   (train/drafter_pass.py ``EXTRA_LOSS_TERMS``): drafter/ imports no train/ module.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from torch import nn
 
@@ -36,7 +37,16 @@ from .kind import DrafterKind, argmax_proposal, unwrapped
 KINDS: dict[str, DrafterKind] = {"dflash": DFLASH, "dflash2": DFLASH2}
 assert all(kind.architecture == name for name, kind in KINDS.items())
 
-__all__ = ["KINDS", "DrafterKind", "argmax_proposal", "by_class_name", "drafter_kind", "field_owner", "kind_for"]
+# Every kind's own fields as one dataclass that DrafterConfig derives from (drafter/config.py): keyword-only ints at
+# their kind's defaults, so a kind declares its fields in its own file and nowhere else. Each means something only
+# for its kind (its file comments it); DrafterConfig checks them by the kind (``check_fields``).
+_OWN_FIELDS = [(name, kind) for kind in KINDS.values() for name in kind.config_fields]
+assert len({name for name, _ in _OWN_FIELDS}) == len(_OWN_FIELDS), "two kinds declare a config field of one name"
+KindFields = dataclasses.make_dataclass("KindFields", [
+    (name, "int", dataclasses.field(default=kind.config_fields[name], kw_only=True)) for name, kind in _OWN_FIELDS])
+
+__all__ = ["KINDS", "DrafterKind", "KindFields", "argmax_proposal", "by_class_name", "drafter_kind", "field_owner",
+           "kind_for"]
 
 
 def kind_for(architecture: str) -> DrafterKind:

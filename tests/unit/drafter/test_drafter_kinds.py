@@ -34,6 +34,22 @@ def test_every_architecture_has_its_kind():
     assert all(kind.class_name == kind.model_class.__name__ for kind in KINDS.values())
 
 
+def test_each_kinds_own_fields_are_drafter_config_fields_at_its_defaults():
+    """A kind's config_fields become keyword-only DrafterConfig fields at the kind's defaults (KindFields), and
+    DFlash2's are the four its modeling file and vLLM 0.28 read."""
+    import dataclasses
+
+    from dflashkit.drafter import modeling_dflash2
+    from dflashkit.drafter.vllm_dflash2 import VLLM_028_DFLASH2_FIELDS
+
+    fields = {f.name: f for f in dataclasses.fields(DrafterConfig)}
+    for kind in KINDS.values():
+        for name, default in kind.config_fields.items():
+            assert fields[name].kw_only and fields[name].default == default, name
+    assert tuple(KINDS["dflash2"].config_fields) == modeling_dflash2.DFLASH2_FIELDS == VLLM_028_DFLASH2_FIELDS
+    assert DrafterConfig(**SIZES).selector_rank == 256 and DrafterConfig(**SIZES, **DFLASH2).selector_rank == 8
+
+
 def test_dflash_and_dflash2_dispatch_through_the_kinds():
     torch.manual_seed(0)
     dflash, dflash2 = build_drafter(DrafterConfig(**SIZES)), build_drafter(DrafterConfig(**SIZES, **DFLASH2))

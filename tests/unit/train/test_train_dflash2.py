@@ -141,3 +141,15 @@ def test_dflash2_trains_online(chat_run, tmp_path):
     sel = losses(out, "train/selector_loss")
     assert sel and all(v == v and v >= 0 for v in sel.values())
     assert all(v == v for v in losses(out).values())
+
+
+def test_a_kinds_own_drafter_field_needs_that_kind():
+    """``drafter:`` fields that belong to one kind (drafter/kinds/: config_fields) are refused for another, naming
+    the kind whose field it is and the setting that fixes it; for their own kind they pass."""
+    from dflashkit.errors import UserError
+
+    with pytest.raises(UserError, match=r"drafter.selector_rank is a DFlash2 field, unused by "
+                                        r"drafter_architecture=dflash; drop it or set drafter_architecture=dflash2"):
+        load_config(None, [], shards="unused", drafter={"selector_rank": 8})
+    cfg = load_config(None, [], shards="unused", drafter_architecture="dflash2", drafter={"selector_rank": 8})
+    assert cfg.drafter == {"selector_rank": 8}
