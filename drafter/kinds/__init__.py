@@ -21,7 +21,9 @@ What a new kind provides (DSpark: a DFlash backbone plus its own heads):
    chain_only_reason, trained_block_reason, whole_block_only, served_by.
 3. Its entry in ``KINDS`` below; its config fields then become DrafterConfig fields (``KindFields``).
 4. When it has an extra loss term, the term's code in train/ under its ``loss_term`` name
-   (train/drafter_pass.py ``EXTRA_LOSS_TERMS``): drafter/ imports no train/ module.
+   (train/drafter_pass.py ``EXTRA_LOSS_TERMS``): drafter/ imports no train/ module. Not yet generic: the step
+   (train/train_step.py) weighs the term's output as ``out.selector`` by ``selector_loss_weight`` and
+   train/metrics.py logs the selector's counts; a second kind's term needs that slot made the term's own.
 """
 
 from __future__ import annotations
