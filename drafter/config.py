@@ -15,6 +15,9 @@ Design choices:
   id is refused, not guessed.
 - The exported config is a Qwen3 config (``model_type: "qwen3"``) plus the DFlash fields; the DFlash fields live
   both at top level and under ``dflash_config``, because vLLM, SGLang and the reference read them from either.
+- What differs by kind (``architecture``) the kind says (drafter/kinds/): config.json's ``architectures`` name and
+  ``auto_map`` module, and the kind's own fields (DFlash2's four), declared in its file, inherited here through
+  ``KindFields``, checked by it and written under ``dflash_config`` only.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from typing import Any
 from dflashkit.errors import UserError
 
 from . import engines
+from .kinds import KINDS, KindFields, by_class_name, kind_for
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -47,18 +51,6 @@ def _target_rope(hf_config: Any) -> dict:
 DEFAULT_BLOCK_SIZE = 16  # the published DFlash drafters' block
 DEFAULT_NUM_HIDDEN_LAYERS = 5  # drafter decoder layers
 MIN_BLOCK_SIZE = 2  # the anchor plus at least one drafted token
-ARCHITECTURES = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel"}  # architecture -> config.json name
-# architecture -> the modeling files (beside this one in drafter/) an export ships; the last defines its model
-# class and is config.json's auto_map module (drafter/kinds.py gives each kind its entry)
-MODELING_FILES = {"dflash": ("modeling_dflash.py",), "dflash2": ("modeling_dflash.py", "modeling_dflash2.py")}
-# DFlash2 defaults: what the published DFlash2 drafters and trainers use (z-lab's DFlash2 drafter configs, NeMo
-# Automodel examples/speculative/dflash/qwen3_dflash2.yaml: conv_kernel_size 2, conv_group_size 16,
-# selector_rank 256, selector_top_k 16)
-DEFAULT_CONV_KERNEL_SIZE = 2
-DEFAULT_CONV_GROUP_SIZE = 16
-DEFAULT_SELECTOR_RANK = 256
-DEFAULT_SELECTOR_TOP_K = 16
-DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 
 
 def default_target_layer_ids(num_target_layers: int, n: int) -> list[int]:
@@ -130,7 +122,7 @@ def check_num_hidden_layers(num_hidden_layers: int, field: str = "num_hidden_lay
 
 
 @dataclass
-class DrafterConfig:
+class DrafterConfig(KindFields):  # + each kind's own fields, keyword-only (drafter/kinds/: config_fields)
     hidden_size: int  # = the target's hidden size (the drafter reads its embeddings and lm_head)
     num_target_layers: int  # decoder layers of the target, used for the default taps and checks
     vocab_size: int  # the target's embedding rows (logits come from the target's lm_head)
@@ -155,26 +147,13 @@ class DrafterConfig:
     attention_bias: bool = False  # bias in q/k/v/o projections (Qwen3: none)
     hidden_act: str = "silu"  # SwiGLU activation
     initializer_range: float = 0.02  # std of the random init of linear layers
-    architecture: str = "dflash"  # "dflash" or "dflash2" (in-block convolutions + candidate selector)
-    # DFlash2 only (ignored, and not exported, for "dflash"):
-    conv_kernel_size: int = DEFAULT_CONV_KERNEL_SIZE  # taps of the in-block causal convolution (self + K-1 before)
-    conv_group_size: int = DEFAULT_CONV_GROUP_SIZE  # channels sharing one dynamic tap; must divide hidden_size
-    selector_rank: int = DEFAULT_SELECTOR_RANK  # width of the selector's token codebooks and hidden projection
-    selector_top_k: int = DEFAULT_SELECTOR_TOP_K  # candidates per draft position the selector chooses among
+    architecture: str = "dflash"  # a key of drafter/kinds/ KINDS: the kind (DFlash, DFlash2)
 
     def __post_init__(self):
         self.num_hidden_layers = check_num_hidden_layers(self.num_hidden_layers)
-        if self.architecture not in ARCHITECTURES:
-            raise UserError(f"architecture={self.architecture!r}; use one of {sorted(ARCHITECTURES)}")
-        if self.architecture == "dflash2":
-            if int(self.conv_kernel_size) < 1 or int(self.selector_rank) < 1:
-                raise UserError(f"conv_kernel_size={self.conv_kernel_size} and selector_rank={self.selector_rank} "
-                                f"must be >= 1")
-            if int(self.conv_group_size) < 1 or self.hidden_size % int(self.conv_group_size):
-                raise UserError(f"conv_group_size={self.conv_group_size} must divide hidden_size="
-                                f"{self.hidden_size}; use a divisor such as 16")
-            if not 1 <= int(self.selector_top_k) <= self.vocab_size:
-                raise UserError(f"selector_top_k={self.selector_top_k} must be in 1..vocab_size={self.vocab_size}")
+        if self.architecture not in KINDS:
+            raise UserError(f"architecture={self.architecture!r}; use one of {sorted(KINDS)}")
+        kind_for(self.architecture).check_config(self)  # the kind's own fields
         self.block_size = check_block_size(self.block_size)
         if not self.target_layer_ids:
             self.target_layer_ids = default_target_layer_ids(self.num_target_layers, self.num_hidden_layers)
@@ -250,9 +229,9 @@ class DrafterConfig:
         c = self.resolved()
         rope = dict(c.rope_parameters)
         sliding = "sliding_attention" in c.layer_types
-        arch = ARCHITECTURES[c.architecture]
-        module = MODELING_FILES[c.architecture][-1].removesuffix(".py")  # the file defining the model class
-        dflash2 = {k: int(getattr(c, k)) for k in DFLASH2_FIELDS} if c.architecture == "dflash2" else {}
+        kind = kind_for(c.architecture)
+        arch, module = kind.class_name, kind.modeling_module  # the class and the file defining it
+        own = {k: int(getattr(c, k)) for k in kind.config_fields}  # the kind's own fields
         # causal-in-block: vLLM reads dflash_config.causal, SGLang and the reference the top-level is_causal
         # (drafter/engines.py); both are written, and neither for the non-causal default
         causal = {"causal": True} if c.causal else {}
@@ -273,7 +252,7 @@ class DrafterConfig:
             "block_size": c.block_size, "num_target_layers": c.num_target_layers,
             "target_layer_ids": list(c.target_layer_ids), "mask_token_id": c.mask_token_id,
             "dflash_config": {"mask_token_id": c.mask_token_id, "target_layer_ids": list(c.target_layer_ids),
-                              "block_size": c.block_size, **dflash2, **causal},  # DFlash2 fields: here only
+                              "block_size": c.block_size, **own, **causal},  # the kind's fields: here only
             **({"is_causal": True} if c.causal else {}),
             "torch_dtype": "bfloat16", "dtype": "bfloat16",
         }
@@ -300,7 +279,7 @@ class DrafterConfig:
         block_size, where = _dflash_field(d, dflash, "block_size", DEFAULT_BLOCK_SIZE)
         block_size = check_block_size(block_size, f"{source}: {where}")
         architecture = _architecture(d, source)
-        dflash2 = _dflash2_fields(d, dflash, source) if architecture == "dflash2" else {}
+        own = _kind_fields(d, dflash, architecture, source)
         layer_types = list(d.get("layer_types") or [])
         causal = engines.causal_in_block(d, source)
         try:
@@ -317,7 +296,7 @@ class DrafterConfig:
                 input_embedding_scale=float(_dflash_field(d, dflash, "input_embedding_scale", 1.0)[0]),
                 attention_bias=bool(d.get("attention_bias", False)), hidden_act=d.get("hidden_act", "silu"),
                 initializer_range=d.get("initializer_range", 0.02), architecture=architecture, causal=causal,
-                **dflash2)
+                **own)
         except ValueError as e:
             raise UserError(f"{source}: {e}") from None
 
@@ -378,21 +357,21 @@ def _dflash_field(d: dict, dflash: dict, name: str, default=None) -> tuple[Any, 
 def _architecture(d: dict, source: str) -> str:
     """The architecture ``architectures`` names; none named (a bare Qwen3 config dict) is read as DFlash."""
     names = d.get("architectures") or []
-    by_name = {name: arch for arch, name in ARCHITECTURES.items()}
-    if names and (len(set(names)) != 1 or names[0] not in by_name):
+    if names and (len(set(names)) != 1 or by_class_name(names[0]) is None):
         raise UserError(f"{source}: architectures {names} is not a DFlash drafter; it must be one of "
-                        f"{[[name] for name in by_name]}")
-    return by_name[names[0]] if names else "dflash"
+                        f"{[[kind.class_name] for kind in KINDS.values()]}")
+    return by_class_name(names[0]).architecture if names else "dflash"
 
 
-def _dflash2_fields(d: dict, dflash: dict, source: str) -> dict:
-    """The DFlash2 fields of a DFlash2DraftModel config, each a whole number."""
+def _kind_fields(d: dict, dflash: dict, architecture: str, source: str) -> dict:
+    """The kind's own fields of a config naming it, each a whole number and all required."""
+    kind = kind_for(architecture)
     out = {}
-    for name in DFLASH2_FIELDS:
+    for name in kind.config_fields:
         value, where = _dflash_field(d, dflash, name)
         if value is None:
-            raise UserError(f"{source}: a DFlash2DraftModel config needs dflash_config.{name} "
-                            f"(all of {list(DFLASH2_FIELDS)})")
+            raise UserError(f"{source}: a {kind.class_name} config needs dflash_config.{name} "
+                            f"(all of {list(kind.config_fields)})")
         out[name] = check_whole_number(value, f"{source}: {where}")
     return out
 

@@ -58,7 +58,7 @@ from .config import DrafterConfig
 from .kinds import KINDS, kind_for
 from .modeling_dflash import DFlashDraftModel
 
-MODELING_DIR = Path(__file__).parent  # where the modeling files an export ships lie (drafter/kinds.py names them)
+MODELING_DIR = Path(__file__).parent  # where the modeling files an export ships lie (drafter/kinds/ names them)
 # Which config field fixes each tensor's shape: named in load errors.
 SHAPE_FIELDS = {
     "fc.weight": "hidden_size / target_layer_ids", "q_proj": "num_attention_heads / head_dim",
@@ -66,10 +66,10 @@ SHAPE_FIELDS = {
     "o_proj": "num_attention_heads / head_dim", "q_norm": "head_dim", "k_norm": "head_dim",
     "gate_proj": "intermediate_size", "up_proj": "intermediate_size", "down_proj": "intermediate_size",
 }
-# what save_drafter writes: the weights, config.json and the modeling files of the drafter's kind (drafter/kinds.py)
+# what save_drafter writes: the weights, config.json and the modeling files of the drafter's kind (drafter/kinds/)
 EXPORT_FILES = ("config.json", "model.safetensors",
                 *dict.fromkeys(name for kind in KINDS.values() for name in kind.modeling_files))
-DRAFTER_ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel")
+DRAFTER_ARCHITECTURES = tuple(kind.class_name for kind in KINDS.values())
 
 
 def export_dir_problem(path: Path) -> str | None:
@@ -88,7 +88,7 @@ def export_dir_problem(path: Path) -> str | None:
 
 
 def build_drafter(config: DrafterConfig, dtype: torch.dtype = torch.float32) -> DFlashDraftModel:
-    """A randomly initialised drafter for ``config``: the model class of its kind (drafter/kinds.py)."""
+    """A randomly initialised drafter for ``config``: the model class of its kind (drafter/kinds/)."""
     model = kind_for(config.architecture).model_class(config.resolved().to_hf()).to(dtype)
     model.dflash = config.resolved()
     return model

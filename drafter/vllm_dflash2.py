@@ -11,6 +11,8 @@ from pathlib import Path
 from dflashkit.errors import UserError
 from dflashkit.untrusted import contained_file
 
+from .kinds import kind_for
+
 # ----------------------------------------------------------------------------- vLLM 0.28 DFlash2 rules
 # What vLLM 0.28.0 (the first release that serves DFlash2) reads of a DFlash2 drafter, one row per rule:
 # rule -> (what vLLM 0.28 does, where in its wheel's vllm/ it is). `vllm028_dflash2_problems` checks an export
@@ -105,7 +107,7 @@ def check_vllm_num_speculative_tokens(dcfg, requested: int | None) -> None:
     """UserError when a DFlash2 drafter (a DrafterConfig) would be served with num_speculative_tokens other than
     block_size - 1 (``VLLM_028_DFLASH2_RULES["block_size"]``); None (unset) or any value for a DFlash drafter
     passes (``vllm_num_speculative_tokens`` warns for those)."""
-    if dcfg.architecture == "dflash2":
+    if kind_for(dcfg.architecture).whole_block_only:
         _refuse_dflash2_num_speculative_tokens(int(dcfg.block_size), requested)
 
 
@@ -113,7 +115,7 @@ def check_vllm_schedule(dcfg, schedule) -> None:
     """UserError when a per-batch-size schedule (``num_speculative_tokens_per_batch_size``: a list of
     ``[first, last, k]``, or a speculative_config holding one) is given for a DFlash2 drafter
     (``VLLM_028_DFLASH2_RULES["schedule"]``); a DFlash drafter's schedule passes."""
-    if dcfg.architecture == "dflash2":
+    if kind_for(dcfg.architecture).whole_block_only:
         _refuse_dflash2_schedule(int(dcfg.block_size), schedule)
 
 

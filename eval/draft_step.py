@@ -64,7 +64,7 @@ class Draft(NamedTuple):
 def draft_from_hidden(drafter: nn.Module, hidden: torch.Tensor, lm_head: nn.Module, anchor: torch.Tensor) -> Draft:
     """Logits and greedy proposal from the final states hidden [1, Q - 1, H] of positions 1 .. Q-1; anchor [1] is
     the block's first token (the selector's first predecessor). The proposal is the drafter kind's
-    (drafter/kinds.py): the argmax for DFlash, the candidate selector's path for DFlash2 (the reference's rule)."""
+    (drafter/kinds/): the argmax for DFlash, the candidate selector's path for DFlash2 (the reference's rule)."""
     logits = drafter.compute_logits(hidden.to(lm_head.weight.dtype), lm_head)
     tokens = drafter_kind(drafter).propose(drafter, hidden, logits, anchor)
     return Draft(logits[0], tokens[0], hidden)

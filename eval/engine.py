@@ -92,20 +92,6 @@ class GenerationResult:
     verify_s: float = 0.0  # the rest of the rounds: target forwards, acceptance, commit (AR: the steps)
 
 
-DFLASH2_TREE_REFUSAL = ("tree mode grows its tree from one distribution per draft position; a DFlash2 drafter's "
-                        "candidate selector scores each position given the token chosen before it (one path), so "
-                        "decode DFlash2 drafters with --mode chain")
-
-
-def check_dflash2(config: DecodeConfig, block_size: int, trained_block_size: int) -> None:
-    """What the evaluator decodes of a DFlash2 drafter: chains (greedy or sampled) up to its trained block."""
-    if config.mode == "tree":
-        raise UserError(DFLASH2_TREE_REFUSAL)
-    if block_size > trained_block_size:
-        raise UserError(f"block_size {block_size} > the DFlash2 drafter's block_size {trained_block_size}: its "
-                        f"in-block convolutions span one trained block; use --block-size <= {trained_block_size}")
-
-
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -138,9 +124,9 @@ class SpeculativeDecoder:
         self.lm_head = parts.lm_head
         self.embed_scale = float(getattr(drafter, "input_embedding_scale", 1.0))
         self.mask_token_id = int(drafter.mask_token_id)
-        self.selector = drafter_kind(drafter).selector_of(drafter)  # DFlash2: proposals are the selector's path
-        if self.selector is not None:
-            check_dflash2(config, self.block_size, drafter.block_size)
+        kind = drafter_kind(drafter)
+        kind.check_decoding(config.mode, self.block_size, drafter.block_size)  # DFlash2: chains, its trained block
+        self.selector = kind.selector_of(drafter)  # DFlash2: proposals are the selector's path
         from .verifier import TargetVerifier
 
         if not attention_only(parts):

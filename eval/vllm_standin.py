@@ -405,7 +405,7 @@ class _NoDrafter:
     def __init__(self):
         from dflashkit.drafter import DrafterConfig
 
-        # its kind (drafter/kinds.py): a plain DFlash drafter, one that never drafts
+        # its kind (drafter/kinds/): a plain DFlash drafter, one that never drafts
         self.dflash = DrafterConfig(hidden_size=8, num_target_layers=1, vocab_size=2, num_hidden_layers=1,
                                     num_attention_heads=1, target_layer_ids=[0], block_size=2, mask_token_id=0)
 

@@ -20,12 +20,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dflashkit.drafter.config import (
-    ARCHITECTURES,
     DEFAULT_BLOCK_SIZE,
     DEFAULT_NUM_HIDDEN_LAYERS,
     check_block_size,
     check_num_hidden_layers,
 )
+from dflashkit.drafter.kinds import KINDS, field_owner
 from dflashkit.errors import UserError
 
 MUON_NS_DTYPES = ("float32", "bfloat16", "auto")  # muon_ns_dtype's values (train/muon.py); auto: bf16 on a GPU
@@ -161,8 +161,8 @@ class TrainConfig:
         if int(self.target_batch_tokens) < 1:
             raise UserError(f"target_batch_tokens must be >= 1, got {self.target_batch_tokens}")
         check_target_engine(self)
-        if self.drafter_architecture not in ARCHITECTURES:
-            raise UserError(f"drafter_architecture: {self.drafter_architecture!r}; use one of {sorted(ARCHITECTURES)}")
+        if self.drafter_architecture not in KINDS:
+            raise UserError(f"drafter_architecture: {self.drafter_architecture!r}; use one of {sorted(KINDS)}")
         check_drafter_fields(self.drafter, self.drafter_architecture)
         for f in dataclasses.fields(self):
             if str(f.type) == "float" and not math.isfinite(float(getattr(self, f.name))):
@@ -263,9 +263,9 @@ DRAFTER_POSITIVE_FLOATS = ("rms_norm_eps", "initializer_range")
 
 def check_drafter_fields(drafter, architecture: str) -> None:
     """``drafter:`` (extra DrafterConfig fields) must map DrafterConfig field names, not set elsewhere, to values
-    of their types: ints >= 1 (not 4.7, not true), positive finite floats; DFlash2's fields need dflash2. Refused
-    before anything loads, instead of a TypeError once the target and the data have."""
-    from dflashkit.drafter.config import DFLASH2_FIELDS, DrafterConfig
+    of their types: ints >= 1 (not 4.7, not true), positive finite floats; a kind's own fields (DFlash2's) need
+    that kind. Refused before anything loads, instead of a TypeError once the target and the data have."""
+    from dflashkit.drafter.config import DrafterConfig
 
     if not isinstance(drafter, dict):
         raise UserError(f"drafter: {drafter!r} is not a mapping; write e.g. drafter: {{intermediate_size: 4096}}")
@@ -278,9 +278,10 @@ def check_drafter_fields(drafter, architecture: str) -> None:
         if key not in kinds:
             raise UserError(f"drafter: unknown field {key!r}; the fields are DrafterConfig's in drafter/config.py: "
                             f"{sorted(k for k in kinds if k not in DRAFTER_SET_ELSEWHERE)}")
-        if key in DFLASH2_FIELDS and architecture != "dflash2":
-            raise UserError(f"drafter.{key} is a DFlash2 field, unused by drafter_architecture={architecture}; drop "
-                            f"it or set drafter_architecture=dflash2")
+        owner = field_owner(key)
+        if owner is not None and owner.architecture != architecture:
+            raise UserError(f"drafter.{key} is a {owner.name} field, unused by drafter_architecture={architecture}; "
+                            f"drop it or set drafter_architecture={owner.architecture}")
         check_drafter_value(key, value, kinds[key])
 
 

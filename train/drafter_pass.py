@@ -15,9 +15,10 @@ Design choices:
   ``selector_targets["candidates"]``), which runs the block loss with ``top_k`` and keeps its output, so the
   lm_head runs once (a second lm_head pass for the candidates cost DFlash2 0.70x DFlash's throughput, issue 36);
   loss and gradients are those of that two-pass form (tests/unit/train/test_train_selector_candidates.py). With
-  the selector's term at weight 0 (``selector=False``) no scores are computed and the loss runs after the
-  forward, as for DFlash (train/selector_loss.py). Which kind has which extra term is ``EXTRA_LOSS_TERMS``, keyed
-  by ``DrafterConfig.architecture`` like drafter/kinds.py's ``KINDS``.
+  the selector's term at weight 0 (``extra_term=False``) no scores are computed and the loss runs after the
+  forward, as for DFlash (train/selector_loss.py). A kind names its extra term (drafter/kinds/: ``loss_term``)
+  and ``EXTRA_LOSS_TERMS`` holds the term's code under that name; the term's settings are the kind's one options
+  object (``term_options``; DFlash2's ``SelectorOptions``), at the kind's defaults when none is given.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from typing import Callable
 import torch
 
 from dflashkit.drafter.kinds import KINDS, drafter_kind
+from dflashkit.drafter.kinds.dflash2 import SelectorOptions
 from dflashkit.errors import UserError
 
 from .block_mask import build_block_masks
@@ -43,7 +45,8 @@ class ExtraLossTerm:
 
     # (batch, labels [N, B-1], the micro-batch's BlockLossPass) -> the keyword arguments the forward takes for it
     forward_inputs: Callable[..., dict]
-    # (what the forward returned for it, labels, valid [N, B-1], gamma, **the term's weighting) -> out.selector
+    # (what the forward returned for it, the BlockLossPass after the forward, the block loss's variant, gamma)
+    # -> out.selector
     loss: Callable[..., SelectorLossOutput]
 
 
@@ -53,15 +56,11 @@ class BlockLossPass:
     the same loss with ``top_k`` and hands the selector its candidates (the module notes)."""
 
     def __init__(self, head, labels: torch.Tensor, valid: torch.Tensor, teacher: torch.Tensor | None,
-                 loss_options: dict, selector_kernel: bool = False, selector_unary_grad: bool = False,
-                 selector_missing_label: str = "skip", loss_grad: bool = True, selector_hidden_grad: bool = True):
+                 loss_options: dict, selector: SelectorOptions | None = None, loss_grad: bool = True):
         self.head, self.labels, self.valid, self.teacher = head, labels, valid, teacher
         self.loss_grad = loss_grad  # False: the loss engine computes no gradient, even in grad mode (evaluation)
         self.loss_options = loss_options  # block_loss's keywords: variant, gamma, ..., chunk_tokens, fused
-        self.selector_kernel = selector_kernel  # DFlash2: the selector's pairwise term by train/selector_pair.py
-        self.selector_unary_grad = selector_unary_grad  # DFlash2: its unary logits carry a gradient (selector_loss)
-        self.selector_missing_label = selector_missing_label  # DFlash2, training: "inject" (selector_loss)
-        self.selector_hidden_grad = selector_hidden_grad  # DFlash2: False detaches its pairwise term's states
+        self.selector = selector or SelectorOptions()  # DFlash2: how its candidates and term are computed
         self.injected: torch.Tensor | None = None  # the labels ``candidates`` put among them
         self.out: BlockLossOutput | None = None
 
@@ -80,11 +79,11 @@ class BlockLossPass:
         logits with their gradient to ``hidden`` when the run asks for it (train/selector_loss.py)."""
         out = self(hidden, top_k)
         logits, ids = out.top_logits, out.top_ids
-        if self.selector_missing_label == "inject" and torch.is_grad_enabled():  # training only
+        if self.selector.missing_label == "inject" and torch.is_grad_enabled():  # training only
             with torch.autocast(hidden.device.type, enabled=False):
                 logits, ids, self.injected = inject_missing_labels(hidden, logits, ids, self.labels, self.valid,
                                                                    self.head.lm_head.weight, self.head.lm_head.bias)
-        if self.selector_unary_grad and torch.is_grad_enabled():
+        if self.selector.unary_grad and torch.is_grad_enabled():
             return candidate_logits(hidden, logits, ids, self.head.lm_head.weight), ids
         return logits, ids
 
@@ -93,24 +92,31 @@ def selector_forward_inputs(batch: PackedBlocks, labels: torch.Tensor, loss_pass
     """DFlash2: what its forward needs to score the candidate selector teacher-forced (the block loss's pass, the
     source of the candidates; the true token before each draft position)."""
     targets = dict(candidates=loss_pass.candidates, predecessor_ids=predecessor_ids(batch.block_ids, labels))
-    if loss_pass.selector_kernel:  # the pairwise term without its [positions, top_k, rank] rows, where it fits
+    if loss_pass.selector.kernel:  # the pairwise term without its [positions, top_k, rank] rows, where it fits
         targets["pair_term"] = pair_term
-    if not loss_pass.selector_hidden_grad:  # the pairwise term's gradient stops at the selector's projection
+    if not loss_pass.selector.hidden_grad:  # the pairwise term's gradient stops at the selector's projection
         targets["hidden_grad"] = False
     return {"selector_targets": targets}
 
 
-def selector_term(scored, labels: torch.Tensor, valid: torch.Tensor, gamma: float,
-                  **weighting) -> SelectorLossOutput:
-    """DFlash2: the selector's term from the (scores, candidate_ids) its forward returned; ``weighting``:
-    selector_loss's position weights and normaliser (``selector_weights: loss``) and the injected labels."""
+def selector_term(scored, loss_pass: BlockLossPass, variant: str, gamma: float) -> SelectorLossOutput:
+    """DFlash2: the selector's term from the (scores, candidate_ids) its forward returned, weighted by the decay
+    or (``SelectorOptions.weights == "loss"``) by the block loss's own position weights and normaliser, with the
+    labels the pass injected among the candidates (selector_loss)."""
     scores, candidates = scored
-    return selector_loss(scores, candidates, labels, valid, gamma, **weighting)
+    weighting = {}
+    if loss_pass.selector.weights == "loss":
+        weighting = dict(weights=loss_pass.out.position_weights,
+                         weight_sum=loss_denominator(loss_pass.valid, variant, gamma))
+    if loss_pass.injected is not None:
+        weighting["injected"] = loss_pass.injected
+    return selector_loss(scores, candidates, loss_pass.labels, loss_pass.valid, gamma, **weighting)
 
 
-# each drafter kind's extra term, keyed like drafter/kinds.py's KINDS; None: the block loss alone
-EXTRA_LOSS_TERMS = {"dflash": None, "dflash2": ExtraLossTerm(selector_forward_inputs, selector_term)}
-assert set(EXTRA_LOSS_TERMS) == set(KINDS), "every drafter kind needs its entry in EXTRA_LOSS_TERMS"
+# the kinds' extra terms, under the name a kind gives its own (drafter/kinds/: DrafterKind.loss_term)
+EXTRA_LOSS_TERMS = {"candidate_selector": ExtraLossTerm(selector_forward_inputs, selector_term)}
+assert all(kind.loss_term in EXTRA_LOSS_TERMS for kind in KINDS.values() if kind.loss_term), \
+    "every drafter kind's loss_term needs its entry in EXTRA_LOSS_TERMS"
 
 
 def mask_backend(attention: str, device: torch.device) -> str:
@@ -202,27 +208,24 @@ def target_argmax_labels(head, batch: PackedBlocks, chunk_tokens: int = 2048) ->
 def forward_blocks(model, head, batch: PackedBlocks, *, block_size: int, layer_types: list[str],
                    sliding_window: int | None, backend: str = "dense", variant: str = "ce", gamma: float = 7.0,
                    dpace_alpha: float = 0.5, kl_weight: float = 0.5, chunk_tokens: int = 2048,
-                   fused_loss: bool = False, labels: str = "data", selector: bool = True,
-                   causal: bool = False, selector_kernel: bool = False, selector_unary_grad: bool = False,
-                   selector_weights: str = "decay", selector_missing_label: str = "skip",
-                   loss_grad: bool = True, selector_hidden_grad: bool = True) -> BlockLossOutput:
+                   fused_loss: bool = False, labels: str = "data", extra_term: bool = True,
+                   causal: bool = False, term_options=None, loss_grad: bool = True) -> BlockLossOutput:
     """The un-normalised block loss (and metrics) of one packed micro-batch (fused_loss: train/loss.py);
     ``labels="target_argmax"``: against the target's greedy tokens (``target_argmax_labels``), not the data's;
-    ``selector=False``: a DFlash2 drafter's selector term is not computed (``out.selector`` is None);
-    ``causal``: a causal-in-block drafter's mask (train/block_mask.py); ``selector_kernel``: DFlash2's pairwise
-    term by train/selector_pair.py's kernels where they fit; ``selector_unary_grad``: its unary logits carry a
-    gradient to the drafter; ``selector_hidden_grad=False``: its pairwise term's does not reach the drafter's
-    layers; ``selector_weights="loss"``: its positions weighted and normalised as the block
-    loss's; ``selector_missing_label="inject"``: in training, a label outside the candidates takes the lowest
-    one's slot (all train/selector_loss.py); ``loss_grad=False``: the block loss computes no gradient of the
-    states, even in grad mode (train/evaluate.py's passes through the training's graphs)."""
+    ``extra_term=False``: the kind's extra term (DFlash2: its selector's) is not computed (``out.selector`` is
+    None); ``causal``: a causal-in-block drafter's mask (train/block_mask.py); ``term_options``: the kind's options
+    of that term (drafter/kinds/; DFlash2's ``SelectorOptions``: its kernels, gradients, weights and missing
+    labels, all train/selector_loss.py), None for the kind's defaults; ``loss_grad=False``: the block loss
+    computes no gradient of the states, even in grad mode (train/evaluate.py's passes through the training's
+    graphs)."""
+    kind = drafter_kind(model)
+    options = term_options if term_options is not None else kind.default_options()
     targets = target_argmax_labels(head, batch, chunk_tokens) if labels == "target_argmax" else batch.labels
     teacher = batch.last_hidden[batch.teacher_index] if variant == "kl" else None  # after the target's final norm
     loss_pass = BlockLossPass(head, targets, batch.valid, teacher, dict(
         variant=variant, gamma=gamma, dpace_alpha=dpace_alpha, kl_weight=kl_weight, chunk_tokens=chunk_tokens,
-        fused=fused_loss), selector_kernel, selector_unary_grad, selector_missing_label, loss_grad,
-        selector_hidden_grad)
-    term = EXTRA_LOSS_TERMS[drafter_kind(model).architecture] if selector else None  # DFlash2: the selector's
+        fused=fused_loss), options, loss_grad)
+    term = EXTRA_LOSS_TERMS[kind.loss_term] if extra_term and kind.loss_term else None  # DFlash2: the selector's
     extra_inputs = None if term is None else term.forward_inputs(batch, targets, loss_pass)
     hidden = draft_hidden(model, head, batch, block_size=block_size, layer_types=layer_types,
                           sliding_window=sliding_window, backend=backend, extra_inputs=extra_inputs, causal=causal)
@@ -231,11 +234,5 @@ def forward_blocks(model, head, batch: PackedBlocks, *, block_size: int, layer_t
     _, extra = hidden
     if loss_pass.out is None:
         raise RuntimeError("the drafter's forward took the extra term's inputs but never ran the block loss pass")
-    weighting = {}
-    if selector_weights == "loss":  # the block loss's own position weights and normaliser
-        weighting = dict(weights=loss_pass.out.position_weights,
-                         weight_sum=loss_denominator(batch.valid, variant, gamma))
-    if loss_pass.injected is not None:
-        weighting["injected"] = loss_pass.injected
-    loss_pass.out.selector = term.loss(extra, targets, batch.valid, gamma, **weighting)
+    loss_pass.out.selector = term.loss(extra, loss_pass, variant, gamma)
     return loss_pass.out

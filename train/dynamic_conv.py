@@ -109,13 +109,18 @@ def dynamic_conv(hidden: torch.Tensor, dynamic: torch.Tensor, base: torch.Tensor
     return out.view(hidden.shape)
 
 
+def in_block_convolutions(model) -> list[GroupedDynamicCausalConv]:
+    """The in-block convolutions of ``model`` (DFlash2's; none for a drafter kind without them)."""
+    return [m for m in model.modules() if isinstance(m, GroupedDynamicCausalConv)]
+
+
 def install(model, device: torch.device | str) -> int:
     """Point every in-block convolution of ``model`` (a DFlash2 drafter, unwrapped) at ``dynamic_conv`` where
     Triton runs on ``device``; returns how many it pointed (0 for a DFlash drafter, or where Triton does not
     run: the convolutions keep the model's expression)."""
     if not triton_available(device):
         return 0
-    convs = [m for m in model.modules() if isinstance(m, GroupedDynamicCausalConv)]
+    convs = in_block_convolutions(model)
     for conv in convs:
         conv.conv_fn = dynamic_conv
     return len(convs)

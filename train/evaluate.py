@@ -16,7 +16,7 @@ Design choices:
   (tests/integration/test_train_eval_consistency.py), so ``eval/tau_walk`` and ``eval/walk_accept_k`` (fraction
   of rounds whose draft position k was accepted, the report's per-position acceptance) are the held-out numbers
   to compare with an eval report.
-- The walk follows the drafter's own proposal rule, as decoding does (drafter/kinds.py): the argmax for DFlash,
+- The walk follows the drafter's own proposal rule, as decoding does (drafter/kinds/): the argmax for DFlash,
   the candidate selector's greedy path for DFlash2 (the reference's rule, and vLLM's). The selector's accepted
   run is its teacher-forced choices' leading run (train/selector_loss.py ``runs``): up to its first miss the
   path has chosen the true tokens, so every predecessor it saw is the one teacher forcing gives it. For DFlash2
@@ -113,18 +113,16 @@ def training_graphs(model, accelerator) -> bool:
 def evaluate(model, head, dataset, indices: list[int], *, block_size: int, layer_types: list[str],
              sliding_window: int | None, mask_token_id: int, num_anchors: int, seed: int, gamma: float = 7.0,
              max_length: int | None = None, backend: str = "dense", chunk_tokens: int = 2048,
-             fused_loss: bool = False, selector: bool = True, accelerator=None, device=None,
-             causal: bool = False, selector_kernel: bool = False, selector_unary_grad: bool = False,
-             selector_weights: str = "decay", selector_missing_label: str = "skip", batch_tokens: int = 0,
-             selector_hidden_grad: bool = True) -> dict:
+             fused_loss: bool = False, extra_term: bool = True, accelerator=None, device=None,
+             causal: bool = False, term_options=None, batch_tokens: int = 0) -> dict:
     """Held-out loss (ce objective), per-position accuracy and tau_sim at fixed anchors, and the chain walk's
     tau_walk and per-position acceptance by the drafter's proposal rule (DFlash2: its selector's path, and the
-    argmax walk beside it, whatever ``selector`` says); ``selector``: DFlash2's selector metrics too
-    (train/drafter_pass.py), its pairwise term by the kernels with ``selector_kernel`` (train/selector_pair.py),
-    with the run's other selector options too (train/setup.py), which give the same numbers here: the three that
-    act only under a gradient (``selector_unary_grad``, ``selector_missing_label``, ``selector_hidden_grad``) are
-    left out of every pass (no label is injected among the candidates; no gradient is taken), and the ``ce``
-    objective's position weights are the decay.
+    argmax walk beside it, whatever ``extra_term`` says); ``extra_term``: the kind's extra term's metrics too
+    (DFlash2's selector metrics, train/drafter_pass.py) with the run's ``term_options`` (train/setup.py) as the
+    kind evaluates them (``evaluation()``: DFlash2's pairwise term by the kernels with ``kernel``, and the three
+    options that act only under a gradient, unary and hidden gradients and injected labels, left out of every
+    pass; no gradient is taken, so the numbers are the same), and the ``ce`` objective's position weights are the
+    decay.
     ``batch_tokens`` > 0 packs the samples up to that many tokens per pass (``eval_pack_tokens``; it needs the
     dataset's ``lengths``); 0 evaluates one sample per pass."""
     world = accelerator.num_processes if accelerator is not None else 1
@@ -140,13 +138,16 @@ def evaluate(model, head, dataset, indices: list[int], *, block_size: int, layer
     options = dict(block_size=block_size, mask_token_id=mask_token_id, seed=seed, max_length=max_length)
     passes = dict(block_size=block_size, layer_types=layer_types, sliding_window=sliding_window, backend=backend,
                   variant="ce", gamma=gamma, chunk_tokens=chunk_tokens, fused_loss=fused_loss, causal=causal)
+    kind = drafter_kind(model)
+    held_out = term_options if term_options is not None else kind.default_options()
+    held_out = None if held_out is None else held_out.evaluation()  # the kind's options for held-out passes
     graphs = training_graphs(model, accelerator)  # the module notes
     was_training = model.training
     model.train(graphs)
     sums = MetricSums(block_size - 1, device)
     # per proposal rule, rounds, tokens, accepted[k]: host integers, one transfer at the end. "": the drafter's
     # own rule (DFlash2: the selector's path); "_argmax": the argmax beside it, for a kind that proposes otherwise
-    rules = ("", "_argmax") if drafter_kind(model).selector is not None else ("",)
+    rules = ("",) if kind.proposes_argmax else ("", "_argmax")
     walks = {rule: [0] * (1 + block_size) for rule in rules}
     for pack, padding in slots:
         read = read_samples(dataset, pack)
@@ -155,17 +156,15 @@ def evaluate(model, head, dataset, indices: list[int], *, block_size: int, layer
         batch = collate_blocks(samples, num_anchors=num_anchors, fixed_anchors=True, scale=scale, **options)
         batch = batch.to(device)
         with torch.enable_grad() if graphs else nullcontext():
-            out = forward_blocks(model, head, batch, selector=selector, selector_kernel=selector_kernel,
-                                 selector_unary_grad=False, selector_weights=selector_weights,
-                                 selector_missing_label="skip", loss_grad=False, **passes)
+            out = forward_blocks(model, head, batch, extra_term=extra_term, term_options=held_out, loss_grad=False,
+                                 **passes)
         sums.add(out, loss_denominator(batch.valid, "ce", gamma), batch.scale, batch.num_tokens)
         del out  # and its autograd graph, before the next pass
         # the chain walk: every anchor candidate of the same samples, runs only
         every = collate_blocks(samples, num_anchors=1 << 40, scale=scale, check_finite=False, **options)
         every = every.to(device)
         with torch.enable_grad() if graphs else nullcontext():  # a DFlash2 drafter's selector whatever its weight
-            walked = forward_blocks(model, head, every, selector=True, selector_kernel=selector_kernel,
-                                    selector_unary_grad=False, selector_missing_label="skip", loss_grad=False,
+            walked = forward_blocks(model, head, every, extra_term=True, term_options=held_out, loss_grad=False,
                                     **passes)
         if padding:
             continue

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from dflashkit.drafter.kinds import drafter_kind
+from dflashkit.drafter.kinds import drafter_kind, kind_for
 from dflashkit.errors import UserError
 
 from .checkpoint import load_checkpoint
@@ -163,14 +163,13 @@ def param_groups(model, weight_decay: float, lr: float | None = None, codebook_l
 
 def drafter_pass_options(cfg: TrainConfig, dcfg, device: torch.device) -> dict:
     """The drafter pass's fixed arguments of a run (train/drafter_pass.forward_blocks): the drafter's block layout,
-    the mask backend for ``device``, the loss chunking, whether DFlash2's selector term is computed, and the
-    compiled logit kernels (with compiled layers, on CUDA)."""
+    the mask backend for ``device``, the loss chunking, whether the kind's extra term (DFlash2's selector term)
+    is computed and its options from the run's settings (drafter/kinds/), and the compiled logit kernels (with
+    compiled layers, on CUDA)."""
     return dict(block_size=dcfg.block_size, layer_types=dcfg.layer_types, sliding_window=dcfg.sliding_window,
                 causal=dcfg.causal, backend=mask_backend(cfg.attention, device), chunk_tokens=cfg.loss_chunk_tokens,
-                selector=cfg.selector_loss_weight > 0, fused_loss=cfg.compile and device.type == "cuda",
-                selector_kernel=bool(cfg.selector_kernel), selector_unary_grad=bool(cfg.selector_unary_grad),
-                selector_hidden_grad=bool(cfg.selector_hidden_grad), selector_weights=cfg.selector_weights,
-                selector_missing_label=cfg.selector_missing_label)
+                extra_term=cfg.selector_loss_weight > 0, fused_loss=cfg.compile and device.type == "cuda",
+                term_options=kind_for(dcfg.architecture).options_from(cfg))
 
 
 @dataclass
@@ -394,11 +393,12 @@ def announce_plan(cfg: TrainConfig, accelerator, backend_name: str, online: bool
 
 def conv_kernels(cfg: TrainConfig, model, device: torch.device, say=print) -> int:
     """With ``conv_kernel``, DFlash2's in-block convolutions by train/dynamic_conv.py's kernels where Triton runs
-    on ``device`` (said either way); returns how many convolutions take them."""
-    if not cfg.conv_kernel or cfg.drafter_architecture != "dflash2":
-        return 0
-    from .dynamic_conv import install
+    on ``device`` (said either way); returns how many convolutions take them (0, unsaid, for a drafter without
+    them)."""
+    from .dynamic_conv import in_block_convolutions, install
 
+    if not cfg.conv_kernel or not in_block_convolutions(model):
+        return 0
     n = install(model, device)
     say(f"conv_kernel: {n} in-block convolutions by Triton kernels" if n else
         f"conv_kernel: Triton does not run on {device}; the convolutions stay the model's torch expression")

@@ -69,8 +69,8 @@ def test_the_selector_flags_reach_the_dflash2_pass(tmp_path, monkeypatch, capsys
     seen, step = [], btt.Step.__call__
 
     def recorded(self, micros):
-        seen.append((self.cfg.drafter_architecture, self.options["selector_kernel"],
-                     self.options["selector_unary_grad"]))
+        options = self.options["term_options"]
+        seen.append((self.cfg.drafter_architecture, options.kernel, options.unary_grad))
         return step(self, micros)
 
     monkeypatch.setattr(btt.Step, "__call__", recorded)

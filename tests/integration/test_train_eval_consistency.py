@@ -196,7 +196,7 @@ def test_a_dflash2_walk_follows_its_selector_as_live_decoding_does(setup, tmp_pa
         selector.predecessor_codebook.mul_(50.0)
     dataset = [{"input_ids": seq, "loss_mask": loss_mask, "hidden": hidden}]
     metrics = evaluate(model, head, dataset, [0], block_size=BLOCK, layer_types=cfg.layer_types, sliding_window=None,
-                       mask_token_id=MASK, num_anchors=8, seed=0, selector=False)  # the walk's rule regardless
+                       mask_token_id=MASK, num_anchors=8, seed=0, extra_term=False)  # the walk's rule regardless
     report = live_report(target, model, seq, tmp_path)
     assert metrics["eval/tau_walk"] == pytest.approx(report["tau"], abs=1e-12)
     walk = [metrics[f"eval/walk_accept_{k}"] for k in range(1, BLOCK)]

@@ -24,12 +24,13 @@ def tiny_dflash2(V, H, B):
 
 
 def test_each_drafter_kind_trains_with_the_extra_term_registered_for_it(monkeypatch):
-    """The trainer's pass asks the kind's entry of EXTRA_LOSS_TERMS (keyed like drafter/kinds.py's KINDS),
-    never the model's attributes: DFlash2 gets its selector term, DFlash none, and an entry changed is followed."""
+    """The trainer's pass asks EXTRA_LOSS_TERMS for the term its kind names (drafter/kinds/: loss_term), never the
+    model's attributes: DFlash2 gets its selector term, DFlash none, and an entry changed is followed."""
     from dflashkit.drafter import KINDS
     from dflashkit.train import drafter_pass as pass_module
 
-    assert set(pass_module.EXTRA_LOSS_TERMS) == set(KINDS) and pass_module.EXTRA_LOSS_TERMS["dflash"] is None
+    names = {kind.loss_term for kind in KINDS.values()}
+    assert names == {None, "candidate_selector"} and set(pass_module.EXTRA_LOSS_TERMS) == names - {None}
     torch.manual_seed(0)
     V, H, B = 40, 32, 4
     head = Head(V, H, scale=1.5).double()
@@ -39,7 +40,7 @@ def test_each_drafter_kind_trains_with_the_extra_term_registered_for_it(monkeypa
     assert drafter_pass(tiny_drafter(V, H, B), head, packed, B, layers, None, "ce")[0].selector is None
     dflash2 = tiny_dflash2(V, H, B)
     assert drafter_pass(dflash2, head, packed, B, layers, None, "ce")[0].selector is not None
-    monkeypatch.setitem(pass_module.EXTRA_LOSS_TERMS, "dflash2", None)
+    monkeypatch.setitem(pass_module.EXTRA_LOSS_TERMS, "candidate_selector", None)
     assert drafter_pass(dflash2, head, packed, B, layers, None, "ce")[0].selector is None
 
 
@@ -140,3 +141,15 @@ def test_dflash2_trains_online(chat_run, tmp_path):
     sel = losses(out, "train/selector_loss")
     assert sel and all(v == v and v >= 0 for v in sel.values())
     assert all(v == v for v in losses(out).values())
+
+
+def test_a_kinds_own_drafter_field_needs_that_kind():
+    """``drafter:`` fields that belong to one kind (drafter/kinds/: config_fields) are refused for another, naming
+    the kind whose field it is and the setting that fixes it; for their own kind they pass."""
+    from dflashkit.errors import UserError
+
+    with pytest.raises(UserError, match=r"drafter.selector_rank is a DFlash2 field, unused by "
+                                        r"drafter_architecture=dflash; drop it or set drafter_architecture=dflash2"):
+        load_config(None, [], shards="unused", drafter={"selector_rank": 8})
+    cfg = load_config(None, [], shards="unused", drafter_architecture="dflash2", drafter={"selector_rank": 8})
+    assert cfg.drafter == {"selector_rank": 8}

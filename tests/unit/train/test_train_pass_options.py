@@ -6,6 +6,7 @@ import inspect
 import torch
 
 from dflashkit.drafter import DrafterConfig
+from dflashkit.drafter.kinds.dflash2 import SelectorOptions
 from dflashkit.train.config import TrainConfig
 from dflashkit.train.drafter_pass import forward_blocks
 from dflashkit.train.setup import drafter_pass_options
@@ -23,17 +24,18 @@ def test_the_options_follow_the_config_the_drafter_and_the_device():
     cfg = TrainConfig(compile=True, loss_chunk_tokens=512, selector_loss_weight=0.0, wandb=False)
     cpu = drafter_pass_options(cfg, dcfg, torch.device("cpu"))
     assert cpu == dict(block_size=4, layer_types=["sliding_attention", "full_attention"], sliding_window=16,
-                       causal=True, backend="dense", chunk_tokens=512, selector=False, fused_loss=False,
-                       selector_kernel=False, selector_unary_grad=False, selector_hidden_grad=True,
-                       selector_weights="decay", selector_missing_label="skip")
+                       causal=True, backend="dense", chunk_tokens=512, extra_term=False, fused_loss=False,
+                       term_options=None)  # DFlash: no options of its own
+    dflash2 = drafter_config(architecture="dflash2", conv_group_size=16, selector_rank=8, selector_top_k=5)
+    assert drafter_pass_options(cfg, dflash2, torch.device("cpu"))["term_options"] == SelectorOptions()
     for option, value in (("selector_kernel", True), ("selector_unary_grad", True), ("selector_weights", "loss"),
                           ("selector_missing_label", "inject"), ("selector_hidden_grad", False)):
-        assert drafter_pass_options(TrainConfig(**{option: value}, wandb=False), dcfg, torch.device("cpu"))[
-            option] == value
+        options = drafter_pass_options(TrainConfig(**{option: value}, wandb=False), dflash2, torch.device("cpu"))
+        assert options["term_options"] == SelectorOptions(**{option.removeprefix("selector_"): value})
     gpu = drafter_pass_options(cfg, dcfg, torch.device("cuda", 0))  # no GPU needed: only the device's type counts
     assert (gpu["backend"], gpu["fused_loss"]) == ("flex", True)
     eager = drafter_pass_options(TrainConfig(attention="split", wandb=False), dcfg, torch.device("cuda", 0))
-    assert (eager["backend"], eager["fused_loss"], eager["selector"]) == ("split", False, True)
+    assert (eager["backend"], eager["fused_loss"], eager["extra_term"]) == ("split", False, True)
 
 
 def test_every_option_is_an_argument_of_the_drafter_pass():

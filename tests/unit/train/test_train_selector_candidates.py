@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from dflashkit.drafter.kinds.dflash2 import SelectorOptions
 from dflashkit.train.data import collate_blocks
 from dflashkit.train.drafter_pass import draft_hidden, forward_blocks
 from dflashkit.train.loss import block_loss, loss_denominator
@@ -75,7 +76,7 @@ def one_step(model, head, batch, variant, fused, reference: bool, coupled: bool 
     else:
         out = forward_blocks(model, head, batch, block_size=B, layer_types=LAYERS, sliding_window=None,
                              variant=variant, gamma=GAMMA, chunk_tokens=CHUNK, fused_loss=fused,
-                             selector_unary_grad=coupled)
+                             term_options=SelectorOptions(unary_grad=coupled))
         candidates = out.top_ids  # the loss pass's top_k, handed to the selector
     loss = step_loss(out, batch.valid, variant)
     loss.backward()
@@ -157,7 +158,8 @@ def test_the_held_out_pass_is_the_same_under_every_selector_option():
     model, head, batch = setup(torch.float32)
     run = dict(block_size=B, layer_types=LAYERS, sliding_window=None, variant="ce", gamma=GAMMA, chunk_tokens=CHUNK)
     with torch.no_grad():
-        on = forward_blocks(model, head, batch, selector_unary_grad=True, selector_weights="loss", **run)
+        on = forward_blocks(model, head, batch, term_options=SelectorOptions(unary_grad=True, weights="loss"),
+                            **run)
         off = forward_blocks(model, head, batch, **run)
     assert int(off.selector.in_candidates) > 0 and torch.equal(on.top_ids, off.top_ids)
     for name in ("loss_sum", "weight_sum", "correct", "in_candidates"):
@@ -174,7 +176,7 @@ def test_the_loss_weighted_selector_term_takes_the_block_losss_own_position_weig
     run = dict(block_size=B, layer_types=LAYERS, sliding_window=None, variant="dpace", gamma=GAMMA,
                chunk_tokens=CHUNK)
     with torch.no_grad():
-        by_loss = forward_blocks(model, head, batch, selector_weights="loss", **run)
+        by_loss = forward_blocks(model, head, batch, term_options=SelectorOptions(weights="loss"), **run)
         by_decay = forward_blocks(model, head, batch, **run)
         hidden = draft_hidden(model, head, batch, block_size=B, layer_types=LAYERS, sliding_window=None)
     logits = hidden @ head.lm_head.weight.T
@@ -236,11 +238,14 @@ def test_injected_labels_add_terms_but_are_not_counted_as_found():
     unary coupling; without a gradient (the held-out pass) nothing is injected."""
     model, head, batch = setup(torch.float64)
     run = dict(block_size=B, layer_types=LAYERS, sliding_window=None, variant="dpace", gamma=GAMMA,
-               chunk_tokens=CHUNK, selector_unary_grad=True)
+               chunk_tokens=CHUNK)
+
+    def options(missing):
+        return SelectorOptions(unary_grad=True, missing_label=missing)
 
     def step(missing):
         model.zero_grad(set_to_none=True)
-        out = forward_blocks(model, head, batch, selector_missing_label=missing, **run)
+        out = forward_blocks(model, head, batch, term_options=options(missing), **run)
         step_loss(out, batch.valid, "dpace").backward()
         return out, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
@@ -253,8 +258,8 @@ def test_injected_labels_add_terms_but_are_not_counted_as_found():
     name = "layers.0.mlp.down_proj.weight"
     assert not torch.allclose(g_inject[name], g_skip[name])
     with torch.no_grad():
-        held = forward_blocks(model, head, batch, selector_missing_label="inject", **run)
-        plain = forward_blocks(model, head, batch, **run)
+        held = forward_blocks(model, head, batch, term_options=options("inject"), **run)
+        plain = forward_blocks(model, head, batch, term_options=options("skip"), **run)
     assert torch.equal(held.selector.loss_sum, plain.selector.loss_sum)
 
 
@@ -292,9 +297,9 @@ def test_the_detached_selector_term_leaves_the_drafters_layers_to_the_block_loss
         loss.backward()
         return loss.detach(), {n: (p.grad.clone() if p.grad is not None else None) for n, p in model.named_parameters()}
 
-    loss_detached, detached = grads(selector_hidden_grad=False)
+    loss_detached, detached = grads(term_options=SelectorOptions(hidden_grad=False))
     loss_coupled, coupled = grads()
-    _, block_only = grads(selector=False)
+    _, block_only = grads(extra_term=False)
     assert loss_detached == loss_coupled
     selector_params = [n for n in detached if n.startswith("candidate_selector.")]
     assert sorted(selector_params) == ["candidate_selector.hidden_projection.weight",

@@ -89,6 +89,7 @@ def test_the_kernels_give_the_reference_values_and_gradients_in_interpreter():
 
 PASS_SCRIPT = INTERPRETER_PREAMBLE + COUNT_LAUNCHES + textwrap.dedent("""
     import dataclasses
+    from dflashkit.drafter.kinds.dflash2 import SelectorOptions
     from dflashkit.train.data import collate_blocks
     from dflashkit.train.drafter_pass import forward_blocks
     from support.packed_blocks import Head, make_samples, tiny_drafter
@@ -107,7 +108,7 @@ PASS_SCRIPT = INTERPRETER_PREAMBLE + COUNT_LAUNCHES + textwrap.dedent("""
     for kernel in (True, False):
         model.zero_grad(set_to_none=True)
         out = forward_blocks(model, head, batch, block_size=B, layer_types=["full_attention"] * 2,
-                             sliding_window=None, chunk_tokens=7, selector_kernel=kernel)
+                             sliding_window=None, chunk_tokens=7, term_options=SelectorOptions(kernel=kernel))
         (out.loss_sum + out.selector.loss_sum).backward()
         runs.append((out.selector.loss_sum.item(), out.loss_sum.item(),
                      {n: p.grad.clone() for n, p in model.named_parameters()}))
@@ -119,7 +120,7 @@ PASS_SCRIPT = INTERPRETER_PREAMBLE + COUNT_LAUNCHES + textwrap.dedent("""
 
 
 def test_the_training_pass_with_the_kernel_in_interpreter():
-    """forward_blocks(selector_kernel=True) on a tiny DFlash2 drafter: the kernels run (once forward, once
+    """forward_blocks with SelectorOptions(kernel=True) on a tiny DFlash2 drafter: the kernels run (once forward, once
     backward), and the selector term, the block loss and every parameter's gradient are those without them."""
     launches, sel, rsel, blk, rblk, diff, selector_params = run_in_interpreter(PASS_SCRIPT)
     assert launches == {"forward": 1, "backward": 1}, launches

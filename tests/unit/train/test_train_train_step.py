@@ -6,6 +6,7 @@ import torch
 from safetensors.torch import load_file
 
 from dflashkit.drafter import DrafterConfig, build_drafter
+from dflashkit.drafter.kinds.dflash2 import SelectorOptions
 from dflashkit.train.config import load_config
 from dflashkit.train.data import collate_blocks
 from dflashkit.train.drafter_pass import forward_blocks
@@ -56,7 +57,7 @@ def one_step(model, head, micro, stop_requested, **config):
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr)
     prepared, optimizer = accelerator.prepare(model, optimizer)
     sums = MetricSums(B - 1, accelerator.device)
-    options = {**OPTIONS, "selector_weights": cfg.selector_weights}
+    options = {**OPTIONS, "term_options": SelectorOptions(weights=cfg.selector_weights)}
     result = train_step(prepared, optimizer, accelerator, head, micro, cfg=cfg, lr_factor=0.5,
                         stop_requested=stop_requested, sums=sums, pass_options=options)
     return result, sums, optimizer
@@ -98,7 +99,7 @@ def test_the_selector_term_is_skipped_but_the_block_loss_is_the_same():
     model, head = drafter("dflash2", selector_rank=4, selector_top_k=4, conv_group_size=8), Head(V, H)
     batch = micro_batches([[15, 9]])[0]
     with_term = forward_blocks(model, head, batch, **OPTIONS)
-    without = forward_blocks(model, head, batch, selector=False, **OPTIONS)
+    without = forward_blocks(model, head, batch, extra_term=False, **OPTIONS)
     assert with_term.selector is not None and without.selector is None
     assert torch.equal(with_term.loss_sum, without.loss_sum) and torch.equal(with_term.correct, without.correct)
 
@@ -144,7 +145,8 @@ def test_a_dflash2_step_weighs_and_normalises_the_selector_term_as_configured(we
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
     one_step(model, head, micro, stop_requested=False, loss="dpace", selector_loss_weight=0.7,
              selector_weights=weights)
-    outs = [forward_blocks(reference, head, m, variant="dpace", selector_weights=weights, **OPTIONS) for m in micro]
+    outs = [forward_blocks(reference, head, m, variant="dpace", term_options=SelectorOptions(weights=weights),
+                           **OPTIONS) for m in micro]
     denom = sum(loss_denominator(m.valid, "dpace", 7.0) for m in micro)
     sel_denom = sum(loss_denominator(m.valid, "dpace" if weights == "loss" else "ce", 7.0) for m in micro)
     assert sum(float(o.selector.in_candidates) for o in outs) > 0
