@@ -81,6 +81,7 @@ def test_export_cli_refuses_for_vllm_in_one_line(tmp_path, capsys, monkeypatch):
     model = build_drafter(_config(target_layer_ids=[0, 3]))
     monkeypatch.setattr(export, "load_checkpoint_drafter", lambda pinned, dtype: model)
     monkeypatch.setattr(export, "pin_checkpoint", lambda path: export.PinnedCheckpoint(tmp_path / "ckpt", step=1))
+    monkeypatch.setattr(export.PinnedCheckpoint, "trainer_state", lambda self: {})  # no trainer.json: no chat
     assert run_main("dflashkit export", export.main, [str(tmp_path / "ckpt"), str(tmp_path / "out"), "--for",
                                                       "vllm"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
