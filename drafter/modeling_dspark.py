@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .modeling_dflash import UNSUPPORTED, DFlashDraftModel, _probs
+from .modeling_dflash import UNSUPPORTED, DFlashDraftModel, filtered_probs
 
 # besides DFlash's: a logit multiplier or soft-cap would change the base logits the Markov bias is added to
 DSPARK_UNSUPPORTED = {**UNSUPPORTED, "output_multiplier": 1.0, "final_logit_softcapping": None, "logit_scale": 1.0}
@@ -90,7 +90,7 @@ def markov_sample(base_logits: torch.Tensor, anchor_ids: torch.Tensor, markov_he
     prev = anchor_ids.long()
     tokens, probs = [], []
     for k in range(base_logits.shape[1]):
-        p = _probs(base_logits[:, k] + markov_head(prev), temperature, top_p, top_k)
+        p = filtered_probs(base_logits[:, k] + markov_head(prev), temperature, top_p, top_k)
         prev = torch.multinomial(p, 1)[:, 0]
         tokens.append(prev)
         probs.append(p)
