@@ -19,6 +19,12 @@ An export directory holds:
   (``markov_head_type``, ``enable_confidence_head``, ``confidence_head_with_markov``); ``auto_map`` points at the
   shipped ``modeling_dspark.py`` (which imports the shipped ``modeling_dflash.py``).
 - ``modeling_dflash.py``, ``modeling_dspark.py``.
+
+SGLang 0.5.17 reads these names (srt/models/dspark.py:405-468: the backbone as DFlash, ``markov_head.*``, and
+``confidence_head.*`` required while its head is on) but drafts the reference's N-position block (srt/speculative/
+dspark_components/dspark_draft.py:313-323, 369: the anchor and gamma - 1 masks, gamma states, the anchor's
+predicting the first draft), so it would shift every prediction of this 1 + N export by one position: not a
+serving target for it.
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ from dflashkit.files import fsync_dir, fsync_tree
 from dflashkit.outputs import check_output_dir, make_temp_dir, save_safetensors
 
 from .config import DrafterConfig
-from .modeling_dspark import DSparkDraftModel
+from .modeling_dspark import DSparkDraftModel, markov_greedy
 
 DSPARK_ARCHITECTURE = "Qwen3DSparkModel"  # the architectures entry vLLM 0.26 serves as DSpark (registry.py:610)
 DSPARK_MODELING_FILES = ("modeling_dflash.py", "modeling_dspark.py")  # shipped; the last defines the model class
@@ -81,6 +87,12 @@ def build_dspark_drafter(config: DrafterConfig, fields: DSparkFields,
     model = DSparkDraftModel(hf).to(dtype)
     model.dflash, model.dspark = config.resolved(), fields
     return model
+
+
+def markov_proposal(drafter, hidden: torch.Tensor, logits: torch.Tensor, anchor_ids: torch.Tensor) -> torch.Tensor:
+    """The greedy proposal of one block in drafter/kinds.py's signature: logits [b, P, V] (the backbone's, draft
+    positions 1..P) -> tokens [b, P], chosen left to right with the Markov bias (``markov_greedy``)."""
+    return markov_greedy(logits, anchor_ids, getattr(drafter, "module", drafter).markov_head)  # DDP: .module
 
 
 def dspark_config_json(config: DrafterConfig, fields: DSparkFields, dtype: torch.dtype) -> dict:

@@ -6,7 +6,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from dflashkit.drafter import DrafterConfig, build_drafter
-from dflashkit.drafter.dspark import DSparkFields, build_dspark_drafter
+from dflashkit.drafter.dspark import DSparkFields, build_dspark_drafter, markov_proposal
 from dflashkit.drafter.modeling_dspark import DSparkDraftModel, MarkovHead, markov_greedy
 
 from support.tiny_targets import VOCAB, tiny_target_config
@@ -129,3 +129,15 @@ def test_a_config_asking_for_what_is_not_implemented_is_refused(field, value, wo
     setattr(hf, field, value)
     with pytest.raises(ValueError, match=words):
         DSparkDraftModel(hf)
+
+
+def test_the_kind_signature_proposal_is_the_models_greedy_draft():
+    _, model = dspark(scale=1.0)
+    hidden = torch.randn(2, 3, TARGET.hidden_size)
+    lm_head = torch.nn.Linear(TARGET.hidden_size, TARGET.vocab_size, bias=False)
+    anchors = torch.tensor([5, 6])
+    with torch.no_grad():
+        logits = model.compute_logits(hidden, lm_head)
+        wrapped = torch.nn.Module()
+        wrapped.module = model  # as DDP holds it
+        assert torch.equal(markov_proposal(wrapped, hidden, logits, anchors), model.propose(hidden, anchors, lm_head))
