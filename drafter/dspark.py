@@ -14,8 +14,10 @@ An export directory holds:
   ``mask_token_id``, ``layer_types``, ``dflash_config.causal``), with ``architectures: ["Qwen3DSparkModel"]`` (vLLM
   picks method "dspark" from it, config/speculative.py:882-887), ``markov_rank`` (qwen3_dspark.py:84-92),
   ``dspark_bonus_anchor: true`` (the 1 + N block dflashkit trains, modeling_dspark.py's docstring),
-  ``dspark_block_size`` = block_size - 1, the N drafts of a trained block (vLLM then refuses fewer speculative
-  tokens, config/speculative.py:1004-1027), and the reference's names of the heads' settings
+  ``dspark_block_size`` = block_size - 1, the N drafts of a trained block, unless every layer is causal (vLLM then
+  refuses fewer speculative tokens, config/speculative.py:1004-1027: with a non-causal layer a shorter block
+  changes every draft; with causal layers the first j drafts are the same for any k >= j), and the reference's
+  names of the heads' settings
   (``markov_head_type``, ``enable_confidence_head``, ``confidence_head_with_markov``); ``auto_map`` points at the
   shipped ``modeling_dspark.py`` (which imports the shipped ``modeling_dflash.py``).
 - ``modeling_dflash.py``, ``modeling_dspark.py``.
@@ -103,7 +105,8 @@ def dspark_config_json(config: DrafterConfig, fields: DSparkFields, dtype: torch
     cfg["auto_map"] = {"AutoModel": f"{DSPARK_MODELING_FILES[-1].removesuffix('.py')}.DSparkDraftModel"}
     cfg.update(fields.json_fields())
     cfg["dspark_bonus_anchor"] = True  # 1 + N queries: anchor, then N masks, each sampled at its own position
-    cfg["dspark_block_size"] = config.block_size - 1  # the N drafts of the trained block
+    if not config.causal:  # a shorter block than trained would change every draft: vLLM refuses k < N
+        cfg["dspark_block_size"] = config.block_size - 1
     cfg["torch_dtype"] = cfg["dtype"] = str(dtype).replace("torch.", "")
     return cfg
 
