@@ -387,6 +387,9 @@ def _probs(logits: torch.Tensor, temperature: float, top_p: float, top_k: int) -
     return probs
 
 
+filtered_probs = _probs  # the public name modeling_dspark.py samples its Markov-biased logits with
+
+
 def _sample(logits: torch.Tensor, temperature: float, top_p: float, top_k: int) -> torch.Tensor:
     if temperature <= 0:
         return torch.argmax(logits, dim=-1)
