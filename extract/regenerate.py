@@ -55,7 +55,7 @@ from dflashkit.extract.data.chat import BadSample, normalize_record
 from dflashkit.files import atomic_write, open_appending, pause_point, sync, whole_lines
 from dflashkit.stopping import StopRequest
 
-from .generation.answerers import ServerGenerator, TargetGenerator
+from .generation.answerers import EMPTY_ANSWER, ServerGenerator, TargetGenerator
 
 
 def positive_int(text: str) -> int:
@@ -231,9 +231,23 @@ def _regenerate(data: list[str], out, *, overwrite: bool = False, target: str | 
         answering.bar.close()
 
     # --- summary; the ranks' parts merged into --out -----------------------------------------------------
-    _report(answering.counts, path, rank, world)
+    all_empty = bool(answering.counts["skipped"].get(EMPTY_ANSWER)) and not answering.counts["written"]
+    if not all_empty:  # else the error below says the counts, in its one line
+        _report(answering.counts, path, rank, world)
     _merge(out, rank, world, resumed=bool(done))
+    if all_empty:
+        raise _all_empty_error(answering.counts, gen, path)
     return answering.counts
+
+
+def _all_empty_error(counts: dict, gen, path: Path) -> UserError:
+    """Every conversation this run sent came back empty from the server: nothing usable was written; the counts
+    (an empty answer is a skipped conversation, ``EMPTY_ANSWER``) and what to check."""
+    empty = counts["skipped"][EMPTY_ANSWER]
+    return UserError(f"{gen.name}: the answers to all {empty} conversations sent were empty (0 written to {path}, "
+                     f"skipped {counts['skipped']}); check that --model is what the server serves, and raise "
+                     f"--max-new-tokens ({gen.max_new_tokens}) where a reasoning model spends it all thinking; then "
+                     f"run again with --resume")
 
 
 def _check_generation_flags(target: str | None, server: str | None, temperature: float, top_p: float,
@@ -304,7 +318,7 @@ class _Answering:
     chunk: list = field(default_factory=list)  # (index, prompt turns, where) of the conversations gathered
 
     def skip(self, reason: str, where: str, detail: str) -> None:
-        if self.on_bad == "fail":
+        if self.on_bad == "fail" and reason != EMPTY_ANSWER:  # an empty answer is the server's, not the record's
             raise BadSample(reason, detail, where)
         self.counts["skipped"][reason] = self.counts["skipped"].get(reason, 0) + 1
 
