@@ -126,6 +126,7 @@ def check_writable(path: str | os.PathLike, what: str, *, beside: bool = False) 
     system. ``beside``: the command also writes next to ``path`` (a temporary sibling renamed into place), so the
     parent must be writable even when ``path`` exists."""
     path = Path(path)
+    _check_no_link_loop(path)
     places = [path.parent] if beside or not path.is_dir() else [path]
     if beside and path.is_dir():
         places.append(path)
@@ -139,6 +140,17 @@ def check_writable(path: str | os.PathLike, what: str, *, beside: bool = False) 
         if reason:
             raise UserError(f"{path}: cannot write {what} there: {found} is {reason}; pick a path on a writable "
                             f"file system or make {found} writable")
+
+
+def _check_no_link_loop(path: Path) -> None:
+    """One-line ``UserError`` when ``path``, or a folder on its way, is a symbolic link that leads back to itself
+    (pathlib reads such a path as missing; opening it fails with ELOOP)."""
+    try:
+        os.stat(path)
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            raise UserError(f"{path}: a loop of symbolic links on the way; remove the link or pick another "
+                            f"path") from None
 
 
 def blocked_error(error: OSError, path: str | os.PathLike, what: str) -> UserError | None:
