@@ -2,7 +2,9 @@
 works: a loop of symbolic links on an output path, a cache directory that cannot be written, a target without a
 tokenizer or whose config disagrees with its weights."""
 
+import json
 import os
+import shutil
 
 import pytest
 
@@ -69,3 +71,39 @@ def test_a_symlink_loop_on_the_way_to_an_output_is_one_line(command, tmp_path, c
     line = error_line(command=command, capsys=capsys)
     assert f"{out}: a loop of symbolic links on the way" in line and NO_TARGET not in line
     assert os.readlink(loop) == str(loop)
+
+
+# ----------------------------------------------------------------------------- a target that does not fit together
+def test_a_target_without_a_tokenizer_is_one_line_and_saving_one_works(target, tmp_path, capsys):
+    bare = tmp_path / "bare"
+    shutil.copytree(target, bare, ignore=shutil.ignore_patterns("tokenizer*", "special_tokens*", "chat_template*"))
+    data = write_jsonl(tmp_path / "d.jsonl", chat_records(2))
+    out = tmp_path / "out.jsonl"
+    assert cli(regenerate_argv(bare, data, out)) == 2
+    line = error_line(capsys, "regenerate")
+    assert f"{bare}: no tokenizer could be loaded (" in line and "tokenizer.save_pretrained(dir)" in line
+    tokenizer = tiny_tokenizer()  # the advice, followed
+    tokenizer.chat_template = PLAIN
+    tokenizer.save_pretrained(bare)
+    assert cli(regenerate_argv(bare, data, out)) == 0
+
+
+@pytest.mark.parametrize("command", ["regenerate", "init-drafter"])
+def test_a_config_whose_vocab_size_disagrees_with_the_weights_is_one_line(command, target, tmp_path, capsys):
+    """The full target (regenerate, extract, online training, eval) and the head alone (init-drafter, training
+    on shards) both read config.json against the embedding's shape before loading; the advice fixes it."""
+    moved = tmp_path / "t"
+    shutil.copytree(target, moved)
+    config = json.loads((moved / "config.json").read_text())
+    rows = config["vocab_size"]
+    (moved / "config.json").write_text(json.dumps({**config, "vocab_size": rows + 8}))
+    argv = {"regenerate": regenerate_argv(moved, write_jsonl(tmp_path / "d.jsonl", chat_records(2)),
+                                          tmp_path / "out.jsonl"),
+            "init-drafter": ["init-drafter", "--target", str(moved), "--out", str(tmp_path / "drafter")]}[command]
+    assert cli(argv) == 2
+    line = error_line(capsys, command)
+    assert f"{moved / 'config.json'}: vocab_size {rows + 8}, hidden_size {config['hidden_size']}, but " \
+           f"model.embed_tokens.weight in model.safetensors is [{rows}, {config['hidden_size']}]" in line
+    assert f"set vocab_size to {rows}" in line
+    (moved / "config.json").write_text(json.dumps({**config, "vocab_size": rows}))  # the advice, followed
+    assert cli(argv) == 0
