@@ -332,7 +332,8 @@ def read_recipe(recipe: str) -> dict:
     known = {f.name for f in dataclasses.fields(TrainConfig)}
     unknown = sorted(str(k) for k in data if k not in known)
     if unknown:
-        raise UserError(f"{recipe}: unknown field(s) {shown(unknown)}; the fields are listed in train/config.py")
+        raise UserError(f"{recipe}: unknown field(s) {', '.join(map(shown, unknown))}; the fields are listed in "
+                        f"train/config.py")
     return data
 
 
