@@ -41,7 +41,16 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from dflashkit.errors import UserError
-from dflashkit.files import check_name_length, fitted_name, fsync_dir, fsync_tree, name_limit, pause_point
+from dflashkit.files import (
+    check_name_length,
+    disk_full_errno,
+    disk_full_error,
+    fitted_name,
+    fsync_dir,
+    fsync_tree,
+    name_limit,
+    pause_point,
+)
 from dflashkit.outputs import check_output_dir, describe_foreign, foreign_entries, make_temp_dir, save_safetensors
 from dflashkit.untrusted import contained_file
 
@@ -118,8 +127,11 @@ def save_drafter(model: DFlashDraftModel, out_dir: str | os.PathLike, dtype: tor
             shutil.rmtree(old, ignore_errors=True)
         else:
             tmp.rename(out)
-    except BaseException:
+    except BaseException as error:
         shutil.rmtree(tmp, ignore_errors=True)
+        code = disk_full_errno(error)
+        if code is not None:  # the environment's: one line; an existing export at ``out`` was not touched
+            raise disk_full_error(code, out, sum(t.nbytes for t in state.values())) from error
         raise
     finally:
         os.close(held)

@@ -52,7 +52,7 @@ from pathlib import Path
 from dflashkit import launch
 from dflashkit.errors import UserError
 from dflashkit.extract.data.chat import BadSample, normalize_record
-from dflashkit.files import atomic_write, open_appending, pause_point, sync, whole_lines
+from dflashkit.files import atomic_write, disk_full_is_user_error, open_appending, pause_point, sync, whole_lines
 from dflashkit.stopping import StopRequest
 
 from .generation.answerers import EMPTY_ANSWER, ServerGenerator, TargetGenerator
@@ -387,6 +387,19 @@ def _merge(out: Path, rank: int, world: int, resumed: bool) -> None:
         launch.barrier()
 
 
+def _regenerate_args(args, template_kwargs: dict) -> None:
+    """``regenerate`` with the command line's flags."""
+    regenerate(args.data, args.out, target=args.target, server=args.server, model=args.model,
+               api_key=args.api_key, split=args.split, limit=args.limit, resume=args.resume,
+               overwrite=args.overwrite, on_bad=args.on_bad,
+               max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+               top_k=args.top_k, seed=args.seed, chat_template_kwargs=template_kwargs,
+               max_prompt_length=args.max_prompt_length, max_turns=args.max_turns, batch_size=args.batch_size,
+               chunk_factor=args.chunk_factor, cuda_graph=not args.no_cuda_graph,
+               concurrency=args.concurrency, dtype=args.dtype, device=args.device,
+               progress=not args.no_progress, decode_attention=args.decode_attention)
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     # SIGTERM (a scheduler, a time limit, torchrun passing on Ctrl-C) stops like Ctrl-C: the conversations already
@@ -398,15 +411,8 @@ def main(argv=None) -> int:
             except json.JSONDecodeError as e:
                 raise UserError(f"--chat-template-kwargs {args.chat_template_kwargs!r} is not JSON ({e}); "
                                 """write e.g. '{"enable_thinking": false}'""") from None
-            regenerate(args.data, args.out, target=args.target, server=args.server, model=args.model,
-                       api_key=args.api_key, split=args.split, limit=args.limit, resume=args.resume,
-                       overwrite=args.overwrite, on_bad=args.on_bad,
-                       max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                       top_k=args.top_k, seed=args.seed, chat_template_kwargs=template_kwargs,
-                       max_prompt_length=args.max_prompt_length, max_turns=args.max_turns, batch_size=args.batch_size,
-                       chunk_factor=args.chunk_factor, cuda_graph=not args.no_cuda_graph,
-                       concurrency=args.concurrency, dtype=args.dtype, device=args.device,
-                       progress=not args.no_progress, decode_attention=args.decode_attention)
+            with disk_full_is_user_error(args.out, then="run the same command again with --resume"):
+                _regenerate_args(args, template_kwargs)
     except BadSample as e:  # other user errors propagate to dflashkit.cli.run_main (one line, exit 2)
         raise UserError(f"{e}; fix the record, or pass --on-bad skip") from None
     except KeyboardInterrupt:
