@@ -49,7 +49,7 @@ import torch
 from torch import nn
 
 from dflashkit.errors import UserError, shown
-from dflashkit.files import rename_dir_into_place
+from dflashkit.files import disk_full_errno, disk_full_error, rename_dir_into_place
 
 from .runtime.parts import TargetParts, parts_of, scaled_embedding, text_config
 
@@ -165,9 +165,19 @@ def _cached_gguf_conversion(gguf: Path, out: Path) -> Path:
         return out
     if importlib.util.find_spec("gguf") is None:
         raise UserError(f"reading {gguf.name} needs the gguf package: pip install gguf")
-    with conversion_lock(out):
-        if not _marker_matches(marker, source):  # else another process converted it while this one waited
-            _convert_gguf(gguf, out, source)
+    try:
+        with conversion_lock(out):
+            if not _marker_matches(marker, source):  # else another process converted it while this one waited
+                _convert_gguf(gguf, out, source)
+    except OSError as error:
+        if disk_full_errno(error) is not None:
+            raise disk_full_error(error.errno, out, then="run the command again (or set DFLASHKIT_CACHE to a "
+                                                         "directory with room)") from error
+        if error.errno not in (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR, errno.EEXIST):
+            raise
+        raise UserError(f"{out}: the converted target cannot be written there ({error.strerror}: "
+                        f"{error.filename}); set DFLASHKIT_CACHE to a writable directory (the GGUF is converted "
+                        f"once into it; unset, it is {Path.home() / '.cache' / 'dflashkit'})") from None
     return out
 
 

@@ -107,3 +107,36 @@ def test_a_config_whose_vocab_size_disagrees_with_the_weights_is_one_line(comman
     assert f"set vocab_size to {rows}" in line
     (moved / "config.json").write_text(json.dumps({**config, "vocab_size": rows}))  # the advice, followed
     assert cli(argv) == 0
+
+
+# ----------------------------------------------------------------------------- caches that cannot be written
+def test_a_gguf_cache_that_cannot_be_written_is_one_line_and_the_default_cache_works(tmp_path, capsys,
+                                                                                     monkeypatch):
+    """DFLASHKIT_CACHE (where a GGUF target is converted once) names a file: the conversion's directory cannot be
+    made. The advice (a writable DFLASHKIT_CACHE, or unset: ~/.cache/dflashkit) loads the testbed."""
+    blocker = tmp_path / "cache"
+    blocker.write_text("not a directory\n")
+    monkeypatch.setenv("DFLASHKIT_CACHE", str(blocker))
+    argv = ["init-drafter", "--target", "testbed:smollm2", "--mask-token-id", "0", "--out", str(tmp_path / "d")]
+    assert cli(argv) == 2
+    line = error_line(capsys, "init-drafter")
+    assert f"{blocker}/testbed/smollm2: the converted target cannot be written there (" in line
+    assert "set DFLASHKIT_CACHE to a writable directory" in line and blocker.read_text() == "not a directory\n"
+    monkeypatch.delenv("DFLASHKIT_CACHE")  # the advice, followed (the default cache, converted by earlier tests)
+    assert cli(argv) == 0
+
+
+def test_a_token_cache_directory_that_cannot_be_written_leaves_a_note_and_training_goes_on(tmp_path, capsys):
+    """The token cache under output_dir only saves a resumed run the tokenizing: a token-cache that cannot be
+    written (here a file in its place; a read-only one alike) is a note, not a stop."""
+    from support.training import as_argv, extract_chat_run, online_overrides
+
+    target, data, _ = extract_chat_run(tmp_path / "chat")
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "token-cache").write_text("in the way\n")
+    assert cli(["train", *as_argv(online_overrides(out, target=target, data=[data], max_steps=1,
+                                                   save_every=0))]) == 0
+    said = capsys.readouterr().out
+    assert f"note: token cache {out / 'token-cache'}/" in said and "training goes on without it" in said
+    assert (out / "token-cache").read_text() == "in the way\n" and (out / "summary.json").is_file()
