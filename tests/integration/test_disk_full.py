@@ -82,29 +82,48 @@ class _Server(BaseHTTPRequestHandler):
         self._send(b'{"data": [{"id": "m"}]}')
 
     def do_POST(self):  # noqa: N802
-        self.rfile.read(int(self.headers["Content-Length"]))
-        self._send(b"".join(b'data: {"choices": [{"delta": {"content": "w "}}]}\n\n' for _ in range(5))
-                   + b"data: [DONE]\n\n")
+        if json.loads(self.rfile.read(int(self.headers["Content-Length"]))).get("stream"):
+            self._send(b"".join(b'data: {"choices": [{"delta": {"content": "w "}}]}\n\n' for _ in range(5))
+                       + b"data: [DONE]\n\n")
+        else:
+            self._send(json.dumps({"choices": [{"message": {"content": "an answer " * 20}}]}).encode())
 
     def log_message(self, *args):
         pass
 
 
-def test_a_full_disk_under_an_eval_report_is_one_line_with_the_bytes(tmp_path):
+@pytest.fixture()
+def server():
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Server)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    try:
-        data = write_jsonl(tmp_path / "p.jsonl", chat_records(2))
-        out = tmp_path / "report"
-        argv = ["eval", "--server", f"http://127.0.0.1:{httpd.server_address[1]}", "--dataset", data,
-                "--num-prompts", "2", "--concurrency", "1", "--out", str(out)]
-        line = one_error_line(run_limited(argv, limit=200), "eval")  # the report is larger than 200 bytes
-        assert f"{out}/serving.json: the file-size limit (ulimit -f) is reached (a write of " in line
-        assert line.endswith("then run the command again")
-        assert not out.exists()  # no report, no temporary file, no empty directory
-        proc = run_limited(argv, None)  # the advice, followed
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        assert json.loads((out / "serving.json").read_text())["levels"][0]["successes"] == 2
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def test_a_full_disk_under_regenerates_output_is_one_line_and_resume_completes_it(server, tmp_path):
+    data = write_jsonl(tmp_path / "chats.jsonl", chat_records(12))
+    out = tmp_path / "out.jsonl"
+    argv = ["regenerate", "--server", f"{server}/v1", "--model", "m", "--data", data, "--out", str(out),
+            "--concurrency", "1", "--no-progress"]
+    line = one_error_line(run_limited(argv, limit=4096), "regenerate")  # the first few conversations fit
+    assert f"{out}: the file-size limit (ulimit -f) is reached" in line
+    assert "then run the same command again with --resume" in line
+    assert 0 < len(out.read_bytes()) <= 4096
+    proc = run_limited([*argv, "--resume"], None)  # the advice, followed
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [json.loads(r)["index"] for r in out.read_text().splitlines()] == list(range(12))
+
+
+def test_a_full_disk_under_an_eval_report_is_one_line_with_the_bytes(server, tmp_path):
+    data = write_jsonl(tmp_path / "p.jsonl", chat_records(2))
+    out = tmp_path / "report"
+    argv = ["eval", "--server", server, "--dataset", data,
+            "--num-prompts", "2", "--concurrency", "1", "--out", str(out)]
+    line = one_error_line(run_limited(argv, limit=200), "eval")  # the report is larger than 200 bytes
+    assert f"{out}/serving.json: the file-size limit (ulimit -f) is reached (a write of " in line
+    assert line.endswith("then run the command again")
+    assert not out.exists()  # no report, no temporary file, no empty directory
+    proc = run_limited(argv, None)  # the advice, followed
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((out / "serving.json").read_text())["levels"][0]["successes"] == 2
