@@ -155,7 +155,7 @@ def _check_no_link_loop(path: Path) -> None:
 
 def blocked_error(error: OSError, path: str | os.PathLike, what: str) -> UserError | None:
     """The one-line ``UserError`` for an ``OSError`` that a blocked path raised (no permission, read-only file
-    system, a file where a directory should be), or None for other failures (a full disk stays a failure)."""
+    system, a file where a directory should be), or None for other errors (a full disk: files.disk_full_error)."""
     if error.errno in _BLOCKED:
         return UserError(f"{path}: cannot write {what} there ({error.strerror}: {error.filename}); pick a path on a "
                          f"writable file system or make it writable")
