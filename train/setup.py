@@ -408,6 +408,21 @@ def conv_kernels(cfg: TrainConfig, model, device: torch.device, say=print) -> in
     return n
 
 
+def check_compile_cache() -> None:
+    """compile=true writes torch.compile's cache (inductor's: TORCHINDUCTOR_CACHE_DIR, by default
+    /tmp/torchinductor_USER); one line before the first compile when it cannot be written there."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    from dflashkit.outputs import check_writable
+
+    try:  # the path inductor's cache_dir() takes, without making it
+        check_writable(os.path.abspath(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir()),
+                       "torch.compile's cache")
+    except UserError as error:
+        raise UserError(f"compile=true: {error} (TORCHINDUCTOR_CACHE_DIR sets the path), or set "
+                        f"compile=false") from None
+
+
 def prepare_drafter(cfg: TrainConfig, accelerator, model, dcfg, backend_name: str, selector: bool):
     """(model, optimizer, pass options): the optimizer built, both prepared by accelerate, the drafter's layers
     compiled when asked, and the drafter pass's fixed arguments (train/drafter_pass.forward_blocks)."""
@@ -415,6 +430,7 @@ def prepare_drafter(cfg: TrainConfig, accelerator, model, dcfg, backend_name: st
     model, optimizer = accelerator.prepare(model, optimizer)
     conv_kernels(cfg, accelerator.unwrap_model(model), accelerator.device, accelerator.print)
     if cfg.compile:  # per decoder layer, dynamic shapes from the start (train/drafter_pass.compile_layers)
+        check_compile_cache()
         compile_layers(accelerator.unwrap_model(model))
     pass_options = drafter_pass_options(cfg, dcfg, accelerator.device)
     accelerator.print(f"attention mask: {pass_options['backend']}{' (compiled drafter layers)' if cfg.compile else ''}")

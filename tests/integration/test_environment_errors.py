@@ -140,3 +140,27 @@ def test_a_token_cache_directory_that_cannot_be_written_leaves_a_note_and_traini
     said = capsys.readouterr().out
     assert f"note: token cache {out / 'token-cache'}/" in said and "training goes on without it" in said
     assert (out / "token-cache").read_text() == "in the way\n" and (out / "summary.json").is_file()
+
+
+@pytest.mark.slow
+def test_a_compile_cache_that_cannot_be_written_is_one_line_and_another_path_compiles(tmp_path, capsys,
+                                                                                     monkeypatch):
+    """compile=true writes inductor's cache (TORCHINDUCTOR_CACHE_DIR): a path under a file stops the run in one
+    line before the first compile; a writable path, as the line says, trains compiled."""
+    from support.shards import make_shards
+    from support.tiny_targets import make_tiny_target
+    from support.training import as_argv, tiny_overrides
+
+    shards = make_shards(tmp_path / "shards", make_tiny_target(tmp_path / "target"))
+    blocker = tmp_path / "notes"
+    blocker.write_text("mine\n")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(blocker / "inductor"))
+    argv = ["train", *as_argv(tiny_overrides(shards, tmp_path / "run", epochs=1, compile=True, save_every=0))]
+    capsys.readouterr()  # the progress of making the shards
+    assert cli(argv) == 2
+    line = error_line(capsys, "train")
+    assert f"compile=true: {blocker / 'inductor'}: {blocker} is a file, so torch.compile's cache cannot be made" \
+           in line and "TORCHINDUCTOR_CACHE_DIR sets the path" in line
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # the advice, followed
+    assert cli([*argv, "overwrite=true"]) == 0
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["compiled_graphs"]["compiled"] >= 1
