@@ -9,7 +9,9 @@ file or field and the fix), 1 anything else, a ``ValueError`` included (a failur
 from __future__ import annotations
 
 import importlib
+import signal
 import sys
+import threading
 from typing import Callable
 
 from dflashkit.errors import USER_ERRORS
@@ -55,6 +57,8 @@ def run_main(prog: str, main: Callable[[list[str] | None], int | None], argv: li
     Every other exception propagates with its traceback (exit status 1), a plain ``ValueError`` or
     ``FileNotFoundError`` too: those can be bugs. Each ``python -m dflashkit.X`` ends with
     ``sys.exit(run_main("dflashkit X", main))``."""
+    if hasattr(signal, "SIGXFSZ") and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a file-size limit fails the write (EFBIG), said in one line
     try:
         return int(main(argv) or 0)
     except USER_ERRORS as e:

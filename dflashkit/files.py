@@ -35,8 +35,12 @@ Design choices:
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import os
+import re
+import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -51,6 +55,47 @@ def sha256_file(path: Path, block: int = 1 << 24) -> str:
         for chunk in iter(lambda: f.read(block), b""):
             h.update(chunk)
     return h.hexdigest()
+
+
+# ----------------------------------------------------------------------------- a full disk
+# what the system says when a write does not fit; the environment's, not a bug: a UserError (exit 2)
+DISK_FULL = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "the disk quota is used up",
+             errno.EFBIG: "the file-size limit (ulimit -f) is reached"}
+
+
+def disk_full_errno(error: BaseException) -> int | None:
+    """The errno of ``DISK_FULL`` that ``error`` carries: an OSError's, or the ``os error N`` of a library that
+    writes in native code and says it in its message (safetensors); else None."""
+    if isinstance(error, OSError):
+        return error.errno if error.errno in DISK_FULL else None
+    found = re.search(r"os error (\d+)", str(error)) if type(error).__name__ == "SafetensorError" else None
+    return int(found.group(1)) if found and int(found.group(1)) in DISK_FULL else None
+
+
+def disk_full_error(code: int, path: str | os.PathLike, nbytes: int | None = None,
+                    then: str = "run the command again") -> UserError:
+    """The one line for a write to ``path`` that the disk did not take: what the system said, the bytes the write
+    needed where known, the bytes free there, and the fix."""
+    existing = next((p for p in Path(os.path.abspath(path)).parents if p.is_dir()), Path("/"))
+    free = shutil.disk_usage(existing).free
+    needed = f" of {nbytes} bytes" if nbytes is not None else ""
+    return UserError(f"{path}: {DISK_FULL[code]} (a write{needed} failed; {free} bytes free on {existing}'s file "
+                     f"system); free space, raise the limit or pick another path, then {then}")
+
+
+@contextlib.contextmanager
+def disk_full_is_user_error(path: str | os.PathLike, then: str = "run the command again"):
+    """A command's writes under ``path``: a full disk met inside (``DISK_FULL``) leaves as one ``UserError``;
+    every other error keeps its traceback."""
+    try:
+        yield
+    except UserError:
+        raise
+    except Exception as error:
+        code = disk_full_errno(error)
+        if code is None:
+            raise
+        raise disk_full_error(code, getattr(error, "filename", None) or path, then=then) from error
 
 
 def fsync_file(path: Path) -> None:
@@ -222,10 +267,13 @@ def atomic_write(path: Path, data, pause_name: str | None = None, sha256=None) -
         finally:
             os.close(fd)
         digest = sha256.result() if sha256 is not None else sha256_of(buffers)
-    except BaseException:
+    except BaseException as error:
         if sha256 is not None:
             sha256.cancel() or sha256.exception()  # the hash thread must be done with the buffers
         tmp.unlink(missing_ok=True)
+        code = disk_full_errno(error)
+        if code is not None:
+            raise disk_full_error(code, path, sum(b.nbytes for b in buffers)) from error
         raise
     _rename_into_place(tmp, path, pause_name)
     return digest
@@ -253,8 +301,11 @@ def atomic_write_with(path: Path, write: Callable[[Path], None], pause_name: str
     try:
         write(tmp)
         fsync_file(tmp)
-    except BaseException:
+    except BaseException as error:
         tmp.unlink(missing_ok=True)
+        code = disk_full_errno(error)
+        if code is not None:
+            raise disk_full_error(code, path) from error
         raise
     _rename_into_place(tmp, path, pause_name)
 

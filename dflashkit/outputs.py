@@ -133,6 +133,7 @@ def check_writable(path: str | os.PathLike, what: str, *, beside: bool = False) 
     system. ``beside``: the command also writes next to ``path`` (a temporary sibling renamed into place), so the
     parent must be writable even when ``path`` exists."""
     path = Path(path)
+    _check_no_link_loop(path)
     places = [path.parent] if beside or not path.is_dir() else [path]
     if beside and path.is_dir():
         places.append(path)
@@ -148,9 +149,20 @@ def check_writable(path: str | os.PathLike, what: str, *, beside: bool = False) 
                             f"file system or make {found} writable")
 
 
+def _check_no_link_loop(path: Path) -> None:
+    """One-line ``UserError`` when ``path``, or a folder on its way, is a symbolic link that leads back to itself
+    (pathlib reads such a path as missing; opening it fails with ELOOP)."""
+    try:
+        os.stat(path)
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            raise UserError(f"{path}: a loop of symbolic links on the way; remove the link or pick another "
+                            f"path") from None
+
+
 def blocked_error(error: OSError, path: str | os.PathLike, what: str) -> UserError | None:
     """The one-line ``UserError`` for an ``OSError`` that a blocked path raised (no permission, read-only file
-    system, a file where a directory should be), or None for other failures (a full disk stays a failure)."""
+    system, a file where a directory should be), or None for other errors (a full disk: files.disk_full_error)."""
     if error.errno in _BLOCKED:
         return UserError(f"{path}: cannot write {what} there ({error.strerror}: {error.filename}); pick a path on a "
                          f"writable file system or make it writable")

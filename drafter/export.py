@@ -45,6 +45,8 @@ from safetensors import SafetensorError, safe_open
 from dflashkit.errors import UserError
 from dflashkit.files import (
     check_name_length,
+    disk_full_errno,
+    disk_full_error,
     fitted_name,
     name_limit,
     pause_point,
@@ -126,8 +128,11 @@ def save_drafter(model: DFlashDraftModel, out_dir: str | os.PathLike, dtype: tor
         finally:
             os.close(held_old)
         shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
+    except BaseException as error:
         shutil.rmtree(tmp, ignore_errors=True)
+        code = disk_full_errno(error)
+        if code is not None:  # the environment's: one line; an existing export at ``out`` was not touched
+            raise disk_full_error(code, out, sum(t.nbytes for t in state.values())) from error
         raise
     finally:
         os.close(held)

@@ -227,6 +227,7 @@ def report_dir(out: str | None, overwrite: bool):
         return
     import os
 
+    from dflashkit.files import disk_full_is_user_error
     from dflashkit.outputs import OutputLock, check_output_dir
 
     from .report import report_dir_problem
@@ -237,7 +238,8 @@ def report_dir(out: str | None, overwrite: bool):
             check_output_dir(out, what="a new report directory", problem=report_dir_problem, overwrite=overwrite,
                              forcing="write the report into it anyway (eval's files of the same names are "
                                      "replaced, nothing else)")
-            yield
+            with disk_full_is_user_error(out, then="run the same command again with --overwrite"):
+                yield
     finally:
         if made:  # a run that stopped before writing anything leaves no empty directory behind
             try:

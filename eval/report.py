@@ -37,7 +37,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from dflashkit.errors import UserError
+from dflashkit.errors import UserError, shown
 from dflashkit.files import atomic_write
 
 from .engine import GenerationResult
@@ -279,7 +279,8 @@ def _field_name(keys: tuple) -> str:
     """``overall.tau``; a dataset's name (a path may hold dots) in brackets: ``datasets["p.jsonl"].tau``."""
     name = keys[0]
     for key in keys[1:]:
-        name += f".{key}" if key.isidentifier() else f"[{json.dumps(key)}]"
+        name += f".{key}" if key.isidentifier() and len(key) <= 80 else \
+            f"[{json.dumps(key) if len(key) <= 80 else shown(key)}]"  # a 100 KB name is cut, not echoed
     return name
 
 

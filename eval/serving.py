@@ -33,7 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflashkit.errors import UserError
+from dflashkit.errors import UserError, shown
 from dflashkit.files import atomic_write
 
 VLLM_DRAFTS = "vllm:spec_decode_num_drafts_total"
@@ -124,21 +124,22 @@ def stream_chat(base_url: str, model: str, messages: list[dict], max_tokens: int
                                      headers={"Content-Type": "application/json"})
     start = time.perf_counter()
     result = RequestResult(ok=False)
-    chunks, usage_tokens = 0, None
+    chunks, usage_tokens, first = 0, None, None
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
             for raw in response:
                 line = raw.decode("utf-8", "replace").strip()
+                first = first or line
                 if not line.startswith("data:"):
                     continue
                 data = line[5:].strip()
                 if data == "[DONE]":
                     break
-                event = json.loads(data)
-                if event.get("usage"):
+                event = _stream_event(data)
+                if isinstance(event.get("usage"), dict):
                     usage_tokens = event["usage"].get("completion_tokens")
-                for choice in event.get("choices", []):
-                    if (choice.get("delta") or {}).get("content"):
+                for choice in event.get("choices") or []:
+                    if isinstance(choice, dict) and (choice.get("delta") or {}).get("content"):
                         chunks += 1
                         if result.ttft_s is None:
                             result.ttft_s = time.perf_counter() - start
@@ -151,8 +152,21 @@ def stream_chat(base_url: str, model: str, messages: list[dict], max_tokens: int
     if result.error is None:
         result.ok = result.output_tokens > 0
         if not result.ok:
-            result.error = "the stream carried no tokens"
+            result.error = "the stream carried no tokens" + (f", it began {shown(first)}" if first else "")
     return result
+
+
+def _stream_event(data: str) -> dict:
+    """One server-sent event of a chat-completions stream; ValueError (the request fails, and is counted) for
+    one that is not a JSON object or that carries the server's ``error``."""
+    event = json.loads(data)
+    if not isinstance(event, dict):
+        raise ValueError(f"an event is not a JSON object: {shown(data)}")
+    if event.get("error"):
+        error = event["error"]
+        said = error.get("message", error) if isinstance(error, dict) else error
+        raise ValueError(f"the server sent an error: {shown(said)}")
+    return event
 
 
 def _percentile(values: list[float], q: float) -> float | None:
@@ -214,7 +228,19 @@ def sweep(base_url: str, conversations: list[list[dict]], levels: list[int], max
         out["levels"].append(run_level(base_url, model, requests, level, max_tokens, temperature, timeout))
         if progress is not None:
             progress(out["levels"][-1])
+    check_some_answered(base_url, out)
     return out
+
+
+def check_some_answered(base_url: str, result: dict) -> None:
+    """UserError naming the counts when no request of any level came back with tokens: nothing to measure, so no
+    report is written."""
+    sent = sum(level["requests"] for level in result["levels"])
+    if sent and not any(level["successes"] for level in result["levels"]):
+        said = result["levels"][0]["errors"][0]
+        raise UserError(f"{base_url.rstrip('/')}/v1/chat/completions: 0 of {sent} requests came back with tokens "
+                        f"(model {result['model']!r}; the first: {shown(said, 200)}); check --model against the "
+                        f"server's /v1/models and that the server streams chat completions; no report written")
 
 
 def render_markdown(result: dict) -> str:

@@ -28,6 +28,7 @@ from dflashkit.extract.data.rendering import BadSample
 from dflashkit.extract.run import ENGINES, extract, parse_size
 from dflashkit.extract.shards.format import CODECS
 from dflashkit.extract.shards.writer import ShardWriteError
+from dflashkit.files import disk_full_errno
 
 
 def parse_layer_ids(text: str) -> list[int]:
@@ -126,7 +127,9 @@ def main(argv=None) -> int:
                 max_model_len=args.max_model_len)
     except BadSample as e:  # other user errors propagate to dflashkit.cli.run_main (one line, exit 2)
         raise UserError(f"{e}; fix the record, or pass --on-bad skip to skip and count such records") from None
-    except ShardWriteError as e:  # a failure: the disk, not the input
+    except ShardWriteError as e:  # NaN/Inf features, an I/O error: a failure; a full disk: the environment's
+        if disk_full_errno(e.__cause__) is not None:
+            raise UserError(str(e)) from e
         print(f"dflashkit extract: error: {e}", file=sys.stderr)
         return 1
     return 0

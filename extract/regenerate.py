@@ -53,10 +53,10 @@ from pathlib import Path
 from dflashkit import launch
 from dflashkit.errors import UserError
 from dflashkit.extract.data.rendering import BadSample, normalize_record, read_chat_template
-from dflashkit.files import atomic_write, open_appending, pause_point, sync, whole_lines
+from dflashkit.files import atomic_write, disk_full_is_user_error, open_appending, pause_point, sync, whole_lines
 from dflashkit.stopping import StopRequest
 
-from .generation.answerers import ServerGenerator, TargetGenerator
+from .generation.answerers import EMPTY_ANSWER, ServerGenerator, TargetGenerator
 
 
 def positive_int(text: str) -> int:
@@ -243,10 +243,24 @@ def _regenerate(data: list[str], out, *, overwrite: bool = False, target: str | 
         answering.bar.close()
 
     # --- summary; the ranks' parts merged into --out -----------------------------------------------------
-    _report(answering.counts, path, rank, world)
+    all_empty = bool(answering.counts["skipped"].get(EMPTY_ANSWER)) and not answering.counts["written"]
+    if not all_empty:  # else the error below says the counts, in its one line
+        _report(answering.counts, path, rank, world)
     _merge(out, rank, world, resumed=bool(done))
+    if all_empty:
+        raise _all_empty_error(answering.counts, gen, path)
     _check_not_all_skipped(answering.counts, out, world)
     return answering.counts
+
+
+def _all_empty_error(counts: dict, gen, path: Path) -> UserError:
+    """Every conversation this run sent came back empty from the server: nothing usable was written; the counts
+    (an empty answer is a skipped conversation, ``EMPTY_ANSWER``) and what to check."""
+    empty = counts["skipped"][EMPTY_ANSWER]
+    return UserError(f"{gen.name}: the answers to all {empty} conversations sent were empty (0 written to {path}, "
+                     f"skipped {counts['skipped']}); check that --model is what the server serves, and raise "
+                     f"--max-new-tokens ({gen.max_new_tokens}) where a reasoning model spends it all thinking; then "
+                     f"run again with --resume")
 
 
 def _check_not_all_skipped(counts: dict, out: Path, world: int) -> None:
@@ -329,7 +343,7 @@ class _Answering:
     chunk: list = field(default_factory=list)  # (index, prompt turns, where) of the conversations gathered
 
     def skip(self, reason: str, where: str, detail: str) -> None:
-        if self.on_bad == "fail":
+        if self.on_bad == "fail" and reason != EMPTY_ANSWER:  # an empty answer is the server's, not the record's
             raise BadSample(reason, detail, where)
         self.counts["skipped"][reason] = self.counts["skipped"].get(reason, 0) + 1
 
@@ -398,6 +412,20 @@ def _merge(out: Path, rank: int, world: int, resumed: bool) -> None:
         launch.barrier()
 
 
+def _regenerate_args(args, template_kwargs: dict) -> None:
+    """``regenerate`` with the command line's flags."""
+    regenerate(args.data, args.out, target=args.target, server=args.server, model=args.model,
+               api_key=args.api_key, split=args.split, limit=args.limit, resume=args.resume,
+               overwrite=args.overwrite, on_bad=args.on_bad,
+               max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+               top_k=args.top_k, seed=args.seed, chat_template_kwargs=template_kwargs,
+               max_prompt_length=args.max_prompt_length, max_turns=args.max_turns, batch_size=args.batch_size,
+               chunk_factor=args.chunk_factor, cuda_graph=not args.no_cuda_graph,
+               concurrency=args.concurrency, dtype=args.dtype, device=args.device,
+               progress=not args.no_progress, decode_attention=args.decode_attention,
+               chat_template=args.chat_template)
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     # SIGTERM (a scheduler, a time limit, torchrun passing on Ctrl-C) stops like Ctrl-C: the conversations already
@@ -409,16 +437,8 @@ def main(argv=None) -> int:
             except json.JSONDecodeError as e:
                 raise UserError(f"--chat-template-kwargs {args.chat_template_kwargs!r} is not JSON ({e}); "
                                 """write e.g. '{"enable_thinking": false}'""") from None
-            regenerate(args.data, args.out, target=args.target, server=args.server, model=args.model,
-                       api_key=args.api_key, split=args.split, limit=args.limit, resume=args.resume,
-                       overwrite=args.overwrite, on_bad=args.on_bad,
-                       max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                       top_k=args.top_k, seed=args.seed, chat_template_kwargs=template_kwargs,
-                       max_prompt_length=args.max_prompt_length, max_turns=args.max_turns, batch_size=args.batch_size,
-                       chunk_factor=args.chunk_factor, cuda_graph=not args.no_cuda_graph,
-                       concurrency=args.concurrency, dtype=args.dtype, device=args.device,
-                       progress=not args.no_progress, decode_attention=args.decode_attention,
-                       chat_template=args.chat_template)
+            with disk_full_is_user_error(args.out, then="run the same command again with --resume"):
+                _regenerate_args(args, template_kwargs)
     except BadSample as e:  # other user errors propagate to dflashkit.cli.run_main (one line, exit 2)
         raise UserError(f"{e}; fix the record, or pass --on-bad skip") from None
     except KeyboardInterrupt:

@@ -48,8 +48,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from dflashkit.errors import UserError
-from dflashkit.files import rename_dir_into_place
+from dflashkit.errors import UserError, shown
+from dflashkit.files import disk_full_errno, disk_full_error, rename_dir_into_place
 
 from .runtime.parts import TargetParts, parts_of, scaled_embedding, text_config
 
@@ -165,9 +165,19 @@ def _cached_gguf_conversion(gguf: Path, out: Path) -> Path:
         return out
     if importlib.util.find_spec("gguf") is None:
         raise UserError(f"reading {gguf.name} needs the gguf package: pip install gguf")
-    with conversion_lock(out):
-        if not _marker_matches(marker, source):  # else another process converted it while this one waited
-            _convert_gguf(gguf, out, source)
+    try:
+        with conversion_lock(out):
+            if not _marker_matches(marker, source):  # else another process converted it while this one waited
+                _convert_gguf(gguf, out, source)
+    except OSError as error:
+        if disk_full_errno(error) is not None:
+            raise disk_full_error(error.errno, out, then="run the command again (or set DFLASHKIT_CACHE to a "
+                                                         "directory with room)") from error
+        if error.errno not in (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR, errno.EEXIST):
+            raise
+        raise UserError(f"{out}: the converted target cannot be written there ({error.strerror}: "
+                        f"{error.filename}); set DFLASHKIT_CACHE to a writable directory (the GGUF is converted "
+                        f"once into it; unset, it is {Path.home() / '.cache' / 'dflashkit'})") from None
     return out
 
 
@@ -302,16 +312,19 @@ class Target(TargetParts):
 def load_target(spec: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                 device_map: Any = None, trust_remote_code: bool = False) -> Target:
     """Load the full target (eval mode) with its tokenizer. `device_map` (e.g. "auto") spreads it over GPUs."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     model_dir, label = resolve_target_dir(spec)
     family = family_of(model_dir)
     _safetensors_files(model_dir)
+    check_embedding_shape(model_dir, AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+                          .get_text_config(), _tensor_files(model_dir))
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
     except Exception as error:  # noqa: BLE001 - the cause is kept in the message
-        raise UserError(f"{model_dir}: no tokenizer could be loaded ({error}); save the target's tokenizer "
-                        "into that directory (tokenizer.save_pretrained(dir))") from error
+        said = " ".join(str(error).split())  # one line: the library's message spans several
+        raise UserError(f"{model_dir}: no tokenizer could be loaded ({shown(said, 160)}); save the target's "
+                        "tokenizer into that directory (tokenizer.save_pretrained(dir))") from error
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, device_map=device_map,
                                                  trust_remote_code=trust_remote_code, use_safetensors=True)
     if device_map is None:
@@ -371,6 +384,24 @@ def _tensor_files(model_dir: Path) -> dict[str, Path]:
     return names
 
 
+def check_embedding_shape(model_dir: Path, text_config, files: dict[str, Path]) -> None:
+    """UserError when the input embedding's shape in the weights is not config.json's [vocab_size, hidden_size]:
+    the config does not belong to these weights (transformers would fail after reading them all)."""
+    from safetensors import safe_open
+
+    name = next((f"{p}embed_tokens.weight" for p in _CHECKPOINT_PREFIXES if f"{p}embed_tokens.weight" in files), None)
+    if name is None:  # load_target_head names what is missing
+        return
+    with safe_open(str(files[name]), framework="pt", device="cpu") as f:
+        shape = list(f.get_slice(name).get_shape())
+    want = [int(text_config.vocab_size), int(text_config.hidden_size)]
+    if shape != want:
+        raise UserError(f"{Path(model_dir) / 'config.json'}: vocab_size {want[0]}, hidden_size {want[1]}, but "
+                        f"{name} in {files[name].name} is {shape}: the config does not belong to these weights; "
+                        f"put back the config.json saved with them (for a vocabulary the weights were resized to, "
+                        f"set vocab_size to {shape[0]})")
+
+
 def load_target_head(spec: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                      trust_remote_code: bool = False) -> TargetHead:
     """Read only the embedding, final norm and lm_head tensors; the decoder layers are never built or read."""
@@ -382,6 +413,7 @@ def load_target_head(spec: str | os.PathLike, dtype: torch.dtype = torch.float32
     config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
     text = config.get_text_config()
     files = _tensor_files(model_dir)
+    check_embedding_shape(model_dir, text, files)
     prefix = next((p for p in _CHECKPOINT_PREFIXES
                    if f"{p}embed_tokens.weight" in files and f"{p}norm.weight" in files), None)
     if prefix is None:

@@ -97,12 +97,17 @@ def main(argv: list[str] | None = None) -> int:
     from dflashkit import IMPORTED_AT  # the process's start: the run's clock counts its imports
 
     cfg = config_from_args(parse_args(argv))
+    from dflashkit.files import disk_full_is_user_error
+
     from .run_dir import main_process
     from .train_step import TrainingDiverged
     from .trainer import train
 
     try:
-        train(cfg, started=IMPORTED_AT)  # a user error propagates to dflashkit.cli.run_main: one line, exit 2
+        # a user error (a full disk too) propagates to dflashkit.cli.run_main: one line, exit 2
+        with disk_full_is_user_error(cfg.output_dir, then="run the same command again: it resumes from the last "
+                                                          "checkpoint"):
+            train(cfg, started=IMPORTED_AT)
     except TrainingDiverged as e:  # valid input, failed run: one line (every rank stopped alike), exit 1
         if main_process():
             print(f"dflashkit train: error: {e}", file=sys.stderr, flush=True)

@@ -41,7 +41,7 @@ import torch
 from safetensors import safe_open
 
 from dflashkit.errors import UserError
-from dflashkit.files import pause_point, sha256_file, swap_dir_into_place
+from dflashkit.files import disk_full_errno, disk_full_error, pause_point, sha256_file, swap_dir_into_place
 from dflashkit.outputs import save_safetensors
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
@@ -291,16 +291,16 @@ def save_checkpoint(accelerator, model, optimizer, trainer_state: dict, output_d
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
     accelerator.wait_for_everyone()
-    rank = accelerator.process_index
-    rng_tensors, rng_info = rng_state()
-    save_safetensors(rng_tensors, tmp / f"rng-rank{rank}.safetensors")
-    (tmp / f"rng-rank{rank}.json").write_text(json.dumps(rng_info))
-    if accelerator.is_main_process:
-        save_safetensors({k: v.contiguous() for k, v in weights.items()}, tmp / "model.safetensors",
-                         metadata={"format": "pt"})
-        save_safetensors({k: v.contiguous() for k, v in opt.items()}, tmp / "optimizer.safetensors")
-        state = dict(trainer_state, optimizer=opt_json, world_size=accelerator.num_processes)
-        (tmp / "trainer.json").write_text(json.dumps(_jsonable(state), indent=1))
+    try:
+        _write_checkpoint_files(accelerator, tmp, weights, opt, opt_json, trainer_state)
+    except BaseException as error:  # a full disk: the partial copy goes, the space it took is given back
+        shutil.rmtree(tmp, ignore_errors=True)
+        code = disk_full_errno(error)
+        if code is not None:
+            needed = sum(t.nbytes for t in [*weights.values(), *opt.values()])
+            raise disk_full_error(code, final, needed, then="run the same command again: it resumes from the last "
+                                                             "checkpoint") from error
+        raise
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         files = {f.name: {"bytes": f.stat().st_size, "sha256": sha256_file(f)} for f in sorted(tmp.iterdir())}
@@ -315,6 +315,21 @@ def save_checkpoint(accelerator, model, optimizer, trainer_state: dict, output_d
         pause_point(f"checkpoint-{step}-saved")
     accelerator.wait_for_everyone()
     return final
+
+
+def _write_checkpoint_files(accelerator, tmp: Path, weights: dict, opt: dict, opt_json: dict,
+                            trainer_state: dict) -> None:
+    """Every rank's RNG state; on the main process the weights, the optimizer state and the trainer state."""
+    rank = accelerator.process_index
+    rng_tensors, rng_info = rng_state()
+    save_safetensors(rng_tensors, tmp / f"rng-rank{rank}.safetensors")
+    (tmp / f"rng-rank{rank}.json").write_text(json.dumps(rng_info))
+    if accelerator.is_main_process:
+        save_safetensors({k: v.contiguous() for k, v in weights.items()}, tmp / "model.safetensors",
+                         metadata={"format": "pt"})
+        save_safetensors({k: v.contiguous() for k, v in opt.items()}, tmp / "optimizer.safetensors")
+        state = dict(trainer_state, optimizer=opt_json, world_size=accelerator.num_processes)
+        (tmp / "trainer.json").write_text(json.dumps(_jsonable(state), indent=1))
 
 
 def rotate_checkpoints(output_dir: str | os.PathLike, step: int, keep_last: int) -> None:

@@ -26,7 +26,7 @@ from dflashkit.drafter.config import (
     check_num_hidden_layers,
 )
 from dflashkit.drafter.kinds import KINDS, field_owner
-from dflashkit.errors import UserError
+from dflashkit.errors import UserError, shown
 
 MUON_NS_DTYPES = ("float32", "bfloat16", "auto")  # muon_ns_dtype's values (train/muon.py); auto: bf16 on a GPU
 
@@ -154,15 +154,15 @@ class TrainConfig:
         if isinstance(self.data, str):  # data=FILE on the command line
             self.data = [self.data] if self.data else []
         if self.shards and self.data:
-            raise UserError(f"shards={self.shards!r} and data={self.data!r}: train either on shards (offline) or on "
-                            "data with the target in the loop (online), not both; drop one")
+            raise UserError(f"shards={shown(self.shards)} and data={shown(self.data)}: train either on shards "
+                            "(offline) or on data with the target in the loop (online), not both; drop one")
         if self.target_dtype not in ("auto", "bfloat16", "float16", "float32"):
-            raise UserError(f"target_dtype: {self.target_dtype!r}; use auto, bfloat16, float16 or float32")
+            raise UserError(f"target_dtype: {shown(self.target_dtype)}; use auto, bfloat16, float16 or float32")
         if int(self.target_batch_tokens) < 1:
             raise UserError(f"target_batch_tokens must be >= 1, got {self.target_batch_tokens}")
         check_target_engine(self)
         if self.drafter_architecture not in KINDS:
-            raise UserError(f"drafter_architecture: {self.drafter_architecture!r}; use one of {sorted(KINDS)}")
+            raise UserError(f"drafter_architecture: {shown(self.drafter_architecture)}; use one of {sorted(KINDS)}")
         check_drafter_fields(self.drafter, self.drafter_architecture)
         for f in dataclasses.fields(self):
             if str(f.type) == "float" and not math.isfinite(float(getattr(self, f.name))):
@@ -170,32 +170,32 @@ class TrainConfig:
         if float(self.selector_loss_weight) < 0:
             raise UserError(f"selector_loss_weight must be >= 0, got {self.selector_loss_weight}")
         if self.loss not in LOSSES:
-            raise UserError(f"loss: {self.loss!r} is not one of {LOSSES}")
+            raise UserError(f"loss: {shown(self.loss)} is not one of {LOSSES}")
         if self.mixed_precision not in ("bf16", "no"):
-            raise UserError(f"mixed_precision: {self.mixed_precision!r}; use 'bf16' or 'no'")
+            raise UserError(f"mixed_precision: {shown(self.mixed_precision)}; use 'bf16' or 'no'")
         if self.optimizer not in ("adamw", "muon"):
-            raise UserError(f"optimizer: {self.optimizer!r}; use 'adamw' or 'muon'")
+            raise UserError(f"optimizer: {shown(self.optimizer)}; use 'adamw' or 'muon'")
         if self.lr_schedule not in ("cosine", "linear"):
-            raise UserError(f"lr_schedule: {self.lr_schedule!r}; use 'cosine' or 'linear'")
+            raise UserError(f"lr_schedule: {shown(self.lr_schedule)}; use 'cosine' or 'linear'")
         if self.selector_weights not in ("decay", "loss"):
-            raise UserError(f"selector_weights: {self.selector_weights!r}; use 'decay' or 'loss'")
+            raise UserError(f"selector_weights: {shown(self.selector_weights)}; use 'decay' or 'loss'")
         if self.selector_missing_label not in ("skip", "inject"):
-            raise UserError(f"selector_missing_label: {self.selector_missing_label!r}; use 'skip' or 'inject'")
+            raise UserError(f"selector_missing_label: {shown(self.selector_missing_label)}; use 'skip' or 'inject'")
         if not self.selector_codebook_lr_scale > 0:
             raise UserError(f"selector_codebook_lr_scale must be > 0 (a multiple of lr), got "
                             f"{self.selector_codebook_lr_scale}")
         if self.labels not in ("data", "target_argmax"):
-            raise UserError(f"labels: {self.labels!r}; use 'data' or 'target_argmax'")
+            raise UserError(f"labels: {shown(self.labels)}; use 'data' or 'target_argmax'")
         if not 0.0 <= self.anchor_density <= 1.0:
             raise UserError(f"anchor_density must be in [0, 1] (blocks per token; 0 = num_anchors per sequence), "
                             f"got {self.anchor_density}")
         if not 0.0 <= self.muon_momentum < 1.0:
             raise UserError(f"muon_momentum must be in [0, 1), got {self.muon_momentum}")
         if self.muon_ns_dtype not in MUON_NS_DTYPES:
-            raise UserError(f"muon_ns_dtype: {self.muon_ns_dtype!r}; use 'float32', 'bfloat16' or 'auto' (bfloat16 "
-                            f"on a GPU, float32 on a CPU)")
+            raise UserError(f"muon_ns_dtype: {shown(self.muon_ns_dtype)}; use 'float32', 'bfloat16' or 'auto' "
+                            f"(bfloat16 on a GPU, float32 on a CPU)")
         if self.attention not in ("auto", "flex", "dense", "split"):
-            raise UserError(f"attention: {self.attention!r}; use 'auto', 'flex', 'dense' or 'split'")
+            raise UserError(f"attention: {shown(self.attention)}; use 'auto', 'flex', 'dense' or 'split'")
         check_block_size(self.block_size)  # bounds of the drafter's fields live in drafter/config.py
         check_num_hidden_layers(self.num_hidden_layers)
         for name in ("epochs", "grad_accum", "num_anchors", "keep_last", "loss_chunk_tokens", "max_length",
@@ -210,7 +210,8 @@ class TrainConfig:
                 raise UserError(f"{name} must be >= 0 (0: {zero}), got {getattr(self, name)}")
         if self.tokenize_workers != "auto" and (isinstance(self.tokenize_workers, (str, bool, float))
                                                 or int(self.tokenize_workers) < 0):
-            raise UserError(f"tokenize_workers must be auto or a count >= 0 (0: inline), got {self.tokenize_workers!r}")
+            raise UserError(f"tokenize_workers must be auto or a count >= 0 (0: inline), got "
+                            f"{shown(self.tokenize_workers)}")
         if not self.lr >= 0:  # 0 keeps the starting weights (a check of init_from)
             raise UserError(f"lr must be >= 0, got {self.lr}")
         if int(self.micro_batch_tokens) < 0:
@@ -233,7 +234,7 @@ TARGET_ENGINES = ("hf", "vllm")  # what runs the target online (train/online.py,
 def check_target_engine(cfg: TrainConfig) -> None:
     """``target_engine`` and its vLLM settings; what vLLM cannot give (the final-norm output) refused by field."""
     if cfg.target_engine not in TARGET_ENGINES:
-        raise UserError(f"target_engine: {cfg.target_engine!r}; use 'hf' (the target in each training process) or "
+        raise UserError(f"target_engine: {shown(cfg.target_engine)}; use 'hf' (the target in each training process) or "
                         f"'vllm' (the target in a vLLM engine)")
     if int(cfg.target_tensor_parallel_size) < 1:
         raise UserError(f"target_tensor_parallel_size must be >= 1, got {cfg.target_tensor_parallel_size}")
@@ -242,7 +243,7 @@ def check_target_engine(cfg: TrainConfig) -> None:
     if cfg.target_engine != "vllm":
         return
     if cfg.shards:
-        raise UserError(f"target_engine=vllm with shards={cfg.shards!r}: training on shards runs no target; drop "
+        raise UserError(f"target_engine=vllm with shards={shown(cfg.shards)}: training on shards runs no target; drop "
                         "target_engine, or train online (--target T --data FILE)")
     for field_name, value, fix in (("loss", "kl", "use loss=dpace (the default) or ce"),
                                    ("labels", "target_argmax", "use labels=data")):
@@ -268,7 +269,7 @@ def check_drafter_fields(drafter, architecture: str) -> None:
     from dflashkit.drafter.config import DrafterConfig
 
     if not isinstance(drafter, dict):
-        raise UserError(f"drafter: {drafter!r} is not a mapping; write e.g. drafter: {{intermediate_size: 4096}}")
+        raise UserError(f"drafter: {shown(drafter)} is not a mapping; write e.g. drafter: {{intermediate_size: 4096}}")
     kinds = {f.name: str(f.type) for f in dataclasses.fields(DrafterConfig)}
     for key, value in drafter.items():
         if key in DRAFTER_SET_ELSEWHERE:
@@ -276,8 +277,8 @@ def check_drafter_fields(drafter, architecture: str) -> None:
             raise UserError(f"drafter: {{{key}: ...}} is set by the target; drop it" if source == "the target" else
                             f"drafter: {{{key}: ...}} is set by the field {source}; move it there ({source}: ...)")
         if key not in kinds:
-            raise UserError(f"drafter: unknown field {key!r}; the fields are DrafterConfig's in drafter/config.py: "
-                            f"{sorted(k for k in kinds if k not in DRAFTER_SET_ELSEWHERE)}")
+            raise UserError(f"drafter: unknown field {shown(key)}; the fields are DrafterConfig's in "
+                            f"drafter/config.py: {sorted(k for k in kinds if k not in DRAFTER_SET_ELSEWHERE)}")
         owner = field_owner(key)
         if owner is not None and owner.architecture != architecture:
             raise UserError(f"drafter.{key} is a {owner.name} field, unused by drafter_architecture={architecture}; "
@@ -289,27 +290,27 @@ def check_drafter_value(key: str, value, kind: str) -> None:
     """One ``drafter:`` value against its DrafterConfig type, by the rules of check_drafter_fields."""
     whole = isinstance(value, int) and not isinstance(value, bool)
     if kind == "int" and not (whole and value >= 1):
-        raise UserError(f"drafter.{key}: {value!r} is not a whole number >= 1")
+        raise UserError(f"drafter.{key}: {shown(value)} is not a whole number >= 1")
     if kind == "float" and not (isinstance(value, (int, float)) and not isinstance(value, bool)
                                 and math.isfinite(value) and (value > 0 or key not in DRAFTER_POSITIVE_FLOATS)):
-        raise UserError(f"drafter.{key}: {value!r} is not a finite number > 0")
+        raise UserError(f"drafter.{key}: {shown(value)} is not a finite number > 0")
     if kind == "bool" and not isinstance(value, bool):
-        raise UserError(f"drafter.{key}: {value!r} is not true or false")
+        raise UserError(f"drafter.{key}: {shown(value)} is not true or false")
     if kind in ("str", "dict") and not isinstance(value, str if kind == "str" else dict):
-        raise UserError(f"drafter.{key}: {value!r} is not a {'string' if kind == 'str' else 'mapping'}")
+        raise UserError(f"drafter.{key}: {shown(value)} is not a {'string' if kind == 'str' else 'mapping'}")
 
 
 def parse_override(item: str) -> tuple[str, object]:
     import yaml
 
     if "=" not in item:
-        raise UserError(f"override {item!r}: expected key=value (e.g. lr=3e-4)")
+        raise UserError(f"override {shown(item)}: expected key=value (e.g. lr=3e-4)")
     key, raw = item.split("=", 1)
     key = key.strip().lstrip("-").replace("-", "_")
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError as e:
-        raise UserError(f"override {item!r}: the value is not YAML ({getattr(e, 'problem', None) or e}); quote "
+        raise UserError(f"override {shown(item)}: the value is not YAML ({getattr(e, 'problem', None) or e}); quote "
                         f"it, e.g. {key}='\"{raw}\"'") from None
     return key, value
 
@@ -337,7 +338,8 @@ def read_recipe(recipe: str) -> dict:
     known = {f.name for f in dataclasses.fields(TrainConfig)}
     unknown = sorted(str(k) for k in data if k not in known)
     if unknown:
-        raise UserError(f"{recipe}: unknown field(s) {unknown}; the fields are listed in train/config.py")
+        raise UserError(f"{recipe}: unknown field(s) {', '.join(map(shown, unknown))}; the fields are listed in "
+                        f"train/config.py")
     return data
 
 
@@ -350,44 +352,44 @@ def coerce(value, kind: str, name: str):
         try:
             return coerce(value, "int", name)
         except UserError:
-            raise UserError(f"{name}: {value!r} is neither auto nor a whole number") from None
+            raise UserError(f"{name}: {shown(value)} is neither auto nor a whole number") from None
     if kind == "str" and isinstance(value, bool):  # YAML 1.1 reads an unquoted no / yes as a boolean
         return "no" if value is False else "yes"
     if kind == "str":
         if isinstance(value, (list, dict)):
-            raise UserError(f"{name}: {value!r} is not a string")
+            raise UserError(f"{name}: {shown(value)} is not a string")
         return str(value)  # a run_name of 2024 is YAML's number
     if kind == "bool":
         if isinstance(value, bool) or value in (0, 1):
             return bool(value)
-        raise UserError(f"{name}: {value!r} is not a boolean; use true or false")
+        raise UserError(f"{name}: {shown(value)} is not a boolean; use true or false")
     if kind in ("list", "dict"):
         if kind == "list" and isinstance(value, tuple):
             return list(value)
         if name == "data" and isinstance(value, str) or isinstance(value, list if kind == "list" else dict):
             return value
         example = "[1, 9, 17]" if kind == "list" else "{key: value}"
-        raise UserError(f"{name}: {value!r} is not a {kind}; write it as YAML, e.g. {name}={example}")
+        raise UserError(f"{name}: {shown(value)} is not a {kind}; write it as YAML, e.g. {name}={example}")
     noun = "a float" if kind == "float" else "an int"
     if kind in ("int", "int | None", "float") and isinstance(value, bool):
-        raise UserError(f"{name}: {value!r} is not {noun}")
+        raise UserError(f"{name}: {shown(value)} is not {noun}")
     try:
         if kind == "float":
             number = float(value)
             if not math.isfinite(number):
-                raise UserError(f"{name}: {value!r} is not a finite number")
+                raise UserError(f"{name}: {shown(value)} is not a finite number")
             return number
         if kind in ("int", "int | None"):
             number = float(value) if isinstance(value, (float, str)) else value
             if isinstance(number, float) and not number.is_integer():
-                raise UserError(f"{name}: {value!r} is not a whole number")
+                raise UserError(f"{name}: {shown(value)} is not a whole number")
             return int(number)
     except (TypeError, OverflowError):
-        raise UserError(f"{name}: {value!r} is not {noun}") from None
+        raise UserError(f"{name}: {shown(value)} is not {noun}") from None
     except ValueError as e:
         if str(e).startswith(f"{name}: "):
             raise
-        raise UserError(f"{name}: {value!r} is not {noun}") from None
+        raise UserError(f"{name}: {shown(value)} is not {noun}") from None
     return value
 
 
@@ -403,7 +405,8 @@ def load_config(recipe: str | None = None, overrides: list[str] | tuple = (), **
     for item in overrides:
         key, value = parse_override(item)
         if key not in known:
-            raise UserError(f"override {item!r}: unknown field {key!r}; the fields are listed in train/config.py")
+            raise UserError(f"override {shown(item)}: unknown field {shown(key)}; the fields are listed in "
+                            f"train/config.py")
         values[key] = value
         origin.pop(key, None)
     values.update(kwargs)

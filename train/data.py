@@ -223,11 +223,16 @@ def pack_order(order: list[int], lengths, micro_batch_tokens: int, max_length: i
 
 
 # --------------------------------------------------------------------------- split and order
-def split_indices(num_samples: int, eval_samples: int, seed: int) -> tuple[list[int], list[int]]:
-    """(train, held-out) sample indices; the held-out set is fixed by the seed."""
+def split_indices(num_samples: int, eval_samples: int, seed: int,
+                  source: str = "the data") -> tuple[list[int], list[int]]:
+    """(train, held-out) sample indices; the held-out set is fixed by the seed. ``source`` names the data in
+    the error when there is nothing to train on."""
+    if num_samples == 0:
+        raise UserError(f"{source}: no sample to train on (0 samples: every record was skipped or the data is "
+                        f"empty; the counts of skipped records say why); give data that holds usable samples")
     if eval_samples >= num_samples:
         raise UserError(f"eval_samples={eval_samples} leaves no training data ({num_samples} samples); "
-                        f"lower eval_samples")
+                        f"set eval_samples below {num_samples}")
     perm = torch.randperm(num_samples, generator=sample_generator(seed, 0xE7A1)).tolist()
     return sorted(perm[eval_samples:]), sorted(perm[:eval_samples])
 

@@ -103,7 +103,7 @@ def encode_data(specs: list[str], tokenizer, *, max_length: int | None, chat_tem
                 skipped[bad.reason] += 1
         samples.sort(key=lambda s: s.index)
         if cache is not None and write_cache and samples:
-            write_token_cache(cache, samples, skipped)
+            keep_token_cache(cache, samples, skipped, say)
     counts = ", ".join(f"{k} {v}" for k, v in sorted(skipped.items()) if v) or "none"
     say(f"online data: {len(samples)} samples, {sum(len(s.input_ids) for s in samples)} tokens from "
         f"{', '.join(specs)} (skipped: {counts}){f'; token ids read from {cache}' if cached else ''}")
@@ -139,6 +139,22 @@ def token_cache_key(specs: list[str], tokenizer, cfg, limit: int | None) -> str:
              "chat": asdict(cfg),
              "code": hashlib.sha256(b"".join(Path(m.__file__).read_bytes() for m in (chat, rendering))).hexdigest()}
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def keep_token_cache(path: Path, samples: list, skipped: dict, say=print) -> None:
+    """``write_token_cache``, or a note when its directory cannot take it (read-only, another user's, a file in
+    the way, a full disk): the cache only saves a resumed run the tokenizing, so training goes on without it."""
+    import errno
+
+    try:
+        write_token_cache(path, samples, skipped)
+    except (OSError, UserError) as error:
+        if isinstance(error, OSError) and error.errno not in (errno.EROFS, errno.EACCES, errno.EPERM,
+                                                              errno.ENOTDIR, errno.EEXIST):
+            raise
+        said = error.strerror if isinstance(error, OSError) else str(error)
+        say(f"note: token cache {path} not written ({said}); training goes on without it (a resumed run "
+            f"tokenizes again); make {path.parent} writable, or set token_cache=false")
 
 
 def write_token_cache(path: Path, samples: list, skipped: dict) -> None:

@@ -265,14 +265,15 @@ def setup(cfg: TrainConfig, start: Start, resources: ExitStack, vllm_api=None) -
 
     # --- the order of the data and the length of the run ------------------------------------------------
     world = accelerator.num_processes
-    train_idx, eval_idx = split_indices(len(dataset), cfg.eval_samples, cfg.seed)
+    train_idx, eval_idx = split_indices(len(dataset), cfg.eval_samples, cfg.seed,
+                                        source=", ".join(map(str, cfg.data)) if online else cfg.shards)
     packs = [pack_order(epoch_order(train_idx, cfg.seed, e), dataset.lengths, cfg.micro_batch_tokens, cfg.max_length)
              for e in range(cfg.epochs)]  # the micro-batches of each epoch (lists of samples)
     planned = sum(steps_per_epoch(len(p), world, cfg.grad_accum) for p in packs)
     total_steps = min(planned, cfg.max_steps) if cfg.max_steps else planned
     backend_name = backend_of(accelerator)
     announce_plan(cfg, accelerator, backend_name, online, len(train_idx), len(eval_idx), packs, planned,
-                  total_steps)
+                  total_steps, dataset.lengths)
 
     # --- optimizer, backend -------------------------------------------------------------------------------
     from .online import chat_settings
@@ -372,8 +373,20 @@ def backend_of(accelerator) -> str:
     return backend_name
 
 
+def micro_batch_size(cfg: TrainConfig, micro_batches: list[list[int]], lengths) -> str:
+    """What a micro-batch holds, as the plan says it: a sample longer than ``micro_batch_tokens`` gets one of its
+    own (``pack_order``), so the bound is said only where it holds, with the longest where it does not."""
+    if not cfg.micro_batch_tokens:
+        return "one sequence each"
+    longest = max((sum(min(int(lengths[i]), cfg.max_length or int(lengths[i])) for i in mb) for mb in micro_batches),
+                  default=0)
+    if longest <= cfg.micro_batch_tokens:
+        return f"<= {cfg.micro_batch_tokens} tokens each"
+    return f"<= {cfg.micro_batch_tokens} tokens each, a longer sample alone: up to {longest}"
+
+
 def announce_plan(cfg: TrainConfig, accelerator, backend_name: str, online: bool, train_samples: int,
-                  eval_samples: int, packs: list, planned: int, total_steps: int) -> None:
+                  eval_samples: int, packs: list, planned: int, total_steps: int, lengths) -> None:
     """The run's plan in one line; a note when max_steps stops it before the last epoch ends."""
     world, G = accelerator.num_processes, cfg.grad_accum
     spe = steps_per_epoch(len(packs[0]), world, G)
@@ -382,8 +395,7 @@ def announce_plan(cfg: TrainConfig, accelerator, backend_name: str, online: bool
         f"dflashkit train ({backend_name}, {accelerator.device.type}): {where}"
         f"{train_samples} training / {eval_samples} "
         f"held-out samples, {world} process(es) x "
-        f"{G} micro-batches ({f'<= {cfg.micro_batch_tokens} tokens' if cfg.micro_batch_tokens else 'one sequence'} "
-        f"each) per step, "
+        f"{G} micro-batches ({micro_batch_size(cfg, packs[0], lengths)}) per step, "
         f"{spe} steps in epoch 0, {cfg.epochs} epochs = "
         f"{planned} steps")
     if total_steps < planned:
@@ -405,6 +417,21 @@ def conv_kernels(cfg: TrainConfig, model, device: torch.device, say=print) -> in
     return n
 
 
+def check_compile_cache() -> None:
+    """compile=true writes torch.compile's cache (inductor's: TORCHINDUCTOR_CACHE_DIR, by default
+    /tmp/torchinductor_USER); one line before the first compile when it cannot be written there."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    from dflashkit.outputs import check_writable
+
+    try:  # the path inductor's cache_dir() takes, without making it
+        check_writable(os.path.abspath(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir()),
+                       "torch.compile's cache")
+    except UserError as error:
+        raise UserError(f"compile=true: {error} (TORCHINDUCTOR_CACHE_DIR sets the path), or set "
+                        f"compile=false") from None
+
+
 def prepare_drafter(cfg: TrainConfig, accelerator, model, dcfg, backend_name: str, selector: bool):
     """(model, optimizer, pass options): the optimizer built, both prepared by accelerate, the drafter's layers
     compiled when asked, and the drafter pass's fixed arguments (train/drafter_pass.forward_blocks)."""
@@ -412,6 +439,7 @@ def prepare_drafter(cfg: TrainConfig, accelerator, model, dcfg, backend_name: st
     model, optimizer = accelerator.prepare(model, optimizer)
     conv_kernels(cfg, accelerator.unwrap_model(model), accelerator.device, accelerator.print)
     if cfg.compile:  # per decoder layer, dynamic shapes from the start (train/drafter_pass.compile_layers)
+        check_compile_cache()
         compile_layers(accelerator.unwrap_model(model))
     pass_options = drafter_pass_options(cfg, dcfg, accelerator.device)
     accelerator.print(f"attention mask: {pass_options['backend']}{' (compiled drafter layers)' if cfg.compile else ''}")

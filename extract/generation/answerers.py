@@ -16,11 +16,21 @@ from dataclasses import dataclass, field
 import torch
 
 from dflashkit import launch
-from dflashkit.errors import UserError
+from dflashkit.errors import UserError, shown
 from dflashkit.extract.data.rendering import BadSample, ChatConfig, prompt_ids
 from dflashkit.targets.chat_template import stop_token_ids
 
 Chunk = list[tuple[int, list[dict]]]  # conversations answered together: (record index, its turns)
+EMPTY_ANSWER = "empty_answer"  # the skip reason of a conversation whose answer from a server came back empty
+
+
+class EmptyAnswer(BadSample):
+    """A server's answer with no text: the conversation is skipped and counted under ``EMPTY_ANSWER`` (a reason
+    of regeneration's, not of the data's: --on-bad fail does not stop on it)."""
+
+    def __init__(self, detail: str):
+        super().__init__("empty_content", detail)
+        self.reason = EMPTY_ANSWER
 
 
 class TargetGenerator:
@@ -247,6 +257,7 @@ class ServerGenerator:
         self.template_kwargs, self.name = template_kwargs, f"{server} {model}"
 
     def _post(self, body: dict) -> dict:
+        """The reply's message to one request (``_reply``), with retries where the server may recover."""
         headers = {"Content-Type": "application/json"}
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
@@ -255,7 +266,7 @@ class ServerGenerator:
             req = urllib.request.Request(self.url, data=json.dumps(body).encode(), headers=headers)
             try:
                 with urllib.request.urlopen(req, timeout=600) as r:
-                    return json.loads(r.read())
+                    return self._reply(r.read())
             except urllib.error.HTTPError as e:
                 last = f"HTTP {e.code}: {e.read()[:300].decode(errors='replace')}"
                 if e.code < 500 and e.code != 429:
@@ -264,6 +275,26 @@ class ServerGenerator:
                 last = str(e)
             time.sleep(2 ** attempt)
         raise UserError(f"{self.url}: {last}; check --server and --model (run again with --resume)")
+
+    def _reply(self, raw: bytes) -> dict:
+        """The message of a chat-completions reply; UserError naming the URL for anything else (not JSON: not an
+        OpenAI-compatible endpoint; an ``error`` object or no choices: the server refused the request)."""
+        try:
+            reply = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise UserError(f"{self.url}: the answer is not JSON ({shown(raw[:200])}); give --server the base URL "
+                            f"of an OpenAI-compatible API, ending in /v1 (e.g. http://localhost:8000/v1)") from None
+        error = reply.get("error") if isinstance(reply, dict) else None
+        if error:
+            said = error.get("message", error) if isinstance(error, dict) else error
+            raise UserError(f"{self.url}: the server answered with an error: {shown(said)}; check --model (the "
+                            f"name the server serves) and the flags, then run again with --resume")
+        choices = reply.get("choices") if isinstance(reply, dict) else None
+        if not (isinstance(choices, list) and choices and isinstance(choices[0], dict)
+                and isinstance(choices[0].get("message"), dict)):
+            raise UserError(f'{self.url}: expected {{"choices": [{{"message": ...}}]}}, got {shown(raw[:200])}; '
+                            f"check --server and --model, then run again with --resume")
+        return choices[0]["message"]
 
     def answer_turns(self, chunk: Chunk, seed: int, on_done=None) -> list[list[dict] | BadSample]:
         """Every user turn of each (index, turns) conversation answered in order (as TargetGenerator's); requests
@@ -292,7 +323,10 @@ class ServerGenerator:
             body["top_k"] = self.top_k
         if self.template_kwargs:
             body["chat_template_kwargs"] = self.template_kwargs
-        msg = self._post(body)["choices"][0]["message"]
+        msg = self._post(body)
         content = msg.get("content") or ""
         reasoning = msg.get("reasoning_content") or msg.get("reasoning")
+        if not str(content).strip() and not reasoning:  # nothing to learn from: the conversation is skipped
+            raise EmptyAnswer(f"the server's answer to user turn {sum(m['role'] == 'user' for m in history)} is "
+                              f"empty")
         return f"<think>\n{reasoning.strip()}\n</think>\n\n{content.lstrip()}" if reasoning else content

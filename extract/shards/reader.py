@@ -35,8 +35,8 @@ class ShardDataset(torch.utils.data.Dataset):
         self.dir = Path(path)
         self.manifest = read_manifest(self.dir)
         if not self.manifest.get("complete", False) and not allow_incomplete:
-            raise UserError(f"{self.dir}: the extraction has not finished (manifest complete=false); finish it "
-                            "with `dflashkit extract ... --resume`, or pass allow_incomplete=True")
+            raise UserError(f"{self.dir}: the extraction has not finished (manifest complete=false); finish it: "
+                            f"run the `dflashkit extract` command that wrote it again, with --resume")
         self.shards, self._starts, self._offsets = [], [], []
         lengths, indices = [], []  # in file order
         for k, entry in enumerate(self.manifest["shards"]):

@@ -10,9 +10,9 @@ truncation and flipped bytes), the safetensors header fits the file, every tenso
 format requires (offsets [S+1] from 0 to N, ids/mask [N], hidden [N, K*H], scales [N] for fp8), the sample
 indices equal the manifest's, token ids lie inside the vocabulary, and features hold no NaN/Inf. Across shards:
 no sample appears twice, the totals add up, and files the manifest does not list are reported.
-Exit code 0 when everything holds, 1 with each failing shard named otherwise. A path that is not a directory (a
-.jsonl data file, say) is no shard directory: one line says what verify expects, exit code 2 (its manifest.json
-stands for its directory).
+Exit code 0 when everything holds, 1 with each failing shard named otherwise (verify ran, and found damage). A
+path that is not a shard directory (a .jsonl data file, say, or a directory without manifest.json) is the wrong
+argument: one line says what verify expects, exit code 2 (its manifest.json stands for its directory).
 
 Design choice: the checks read shards through the same header parser as the reader, chunk by chunk, so a
 100 GB dataset is verified in bounded memory; sha256 is computed on the raw bytes, before any parsing.
@@ -186,8 +186,11 @@ def shard_dir_argument(given: str) -> Path:
                "shard-*.safetensors)")
     if path.is_file() and path.name == MANIFEST:
         return path.parent
-    if path.is_dir():
+    if path.is_dir() and (path / MANIFEST).exists():
         return path
+    if path.is_dir():
+        raise UserError(f"{path}: a directory without {MANIFEST}, not a shard directory; {expects}: give that "
+                        f"directory")
     if path.exists():
         raise UserError(f"{path}: a file, not a shard directory; {expects}: give that directory")
     raise UserError(f"{path}: no such directory; {expects}: give that directory")
