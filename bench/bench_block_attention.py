@@ -1,8 +1,8 @@
 """The drafter's packed block attention alone: forward and forward+backward time of each implementation at the
 training shape, effective TFLOP/s over the visible pairs, and each one's numbers against the current path.
 
-    python bench/bench_block_attention.py --toy --out bench/results/block_attention_toy.json          # CPU, tiny
-    python bench/bench_block_attention.py --out bench/results/block_attention_smollm2.json            # one GPU
+    python bench/bench_block_attention.py --toy --out runs/bench/block_attention_toy.json          # CPU, tiny
+    python bench/bench_block_attention.py --out runs/bench/block_attention_smollm2.json            # one GPU
 Defaults: the SmolLM2 testbed drafter's attention (9 query heads, 3 KV heads, head_dim 64, block 16), 16
 sequences of 1,024 tokens packed into one micro-batch (16,384 context tokens), up to 512 anchors each
 (train/data.collate_blocks draws them with train/anchors.py as training does: ~8,200 blocks, ~131k queries).

@@ -2,7 +2,7 @@
 
     python bench/bench_decode_attention.py --toy --out /tmp/bench_decode_attention.json
     TRITON_INTERPRET=1 python bench/bench_decode_attention.py --toy --sweep --out /tmp/bench_decode_attention.json
-    python bench/bench_decode_attention.py --sweep --out bench/results/decode_attention_h200.json
+    python bench/bench_decode_attention.py --sweep --out runs/bench/decode_attention_h200.json
 
 Defaults are the SmolLM2-135M testbed at 1,024 slots (3 K/V heads, 3 query heads each, head_dim 64, bf16) over a
 cache of --columns columns; slot positions are uniform in [0, columns) with one slot at the last column, so SDPA

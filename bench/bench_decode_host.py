@@ -4,7 +4,7 @@ CPU (a tiny random target and drafter, fp32, eager; the measurement this file is
     python bench/bench_decode_host.py --out /tmp/decode_host.json
 One H200 (a real pair, CUDA graphs; adds host syncs per round from CUDA's sync debug mode):
     python bench/bench_decode_host.py --target /root/testbed/smollm2-bf16 --drafter DRAFTER \\
-        --out bench/results/decode_host.json
+        --out runs/bench/decode_host.json
 
 Every step that the evaluator replays as a CUDA graph on the GPU (the verifier's static steps, the drafter's
 static step, the cache compaction) runs eagerly on the CPU through one `_compute` method; the script times those
@@ -143,7 +143,7 @@ def main(argv=None) -> None:
     parser.add_argument("--tree-top-k", type=int, default=4)
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--threads", type=int, default=1, help="CPU threads (1: steadier host timing)")
-    parser.add_argument("--out", default="bench/results/decode_host.json")
+    parser.add_argument("--out", default="runs/bench/decode_host.json")
     args = parser.parse_args(argv)
 
     from dflashkit import launch

@@ -1,7 +1,7 @@
 """DFlash2's in-block convolution, forward and backward, by the kernels (train/dynamic_conv.py) against the
 model's torch expression, eager and compiled, at one micro-batch of the testbed.
 
-    python bench/bench_dynamic_conv.py --out bench/results/dynamic_conv_h200.json    # GPU: the testbed's shape
+    python bench/bench_dynamic_conv.py --out runs/bench/dynamic_conv_h200.json    # GPU: the testbed's shape
     python bench/bench_dynamic_conv.py --blocks 64 --out /tmp/dynamic_conv_cpu.json  # CPU: torch only
 
 A testbed micro-batch of 8,192 tokens holds ~5,400 blocks of 16 (~86k block positions; bench_train_throughput's

@@ -12,7 +12,7 @@ Design choices:
   in turn, no token cache, median wall time; the samples of the two forms are checked equal.
 
     python bench/bench_encode_data.py --questions .cache/gpud2/sharegpt.jsonl.gz --limit 10000 --workers 0 2 \
-        --out bench/results/encode_data_cpu.json
+        --out runs/bench/encode_data_cpu.json
 """
 
 from __future__ import annotations

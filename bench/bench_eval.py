@@ -4,7 +4,7 @@ the lossless check and the wall time of the whole run (CUDA graphs by default).
 One H200, the testbed and a drafter export:
     python bench/bench_eval.py --target /root/testbed/smollm2-bf16 --drafter out/drafter \\
         --dataset builtin:mtbench builtin:humaneval --num-prompts 164 --max-new-tokens 256 \\
-        --reference-prompts 8 --out bench/results/bench_eval.json
+        --reference-prompts 8 --out runs/bench/bench_eval.json
 CPU toy (a tiny random target with the testbed's tokenizer and a random drafter, fp32, eager):
     python bench/bench_eval.py --toy --out /tmp/bench_eval_toy.json
 
@@ -60,7 +60,7 @@ def main(argv=None) -> None:
     parser.add_argument("--reference-prompts", type=int, default=8, help="HF generate reference prompts per dataset")
     parser.add_argument("--no-cuda-graphs", action="store_true")
     parser.add_argument("--dtype", default=None)
-    parser.add_argument("--out", default="bench/results/bench_eval.json")
+    parser.add_argument("--out", default="runs/bench/bench_eval.json")
     args = parser.parse_args(argv)
 
     from dflashkit.eval.engine import DecodeConfig

@@ -1,9 +1,9 @@
 """Extraction throughput against the plain target forward, the output_hidden_states=True approach, and the disk.
 
     python bench/bench_extract.py --toy --out /tmp/bench_extract_toy.json                  # CPU, seconds
-    python bench/bench_extract.py --target /root/testbed/smollm2-bf16 --out bench/results/extract_smollm2.json
+    python bench/bench_extract.py --target /root/testbed/smollm2-bf16 --out runs/bench/extract_smollm2.json
     python bench/bench_extract.py --random-qwen3-8b --layer-ids 1 9 17 25 33 --batch 8 --seq 2048 \
-        --out bench/results/extract_qwen3_8b.json
+        --out runs/bench/extract_qwen3_8b.json
     python bench/bench_extract.py --writer-only --batch 2 --batches 12 --out /tmp/bench_writer.json   # CPU
 
 On the same batches (random token ids, every token real), median over --repeats runs of --batches batches each:

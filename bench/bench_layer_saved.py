@@ -1,9 +1,9 @@
 """What one drafter layer keeps for its backward in training: DFlash beside DFlash2, at the testbed's width.
 
-    python bench/bench_layer_saved.py --out bench/results/layer_saved/cpu.json              # CPU, compiled
-    python bench/bench_layer_saved.py --device cuda --out bench/results/layer_saved/h200.json
+    python bench/bench_layer_saved.py --out runs/bench/layer_saved/cpu.json              # CPU, compiled
+    python bench/bench_layer_saved.py --device cuda --out runs/bench/layer_saved/h200.json
     TRITON_INTERPRET=1 python bench/bench_layer_saved.py --conv-kernel \
-        --out bench/results/layer_saved/cpu_conv_kernel.json
+        --out runs/bench/layer_saved/cpu_conv_kernel.json
 
 One decoder layer of each architecture (SmolLM2-135M's drafter: hidden 576, 9 heads of 64, 3 KV heads, MLP 1536;
 DFlash2 with its default convolution, 2 taps over groups of 16 channels, its weights moved off the identity

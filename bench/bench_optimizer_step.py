@@ -12,7 +12,7 @@ Design choices:
 - ``muon_one`` sets ``STACK_BYTES = 0`` around its steps: Newton-Schulz one matrix at a time, the step before the
   stacks; its momentum and decay stay foreach ops, so the gap to the step before is larger than the gap shown.
 
-    python bench/bench_optimizer_step.py --smollm2-shape --out bench/results/optimizer_step_h200.json
+    python bench/bench_optimizer_step.py --smollm2-shape --out runs/bench/optimizer_step_h200.json
 """
 
 from __future__ import annotations

@@ -2,11 +2,11 @@
 
     python bench/bench_regenerate.py --toy --prompts 24 --max-new-tokens 16 --slots 8 --out /tmp/bench_regen.json
     python bench/bench_regenerate.py --target /root/testbed/smollm2-bf16 --data .cache/gpu/sharegpt.jsonl \\
-        --out bench/results/regenerate_h200.json
+        --out runs/bench/regenerate_h200.json
     python bench/bench_regenerate.py --target /root/testbed/smollm2-bf16 --data .cache/gpu/sharegpt.jsonl \\
-        --no-hf --decode-attention compare --out bench/results/regenerate_decode_attention_h200.json
+        --no-hf --decode-attention compare --out runs/bench/regenerate_decode_attention_h200.json
     torchrun --standalone --nproc_per_node 2 bench/bench_regenerate.py --target /root/testbed/smollm2-bf16 \\
-        --data .cache/gpu/sharegpt.jsonl --out bench/results/regenerate_2xh200.json
+        --data .cache/gpu/sharegpt.jsonl --out runs/bench/regenerate_2xh200.json
 
 The same prompts (the first user turn of the first --prompts conversations of --data, rendered with the target's
 chat template; longer than --max-prompt-length: left out) and the same --max-new-tokens go through

@@ -1,7 +1,7 @@
 """DFlash2's pairwise selector term, forward and backward, by the kernels (train/selector_pair.py) against the
 model's torch expression (the candidates' codebook rows gathered, then a batched matmul), at one micro-batch.
 
-    python bench/bench_selector_pair.py --out bench/results/selector_pair_h200.json   # GPU: the testbed's shape
+    python bench/bench_selector_pair.py --out runs/bench/selector_pair_h200.json   # GPU: the testbed's shape
     python bench/bench_selector_pair.py --positions 512 --out /tmp/selector_pair_cpu.json  # CPU: torch only
 
 The testbed's micro-batch of 8,192 tokens holds ~5,200 blocks, so ~78k draft positions (bench_train_throughput's

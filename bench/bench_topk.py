@@ -1,6 +1,6 @@
 """The selector candidates' top-k (train/loss.grouped_topk) against torch.topk on one chunk of lm_head logits.
 
-    python bench/bench_topk.py --out bench/results/topk_h200.json       # GPU: a chunk of 2048 rows, SmolLM2's vocab
+    python bench/bench_topk.py --out runs/bench/topk_h200.json       # GPU: a chunk of 2048 rows, SmolLM2's vocab
     python bench/bench_topk.py --rows 64 --out /tmp/topk_cpu.json        # CPU
 
 Each figure is the median of 5 timings of 50 back-to-back calls (one sync at the end) on random bf16 logits,

@@ -1,16 +1,16 @@
 """Training throughput: the drafter step offline and online, the target's share of an online step, DDP scaling,
 and MFU; context tokens/s throughout (real tokens of the packed sequences, padding excluded).
 
-    python bench/bench_train_throughput.py --toy --out bench/results/train_throughput_toy.json      # CPU, tiny
+    python bench/bench_train_throughput.py --toy --out runs/bench/train_throughput_toy.json      # CPU, tiny
     python bench/bench_train_throughput.py --target /root/testbed/smollm2-bf16 \\
-        --out bench/results/train_throughput_smollm2.json
+        --out runs/bench/train_throughput_smollm2.json
     accelerate launch --num_processes 2 bench/bench_train_throughput.py --target /root/testbed/smollm2-bf16 \\
-        --out bench/results/train_throughput_smollm2_ddp.json
-    python bench/bench_train_throughput.py --qwen3-8b --out bench/results/train_throughput_qwen3_8b.json
+        --out runs/bench/train_throughput_smollm2_ddp.json
+    python bench/bench_train_throughput.py --qwen3-8b --out runs/bench/train_throughput_qwen3_8b.json
     python bench/bench_train_throughput.py --target /root/testbed/smollm2-bf16 --attention flex,split \
-        --out bench/results/train_throughput_smollm2_split.json   # the same steps with each block attention
+        --out runs/bench/train_throughput_smollm2_split.json   # the same steps with each block attention
     python bench/bench_train_throughput.py --smollm2-shape --drafter-architecture dflash,dflash2 --modes offline \
-        --out bench/results/dflash2_pair.json     # both drafters, their steps in turn (below), DFlash2 against DFlash
+        --out runs/bench/dflash2_pair.json     # both drafters, their steps in turn (below), DFlash2 against DFlash
 Defaults: the testbed shape (5 drafter layers, block 16, 512 anchors, sequences of 256-1024 tokens, 8192 tokens
 per micro-batch, G=2); --qwen3-8b packs 4096 tokens per micro-batch.
 

@@ -4,7 +4,7 @@ table with and without the drafter, prefix cache on vs off, and a projection to 
 One H200 (`. /tmp/vllm-site/vllm-env.sh` first; the testbed target and a trained drafter; the dflashkit eval
 report of the same drafter on the same prompts, run beforehand):
     python bench/bench_vllm.py --target /root/testbed/smollm2-bf16 --drafter out/drafter \\
-        --dflashkit-report runs/eval-chain/report.json --out bench/results/vllm
+        --dflashkit-report runs/eval-chain/report.json --out runs/bench/vllm
 CPU toy (the CPU twin of vllm.LLM, eval/vllm_standin.py; a tiny random pair; modelled step times):
     python bench/bench_vllm.py --standin --out /tmp/bench_vllm_toy
 

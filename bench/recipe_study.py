@@ -2,7 +2,7 @@
 live (chain, MT-bench), and tabulate tau, per-position acceptance, steps and wall times.
 
 One H200, the testbed (bench/testbed_data.py, then `dflashkit regenerate --max-turns 1 --max-new-tokens 256`):
-    python bench/recipe_study.py --target /root/testbed/smollm2-bf16 --data regen.jsonl --out bench/results/study \\
+    python bench/recipe_study.py --target /root/testbed/smollm2-bf16 --data regen.jsonl --out runs/bench/study \\
         --variants default,muon,anchors_per_token,tokens_8k --epochs 1 --parallel 4
     python bench/recipe_study.py ... --variants default,muon,mine:lr=1e-3,optimizer=muon --epochs 3 --parallel 3
 CPU toy (a check that every stage runs, not a measurement; tests/integration/test_bench_recipe_study.py):

@@ -97,9 +97,10 @@ if [ "$SCALE" = toy ]; then
     --dataset "$O/vllm/toy/chats.jsonl" --num-prompts 2 --max-new-tokens 8 --device cpu --dtype float32 \
     --baseline-prompts 0 --out "$O/vllm/toy-eval"
 fi
-if [ ! -f "$O/vllm/e_projection_times.json" ] && [ -f "$ROOT/bench/results/engine_run/vllm/e_projection_times.json" ]; then
-  cp "$ROOT/bench/results/engine_run/vllm/e_projection_times.json" "$O/vllm/"  # the committed H200 step times
-  echo "8B step times: the committed bench/results/engine_run/vllm/e_projection_times.json" >> "$R/stages.txt"
+STEP_TIMES=engine_run/vllm/e_projection_times.json  # the committed H200 step times, inside their run's archive
+if [ ! -f "$O/vllm/e_projection_times.json" ] && [ -f "$ROOT/lab/results/engine_run.tar.xz" ]; then
+  tar -xJOf "$ROOT/lab/results/engine_run.tar.xz" "$STEP_TIMES" > "$O/vllm/e_projection_times.json"
+  echo "8B step times: the committed lab/results/engine_run.tar.xz:$STEP_TIMES" >> "$R/stages.txt"
 fi
 stage vllm-tau 120 "$PY" "$ROOT/bench/bench_vllm.py" --parts tau projection_model --out "$O/vllm" \
   --dflashkit-report "$REPORT"

@@ -1,7 +1,7 @@
 """Wall time to a quality, read off a training run's metrics.jsonl (issue 36 item 3): so a user can budget a run.
 
     python bench/time_to_quality.py RUN_DIR [RUN_DIR ...] --taus 1.7 2.0 \\
-        [--live STEP=TAU ...] [--live-from G_TAU_PER_K.json] [--offset-s S] --out bench/results/time_to_quality.json
+        [--live STEP=TAU ...] [--live-from G_TAU_PER_K.json] [--offset-s S] --out runs/bench/time_to_quality.json
 
 What it reads, per run directory (train/tracking.py), every row in the order written: the held-out evaluation
 rows (``eval/tau_walk``: the τ a drafter gets walking the held-out blocks with the target's tokens, logged every
