@@ -36,7 +36,7 @@ Measured, after --warmup steps (compilation included there), over --steps steps:
 - with ``--drafter-architecture dflash,dflash2`` (one process, offline only): both drafters built alike, their
   steps timed in turn on the same micro-batches (step i of one, then of the other, the order alternating), so a
   ratio is not moved by the host's drift between two runs (two runs of the same DFlash2 code differed by 11%,
-  BENCHMARKS.md); JSON ``paired``: each one's figures and ``dflash2_vs_dflash`` (throughput ratio over all steps,
+  lab/BENCHMARKS.md); JSON ``paired``: each one's figures and ``dflash2_vs_dflash`` (throughput ratio over all steps,
   of the median steps, and each step pair's); ``--profile FILE`` profiles each into FILE with its name added
   (operators, then the same apart by their inputs' shapes);
 - under ``accelerate launch`` (or torchrun) with W processes: first rank 0 alone (the same train_step on the

@@ -1,6 +1,6 @@
 """Online training with the target in vLLM against the target in-process (issue 37 item 4): a drafter trained from
 vLLM-captured features and one trained from Hugging Face features, same recipe, data, seed and epochs, evaluated
-live on MT-bench; goal |tau(vllm) - tau(hf)| <= 0.03 (the seed noise of RESULTS.md's recipe study).
+live on MT-bench; goal |tau(vllm) - tau(hf)| <= 0.03 (the seed noise of lab/NOTEBOOK.md's recipe study).
 
 Here, once (the testbed packages are installed here, not on the GPU machine; .cache/ is carried to the GPU machine):
     .venv/bin/python -m lab.testbed_data --out .cache/gpu --sharegpt 0
@@ -64,7 +64,7 @@ from lab.recipe_study import split_top_level, train_numbers
 
 ROOT = Path(__file__).resolve().parents[1]
 PATHS = ("hf", "vllm")
-GOAL_TAU_DIFF = 0.03  # |tau(vllm) - tau(hf)|: the seed noise of the recipe study (RESULTS.md)
+GOAL_TAU_DIFF = 0.03  # |tau(vllm) - tau(hf)|: the seed noise of the recipe study (lab/NOTEBOOK.md)
 # --standin: a 1-layer drafter of the 6-layer toy target, 2 steps, every target forward one sample in float32
 TOY_OVERRIDES = ("num_hidden_layers=1,block_size=4,max_steps=2,compile=false,mixed_precision=no,"
                  "micro_batch_tokens=256,max_length=128,num_anchors=8,eval_samples=2,eval_anchors=4,save_every=0,"

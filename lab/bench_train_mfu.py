@@ -4,7 +4,7 @@
     python -m lab.bench_train_mfu --toy --out /tmp/bench_train_mfu_toy.json      # CPU, the toy Qwen3, seconds
 
 The step is this script's own, on one sequence (no packing, no accelerate, ce loss): the drafter's forward,
-backward and AdamW alone at a fixed shape, as the first MFU table of BENCHMARKS.md measured them. The trainer's
+backward and AdamW alone at a fixed shape, as the first MFU table of lab/BENCHMARKS.md measured them. The trainer's
 step (train/train_step.py) at these dimensions is ``bench/bench_train_throughput.py --qwen3-8b``.
 The shape is bench/common.QWEN3_8B (``--toy``: QWEN3_TOY, with a short sequence and few anchors); the device and
 dtype are dflashkit/launch.py's (this rank's GPU in bf16, else the CPU in fp32).

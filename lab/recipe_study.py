@@ -48,7 +48,7 @@ SLIDING_4_FULL_1 = "[sliding_attention,sliding_attention,sliding_attention,slidi
 # name -> TrainConfig overrides on top of the recipe (`{epochs}` is --epochs, `{double_epochs}` twice it,
 # `{half_epochs}` half of it, at least 1). Each comment says what is compared.
 VARIANTS: dict[str, list[str]] = {
-    # the recipe as it is (recipes/smollm2-135m.yaml: 16k tokens per step and AdamW in RESULTS.md's first screen,
+    # the recipe as it is (recipes/smollm2-135m.yaml: 16k tokens per step and AdamW in lab/NOTEBOOK.md's first screen,
     # 8k and Muon in its second, 4k and Muon since); 512 anchors per sequence, cosine
     "default": [],
     "seed_1": ["seed=1"],  # the default again with another seed (init, split, data order, anchors): the noise
@@ -80,11 +80,12 @@ VARIANTS: dict[str, list[str]] = {
     # (speculators' form: the drafter's logit of the label rises against its top_k)
     "dflash2_injected": ["drafter_architecture=dflash2", "selector_unary_grad=true", "selector_missing_label=inject"],
     # DFlash2 whose layers learn from the block loss alone (the selector's term stops at its projection): is its
-    # position-1 deficit against DFlash (RESULTS.md "DFlash beside DFlash2") the selector's pull on the layers?
-    # Not by the one screen that ran it: behind the coupled form (RESULTS.md "The recipe's rows on every answered turn")
+    # position-1 deficit against DFlash (lab/NOTEBOOK.md "DFlash beside DFlash2") the selector's pull on the layers?
+    # Not by the one screen that ran it: behind the coupled form (lab/NOTEBOOK.md "The recipe's rows on every
+    # answered turn")
     "dflash2_detached": ["drafter_architecture=dflash2", "selector_hidden_grad=false"],
     # DFlash2 with four taps in its in-block convolution instead of two (each position mixes the three before it);
-    # at a 1,500-step screen +0.009 on MT-bench, +0.040 on HumanEval (RESULTS.md "DFlash2's sizes screened")
+    # at a 1,500-step screen +0.009 on MT-bench, +0.040 on HumanEval (lab/NOTEBOOK.md "DFlash2's sizes screened")
     "dflash2_kernel4": ["drafter_architecture=dflash2", "drafter={conv_kernel_size: 4}"],
     # DFlash2 whose selector chooses among each position's top 32 tokens instead of 16 (the same screen: no better)
     "dflash2_top32": ["drafter_architecture=dflash2", "drafter={selector_top_k: 32}"],
@@ -96,10 +97,10 @@ VARIANTS: dict[str, list[str]] = {
     # the same, in half the epochs: about the default's steps, each step's answers twice as varied
     "extra_answers_same_steps": ["data+={extra_data}", "epochs={half_epochs}"],
     # runs planned to end early (the schedule decays by then, unlike a longer run stopped by time): what a budget of
-    # a few minutes reaches (RESULTS.md "time to quality": τ 2.0 took ~1,500 steps of the 3-epoch schedule)
+    # a few minutes reaches (lab/NOTEBOOK.md "time to quality": τ 2.0 took ~1,500 steps of the 3-epoch schedule)
     "steps_1000": ["max_steps=1000"],
     "steps_1400": ["max_steps=1400"],
-    # the schedule that could fit 300 s end to end at ~0.1 s a step (one H100 after the compile fixes, RESULTS.md
+    # the schedule that could fit 300 s end to end at ~0.1 s a step (one H100 after the compile fixes, lab/NOTEBOOK.md
     # "Time to quality after the compile fixes": 37 s answering, 48 s to step 10), where 1,400 steps gave live 1.86
     "steps_2000": ["max_steps=2000"],
     "steps_1000_anchors": ["max_steps=1000", "anchor_density=0.375"],  # and the study's faster steps
@@ -198,7 +199,7 @@ def combine_winners(rows: dict[str, dict], margin: float, exclude=NOT_COMBINED) 
     largest distance between a replicate's tau and the default's, whichever is larger: a winner must beat the
     default by more than a change of seed moves it. Replicates are never winners.
     A row cut by the eval time limit (``eval_partial``) counts with the tau of the prompts it finished (the first
-    ones, in the dataset's order): the GPU run of RESULTS.md cut every screen row at 69-76 of 80 prompts."""
+    ones, in the dataset's order): the GPU run of lab/NOTEBOOK.md cut every screen row at 69-76 of 80 prompts."""
     base = rows.get("default", {})
     if not evaluated(base):
         raise UserError("--combine: the screening results have no evaluated 'default' row to compare with")

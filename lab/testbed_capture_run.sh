@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One H200 session for the target in vLLM (issue 37 item 4; RESULTS.md / BENCHMARKS.md "Features from vLLM"): the
+# One H200 session for the target in vLLM (issue 37 item 4; lab/NOTEBOOK.md / lab/BENCHMARKS.md "Features from vLLM"): the
 # features vLLM captures against Hugging Face's, how fast each captures, a drafter trained from each, and the
 # memory the training process keeps. Stages, in order of what the issue's goals need first (a stage's JSON is in
 # $RUN/out as soon as it ends; each stage within the 10-minute limit of one command):

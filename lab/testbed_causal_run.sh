@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One H200 session for the serving plan's first question (RESULTS.md "A drafter for every k"): the
+# One H200 session for the serving plan's first question (lab/NOTEBOOK.md "A drafter for every k"): the
 # causal-in-block layout (DrafterConfig.causal: every layer sees the whole context, causal inside the block; the
 # testbed recipe's since that run) against the non-causal block, same data, seed and recipe otherwise, served by
 # vLLM at several num_speculative_tokens. Stages, in order (a stage's results are in $RUN/out as soon as it ends):

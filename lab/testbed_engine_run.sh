@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One H200 session for DFlash vs DFlash2 at equal data and the engine in the loop (RESULTS.md, BENCHMARKS.md
+# One H200 session for DFlash vs DFlash2 at equal data and the engine in the loop (lab/NOTEBOOK.md, lab/BENCHMARKS.md
 # "vLLM in the loop"). Stages, in order (a stage's results are in $RUN/out as soon as it ends):
 #   1. the first user turn of every testbed ShareGPT conversation answered by the target (256 new tokens);
 #   2. DFlash trained online for EPOCHS epochs, alone on the GPU (lab/recipe_study.py --stage train);

@@ -11,7 +11,7 @@
 #   ttq      time to quality on the 10,219 first turns: lab/testbed_quality_run.sh with TTQ_VARIANT (default
 #            steps_1400: the cosine schedule ending at step 1,400), alone on the GPU, the held-out curve every 200
 #            steps, τ of the export in vLLM on MT-bench; ~10 min. TTQ_WARM=1 compiles beside the answering (off:
-#            on one H100 the warm-up took 170 s against 63 s of answering, RESULTS.md); TORCH_LOGS=recompiles
+#            on one H100 the warm-up took 170 s against 63 s of answering, lab/NOTEBOOK.md); TORCH_LOGS=recompiles
 #            (TTQ_TORCH_LOGS) puts every recompilation and its reason in the training's log; TTQ_LIVE_STEPS
 #            (e.g. "1200 1600 2000" with TTQ_VARIANT=default, the 3-epoch schedule) serves those checkpoints in
 #            vLLM too, for the first that reaches each live τ (testbed_quality_run.sh's LIVE_STEPS); TTQ_EVAL_EVERY

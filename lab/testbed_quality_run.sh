@@ -40,8 +40,8 @@
 # recipe (the default variant's overrides) on a stand-in of the data to come (the source's user turns, each answered
 # by its own text: the compiled graphs depend on lengths, not words), with a held-out evaluation at its end, fills the
 # on-disk compile caches that stage 2's runs then read (the compilation is mostly host work, the answering GPU work;
-# the trainer's first 10 steps took 99-121 s on the H200, RESULTS.md); stage 1's seconds, which time_to_quality adds,
-# run until both have ended. Measured once (one H100, RESULTS.md "Time to quality with the compilation beside the
+# the trainer's first 10 steps took 99-121 s on the H200, lab/NOTEBOOK.md); stage 1's seconds, which time_to_quality adds,
+# run until both have ended. Measured once (one H100, lab/NOTEBOOK.md "Time to quality with the compilation beside the
 # answering"), it lost time: the warm-up took 170 s against 63 s of answering, the trainer still 88 s to step 10.
 #
 # Bringing results back to the next lease (15 MiB a file):
@@ -56,14 +56,14 @@
 #   SCALE=toy TARGET=testbed:smollm2 DATA=.cache/gpu RUN=/tmp/toy PYTHON=.venv/bin/python \
 #     bash lab/testbed_quality_run.sh                                                            # CPU twin
 #
-# The lease (~25 usable minutes): regeneration of every turn ~300 s on one H200 (157 s on two, RESULTS.md, 17,395
+# The lease (~25 usable minutes): regeneration of every turn ~300 s on one H200 (157 s on two, lab/NOTEBOOK.md, 17,395
 # conversations, 46,271 answers), training L_TRAIN (600 s; 900 s with REGEN, which skips stage 1) plus ~60 s of
 # export and its stage's start, vLLM ~60-120 s per engine (start-up 20-100 s), the dflashkit eval up to L_EVAL
-# (300 s). Three epochs of every turn (12.4 M tokens an epoch, RESULTS.md) at the recipe's 4k tokens per step are
-# ~9,300 steps, ~1,250 s at the 29.7k tokens/s of RESULTS.md: L_TRAIN stops the cosine schedule at about half (two
+# (300 s). Three epochs of every turn (12.4 M tokens an epoch, lab/NOTEBOOK.md) at the recipe's 4k tokens per step are
+# ~9,300 steps, ~1,250 s at the 29.7k tokens/s of lab/NOTEBOOK.md: L_TRAIN stops the cosine schedule at about half (two
 # thirds with REGEN) unless EPOCHS=1 or a longer L_TRAIN is given. Give each lease a RUN of its own: stages 3-5
 # take every variant that out/recipe/results.json holds.
-# Two variants train at once and share the GPU (~0.7x of a solo run's tokens/s each, RESULTS.md).
+# Two variants train at once and share the GPU (~0.7x of a solo run's tokens/s each, lab/NOTEBOOK.md).
 # The toy scale runs every stage on the CPU in minutes (a 1-layer drafter, 2 steps, vLLM replaced by its CPU
 # stand-in, eval/vllm_standin.py): a check that the stages fit together, not a measurement. Without
 # sharegpt_turns.jsonl[.gz] in DATA the toy falls back to sharegpt.jsonl[.gz] (first turns only); the full scale

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The recipe study of RESULTS.md on one H200 (issue 26). Stages, in order; each stage's results are in $RUN/out as
+# The recipe study of lab/NOTEBOOK.md on one H200 (issue 26). Stages, in order; each stage's results are in $RUN/out as
 # soon as it ends, and $RUN/stages.txt says when each started and ended:
 #   0. (background, beside the rest) the CUDA tests of the GPU paths: static draft step and graph replay, DFlash2,
 #      the decode-attention kernel, training on the GPU, tree attention, packing;
@@ -33,7 +33,7 @@ SCREEN_EPOCHS=${SCREEN_EPOCHS:-1}
 PAR=${PAR:-3}
 . "$(dirname "$0")/run_lib.sh"  # ROOT, D, R, O, PY; the shell in $R; stage()
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
-# the rows the two runs of RESULTS.md left open against today's recipe (4k tokens per step, Muon since then)
+# the rows the two runs of lab/NOTEBOOK.md left open against today's recipe (4k tokens per step, Muon since then)
 SCREEN=${SCREEN:-default,seed_1,adamw,kl,lr_1e3}
 FULL=${FULL-default}
 EXTRA_ROW=${EXTRA_ROW:-1}

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One H200 session for the serving plan (RESULTS.md "The serving plan"): the testbed recipe's causal-in-block
+# One H200 session for the serving plan (lab/NOTEBOOK.md "The serving plan"): the testbed recipe's causal-in-block
 # drafter served by vLLM at k = KS, the n-gram baseline, the per-batch-size schedule derived from those cells and
 # served by one more engine. Stages, in order (a stage's results are in $RUN/out as soon as it ends):
 #   1. the first user turn of every testbed ShareGPT conversation answered by the target (256 new tokens);
@@ -10,7 +10,7 @@
 #      largest step, baselines ngram, mtp (skipped: the testbed has no MTP head) and v1 (no speculation on the V1
 #      model runner, the one a schedule runs on), the schedule served last (serve/schedule.json);
 #      (BASELINES=none: no baseline; SCHEDULE_RUN=0: the schedule derived but not served: on vLLM 0.24 it runs on the
-#      V1 runner, measured 0.20-0.39x of the default runner without speculation, RESULTS.md)
+#      V1 runner, measured 0.20-0.39x of the default runner without speculation, lab/NOTEBOOK.md)
 #   4. (SERVER=1) two `vllm serve` on loopback (none, the drafter at the largest k) swept by `dflashkit eval
 #      --server` over the same levels, repeats and requests, each cell beside stage 3's (vllm/f_server.json);
 #   5. (PROJECTION=1) the 8B-shaped projection at each k of KS_PROJ (default KS) and level of LEVELS_PROJ (default
@@ -52,7 +52,7 @@ else
   # one 30-minute lease (~25 min after the carry calls) holds regeneration (42 s), 300 s of training (~1,380 of the
   # recipe's 2,723 steps at 31.5k tokens/s, H200 2026-12-03) and the sweep: seven engines (no speculation, k = 3,
   # 7, 15, n-gram, v1, the schedule), each ~2.5 min (start-up 20-100 s, the levels at 4 waves). k = 1 is left out
-  # by default: on 2026-12-03 it never beat no speculation (0.73-1.04x, RESULTS.md); KS="1 3 7 15" adds it.
+  # by default: on 2026-12-03 it never beat no speculation (0.73-1.04x, lab/NOTEBOOK.md); KS="1 3 7 15" adds it.
   L_TRAIN=${L_TRAIN:-300}; L_VLLM=${L_VLLM:-1080}; L_PROJ=${L_PROJ:-480}
 fi
 BASELINES=${BASELINES:-ngram mtp v1}  # BASELINES=v1 keeps a lease for what an earlier run lacks; none: no baseline

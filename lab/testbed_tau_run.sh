@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The testbed run of RESULTS.md on two H200s (one works too, more slowly):
+# The testbed run of lab/NOTEBOOK.md on two H200s (one works too, more slowly):
 #   1. benchmarks: regeneration and DDP training on one vs two GPUs, extraction, the decode and block attention
 #      kernels;
 #   2. regenerate every user turn of the testbed's ShareGPT conversations with the SmolLM2-135M target, in order,
@@ -43,8 +43,8 @@ if [ "$SCALE" = toy ]; then   # minutes on a CPU: a check that every stage runs,
   L_EVAL=${L_EVAL:-600}; L_EVAL_SMALL=${L_EVAL_SMALL:-600}; BENCH=0; EPOCHS=2
 else
   LIMIT_CONV=0; NEW=256; BATCH=${BATCH:-1024}; EVAL_PROMPTS=164; EVAL_NEW=256; MAXLEN=2048; STEPS=${STEPS:-1200}
-  # the recipe's tokens per step and optimizer (4k, Muon since RESULTS.md "The recipe study"; the runs of
-  # 2026-11-30 in RESULTS.md had micro_batch_tokens=16384 and AdamW: add those here to repeat them)
+  # the recipe's tokens per step and optimizer (4k, Muon since lab/NOTEBOOK.md "The recipe study"; the runs of
+  # 2026-11-30 in lab/NOTEBOOK.md had micro_batch_tokens=16384 and AdamW: add those here to repeat them)
   TRAIN_EXTRA=(grad_accum=1 eval_samples=64 eval_every=0 save_every=100 keep_last=4
                tokenize_workers=4
                compile=true)

@@ -7,7 +7,7 @@ What it reads, per run directory (train/tracking.py), every row in the order wri
 rows (``eval/tau_walk``: the τ a drafter gets walking the held-out blocks with the target's tokens, logged every
 ``eval_every`` steps and at the end) and each row's ``elapsed_s`` (seconds since the training process began, its
 setup included; for `dflashkit train` its imports too, since 2026-12-05 late: before, the clock began when
-``train`` was called, and the runs' 5-30 s of imports were not counted, RESULTS.md). A resumed run starts
+``train`` was called, and the runs' 5-30 s of imports were not counted, lab/NOTEBOOK.md). A resumed run starts
 ``elapsed_s`` again from 0: the segments are added up (a row whose elapsed_s is below the one before starts a
 new segment, counted from the previous segment's last row), so the time is the training processes' own, without
 the pauses between them. ``--offset-s`` adds what came before training (e.g. the regeneration's wall time) to
@@ -15,7 +15,7 @@ every time.
 
 What it writes: per run, the timeline (step, seconds, τ_walk), the first time τ_walk reached each of ``--taus``
 (None when it never did), and the final τ_walk and its time. τ_walk is not live τ (held-out blocks with the
-target's tokens, not a live decode; RESULTS.md: 2.76 held-out against 2.09 live at the end of the recipe), so
+target's tokens, not a live decode; lab/NOTEBOOK.md: 2.76 held-out against 2.09 live at the end of the recipe), so
 ``--live STEP=TAU`` pairs (live τ measured on the checkpoint of STEP, from `dflashkit eval` or vLLM) calibrate it:
 a least-squares line live = a · τ_walk + b over the pairs (one pair: the ratio, b = 0), and each threshold is also
 given as the τ_walk that line maps onto it and the first time that was reached (``live_taus``). The calibration

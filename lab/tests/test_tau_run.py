@@ -1,4 +1,4 @@
-"""lab/testbed_tau_run.sh, the testbed run of RESULTS.md (every turn regenerated, dpace and ce trained at equal
+"""lab/testbed_tau_run.sh, the testbed run of lab/NOTEBOOK.md (every turn regenerated, dpace and ce trained at equal
 steps, the chain and tree evaluations), run at its CPU scale (SCALE=toy, DEVICE=cpu) on the SmolLM2 testbed: its
 two-process stages run as two CPU processes (gloo), every other stage as on the GPU. A check that the stages fit
 together, not a measurement."""
