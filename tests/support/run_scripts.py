@@ -1,4 +1,4 @@
-"""Running the one-GPU lab scripts (lab/testbed_*_run.sh) at their CPU scale, as the integration tests do."""
+"""Running the one-GPU lab scripts (lab/testbed_*_run.sh) at their CPU scale, as the lab's tests (lab/tests/) do."""
 
 import os
 import subprocess
