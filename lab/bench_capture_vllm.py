@@ -7,7 +7,8 @@ carry, or copy the file to /root in one command):
 One H200, after the slim vLLM (../shared/vllm/README.md, /tmp/vllm-site) and the testbed
 (../shared/testbed/README.md, /root/testbed/smollm2-bf16) are installed; dflashkit from the checkout
 (lab/import_path.sh), vLLM's environment from lab/vllm_env.sh. Three commands, each within 10 minutes:
-    export PYTHONPATH=$(bash lab/import_path.sh /tmp/dflashkit-path):/tmp/site TOKENIZERS_PARALLELISM=false
+    export PYTHONPATH=$(bash lab/import_path.sh /tmp/dflashkit-path):/tmp/site PYTHONSAFEPATH=1 \\
+        TOKENIZERS_PARALLELISM=false
     bash lab/vllm_env.sh python3 -m lab.bench_capture_vllm --parts equality throughput --shapes target \\
         --target /root/testbed/smollm2-bf16 --data .cache/capture/sharegpt256.jsonl --out $OUT/capture_testbed.json
     bash lab/vllm_env.sh python3 -m lab.bench_capture_vllm --parts throughput --shapes qwen3-8b \\

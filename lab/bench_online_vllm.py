@@ -10,7 +10,8 @@ One H200, after the slim vLLM (../shared/vllm/README.md, /tmp/vllm-site) and the
 ShareGPT conversation answered by the target (lab/run_lib.sh ``first_turns`` writes $R/regen.jsonl); then one
 path per command (each within the 10-minute limit: ~4 min for the epoch, ~1.5 min for the eval, ~1 min for the
 engine's start; one process per path also keeps torch.compile's cache of one run from speeding up the other):
-    export PYTHONPATH=$(bash lab/import_path.sh /tmp/dflashkit-path):/tmp/site TOKENIZERS_PARALLELISM=false
+    export PYTHONPATH=$(bash lab/import_path.sh /tmp/dflashkit-path):/tmp/site PYTHONSAFEPATH=1 \\
+        TOKENIZERS_PARALLELISM=false
     mkdir -p /root/run && bash -c 'T=/root/testbed/smollm2-bf16 D=.cache/gpu R=/root/run NEW=256 SLOTS=2048 \\
         DEV=() LIMIT=(); . lab/run_lib.sh; first_turns'
     for path in hf vllm; do bash lab/vllm_env.sh python3 -m lab.bench_online_vllm --paths $path \\
