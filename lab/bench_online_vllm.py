@@ -21,7 +21,7 @@ engine's start; one process per path also keeps torch.compile's cache of one run
 completes the first one's file and computes the difference.
 CPU toy (--standin: the capture twin targets/vllm_capture_standin.py, which computes HF's features, a 6-layer
 random Llama with the testbed's tokenizer, synthetic chats, a 2-step 1-layer drafter; a check that the script runs
-and that the two paths give the same losses, not a measurement; tests/integration/test_bench_online_vllm.py):
+and that the two paths give the same losses, not a measurement; lab/tests/test_online_vllm.py):
     .venv/bin/python -m lab.bench_online_vllm --standin --out /tmp/online_vllm.json
 
 What runs, per path (``target_engine`` hf, then vllm): ``load_config(--recipe, overrides)`` exactly as

@@ -5,7 +5,7 @@ One H200, the testbed (lab/testbed_data.py, then `dflashkit regenerate --max-tur
     python -m lab.recipe_study --target /root/testbed/smollm2-bf16 --data regen.jsonl --out runs/bench/study \\
         --variants default,muon,anchors_per_token,tokens_8k --epochs 1 --parallel 4
     python -m lab.recipe_study ... --variants default,muon,mine:lr=1e-3,optimizer=muon --epochs 3 --parallel 3
-CPU toy (a check that every stage runs, not a measurement; tests/integration/test_bench_recipe_study.py):
+CPU toy (a check that every stage runs, not a measurement; lab/tests/test_recipe_study.py):
     python -m lab.recipe_study --target TINY_DIR --data chats.jsonl --out /tmp/study --variants default,muon \\
         --epochs 1 --parallel 2 --device cpu --num-prompts 2 --max-new-tokens 8 \\
         --extra-overrides max_steps=2,num_hidden_layers=1,compile=false,mixed_precision=no
