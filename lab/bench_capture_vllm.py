@@ -428,8 +428,9 @@ def part_memory(args, work: Path, dev, dtype) -> dict:
                                    "batch": [s.input_ids for s in batch], "standin": args.standin,
                                    "device": str(dev), "dtype": vllm_dtype(dtype), "max_num_seqs": args.max_batch_size,
                                    "gpu_memory_utilization": args.memory_gpu_utilization})
-            proc = subprocess.run([sys.executable, __file__, "--memory-child", str(spec_file)], capture_output=True,
-                                  text=True)
+            # the child inherits this process's folder and PYTHONPATH, through which lab/ was importable here
+            proc = subprocess.run([sys.executable, "-m", "lab.bench_capture_vllm", "--memory-child", str(spec_file)],
+                                  capture_output=True, text=True)
             result_file = spec_file.with_suffix(".result.json")
             if proc.returncode != 0 or not result_file.exists():
                 raise RuntimeError(f"memory child {shape}/{kind} exited {proc.returncode}: {proc.stderr[-3000:]}")

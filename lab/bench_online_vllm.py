@@ -76,7 +76,7 @@ TOY_OVERRIDES = ("num_hidden_layers=1,block_size=4,max_steps=2,compile=false,mix
 # ----------------------------------------------------------------------------- inputs
 def toy_setup(args, work: Path) -> None:
     """--standin: the toy target and chats of bench_capture_vllm.py, the toy sizes, the CPU."""
-    from bench_capture_vllm import toy_inputs
+    from lab.bench_capture_vllm import toy_inputs
 
     os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before anything touches CUDA: the trainer takes a GPU it sees
     if not args.target:
@@ -91,7 +91,7 @@ def capture_calls(path: str, standin: bool):
     """The vLLM calls of the vllm path: the CPU twin with --standin, else None (the installed vLLM)."""
     if path != "vllm" or not standin:
         return None
-    from bench_capture_vllm import capture_api
+    from lab.bench_capture_vllm import capture_api
 
     return capture_api(True, dummy_weights=False)
 
@@ -163,7 +163,7 @@ def free_memory() -> None:
     import torch
 
     if torch.cuda.is_available():  # the next engine's start-up profiling refuses to run while memory is freed
-        from bench_capture_vllm import free_memory as settle
+        from lab.bench_capture_vllm import free_memory as settle
 
         settle(torch.device("cuda"))
 

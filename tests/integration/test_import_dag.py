@@ -5,8 +5,8 @@ Every ``.py`` file of the mapped folders (pyproject.toml ``[tool.setuptools.pack
 import is still a dependency). Six rules:
 - rooms: a module imports, besides its own room, only what its room's row of ``MAY_IMPORT`` lists;
 - the lab: no module outside ``lab/`` imports one of it (``*`` in a row means any module but the lab's);
-- no path edits: no module touches ``sys.path`` (a script reaches shared code as ``bench.common`` or ``lab.x``, so
-  every import is one this test can see);
+- no path edits: no module touches ``sys.path`` nor imports a module of bench/ or lab/ by its bare name (a script
+  reaches shared code as ``bench.common`` or ``lab.x``, so every import is one this test can see);
 - commands: no module imports a command module (``__main__``); ``dflashkit.cli`` reaches them by name;
 - private names: no module imports another module's ``_name`` (nor a module whose name starts with ``_``);
 - cycles: the graph of module imports has no cycle.
@@ -134,12 +134,17 @@ def violations(modules: dict[str, tuple[str, bool]]) -> list[str]:
     """Every break of the four rules in ``modules`` (name -> (source, is_package)), one line each."""
     known = set(modules)
     found, graph = [], {m: set() for m in modules}
+    # bench/ and lab/ modules by their bare names (`import common`): only a path edit could make those import
+    bare = {m.split(".")[-1]: m for m in modules if room_of(m) in ("bench", "lab") and "." in m}
     for name, (source, is_package) in sorted(modules.items()):
         room = room_of(name)
         found += path_uses(name, source)
         for module, imported, line in imports_of(name, source, is_package, known):
             target = room_of(module)
             if target is None:
+                if module.split(".")[0] in bare:
+                    found.append(f"{name} (line {line}) imports {module} by its bare name: import "
+                                 f"{bare[module.split('.')[0]]} (a script's own folder is not a package path)")
                 continue  # not the project's (the standard library, torch, ...)
             where = f"{name} (line {line}) imports {module}" + (f".{imported}" if imported else "")
             if module.split(".")[-1] == "__main__" and module != name:
@@ -276,6 +281,8 @@ def test_the_checker_catches_each_kind_of_violation():
                           _tree(lab__bench_x="import sys\n\nsys.path.insert(0, 'bench')\nimport common")),
         "a path insert, aliased": ("bench.bench_y (line 2) uses sys.path",
                                    _tree(bench__bench_y="import sys as s\ns.path[:0] = ['lab']")),
+        "a bare name": ("lab.bench_y (line 2) imports bench_x by its bare name: import lab.bench_x",
+                        _tree(lab__bench_x="", lab__bench_y="def f():\n    from bench_x import toy_inputs")),
         "a cycle": ("import cycle: dflashkit.train.a -> dflashkit.train.b -> dflashkit.train.a",
                     _tree(dflashkit__train__a="from . import b", dflashkit__train__b="def f():\n    from .a import x")),
     }
