@@ -1,6 +1,7 @@
 # Two commands for a fresh machine: `make demo` and `make test` (ruff, then pytest, one worker per CPU core with
 # pytest-xdist, each test module on one worker so its module fixtures are built once, the longest modules first:
-# tests/file_seconds.json). Both (re)create .venv idempotently; `make lint` runs ruff alone.
+# tests/file_seconds.json). Both (re)create .venv idempotently; `make lint` runs ruff alone; `make lab-test` runs
+# the lab's tests (lab/tests/), which CI runs after `make test`.
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
@@ -16,7 +17,7 @@ DEMO_ARGS ?=
 DEV_EXTRA := import sys; toml = __import__("tomllib" if sys.version_info >= (3, 11) else "pip._vendor.tomli", \
   fromlist=["load"]); print(" ".join(toml.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["dev"]))
 
-.PHONY: setup demo test lint clean
+.PHONY: setup demo test lab-test lint clean
 
 setup: $(STAMP)
 
@@ -42,6 +43,10 @@ demo: setup
 
 test: setup lint
 	$(PY) -m pytest -q -n auto --dist loadfile --no-loadscope-reorder tests
+
+# the lab's tests (lab/tests/: its one-GPU scripts at CPU scale, its studies); CI runs them after `make test`
+lab-test: setup
+	$(PY) -m pytest -q -n auto --dist loadfile --no-loadscope-reorder lab/tests
 
 # ruff (pinned in the dev extra; its rules are in pyproject.toml)
 lint: setup

@@ -2,11 +2,11 @@
 the lossless check and the wall time of the whole run (CUDA graphs by default).
 
 One H200, the testbed and a drafter export:
-    python bench/bench_eval.py --target /root/testbed/smollm2-bf16 --drafter out/drafter \\
+    python -m bench.bench_eval --target /root/testbed/smollm2-bf16 --drafter out/drafter \\
         --dataset builtin:mtbench builtin:humaneval --num-prompts 164 --max-new-tokens 256 \\
-        --reference-prompts 8 --out bench/results/bench_eval.json
+        --reference-prompts 8 --out runs/bench/bench_eval.json
 CPU toy (a tiny random target with the testbed's tokenizer and a random drafter, fp32, eager):
-    python bench/bench_eval.py --toy --out /tmp/bench_eval_toy.json
+    python -m bench.bench_eval --toy --out /tmp/bench_eval_toy.json
 
 Each mode is one `run_eval` over all datasets (its report directory next to --out; --num-prompts 164 takes all
 80 MT-bench and 164 HumanEval prompts); the AR baseline and the HF reference run once per prompt and serve both
@@ -60,7 +60,7 @@ def main(argv=None) -> None:
     parser.add_argument("--reference-prompts", type=int, default=8, help="HF generate reference prompts per dataset")
     parser.add_argument("--no-cuda-graphs", action="store_true")
     parser.add_argument("--dtype", default=None)
-    parser.add_argument("--out", default="bench/results/bench_eval.json")
+    parser.add_argument("--out", default="runs/bench/bench_eval.json")
     args = parser.parse_args(argv)
 
     from dflashkit.eval.engine import DecodeConfig

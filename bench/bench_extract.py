@@ -1,10 +1,10 @@
 """Extraction throughput against the plain target forward, the output_hidden_states=True approach, and the disk.
 
-    python bench/bench_extract.py --toy --out /tmp/bench_extract_toy.json                  # CPU, seconds
-    python bench/bench_extract.py --target /root/testbed/smollm2-bf16 --out bench/results/extract_smollm2.json
-    python bench/bench_extract.py --random-qwen3-8b --layer-ids 1 9 17 25 33 --batch 8 --seq 2048 \
-        --out bench/results/extract_qwen3_8b.json
-    python bench/bench_extract.py --writer-only --batch 2 --batches 12 --out /tmp/bench_writer.json   # CPU
+    python -m bench.bench_extract --toy --out /tmp/bench_extract_toy.json                  # CPU, seconds
+    python -m bench.bench_extract --target /root/testbed/smollm2-bf16 --out runs/bench/extract_smollm2.json
+    python -m bench.bench_extract --random-qwen3-8b --layer-ids 1 9 17 25 33 --batch 8 --seq 2048 \
+        --out runs/bench/extract_qwen3_8b.json
+    python -m bench.bench_extract --writer-only --batch 2 --batches 12 --out /tmp/bench_writer.json   # CPU
 
 On the same batches (random token ids, every token real), median over --repeats runs of --batches batches each:
 - forward: plain ``model(input_ids)`` (logits included), what serving the target costs;
@@ -50,8 +50,8 @@ import time
 from pathlib import Path
 
 import torch
-from common import qwen3_8b_config, random_target, sync, timed, write_json
 
+from bench.common import qwen3_8b_config, random_target, sync, timed, write_json
 from dflashkit import launch
 from dflashkit.extract.data.batching import real_token_index
 from dflashkit.extract.run import parse_size

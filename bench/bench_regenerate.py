@@ -1,12 +1,12 @@
 """Generated tokens/s of ``regenerate --target``: the slot generator against Hugging Face ``generate``.
 
-    python bench/bench_regenerate.py --toy --prompts 24 --max-new-tokens 16 --slots 8 --out /tmp/bench_regen.json
-    python bench/bench_regenerate.py --target /root/testbed/smollm2-bf16 --data .cache/gpu/sharegpt.jsonl \\
-        --out bench/results/regenerate_h200.json
-    python bench/bench_regenerate.py --target /root/testbed/smollm2-bf16 --data .cache/gpu/sharegpt.jsonl \\
-        --no-hf --decode-attention compare --out bench/results/regenerate_decode_attention_h200.json
-    torchrun --standalone --nproc_per_node 2 bench/bench_regenerate.py --target /root/testbed/smollm2-bf16 \\
-        --data .cache/gpu/sharegpt.jsonl --out bench/results/regenerate_2xh200.json
+    python -m bench.bench_regenerate --toy --prompts 24 --max-new-tokens 16 --slots 8 --out /tmp/bench_regen.json
+    python -m bench.bench_regenerate --target /root/testbed/smollm2-bf16 --data .cache/gpu/sharegpt.jsonl \\
+        --out runs/bench/regenerate_h200.json
+    python -m bench.bench_regenerate --target /root/testbed/smollm2-bf16 --data .cache/gpu/sharegpt.jsonl \\
+        --no-hf --decode-attention compare --out runs/bench/regenerate_decode_attention_h200.json
+    torchrun --standalone --nproc_per_node 2 -m bench.bench_regenerate --target /root/testbed/smollm2-bf16 \\
+        --data .cache/gpu/sharegpt.jsonl --out runs/bench/regenerate_2xh200.json
 
 The same prompts (the first user turn of the first --prompts conversations of --data, rendered with the target's
 chat template; longer than --max-prompt-length: left out) and the same --max-new-tokens go through
@@ -36,8 +36,8 @@ import time
 from pathlib import Path
 
 import torch
-from common import sync, write_json
 
+from bench.common import sync, write_json
 from dflashkit import launch
 from dflashkit.extract.data.rendering import BadSample, normalize_record, render
 from dflashkit.extract.data.sources import iter_records, prompt_turns

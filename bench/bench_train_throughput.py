@@ -1,16 +1,16 @@
 """Training throughput: the drafter step offline and online, the target's share of an online step, DDP scaling,
 and MFU; context tokens/s throughout (real tokens of the packed sequences, padding excluded).
 
-    python bench/bench_train_throughput.py --toy --out bench/results/train_throughput_toy.json      # CPU, tiny
-    python bench/bench_train_throughput.py --target /root/testbed/smollm2-bf16 \\
-        --out bench/results/train_throughput_smollm2.json
-    accelerate launch --num_processes 2 bench/bench_train_throughput.py --target /root/testbed/smollm2-bf16 \\
-        --out bench/results/train_throughput_smollm2_ddp.json
-    python bench/bench_train_throughput.py --qwen3-8b --out bench/results/train_throughput_qwen3_8b.json
-    python bench/bench_train_throughput.py --target /root/testbed/smollm2-bf16 --attention flex,split \
-        --out bench/results/train_throughput_smollm2_split.json   # the same steps with each block attention
-    python bench/bench_train_throughput.py --smollm2-shape --drafter-architecture dflash,dflash2 --modes offline \
-        --out bench/results/dflash2_pair.json     # both drafters, their steps in turn (below), DFlash2 against DFlash
+    python -m bench.bench_train_throughput --toy --out runs/bench/train_throughput_toy.json      # CPU, tiny
+    python -m bench.bench_train_throughput --target /root/testbed/smollm2-bf16 \\
+        --out runs/bench/train_throughput_smollm2.json
+    accelerate launch --num_processes 2 -m bench.bench_train_throughput --target /root/testbed/smollm2-bf16 \\
+        --out runs/bench/train_throughput_smollm2_ddp.json
+    python -m bench.bench_train_throughput --qwen3-8b --out runs/bench/train_throughput_qwen3_8b.json
+    python -m bench.bench_train_throughput --target /root/testbed/smollm2-bf16 --attention flex,split \
+        --out runs/bench/train_throughput_smollm2_split.json   # the same steps with each block attention
+    python -m bench.bench_train_throughput --smollm2-shape --drafter-architecture dflash,dflash2 --modes offline \
+        --out runs/bench/dflash2_pair.json     # both drafters, their steps in turn (below), DFlash2 against DFlash
 Defaults: the testbed shape (5 drafter layers, block 16, 512 anchors, sequences of 256-1024 tokens, 8192 tokens
 per micro-batch, G=2); --qwen3-8b packs 4096 tokens per micro-batch.
 
@@ -36,7 +36,7 @@ Measured, after --warmup steps (compilation included there), over --steps steps:
 - with ``--drafter-architecture dflash,dflash2`` (one process, offline only): both drafters built alike, their
   steps timed in turn on the same micro-batches (step i of one, then of the other, the order alternating), so a
   ratio is not moved by the host's drift between two runs (two runs of the same DFlash2 code differed by 11%,
-  BENCHMARKS.md); JSON ``paired``: each one's figures and ``dflash2_vs_dflash`` (throughput ratio over all steps,
+  lab/BENCHMARKS.md); JSON ``paired``: each one's figures and ``dflash2_vs_dflash`` (throughput ratio over all steps,
   of the median steps, and each step pair's); ``--profile FILE`` profiles each into FILE with its name added
   (operators, then the same apart by their inputs' shapes);
 - under ``accelerate launch`` (or torchrun) with W processes: first rank 0 alone (the same train_step on the
@@ -73,8 +73,8 @@ from contextlib import nullcontext
 from pathlib import Path
 
 import torch
-from common import PEAK_BF16, matmul_rate, qwen3_8b_config, random_target, timed, write_json
 
+from bench.common import PEAK_BF16, matmul_rate, qwen3_8b_config, random_target, timed, write_json
 from dflashkit import launch
 from dflashkit.drafter import DrafterConfig, default_target_layer_ids
 from dflashkit.targets.capture import LayerCapture
@@ -117,6 +117,32 @@ def make_pool(n: int, min_len: int, max_len: int, vocab: int, seed: int) -> list
         pool.append({"input_ids": torch.randint(0, vocab - 1, (length,), generator=g), "loss_mask": mask,
                      "index": i})
     return pool
+
+
+def train_pack(k: int, block_size: int, num_anchors: int, toy: bool):
+    """The k-th micro-batch of this benchmark's default pool (rank 0), laid out as it lays it out."""
+    lo, hi, budget, n = (24, 96, 256, 24) if toy else (256, 1024, 8192, 128)
+    pool = make_pool(n, lo, hi, vocab=1000, seed=1000)
+    packs = pack_order(list(range(len(pool))), [s["input_ids"].numel() for s in pool], budget)
+    samples = [{**pool[i], "hidden": torch.zeros(pool[i]["input_ids"].numel(), 1)} for i in packs[k % len(packs)]]
+    return collate_blocks(samples, block_size=block_size, mask_token_id=0, num_anchors=num_anchors, seed=0,
+                          epoch=0, check_finite=False)
+
+
+def kernel_times(fn, calls: int = 5) -> dict:
+    """Device ms per call of each CUDA kernel with "flex" in its name over ``calls`` calls of ``fn``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    out = {}
+    for e in prof.key_averages():
+        t = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+        if "flex" in e.key and t:
+            out[e.key] = max(out.get(e.key, 0.0), t / 1e3 / calls)  # the same kernel may be listed twice
+    return out
 
 
 def padded_batch(samples: list[dict], pin: bool) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
@@ -509,11 +535,6 @@ def main(argv=None):
         print(f"wrote the profile of 3 online steps to {path}")
 
     def layer_probe(path: str) -> None:  # is the flex kernel's time in training a matter of its inputs?
-        import sys
-
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        from bench_block_attention import kernel_times, train_pack
-
         first, seen = plain.layers[0], {}
 
         class Recorder(torch.nn.Module):

@@ -3,10 +3,10 @@ table with and without the drafter, prefix cache on vs off, and a projection to 
 
 One H200 (`. /tmp/vllm-site/vllm-env.sh` first; the testbed target and a trained drafter; the dflashkit eval
 report of the same drafter on the same prompts, run beforehand):
-    python bench/bench_vllm.py --target /root/testbed/smollm2-bf16 --drafter out/drafter \\
-        --dflashkit-report runs/eval-chain/report.json --out bench/results/vllm
+    python -m bench.bench_vllm --target /root/testbed/smollm2-bf16 --drafter out/drafter \\
+        --dflashkit-report runs/eval-chain/report.json --out runs/bench/vllm
 CPU toy (the CPU twin of vllm.LLM, eval/vllm_standin.py; a tiny random pair; modelled step times):
-    python bench/bench_vllm.py --standin --out /tmp/bench_vllm_toy
+    python -m bench.bench_vllm --standin --out /tmp/bench_vllm_toy
 
 Parts (--parts, default all), each writing its own JSON in --out (a failed part writes <part>.error.json with its
 traceback and the others still run):
@@ -51,7 +51,7 @@ import time
 import traceback
 from pathlib import Path
 
-from common import QWEN3_8B, QWEN3_TOY
+from bench.common import QWEN3_8B, QWEN3_TOY
 
 PARTS = ("serve", "tau", "projection", "projection_model", "server", "tau_k")
 def write_json(out: Path, name: str, data: dict) -> None:

@@ -2,16 +2,15 @@
 config in code, the bf16 matmul rate measured on the GPU against the datasheet peak, timing on a device, a
 result's JSON file, and a stage of a study run under a time limit.
 
-A script imports it as ``from common import ...``: Python puts a script's own folder (bench/) first on the path.
-A test that loads a bench script by its file path puts bench/ on ``sys.path`` first (tests/integration/
-test_bench_recipe_study.py does).
+The scripts run as modules from the checkout's root (``python -m bench.bench_vllm``) and import this one as
+``bench.common``; the lab's scripts (lab/) import it the same way: lab/ may import bench/, never the reverse.
 
 Design choices:
 - One Qwen3-8B: ``QWEN3_8B`` holds the fields of its config.json (vLLM reads them from a directory;
   ``qwen3_8b_config`` makes the transformers config the in-process benchmarks build a random target from).
 - One matmul rate: 10 back-to-back 8192^3 bf16 matmuls after 10 warm-up ones, timed together (a sync per call
   would add the launch latency to each); None off the GPU, where no rate is comparable with the datasheet.
-- ``run_stage`` is the Python form of bench/run_lib.sh's ``stage``: a command with its output in a log, SIGINT at
+- ``run_stage`` is the Python form of lab/run_lib.sh's ``stage``: a command with its output in a log, SIGINT at
   the time limit (training checkpoints and stops, eval writes a partial report), killed 5 minutes later.
 """
 

@@ -42,17 +42,17 @@ RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 # demo process: chain and tree decode the same prompts with the same target, so they need them once.
 AR_RUNS: dict = {}
 
-# What the GPU scale gave, quoted under the CPU check's table: `dflashkit demo --device cuda --scale full`, rc 0
-GPU_SCALE_RESULT = ("measured 2026-12-03 on one NVIDIA H200 (`dflashkit demo --device cuda --scale full`, 432 s): "
-                    "chain τ 1.79, speedup 1.13; tree τ 2.49, speedup 1.36")
+# Where the GPU scale's latest measurement is, named under the CPU check's table (a figure here would go stale)
+GPU_SCALE_MEASURED = ("has its latest measurement in the repository's docs/results.md "
+                      "(\"What does the demo's GPU scale give?\")")
 
 # What each scale runs. small: the CPU check of `make demo` (the AR baseline and the lossless check on 3 of the 6
-# prompts: a CPU decode step is mostly Python, so its speedup says little); full: one GPU (RESULTS.md).
+# prompts: a CPU decode step is mostly Python, so its speedup says little); full: one GPU.
 SCALES = {
     "small": dict(train_prompts=96, regen_new_tokens=96, max_turns=1, max_length=512, eval_prompts=6,
                   eval_new_tokens=64, recipe="smollm2-135m-cpu.yaml", train_overrides={}, tree_budget=32,
                   batch_size=16, eval_datasets=["builtin:mtbench"], baseline_prompts=3),
-    # one GPU, one process: eval of all 244 prompts, AR baseline on 10 each (bench/testbed_tau_run.sh: RESULTS.md)
+    # one GPU, one process: eval of all 244 prompts, AR baseline on 10 each
     "full": dict(train_prompts=6144, regen_new_tokens=384, max_turns=1, max_length=1024, eval_prompts=None,
                  eval_new_tokens=256, recipe="smollm2-135m.yaml", train_overrides={"epochs": 3}, tree_budget=64,
                  batch_size=512, eval_datasets=["builtin:mtbench", "builtin:humaneval"], baseline_prompts=10),
@@ -141,7 +141,7 @@ def plan_line(device: str, scale: str, chosen: bool) -> str:
     if not chosen:
         return f"[demo] {what}, as the flags say"
     other = ("; `--device cpu --scale small` runs the CPU check instead" if device != "cpu" else
-             f"; no CUDA GPU here. On one, `make demo` runs the GPU scale, which {GPU_SCALE_RESULT}")
+             f"; no CUDA GPU here. On one, `make demo` runs the GPU scale, which {GPU_SCALE_MEASURED}")
     return f"[demo] {what}, chosen for this machine{other}"
 
 
@@ -164,9 +164,9 @@ def summary(run: Path, scale: str = "small") -> str:
     if scale == "small":
         lines += ["This is the pipeline check (--scale small: 96 prompts, a one-layer drafter): it shows that every "
                   "stage runs, not what a drafter reaches. The GPU scale (`make demo` on a CUDA machine) "
-                  + GPU_SCALE_RESULT + ".", ""]
+                  + GPU_SCALE_MEASURED + ".", ""]
     else:
-        lines += [f"This is the GPU scale (--scale full); it {GPU_SCALE_RESULT}.", ""]
+        lines += [f"This is the GPU scale (--scale full); it {GPU_SCALE_MEASURED}.", ""]
     for mode in reports:
         d = run / f"eval-{mode}"
         plots = ", ".join(sorted(p.name for p in d.glob("*.png")))

@@ -92,7 +92,7 @@ def autocast_inputs(q, k, v):
     Mixed-precision training keeps fp32 weights under autocast, so RMSNorm's weight hands q and k over in float32
     while v (a linear's output) is bf16. Autocast casts SDPA's inputs itself; eager flex_attention and the split
     attention's own matmuls would compute in float32, unlike the SDPA path. (In the compiled CUDA training layer
-    the flex kernel took the same time with and without this cast, BENCHMARKS.md.)"""
+    the flex kernel took the same time with and without this cast.)"""
     dev = q.device.type
     if torch.is_autocast_enabled(dev):
         dt = torch.get_autocast_dtype(dev)

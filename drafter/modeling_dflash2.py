@@ -60,7 +60,7 @@ def grouped_dynamic_causal_conv(hidden: torch.Tensor, dynamic: torch.Tensor, bas
     operations per tap are the reference's, so a single block gives its result exactly. Tap o reads the block
     rolled by o positions with its first o zeroed (the reference pads instead: the same values); compiled for
     training, the roll is recomputed in the backward where the padded copies were kept, 3 activations a layer
-    fewer at the testbed's shape (BENCHMARKS.md)."""
+    fewer at the testbed's shape."""
     b, q, h = hidden.shape
     groups = h // group_size
     taps = base.shape[0]
@@ -123,7 +123,7 @@ class _AutocastRows(torch.autograd.Function):
     weight cast once (a cast commutes with a gather), instead of gathering float32 rows that the matmul then casts;
     the backward is ``F.embedding``'s on the gradient upcast to the weight's dtype and laid out contiguously in
     that one copy (the matmul's gradient arrives transposed, and the embedding's backward would copy it again).
-    The same values and gradients, with less memory traffic (issue 36)."""
+    The same values and gradients, with less memory traffic."""
 
     @staticmethod
     def forward(ctx, ids, weight, dtype):

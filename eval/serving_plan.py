@@ -29,7 +29,7 @@ Design choices:
   never slower than no speculation beyond the noise at any level; of these the fastest at the lowest level.
   None qualifying, the plan is no speculation, and the verdict says up to which concurrency the engine fastest
   at the lowest level pays. On vLLM 0.24 the schedule's engine pays for its runner: measured on the H200
-  testbed, 0.18x at one request where the schedule says k = 0 (RESULTS.md), so the derived schedule is only
+  testbed, 0.18x at one request where the schedule says k = 0, so the derived schedule is only
   deployed when its own measurement says so.
 - Baselines a user would deploy instead: vLLM's n-gram prompt lookup (k 4, n 2…4) and the target's own MTP head
   when its config.json declares MTP layers (``num_nextn_predict_layers`` or ``mtp_num_hidden_layers``, as

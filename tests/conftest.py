@@ -83,7 +83,7 @@ def tiny_run(tmp_path_factory):
 def fresh_accelerate_state():
     """After every test: accelerate keeps its state (mixed precision, device) in class attributes, so a training
     in one test would otherwise fix them for the next (on a GPU a bf16 training made the packing tests' fp32 runs
-    fail, RESULTS.md "The recipe study")."""
+    fail, lab/NOTEBOOK.md "The recipe study")."""
     yield
     if "accelerate.state" in sys.modules:
         from accelerate.state import AcceleratorState, GradientState

@@ -82,7 +82,7 @@ class TrainConfig:
     # unary logits too, as in the public DFlash2 trainers (train/selector_loss.py; off until compared on a GPU)
     selector_hidden_grad: bool = True  # dflash2: the selector's pairwise term trains the drafter's layers through
     # its hidden projection; false stops it there (without selector_unary_grad the layers then learn from the block
-    # loss alone; train/selector_loss.py); behind on the testbed (RESULTS.md "The recipe's rows on every answered turn")
+    # loss alone; train/selector_loss.py); behind on the testbed
     selector_weights: str = "decay"  # dflash2: the selector term's position weights and normaliser: "decay" (the
     # ce decay) or "loss" (the block loss's own, D-PACE's with the recipe, as SpecForge; train/selector_loss.py)
     selector_missing_label: str = "skip"  # dflash2, training: a valid label not among the candidates adds no
@@ -90,7 +90,7 @@ class TrainConfig:
     selector_codebook_lr_scale: float = 1.0  # dflash2: the selector's two codebooks learn at this multiple of the
     # lr (their own optimizer group; a codebook row moves only on the steps its token is drawn; train/muon.py)
     # --- objective
-    loss: str = "dpace"  # "ce" | "dpace" | "kl" (train/loss.py documents each; dpace won the comparison in RESULTS.md)
+    loss: str = "dpace"  # "ce" | "dpace" | "kl" (train/loss.py documents each; dpace beat ce at equal data)
     gamma: float = 7.0  # position decay exp(-(k-1)/gamma) of ce and kl
     dpace_alpha: float = 0.5  # D-PACE confidence smoothing (paper Eq. 7)
     kl_weight: float = 0.5  # kl: share of KL(target || draft) in the per-position loss (rest is CE)
@@ -123,11 +123,11 @@ class TrainConfig:
     # sequence alone); blocks never see another sequence. 0 -> one sequence per micro-batch. Memory grows with the
     # blocks of all packed sequences (up to num_anchors each, ~0.85 per token for short answers); lower it if a step
     # runs out of GPU memory. More tokens per step run faster per token, but with little data the number of steps
-    # binds: on the SmolLM2 testbed 4096 beat 8192 and 16384 at equal data (RESULTS.md "The recipe study")
+    # binds: on the SmolLM2 testbed 4096 beat 8192 and 16384 at equal data
     mixed_precision: str = "bf16"  # "bf16" (autocast, fp32 master weights) or "no"
     seed: int = 0  # model init, split, data order and anchors
     gradient_checkpointing: bool = False  # recompute drafter layers in backward (long sequences)
-    compile: bool = False  # torch.compile each drafter layer (CUDA: ~20% faster steps, BENCHMARKS.md)
+    compile: bool = False  # torch.compile each drafter layer (CUDA: ~20% faster steps)
     attention: str = "auto"  # block attention: "auto" (flex on CUDA, dense on CPU), "flex", "dense", or "split"
     # (context keys through flex_attention, each block's own keys as a dense matmul, merged exactly by log-sum-exp:
     # no partial tiles on the block diagonal; train/split_attention.py)

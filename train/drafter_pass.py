@@ -13,7 +13,7 @@ Design choices:
   selector's teacher-forced scores inside the same forward (so DDP and FSDP see every parameter used there), and
   its candidates are the top_k of the logits the block loss computes anyway: the forward calls the pass (as
   ``selector_targets["candidates"]``), which runs the block loss with ``top_k`` and keeps its output, so the
-  lm_head runs once (a second lm_head pass for the candidates cost DFlash2 0.70x DFlash's throughput, issue 36);
+  lm_head runs once (a second lm_head pass for the candidates cost DFlash2 0.70x DFlash's throughput);
   loss and gradients are those of that two-pass form (tests/unit/train/test_train_selector_candidates.py). With
   the selector's term at weight 0 (``extra_term=False``) no scores are computed and the loss runs after the
   forward, as for DFlash (train/selector_loss.py). A kind names its extra term (drafter/kinds/: ``loss_term``)
@@ -128,13 +128,13 @@ def mask_backend(attention: str, device: torch.device) -> str:
 
 
 def compile_layers(model, dynamic: bool | None = True, backend: str = "inductor") -> None:
-    """``torch.compile`` each decoder layer of the drafter (the fastest compiled unit measured, BENCHMARKS.md),
+    """``torch.compile`` each decoder layer of the drafter (the fastest compiled unit measured),
     for symbolic sizes from the first call (``dynamic=True``).
 
     Every packed micro-batch has its own context and block counts. Left to decide itself (``dynamic=None``), a
     compiled layer is specialised to the first shape and recompiled with dynamic sizes at the next one, and that
     recompiled graph ran the flex_attention kernels far slower than a layer compiled dynamic from the start, on
-    the same inputs (BENCHMARKS.md, bench/bench_train_throughput.py --layer-probe). ``dynamic=None`` keeps the
+    the same inputs (bench/bench_train_throughput.py --layer-probe). ``dynamic=None`` keeps the
     old behaviour (for the
     comparison). Every layer can be compiled many times over a run; the dynamo cache limit is raised for that.
 
@@ -146,7 +146,7 @@ def compile_layers(model, dynamic: bool | None = True, backend: str = "inductor"
     size checks (``mix_order_reduction_non_strict_mode``): each check became a guard on the micro-batch's size
     (``576*block.size()[1] >= 5242880``), and on one H200 a run of 909 steps compiled every layer again when its
     sizes crossed one (steps 30-40: +12 s DFlash, +34 s DFlash2) and again at the epoch's last, small micro-batch
-    (+14 s, +36 s; RESULTS.md "DFlash2 at today's recipe")."""
+    (+14 s, +36 s)."""
     import torch._dynamo as dynamo
     from torch._inductor import config as inductor_config
     from torch.fx.experimental import _config as fx_config

@@ -2,14 +2,14 @@
 compiled drafter layers.
 
 In a profiled DFlash2 step at the testbed's shape the four convolutions of each layer cost ~29 ms of the 43 ms a
-DFlash2 step takes more than a DFlash step (H200, BENCHMARKS.md lease 8): inductor compiles the torch expression
+DFlash2 step takes more than a DFlash step (H200): inductor compiles the torch expression
 (drafter/modeling_dflash2.grouped_dynamic_causal_conv) into several passes over the block positions each way. The
 kernels do the forward in one pass and the three gradients in another. They are custom operators
 (``dflashkit::dynamic_conv`` and its backward), so a layer compiled with dynamic shapes calls them without a graph
 break; inductor compiles the norms, casts and matmuls around them as before.
 
 Used when the run asks for it (``conv_kernel: true``; off by default: on one H100 the operator is at best 12%
-under inductor, and with the selector's kernel it took ~10 ms off a ~254 ms DFlash2 step, BENCHMARKS.md):
+under inductor, and with the selector's kernel it took ~10 ms off a ~254 ms DFlash2 step):
 ``install`` points every convolution of a DFlash2 drafter at ``dynamic_conv``, which takes the kernels where
 they fit and the model's own expression elsewhere (the CPU without the interpreter; float64; a group size that
 is not a power of two up to 128; a run of positions that is not whole blocks). Values: the kernels sum in float32

@@ -13,14 +13,14 @@ and its gradients are
     grad_base[o, h]   = sum_m g[m, h] * x[m - o, h].
 
 Compiled by inductor, the torch expression took ~29 ms of a DFlash2 training step at the testbed's shape, in
-several passes over [~86k block positions, 576] each way (BENCHMARKS.md, lease 8). Here one program takes a tile
+several passes over [~86k block positions, 576] each way (profiled on an H200). Here one program takes a tile
 of [BLOCK_M rows, BLOCK_G groups, GS channels] (whole blocks where the block is a power of two, so the shifted
 rows it reads are its own) and does the forward in one pass, the backward's three gradients in another: x, g and
 the taps read once a tile, products summed in float32. The tile is three-dimensional so that a dynamic tap, one
 per row and group, is loaded once as [BLOCK_M, BLOCK_G] and broadcast over its group's channels, and its gradient
 is a sum over the last axis; the first form of these kernels (a [rows, channels] tile) gathered the tap per
 channel and reshaped to sum, and ran at a fourth (forward) to a seventh (backward) of what an H100's bandwidth
-allows, slower than inductor's passes (BENCHMARKS.md). ``grad_base`` is reduced per row tile into a float32
+allows, slower than inductor's passes. ``grad_base`` is reduced per row tile into a float32
 buffer [tiles, K, H] and summed by the caller (no atomics: the same bits every run). Base and dyn are rounded to
 x's dtype before use, as the torch expression casts them.
 """
@@ -92,7 +92,7 @@ def _conv_backward(G, X, Dyn, Base, GradX, GradDyn, GradBase, n_rows, groups, st
              mask=ok[:, :, None])
 
 
-# the tile (rows x channels a program, warps): the best of bench_dynamic_conv.py --sweep on one H100 (BENCHMARKS.md)
+# the tile (rows x channels a program, warps): the best of a sweep of tile sizes on one H100
 TILE = {"rows": 128, "channels": 64, "num_warps": 4}
 
 

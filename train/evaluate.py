@@ -26,14 +26,14 @@ Design choices:
   micro-batch, capped at ``max_length``, so a pass holds no more anchors than one longest sample's did) and each
   pack's features are read once for both passes: an online run's target runs once per pack in right-padded
   batches (``OnlineFeatures.read``) instead of twice per sample, alone. On the testbed's GPU runs the
-  per-sample form took ~3 s (H100) to ~5 s (H200) per evaluation of 64 samples (RESULTS.md "Live tau at
-  checkpoints"). Sums are over blocks, so packing changes the numbers by float rounding only; anchors are keyed
+  per-sample form took ~3 s (H100) to ~5 s (H200) per evaluation of 64 samples. Sums are over blocks, so
+  packing changes the numbers by float rounding only; anchors are keyed
   by sample index, so the same samples are evaluated at the same anchors however they are packed.
 - Compiled drafter layers in one plain process (no DDP, FSDP or DeepSpeed wrapper) run the evaluation's passes
   in grad mode, with the model left in train mode as the graphs were compiled (the drafter has no dropout: the
   same numbers), so the graphs the training compiled serve them. In no-grad mode every layer was compiled again
   at the first evaluation: its window took 19.5 s on one H100 against 3.5 s now, with no recompilation of the
-  layers in the training log (RESULTS.md "Time to quality with the host-time cuts"). Each pass's autograd graph
+  layers in the training log. Each pass's autograd graph
   is dropped with its output, and the passes' DFlash2 options that act only under a gradient (the injected
   label, the coupled unary logits) are off, as in no-grad mode; the block loss computes no gradient of the
   states (``loss_grad=False``), which the loss engine would otherwise compute with the loss. A wrapped model

@@ -20,7 +20,7 @@ Design choices:
   equal). A NaN (positive, as the GPU writes it) counts above +inf, as torch.topk orders it.
 - One warp per row by default: each round is three reductions over a group or the group keys, inside the warp
   (1 warp: ~290 instructions a round, against ~1,270 for 8 warps over a [k, group] tile of the k best groups,
-  k 16, groups of 256, sm_90 SASS). Timed on an H200 (BENCHMARKS.md, lease 7): 1 and 4 warps tie (0.057 ms a
+  k 16, groups of 256, sm_90 SASS). Timed on an H200: 1 and 4 warps tie (0.057 ms a
   chunk of 2,048 rows × 49,152), 2 are slower (0.078 ms); torch's grouped path takes 0.336 ms.
 """
 

@@ -50,18 +50,18 @@ Design choices:
 - That top_k is ``grouped_topk``: a radix select over a whole vocabulary row is the slowest op of a DFlash2 step
   on a GPU (``torch.topk`` of [2048, 49152] bf16 logits, k 16: 1.04 ms a chunk in a profiled step, against 0.16 ms
   for the statistics kernel that reads the same logits; 21% of the step's GPU time; alone 0.81 ms against 0.40 ms
-  for grouped_topk, H200 2026-12-03, BENCHMARKS.md). The row is cut into groups of
+  for grouped_topk, H200). The row is cut into groups of
   ``TOPK_GROUP`` logits; the k groups with the largest maxima hold every one of the row's k largest values (a
   group outside them has k groups whose maxima are at least its own, so any value of it has k larger or equal
   ones elsewhere), so the top_k runs on those k groups (plus the tail when the vocabulary is not a multiple of
   the group) instead of the row: the same values, ids differing from ``torch.topk``'s only among equal logits.
   The group maxima come from the statistics kernel's own read of the logits (``_logit_stats_grouped``: per
   group its max, first argmax and sum of exp, the row's logsumexp and argmax from those), not from a second
-  read (GPU time of 3 profiled DFlash2 steps 797 -> 756 ms, H200, BENCHMARKS.md).
+  read (GPU time of 3 profiled DFlash2 steps 797 -> 756 ms, H200).
 - Where Triton runs (``triton_available``) and the vocabulary is whole groups, grouped_topk is one Triton kernel
   launch per chunk (train/grouped_topk_triton.py) instead of its torch ops (two topk, the gather of the chosen
   groups and the index arithmetic: ~50 of 738 ms GPU time in a profile of 3 DFlash2 steps, H200; the kernel takes
-  0.059 ms a chunk of 2,048 rows x 49,152 against the torch path's 0.336 ms, BENCHMARKS.md lease 7, but does not
+  0.059 ms a chunk of 2,048 rows x 49,152 against the torch path's 0.336 ms, but does not
   show in whole-step medians yet): one program per row takes the k largest one by one, each from the group
   whose best logit not yet taken is the largest, starting from the given maxima, so it reads only those groups.
   The values are torch.topk's; on equal logits it takes the lowest column, so its ids may differ from those of
@@ -188,7 +188,7 @@ def _logit_grad(logits: torch.Tensor, lse: torch.Tensor, labels: torch.Tensor, w
     return (g * w.unsqueeze(-1)).to(logits.dtype)
 
 
-TOPK_GROUP = 256  # logits per group of grouped_topk (the fastest of 64-512 on an H200: BENCHMARKS.md)
+TOPK_GROUP = 256  # logits per group of grouped_topk (the fastest of 64-512 on an H200)
 
 
 def groups_pay(cols: int, k: int, group: int = TOPK_GROUP) -> bool:

@@ -19,15 +19,15 @@ Design choices:
 - Newton-Schulz runs on the parameter's device (the drafter's matrices are small next to the target), in fp32
   (TrainConfig's default), in bf16 with ``muon_ns_dtype: bfloat16`` (the Muon authors' form), or with ``auto`` in
   bf16 on a GPU and fp32 on a CPU, whose bf16 matmuls are far slower (the testbed recipe's choice). The stacked
-  fp32 step on the testbed drafter is bound by its ~260 GFLOP of fp32 matmuls (BENCHMARKS.md "The Muon step in
-  same-shape stacks"); in bf16 the recipe's whole step ran 1.09x faster on one H100, and the held-out curve of
-  2,000 steps stayed within 0.02 of the fp32 runs' (RESULTS.md). The recipe study's ``muon_ns_fp32`` row runs
+  fp32 step on the testbed drafter is bound by its ~260 GFLOP of fp32 matmuls; in bf16 the recipe's whole step
+  ran 1.09x faster on one H100, and the held-out curve of
+  2,000 steps stayed within 0.02 of the fp32 runs'. The recipe study's ``muon_ns_fp32`` row runs
   the fp32 form against it.
 - The step is batched: the momentum, decay and AdamW updates are ``torch._foreach`` ops over a group, and the
   matrices of one shape are orthogonalised as one stack (``stacks``: up to ``STACK_BYTES`` of fp32 at once, so a
   large drafter's matrices still go one at a time). The testbed drafter's 36 matrices come in 5 shapes, so
   Newton-Schulz runs 5 stacks, not 36 matrices, each ~45 kernel launches. On a GPU whose small steps wait on the
-  host (the testbed's, RESULTS.md) those launches were host time. The numbers are the per-matrix ones up to
+  host (the testbed's) those launches were host time. The numbers are the per-matrix ones up to
   float rounding (the tests compare the two, and the AdamW part with ``torch.optim.AdamW``).
 - Data parallelism: under DDP every rank holds the all-reduced gradient and the whole matrix, so every rank
   computes the same update. FSDP and DeepSpeed ZeRO hand the optimizer flattened or sharded pieces, on which the

@@ -4,12 +4,12 @@
 rows of every candidate gathered ([positions, top_k, rank]), then a batched matmul. At the testbed's shape those
 rows are ~640 MB a micro-batch in bf16 and their float32 gradient 1.3 GB; in a profiled DFlash2 step the gather,
 the batched matmuls, the copies and the codebook's embedding backward took ~10 ms of the 43 ms a DFlash2 step
-costs more than a DFlash step (H200, BENCHMARKS.md lease 8). ``pair_term`` is the same term where the Triton
+costs more than a DFlash step (H200). ``pair_term`` is the same term where the Triton
 kernels of train/selector_pair_triton.py run (CUDA, or the interpreter in the tests): one pass reads the rows from
 the codebook for the scores, one for both gradients, and no [positions, top_k, rank] tensor exists.
 
 It is used when the run asks for it (``selector_kernel: true``; off by default: on one H100 it took 3.6 ms
-against torch's 4.8 and a twentieth of the memory, but ~1% of a step, BENCHMARKS.md), and
+against torch's 4.8 and a twentieth of the memory, but ~1% of a step), and
 only where the kernels fit; elsewhere (the CPU) it is the model's own torch expression. Under autocast the kernels
 compute as autocast's matmul would: gate and codebook rows in the autocast dtype, products summed in float32,
 the scores in that dtype; the gradients are summed in float32 (the codebook's with atomics: its last bits vary

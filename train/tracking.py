@@ -2,13 +2,13 @@
 
 Design choices:
 - Only the main process logs. ``metrics.jsonl`` in the output dir is the record every other view is built from
-  (tests compare loss trajectories with it; RESULTS tables are read from it). It is strict JSON: a NaN or Inf
+  (tests compare loss trajectories with it; reported results are read from it). It is strict JSON: a NaN or Inf
   metric (nothing to count, or the step a run diverged at) is written as null. It is an append log
   (dflashkit/files.py): each row is on the disk when ``log`` returns; a crash leaves at most one cut last row,
   which the reader skips and a resumed run cuts off before it appends. Every row carries ``wall_time`` (Unix
   seconds) and ``elapsed_s`` (seconds since this process's run began, its setup included, and for `dflashkit
   train` the process's imports; a resumed run starts again from 0), so the wall time to a quality can be read
-  off (bench/time_to_quality.py).
+  off.
 - The rows never run ahead of the run's durable state for long: a run that resumes from the checkpoint of step S
   (or starts again at 0, no checkpoint having been written) first drops the rows of steps after S, which the
   earlier process logged but never saved (it was killed, or its save failed), so the file holds each step once,

@@ -278,7 +278,7 @@ def save_final(run: TrainRun) -> Path:
 
 def compiled_graphs() -> dict:
     """How this process's compiled graphs came about: ``from_cache`` (the compile cache on disk: an earlier run or
-    a warm-up of the same graphs, e.g. bench/testbed_quality_run.sh's WARM=1, spared their compilation) and
+    a warm-up of the same graphs, e.g. an earlier run of the same recipe, spared their compilation) and
     ``compiled`` (compiled here, cached or not); a run whose start-up budget matters reads whether it paid."""
     from torch._dynamo.utils import counters
 

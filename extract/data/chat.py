@@ -139,7 +139,7 @@ def encode_records(records: list, tokenizer, cfg: ChatConfig,
     """Records -> for each, its EncodedSample or the BadSample it is skipped for (as ``encode_record``, which is
     this for one record). Each record is rendered alone; the segments of all of them are then tokenized in one
     tokenizer call and the supervised ones decoded back in one (a fast tokenizer spreads a batch over its
-    threads: the data step took 1.66x less time inline on 2 cores, BENCHMARKS.md). Raises TemplateError when
+    threads: the data step took 1.66x less time inline on 2 cores). Raises TemplateError when
     there is no chat template."""
     specials = special_tokens(tokenizer) if specials is None else specials
     plans: list = []  # per record: a BadSample, or (kind, payload, dropped, pieces, flags)

@@ -17,7 +17,7 @@ Design choices:
   columns up to its own position (the positions reach it as the model's ``slot_decode`` keyword, which the
   forward hands to every attention call), so a step reads the live lengths rather than every slot up to the
   longest one; a free slot (waiting for a refill, or done at the end of a run) reads one column (its speed-up
-  on an H200: BENCHMARKS.md, "Regeneration"). Elsewhere
+  on an H200: bench/bench_regenerate.py measures it). Elsewhere
   (CPU, no Triton), and for a model whose layers all have sinks or soft-capping, the SDPA path runs; "sdpa"
   asks for it everywhere.
 - Prompts are prefilled in length buckets (longest first, left padding, rows rolled into cache columns 0..L-1),

@@ -1,9 +1,12 @@
 """The import DAG of docs/ARCHITECTURE.md, held by reading every module's imports with ``ast`` (nothing is imported).
 
-Every ``.py`` file of the mapped folders (pyproject.toml ``[tool.setuptools.package-dir]``) and of ``bench/`` is
-parsed; every ``import`` / ``from ... import`` in it counts, at module level or inside a function (a lazy import
-is still a dependency). Four rules:
+Every ``.py`` file of the mapped folders (pyproject.toml ``[tool.setuptools.package-dir]``), of ``bench/`` and of
+``lab/`` is parsed; every ``import`` / ``from ... import`` in it counts, at module level or inside a function (a lazy
+import is still a dependency). Six rules:
 - rooms: a module imports, besides its own room, only what its room's row of ``MAY_IMPORT`` lists;
+- the lab: no module outside ``lab/`` imports one of it (``*`` in a row means any module but the lab's);
+- no path edits: no module touches ``sys.path`` nor imports a module of bench/ or lab/ by its bare name (a script
+  reaches shared code as ``bench.common`` or ``lab.x``, so every import is one this test can see);
 - commands: no module imports a command module (``__main__``); ``dflashkit.cli`` reaches them by name;
 - private names: no module imports another module's ``_name`` (nor a module whose name starts with ``_``);
 - cycles: the graph of module imports has no cycle.
@@ -33,7 +36,8 @@ MAY_IMPORT = {
     # eval reads records and renders prompts as training does (the one renderer); no train, no other extract module
     "eval": ("helpers", "drafter", "targets", "extract.data.sources", "extract.data.rendering"),
     "commands": ("*",),  # the `dflashkit` command's own subcommands (demo, __main__)
-    "bench": ("*",),  # benchmark scripts
+    "bench": ("*",),  # the benchmarks a user runs on their own drafter
+    "lab": ("*",),  # studies, lease plans and their tests: may import the product and bench, never imported back
 }
 HELPERS = ("dflashkit", "dflashkit.errors", "dflashkit.untrusted", "dflashkit.outputs", "dflashkit.files",
            "dflashkit.launch", "dflashkit.stopping", "dflashkit.progress", "dflashkit.cli")  # every room imports these
@@ -52,8 +56,9 @@ def package_folders(root: Path = ROOT) -> dict[str, str]:
 
 
 def project_sources(root: Path = ROOT) -> dict[str, tuple[str, bool]]:
-    """module name -> (source, is_package) for every module of the project (and bench/ as ``bench.*``)."""
-    folders = {**package_folders(root), "bench": "bench"}
+    """module name -> (source, is_package) for every module of the project (bench/ as ``bench.*``, lab/ as
+    ``lab.*``)."""
+    folders = {**package_folders(root), "bench": "bench", "lab": "lab"}
     modules = {}
     for package, folder in folders.items():
         for path in sorted((root / folder).rglob("*.py")):
@@ -92,8 +97,9 @@ def room_of(module: str) -> str | None:
         return "helpers"
     if module in COMMANDS:
         return "commands"
-    if module == "bench" or module.startswith("bench."):
-        return "bench"
+    for folder in ("bench", "lab"):
+        if module == folder or module.startswith(folder + "."):
+            return folder
     if not module.startswith("dflashkit."):
         return None
     rest = module.removeprefix("dflashkit.")
@@ -107,6 +113,17 @@ def _matches(module: str, entry: str) -> bool:
     return room_of(module) == entry or module == full or module.startswith(full + ".")
 
 
+def path_uses(name: str, source: str) -> list[str]:
+    """One line for each use of ``sys.path`` in ``source`` (``import sys as s`` is read as sys too)."""
+    tree = ast.parse(source)
+    names = {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names
+             if a.name == "sys"}
+    return [f"{name} (line {n.lineno}) uses sys.path: import the shared module by its package name instead "
+            "(bench.common, lab.x)" for n in ast.walk(tree)
+            if isinstance(n, ast.Attribute) and n.attr == "path" and isinstance(n.value, ast.Name)
+            and n.value.id in names]
+
+
 def _private(part: str) -> bool:
     return part.startswith("_") and not (part.startswith("__") and part.endswith("__"))
 
@@ -118,17 +135,26 @@ def violations(modules: dict[str, tuple[str, bool]]) -> list[str]:
     """Every break of the four rules in ``modules`` (name -> (source, is_package)), one line each."""
     known = set(modules)
     found, graph = [], {m: set() for m in modules}
+    # bench/ and lab/ modules by their bare names (`import common`): only a path edit could make those import
+    bare = {m.split(".")[-1]: m for m in modules if room_of(m) in ("bench", "lab") and "." in m}
     for name, (source, is_package) in sorted(modules.items()):
         room = room_of(name)
+        found += path_uses(name, source)
         for module, imported, line in imports_of(name, source, is_package, known):
             target = room_of(module)
             if target is None:
+                if module.split(".")[0] in bare:
+                    found.append(f"{name} (line {line}) imports {module} by its bare name: import "
+                                 f"{bare[module.split('.')[0]]} (a script's own folder is not a package path)")
                 continue  # not the project's (the standard library, torch, ...)
             where = f"{name} (line {line}) imports {module}" + (f".{imported}" if imported else "")
             if module.split(".")[-1] == "__main__" and module != name:
                 found.append(f"{where}: a command module; import the library module it calls")
             if (imported and _private(imported)) or any(_private(p) for p in module.split(".")):
                 found.append(f"{where}: a private name; give it a public name in its module")
+            if target == "lab" and room != "lab":
+                found.append(f"{where}: the lab (lab/) is imported by nothing outside it; move what both need out "
+                             "of lab/ (to bench/common.py, or the product)")
             allowed = MAY_IMPORT.get(room, ())
             if target != room and "*" not in allowed and not any(_matches(module, e) for e in allowed):
                 found.append(f"{where}: room {room} may import only {', '.join(allowed) or 'nothing of the project'}"
@@ -185,7 +211,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_the_project_keeps_the_import_dag():
     modules = project_sources()
     assert {"dflashkit.drafter.config", "dflashkit.extract.shards.reader", "dflashkit.train.trainer",
-            "dflashkit.eval.run", "bench.bench_extract"} <= set(modules)
+            "dflashkit.eval.run", "bench.bench_extract", "lab.recipe_study"} <= set(modules)
     unplaced = sorted(m for m in modules if room_of(m) is None)
     assert not unplaced, f"modules in no room of MAY_IMPORT: {unplaced}"
     found = violations(modules)
@@ -196,7 +222,8 @@ def test_every_package_is_listed_for_a_non_editable_install():
     # `pip install .` ships only the packages pyproject.toml lists; the editable install finds the rest by itself
     listed = re.search(r"^packages = \[([^\]]*)\]", (ROOT / "pyproject.toml").read_text(), flags=re.M)
     listed = set(re.findall(r'"([\w.]+)"', listed.group(1)))
-    packages = {m for m, (_, is_package) in project_sources().items() if is_package}
+    packages = {m for m, (_, is_package) in project_sources().items()
+                if is_package and room_of(m) not in ("bench", "lab")}  # run from a checkout, never installed
     assert "dflashkit.extract.shards" in packages
     assert packages - listed == set(), f"add to pyproject.toml [tool.setuptools] packages: {sorted(packages - listed)}"
 
@@ -212,7 +239,10 @@ def test_the_checker_catches_each_kind_of_violation():
                   dflashkit__extract__data__sources="def f():\n    from dflashkit.targets.loading import y",
                   dflashkit__eval__run="from dflashkit.extract.data.sources import f",
                   dflashkit__train__trainer="from dflashkit.extract.data import sources",
-                  dflashkit__extract__run="from ..drafter import config")
+                  dflashkit__extract__run="from ..drafter import config", bench__common="",
+                  bench__bench_vllm="from bench.common import QWEN3_8B\nfrom dflashkit.eval.run import f",
+                  lab__recipe_study="from bench.common import say\nfrom dflashkit.train.trainer import g",
+                  lab__tests__test_recipe_study="from lab.recipe_study import main")
     assert violations(clean) == []
     breaks = {
         "drafter imports train": ("room drafter may import only helpers",
@@ -239,6 +269,21 @@ def test_the_checker_catches_each_kind_of_violation():
         "a shipped modeling file uses a helper": (
             "room drafter.modeling_dflash may import only nothing",
             _tree(dflashkit__drafter__modeling_dflash="from dflashkit.errors import UserError", dflashkit__errors="")),
+        "the product imports the lab": ("the lab (lab/) is imported by nothing outside it",
+                                        _tree(dflashkit__train__trainer="from lab.recipe_study import VARIANTS",
+                                              lab__recipe_study="")),
+        "a command imports the lab lazily": ("dflashkit.demo (line 2) imports lab.recipe_study",
+                                             _tree(dflashkit__demo="def f():\n    import lab.recipe_study",
+                                                   lab__recipe_study="")),
+        "a benchmark imports the lab": ("bench.bench_vllm (line 1) imports lab.time_to_quality.timeline: the lab",
+                                        _tree(bench__bench_vllm="from lab.time_to_quality import timeline",
+                                              lab__time_to_quality="")),
+        "a path insert": ("lab.bench_x (line 3) uses sys.path",
+                          _tree(lab__bench_x="import sys\n\nsys.path.insert(0, 'bench')\nimport common")),
+        "a path insert, aliased": ("bench.bench_y (line 2) uses sys.path",
+                                   _tree(bench__bench_y="import sys as s\ns.path[:0] = ['lab']")),
+        "a bare name": ("lab.bench_y (line 2) imports bench_x by its bare name: import lab.bench_x",
+                        _tree(lab__bench_x="", lab__bench_y="def f():\n    from bench_x import toy_inputs")),
         "a cycle": ("import cycle: dflashkit.train.a -> dflashkit.train.b -> dflashkit.train.a",
                     _tree(dflashkit__train__a="from . import b", dflashkit__train__b="def f():\n    from .a import x")),
     }

@@ -265,7 +265,7 @@ def test_compiled_layers_are_evaluated_through_the_training_graphs(setup, monkey
     """With compiled layers in one process, evaluate's passes run in grad mode through the graphs a training
     step compiled: no graph is compiled for them, the numbers are the eager model's, and the model's mode and
     gradients are as before. In no-grad mode (the form before) the same evaluation compiles its own graphs.
-    On CUDA with the fused loss; the testbed's run logs its recompilations (RESULTS.md)."""
+    On CUDA with the fused loss; the testbed's run logs its recompilations (lab/NOTEBOOK.md)."""
     import copy
 
     from dflashkit.train import evaluate as evaluate_module

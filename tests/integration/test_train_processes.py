@@ -105,7 +105,7 @@ def test_two_processes_stop_together_when_the_run_diverges(tiny_run, tmp_path):
 def test_a_second_process_takes_its_compiled_layers_from_the_cache(tiny_run, tmp_path, monkeypatch):
     """compile=true: summary.json says how many graphs were compiled and how many came from the compile cache.
     A fresh cache compiles every graph; a second process on the same cache (another run directory, as a warm-up
-    beside the answering and the run after it) compiles none: what bench/testbed_quality_run.sh's WARM=1 counts on."""
+    beside the answering and the run after it) compiles none: what lab/testbed_quality_run.sh's WARM=1 counts on."""
     import json
 
     target, shards = tiny_run

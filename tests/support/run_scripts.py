@@ -1,4 +1,4 @@
-"""Running the one-GPU bench scripts (bench/testbed_*_run.sh) at their CPU scale, as the integration tests do."""
+"""Running the one-GPU lab scripts (lab/testbed_*_run.sh) at their CPU scale, as the lab's tests (lab/tests/) do."""
 
 import os
 import subprocess
@@ -19,7 +19,7 @@ def toy_data(folder: Path, **counts: int) -> Path:
 
 
 def run_toy_script(script: str, run: Path, limits: tuple = (), **env: str) -> dict[str, str]:
-    """Run ``bench/<script>`` from the checkout's root with SCALE=toy, RUN=``run`` and ``env``, with this Python's
+    """Run ``lab/<script>`` from the checkout's root with SCALE=toy, RUN=``run`` and ``env``, with this Python's
     folder first on PATH, every process on one thread (the stages run side by side on a CPU that other test
     workers share: more threads only contend, many times slower) and every stage time limit named in ``limits``
     set to an hour (far beyond any toy stage: no test depends on timing). Checks that it exits 0, ends with "all
@@ -28,7 +28,7 @@ def run_toy_script(script: str, run: Path, limits: tuple = (), **env: str) -> di
     full_env = {**os.environ, "SCALE": "toy", "RUN": str(run), "PYTHON": sys.executable, "OMP_NUM_THREADS": "1",
                 "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
                 **{name: "3600" for name in limits}, **env}
-    proc = subprocess.run(["bash", f"bench/{script}"], cwd=ROOT, env=full_env, capture_output=True, text=True,
+    proc = subprocess.run(["bash", f"lab/{script}"], cwd=ROOT, env=full_env, capture_output=True, text=True,
                           timeout=5400)
     stages = (run / "stages.txt").read_text() if (run / "stages.txt").is_file() else "(no stages.txt)"
     assert proc.returncode == 0, proc.stderr[-2000:] + stages

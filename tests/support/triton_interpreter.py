@@ -14,7 +14,7 @@ import dflashkit
 # The start of such a script: it makes the interpreter work with numpy >= 2.4 and puts IMPORT_PATH on sys.path:
 # the tests folder (so ``support``) and the folder that holds the dflashkit the tests imported. Not the repository
 # root: its dflashkit/ holds only the top package (pyproject.toml maps train/, eval/, ... into it), so where
-# dflashkit is not installed (a bench/import_path.sh folder on PYTHONPATH) the root would hide dflashkit.train.
+# dflashkit is not installed (a lab/import_path.sh folder on PYTHONPATH) the root would hide dflashkit.train.
 INTERPRETER_PREAMBLE = textwrap.dedent("""
     import json, os, sys, torch
     import numpy

@@ -2,7 +2,6 @@
 really decodes (dflashkit's chain acceptance gives vLLM's counters), modelled step times; the report, the verdict
 against its own table, lossless counts, the missing extra, the num_speculative_tokens warning, bench_vllm.py."""
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -18,7 +17,6 @@ from dflashkit.eval.serving_verdict import verdict
 from dflashkit.eval.vllm_engine import VllmEvalConfig, run_vllm_eval
 from dflashkit.targets.vllm_runtime import MISSING_VLLM
 
-from support.paths import ROOT
 from support.vllm_pairs import standin_api, write_pair
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -158,8 +156,7 @@ def test_a_gguf_config_target_is_served_and_named_from_a_kept_copy(pair, tmp_pat
     that copy, so a printed command starts; bench_vllm's `vllm serve` is given the same kind of copy."""
     import shutil
 
-    sys.path.insert(0, str(ROOT / "bench"))
-    import bench_vllm as bench
+    from bench import bench_vllm as bench
 
     target = shutil.copytree(pair / "target", tmp_path / "target")
     config = json.loads((target / "config.json").read_text())
@@ -185,12 +182,10 @@ def test_the_projection_engines_get_graphs_covering_their_steps(tmp_path, monkey
     as it ends (the partial file, removed once the whole file is written); the largest k runs first."""
     from types import SimpleNamespace
 
+    from bench import bench_vllm as bench
     from dflashkit.drafter.engines import vllm_cudagraph_capture_size
     from dflashkit.eval import vllm_standin
     from dflashkit.eval.vllm_engine import VllmApi
-
-    sys.path.insert(0, str(ROOT / "bench"))
-    import bench_vllm as bench
 
     started, clock = [], vllm_standin.ModelledClock()
 
@@ -215,10 +210,8 @@ def test_the_projection_engines_get_graphs_covering_their_steps(tmp_path, monkey
 
 @pytest.mark.slow
 def test_bench_vllm_runs_every_part_on_the_twin(tmp_path):
-    sys.path.insert(0, str(ROOT / "bench"))  # its shared helpers (bench/common.py), as running the script puts them
-    spec = importlib.util.spec_from_file_location("bench_vllm", ROOT / "bench" / "bench_vllm.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    from bench import bench_vllm as bench
+
     status = bench.main(["--standin", "--out", str(tmp_path), "--num-prompts", "3", "--max-new-tokens", "6",
                          "--concurrency", "1", "4", "--projection-new-tokens", "4", "--projection-prompt-tokens", "6"])
     assert status == 0, [p.read_text()[:2000] for p in tmp_path.glob("*.error.json")]

@@ -139,7 +139,7 @@ def test_held_out_reads_run_the_target_batched_and_leave_the_planned_batch(chat_
 def test_online_training_equals_extract_then_train_shards(chat_run, tmp_path, capsys, loss, packed, optimizer):
     target_dir, data, shards = chat_run
     pack = dict(micro_batch_tokens=2 * MAX_LENGTH) if packed else {}  # packed: several sequences per micro-batch
-    pack["optimizer"] = optimizer  # muon: the testbed recipe's optimizer (RESULTS.md "The recipe study")
+    pack["optimizer"] = optimizer  # muon: the testbed recipe's optimizer (lab/NOTEBOOK.md "The recipe study")
     offline = train(load_config(None, [], **overrides(tmp_path / "offline", shards=str(shards), loss=loss, **pack)))
     capsys.readouterr()
     online = train(load_config(None, [], **overrides(tmp_path / "online", target=target_dir, data=[data],
@@ -319,7 +319,7 @@ def test_an_error_inside_the_training_loop_leaves_the_process_as_it_was(chat_run
     (2, 1, 0),     # CI's machine: inline, no process to spawn
     (7, 1, 0),     # one worker would only wait beside the run
     (8, 1, 2),
-    (16, 1, 4),    # the GPU host of RESULTS.md: the quality runs' 4
+    (16, 1, 4),    # the GPU host of lab/NOTEBOOK.md: the quality runs' 4
     (64, 1, 4),    # never more than 4: the run waits on the target's load meanwhile
     (16, 8, 0),    # eight ranks on 16 cores, each tokenizing everything: inline
     (128, 8, 4),

@@ -152,13 +152,13 @@ def test_recipes_load_with_their_stated_values():
     for name in names:
         cfg = load_config(str(RECIPES / f"{name}.yaml"))
         assert cfg.block_size == 16 and cfg.gamma == 7.0 and cfg.lr == 6e-4 and cfg.warmup_ratio == 0.04
-        assert cfg.loss == "dpace"  # the winner of the comparison in RESULTS.md
+        assert cfg.loss == "dpace"  # the winner of the comparison in lab/NOTEBOOK.md
         if name not in ("smollm2-135m", "smollm2-135m-cpu"):
             assert (cfg.num_hidden_layers, cfg.epochs, cfg.max_length, cfg.max_steps) == (5, 6, 3072, 0)
     hybrid = load_config(str(RECIPES / "qwen3.6-27b.yaml"))
     assert hybrid.layer_types == ["sliding_attention"] * 4 + ["full_attention"] and hybrid.sliding_window == 2048
     assert load_config(str(RECIPES / "smollm2-135m-cpu.yaml")).mixed_precision == "no"
-    testbed = load_config(str(RECIPES / "smollm2-135m.yaml"))  # the recipe study's winners (RESULTS.md)
+    testbed = load_config(str(RECIPES / "smollm2-135m.yaml"))  # the recipe study's winners (lab/NOTEBOOK.md)
     assert (testbed.micro_batch_tokens, testbed.optimizer, testbed.layer_types) == (4096, "muon", [])
     cfg = load_config(str(RECIPES / "qwen3-8b.yaml"), ["lr=1e-4", "loss=ce", "layer_types=[]"])
     assert (cfg.lr, cfg.loss) == (1e-4, "ce")
