@@ -23,6 +23,8 @@ traceback and the others still run):
   5-layer drafter of its dims (config written by dflashkit's DrafterConfig; --projection-drafter-weights also
   writes random weights with save_drafter). Measured: vLLM's time per decode step at each concurrency, without
   the drafter and with it at each k of --ks (steady decode: c random 128-token prompts, 128 new tokens, no stop).
+  vLLM's share of the GPU is sized from the shape (``projection_memory``: weights, the KV cache of the largest
+  level at the largest k, logits and a headroom) over the card's memory, so it fits an H100 80GB and an H200.
 - projection_model -> e_projection.json (also written by projection when (a) exists): the speedup an 8B user
   would see at each k, E[accepted + 1] x t_AR_step / t_spec_step, with E[accepted + 1] = 1 + sum_j p_j from the
   testbed drafter's per-position acceptance measured in vLLM at that k (serve/report.json; else the first k
@@ -220,6 +222,63 @@ def part_tau_k(args, out: Path) -> None:
 
 
 # ----------------------------------------------------------------------------- (e)
+GIB = 1 << 30
+ACTIVATION_HEADROOM = 4 * GIB  # vLLM's profiling pass, CUDA graphs and allocator slack beyond weights and KV
+KV_PAGE = 16  # tokens of one vLLM KV-cache block: a request holds whole blocks
+MAX_UTILIZATION = 0.95  # more leaves nothing for the CUDA context outside vLLM's share
+
+
+def layer_params(shape: dict) -> int:
+    """Weights of one Qwen3 decoder layer (attention with q/k norms, SwiGLU MLP, two RMSNorms)."""
+    h, i, hd = shape["hidden_size"], shape["intermediate_size"], shape["head_dim"]
+    q, kv = shape["num_attention_heads"] * hd, shape["num_key_value_heads"] * hd
+    return h * q + 2 * h * kv + q * h + 3 * h * i + 2 * h + 2 * hd
+
+
+def projection_memory(shape: dict, drafter_layers: int, taps: int, max_num_seqs: int, tokens_per_request: int,
+                      max_model_len: int, max_k: int, dtype_bytes: int = 2) -> dict:
+    """Bytes the projection's engines need on the GPU (the largest of them: the drafter at ``max_k``): the target's
+    and the drafter's weights, KV cache for ``max_num_seqs`` requests of ``tokens_per_request`` tokens (prompt,
+    new tokens and the max_k + 1 lookahead slots, in whole pages) in every target and drafter layer, and at least
+    one request of ``max_model_len`` (vLLM's start-up check), the logits of the largest step (fp32) and a fixed
+    headroom for activations and CUDA graphs."""
+    h, v = shape["hidden_size"], shape["vocab_size"]
+    target = shape["num_hidden_layers"] * layer_params(shape) + v * h * (1 if shape["tie_word_embeddings"] else 2) + h
+    drafter = drafter_layers * layer_params(shape) + taps * h * h + 2 * h  # fc, hidden_norm, norm
+    kv_token = (shape["num_hidden_layers"] + drafter_layers) * 2 * shape["num_key_value_heads"] \
+        * shape["head_dim"] * dtype_bytes
+    pages = -(-(tokens_per_request + max_k + 1) // KV_PAGE)
+    kv_tokens = max(max_num_seqs * pages * KV_PAGE, max_model_len)
+    logits = max_num_seqs * (1 + max_k) * v * 4
+    need = (target + drafter) * dtype_bytes + kv_tokens * kv_token + logits + ACTIVATION_HEADROOM
+    return {"weights_bytes": (target + drafter) * dtype_bytes, "kv_bytes": kv_tokens * kv_token,
+            "kv_tokens": kv_tokens, "logits_bytes": logits, "headroom_bytes": ACTIVATION_HEADROOM, "bytes": need}
+
+
+def projection_utilization(need_bytes: int, total_bytes: int) -> float:
+    """vLLM's gpu_memory_utilization that gives an engine ``need_bytes`` of a card of ``total_bytes``
+    (torch.cuda.mem_get_info's total), rounded up to a hundredth; a card too small is named in one line."""
+    fraction = -(-100 * need_bytes // total_bytes) / 100
+    if fraction > MAX_UTILIZATION:
+        raise RuntimeError(f"the projection needs {need_bytes / GIB:.1f} GiB, more than {MAX_UTILIZATION:.0%} of this "
+                           f"GPU's {total_bytes / GIB:.1f} GiB: lower --concurrency or --projection-new-tokens")
+    return fraction
+
+
+def projection_gpu_memory_utilization(args, drafter_layers: int, taps: int) -> tuple[float, dict | None]:
+    """(gpu_memory_utilization for the projection's engines, the sizing) from the 8B shape and the card's total
+    memory; --projection-gpu-memory-utilization when given, the CPU twin's --gpu-memory-utilization (not modelled)."""
+    if args.projection_gpu_memory_utilization is not None or args.standin:
+        return args.projection_gpu_memory_utilization or args.gpu_memory_utilization, None
+    import torch
+
+    total = torch.cuda.mem_get_info()[1]
+    sizing = projection_memory(QWEN3_8B, drafter_layers, taps, max(args.concurrency),
+                               args.projection_prompt_tokens + args.projection_new_tokens, args.max_model_len,
+                               max(args.ks))
+    return projection_utilization(sizing["bytes"], total), {**sizing, "gpu_total_bytes": total}
+
+
 def projection_dirs(root: Path, standin: bool, drafter_weights: bool) -> tuple[Path, Path]:
     """The 8B-shaped target dir (config.json; CPU toy: a tiny random Qwen3 with weights) and its 5-layer drafter."""
     import torch
@@ -264,6 +323,9 @@ def part_projection(args, out: Path) -> None:
                for k in range(max(levels))]
     params = api.sampling_params(max_tokens=args.projection_new_tokens, temperature=0.0, ignore_eos=True,
                                  **({} if args.standin else {"detokenize": False}))
+    drafter_config = json.loads((drafter / "config.json").read_text())
+    utilization, sizing = projection_gpu_memory_utilization(
+        args, drafter_config["num_hidden_layers"], len(drafter_config["dflash_config"]["target_layer_ids"]))
     steps, graphs = {}, {}
     for k in [0] + ks[::-1]:  # the largest k first after no speculation: the headline, kept if a lease ends early
         spec = {"method": "dflash", "model": str(drafter), "num_speculative_tokens": k} if k else None
@@ -272,7 +334,7 @@ def part_projection(args, out: Path) -> None:
         graphs[f"k{k}" if k else "ar"] = capture = capture_for(args.cudagraph_capture_size, levels, k)
         compilation = {"compilation_config": {"max_cudagraph_capture_size": capture}} if capture else {}
         llm = start_engine(api, model=str(target), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
-                           gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
+                           gpu_memory_utilization=utilization, max_model_len=args.max_model_len,
                            max_num_seqs=max(levels), disable_log_stats=False, enable_prefix_caching=False,
                            speculative_config=spec, **compilation)
         try:
@@ -294,7 +356,8 @@ def part_projection(args, out: Path) -> None:
         "target_shape": QWEN3_TOY if args.standin else QWEN3_8B, "drafter_layers": 5, "num_speculative_tokens": ks[-1],
         "ks": ks, "measured": "vLLM's time per decode step without the drafter and with it at each k, at each "
         "concurrency (random weights: load_format=dummy; steady decode, no stop)", "raw": steps,
-        "max_cudagraph_capture_size": graphs, "standin": args.standin})
+        "max_cudagraph_capture_size": graphs, "gpu_memory_utilization": utilization, "memory_sizing": sizing,
+        "standin": args.standin})
     (out / "e_projection_times.partial.json").unlink()
     if (out / "a_tau.json").exists() or (out / "serve" / "report.json").exists():
         part_projection_model(args, out)
@@ -520,6 +583,9 @@ def main(argv=None) -> int:
     p.add_argument("--cudagraph-capture-size", default="auto", help="serve: auto, vllm or N (eval's flag)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.25)
     p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--projection-gpu-memory-utilization", type=float, default=None,
+                   help="projection: vLLM's share of the GPU (default: sized from the 8B shape's weights, the KV "
+                        "cache of the largest level and a headroom, over the card's memory)")
     p.add_argument("--projection-prompt-tokens", type=int, default=128)
     p.add_argument("--projection-new-tokens", type=int, default=128)
     p.add_argument("--projection-drafter-weights", action="store_true",

@@ -202,7 +202,8 @@ def test_the_projection_engines_get_graphs_covering_their_steps(tmp_path, monkey
     monkeypatch.setattr(bench, "api_for", lambda args: VllmApi(factory, vllm_standin.SamplingParams, clock))
     args = SimpleNamespace(ks=[3, 15], concurrency=[1, 40], standin=True, projection_drafter_weights=False,
                            projection_prompt_tokens=4, projection_new_tokens=2, gpu_memory_utilization=0.3,
-                           max_model_len=64, cudagraph_capture_size="auto", acceptance_report=None)
+                           max_model_len=64, cudagraph_capture_size="auto", acceptance_report=None,
+                           projection_gpu_memory_utilization=None)
     bench.part_projection(args, tmp_path)
     expected = {k: vllm_cudagraph_capture_size(40, k) for k in (0, 3, 15)}
     assert expected[15] == 40 * 16 and expected[0] is None  # the case the rule is for, and one it leaves alone
@@ -211,6 +212,32 @@ def test_the_projection_engines_get_graphs_covering_their_steps(tmp_path, monkey
     assert times["max_cudagraph_capture_size"] == {"ar": expected[0], "k15": expected[15], "k3": expected[3]}
     assert set(times["raw"]["40"]) == {"ar", "k3", "k15", "spec"}
     assert not (tmp_path / "e_projection_times.partial.json").exists()
+    assert times["gpu_memory_utilization"] == 0.3 and times["memory_sizing"] is None  # the twin models no memory
+
+
+def test_the_projection_sizes_vllms_share_of_an_h100_and_an_h200():
+    """Issue 68 item 3: at --gpu-memory-utilization 0.25 an H100 80GB left vLLM 0.18 GiB of KV cache for the
+    Qwen3-8B shape, which needs 0.32 (one request of max_model_len 2048). The share sized from the shape leaves
+    the KV cache of the largest level (128 requests of 128 + 128 tokens at k = 15) on both cards."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import bench_vllm as bench
+    from common import QWEN3_8B
+
+    need = bench.projection_memory(QWEN3_8B, 5, 5, max_num_seqs=128, tokens_per_request=256, max_model_len=2048,
+                                   max_k=15)
+    one_request = bench.projection_memory(QWEN3_8B, 5, 5, 1, 256, 2048, 15)["kv_bytes"]
+    assert one_request / bench.GIB == pytest.approx(0.32, abs=0.005)  # 2048 tokens x 41 layers of 8 x 128 KV heads
+    assert need["weights_bytes"] / bench.GIB == pytest.approx(17.2, abs=0.1)  # 8.2B target + 5-layer drafter, bf16
+    assert need["kv_tokens"] == 128 * 272  # 128 + 128 + 16 lookahead slots = 17 pages of 16 per request
+    for total_mib in (81559, 143771):  # torch.cuda.mem_get_info's total on an H100 80GB and on an H200
+        total = total_mib << 20
+        share = bench.projection_utilization(need["bytes"], total)
+        left_for_kv = share * total - need["weights_bytes"] - need["logits_bytes"] - need["headroom_bytes"]
+        assert left_for_kv >= need["kv_bytes"] > one_request
+        assert share - 0.01 < need["bytes"] / total <= share  # the smallest hundredth that fits
+    assert bench.projection_utilization(need["bytes"], 81559 << 20) > 0.25  # what failed on the H100
+    with pytest.raises(RuntimeError, match="lower --concurrency"):
+        bench.projection_utilization(need["bytes"], 24 * bench.GIB)
 
 
 @pytest.mark.slow
