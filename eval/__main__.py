@@ -314,8 +314,10 @@ def _run_local(args, config, template_kwargs: dict | None) -> dict:
 def _summary(report: dict, out: str) -> int:
     """The run's numbers in one line; exit 1 when a stop request left the report partial."""
     overall = report["overall"]
-    speed = (f"speedup {overall['speedup']:.2f}x ({overall['speedup_per_token']:.2f}x per token, cost model "
-             f"{overall['cost_model_speedup']:.2f}x); "
+    from .report import HARNESS_WORDS
+
+    speed = (f"{HARNESS_WORDS.replace(':', '')} {overall['speedup']:.2f}x ({overall['speedup_per_token']:.2f}x "
+             f"per token, cost model {overall['cost_model_speedup']:.2f}x); "
              f"verify/AR step {overall['verify_over_ar_step']:.2f}"
              if "speedup" in overall else "no autoregressive baseline (--baseline-prompts 0)")
     lossless = overall.get("lossless")
@@ -354,10 +356,21 @@ def _main_vllm(args, config, template_kwargs: dict | None) -> int:
     report = run_vllm_eval(args.target, args.drafter, args.out, args.dataset, config, args.num_prompts,
                            args.max_prompt_tokens, template_kwargs,
                            chat_template=args.chat_template)  # user errors: dflashkit.cli.run_main
-    print(f"{report['plan_verdict']['text']}\n{report['verdict']['text']}\ntau {report['overall']['tau']:.3f} "
-          f"(vLLM, k {report['num_speculative_tokens']}); lossless "
-          f"{report['lossless']['identical']}/{report['lossless']['requests']} identical; report in {args.out}")
+    print(f"{report['verdict']['text']}\ntau {report['overall']['tau']:.3f} (vLLM, k "
+          f"{report['num_speculative_tokens']}); lossless {report['lossless']['identical']}/"
+          f"{report['lossless']['requests']} identical; report in {args.out}")
+    print("\n".join(headline_console(report)))  # last: what a user reads and deploys
     return 0
+
+
+def headline_console(report: dict) -> list[str]:
+    """The console's last lines of `--engine vllm`: each engine's speedup per concurrency measured in vLLM, the
+    plan in words and its serve command (report.json's ``headline``)."""
+    head = report["headline"]
+    lines = [f"speedup per concurrency ({head['measured_in']}):"]
+    lines += [f"  {name}: " + ", ".join(f"{x:.2f}x at {c}" for c, x in levels.items())
+              for name, levels in head["speedup"].items()]
+    return lines + [f"Plan: {report['plan_verdict']['text']}", f"Serve command: {head['serve_command']}"]
 
 
 if __name__ == "__main__":

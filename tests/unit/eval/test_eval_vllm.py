@@ -46,7 +46,7 @@ def test_report_has_vllm_acceptance_levels_and_plots(served, pair):
     report, out = served
     assert json.loads((out / "report.json").read_text())["verdict"] == report["verdict"]
     md = (out / "report.md").read_text()
-    assert md.startswith("# Served by vLLM: verdict") and report["verdict"]["text"] in md
+    assert md.startswith("# Served by vLLM 0.26.0 (CPU stand-in): the plan") and report["verdict"]["text"] in md
     assert {"speedup_vs_concurrency.png", "per_position_acceptance.png"} <= {p.name for p in out.iterdir()}
     assert report["num_speculative_tokens"] == BLOCK - 1
     assert '"num_speculative_tokens": 3' in report["serve_command_fixed_k"]
@@ -238,6 +238,59 @@ def test_the_projection_sizes_vllms_share_of_an_h100_and_an_h200():
     assert bench.projection_utilization(need["bytes"], 81559 << 20) > 0.25  # what failed on the H100
     with pytest.raises(RuntimeError, match="lower --concurrency"):
         bench.projection_utilization(need["bytes"], 24 * bench.GIB)
+
+
+def test_the_report_leads_with_the_plan_measured_in_vllm(served):
+    """Issue 68 item 5: report.json's first field, report.md's first lines and the console's last lines are the
+    plan (its serve command) and every engine's speedup per concurrency measured in vLLM; the first speedup a
+    reader meets is the engine's."""
+    import re
+
+    report, out = served
+    written = json.loads((out / "report.json").read_text())
+    head = written["headline"]
+    assert next(iter(written)) == "headline" and head["serve_command"] == report["serve_command"]
+    assert head["measured_in"].startswith("vLLM 0.26.0 (CPU stand-in): output tok/s against no speculation")
+    assert head["speedup"]["k = 3"] == {c: v["speedup"] for c, v in report["engines"]["k3"]["levels"].items()}
+    md = (out / "report.md").read_text().splitlines()
+    assert md[2] == f"**{report['plan_verdict']['text']}**" and md[7] == report["serve_command"]
+    table = md.index("| concurrency | no speculation, tok/s | k = 3 | schedule |")
+    assert table < 15 and "![speedup against concurrency](speedup_vs_concurrency.png)" in md[table:table + 8]
+    first = re.search(r"([0-9.]+)×", "\n".join(md))[1]
+    assert first in {f"{v['speedup']:.2f}" for e in report["engines"].values() for v in e["levels"].values()}
+    from dflashkit.eval.__main__ import headline_console
+
+    console = headline_console(written)  # what `eval --engine vllm` prints last
+    assert console[-2:] == [f"Plan: {report['plan_verdict']['text']}", f"Serve command: {report['serve_command']}"]
+    k3 = report["engines"]["k3"]["levels"]
+    assert any(line.startswith(f"  k = 3: {k3['1']['speedup']:.2f}x at 1, {k3['4']['speedup']:.2f}x at 4")
+               for line in console)
+
+
+def test_the_harness_speedup_is_named_as_the_harness(tmp_path, capsys):
+    """`dflashkit eval`'s own speedup is its decode loop's, not a serving engine's: the console, report.md and
+    --compare beside a vLLM report say so."""
+    from dflashkit.eval.report import compare_reports, render_markdown
+
+    harness = {"args": {"mode": "chain"}, "block_size": 4, "datasets": {}, "overall": {"tau": 2.0, "speedup": 1.8},
+               "target": {}, "drafter": {}, "versions": {}}
+    assert HARNESS_WORDS in render_markdown({**harness, "overall": {**harness["overall"], "acceptance_histogram": {},
+                                                                      "per_position_acceptance": []}})
+    for name, report in (("chain", harness), ("vllm", {"engine": "vllm", **harness, "args": {"mode": "vllm"},
+                                                       "overall": {"tau": 1.9, "speedup": 1.2}})):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "report.json").write_text(json.dumps(report))
+    text = compare_reports([str(tmp_path / "chain"), str(tmp_path / "vllm")])
+    header = next(line for line in text.splitlines() if line.startswith("| report"))
+    assert "engine speedup (vLLM)" in header and "harness speedup" in header
+    chain, vllm = (line.split(" | ") for line in text.splitlines() if "/chain |" in line or "/vllm |" in line)
+    engine_col, harness_col = header.split(" | ").index("engine speedup (vLLM)"), header.split(" | ").index(
+        "harness speedup (dflashkit's decode loop)")
+    assert (chain[engine_col], chain[harness_col]) == ("—", "1.800")
+    assert (vllm[engine_col], vllm[harness_col]) == ("1.200", "—")
+
+
+HARNESS_WORDS = "harness speedup: dflashkit's own decode loop, not a serving engine"
 
 
 @pytest.mark.slow
