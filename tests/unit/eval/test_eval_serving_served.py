@@ -88,6 +88,10 @@ def test_engine_reports_and_commands_are_checked(engine_run, tmp_path):
     root, out, _ = engine_run
     with pytest.raises(CommandError, match="--port"):
         parse_serve_command(f"vllm serve {root / 'target'} --port 1")
+    from dflashkit.eval.__main__ import main
+
+    with pytest.raises(UserError, match="--engine-report is read by --server"):
+        main(["--target", "t", "--drafter", "d", "--out", str(tmp_path / "x"), "--engine-report", str(out)])
     with pytest.raises(UserError, match="needs NAME=URL servers"):
         run_sweep("http://127.0.0.1:9", [str(root / "chats.jsonl")], 1, [1], 2, engine_report=str(out))
     (tmp_path / "chain").mkdir()
