@@ -36,10 +36,12 @@ traceback and the others still run):
   eager: τ does not depend on timing), and for each pair the τ of its first j positions at the largest k
   (E[accepted within the first j] + 1), so a drafter's loss at small k is read beside what the same drafter
   gets from those positions in full blocks. A causal-in-block drafter (dflash_config.causal) should lose nothing.
-- server -> f_server.json (+ the plan dir server/): two `vllm serve` on 127.0.0.1 (no speculation; the drafter
-  at the largest --serve-ks) started as the serve part's engines are, swept by `dflashkit eval --server none=URL
-  kN=URL` (eval/serving.py) with the same levels, repeats and requests per level, each cell beside the serve
-  part's when that ran first; or why a server could not start (the Python frontend needs uvicorn).
+- server -> f_server.json (+ the plan dir server/): `vllm serve` on 127.0.0.1 (no speculation; the drafter
+  at the largest --serve-ks; when the serve part ran first, also the schedule of its schedule.json, each from the
+  command its report prints, with VLLM_SERVER_DEV_MODE=1 so that /server_info tells what it serves), swept by
+  `dflashkit eval --server none=URL kN=URL ... --engine-report serve` (eval/serving.py) with the same levels,
+  repeats and requests per level, each cell beside the serve part's; or why a server could not start (the Python
+  frontend needs uvicorn).
 """
 
 from __future__ import annotations
@@ -420,7 +422,39 @@ def part_projection_model(args, out: Path) -> None:
 
 
 # ----------------------------------------------------------------------------- (f)
-SERVER_PORTS = {"none": 8731, "drafter": 8732}
+SERVER_PORTS = {"none": 8731, "drafter": 8732, "schedule": 8733}
+
+
+def report_server_command(serve_command: str, port: int, gpu_memory_utilization: float) -> list[str]:
+    """A serve command that `--parts serve`'s report prints, as the process that runs it: the same words after
+    `vllm serve`, through this Python's vLLM, on loopback at ``port``, with the in-process engines' GPU share."""
+    import shlex
+
+    words = shlex.split(serve_command.split("  #")[0])  # a DFlash2 line ends with a comment
+    if words[:2] != ["vllm", "serve"]:
+        raise ValueError(f"not a vllm serve command: {serve_command!r}")
+    return [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", *words[2:], "--host", "127.0.0.1", "--port",
+            str(port), "--gpu-memory-utilization", str(gpu_memory_utilization)]
+
+
+def report_servers(args, out: Path) -> dict[str, list[str]] | None:
+    """name -> command for the servers of `--parts serve`'s report when it ran first: no speculation, the drafter
+    at the largest k and the schedule of schedule.json, each from the command the report prints; None without
+    the report."""
+    engine = out / "serve" / "report.json"
+    if not engine.exists():
+        return None
+    report = json.loads(engine.read_text())
+    commands = {"none": report["engines"]["none"]["serve_command"]}
+    k = f"k{report['ks'][-1]}"
+    commands[k] = report["engines"][k]["serve_command"]
+    schedule = out / "serve" / "schedule.json"
+    if schedule.exists():
+        written = json.loads(schedule.read_text())
+        commands[written["engine"]] = written["serve_command"]
+    ports = {"none": SERVER_PORTS["none"], k: SERVER_PORTS["drafter"]}
+    return {name: report_server_command(command, ports.get(name, SERVER_PORTS["schedule"]),
+                                        args.gpu_memory_utilization) for name, command in commands.items()}
 
 
 def server_command(args, port: int, k: int | None, target: str) -> list[str]:
@@ -505,15 +539,19 @@ def part_server(args, out: Path) -> None:
     k = max(args.serve_ks) if args.serve_ks else json.loads(
         (Path(args.drafter) / "config.json").read_text()).get("block_size", 16) - 1
     served = server_target(args.target, out)
+    # the serve part's printed commands when it ran first (the servers then go beside its engines), else built here
+    commands = report_servers(args, out) or {name: server_command(
+        args, SERVER_PORTS["none" if kk is None else "drafter"], kk, str(served))
+        for name, kk in (("none", None), (f"k{k}", k))}
     started, servers, logs, urls = {}, [], [], []
     try:
-        for name, kk in (("none", None), (f"k{k}", k)):  # one after the other: vLLM's start-up memory check
-            port = SERVER_PORTS["none" if kk is None else "drafter"]
-            cmd = server_command(args, port, kk, str(served))
+        for name, cmd in commands.items():  # one after the other: vLLM's start-up memory check
+            port = int(cmd[cmd.index("--port") + 1])
             logs.append(open(out / f"f_server_{name}.log", "w"))
             t0 = time.perf_counter()
-            servers.append(subprocess.Popen(cmd, stdout=logs[-1], stderr=subprocess.STDOUT,
-                                            env=dict(os.environ, VLLM_USE_RUST_FRONTEND="0")))
+            servers.append(subprocess.Popen(cmd, stdout=logs[-1], stderr=subprocess.STDOUT,  # dev mode: /server_info
+                                            env=dict(os.environ, VLLM_USE_RUST_FRONTEND="0",
+                                                     VLLM_SERVER_DEV_MODE="1")))
             if not wait_for_server(servers[-1], port, 300):
                 tail = (out / f"f_server_{name}.log").read_text()[-2000:]
                 write_json(out, "f_server", {"ran": False, "why": f"vllm serve ({name}) did not come up: {tail}"})
@@ -522,10 +560,10 @@ def part_server(args, out: Path) -> None:
             urls.append(f"{name}=http://127.0.0.1:{port}")
         from dflashkit.eval.serving import run_sweep
 
+        engine = out / "serve" / "report.json"
         plan = run_sweep(urls, args.dataset, args.num_prompts, args.concurrency, args.max_new_tokens,
                          out=out / "server", repeats=args.repeats, max_requests_per_level=args.max_requests_per_level,
-                         min_waves=args.min_waves)
-        engine = out / "serve" / "report.json"
+                         min_waves=args.min_waves, engine_report=engine.parent if engine.exists() else None)
         write_json(out, "f_server", {
             "ran": True, "servers": started, "plan": plan,
             "vs_in_process": server_vs_engine(plan, json.loads(engine.read_text()) if engine.exists() else None)})

@@ -114,3 +114,31 @@ def test_a_schedule_of_zeros_keeps_its_command(engine_run, tmp_path):
     parsed = parse_serve_command(written["serve_command"])
     assert parsed.speculative_config == written["speculative_config"]
     assert parsed.speculative_config["num_speculative_tokens_per_batch_size"] == [[1, 1, 0]]
+
+
+def test_bench_vllm_starts_its_servers_from_the_printed_commands(engine_run, tmp_path):
+    """bench_vllm.py --parts server, after --parts serve: each `vllm serve` it starts is the command the serve
+    part's report prints (none, the largest k, schedule.json's), on loopback with the engines' GPU share."""
+    import shlex
+    import shutil
+    import sys
+    from types import SimpleNamespace
+
+    from support.paths import ROOT
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    import bench_vllm as bench
+
+    _, out, report = engine_run
+    shutil.copytree(out, tmp_path / "serve")
+    commands = bench.report_servers(SimpleNamespace(gpu_memory_utilization=0.25), tmp_path)
+    schedule = json.loads((out / "schedule.json").read_text())
+    printed = {"none": report["engines"]["none"]["serve_command"], "k3": report["engines"]["k3"]["serve_command"],
+               schedule["engine"]: schedule["serve_command"]}
+    assert set(commands) == set(printed)
+    for name, cmd in commands.items():
+        words = shlex.split(printed[name])[2:]
+        assert cmd[4:4 + len(words)] == words and cmd[4 + len(words):] == [
+            "--host", "127.0.0.1", "--port", str(cmd[cmd.index("--port") + 1]), "--gpu-memory-utilization", "0.25"]
+    assert len({cmd[cmd.index("--port") + 1] for cmd in commands.values()}) == 3
+    assert bench.report_servers(SimpleNamespace(gpu_memory_utilization=0.25), tmp_path / "nothing") is None
