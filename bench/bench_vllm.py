@@ -163,6 +163,11 @@ def tau_comparison(report: dict, dflashkit_report: str | None) -> dict:
                     "per_position_acceptance_dflashkit": scope.get("per_position_acceptance"),
                     "ratio_vllm_over_dflashkit": acc["tau"] / tau if acc.get("tau") and tau else None,
                     "within_3_percent": abs(acc["tau"] / tau - 1) <= 0.03 if acc.get("tau") and tau else None})
+        if scope.get("speedup") is not None:  # both ran: the engine's speedup first, the harness's named as such
+            from dflashkit.eval.report import HARNESS_WORDS
+
+            out.update({"engine_speedup": report.get("headline", {}).get("speedup"),
+                        "harness_speedup": scope["speedup"], "harness_speedup_is": HARNESS_WORDS})
     return out
 
 

@@ -293,6 +293,21 @@ def test_the_harness_speedup_is_named_as_the_harness(tmp_path, capsys):
 HARNESS_WORDS = "harness speedup: dflashkit's own decode loop, not a serving engine"
 
 
+def test_bench_vllm_sets_the_harness_speedup_beside_the_engines(served, tmp_path):
+    """bench_vllm.py's serve part with --dflashkit-report: both ran, so a_tau.json holds the engine's speedup per
+    concurrency and, named as the harness's, the chain report's."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import bench_vllm as bench
+
+    report, _ = served
+    chain = tmp_path / "chain.json"
+    chain.write_text(json.dumps({"datasets": {report["args"]["datasets"][0]: {"tau": 1.5, "speedup": 1.7}},
+                                 "overall": {"tau": 1.5, "speedup": 1.7}}))
+    out = bench.tau_comparison(report, str(chain))
+    assert out["engine_speedup"] == report["headline"]["speedup"] and out["harness_speedup"] == 1.7
+    assert out["harness_speedup_is"] == HARNESS_WORDS
+
+
 @pytest.mark.slow
 def test_bench_vllm_runs_every_part_on_the_twin(tmp_path):
     sys.path.insert(0, str(ROOT / "bench"))  # its shared helpers (bench/common.py), as running the script puts them
