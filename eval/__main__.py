@@ -323,8 +323,8 @@ def _summary(report: dict, out: str) -> int:
     overall = report["overall"]
     from .report import HARNESS_WORDS
 
-    speed = (f"{HARNESS_WORDS.replace(':', '')} {overall['speedup']:.2f}x ({overall['speedup_per_token']:.2f}x "
-             f"per token, cost model {overall['cost_model_speedup']:.2f}x); "
+    speed = (f"harness speedup {overall['speedup']:.2f}x ({overall['speedup_per_token']:.2f}x per token, cost "
+             f"model {overall['cost_model_speedup']:.2f}x; {HARNESS_WORDS}); "
              f"verify/AR step {overall['verify_over_ar_step']:.2f}"
              if "speedup" in overall else "no autoregressive baseline (--baseline-prompts 0)")
     lossless = overall.get("lossless")
