@@ -23,6 +23,8 @@ traceback and the others still run):
   5-layer drafter of its dims (config written by dflashkit's DrafterConfig; --projection-drafter-weights also
   writes random weights with save_drafter). Measured: vLLM's time per decode step at each concurrency, without
   the drafter and with it at each k of --ks (steady decode: c random 128-token prompts, 128 new tokens, no stop).
+  vLLM's share of the GPU is sized from the shape (``projection_memory``: weights, the KV cache of the largest
+  level at the largest k, logits and a headroom) over the card's memory, so it fits an H100 80GB and an H200.
 - projection_model -> e_projection.json (also written by projection when (a) exists): the speedup an 8B user
   would see at each k, E[accepted + 1] x t_AR_step / t_spec_step, with E[accepted + 1] = 1 + sum_j p_j from the
   testbed drafter's per-position acceptance measured in vLLM at that k (serve/report.json; else the first k
@@ -34,10 +36,12 @@ traceback and the others still run):
   eager: τ does not depend on timing), and for each pair the τ of its first j positions at the largest k
   (E[accepted within the first j] + 1), so a drafter's loss at small k is read beside what the same drafter
   gets from those positions in full blocks. A causal-in-block drafter (dflash_config.causal) should lose nothing.
-- server -> f_server.json (+ the plan dir server/): two `vllm serve` on 127.0.0.1 (no speculation; the drafter
-  at the largest --serve-ks) started as the serve part's engines are, swept by `dflashkit eval --server none=URL
-  kN=URL` (eval/serving.py) with the same levels, repeats and requests per level, each cell beside the serve
-  part's when that ran first; or why a server could not start (the Python frontend needs uvicorn).
+- server -> f_server.json (+ the plan dir server/): `vllm serve` on 127.0.0.1 (no speculation; the drafter
+  at the largest --serve-ks; when the serve part ran first, also the schedule of its schedule.json, each from the
+  command its report prints, with VLLM_SERVER_DEV_MODE=1 so that /server_info tells what it serves), swept by
+  `dflashkit eval --server none=URL kN=URL ... --engine-report serve` (eval/serving.py) with the same levels,
+  repeats and requests per level, each cell beside the serve part's; or why a server could not start (the Python
+  frontend needs uvicorn).
 """
 
 from __future__ import annotations
@@ -159,6 +163,11 @@ def tau_comparison(report: dict, dflashkit_report: str | None) -> dict:
                     "per_position_acceptance_dflashkit": scope.get("per_position_acceptance"),
                     "ratio_vllm_over_dflashkit": acc["tau"] / tau if acc.get("tau") and tau else None,
                     "within_3_percent": abs(acc["tau"] / tau - 1) <= 0.03 if acc.get("tau") and tau else None})
+        if scope.get("speedup") is not None:  # both ran: the engine's speedup first, the harness's named as such
+            from dflashkit.eval.report import HARNESS_WORDS
+
+            out.update({"engine_speedup": report.get("headline", {}).get("speedup"),
+                        "harness_speedup": scope["speedup"], "harness_speedup_is": HARNESS_WORDS})
     return out
 
 
@@ -220,6 +229,63 @@ def part_tau_k(args, out: Path) -> None:
 
 
 # ----------------------------------------------------------------------------- (e)
+GIB = 1 << 30
+ACTIVATION_HEADROOM = 4 * GIB  # vLLM's profiling pass, CUDA graphs and allocator slack beyond weights and KV
+KV_PAGE = 16  # tokens of one vLLM KV-cache block: a request holds whole blocks
+MAX_UTILIZATION = 0.95  # more leaves nothing for the CUDA context outside vLLM's share
+
+
+def layer_params(shape: dict) -> int:
+    """Weights of one Qwen3 decoder layer (attention with q/k norms, SwiGLU MLP, two RMSNorms)."""
+    h, i, hd = shape["hidden_size"], shape["intermediate_size"], shape["head_dim"]
+    q, kv = shape["num_attention_heads"] * hd, shape["num_key_value_heads"] * hd
+    return h * q + 2 * h * kv + q * h + 3 * h * i + 2 * h + 2 * hd
+
+
+def projection_memory(shape: dict, drafter_layers: int, taps: int, max_num_seqs: int, tokens_per_request: int,
+                      max_model_len: int, max_k: int, dtype_bytes: int = 2) -> dict:
+    """Bytes the projection's engines need on the GPU (the largest of them: the drafter at ``max_k``): the target's
+    and the drafter's weights, KV cache for ``max_num_seqs`` requests of ``tokens_per_request`` tokens (prompt,
+    new tokens and the max_k + 1 lookahead slots, in whole pages) in every target and drafter layer, and at least
+    one request of ``max_model_len`` (vLLM's start-up check), the logits of the largest step (fp32) and a fixed
+    headroom for activations and CUDA graphs."""
+    h, v = shape["hidden_size"], shape["vocab_size"]
+    target = shape["num_hidden_layers"] * layer_params(shape) + v * h * (1 if shape["tie_word_embeddings"] else 2) + h
+    drafter = drafter_layers * layer_params(shape) + taps * h * h + 2 * h  # fc, hidden_norm, norm
+    kv_token = (shape["num_hidden_layers"] + drafter_layers) * 2 * shape["num_key_value_heads"] \
+        * shape["head_dim"] * dtype_bytes
+    pages = -(-(tokens_per_request + max_k + 1) // KV_PAGE)
+    kv_tokens = max(max_num_seqs * pages * KV_PAGE, max_model_len)
+    logits = max_num_seqs * (1 + max_k) * v * 4
+    need = (target + drafter) * dtype_bytes + kv_tokens * kv_token + logits + ACTIVATION_HEADROOM
+    return {"weights_bytes": (target + drafter) * dtype_bytes, "kv_bytes": kv_tokens * kv_token,
+            "kv_tokens": kv_tokens, "logits_bytes": logits, "headroom_bytes": ACTIVATION_HEADROOM, "bytes": need}
+
+
+def projection_utilization(need_bytes: int, total_bytes: int) -> float:
+    """vLLM's gpu_memory_utilization that gives an engine ``need_bytes`` of a card of ``total_bytes``
+    (torch.cuda.mem_get_info's total), rounded up to a hundredth; a card too small is named in one line."""
+    fraction = -(-100 * need_bytes // total_bytes) / 100
+    if fraction > MAX_UTILIZATION:
+        raise RuntimeError(f"the projection needs {need_bytes / GIB:.1f} GiB, more than {MAX_UTILIZATION:.0%} of this "
+                           f"GPU's {total_bytes / GIB:.1f} GiB: lower --concurrency or --projection-new-tokens")
+    return fraction
+
+
+def projection_gpu_memory_utilization(args, drafter_layers: int, taps: int) -> tuple[float, dict | None]:
+    """(gpu_memory_utilization for the projection's engines, the sizing) from the 8B shape and the card's total
+    memory; --projection-gpu-memory-utilization when given, the CPU twin's --gpu-memory-utilization (not modelled)."""
+    if args.projection_gpu_memory_utilization is not None or args.standin:
+        return args.projection_gpu_memory_utilization or args.gpu_memory_utilization, None
+    import torch
+
+    total = torch.cuda.mem_get_info()[1]
+    sizing = projection_memory(QWEN3_8B, drafter_layers, taps, max(args.concurrency),
+                               args.projection_prompt_tokens + args.projection_new_tokens, args.max_model_len,
+                               max(args.ks))
+    return projection_utilization(sizing["bytes"], total), {**sizing, "gpu_total_bytes": total}
+
+
 def projection_dirs(root: Path, standin: bool, drafter_weights: bool) -> tuple[Path, Path]:
     """The 8B-shaped target dir (config.json; CPU toy: a tiny random Qwen3 with weights) and its 5-layer drafter."""
     import torch
@@ -264,6 +330,9 @@ def part_projection(args, out: Path) -> None:
                for k in range(max(levels))]
     params = api.sampling_params(max_tokens=args.projection_new_tokens, temperature=0.0, ignore_eos=True,
                                  **({} if args.standin else {"detokenize": False}))
+    drafter_config = json.loads((drafter / "config.json").read_text())
+    utilization, sizing = projection_gpu_memory_utilization(
+        args, drafter_config["num_hidden_layers"], len(drafter_config["dflash_config"]["target_layer_ids"]))
     steps, graphs = {}, {}
     for k in [0] + ks[::-1]:  # the largest k first after no speculation: the headline, kept if a lease ends early
         spec = {"method": "dflash", "model": str(drafter), "num_speculative_tokens": k} if k else None
@@ -272,7 +341,7 @@ def part_projection(args, out: Path) -> None:
         graphs[f"k{k}" if k else "ar"] = capture = capture_for(args.cudagraph_capture_size, levels, k)
         compilation = {"compilation_config": {"max_cudagraph_capture_size": capture}} if capture else {}
         llm = start_engine(api, model=str(target), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
-                           gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
+                           gpu_memory_utilization=utilization, max_model_len=args.max_model_len,
                            max_num_seqs=max(levels), disable_log_stats=False, enable_prefix_caching=False,
                            speculative_config=spec, **compilation)
         try:
@@ -294,7 +363,8 @@ def part_projection(args, out: Path) -> None:
         "target_shape": QWEN3_TOY if args.standin else QWEN3_8B, "drafter_layers": 5, "num_speculative_tokens": ks[-1],
         "ks": ks, "measured": "vLLM's time per decode step without the drafter and with it at each k, at each "
         "concurrency (random weights: load_format=dummy; steady decode, no stop)", "raw": steps,
-        "max_cudagraph_capture_size": graphs, "standin": args.standin})
+        "max_cudagraph_capture_size": graphs, "gpu_memory_utilization": utilization, "memory_sizing": sizing,
+        "standin": args.standin})
     (out / "e_projection_times.partial.json").unlink()
     if (out / "a_tau.json").exists() or (out / "serve" / "report.json").exists():
         part_projection_model(args, out)
@@ -357,7 +427,39 @@ def part_projection_model(args, out: Path) -> None:
 
 
 # ----------------------------------------------------------------------------- (f)
-SERVER_PORTS = {"none": 8731, "drafter": 8732}
+SERVER_PORTS = {"none": 8731, "drafter": 8732, "schedule": 8733}
+
+
+def report_server_command(serve_command: str, port: int, gpu_memory_utilization: float) -> list[str]:
+    """A serve command that `--parts serve`'s report prints, as the process that runs it: the same words after
+    `vllm serve`, through this Python's vLLM, on loopback at ``port``, with the in-process engines' GPU share."""
+    import shlex
+
+    words = shlex.split(serve_command.split("  #")[0])  # a DFlash2 line ends with a comment
+    if words[:2] != ["vllm", "serve"]:
+        raise ValueError(f"not a vllm serve command: {serve_command!r}")
+    return [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", *words[2:], "--host", "127.0.0.1", "--port",
+            str(port), "--gpu-memory-utilization", str(gpu_memory_utilization)]
+
+
+def report_servers(args, out: Path) -> dict[str, list[str]] | None:
+    """name -> command for the servers of `--parts serve`'s report when it ran first: no speculation, the drafter
+    at the largest k and the schedule of schedule.json, each from the command the report prints; None without
+    the report."""
+    engine = out / "serve" / "report.json"
+    if not engine.exists():
+        return None
+    report = json.loads(engine.read_text())
+    commands = {"none": report["engines"]["none"]["serve_command"]}
+    k = f"k{report['ks'][-1]}"
+    commands[k] = report["engines"][k]["serve_command"]
+    schedule = out / "serve" / "schedule.json"
+    if schedule.exists():
+        written = json.loads(schedule.read_text())
+        commands[written["engine"]] = written["serve_command"]
+    ports = {"none": SERVER_PORTS["none"], k: SERVER_PORTS["drafter"]}
+    return {name: report_server_command(command, ports.get(name, SERVER_PORTS["schedule"]),
+                                        args.gpu_memory_utilization) for name, command in commands.items()}
 
 
 def server_command(args, port: int, k: int | None, target: str) -> list[str]:
@@ -442,15 +544,19 @@ def part_server(args, out: Path) -> None:
     k = max(args.serve_ks) if args.serve_ks else json.loads(
         (Path(args.drafter) / "config.json").read_text()).get("block_size", 16) - 1
     served = server_target(args.target, out)
+    # the serve part's printed commands when it ran first (the servers then go beside its engines), else built here
+    commands = report_servers(args, out) or {name: server_command(
+        args, SERVER_PORTS["none" if kk is None else "drafter"], kk, str(served))
+        for name, kk in (("none", None), (f"k{k}", k))}
     started, servers, logs, urls = {}, [], [], []
     try:
-        for name, kk in (("none", None), (f"k{k}", k)):  # one after the other: vLLM's start-up memory check
-            port = SERVER_PORTS["none" if kk is None else "drafter"]
-            cmd = server_command(args, port, kk, str(served))
+        for name, cmd in commands.items():  # one after the other: vLLM's start-up memory check
+            port = int(cmd[cmd.index("--port") + 1])
             logs.append(open(out / f"f_server_{name}.log", "w"))
             t0 = time.perf_counter()
-            servers.append(subprocess.Popen(cmd, stdout=logs[-1], stderr=subprocess.STDOUT,
-                                            env=dict(os.environ, VLLM_USE_RUST_FRONTEND="0")))
+            servers.append(subprocess.Popen(cmd, stdout=logs[-1], stderr=subprocess.STDOUT,  # dev mode: /server_info
+                                            env=dict(os.environ, VLLM_USE_RUST_FRONTEND="0",
+                                                     VLLM_SERVER_DEV_MODE="1")))
             if not wait_for_server(servers[-1], port, 300):
                 tail = (out / f"f_server_{name}.log").read_text()[-2000:]
                 write_json(out, "f_server", {"ran": False, "why": f"vllm serve ({name}) did not come up: {tail}"})
@@ -459,10 +565,10 @@ def part_server(args, out: Path) -> None:
             urls.append(f"{name}=http://127.0.0.1:{port}")
         from dflashkit.eval.serving import run_sweep
 
+        engine = out / "serve" / "report.json"
         plan = run_sweep(urls, args.dataset, args.num_prompts, args.concurrency, args.max_new_tokens,
                          out=out / "server", repeats=args.repeats, max_requests_per_level=args.max_requests_per_level,
-                         min_waves=args.min_waves)
-        engine = out / "serve" / "report.json"
+                         min_waves=args.min_waves, engine_report=engine.parent if engine.exists() else None)
         write_json(out, "f_server", {
             "ran": True, "servers": started, "plan": plan,
             "vs_in_process": server_vs_engine(plan, json.loads(engine.read_text()) if engine.exists() else None)})
@@ -520,6 +626,9 @@ def main(argv=None) -> int:
     p.add_argument("--cudagraph-capture-size", default="auto", help="serve: auto, vllm or N (eval's flag)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.25)
     p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--projection-gpu-memory-utilization", type=float, default=None,
+                   help="projection: vLLM's share of the GPU (default: sized from the 8B shape's weights, the KV "
+                        "cache of the largest level and a headroom, over the card's memory)")
     p.add_argument("--projection-prompt-tokens", type=int, default=128)
     p.add_argument("--projection-new-tokens", type=int, default=128)
     p.add_argument("--projection-drafter-weights", action="store_true",

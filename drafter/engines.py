@@ -408,20 +408,26 @@ def vllm_cudagraph_capture_size(max_num_seqs: int, num_speculative_tokens: int) 
 
 
 def vllm_serve_command(target: str, drafter: str, block_size: int, speculative_config: dict | None = None,
-                       max_num_seqs: int | None = None, cudagraph_capture_size: int | None = None) -> str:
+                       max_num_seqs: int | None = None, cudagraph_capture_size: int | None = None,
+                       engine_flags: list[str] | None = None, speculate: bool = True) -> str:
     """The `vllm serve` line for a drafter: num_speculative_tokens = block_size - 1 (vLLM reads no block_size),
     or the given speculative_config (a per-batch-size schedule's); ``max_num_seqs`` and
     ``cudagraph_capture_size`` (``vllm_cudagraph_capture_size``: what covers those requests' decode steps) as
-    the engine was measured with. A DFlash2 export is checked against vLLM 0.28 first (``dflash2_serve_note``:
-    no schedule, N = block_size - 1) and the line names the vLLM that serves it."""
+    the engine was measured with, then ``engine_flags`` as they are; without ``speculate`` no speculative_config
+    at all. Every word is quoted for a POSIX shell where it needs to be. A DFlash2 export is checked against vLLM
+    0.28 first (``dflash2_serve_note``: no schedule, N = block_size - 1) and the line names the vLLM that serves
+    it."""
+    import shlex
+
     spec = speculative_config or {"method": "dflash", "model": str(drafter),
                                   "num_speculative_tokens": int(block_size) - 1}
     from .vllm_dflash2 import dflash2_serve_note  # DFlash2 exports: vLLM 0.28's rules
 
-    note = dflash2_serve_note(drafter, spec) if spec.get("method") == "dflash" else ""  # n-gram, MTP: no drafter
-    extra = (f" --max-num-seqs {int(max_num_seqs)}" if max_num_seqs else "") + (
-        f" --max-cudagraph-capture-size {int(cudagraph_capture_size)}" if cudagraph_capture_size else "")
-    return f"vllm serve {target}{extra} --speculative-config '{json.dumps(spec)}'{note}"
+    note = dflash2_serve_note(drafter, spec) if speculate and spec.get("method") == "dflash" else ""
+    words = ["vllm", "serve", str(target)] + (["--max-num-seqs", str(int(max_num_seqs))] if max_num_seqs else []) + (
+        ["--max-cudagraph-capture-size", str(int(cudagraph_capture_size))] if cudagraph_capture_size else [])
+    words += list(engine_flags or []) + (["--speculative-config", json.dumps(spec)] if speculate else [])
+    return " ".join(shlex.quote(w) for w in words) + note
 
 
 def is_gguf_quantized(config: dict) -> bool:

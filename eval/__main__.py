@@ -18,6 +18,8 @@ A running vLLM / SGLang server (concurrency sweep, tau from its metrics):
     dflashkit eval --server http://localhost:8000 --dataset builtin:mtbench --concurrency 1 4 16 --out runs/serve
 Several running servers (none = without speculation, kN = the drafter at N tokens): speedups and the schedule:
     dflashkit eval --server none=http://h:8000 k3=http://h:8001 k15=http://h:8002 --repeats 3 --out runs/plan
+Servers started from an --engine vllm report's serve commands (report.json, schedule.json), beside its engines:
+    dflashkit eval --server none=http://h:8000 schedule=http://h:8001 --engine-report runs/eval-vllm --out runs/served
 (The speculative engine is batch 1; multi-GPU targets load with --device-map auto.)
 On one GPU the target's decode steps and the drafter's pass replay CUDA graphs (--no-cuda-graphs: eager).
 Greedy runs check losslessness against HF generate on the baseline prompts (--reference-prompts N: fewer).
@@ -130,6 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
     other.add_argument("--compare", nargs="+", metavar="REPORT_DIR", help="put several reports side by side")
     other.add_argument("--server", nargs="+", help="OpenAI-compatible server URL to sweep (vLLM, SGLang); or "
                        "NAME=URL pairs (none=, kN=, baselines, schedule=) for the serving plan and its schedule")
+    other.add_argument("--engine-report", default=None, metavar="REPORT_DIR",
+                       help="--server NAME=URL: the `eval --engine vllm` report whose serve commands started the "
+                            "servers: what each serves is checked against the engine of its name, cells side by side")
     other.add_argument("--model", default=None, help="--server: model name (default: the server's first)")
     other.add_argument("--concurrency", type=int, nargs="+", default=None,
                        help="requests in flight per level (default --server: 1 2 4 8 16 32; --engine vllm: 1 4 16 64)")
@@ -270,8 +275,10 @@ def main(argv: list[str] | None = None) -> int:
         with report_dir(args.out, args.overwrite):
             run_sweep(args.server, args.dataset, args.num_prompts, args.concurrency or [1, 2, 4, 8, 16, 32],
                       args.max_new_tokens, args.temperature, args.model, args.timeout, args.out, args.repeats or 1,
-                      args.max_requests_per_level, args.min_waves or 1)
+                      args.max_requests_per_level, args.min_waves or 1, args.engine_report)
         return 0
+    if args.engine_report:
+        raise UserError("--engine-report is read by --server NAME=URL ...: drop it, or add the servers")
     if not (args.target and args.drafter and args.out):
         raise UserError("needs --target, --drafter and --out (or --compare / --server)")
     template_kwargs = _template_kwargs(args.chat_template_kwargs)
@@ -320,8 +327,10 @@ def _run_local(args, config, template_kwargs: dict | None) -> dict:
 def _summary(report: dict, out: str) -> int:
     """The run's numbers in one line; exit 1 when a stop request left the report partial."""
     overall = report["overall"]
-    speed = (f"speedup {overall['speedup']:.2f}x ({overall['speedup_per_token']:.2f}x per token, cost model "
-             f"{overall['cost_model_speedup']:.2f}x); "
+    from .report import HARNESS_WORDS
+
+    speed = (f"harness speedup {overall['speedup']:.2f}x ({overall['speedup_per_token']:.2f}x per token, cost "
+             f"model {overall['cost_model_speedup']:.2f}x; {HARNESS_WORDS}); "
              f"verify/AR step {overall['verify_over_ar_step']:.2f}"
              if "speedup" in overall else "no autoregressive baseline (--baseline-prompts 0)")
     lossless = overall.get("lossless")
@@ -360,10 +369,21 @@ def _main_vllm(args, config, template_kwargs: dict | None) -> int:
     report = run_vllm_eval(args.target, args.drafter, args.out, args.dataset, config, args.num_prompts,
                            args.max_prompt_tokens, template_kwargs,
                            chat_template=args.chat_template)  # user errors: dflashkit.cli.run_main
-    print(f"{report['plan_verdict']['text']}\n{report['verdict']['text']}\ntau {report['overall']['tau']:.3f} "
-          f"(vLLM, k {report['num_speculative_tokens']}); lossless "
-          f"{report['lossless']['identical']}/{report['lossless']['requests']} identical; report in {args.out}")
+    print(f"{report['verdict']['text']}\ntau {report['overall']['tau']:.3f} (vLLM, k "
+          f"{report['num_speculative_tokens']}); lossless {report['lossless']['identical']}/"
+          f"{report['lossless']['requests']} identical; report in {args.out}")
+    print("\n".join(headline_console(report)))  # last: what a user reads and deploys
     return 0
+
+
+def headline_console(report: dict) -> list[str]:
+    """The console's last lines of `--engine vllm`: each engine's speedup per concurrency measured in vLLM, the
+    plan in words and its serve command (report.json's ``headline``)."""
+    head = report["headline"]
+    lines = [f"speedup per concurrency ({head['measured_in']}):"]
+    lines += [f"  {name}: " + ", ".join(f"{x:.2f}x at {c}" for c, x in levels.items())
+              for name, levels in head["speedup"].items()]
+    return lines + [f"Plan: {report['plan_verdict']['text']}", f"Serve command: {head['serve_command']}"]
 
 
 if __name__ == "__main__":

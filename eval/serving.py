@@ -16,6 +16,9 @@ Design choices:
   speedup and noise against `none`, the server without speculation); the `kN` servers (the drafter served with
   num_speculative_tokens N) give the per-batch-size schedule, written to schedule.json. A server started with
   that schedule can then be swept under its own name (`schedule=URL`) to measure it.
+- What each server serves is read back (eval/served_config.py, vLLM's /server_info); with `--engine-report DIR`
+  (an `eval --engine vllm` report whose serve commands started the servers) each server is checked against the
+  engine of its name and its cells are put beside that engine's.
 - `--max-requests-per-level` / `--min-waves` give every level the requests `--engine vllm` gives it (the first
   cap prompts cycled to fill at least that many whole waves of c, eval/serving_plan.py `level_requests`), so a
   live server's table is comparable cell for cell with the in-process engine's; without them every level sends
@@ -261,10 +264,13 @@ def render_markdown(result: dict) -> str:
 def run_sweep(server: str | list[str], datasets: list[str], num_prompts: int, concurrency: list[int],
               max_tokens: int, temperature: float = 0.0, model: str | None = None, timeout: float = 300.0,
               out: str | Path | None = None, repeats: int = 1, max_requests_per_level: int | None = None,
-              min_waves: int = 1) -> dict:
+              min_waves: int = 1, engine_report: str | Path | None = None) -> dict:
     """`dflashkit eval --server URL`: prompts from the datasets, results in out (serving.json, serving.md);
-    with NAME=URL pairs the serving plan of every server (serving.json, serving.md, schedule.json)."""
-    servers = parse_servers([server] if isinstance(server, str) else list(server))
+    with NAME=URL pairs the serving plan of every server (serving.json, serving.md, schedule.json), what each
+    serves read back and, with ``engine_report`` (an `eval --engine vllm` report directory), each server beside
+    the in-process engine of its name (eval/served_config.py)."""
+    servers = parse_servers([server] if isinstance(server, str) else list(server), need_k=engine_report is None)
+    report = engine_report_of(engine_report, servers)
     from dflashkit.extract.data.rendering import BadSample
     from dflashkit.extract.data.sources import iter_records
 
@@ -283,8 +289,15 @@ def run_sweep(server: str | list[str], datasets: list[str], num_prompts: int, co
             except BadSample:  # a record training skips for its turns (eval/prompts.py)
                 continue
     if "none" in servers:
-        return write_plan(run_server_plan(servers, conversations, concurrency, repeats, max_tokens, temperature,
-                                          model, timeout, max_requests_per_level, min_waves), out)
+        from .served_config import beside_engine, read_served
+
+        plan = run_server_plan(servers, conversations, concurrency, repeats, max_tokens, temperature, model, timeout,
+                               max_requests_per_level, min_waves)
+        plan["served"] = {name: read_served(url) for name, url in servers.items()}
+        if report is not None:
+            plan["engine_report"] = str(engine_report)
+            plan["beside_engine"] = beside_engine(plan, report, plan["served"])
+        return write_plan(plan, out)
     result = sweep(servers["server"], conversations, concurrency, max_tokens, temperature, model, timeout,
                    progress=lambda level: print(f"concurrency {level['concurrency']}: {level['successes']} ok, "
                                                 f"{level['failures']} failed, "
@@ -301,9 +314,27 @@ def run_sweep(server: str | list[str], datasets: list[str], num_prompts: int, co
 
 
 # ----------------------------------------------------------------------------- several servers: the serving plan
-def parse_servers(items: list[str]) -> dict[str, str]:
+def engine_report_of(path: str | Path | None, servers: dict[str, str]) -> dict | None:
+    """The `eval --engine vllm` report.json of ``--engine-report`` (None without one), read before any request;
+    UserError when it is not one, or when the servers are not NAME=URL pairs to set beside its engines."""
+    if path is None:
+        return None
+    from .report import read_report
+
+    if "none" not in servers:
+        raise UserError("--engine-report needs NAME=URL servers named like the report's engines (none=URL, kN=URL, "
+                        "schedule=URL ...), so that each server's cells go beside its engine's")
+    report = read_report(path)
+    if report.get("engine") != "vllm" or not isinstance(report.get("engines"), dict):
+        raise UserError(f"--engine-report {path}: not a report of `dflashkit eval --engine vllm` (no engines in its "
+                        "report.json); give the --out of such a run")
+    return report
+
+
+def parse_servers(items: list[str], need_k: bool = True) -> dict[str, str]:
     """``--server`` values: one URL, or NAME=URL pairs (``none`` = no speculation, ``kN`` = the drafter at N
-    speculative tokens, any other name a baseline or a schedule); UserError naming the item otherwise."""
+    speculative tokens, any other name a baseline or a schedule), with a ``kN`` to derive a schedule from unless
+    not ``need_k`` (servers set beside an engine report); UserError naming the item otherwise."""
     import re
 
     if len(items) == 1 and "=" not in items[0]:
@@ -318,7 +349,7 @@ def parse_servers(items: list[str]) -> dict[str, str]:
     if "none" not in servers:
         raise UserError("--server with several servers needs none=URL: the server without speculation that every "
                         "speedup is measured against")
-    if not any(re.fullmatch(r"k[1-9][0-9]*", n) for n in servers):
+    if need_k and not any(re.fullmatch(r"k[1-9][0-9]*", n) for n in servers):
         raise UserError("--server with several servers needs at least one kN=URL (the drafter served with "
                         "num_speculative_tokens N) to derive a schedule from")
     return servers
@@ -344,7 +375,8 @@ def plan_from_servers(runs: dict[str, dict[int, list[dict]]]) -> dict:
                              "failures": sum(r["failures"] for r in runs[name][c])} for c, v in per_level.items()}
              for name, per_level in cells.items()}
     ks = {int(name[1:]): name for name in runs if name[:1] == "k" and name[1:].isdigit()}
-    schedule = derive_schedule({k: {int(c): v for c, v in table[name].items()} for k, name in ks.items()})
+    schedule = derive_schedule({k: {int(c): v for c, v in table[name].items()} for k, name in ks.items()}) if ks \
+        else None  # servers beside an engine report need no kN
     return {"engines": table, "schedule": schedule, "plan": pick_plan({n: {"levels": lv} for n, lv in table.items()})}
 
 
@@ -368,9 +400,11 @@ def run_server_plan(servers: dict[str, str], conversations: list[list[dict]], le
 
 def render_plan_markdown(plan: dict) -> str:
     levels = list(plan["engines"]["none"])
+    schedule = plan["schedule"]
     lines = [f"# Serving plan from {len(plan['servers'])} servers", "",
              f"Schedule (num_speculative_tokens_per_batch_size): "
-             f"`{json.dumps(plan['schedule']['num_speculative_tokens_per_batch_size'])}` — {plan['schedule']['rule']}",
+             f"`{json.dumps(schedule['num_speculative_tokens_per_batch_size'])}` — {schedule['rule']}" if schedule
+             else "No schedule: no kN server to derive one from.",
              "", f"Plan: **{plan['plan']['plan']}** — {plan['plan']['rule']}", "",
              f"Speedup against `none` (median of {plan['repeats']} runs per cell, ± noise)", "",
              "| server | " + " | ".join(f"c = {c}" for c in levels) + " |", "|---|" + "---|" * len(levels)]
@@ -380,6 +414,15 @@ def render_plan_markdown(plan: dict) -> str:
                                                     for v in per_level.values()) + " |")
     lines.append("| none, tok/s | " + " | ".join(f"{v['output_tokens_per_s']:.0f}"
                                                   for v in plan["engines"]["none"].values()) + " |")
+    if "beside_engine" in plan:
+        from .served_config import render_beside
+
+        lines += [""] + render_beside(plan["beside_engine"], plan["engine_report"])
+    elif "served" in plan:
+        lines += ["", "What each server serves (its /server_info):"] + [
+            f"- {name}: " + (f"speculative_config `{json.dumps(v['speculative_config'])}`, max_num_seqs "
+                             f"{v['max_num_seqs']}" if v["read"] else f"not read back: {v['why']}")
+            for name, v in plan["served"].items()]
     return "\n".join(lines) + "\n"
 
 
@@ -391,6 +434,7 @@ def write_plan(plan: dict, out: str | Path | None) -> dict:
         out.mkdir(parents=True, exist_ok=True)
         atomic_write(out / "serving.json", (json.dumps(plan, indent=2) + "\n").encode())
         atomic_write(out / "serving.md", text.encode())
-        atomic_write(out / "schedule.json", (json.dumps(plan["schedule"], indent=2) + "\n").encode())
+        if plan["schedule"] is not None:
+            atomic_write(out / "schedule.json", (json.dumps(plan["schedule"], indent=2) + "\n").encode())
     print(text)
     return plan

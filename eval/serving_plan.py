@@ -31,6 +31,11 @@ Design choices:
   at the lowest level pays. On vLLM 0.24 the schedule's engine pays for its runner: measured on the H200
   testbed, 0.18x at one request where the schedule says k = 0, so the derived schedule is only
   deployed when its own measurement says so.
+- A k = 0 range is not free: vLLM (0.24 and 0.26, until 0.33) still runs the drafter's query pass there (rule
+  "zero_k_range"), so where the schedule's own engine measured a k = 0 level slower than no speculation beyond
+  the noise, the plan gives that level the smallest fixed k never slower than no speculation there
+  (``revise_zero_ranges``) and serves that revised schedule too; a level where every k loses keeps k = 0 and the
+  verdict names its cost.
 - Baselines a user would deploy instead: vLLM's n-gram prompt lookup (k 4, n 2…4) and the target's own MTP head
   when its config.json declares MTP layers (``num_nextn_predict_layers`` or ``mtp_num_hidden_layers``, as
   vllm/config/speculative.py reads them for the targets it knows). And ``v1``: no speculation on vLLM's V1 model
@@ -49,6 +54,7 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
 MTP_FIELDS = ("num_nextn_predict_layers", "mtp_num_hidden_layers")
 BASELINES = ("ngram", "mtp", "v1")
 V1_RUNNER = "v1"  # the baseline without speculation on vLLM's V1 model runner, the runner a schedule is served on
+REVISED = "schedule_revised"  # the schedule whose costly k = 0 levels take the smallest k that pays (measured too)
 
 
 # ----------------------------------------------------------------------------- requests and agreement
@@ -204,6 +210,47 @@ def capture_for(mode: str | int, levels: list[int], k: int) -> int | None:
     from dflashkit.drafter.engines import vllm_cudagraph_capture_size
 
     return vllm_cudagraph_capture_size(max(levels), k)
+
+
+# ----------------------------------------------------------------------------- k = 0 ranges that cost
+def costly_zero_levels(schedule: dict, measured: dict) -> dict[str, dict]:
+    """level -> the schedule engine's {speedup, noise} there, for the measured levels where the schedule says
+    k = 0 and its own engine was slower than no speculation beyond the noise: the drafter's query pass still runs
+    in a k = 0 range (drafter/engines.py rule "zero_k_range"), a cost no speculation does not pay."""
+    return {str(c): measured[str(c)] for c, v in schedule["per_level"].items()
+            if v["k"] == 0 and str(c) in measured and measured[str(c)]["speedup"] < 1 - measured[str(c)]["noise"]}
+
+
+def smallest_paying_k(level_speedups: dict[int, dict]) -> int | None:
+    """k -> {speedup, noise} of the fixed-k engines at one level: the smallest k never slower than no speculation
+    beyond its noise (None: every k loses there)."""
+    paying = [k for k, s in level_speedups.items() if k > 0 and s["speedup"] >= 1 - s["noise"]]
+    return min(paying) if paying else None
+
+
+def revise_zero_ranges(schedule: dict, measured: dict, speedups: dict[int, dict]) -> dict:
+    """What the plan does where a measured schedule's k = 0 levels cost (``costly_zero_levels``): each such level
+    takes the smallest fixed k that pays there (``smallest_paying_k`` over ``speedups``, k -> level -> {speedup,
+    noise}), and the ranges are derived again (``schedule_ranges``). Returns {"costly_zero_levels": level -> the
+    schedule's {speedup, noise} and the k that pays (None: none does)} and, when some level changed, "schedule":
+    the revised schedule in ``derive_schedule``'s shape, served with at least the derived num_speculative_tokens."""
+    costly = costly_zero_levels(schedule, measured)
+    paying = {c: smallest_paying_k({k: per_level[int(c)] for k, per_level in speedups.items() if int(c) in per_level})
+              for c in costly}
+    out = {"costly_zero_levels": {c: {"speedup": v["speedup"], "noise": v["noise"], "k_that_pays": paying[c]}
+                                  for c, v in costly.items()}}
+    if not any(paying.values()):
+        return out
+    level_ks = {int(c): (paying.get(c) or v["k"]) for c, v in schedule["per_level"].items()}
+    ranges = schedule_ranges(level_ks)
+    per_level = {str(c): ({"k": k, **{n: speedups[k][c][n] for n in ("speedup", "noise")}} if k else {"k": 0})
+                 for c, k in level_ks.items()}
+    out["schedule"] = {SCHEDULE_FIELD: ranges,
+                       "num_speculative_tokens": max([k for *_, k in ranges] + [schedule["num_speculative_tokens"]]),
+                       "per_level": per_level,
+                       "rule": "the schedule's k = 0 levels that measured slower than no speculation beyond the "
+                               "noise take the smallest k never slower than no speculation there"}
+    return out
 
 
 def never_loses(levels: dict) -> bool:

@@ -11,9 +11,10 @@ Design choices:
   ``pick_plan``: a fixed k, the schedule, a baseline, or no speculation and up to which concurrency the best
   engine pays), what the derived schedule measured, and which engine is fastest at each level; then the
   headline k's verdict.
-- report.md: the verdicts, the settings (the serve command is the plan's) and warnings, acceptance, lossless
-  agreement, the headline k's concurrency table, the speedup of every engine at every level (± noise), the
-  schedule, τ per k, and prefix caching.
+- report.md opens with the headline (``headline_lines``): the plan's verdict, its serve command, the schedule it
+  deploys, then the speedup of every engine at every level (± noise) and the plot; then the headline k's verdict,
+  the settings and warnings, acceptance, lossless agreement, the headline k's concurrency table, the schedule (and
+  its revision), τ per k, and prefix caching. The console ends with the same headline (eval/__main__.py).
 """
 
 from __future__ import annotations
@@ -73,6 +74,7 @@ def verdict(rows: list[dict], max_tau: float | None = None) -> dict:
 
 def _label(name: str) -> str:
     return {"none": "no speculation", "schedule": "schedule", "ngram": "n-gram", "mtp": "MTP",
+            "schedule_revised": "schedule, costly k = 0 levels revised",
             "v1": "no speculation, V1 runner, piecewise graphs"}.get(
         name, f"k = {name[1:]}" if name.startswith("k") else name)
 
@@ -100,18 +102,22 @@ def plan_verdict(report: dict) -> dict:
         if fastest and up_to:
             text += (f" Up to concurrency {up_to}, {_label(fastest)} pays "
                      f"({_speedups({c: v for c, v in engines[fastest]['levels'].items() if int(c) <= up_to})}).")
-    elif plan == "schedule":
-        text = (f"Serve with the schedule {ranges} (schedule.json, serve command below): measured "
-                f"{_speedups(engines['schedule']['levels'])} against no speculation.")
+    elif plan in ("schedule", "schedule_revised"):
+        served = json.dumps(engines[plan]["speculative_config"]["num_speculative_tokens_per_batch_size"])
+        text = (f"Serve with the schedule {served} (schedule.json, serve command below): measured "
+                f"{_speedups(engines[plan]['levels'])} against no speculation.")
     else:
         text = (f"Serve with {_label(plan)} (serve command below): measured {_speedups(engines[plan]['levels'])} "
                 f"against no speculation, never slower beyond the noise.")
     if not any(k for *_, k in schedule["num_speculative_tokens_per_batch_size"]):
         text += " The derived schedule is k = 0 everywhere: no k beats no speculation by more than the noise."
+    elif plan == "schedule_revised":
+        text += f" The derived schedule {ranges} measured {_speedups(engines['schedule']['levels'])}: not deployed."
     elif plan != "schedule":
         text += (f" The derived schedule {ranges} measured "
                  + (f"{_speedups(engines['schedule']['levels'])}: not deployed." if measured
                     else "nothing (its engine did not run): not deployed."))
+    text += zero_range_words(schedule, engines, report.get("versions", {}).get("vllm"))
     v1 = {c: v["speedup"] for c, v in engines["v1"]["levels"].items()} if "v1" in engines else None
     # vLLM 0.24 serves a schedule on its V1 runner, whose own cost then bounds what a schedule can get; 0.26 on
     # the default V2 runner (drafter/engines.py rule "schedule_runner")
@@ -130,6 +136,73 @@ def plan_verdict(report: dict) -> dict:
             "min_measured_speedup": min(measured.values()) if measured else None}
 
 
+def zero_range_words(schedule: dict, engines: dict, version: str | None) -> str:
+    """Where the derived schedule's k = 0 levels cost against no speculation and what the plan does there
+    (eval/serving_plan.py ``revise_zero_ranges``); "" where none cost."""
+    from dflashkit.drafter.engines import vllm_release, vllm_rule
+
+    costly = schedule.get("zero_k_ranges", {}).get("costly_zero_levels", {})
+    if not costly:
+        return ""
+    where = ", ".join(f"{c} ({_x(v['speedup'])} ±{v['noise']:.2f})" for c, v in costly.items())
+    text = (f" Its k = 0 levels cost against no speculation at concurrency {where}: vLLM {vllm_release(version)} "
+            f"still runs the drafter's query pass in a k = 0 range ({vllm_rule('zero_k_range', version)[1]}).")
+    paying = {c: v["k_that_pays"] for c, v in costly.items() if v["k_that_pays"]}
+    if paying:
+        revised = schedule["zero_k_ranges"]["schedule"]["num_speculative_tokens_per_batch_size"]
+        text += (" The revised schedule " + json.dumps(revised) + " takes there the smallest k never slower than no "
+                 "speculation in its own cells (" + ", ".join(f"k = {k} at {c}" for c, k in paying.items()) + ")"
+                 + (f", measured {_speedups(engines['schedule_revised']['levels'])}." if "schedule_revised" in engines
+                    else "; its engine did not run."))
+    losing = [c for c, v in costly.items() if not v["k_that_pays"]]
+    if losing:
+        text += f" At {', '.join(losing)} every k loses too: no speculation is the fastest there."
+    return text
+
+
+def _column(name: str) -> tuple:
+    """The headline table's column order: each k, the schedules, the baselines a user would deploy, then v1."""
+    order = {"schedule": 1, "schedule_revised": 2, "ngram": 3, "mtp": 4, "v1": 5}
+    return (order.get(name, 0), int(name[1:]) if name[:1] == "k" and name[1:].isdigit() else 0, name)
+
+
+def headline(report: dict) -> dict:
+    """report.json's first field: the plan to deploy (its serve command; the schedule when the plan is one) and
+    every engine's speedup per concurrency level, all measured in vLLM (``measured_in`` says how)."""
+    engines, plan = report["engines"], report["plan_verdict"]["plan"]
+    spec = engines[plan]["speculative_config"] if plan != "none" else None
+    return {"measured_in": f"vLLM {report['versions'].get('vllm')}: output tok/s against no speculation, the same "
+                           f"requests, median of {report['args'].get('repeats')} runs per cell",
+            "plan": plan, "plan_label": _label(plan), "serve_command": report["serve_command"],
+            "speculative_config": spec,
+            "num_speculative_tokens_per_batch_size": (spec or {}).get("num_speculative_tokens_per_batch_size"),
+            "no_speculation_tokens_per_s": {c: v["output_tokens_per_s"]
+                                            for c, v in engines["none"]["levels"].items()},
+            "speedup": {_label(n): {c: v["speedup"] for c, v in e["levels"].items()}
+                        for n, e in engines.items() if n != "none"}}
+
+
+def headline_lines(report: dict) -> list[str]:
+    """report.md's first section: the plan in words, its serve command, the schedule it deploys, the speedup of
+    every engine per concurrency (± noise) and the plot."""
+    engines, head = report["engines"], report["headline"]
+    levels = list(engines["none"]["levels"])
+    names = sorted((n for n in engines if n != "none"), key=_column)
+    rows = [[c, f"{engines['none']['levels'][c]['output_tokens_per_s']:.0f}"]
+            + [f"{engines[n]['levels'][c]['speedup']:.2f}× ±{engines[n]['levels'][c]['noise']:.2f}" for n in names]
+            for c in levels]
+    parts = [f"# Served by vLLM {report['versions'].get('vllm')}: the plan", "",
+             f"**{report['plan_verdict']['text']}**", "", "Serve command (the plan's, as measured):", "", "```",
+             head["serve_command"], "```", ""]
+    if head["num_speculative_tokens_per_batch_size"] is not None:
+        parts += ["Schedule to deploy (num_speculative_tokens_per_batch_size, also in schedule.json): "
+                  f"`{json.dumps(head['num_speculative_tokens_per_batch_size'])}`", ""]
+    parts += [f"## Speedup per concurrency ({head['measured_in']}; ± the runs' noise)",
+              _table(rows, ["concurrency", "no speculation, tok/s"] + [_label(n) for n in names]), "",
+              "![speedup against concurrency](speedup_vs_concurrency.png)", ""]
+    return parts
+
+
 def _table(rows: list[list], header: list[str]) -> str:
     def cell(v):
         return "—" if v is None else f"{v:.3f}" if isinstance(v, float) else str(v)
@@ -144,15 +217,17 @@ def _ms(seconds) -> float | None:
 
 def render_vllm_markdown(report: dict) -> str:
     args, acc = report["args"], report.get("acceptance") or {}
-    parts = ["# Served by vLLM: verdict", ""] + ([f"**{report['plan_verdict']['text']}**", ""]
-                                                 if "plan_verdict" in report else [])
+    if "headline" in report:
+        parts = headline_lines(report)
+    else:  # a report from before the headline
+        parts = ["# Served by vLLM: verdict", ""] + ([f"**{report['plan_verdict']['text']}**", ""]
+                                                     if "plan_verdict" in report else [])
     parts += [f"At num_speculative_tokens {report['num_speculative_tokens']}: {report['verdict']['text']}", "",
              f"target `{report['target']['path']}`, drafter `{report['drafter']['path']}`, vLLM "
              f"{report['versions'].get('vllm')}, greedy, {args['max_new_tokens']} new tokens, {report['prompts']} "
              f"prompts ({', '.join(args['datasets'])}), block size {report['block_size']}, num_speculative_tokens "
              f"{report['num_speculative_tokens']} (block_size − 1 = {report['block_size'] - 1}), prefix caching "
-             f"{args['prefix_caching'][0]} for the main run", "",
-             f"Serve command: `{report['serve_command']}`", ""]
+             f"{args['prefix_caching'][0]} for the main run", ""]
     if report["target"].get("gguf_quantization_config_stripped"):
         parts += ["The target's config.json carries a GGUF quantization_config, which vLLM refuses: the engines were "
                   f"given a copy without it, `{report['target']['served_dir']}`, and the serve commands name it.", ""]
@@ -205,13 +280,24 @@ def plan_sections(report: dict) -> list[str]:
              for n, b in report.get("baselines", {}).items() if "skipped" in b]
     rows.append(["no speculation, tok/s"] + [f"{engines['none']['levels'][c]['output_tokens_per_s']:.0f} "
                                              f"±{engines['none']['levels'][c]['spread']:.2f}" for c in levels])
-    parts = [f"## Speedup against no speculation (median of {repeats} runs per cell; ± the runs' noise)",
-             _table(rows, ["engine"] + [f"c = {c}" for c in levels]), "",
-             "## The schedule (vLLM's num_speculative_tokens_per_batch_size)",
-             f"`{json.dumps(schedule['num_speculative_tokens_per_batch_size'])}` — {schedule['rule']}. "
-             f"{schedule['runner']}.", "", f"Serve command: `{schedule['serve_command']}`", "",
-             _table([[c, v["k"], v.get("speedup"), v.get("noise")] for c, v in schedule["per_level"].items()],
-                    ["concurrency", "k chosen", "its speedup", "noise"]), ""]
+    if "headline" in report:  # the engines' speedups lead the report: here only the baselines skipped
+        parts = [f"- {_label(n)}: skipped: {b['skipped']}" for n, b in report.get("baselines", {}).items()
+                 if "skipped" in b] + [""]
+    else:
+        parts = [f"## Speedup against no speculation (median of {repeats} runs per cell; ± the runs' noise)",
+                 _table(rows, ["engine"] + [f"c = {c}" for c in levels]), ""]
+    parts += ["## The schedule (vLLM's num_speculative_tokens_per_batch_size)",
+              f"`{json.dumps(schedule['num_speculative_tokens_per_batch_size'])}` — {schedule['rule']}. "
+              f"{schedule['runner']}.", "", f"Serve command: `{schedule['serve_command']}`", "",
+              _table([[c, v["k"], v.get("speedup"), v.get("noise")] for c, v in schedule["per_level"].items()],
+                     ["concurrency", "k chosen", "its speedup", "noise"]), ""]
+    revised = schedule.get("zero_k_ranges", {}).get("schedule")
+    if revised:
+        parts += ["## The schedule with its costly k = 0 levels revised",
+                  f"`{json.dumps(revised['num_speculative_tokens_per_batch_size'])}` — {revised['rule']}.", "",
+                  f"Serve command: `{revised['serve_command']}`", "",
+                  _table([[c, v["k"], v.get("speedup"), v.get("noise")] for c, v in revised["per_level"].items()],
+                         ["concurrency", "k", "its fixed-k speedup", "noise"]), ""]
     largest = report["ks"][-1]
     parts += ["## τ per num_speculative_tokens (every prompt once)",
               _table([[k, v["tau"], v[f"tau_first_{k}_positions_at_k{largest}"], v["identical"]]

@@ -367,11 +367,19 @@ def run_vllm_eval(target: str, drafter: str, out: str | Path, datasets: list[str
                   chat_template_kwargs: dict | None = None, api: VllmApi | None = None, warn=None,
                   chat_template: str | None = None) -> dict:
     """Serve the pair with vLLM in-process: no speculation, the drafter at each k, the baselines, then the
-    schedule derived from them; report.json / report.md / schedule.json / plots in `out` (the returned report).
+    schedule derived from them and, where its k = 0 levels cost, its revision (eval/serving_plan.py
+    ``revise_zero_ranges``); report.json / report.md / schedule.json / plots in `out` (the returned report).
     chat_template (a Jinja file) / chat_template_kwargs: None renders as the drafter was trained
     (eval/chat_settings.py)."""
     from .report import write_report
-    from .serving_plan import baseline_specs, derive_schedule, given_schedule, schedule_spec
+    from .serving_plan import (
+        REVISED,
+        baseline_specs,
+        derive_schedule,
+        given_schedule,
+        revise_zero_ranges,
+        schedule_spec,
+    )
     from .vllm_report import build_vllm_report, level_speedups, write_schedule
 
     config.check()
@@ -392,10 +400,15 @@ def run_vllm_eval(target: str, drafter: str, out: str | Path, datasets: list[str
                                           dflash_spec(run, k), answers, multi_turn=k == run.headline_k)
     for name, spec in baselines.items():
         results[name] = measure_engine(run, name, spec)
-    schedule = (given_schedule(config.schedule, run.levels, max(run.ks)) if config.schedule else
-                derive_schedule({k: level_speedups(results, f"k{k}", run.levels) for k in run.ks}))
+    fixed = {k: level_speedups(results, f"k{k}", run.levels) for k in run.ks}
+    schedule = given_schedule(config.schedule, run.levels, max(run.ks)) if config.schedule else derive_schedule(fixed)
     if config.schedule_run:
         results["schedule"] = measure_engine(run, "schedule", schedule_spec(run.drafter, schedule))
+        measured = {str(c): v for c, v in level_speedups(results, "schedule", run.levels).items()}
+        schedule["zero_k_ranges"] = revise_zero_ranges(schedule, measured, fixed)  # serving_plan's notes
+        revised = schedule["zero_k_ranges"].get("schedule")
+        if revised:
+            results[REVISED] = measure_engine(run, REVISED, schedule_spec(run.drafter, revised))
     prefix_runs = measure_prefix_settings(run, answers)
     args = {"target": target, "datasets": list(datasets), "num_prompts": num_prompts,
             "max_prompt_tokens": max_prompt_tokens}

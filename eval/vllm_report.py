@@ -1,7 +1,11 @@
 """The report of `dflashkit eval --engine vllm`, built from what eval/vllm_engine.py measured (nothing runs here).
 
 Design choices:
-- The headline numbers keep their place: τ, per-position acceptance and lossless agreement of every prompt once,
+- report.json opens with ``headline`` (eval/serving_verdict.py): the plan to deploy, its serve command and every
+  engine's speedup per concurrency, all measured in vLLM; a reader's first number is the engine's.
+- Every serve command is the engine's as measured (``serve_command``: speculative_config, max_num_seqs, CUDA-graph
+  capture size, dtype, max_model_len), so `eval --server` can sweep a server started from it.
+- The concurrency rows: τ, per-position acceptance and lossless agreement of every prompt once,
   and the concurrency rows, are the drafter's at the headline k (block_size - 1 when measured) against no
   speculation; every row's speed is the median of the level's repeats.
 - `engines` holds every engine's cells (no speculation, the drafter at each k, the baselines, the schedule), each
@@ -10,7 +14,8 @@ Design choices:
   (a causal-in-block drafter should get the same at k itself).
 - The serve command is the plan's (eval/serving_plan.py ``pick_plan``: a fixed k, the schedule, a baseline, or
   plain `vllm serve`), with the max_num_seqs and CUDA-graph capture size the engines were measured with;
-  schedule.json beside report.json holds the derived schedule, its own serve command and what it measured.
+  schedule.json beside report.json holds the schedule to deploy (the revision of costly k = 0 levels when there
+  is one, else the derived schedule), its own serve command and what it measured.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import time
 from pathlib import Path
 
 from .serving_plan import (
+    REVISED,
     SCHEDULE_FIELD,
     agreement,
     capture_size,
@@ -30,20 +36,22 @@ from .serving_plan import (
     schedule_spec,
     speedup,
 )
-from .serving_verdict import plan_verdict, verdict
+from .serving_verdict import headline, plan_verdict, verdict
 
 
 def serve_command(run, spec: dict | None) -> str:
-    """The `vllm serve` line of an engine of the run: its speculative_config, max_num_seqs (the largest level) and
-    the CUDA-graph capture size it was measured with; plain `vllm serve` without speculation. The target is the
-    directory the engines were given: a copy without a GGUF quantization_config where the target had one (vLLM
-    refuses the original: rule gguf_quantization_config)."""
+    """The `vllm serve` line of an engine of the run, as it was measured: its speculative_config (none without
+    speculation), max_num_seqs (the largest level), the CUDA-graph capture size, dtype and max_model_len, and the
+    prefix cache or CUDA graphs turned off when they were. The target is the directory the engines were given: a
+    copy without a GGUF quantization_config where the target had one (vLLM refuses the original: rule
+    gguf_quantization_config)."""
     from dflashkit.drafter import engines as rules
 
-    if spec is None:
-        return f"vllm serve {run.served_dir} --max-num-seqs {max(run.levels)}"
+    flags = ["--dtype", run.config.dtype, "--max-model-len", str(run.max_len)]
+    flags += ["--no-enable-prefix-caching"] if run.config.prefix_caching[0] == "off" else []
+    flags += ["--enforce-eager"] if run.config.enforce_eager else []
     return rules.vllm_serve_command(str(run.served_dir), run.drafter, run.dcfg.block_size, spec, max(run.levels),
-                                    capture_size(run, spec))
+                                    capture_size(run, spec), engine_flags=flags, speculate=spec is not None)
 
 
 def cells(results: dict, name: str, levels: list[int]) -> dict[int, dict]:
@@ -62,7 +70,8 @@ def engine_table(run, results: dict, specs: dict[str, dict | None]) -> dict:
     table = {}
     for name, spec in specs.items():
         mine = cells(results, name, run.levels)
-        table[name] = {"speculative_config": spec,
+        table[name] = {"speculative_config": spec, "serve_command": serve_command(run, spec),
+                       "max_num_seqs": max(run.levels), "max_cudagraph_capture_size": capture_size(run, spec),
                        "levels": {str(c): {**mine[c], **speedup(mine[c], base[c])} for c in run.levels}}
     return table
 
@@ -127,14 +136,25 @@ def schedule_runner_note(version: str) -> str:
 
 
 def schedule_section(run, results: dict, schedule: dict, table: dict) -> dict:
-    """The derived schedule, its serve command and, when its engine ran, what it measured."""
-    speculates = any(k for *_, k in schedule[SCHEDULE_FIELD])
-    spec = schedule_spec(run.drafter, schedule)
-    out = {**schedule, "speculative_config": spec, "serve_command": serve_command(run, spec if speculates else None),
+    """The derived schedule and its serve command (the engine that measured it, a schedule of zeros included) and,
+    when its engine ran, what it measured; the same for the revision of its costly k = 0 levels
+    (serving_plan.revise_zero_ranges), under ``zero_k_ranges``."""
+    out = {**schedule, **schedule_engine(run, results, schedule, table, "schedule"),
            "runner": schedule_runner_note(run.api.version)}
-    if "schedule" in results:
-        out["measured"] = {c: v["speedup"] for c, v in table["schedule"]["levels"].items()}
-        out["tau"] = (results["schedule"]["all"]["acceptance"] or {}).get("tau")
+    revision = schedule.get("zero_k_ranges", {})
+    if revision.get("schedule"):
+        out["zero_k_ranges"] = {**revision, "schedule": {**revision["schedule"], **schedule_engine(
+            run, results, revision["schedule"], table, REVISED)}}
+    return out
+
+
+def schedule_engine(run, results: dict, schedule: dict, table: dict, name: str) -> dict:
+    """A schedule's speculative_config and serve command, and what its engine ``name`` measured when it ran."""
+    spec = schedule_spec(run.drafter, schedule)
+    out = {"speculative_config": spec, "serve_command": serve_command(run, spec)}
+    if name in results:
+        out["measured"] = {c: v["speedup"] for c, v in table[name]["levels"].items()}
+        out["tau"] = (results[name]["all"]["acceptance"] or {}).get("tau")
     return out
 
 
@@ -146,6 +166,8 @@ def build_vllm_report(run, results: dict, schedule: dict, baselines: dict, skipp
                               for k in run.ks}, **baselines}
     if "schedule" in results:
         specs["schedule"] = schedule_spec(run.drafter, schedule)
+    if REVISED in results:
+        specs[REVISED] = schedule_spec(run.drafter, schedule["zero_k_ranges"]["schedule"])
     table = engine_table(run, results, specs)
     rows = concurrency_rows(run, results)
     head = results[f"k{run.headline_k}"]["all"]
@@ -179,17 +201,27 @@ def build_vllm_report(run, results: dict, schedule: dict, baselines: dict, skipp
     report["plan_verdict"] = plan_verdict(report)
     plan = report["plan_verdict"]["plan"]
     report["serve_command"] = serve_command(run, None if plan == "none" else specs[plan])  # the plan's
-    return report
+    return {"headline": headline(report), **report}  # first in report.json: what to deploy, measured in vLLM
+
+
+def deployable_schedule(report: dict) -> tuple[str, dict]:
+    """(engine name, schedule) of the schedule a deployment takes: the revision of the costly k = 0 levels when
+    there is one (the derived schedule measured a cost there), else the derived schedule."""
+    revised = report["schedule"].get("zero_k_ranges", {}).get("schedule")
+    return (REVISED, revised) if revised else ("schedule", report["schedule"])
 
 
 def write_schedule(report: dict, out: str | Path) -> Path:
-    """schedule.json in ``out``: the speculative_config a deployment passes to vLLM, and what it measured."""
+    """schedule.json in ``out``: the speculative_config a deployment passes to vLLM (``deployable_schedule``), the
+    serve command of the engine that measured it, and what it measured."""
     from dflashkit.files import atomic_write
 
-    schedule = report["schedule"]
-    data = {"speculative_config": schedule["speculative_config"], SCHEDULE_FIELD: schedule[SCHEDULE_FIELD],
-            "serve_command": schedule["serve_command"], "per_level": schedule["per_level"],
-            "measured_speedup": schedule.get("measured"), "rule": schedule["rule"], "runner": schedule["runner"],
+    name, schedule = deployable_schedule(report)
+    data = {"engine": name, "speculative_config": schedule["speculative_config"],
+            SCHEDULE_FIELD: schedule[SCHEDULE_FIELD], "serve_command": schedule["serve_command"],
+            "per_level": schedule["per_level"], "measured_speedup": schedule.get("measured"),
+            "rule": schedule["rule"], "runner": report["schedule"]["runner"],
+            "zero_k_ranges": report["schedule"].get("zero_k_ranges", {}).get("costly_zero_levels", {}),
             "vllm": report["versions"]["vllm"], "target": report["target"]["path"],
             "drafter": report["drafter"]["path"]}
     path = Path(out) / "schedule.json"

@@ -34,8 +34,9 @@ Design choices:
   request is decoded once per k of the schedule (blocks of k + 1); a step at k advances it to the end of the
   round of that decode which covers its position: exact while a request's k does not change, a model of the
   rounds when it does (the counters then count what the step advanced). At k = 0 a step queries one token and
-  still pays the drafter's pass over it (vLLM 0.24's V1 proposer runs it to keep the drafter's cache filled; 0.26
-  drafts N and keeps the first k: drafter/engines.py rule "zero_k_range").
+  still pays the drafter's pass (vLLM 0.24's V1 proposer runs it over that token to keep the drafter's cache
+  filled; 0.26 drafts N and keeps the first k, so its pass fills 1 + N tokens at every k: drafter/engines.py
+  rule "zero_k_range", ``draft_queries``).
 - One release at a time (``version``, default ``VERSION``: 0.26, the engine the project serves with; 0.24 for
   side-by-side checks), following its row of drafter/engines.py ``VLLM_RULES``: on 0.24 every drafter layer is
   full attention (non-causal unless the drafter is causal in the block), so a sliding-window drafter is served
@@ -337,7 +338,7 @@ class LLM:
             tokens += (1 + k) * len(decoding)
             step = cost.fixed_s + cost.per_token_s * tokens
             if self.drafter is not None and decoding:
-                step += cost.draft_fixed_s + cost.draft_per_token_s * (1 + k) * len(decoding)
+                step += cost.draft_fixed_s + cost.draft_per_token_s * self.draft_queries(k) * len(decoding)
             if decoding and not joining and tokens > self.graph_ceiling:  # a pure decode step run eagerly
                 step += cost.eager_s
             clock.advance(step)
@@ -365,6 +366,15 @@ class LLM:
         from dflashkit.drafter.engines import VLLM_DEFAULT_CUDAGRAPH_CEILING
 
         return min(self.max_num_seqs * (1 + self.num_speculative_tokens) * 2, VLLM_DEFAULT_CUDAGRAPH_CEILING)
+
+    def draft_queries(self, k: int) -> int:
+        """Block tokens a dflash drafter fills per request in a step that keeps k drafts: 1 + k where the drafter
+        drafts the step's k (a fixed k; vLLM 0.24's V1 proposer with a schedule), 1 + num_speculative_tokens for a
+        schedule on vLLM 0.26, which drafts N and keeps the first k, a k = 0 step included (drafter/engines.py
+        rule "zero_k_range")."""
+        from dflashkit.drafter.engines import schedule_runner
+
+        return 1 + (self.num_speculative_tokens if self.lookup and schedule_runner(self.version) == "v2" else k)
 
     def step_k(self, batch: int) -> int:
         """The drafts per request of a step with ``batch`` decoding requests (0 without speculation)."""

@@ -32,6 +32,9 @@ def _run(root, out, *extra):
 def test_eval_writes_a_complete_report_and_compares(chat_pair, tmp_path, capsys):
     root, tokenizer = chat_pair
     assert _run(root, tmp_path / "chain") == 0
+    said = capsys.readouterr().out.splitlines()[-1]  # its speedup is the harness's, and says so (issue 68)
+    assert said.startswith("tau ") and "; harness speedup " in said
+    assert "harness speedup: dflashkit's own decode loop, not a serving engine" in said
     assert _run(root, tmp_path / "tree", "--mode", "tree", "--tree-budget", "6", "--tree-top-k", "2") == 0
     report = json.loads((tmp_path / "chain" / "report.json").read_text())
     assert set(report["datasets"]) == {"builtin:mtbench", "builtin:humaneval"}
@@ -54,7 +57,8 @@ def test_eval_writes_a_complete_report_and_compares(chat_pair, tmp_path, capsys)
     assert overall["speedup_per_token"] == pytest.approx(overall["speedup"])
     assert overall["speedup_over_cost_model"] == pytest.approx(overall["speedup"] / overall["cost_model_speedup"])
     assert {"load", "prepare", "reference", "speculative", "baseline"} <= set(report["timing"])
-    assert "partial" not in report and "Lossless: no mismatch" in (tmp_path / "chain" / "report.md").read_text()
+    md = (tmp_path / "chain" / "report.md").read_text()
+    assert "partial" not in report and "Lossless: no mismatch" in md and "| harness speedup |" in md
     assert report["drafter"]["block_size"] == 4 and report["target"]["config_hash"]
     assert report["args"]["mode"] == "chain" and report["versions"]["transformers"] == tf.__version__
     for name in ("report.md", "acceptance_histogram.png", "per_position_acceptance.png", "tau_per_dataset.png"):

@@ -44,7 +44,7 @@ def test_report_has_vllm_acceptance_levels_and_plots(served, pair):
     report, out = served
     assert json.loads((out / "report.json").read_text())["verdict"] == report["verdict"]
     md = (out / "report.md").read_text()
-    assert md.startswith("# Served by vLLM: verdict") and report["verdict"]["text"] in md
+    assert md.startswith("# Served by vLLM 0.26.0 (CPU stand-in): the plan") and report["verdict"]["text"] in md
     assert {"speedup_vs_concurrency.png", "per_position_acceptance.png"} <= {p.name for p in out.iterdir()}
     assert report["num_speculative_tokens"] == BLOCK - 1
     assert '"num_speculative_tokens": 3' in report["serve_command_fixed_k"]
@@ -197,7 +197,8 @@ def test_the_projection_engines_get_graphs_covering_their_steps(tmp_path, monkey
     monkeypatch.setattr(bench, "api_for", lambda args: VllmApi(factory, vllm_standin.SamplingParams, clock))
     args = SimpleNamespace(ks=[3, 15], concurrency=[1, 40], standin=True, projection_drafter_weights=False,
                            projection_prompt_tokens=4, projection_new_tokens=2, gpu_memory_utilization=0.3,
-                           max_model_len=64, cudagraph_capture_size="auto", acceptance_report=None)
+                           max_model_len=64, cudagraph_capture_size="auto", acceptance_report=None,
+                           projection_gpu_memory_utilization=None)
     bench.part_projection(args, tmp_path)
     expected = {k: vllm_cudagraph_capture_size(40, k) for k in (0, 3, 15)}
     assert expected[15] == 40 * 16 and expected[0] is None  # the case the rule is for, and one it leaves alone
@@ -206,6 +207,100 @@ def test_the_projection_engines_get_graphs_covering_their_steps(tmp_path, monkey
     assert times["max_cudagraph_capture_size"] == {"ar": expected[0], "k15": expected[15], "k3": expected[3]}
     assert set(times["raw"]["40"]) == {"ar", "k3", "k15", "spec"}
     assert not (tmp_path / "e_projection_times.partial.json").exists()
+    assert times["gpu_memory_utilization"] == 0.3 and times["memory_sizing"] is None  # the twin models no memory
+
+
+def test_the_projection_sizes_vllms_share_of_an_h100_and_an_h200():
+    """Issue 68 item 3: at --gpu-memory-utilization 0.25 an H100 80GB left vLLM 0.18 GiB of KV cache for the
+    Qwen3-8B shape, which needs 0.32 (one request of max_model_len 2048). The share sized from the shape leaves
+    the KV cache of the largest level (128 requests of 128 + 128 tokens at k = 15) on both cards."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import bench_vllm as bench
+    from common import QWEN3_8B
+
+    need = bench.projection_memory(QWEN3_8B, 5, 5, max_num_seqs=128, tokens_per_request=256, max_model_len=2048,
+                                   max_k=15)
+    one_request = bench.projection_memory(QWEN3_8B, 5, 5, 1, 256, 2048, 15)["kv_bytes"]
+    assert one_request / bench.GIB == pytest.approx(0.32, abs=0.005)  # 2048 tokens x 41 layers of 8 x 128 KV heads
+    assert need["weights_bytes"] / bench.GIB == pytest.approx(17.2, abs=0.1)  # 8.2B target + 5-layer drafter, bf16
+    assert need["kv_tokens"] == 128 * 272  # 128 + 128 + 16 lookahead slots = 17 pages of 16 per request
+    for total_mib in (81559, 143771):  # torch.cuda.mem_get_info's total on an H100 80GB and on an H200
+        total = total_mib << 20
+        share = bench.projection_utilization(need["bytes"], total)
+        left_for_kv = share * total - need["weights_bytes"] - need["logits_bytes"] - need["headroom_bytes"]
+        assert left_for_kv >= need["kv_bytes"] > one_request
+        assert share - 0.01 < need["bytes"] / total <= share  # the smallest hundredth that fits
+    assert bench.projection_utilization(need["bytes"], 81559 << 20) > 0.25  # what failed on the H100
+    with pytest.raises(RuntimeError, match="lower --concurrency"):
+        bench.projection_utilization(need["bytes"], 24 * bench.GIB)
+
+
+def test_the_report_leads_with_the_plan_measured_in_vllm(served):
+    """Issue 68 item 5: report.json's first field, report.md's first lines and the console's last lines are the
+    plan (its serve command) and every engine's speedup per concurrency measured in vLLM; the first speedup a
+    reader meets is the engine's."""
+    import re
+
+    report, out = served
+    written = json.loads((out / "report.json").read_text())
+    head = written["headline"]
+    assert next(iter(written)) == "headline" and head["serve_command"] == report["serve_command"]
+    assert head["measured_in"].startswith("vLLM 0.26.0 (CPU stand-in): output tok/s against no speculation")
+    assert head["speedup"]["k = 3"] == {c: v["speedup"] for c, v in report["engines"]["k3"]["levels"].items()}
+    md = (out / "report.md").read_text().splitlines()
+    assert md[2] == f"**{report['plan_verdict']['text']}**" and md[7] == report["serve_command"]
+    table = md.index("| concurrency | no speculation, tok/s | k = 3 | schedule |")
+    assert table < 15 and "![speedup against concurrency](speedup_vs_concurrency.png)" in md[table:table + 8]
+    first = re.search(r"([0-9.]+)×", "\n".join(md))[1]
+    assert first in {f"{v['speedup']:.2f}" for e in report["engines"].values() for v in e["levels"].values()}
+    from dflashkit.eval.__main__ import headline_console
+
+    console = headline_console(written)  # what `eval --engine vllm` prints last
+    assert console[-2:] == [f"Plan: {report['plan_verdict']['text']}", f"Serve command: {report['serve_command']}"]
+    k3 = report["engines"]["k3"]["levels"]
+    assert any(line.startswith(f"  k = 3: {k3['1']['speedup']:.2f}x at 1, {k3['4']['speedup']:.2f}x at 4")
+               for line in console)
+
+
+def test_the_harness_speedup_is_named_as_the_harness(tmp_path, capsys):
+    """`dflashkit eval`'s own speedup is its decode loop's, not a serving engine's: the console, report.md and
+    --compare beside a vLLM report say so."""
+    from dflashkit.eval.report import compare_reports, render_markdown
+
+    harness = {"args": {"mode": "chain"}, "block_size": 4, "datasets": {}, "overall": {"tau": 2.0, "speedup": 1.8},
+               "target": {}, "drafter": {}, "versions": {}}
+    assert HARNESS_WORDS in render_markdown({**harness, "overall": {**harness["overall"], "acceptance_histogram": {},
+                                                                      "per_position_acceptance": []}})
+    for name, report in (("chain", harness), ("vllm", {"engine": "vllm", **harness, "args": {"mode": "vllm"},
+                                                       "overall": {"tau": 1.9, "speedup": 1.2}})):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "report.json").write_text(json.dumps(report))
+    text = compare_reports([str(tmp_path / "chain"), str(tmp_path / "vllm")])
+    header = next(line for line in text.splitlines() if line.startswith("| report"))
+    assert "engine speedup (vLLM)" in header and "harness speedup" in header
+    chain, vllm = (line.split(" | ") for line in text.splitlines() if "/chain |" in line or "/vllm |" in line)
+    engine_col, harness_col = header.split(" | ").index("engine speedup (vLLM)"), header.split(" | ").index(
+        "harness speedup (dflashkit's decode loop)")
+    assert (chain[engine_col], chain[harness_col]) == ("—", "1.800")
+    assert (vllm[engine_col], vllm[harness_col]) == ("1.200", "—")
+
+
+HARNESS_WORDS = "harness speedup: dflashkit's own decode loop, not a serving engine"
+
+
+def test_bench_vllm_sets_the_harness_speedup_beside_the_engines(served, tmp_path):
+    """bench_vllm.py's serve part with --dflashkit-report: both ran, so a_tau.json holds the engine's speedup per
+    concurrency and, named as the harness's, the chain report's."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import bench_vllm as bench
+
+    report, _ = served
+    chain = tmp_path / "chain.json"
+    chain.write_text(json.dumps({"datasets": {report["args"]["datasets"][0]: {"tau": 1.5, "speedup": 1.7}},
+                                 "overall": {"tau": 1.5, "speedup": 1.7}}))
+    out = bench.tau_comparison(report, str(chain))
+    assert out["engine_speedup"] == report["headline"]["speedup"] and out["harness_speedup"] == 1.7
+    assert out["harness_speedup_is"] == HARNESS_WORDS
 
 
 @pytest.mark.slow

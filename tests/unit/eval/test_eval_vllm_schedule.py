@@ -4,6 +4,7 @@ the n-gram and MTP baselines, and the report that names the schedule first."""
 
 import json
 import os
+import re
 
 import pytest
 
@@ -18,8 +19,10 @@ from dflashkit.eval.serving_plan import (
     mtp_layers,
     pays_up_to,
     pick_plan,
+    revise_zero_ranges,
     schedule_lookup,
     schedule_ranges,
+    smallest_paying_k,
 )
 from dflashkit.eval.serving_verdict import plan_verdict
 from dflashkit.eval.vllm_engine import VllmEvalConfig, run_vllm_eval
@@ -75,7 +78,8 @@ def test_every_k_and_baseline_is_a_line_of_repeated_cells(planned):
                                                 "num_speculative_tokens": 1}
     md = (out / "report.md").read_text()
     assert md.splitlines()[2] == f"**{report['plan_verdict']['text']}**"  # the plan's verdict comes first
-    assert "| k = 1 |" in md and "| n-gram |" in md and "| schedule |" in md and "| MTP | skipped" in md
+    assert ("| concurrency | no speculation, tok/s | k = 1 | k = 2 | k = 3 | schedule | n-gram | no speculation, V1"
+            in md) and "- MTP: skipped" in md
 
 
 def test_the_schedule_follows_the_cells_and_is_served(planned):
@@ -116,7 +120,8 @@ def test_the_plan_is_what_measured_never_slower(planned):
     assert all(engines["schedule"]["levels"][c]["speedup"] < 1 for c in ("4", "16", "64"))  # k = 0 there
     assert "schedule" not in safe
     if expected == "none":
-        assert report["serve_command"] == f"vllm serve {report['target']['path']} --max-num-seqs 64"
+        assert re.fullmatch(f"vllm serve {report['target']['path']} --max-num-seqs 64 --dtype bfloat16 "
+                            "--max-model-len [0-9]+", report["serve_command"])
         assert verdict["text"].startswith("Serve without speculation")
     else:
         assert json.dumps(engines[expected]["speculative_config"]) in report["serve_command"]
@@ -143,6 +148,74 @@ def test_pick_plan_and_where_a_k_pays():
     chosen = pick_plan(engines)
     assert chosen["plan"] == "none" and chosen["fastest_at_lowest"] == "k15" and chosen["fastest_pays_up_to"] == 1
     assert pays_up_to(lv((1, 1.04, 0.05), (4, 1.5, 0.1))) is None  # the first level within the noise
+
+
+def test_costly_zero_levels_take_the_smallest_k_that_pays():
+    """Issue 68 item 2: a k = 0 range still runs the drafter's query pass, so where the schedule's own engine
+    measured a k = 0 level slower than no speculation beyond the noise, that level takes the smallest fixed k never
+    slower than no speculation there; a level where every k loses keeps 0; one within the noise is left alone."""
+    s = lambda x, n=0.02: {"speedup": x, "noise": n}  # noqa: E731
+    schedule = {"num_speculative_tokens_per_batch_size": [[1, 1, 3], [2, 64, 0]], "num_speculative_tokens": 3,
+                "per_level": {"1": {"k": 3}, "4": {"k": 0}, "16": {"k": 0}, "64": {"k": 0}}}
+    measured = {"1": s(1.4), "4": s(0.93), "16": s(0.99), "64": s(0.80)}  # 16: within the noise of 1
+    fixed = {1: {1: s(1.3), 4: s(0.99, 0.03), 16: s(0.9), 64: s(0.70)},
+             2: {1: s(1.35), 4: s(0.975, 0.03), 16: s(0.9), 64: s(0.60)},
+             3: {1: s(1.4), 4: s(1.0, 0.03), 16: s(0.9), 64: s(0.50)}}
+    assert smallest_paying_k(fixed_at(fixed, 4)) == 1 and smallest_paying_k(fixed_at(fixed, 64)) is None
+    revision = revise_zero_ranges(schedule, measured, fixed)
+    assert revision["costly_zero_levels"] == {"4": {"speedup": 0.93, "noise": 0.02, "k_that_pays": 1},
+                                              "64": {"speedup": 0.80, "noise": 0.02, "k_that_pays": None}}
+    revised = revision["schedule"]
+    assert revised["num_speculative_tokens_per_batch_size"] == [[1, 1, 3], [2, 4, 1], [5, 64, 0]]
+    assert revised["per_level"]["4"] == {"k": 1, "speedup": 0.99, "noise": 0.03}
+    assert revised["per_level"]["64"] == {"k": 0} and revised["num_speculative_tokens"] == 3
+    # nothing costs beyond the noise, or nothing pays where it costs: no revised schedule
+    assert revise_zero_ranges(schedule, {**measured, "4": s(0.99), "64": s(0.99)}, fixed) == {"costly_zero_levels": {}}
+    assert "schedule" not in revise_zero_ranges(schedule, measured, {k: {**v, 4: s(0.9)} for k, v in fixed.items()})
+
+
+def fixed_at(fixed: dict, level: int) -> dict:
+    return {k: per_level[level] for k, per_level in fixed.items()}
+
+
+def test_the_plan_deploys_the_revised_schedule_and_says_why(planned):
+    """The planned run's k = 0 levels cost and no k pays there (the twin measures without noise): the verdict
+    says so. Given a revision that measured never slower, the plan deploys it and names the levels it changed."""
+    import copy
+
+    report, out, _, _ = planned
+    costly = report["schedule"]["zero_k_ranges"]["costly_zero_levels"]
+    engines = report["engines"]
+    assert set(costly) == {c for c, v in report["schedule"]["per_level"].items() if v["k"] == 0}
+    assert all(engines["schedule"]["levels"][c]["speedup"] < 1 and v["k_that_pays"] is None for c, v in costly.items())
+    assert "still runs the drafter's query pass in a k = 0 range" in report["plan_verdict"]["text"]
+    assert json.loads((out / "schedule.json").read_text())["zero_k_ranges"] == costly
+    changed = copy.deepcopy(report)
+    revised = {"num_speculative_tokens_per_batch_size": [[1, 1, 3], [2, 64, 1]], "num_speculative_tokens": 3,
+               "per_level": {"1": {"k": 3}, "4": {"k": 1}, "16": {"k": 1}, "64": {"k": 1}}}
+    changed["schedule"]["zero_k_ranges"] = {"costly_zero_levels": {c: {**v, "k_that_pays": 1}
+                                                                   for c, v in costly.items()}, "schedule": revised}
+    changed["engines"]["schedule_revised"] = {
+        "speculative_config": {**engines["schedule"]["speculative_config"],
+                               "num_speculative_tokens_per_batch_size": [[1, 1, 3], [2, 64, 1]]},
+        "levels": {c: {**v, "speedup": 1.5 if c == "1" else 1.0, "noise": 0.0}
+                   for c, v in engines["schedule"]["levels"].items()}}
+    verdict = plan_verdict(changed)
+    assert verdict["plan"] == "schedule_revised"
+    assert verdict["text"].startswith("Serve with the schedule [[1, 1, 3], [2, 64, 1]]")
+    assert "takes there the smallest k never slower than no speculation in its own cells (k = 1 at 4" in verdict["text"]
+
+
+def test_the_twin_pays_the_drafters_pass_at_k_0_as_each_release_does(planned):
+    """vLLM 0.26 drafts N and keeps the first k, so a schedule's k = 0 step fills 1 + N block tokens; 0.24's V1
+    proposer drafts the step's k, one query at k = 0; a fixed k fills 1 + k (rule zero_k_range)."""
+    _, _, root, _ = planned
+    spec = {"method": "dflash", "model": str(root / "drafter"), "num_speculative_tokens": 3,
+            "num_speculative_tokens_per_batch_size": [[1, 1, 3], [2, 8, 0]]}
+    on_026 = LLM(str(root / "target"), speculative_config=dict(spec), max_num_seqs=8, version="0.26.0")
+    on_024 = LLM(str(root / "target"), speculative_config=dict(spec), max_num_seqs=8, version="0.24.0")
+    fixed = LLM(str(root / "target"), speculative_config={**spec, "num_speculative_tokens_per_batch_size": None})
+    assert (on_026.draft_queries(0), on_024.draft_queries(0), fixed.draft_queries(3)) == (4, 1, 4)
 
 
 def test_best_k_needs_to_beat_the_noise():
