@@ -28,10 +28,17 @@ class DrafterKind:
     modeling_files: tuple[str, ...]
     # the greedy proposal of one block: (drafter, hidden [b, P, H], logits [b, P, V], anchor_ids [b]) -> [b, P]
     propose: Callable[..., torch.Tensor] = argmax_proposal
+    # a sampled block, for a kind whose draws depend on the token drawn before (DSpark): (drafter, logits [P, V],
+    # anchor id, probs_of (logits -> the decoder's filtered distribution), generator) -> (tokens [P], their
+    # distributions [P, V]); None: each position drawn from its own logits
+    sample_path: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
     # ---- config: the kind's own DrafterConfig fields -> default. Each is a whole number, written to config.json
     # under ``dflash_config`` by its own name (only for this kind), read from there or the top level, and required
     # when a config.json names this kind
     config_fields: dict[str, int] = field(default_factory=dict)
+    # (a DrafterConfig) -> config.json fields written at the top level beside the common ones (the names an engine
+    # reads there, e.g. DSpark's markov_rank); None: none
+    json_fields: Callable[[Any], dict] | None = None
     # (a DrafterConfig) -> None, or UserError naming the field and the fix: the bounds of the kind's own fields
     check_fields: Callable[[Any], None] | None = None
     # ---- loss: the name of the kind's extra training term beside the block loss (train/drafter_pass.py's
@@ -56,6 +63,16 @@ class DrafterKind:
     def modeling_module(self) -> str:
         """The module of config.json's ``auto_map``: the shipped modeling file that defines ``model_class``."""
         return self.modeling_files[-1].removesuffix(".py")
+
+    @property
+    def auto_map(self) -> str:
+        """config.json's ``auto_map.AutoModel``: the model class in its shipped modeling file (its name may differ
+        from ``class_name``, the name an engine serves it under)."""
+        return f"{self.modeling_module}.{self.model_class.__name__}"
+
+    def extra_json_fields(self, config) -> dict:
+        """The kind's top-level config.json fields for ``config`` ({} for a kind without)."""
+        return {} if self.json_fields is None else self.json_fields(config)
 
     @property
     def proposes_argmax(self) -> bool:

@@ -1,4 +1,4 @@
-"""DSpark exports (drafter/dspark.py) against a transcription of what vLLM 0.26.0 reads (the wheel's sources, paths
+"""DSpark exports (the common export path, drafter/export.py, asking drafter/kinds/dspark.py) against a transcription of what vLLM 0.26.0 reads (the wheel's sources, paths
 under vllm/), and loaded back by transformers from the files they ship."""
 
 import json
@@ -7,14 +7,7 @@ import pytest
 import torch
 from transformers import AutoModel, LlamaConfig
 
-from dflashkit.drafter import DrafterConfig
-from dflashkit.drafter.dspark import (
-    DSparkFields,
-    build_dspark_drafter,
-    dspark_config_json,
-    dspark_state_dict,
-    save_dspark_drafter,
-)
+from dflashkit.drafter import DrafterConfig, build_drafter, load_drafter, save_drafter
 from dflashkit.errors import UserError
 
 from support.exports import forward_without_dflashkit
@@ -123,11 +116,16 @@ def vllm_serving_settings(cfg: dict, num_speculative_tokens: int) -> dict:
 
 
 # ------------------------------------------------------------------ the tests
+def dspark_state_dict(model) -> dict[str, torch.Tensor]:
+    """The tensors an export holds: the model's own, without the RoPE tables."""
+    return {k: v for k, v in model.state_dict().items() if not k.startswith("rotary_emb.")}
+
+
 def drafter(seed=0, **kw):
     torch.manual_seed(seed)
-    cfg = DrafterConfig.for_target(TARGET, num_hidden_layers=2, block_size=5, mask_token_id=59,
-                                   **{"target_layer_ids": [1, 4, 6], **kw})
-    model = build_dspark_drafter(cfg, DSparkFields(markov_rank=6)).eval()
+    cfg = DrafterConfig.for_target(TARGET, num_hidden_layers=2, block_size=5, mask_token_id=59, architecture="dspark",
+                                   markov_rank=6, **{"target_layer_ids": [1, 4, 6], **kw})
+    model = build_drafter(cfg).eval()
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.1)  # every tensor distinct from its start (markov_w2 starts at 0)
@@ -138,7 +136,7 @@ def drafter(seed=0, **kw):
                                 {"causal": True}])
 def test_vllm_026_loads_every_tensor_and_serves_the_trained_block(tmp_path, kw):
     cfg, model = drafter(**kw)
-    out = save_dspark_drafter(model, tmp_path / "d")
+    out = save_drafter(model, tmp_path / "d")
     config = json.loads((out / "config.json").read_text())
     from safetensors import safe_open
 
@@ -161,7 +159,7 @@ def test_vllm_026_loads_every_tensor_and_serves_the_trained_block(tmp_path, kw):
 @pytest.mark.parametrize("change", ["drop markov_w2", "prefix model.", "fc for 2 taps"])
 def test_the_transcription_refuses_what_vllm_would_not_load(tmp_path, change):
     cfg, model = drafter()
-    config = json.loads(json.dumps(dspark_config_json(cfg, model.dspark, torch.float32)))
+    config = json.loads(json.dumps(cfg.to_json_dict()))
     shapes = {k: tuple(v.shape) for k, v in dspark_state_dict(model).items()}
     if change == "drop markov_w2":
         del shapes["markov_head.markov_w2.weight"]
@@ -175,7 +173,7 @@ def test_the_transcription_refuses_what_vllm_would_not_load(tmp_path, change):
 
 def test_transformers_loads_the_export_without_dflashkit(tmp_path):
     cfg, model = drafter()
-    out = save_dspark_drafter(model, tmp_path / "d")
+    out = save_drafter(model, tmp_path / "d")
     loaded = AutoModel.from_pretrained(out, trust_remote_code=True, dtype=torch.float32).eval()
     assert type(loaded).__name__ == "DSparkDraftModel" and loaded.markov_head.markov_w1.weight.shape == (60, 6)
     want = dspark_state_dict(model)
@@ -188,11 +186,23 @@ def test_transformers_loads_the_export_without_dflashkit(tmp_path):
                                    model(**inputs))
 
 
-def test_save_refuses_a_directory_that_is_not_empty(tmp_path):
+def test_the_export_loads_back_as_the_same_dspark_drafter(tmp_path):
+    cfg, model = drafter()
+    out = save_drafter(model, tmp_path / "d")
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3DSparkModel"] and config["markov_rank"] == 6
+    assert config["auto_map"] == {"AutoModel": "modeling_dspark.DSparkDraftModel"}
+    loaded = load_drafter(out)
+    assert loaded.dflash == cfg and type(loaded).__name__ == "DSparkDraftModel"
+    want, got = dspark_state_dict(model), dspark_state_dict(loaded)
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_a_config_naming_dspark_without_markov_rank_is_refused(tmp_path):
     _, model = drafter()
-    (tmp_path / "d").mkdir()
-    (tmp_path / "d" / "notes.txt").write_text("keep")
-    with pytest.raises(UserError, match="not empty"):
-        save_dspark_drafter(model, tmp_path / "d")
-    assert [p.name for p in (tmp_path / "d").iterdir()] == ["notes.txt"]
-    assert [p.name for p in tmp_path.iterdir()] == ["d"]
+    out = save_drafter(model, tmp_path / "d")
+    config = json.loads((out / "config.json").read_text())
+    del config["markov_rank"], config["dflash_config"]["markov_rank"]
+    (out / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UserError, match="markov_rank"):
+        load_drafter(out)
