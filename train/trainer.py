@@ -159,7 +159,8 @@ def train_loop(run: TrainRun, tracker: Tracker, bar, stop: StopRequest) -> None:
                 if "first_log_step" not in run.startup:
                     report_startup(run, tracker.started)
                 bar.set_postfix(bar_postfix(metrics, last_eval), refresh=False)  # shown at the bar's next line
-                sums, t0 = MetricSums(run.dcfg.block_size - 1, accelerator.device, extra_term_of(run.model)), time.perf_counter()
+                sums = MetricSums(run.dcfg.block_size - 1, accelerator.device, extra_term_of(run.model))
+                t0 = time.perf_counter()
             if cfg.eval_every and run.step % cfg.eval_every == 0 and run.step < run.total_steps:
                 settle(run)
                 last_eval = held_out_eval(run)

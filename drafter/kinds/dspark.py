@@ -114,7 +114,8 @@ class DSparkLossOptions:
 DSPARK = DrafterKind(
     architecture="dspark", name="DSpark", class_name="Qwen3DSparkModel", model_class=DSparkDraftModel,
     modeling_files=("modeling_dflash.py", "modeling_dspark.py"),  # DSpark's imports DFlash's: both ship
-    propose=markov_proposal, sample_path=markov_sampled_path, config_fields=CONFIG_FIELDS, check_fields=check_fields, json_fields=dspark_json_fields,
+    propose=markov_proposal, sample_path=markov_sampled_path, config_fields=CONFIG_FIELDS,
+    check_fields=check_fields, json_fields=dspark_json_fields,
     loss_term="dspark", loss_options=DSparkLossOptions.from_settings,
     chain_only_reason=("tree mode grows its tree from one distribution per draft position; a DSpark drafter's "
                        "Markov head biases each position by the token chosen before it (one path), so decode "

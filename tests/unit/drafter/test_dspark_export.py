@@ -1,5 +1,6 @@
-"""DSpark exports (the common export path, drafter/export.py, asking drafter/kinds/dspark.py) against a transcription of what vLLM 0.26.0 reads (the wheel's sources, paths
-under vllm/), and loaded back by transformers from the files they ship."""
+"""DSpark exports (the common export path, drafter/export.py, asking drafter/kinds/dspark.py) against a
+transcription of what vLLM 0.26.0 reads (the wheel's sources, paths under vllm/), and loaded back by transformers
+and dflashkit from the files they ship."""
 
 import json
 
