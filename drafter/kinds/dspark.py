@@ -17,6 +17,8 @@
 - Loss: ``dspark`` (train/dspark_loss.py): 0.1 CE + 0.9 L1(p_draft, p_target) + the confidence head's BCE on the
   acceptance probability, decay weights; it replaces the block loss (the paper's objective alone), whose pass
   still gives the backbone's metrics. Options: ``DSparkLossOptions``.
+- Confidence: ``confidence_logits`` (the head's logit per draft); ``dflashkit eval --confidence-threshold``
+  verifies each round's drafts up to the first below it (eval/confidence_cut.py).
 - Capabilities: chains only (the bias of a tree node comes from its parent's token; eval's tree is grown from
   one distribution per depth, so it is refused rather than approximated); drafts no longer block than trained
   (the export says ``dspark_block_size``, and the bias of a position past the trained block was never trained);
@@ -79,6 +81,11 @@ def markov_sampled_path(drafter: nn.Module, logits: torch.Tensor, anchor: int, p
     return torch.cat(tokens), torch.cat(rows)
 
 
+def confidence_logits(drafter: nn.Module, hidden: torch.Tensor, prev_ids: torch.Tensor) -> torch.Tensor:
+    """The confidence head's logit per draft position (sigmoid: c_k), hidden [P, H], prev_ids [P] -> [P]."""
+    return unwrapped(drafter).confidence_logits(hidden, prev_ids)
+
+
 @dataclass(frozen=True)
 class DSparkLossOptions:
     """The weights of DSpark's training term (train/dspark_loss.py; the paper's eq. 12 defaults)."""
@@ -114,7 +121,8 @@ class DSparkLossOptions:
 DSPARK = DrafterKind(
     architecture="dspark", name="DSpark", class_name="Qwen3DSparkModel", model_class=DSparkDraftModel,
     modeling_files=("modeling_dflash.py", "modeling_dspark.py"),  # DSpark's imports DFlash's: both ship
-    propose=markov_proposal, sample_path=markov_sampled_path, config_fields=CONFIG_FIELDS,
+    propose=markov_proposal, sample_path=markov_sampled_path, confidence=confidence_logits,
+    config_fields=CONFIG_FIELDS,
     check_fields=check_fields, json_fields=dspark_json_fields,
     loss_term="dspark", loss_options=DSparkLossOptions.from_settings,
     chain_only_reason=("tree mode grows its tree from one distribution per draft position; a DSpark drafter's "

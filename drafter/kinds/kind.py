@@ -32,6 +32,9 @@ class DrafterKind:
     # anchor id, probs_of (logits -> the decoder's filtered distribution), generator) -> (tokens [P], their
     # distributions [P, V]); None: each position drawn from its own logits
     sample_path: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+    # its confidence head's logit per draft position, for cutting verification (eval/confidence_cut.py):
+    # (drafter, hidden [P, H], the token before each draft [P]) -> [P]; None: it has none
+    confidence: Callable[..., torch.Tensor] | None = None
     # ---- config: the kind's own DrafterConfig fields -> default. Each is a whole number, written to config.json
     # under ``dflash_config`` by its own name (only for this kind), read from there or the top level, and required
     # when a config.json names this kind
