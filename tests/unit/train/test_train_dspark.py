@@ -69,9 +69,8 @@ def test_the_chunked_term_is_the_materialised_loss_with_its_gradients():
 def test_training_needs_the_targets_last_hidden(tiny_run, tmp_path):
     from dflashkit.errors import UserError
 
-    from support.training import tiny_overrides
-
     from support.shards import make_shards
+    from support.training import tiny_overrides
 
     target, _ = tiny_run
     shards = make_shards(tmp_path / "shards", target, num_samples=4, last_hidden=False)
