@@ -18,7 +18,11 @@ Design choices:
   the selector's term at weight 0 (``extra_term=False``) no scores are computed and the loss runs after the
   forward, as for DFlash (train/selector_loss.py). A kind names its extra term (drafter/kinds/: ``loss_term``)
   and ``EXTRA_LOSS_TERMS`` holds the term's code under that name; the term's settings are the kind's one options
-  object (``term_options``; DFlash2's ``SelectorOptions``), at the kind's defaults when none is given.
+  object (``term_options``; DFlash2's ``SelectorOptions``, DSpark's ``DSparkLossOptions``), at the kind's
+  defaults when none is given. The term's output is ``out.extra``; its weight, normaliser and metrics are the
+  term's own (``ExtraLossTerm``). DSpark's forward computes its term itself, chunk by chunk
+  (train/dspark_loss.py), and the term replaces the block loss, whose pass then runs after the forward without a
+  gradient, for the backbone's metrics.
 """
 
 from __future__ import annotations
@@ -260,7 +264,7 @@ def forward_blocks(model, head, batch: PackedBlocks, *, block_size: int, layer_t
                    causal: bool = False, term_options=None, loss_grad: bool = True) -> BlockLossOutput:
     """The un-normalised block loss (and metrics) of one packed micro-batch (fused_loss: train/loss.py);
     ``labels="target_argmax"``: against the target's greedy tokens (``target_argmax_labels``), not the data's;
-    ``extra_term=False``: the kind's extra term (DFlash2: its selector's) is not computed (``out.selector`` is
+    ``extra_term=False``: the kind's extra term (DFlash2: its selector's) is not computed (``out.extra`` is
     None); ``causal``: a causal-in-block drafter's mask (train/block_mask.py); ``term_options``: the kind's options
     of that term (drafter/kinds/; DFlash2's ``SelectorOptions``: its kernels, gradients, weights and missing
     labels, all train/selector_loss.py), None for the kind's defaults; ``loss_grad=False``: the block loss

@@ -129,5 +129,7 @@ DSPARK = DrafterKind(
                        "Markov head biases each position by the token chosen before it (one path), so decode "
                        "DSpark drafters with --mode chain"),
     trained_block_reason="its Markov bias and confidence were trained on the trained block's positions only",
-    served_by={"vllm": "0.26"},  # model runner V2 only; SGLang drafts another block layout (module docstring)
+    # vLLM: model runner V2 only, method "dspark" (config/speculative.py:882-887); SGLang drafts another block
+    # layout (module docstring)
+    served_by={"vllm": "0.26"}, vllm_method="dspark",
 )

@@ -61,6 +61,7 @@ class DrafterKind:
     # engine -> the first release that serves this kind (the engines' rules: drafter/engines.py and the files
     # it names, e.g. drafter/vllm_dflash2.py)
     served_by: dict[str, str] = field(default_factory=dict)
+    vllm_method: str = "dflash"  # the speculative_config "method" vLLM serves it by
 
     @property
     def modeling_module(self) -> str:
