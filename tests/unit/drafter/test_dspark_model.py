@@ -144,3 +144,24 @@ def test_the_kind_signature_proposal_is_the_models_greedy_draft():
         wrapped = torch.nn.Module()
         wrapped.module = model  # as DDP holds it
         assert torch.equal(markov_proposal(wrapped, hidden, logits, anchors), model.propose(hidden, anchors, lm_head))
+
+
+def test_the_dspark_kind_answers_for_itself():
+    """drafter/kinds/dspark.py: its field and its bound, chains only, its trained block, vLLM 0.26 as "dspark"
+    and no SGLang, and its config.json fields at the top level where vLLM reads them."""
+    from dflashkit.drafter import KINDS
+    from dflashkit.errors import UserError
+
+    kind = KINDS["dspark"]
+    with pytest.raises(UserError, match="decode DSpark drafters with --mode chain"):
+        kind.check_decoding("tree", 4, 4)
+    with pytest.raises(UserError, match="block_size 5 > the DSpark drafter's block_size 4"):
+        kind.check_decoding("chain", 5, 4)
+    assert kind.served_by == {"vllm": "0.26"} and kind.vllm_method == "dspark" and kind.confidence is not None
+    cfg, _ = dspark(rank=7)
+    written = cfg.to_json_dict()
+    assert (written["markov_rank"], written["dflash_config"]["markov_rank"]) == (7, 7)
+    assert written["dspark_bonus_anchor"] is True and written["dspark_block_size"] == cfg.block_size - 1
+    assert "dspark_block_size" not in dataclasses.replace(cfg, causal=True).to_json_dict()
+    with pytest.raises(UserError, match="markov_rank=0"):
+        dataclasses.replace(cfg, markov_rank=0)

@@ -96,7 +96,8 @@ def test_init_train_export_serve_check_and_eval_on_the_cpu(chat_run, tmp_path, c
                       *[f"{k}={json.dumps(v) if isinstance(v, (dict, list)) else v}" for k, v in fields.items()]]) == 0
     assert json.loads((init_dir / "config.json").read_text())["architectures"] == ["Qwen3DSparkModel"]
     run = tmp_path / "run"
-    summary = train(load_config(None, [], **online_overrides(run, shards=str(shards), max_steps=4, **{
+    summary = train(load_config(None, [], **online_overrides(run, shards=str(shards), max_steps=4,
+                                                             init_from=str(init_dir), **{
         k: v for k, v in fields.items() if k not in ("num_hidden_layers", "block_size", "mask_token_id",
                                                       "target_layer_ids")})))
     assert summary["step"] == 4
