@@ -152,7 +152,8 @@ def _chunk_sums(draft, prev, teacher, labels, valid, model, weight, bias, option
     if options.needs_target:
         with torch.no_grad():
             target = F.linear(teacher.to(weight.dtype), weight, bias).float()
-    confidence = model.confidence_logits(draft, prev) if options.confidence_weight > 0 else None
+    heads_dtype = model.markov_head.markov_w1.weight.dtype  # the states in the heads' dtype (autocast is off)
+    confidence = model.confidence_logits(draft.to(heads_dtype), prev) if options.confidence_weight > 0 else None
     sums = dspark_loss_sums(logits, labels, valid, options, target, confidence)
     hit = (logits.detach().argmax(-1) == labels) & valid
     runs = hit.float().cumprod(-1).sum(-1)
