@@ -4,7 +4,9 @@ One round (batch 1, as the reference `dflash_generate`):
   1. the drafter sees the new context features (the target layer outputs of the tokens accepted last round) and
      the block [anchor, MASK x (B-1)]; it keeps its own cache of context K/V, holding nothing past the anchor;
   2. chain: argmax (or a sample) per draft position, or for a DFlash2 drafter its candidate selector's path (the
-     reference's `propose`; chain only); tree: best-first top-k tree up to the node budget;
+     reference's `propose`; chain only), for a DSpark drafter its Markov walk (each draft biased by the one before,
+     as vLLM 0.26; chain only), optionally cut at its confidence head (eval/confidence_cut.py); tree: best-first
+     top-k tree up to the node budget;
   3. one target forward over all candidate nodes (tree attention, positions = prefix length + depth);
   4. accept the longest path the target agrees with, plus the bonus token (eval/acceptance.py);
   5. keep only the accepted nodes' K/V (compaction) and pass their features on as the next context.

@@ -19,6 +19,7 @@ from dflashkit.train.dspark_loss import (
 from dflashkit.train.trainer import train
 
 from support.packed_blocks import Head, make_samples, tiny_drafter
+from support.training import online_overrides, train_losses
 
 V, H, B = 40, 32, 4
 
@@ -95,3 +96,16 @@ def test_the_term_takes_bf16_states_with_float32_heads():
     out.loss_sum.backward()
     assert torch.isfinite(out.loss_sum) and model.confidence_head.proj.weight.grad.abs().sum() > 0
     assert hidden.grad.dtype == torch.bfloat16 and hidden.grad.abs().sum() > 0
+
+
+@pytest.mark.slow
+def test_dspark_trains_online(chat_run, tmp_path):
+    """Online, the target in the loop: the samples carry its last hidden states for the L1 and confidence terms,
+    and the held-out passes log the term's CE part and the Markov draft's walk."""
+    target, data, _ = chat_run
+    out = tmp_path / "online"
+    train(load_config(None, [], target=target, data=[data], **online_overrides(
+        out, drafter_architecture="dspark", max_steps=2, drafter={"intermediate_size": 64, "markov_rank": 8})))
+    term, l1 = train_losses(out, "train/dspark_loss"), train_losses(out, "train/dspark_l1")
+    assert sorted(term) == sorted(l1) == [1, 2] and all(v == v and v > 0 for v in [*term.values(), *l1.values()])
+    assert all(v == v for v in train_losses(out, "eval/tau_walk").values())
