@@ -13,4 +13,5 @@ from .modeling_dspark import DSparkDraftModel
 
 __all__ = ["KINDS", "CandidateSelector", "DrafterConfig", "DrafterKind", "DFlash2DraftModel", "DFlashDraftModel",
            "DSparkDraftModel", "GroupedDynamicCausalConv", "build_drafter", "check_target_layer_ids",
-           "default_target_layer_ids", "drafter_kind", "kind_for", "load_drafter", "read_drafter_config", "save_drafter"]
+           "default_target_layer_ids", "drafter_kind", "kind_for", "load_drafter", "read_drafter_config",
+           "save_drafter"]
