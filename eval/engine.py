@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -238,7 +239,8 @@ class SpeculativeDecoder:
         at the confidence head's ``confidence_threshold`` when > 0 (eval/confidence_cut.py)."""
         cfg = self.config
         if cfg.mode == "tree":
-            return build_tree(anchor, draft.logits, cfg.tree_budget, cfg.tree_top_k), None
+            bias = None if self.kind.node_bias is None else partial(self.kind.node_bias, self.drafter)  # DSpark
+            return build_tree(anchor, draft.logits, cfg.tree_budget, cfg.tree_top_k, bias), None
         drafts, probs = self._chain(anchor, draft)
         if confidence_threshold > 0:
             return confident_drafts(self.kind, self.drafter, draft.hidden[0], anchor, drafts, probs,

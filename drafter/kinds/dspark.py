@@ -19,8 +19,9 @@
   still gives the backbone's metrics. Options: ``DSparkLossOptions``.
 - Confidence: ``confidence_logits`` (the head's logit per draft); ``dflashkit eval --confidence-threshold``
   verifies each round's drafts up to the first below it (eval/confidence_cut.py).
-- Capabilities: chains only (the bias of a tree node comes from its parent's token; eval's tree is grown from
-  one distribution per depth, so it is refused rather than approximated); drafts no longer block than trained
+- Capabilities: chains, and in dflashkit's own evaluator trees too, each node's children drawn from its depth's
+  logits plus the Markov bias of the node's token (``markov_node_bias``, eval/tree.py; vLLM drafts DSpark as a
+  chain); drafts no longer block than trained
   (the export says ``dspark_block_size``, and the bias of a position past the trained block was never trained);
   vLLM 0.26 serves it (model runner V2 only). SGLang 0.5.17 reads the same tensor names but drafts the
   reference's N-position block (srt/speculative/dspark_components/dspark_draft.py:313-323, 369: the anchor's state
@@ -81,6 +82,12 @@ def markov_sampled_path(drafter: nn.Module, logits: torch.Tensor, anchor: int, p
     return torch.cat(tokens), torch.cat(rows)
 
 
+def markov_node_bias(drafter: nn.Module, token: int) -> torch.Tensor:
+    """The Markov bias [V] after ``token``: added to the logits of a tree node's children (eval/tree.py)."""
+    head = unwrapped(drafter).markov_head
+    return head(torch.tensor([token], device=head.markov_w1.weight.device))[0]
+
+
 def confidence_logits(drafter: nn.Module, hidden: torch.Tensor, prev_ids: torch.Tensor) -> torch.Tensor:
     """The confidence head's logit per draft position (sigmoid: c_k), hidden [P, H], prev_ids [P] -> [P]."""
     return unwrapped(drafter).confidence_logits(hidden, prev_ids)
@@ -125,9 +132,7 @@ DSPARK = DrafterKind(
     config_fields=CONFIG_FIELDS,
     check_fields=check_fields, json_fields=dspark_json_fields,
     loss_term="dspark", loss_options=DSparkLossOptions.from_settings,
-    chain_only_reason=("tree mode grows its tree from one distribution per draft position; a DSpark drafter's "
-                       "Markov head biases each position by the token chosen before it (one path), so decode "
-                       "DSpark drafters with --mode chain"),
+    node_bias=markov_node_bias,
     trained_block_reason="its Markov bias and confidence were trained on the trained block's positions only",
     # vLLM: model runner V2 only, method "dspark" (config/speculative.py:882-887); SGLang drafts another block
     # layout (module docstring)

@@ -32,6 +32,9 @@ class DrafterKind:
     # anchor id, probs_of (logits -> the decoder's filtered distribution), generator) -> (tokens [P], their
     # distributions [P, V]); None: each position drawn from its own logits
     sample_path: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+    # tree decoding of a kind whose logits depend on the token before (DSpark): (drafter, token) -> the bias [V]
+    # added to the logits of that token's children; None: every node's children share their depth's logits
+    node_bias: Callable[..., torch.Tensor] | None = None
     # its confidence head's logit per draft position, for cutting verification (eval/confidence_cut.py):
     # (drafter, hidden [P, H], the token before each draft [P]) -> [P]; None: it has none
     confidence: Callable[..., torch.Tensor] | None = None

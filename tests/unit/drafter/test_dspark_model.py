@@ -147,14 +147,14 @@ def test_the_kind_signature_proposal_is_the_models_greedy_draft():
 
 
 def test_the_dspark_kind_answers_for_itself():
-    """drafter/kinds/dspark.py: its field and its bound, chains only, its trained block, vLLM 0.26 as "dspark"
+    """drafter/kinds/dspark.py: its field and its bound, trees allowed, its trained block, vLLM 0.26 as "dspark"
     and no SGLang, and its config.json fields at the top level where vLLM reads them."""
     from dflashkit.drafter import KINDS
     from dflashkit.errors import UserError
 
     kind = KINDS["dspark"]
-    with pytest.raises(UserError, match="decode DSpark drafters with --mode chain"):
-        kind.check_decoding("tree", 4, 4)
+    kind.check_decoding("tree", 4, 4)  # trees: each node's children from its own biased logits (eval/tree.py)
+    assert kind.chain_only_reason is None and kind.node_bias is not None
     with pytest.raises(UserError, match="block_size 5 > the DSpark drafter's block_size 4"):
         kind.check_decoding("chain", 5, 4)
     assert kind.served_by == {"vllm": "0.26"} and kind.vllm_method == "dspark" and kind.confidence is not None

@@ -1,19 +1,23 @@
 """DSpark drafters in the live evaluator: the chain's drafts are chosen left to right with the Markov bias, as
-vLLM 0.26 applies it (drafter/modeling_dspark.py ``markov_greedy``), greedy decoding stays the target's own, and
-the confidence head's cut (eval/confidence_cut.py) shortens what each round verifies without changing the output.
+vLLM 0.26 applies it (drafter/modeling_dspark.py ``markov_greedy``), a tree's nodes each get the children of their
+own biased distribution, greedy decoding stays the target's own, and the confidence head's cut
+(eval/confidence_cut.py) shortens what each round verifies without changing the output.
 
 The 6-token tiny target and a DSpark drafter whose heads are moved off their start (so the bias changes drafts).
 """
+
+from functools import partial
 
 import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from dflashkit.drafter import DrafterConfig, build_drafter
+from dflashkit.drafter import DrafterConfig, build_drafter, drafter_kind
 from dflashkit.drafter.modeling_dspark import markov_greedy
 from dflashkit.errors import UserError
 from dflashkit.eval.confidence_cut import confidence_cut_report
 from dflashkit.eval.engine import DecodeConfig, SpeculativeDecoder
+from dflashkit.eval.tree import build_tree
 
 from support.tiny_targets import VOCAB, prompts, tiny_target_config
 
@@ -110,8 +114,31 @@ def test_sampled_chain_draws_each_position_given_the_token_drawn_before(target, 
     assert all(len(r.tokens) == NEW for r in results)
 
 
-@pytest.mark.parametrize("config, words", [(dict(mode="tree"), "--mode chain"),
+@pytest.mark.parametrize("config, words", [(dict(mode="tree", confidence_threshold=0.5), "--mode chain"),
                                            (dict(confidence_threshold=1.0), r"\[0, 1\)")])
+def test_a_top_1_tree_is_the_markov_walk_and_each_node_has_its_own_children(drafter):
+    logits = torch.randn(BLOCK - 1, VOCAB, generator=torch.Generator().manual_seed(5))
+    bias = partial(drafter_kind(drafter).node_bias, drafter)
+    with torch.no_grad():
+        chain = build_tree(2, logits, budget=BLOCK, top_k=1, node_bias=bias)
+        assert chain.is_chain() and chain.tokens[1:] == markov_greedy(logits[None], torch.tensor([2]),
+                                                                      drafter.markov_head)[0].tolist()
+        tree = build_tree(2, logits, budget=12, top_k=3, node_bias=bias)
+        for node in range(tree.num_nodes):  # each node's children: the best of its own biased distribution
+            kids = [tree.tokens[c] for c in range(tree.num_nodes) if tree.parents[c] == node]
+            if kids:
+                row = logits[tree.depths[node]] + drafter.markov_head(torch.tensor([tree.tokens[node]]))[0]
+                assert kids == row.topk(len(kids)).indices.tolist()
+        plain = build_tree(2, logits, budget=12, top_k=3)
+    assert [tree.tokens[c] for c in range(tree.num_nodes) if tree.depths[c] == 2] != \
+        [plain.tokens[c] for c in range(plain.num_nodes) if plain.depths[c] == 2]  # the bias changed the tree
+
+
+def test_greedy_tree_is_lossless(target, drafter):
+    for prompt, result in zip(prompts(5), decode(target, drafter, mode="tree", tree_budget=8, tree_top_k=2)):
+        assert result.tokens == target_greedy(target, prompt, NEW)
+
+
 def test_what_a_dspark_drafter_cannot_decode_is_refused(target, drafter, config, words):
     with pytest.raises(UserError, match=words):
         SpeculativeDecoder(target, drafter, DecodeConfig(max_new_tokens=NEW, **config))
