@@ -114,8 +114,6 @@ def test_sampled_chain_draws_each_position_given_the_token_drawn_before(target, 
     assert all(len(r.tokens) == NEW for r in results)
 
 
-@pytest.mark.parametrize("config, words", [(dict(mode="tree", confidence_threshold=0.5), "--mode chain"),
-                                           (dict(confidence_threshold=1.0), r"\[0, 1\)")])
 def test_a_top_1_tree_is_the_markov_walk_and_each_node_has_its_own_children(drafter):
     logits = torch.randn(BLOCK - 1, VOCAB, generator=torch.Generator().manual_seed(5))
     bias = partial(drafter_kind(drafter).node_bias, drafter)
@@ -139,6 +137,8 @@ def test_greedy_tree_is_lossless(target, drafter):
         assert result.tokens == target_greedy(target, prompt, NEW)
 
 
+@pytest.mark.parametrize("config, words", [(dict(mode="tree", confidence_threshold=0.5), "--mode chain"),
+                                           (dict(confidence_threshold=1.0), r"\[0, 1\)")])
 def test_what_a_dspark_drafter_cannot_decode_is_refused(target, drafter, config, words):
     with pytest.raises(UserError, match=words):
         SpeculativeDecoder(target, drafter, DecodeConfig(max_new_tokens=NEW, **config))
