@@ -9,7 +9,9 @@ from .export import build_drafter, load_drafter, read_drafter_config, save_draft
 from .kinds import KINDS, DrafterKind, drafter_kind, kind_for
 from .modeling_dflash import DFlashDraftModel
 from .modeling_dflash2 import CandidateSelector, DFlash2DraftModel, GroupedDynamicCausalConv
+from .modeling_dspark import DSparkDraftModel
 
 __all__ = ["KINDS", "CandidateSelector", "DrafterConfig", "DrafterKind", "DFlash2DraftModel", "DFlashDraftModel",
-           "GroupedDynamicCausalConv", "build_drafter", "check_target_layer_ids", "default_target_layer_ids",
-           "drafter_kind", "kind_for", "load_drafter", "read_drafter_config", "save_drafter"]
+           "DSparkDraftModel", "GroupedDynamicCausalConv", "build_drafter", "check_target_layer_ids",
+           "default_target_layer_ids", "drafter_kind", "kind_for", "load_drafter", "read_drafter_config",
+           "save_drafter"]

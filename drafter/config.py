@@ -230,7 +230,7 @@ class DrafterConfig(KindFields):  # + each kind's own fields, keyword-only (draf
         rope = dict(c.rope_parameters)
         sliding = "sliding_attention" in c.layer_types
         kind = kind_for(c.architecture)
-        arch, module = kind.class_name, kind.modeling_module  # the class and the file defining it
+        arch = kind.class_name  # the name engines serve it under; auto_map: the class and its file
         own = {k: int(getattr(c, k)) for k in kind.config_fields}  # the kind's own fields
         # causal-in-block: vLLM reads dflash_config.causal, SGLang and the reference the top-level is_causal
         # (drafter/engines.py); both are written, and neither for the non-causal default
@@ -238,7 +238,7 @@ class DrafterConfig(KindFields):  # + each kind's own fields, keyword-only (draf
         return {
             "architectures": [arch],
             "model_type": "qwen3",
-            "auto_map": {"AutoModel": f"{module}.{arch}"},
+            "auto_map": {"AutoModel": kind.auto_map},
             "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
             "num_hidden_layers": c.num_hidden_layers, "num_attention_heads": c.num_attention_heads,
             "num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim,
@@ -255,6 +255,7 @@ class DrafterConfig(KindFields):  # + each kind's own fields, keyword-only (draf
                               "block_size": c.block_size, **own, **causal},  # the kind's fields: here only
             **({"is_causal": True} if c.causal else {}),
             "torch_dtype": "bfloat16", "dtype": "bfloat16",
+            **kind.extra_json_fields(c),  # DSpark: markov_rank and its serving fields, where vLLM reads them
         }
 
     @classmethod

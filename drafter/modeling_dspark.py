@@ -133,6 +133,19 @@ class DSparkDraftModel(DFlashDraftModel):
                 nn.init.normal_(self.confidence_head.proj.weight, mean=0.0, std=std)
                 nn.init.zeros_(self.confidence_head.proj.bias)
 
+    def forward(self, position_ids, attention_mask=None, noise_embedding=None, target_hidden=None,
+                past_key_values=None, use_cache=False, dspark_targets: dict | None = None, **kwargs):
+        """DFlash's forward (returns the final hidden states); with ``dspark_targets`` (training) it returns
+        ``(hidden, dspark_targets["term"](hidden, self))``: the training term, which reads the Markov and
+        confidence heads, runs inside the one forward call, so a DDP- or FSDP-wrapped drafter uses every
+        parameter within its forward."""
+        hidden = super().forward(position_ids, attention_mask=attention_mask, noise_embedding=noise_embedding,
+                                 target_hidden=target_hidden, past_key_values=past_key_values, use_cache=use_cache,
+                                 **kwargs)
+        if dspark_targets is None:
+            return hidden
+        return hidden, dspark_targets["term"](hidden, self)
+
     def block_logits(self, hidden: torch.Tensor, prev_ids: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
         """Teacher-forced logits of draft positions: the backbone's logits of ``hidden`` [..., H] plus the Markov
         bias of ``prev_ids`` [...] (the true token before each position) -> [..., V]."""

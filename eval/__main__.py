@@ -74,7 +74,7 @@ ENGINE_ONLY = {
                   "per_prompt": "--engine vllm"},
     "vllm": {"block_size": "the dflashkit engine (with vLLM: --num-speculative-tokens)",
              "time_limit": "the dflashkit engine", "baseline_prompts": "the dflashkit engine",
-             "reference_prompts": "the dflashkit engine"},
+             "reference_prompts": "the dflashkit engine", "confidence_threshold": "the dflashkit engine"},
 }
 
 
@@ -118,6 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
     decode.add_argument("--max-new-tokens", type=int, default=256)
     decode.add_argument("--block-size", type=int, default=None, help="default: the drafter's block_size")
     decode.add_argument("--seed", type=int, default=0)
+    decode.add_argument("--confidence-threshold", type=float, default=None, metavar="T",
+                        help="chain, DSpark drafters: verify each round's drafts up to the first whose confidence is "
+                             "below T, and report tau and tokens verified per round with and without the cut "
+                             "(0 = off)")
     decode.add_argument("--no-stop", action="store_true", help="ignore end-of-sequence tokens")
     run = p.add_argument_group("hardware")
     run.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda when available)")
@@ -292,7 +296,8 @@ def main(argv: list[str] | None = None) -> int:
     config = DecodeConfig(mode=args.mode, block_size=args.block_size, tree_budget=args.tree_budget,
                           tree_top_k=args.tree_top_k, temperature=args.temperature, top_p=args.top_p,
                           top_k=args.top_k, max_new_tokens=args.max_new_tokens, seed=args.seed,
-                          attention_backend=args.attention_backend, cuda_graphs=not args.no_cuda_graphs)
+                          attention_backend=args.attention_backend, cuda_graphs=not args.no_cuda_graphs,
+                          confidence_threshold=args.confidence_threshold or 0.0)
     config.check()  # user errors propagate to dflashkit.cli.run_main: one line, exit 2
     with report_dir(args.out, args.overwrite):
         check_block_size_flag(args)  # reads the drafter's config.json: a bad one stops here, before the target

@@ -4,7 +4,9 @@ One round (batch 1, as the reference `dflash_generate`):
   1. the drafter sees the new context features (the target layer outputs of the tokens accepted last round) and
      the block [anchor, MASK x (B-1)]; it keeps its own cache of context K/V, holding nothing past the anchor;
   2. chain: argmax (or a sample) per draft position, or for a DFlash2 drafter its candidate selector's path (the
-     reference's `propose`; chain only); tree: best-first top-k tree up to the node budget;
+     reference's `propose`; chain only), for a DSpark drafter its Markov walk (each draft biased by the one before,
+     as vLLM 0.26; chain only), optionally cut at its confidence head (eval/confidence_cut.py); tree: best-first
+     top-k tree up to the node budget;
   3. one target forward over all candidate nodes (tree attention, positions = prefix length + depth);
   4. accept the longest path the target agrees with, plus the bonus token (eval/acceptance.py);
   5. keep only the accepted nodes' K/V (compaction) and pass their features on as the next context.
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +47,7 @@ from dflashkit.targets.runtime.parts import TargetParts, attention_only
 from dflashkit.targets.runtime.sampling import sampled_accept_chain, sampling_probs
 
 from .acceptance import greedy_accept
+from .confidence_cut import check_confidence_cut, confident_drafts
 from .draft_step import Draft, StaticDrafter, draft_from_hidden, sample_selector_path, supports_static_steps
 from .tree import DraftTree, build_tree
 
@@ -63,6 +67,9 @@ class DecodeConfig:
     cuda_graphs: bool = True  # replay the target's decode steps as CUDA graphs (CUDA only; the CPU runs eagerly)
     static_draft: bool = True  # drafter pass on a static cache (graph-captured on CUDA); False = DynamicCache, eager
     seed: int = 0  # sampling generator seed (reset per prompt)
+    # chain, a drafter with a confidence head (DSpark): verify each round's drafts up to the first whose confidence
+    # is below this (eval/confidence_cut.py); 0 = every draft
+    confidence_threshold: float = 0.0
 
     def check(self) -> None:
         if self.mode not in ("chain", "tree"):
@@ -126,6 +133,8 @@ class SpeculativeDecoder:
         self.mask_token_id = int(drafter.mask_token_id)
         kind = drafter_kind(drafter)
         kind.check_decoding(config.mode, self.block_size, drafter.block_size)  # DFlash2: chains, its trained block
+        check_confidence_cut(kind, config.confidence_threshold, config.mode)
+        self.kind = kind
         self.selector = kind.selector_of(drafter)  # DFlash2: proposals are the selector's path
         from .verifier import TargetVerifier
 
@@ -224,14 +233,27 @@ class SpeculativeDecoder:
         _crop(draft_cache, start)
         return draft_from_hidden(self.drafter, hidden[:, 1 - size:, :], self.lm_head, block[:, 0])
 
-    def _propose(self, anchor: int, draft: Draft):
+    def _propose(self, anchor: int, draft: Draft, confidence_threshold: float = 0.0):
         """The round's candidates: a DraftTree grown on the host (tree mode), or the drafted tokens, left on the
-        device (chain), with the drafter's distribution they were sampled from (sampling; else None)."""
+        device (chain), with the drafter's distribution they were sampled from (sampling; else None); a chain cut
+        at the confidence head's ``confidence_threshold`` when > 0 (eval/confidence_cut.py)."""
         cfg = self.config
         if cfg.mode == "tree":
-            return build_tree(anchor, draft.logits, cfg.tree_budget, cfg.tree_top_k), None
+            bias = None if self.kind.node_bias is None else partial(self.kind.node_bias, self.drafter)  # DSpark
+            return build_tree(anchor, draft.logits, cfg.tree_budget, cfg.tree_top_k, bias), None
+        drafts, probs = self._chain(anchor, draft)
+        if confidence_threshold > 0:
+            return confident_drafts(self.kind, self.drafter, draft.hidden[0], anchor, drafts, probs,
+                                    confidence_threshold)
+        return drafts, probs
+
+    def _chain(self, anchor: int, draft: Draft):
+        """The chain's drafts [Q - 1] and, sampling, the distributions they were drawn from."""
+        cfg = self.config
         if cfg.temperature > 0 and self.selector is not None:
             return sample_selector_path(self.selector, draft, anchor, cfg.temperature, self.generator)
+        if cfg.temperature > 0 and self.kind.sample_path is not None:  # DSpark: each draw biased by the one before
+            return self.kind.sample_path(self.drafter, draft.logits, anchor, self._probs, self.generator)
         if cfg.temperature > 0:
             probs = self._probs(draft.logits)
             return torch.multinomial(probs, 1, generator=self.generator)[:, 0], probs
@@ -256,12 +278,15 @@ class SpeculativeDecoder:
         return tree, path, bonus, features
 
     @torch.inference_mode()
-    def generate(self, prompt_ids: list[int], max_new_tokens: int | None = None) -> GenerationResult:
-        """Speculative decoding of one prompt (max_new_tokens: at most the config's, which sized the caches)."""
+    def generate(self, prompt_ids: list[int], max_new_tokens: int | None = None,
+                 confidence_threshold: float | None = None) -> GenerationResult:
+        """Speculative decoding of one prompt (max_new_tokens: at most the config's, which sized the caches;
+        confidence_threshold: this run's, None for the config's)."""
         from transformers import DynamicCache
 
         cfg = self.config
         new_tokens_limit = min(max_new_tokens or cfg.max_new_tokens, cfg.max_new_tokens)
+        threshold = cfg.confidence_threshold if confidence_threshold is None else confidence_threshold
         first, _, context, prefill_s = self._prefill(prompt_ids)
         result = GenerationResult(len(prompt_ids), [first], prefill_s=prefill_s)
         draft_cache = None
@@ -280,7 +305,8 @@ class SpeculativeDecoder:
             t0 = time.perf_counter()
             if events:
                 events[0].record()
-            candidates, draft_probs = self._propose(anchor, self._draft(anchor, context, draft_cache, start, size))
+            candidates, draft_probs = self._propose(anchor, self._draft(anchor, context, draft_cache, start, size),
+                                                    threshold)
             if events:
                 events[1].record()
             t1 = time.perf_counter()

@@ -41,6 +41,7 @@ from dflashkit.progress import progress_bar
 from dflashkit.stopping import StopRequest
 
 from .chat_settings import EvalChat, describe, mismatch_warnings, resolve_chat
+from .confidence_cut import confidence_cut_report
 from .engine import DecodeConfig, GenerationResult, SpeculativeDecoder
 from .prompts import Prompt
 
@@ -152,6 +153,7 @@ class DatasetRuns:
     ref: list = field(default_factory=list)  # lossless.ReferenceRun
     ids: list[str] = field(default_factory=list)  # "spec#id" of each reference
     prompt_ids: list[str] = field(default_factory=list)  # the id of each speculative run's prompt
+    uncut: list[GenerationResult] = field(default_factory=list)  # with a confidence cut: each prompt without it
 
 
 @dataclass
@@ -311,6 +313,8 @@ def eval_prompt(run: EvalRun, decoder: SpeculativeDecoder, spec: str, k: int, pr
         laps.lap("warm_up")
     runs.spec.append(decoder.generate(prompt.input_ids))
     runs.prompt_ids.append(prompt.id)
+    if run.config.confidence_threshold > 0:  # the same prompt verifying every draft (eval/confidence_cut.py)
+        runs.uncut.append(decoder.generate(prompt.input_ids, confidence_threshold=0.0))
     laps.lap("speculative")
     if not run.paired(k):
         return
@@ -359,6 +363,10 @@ def build_report(run: EvalRun, settings: dict) -> dict:
         "datasets": {spec: numbers([runs], block_size, run.dtype) for spec, runs in done.items()},
         "overall": numbers(list(done.values()), block_size, run.dtype),
     }
+    if run.config.confidence_threshold > 0:
+        report["confidence_cut"] = confidence_cut_report(run.config.confidence_threshold,
+                                                         [x for r in done.values() for x in r.spec],
+                                                         [x for r in done.values() for x in r.uncut])
     if run.stop_reason:
         report["partial"] = {"reason": run.stop_reason, "prompts_done": report["overall"]["prompts"],
                              "prompts_planned": run.planned}

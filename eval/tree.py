@@ -2,7 +2,9 @@
 
 Design choices:
 - A DFlash drafter scores every block position in one pass, independently of the tokens chosen before it, so the
-  candidates at depth d are the top-k tokens of draft position d whatever their parent is.
+  candidates at depth d are the top-k tokens of draft position d whatever their parent is. A DSpark drafter adds
+  a bias that depends on the token before (its Markov head): a node's children are the top-k of depth d's logits
+  plus the bias of the node's own token (``node_bias``), the tree form of its left-to-right walk.
 - The tree grows best-first by cumulative draft log-probability until it holds `budget` nodes (root included).
   Scores only fall along a path and across ranks, so a lazy frontier (after taking a node, offer its next-ranked
   sibling and its first child) takes nodes in exactly best-first order, and every parent precedes its children.
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -48,29 +51,45 @@ class DraftTree:
                 torch.tensor(self.depths, dtype=torch.long, device=device))
 
 
-def build_tree(root_token: int, draft_logits: torch.Tensor, budget: int, top_k: int) -> DraftTree:
+def _top_k_rows(logits: torch.Tensor, k: int) -> tuple[list, list]:
+    """(log-probabilities, token ids) of the k most likely tokens of each row of logits [..., V], on the host in
+    one read (ids are exact in float64)."""
+    scores, tokens = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
+    both = torch.stack([scores.double(), tokens.double()]).tolist()
+    return both[0], [[int(t) for t in row] for row in both[1]] if logits.dim() > 1 else [int(t) for t in both[1]]
+
+
+def build_tree(root_token: int, draft_logits: torch.Tensor, budget: int, top_k: int,
+               node_bias: Callable[[int], torch.Tensor] | None = None) -> DraftTree:
     """Best-first tree over draft positions 1..D.
 
     draft_logits [D, V]: the drafter's logits for depths 1..D. budget: total nodes including the root (>= 1).
-    top_k: children considered per node (the top-k tokens of that depth's position).
+    top_k: children considered per node (the top-k tokens of that depth's position). ``node_bias`` (a DSpark
+    drafter's Markov head): token -> [V], added to the logits of the children of a node holding that token, so
+    each node's children are the top-k of its own distribution (one host read per node that gets children).
     """
     if budget < 1 or top_k < 1:
         raise ValueError(f"tree budget and top_k must be >= 1, got budget={budget}, top_k={top_k}")
     max_depth = draft_logits.shape[0]
     k = min(top_k, draft_logits.shape[-1])
-    log_probs = torch.log_softmax(draft_logits.float(), dim=-1)
-    top_scores, top_tokens = log_probs.topk(k, dim=-1)
-    both = torch.stack([top_scores.double(), top_tokens.double()]).tolist()  # one read; ids are exact in float64
-    top_scores, top_tokens = both[0], [[int(t) for t in row] for row in both[1]]
+    by_depth = _top_k_rows(draft_logits, k) if node_bias is None else None
+    by_node: dict[int, tuple[list, list]] = {}
 
     tree = DraftTree(tokens=[root_token], parents=[-1], depths=[0], scores=[0.0])
     frontier: list[tuple[float, int, int, int, int]] = []  # (-score, tiebreak, parent, depth, rank)
     counter = 0
 
+    def children(parent: int, depth: int) -> tuple[list, list]:
+        if by_depth is not None:
+            return by_depth[0][depth - 1], by_depth[1][depth - 1]
+        if parent not in by_node:
+            by_node[parent] = _top_k_rows(draft_logits[depth - 1] + node_bias(tree.tokens[parent]), k)
+        return by_node[parent]
+
     def offer(parent: int, depth: int, rank: int) -> None:
         nonlocal counter
         if depth <= max_depth and rank < k:
-            score = tree.scores[parent] + top_scores[depth - 1][rank]
+            score = tree.scores[parent] + children(parent, depth)[0][rank]
             heapq.heappush(frontier, (-score, counter, parent, depth, rank))
             counter += 1
 
@@ -78,7 +97,7 @@ def build_tree(root_token: int, draft_logits: torch.Tensor, budget: int, top_k: 
     while frontier and tree.num_nodes < budget:
         neg_score, _, parent, depth, rank = heapq.heappop(frontier)
         node = tree.num_nodes
-        tree.tokens.append(top_tokens[depth - 1][rank])
+        tree.tokens.append(children(parent, depth)[1][rank])
         tree.parents.append(parent)
         tree.depths.append(depth)
         tree.scores.append(-neg_score)

@@ -89,6 +89,9 @@ VARIANTS: dict[str, list[str]] = {
     "dflash2_kernel4": ["drafter_architecture=dflash2", "drafter={conv_kernel_size: 4}"],
     # DFlash2 whose selector chooses among each position's top 32 tokens instead of 16 (the same screen: no better)
     "dflash2_top32": ["drafter_architecture=dflash2", "drafter={selector_top_k: 32}"],
+    # the DSpark drafter (DFlash + Markov and confidence heads, the paper's objective; vLLM 0.26 V2 serves it); its
+    # term reads the target's distribution, so the run trains online or on shards with last_hidden
+    "dspark": ["drafter_architecture=dspark"],
     "causal": ["causal=true"],  # causal inside the block, whole context: one drafter for every k (the recipe's)
     "non_causal": ["causal=false"],  # the block non-causal, as every recipe before the serving plan
     # more target-written data from the same prompts: a sampled answer per prompt beside the greedy one
@@ -110,8 +113,8 @@ VARIANTS: dict[str, list[str]] = {
 # (docs/ARCHITECTURE.md), more data or more or fewer steps than the study compares at, another architecture
 NOT_COMBINED = ("sliding_window", "extra_answers", "extra_answers_same_steps", "longer", "dflash2", "dflash2_coupled",
                 "dflash2_loss_weighted", "dflash2_codebook_lr", "dflash2_injected", "dflash2_detached",
-                "dflash2_kernel4", "dflash2_top32", "steps_1000", "steps_1400", "steps_2000", "steps_1000_anchors",
-                "steps_1400_anchors")
+                "dflash2_kernel4", "dflash2_top32", "dspark", "steps_1000", "steps_1400", "steps_2000",
+                "steps_1000_anchors", "steps_1400_anchors")
 
 
 def is_replicate(overrides) -> bool:

@@ -71,7 +71,9 @@ class TrainConfig:
     causal: bool = False  # every layer causal inside the block (whole context): one drafter for every k served
     drafter: dict = field(default_factory=dict)  # extra DrafterConfig fields, e.g. {intermediate_size: 4096}
     drafter_architecture: str = "dflash"  # "dflash", or "dflash2": in-block convolutions + candidate selector
-    # (drafter/modeling_dflash2.py; its sizes are DrafterConfig fields, e.g. drafter: {selector_top_k: 16})
+    # (drafter/modeling_dflash2.py; its sizes are DrafterConfig fields, e.g. drafter: {selector_top_k: 16}), or
+    # "dspark": Markov and confidence heads, trained on the paper's objective, which reads the target's
+    # distribution (online, or shards with last_hidden; drafter/kinds/dspark.py; drafter: {markov_rank: 256})
     selector_loss_weight: float = 1.0  # dflash2: weight of the selector term added to the block loss
     # (train/selector_loss.py; 1.0 as NeMo Automodel's DFlash2 recipe)
     selector_kernel: bool = False  # dflash2: the selector's pairwise term by Triton kernels without its

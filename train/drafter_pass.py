@@ -18,13 +18,17 @@ Design choices:
   the selector's term at weight 0 (``extra_term=False``) no scores are computed and the loss runs after the
   forward, as for DFlash (train/selector_loss.py). A kind names its extra term (drafter/kinds/: ``loss_term``)
   and ``EXTRA_LOSS_TERMS`` holds the term's code under that name; the term's settings are the kind's one options
-  object (``term_options``; DFlash2's ``SelectorOptions``), at the kind's defaults when none is given.
+  object (``term_options``; DFlash2's ``SelectorOptions``, DSpark's ``DSparkLossOptions``), at the kind's
+  defaults when none is given. The term's output is ``out.extra``; its weight, normaliser and metrics are the
+  term's own (``ExtraLossTerm``). DSpark's forward computes its term itself, chunk by chunk
+  (train/dspark_loss.py), and the term replaces the block loss, whose pass then runs after the forward without a
+  gradient, for the backbone's metrics.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -34,6 +38,7 @@ from dflashkit.errors import UserError
 
 from .block_mask import build_block_masks
 from .data import PackedBlocks
+from .dspark_loss import dspark_forward_inputs, dspark_metrics
 from .loss import BlockLossOutput, block_loss, loss_denominator
 from .selector_loss import SelectorLossOutput, candidate_logits, inject_missing_labels, predecessor_ids, selector_loss
 from .selector_pair import pair_term
@@ -41,13 +46,27 @@ from .selector_pair import pair_term
 
 @dataclass(frozen=True)
 class ExtraLossTerm:
-    """A drafter kind's training term beside the block loss, computed from the same forward call."""
+    """A drafter kind's training term beside the block loss (or in its place), computed from the same forward
+    call. Its output (``BlockLossOutput.extra``) has ``loss_sum`` (the weighted sum, differentiable), ``runs`` or
+    None (the accepted run of the kind's own greedy rule per block, for held-out walks) and ``metric_sums()``."""
 
     # (batch, labels [N, B-1], the micro-batch's BlockLossPass) -> the keyword arguments the forward takes for it
     forward_inputs: Callable[..., dict]
     # (what the forward returned for it, the BlockLossPass after the forward, the block loss's variant, gamma)
-    # -> out.selector
-    loss: Callable[..., SelectorLossOutput]
+    # -> the term's output (out.extra)
+    loss: Callable[..., Any]
+    # (a run's settings, a TrainConfig) -> the term's weight in a step; a weight of 0 skips the term
+    weight: Callable[[Any], float]
+    # (valid [N, B-1], the run's settings) -> this micro-batch's share of the term's normaliser (summed over the
+    # step's micro-batches and ranks, as the block loss's)
+    normaliser: Callable[[torch.Tensor, Any], torch.Tensor]
+    # (the metric sums the output's metric_sums() added up, prefix) -> the logged metrics; metric_count: how many
+    metrics: Callable[[list[float], str], dict]
+    metric_count: int
+    # (the term's options) -> whether the term reads the target's last hidden states
+    needs_last_hidden: Callable[[Any], bool] = lambda options: False
+    # True: the step trains on this term alone; the block loss's pass runs without a gradient, for its metrics
+    replaces_block_loss: bool = False
 
 
 class BlockLossPass:
@@ -56,11 +75,14 @@ class BlockLossPass:
     the same loss with ``top_k`` and hands the selector its candidates (the module notes)."""
 
     def __init__(self, head, labels: torch.Tensor, valid: torch.Tensor, teacher: torch.Tensor | None,
-                 loss_options: dict, selector: SelectorOptions | None = None, loss_grad: bool = True):
+                 loss_options: dict, options=None, loss_grad: bool = True, term_grad: bool | None = None):
         self.head, self.labels, self.valid, self.teacher = head, labels, valid, teacher
         self.loss_grad = loss_grad  # False: the loss engine computes no gradient, even in grad mode (evaluation)
+        self.term_grad = loss_grad if term_grad is None else term_grad  # the same of the kind's extra term
         self.loss_options = loss_options  # block_loss's keywords: variant, gamma, ..., chunk_tokens, fused
-        self.selector = selector or SelectorOptions()  # DFlash2: how its candidates and term are computed
+        # the kind's term options: DFlash2's SelectorOptions (how its candidates and term are computed), DSpark's
+        # DSparkLossOptions
+        self.options = options if options is not None else SelectorOptions()
         self.injected: torch.Tensor | None = None  # the labels ``candidates`` put among them
         self.out: BlockLossOutput | None = None
 
@@ -79,11 +101,11 @@ class BlockLossPass:
         logits with their gradient to ``hidden`` when the run asks for it (train/selector_loss.py)."""
         out = self(hidden, top_k)
         logits, ids = out.top_logits, out.top_ids
-        if self.selector.missing_label == "inject" and torch.is_grad_enabled():  # training only
+        if self.options.missing_label == "inject" and torch.is_grad_enabled():  # training only
             with torch.autocast(hidden.device.type, enabled=False):
                 logits, ids, self.injected = inject_missing_labels(hidden, logits, ids, self.labels, self.valid,
                                                                    self.head.lm_head.weight, self.head.lm_head.bias)
-        if self.selector.unary_grad and torch.is_grad_enabled():
+        if self.options.unary_grad and torch.is_grad_enabled():
             return candidate_logits(hidden, logits, ids, self.head.lm_head.weight), ids
         return logits, ids
 
@@ -92,9 +114,9 @@ def selector_forward_inputs(batch: PackedBlocks, labels: torch.Tensor, loss_pass
     """DFlash2: what its forward needs to score the candidate selector teacher-forced (the block loss's pass, the
     source of the candidates; the true token before each draft position)."""
     targets = dict(candidates=loss_pass.candidates, predecessor_ids=predecessor_ids(batch.block_ids, labels))
-    if loss_pass.selector.kernel:  # the pairwise term without its [positions, top_k, rank] rows, where it fits
+    if loss_pass.options.kernel:  # the pairwise term without its [positions, top_k, rank] rows, where it fits
         targets["pair_term"] = pair_term
-    if not loss_pass.selector.hidden_grad:  # the pairwise term's gradient stops at the selector's projection
+    if not loss_pass.options.hidden_grad:  # the pairwise term's gradient stops at the selector's projection
         targets["hidden_grad"] = False
     return {"selector_targets": targets}
 
@@ -105,7 +127,7 @@ def selector_term(scored, loss_pass: BlockLossPass, variant: str, gamma: float) 
     labels the pass injected among the candidates (selector_loss)."""
     scores, candidates = scored
     weighting = {}
-    if loss_pass.selector.weights == "loss":
+    if loss_pass.options.weights == "loss":
         weighting = dict(weights=loss_pass.out.position_weights,
                          weight_sum=loss_denominator(loss_pass.valid, variant, gamma))
     if loss_pass.injected is not None:
@@ -113,8 +135,38 @@ def selector_term(scored, loss_pass: BlockLossPass, variant: str, gamma: float) 
     return selector_loss(scores, candidates, loss_pass.labels, loss_pass.valid, gamma, **weighting)
 
 
+def selector_normaliser(valid: torch.Tensor, settings) -> torch.Tensor:
+    """DFlash2: the decay-weighted count of valid labels, or with ``selector_weights: loss`` the block loss's own
+    denominator (train/selector_loss.py)."""
+    variant = settings.loss if settings.selector_weights == "loss" else "ce"
+    return loss_denominator(valid, variant, settings.gamma)
+
+
+def selector_metrics(sums: list[float], prefix: str) -> dict:
+    """DFlash2 (train/selector_loss.py): the term, its candidate recall, its teacher-forced accuracy."""
+    loss, weight, in_candidates, correct, counted = sums
+    if not counted:
+        return {}
+    return {f"{prefix}/selector_loss": loss / weight, f"{prefix}/selector_recall": in_candidates / counted,
+            f"{prefix}/selector_acc": correct / counted}
+
+
+def dspark_term_output(term_output, loss_pass: BlockLossPass, variant: str, gamma: float):
+    """DSpark: its forward computed the term already (train/dspark_loss.py ``dspark_term``)."""
+    return term_output
+
+
 # the kinds' extra terms, under the name a kind gives its own (drafter/kinds/: DrafterKind.loss_term)
-EXTRA_LOSS_TERMS = {"candidate_selector": ExtraLossTerm(selector_forward_inputs, selector_term)}
+EXTRA_LOSS_TERMS = {
+    "candidate_selector": ExtraLossTerm(
+        selector_forward_inputs, selector_term, weight=lambda settings: float(settings.selector_loss_weight),
+        normaliser=selector_normaliser, metrics=selector_metrics, metric_count=5),
+    "dspark": ExtraLossTerm(
+        dspark_forward_inputs, dspark_term_output, weight=lambda settings: 1.0,
+        normaliser=lambda valid, settings: loss_denominator(valid, "ce", settings.gamma),
+        metrics=dspark_metrics, metric_count=7, needs_last_hidden=lambda options: options.needs_target,
+        replaces_block_loss=True),
+}
 assert all(kind.loss_term in EXTRA_LOSS_TERMS for kind in KINDS.values() if kind.loss_term), \
     "every drafter kind's loss_term needs its entry in EXTRA_LOSS_TERMS"
 
@@ -212,7 +264,7 @@ def forward_blocks(model, head, batch: PackedBlocks, *, block_size: int, layer_t
                    causal: bool = False, term_options=None, loss_grad: bool = True) -> BlockLossOutput:
     """The un-normalised block loss (and metrics) of one packed micro-batch (fused_loss: train/loss.py);
     ``labels="target_argmax"``: against the target's greedy tokens (``target_argmax_labels``), not the data's;
-    ``extra_term=False``: the kind's extra term (DFlash2: its selector's) is not computed (``out.selector`` is
+    ``extra_term=False``: the kind's extra term (DFlash2: its selector's) is not computed (``out.extra`` is
     None); ``causal``: a causal-in-block drafter's mask (train/block_mask.py); ``term_options``: the kind's options
     of that term (drafter/kinds/; DFlash2's ``SelectorOptions``: its kernels, gradients, weights and missing
     labels, all train/selector_loss.py), None for the kind's defaults; ``loss_grad=False``: the block loss
@@ -222,17 +274,24 @@ def forward_blocks(model, head, batch: PackedBlocks, *, block_size: int, layer_t
     options = term_options if term_options is not None else kind.default_options()
     targets = target_argmax_labels(head, batch, chunk_tokens) if labels == "target_argmax" else batch.labels
     teacher = batch.last_hidden[batch.teacher_index] if variant == "kl" else None  # after the target's final norm
+    term = EXTRA_LOSS_TERMS[kind.loss_term] if extra_term and kind.loss_term else None  # DFlash2: the selector's
+    block_grad = loss_grad and not (term is not None and term.replaces_block_loss)  # DSpark: its term alone
     loss_pass = BlockLossPass(head, targets, batch.valid, teacher, dict(
         variant=variant, gamma=gamma, dpace_alpha=dpace_alpha, kl_weight=kl_weight, chunk_tokens=chunk_tokens,
-        fused=fused_loss), options, loss_grad)
-    term = EXTRA_LOSS_TERMS[kind.loss_term] if extra_term and kind.loss_term else None  # DFlash2: the selector's
+        fused=fused_loss), options, block_grad, term_grad=loss_grad)
     extra_inputs = None if term is None else term.forward_inputs(batch, targets, loss_pass)
     hidden = draft_hidden(model, head, batch, block_size=block_size, layer_types=layer_types,
                           sliding_window=sliding_window, backend=backend, extra_inputs=extra_inputs, causal=causal)
     if term is None:
         return loss_pass(hidden)
-    _, extra = hidden
-    if loss_pass.out is None:
-        raise RuntimeError("the drafter's forward took the extra term's inputs but never ran the block loss pass")
-    loss_pass.out.selector = term.loss(extra, loss_pass, variant, gamma)
+    hidden, extra = hidden
+    if loss_pass.out is None:  # a kind whose forward does not run the block loss pass itself (DSpark)
+        loss_pass(hidden)
+    loss_pass.out.extra = term.loss(extra, loss_pass, variant, gamma)
     return loss_pass.out
+
+
+def extra_term_of(model) -> ExtraLossTerm | None:
+    """The drafter's kind's extra training term (None for a kind with the block loss alone)."""
+    name = drafter_kind(model).loss_term
+    return None if name is None else EXTRA_LOSS_TERMS[name]

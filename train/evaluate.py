@@ -50,7 +50,7 @@ import torch
 from dflashkit.drafter.kinds import drafter_kind
 
 from .data import collate_blocks, pack_order
-from .drafter_pass import forward_blocks, layers_compiled
+from .drafter_pass import extra_term_of, forward_blocks, layers_compiled
 from .loss import loss_denominator
 from .metrics import MetricSums
 
@@ -144,7 +144,7 @@ def evaluate(model, head, dataset, indices: list[int], *, block_size: int, layer
     graphs = training_graphs(model, accelerator)  # the module notes
     was_training = model.training
     model.train(graphs)
-    sums = MetricSums(block_size - 1, device)
+    sums = MetricSums(block_size - 1, device, extra_term_of(model) if extra_term else None)
     # per proposal rule, rounds, tokens, accepted[k]: host integers, one transfer at the end. "": the drafter's
     # own rule (DFlash2: the selector's path); "_argmax": the argmax beside it, for a kind that proposes otherwise
     rules = ("",) if kind.proposes_argmax else ("", "_argmax")
@@ -168,7 +168,8 @@ def evaluate(model, head, dataset, indices: list[int], *, block_size: int, layer
                                     **passes)
         if padding:
             continue
-        by_rule = {"": walked.runs} if walked.selector is None else {"": walked.selector.runs, "_argmax": walked.runs}
+        extra = walked.extra
+        by_rule = {"": walked.runs} if extra is None else {"": extra.runs, "_argmax": walked.runs}
         anchors = every.anchors.tolist()
         for rule, runs in by_rule.items():
             runs, walk = runs.tolist(), walks[rule]

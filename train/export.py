@@ -107,10 +107,13 @@ def main(argv: list[str] | None = None) -> int:
     out, step, source = export_checkpoint(args.checkpoint, args.out_dir, DTYPES[args.dtype], args.engine,
                                           overwrite=args.overwrite)  # errors: cli.run_main
     print(f"exported step {step} ({source}) -> {out}")
-    from dflashkit.drafter import read_drafter_config
+    from dflashkit.drafter import kind_for, read_drafter_config
     from dflashkit.drafter.engines import vllm_serve_command
 
-    print("serve with vLLM: " + vllm_serve_command("TARGET", out, read_drafter_config(out).block_size))
+    dcfg = read_drafter_config(out)
+    spec = {"method": kind_for(dcfg.architecture).vllm_method, "model": str(out),
+            "num_speculative_tokens": dcfg.block_size - 1}  # the kind's method: DSpark is vLLM's "dspark"
+    print("serve with vLLM: " + vllm_serve_command("TARGET", out, dcfg.block_size, spec))
     return 0
 
 

@@ -119,8 +119,19 @@ class BlockLossOutput:
     blocks: torch.Tensor  # counted blocks: those with at least one valid label
     top_logits: torch.Tensor | None = None  # [N, B-1, top_k] float32, no gradient: the top_k logits (top_k > 0)
     top_ids: torch.Tensor | None = None  # [N, B-1, top_k] long: their token ids, the selector's candidates
-    selector: object = None  # DFlash2: the selector term of the same pass (train/selector_loss.py), else None
+    # the drafter kind's extra term of the same pass (train/drafter_pass.py ExtraLossTerm: DFlash2's selector
+    # term, train/selector_loss.py; DSpark's, train/dspark_loss.py), else None
+    extra: object = None
     position_weights: torch.Tensor | None = None  # [N, B-1] the objective's weight of each position (top_k > 0)
+
+    @property
+    def selector(self):
+        """DFlash2's name of ``extra``: its selector term."""
+        return self.extra
+
+    @selector.setter
+    def selector(self, value) -> None:
+        self.extra = value
 
 
 # --------------------------------------------------------------------------- the objectives

@@ -13,8 +13,10 @@ from .loss import BlockLossOutput
 class MetricSums:
     """Additive sums of one or more passes; ``reduce`` sums them across ranks, ``metrics`` divides."""
 
-    def __init__(self, positions: int, device):
-        self.t = torch.zeros(6 + 2 * positions + 5, dtype=torch.float64, device=device)  # + 5 selector sums
+    def __init__(self, positions: int, device, term=None):
+        self.term = term  # the drafter kind's extra term (train/drafter_pass.py ExtraLossTerm), None: none logged
+        slots = term.metric_count if term is not None else 0
+        self.t = torch.zeros(6 + 2 * positions + slots, dtype=torch.float64, device=device)  # + the term's sums
         self.p = positions
         self.host_tokens = 0  # context tokens, counted on the host (joins t[5] in reduce)
 
@@ -26,9 +28,8 @@ class MetricSums:
         self.t[:5] += torch.stack([v.to(torch.float64) for v in vals]).to(self.t.device)
         self.t[6:6 + p] += out.correct.to(self.t)
         self.t[6 + p:6 + 2 * p] += out.counted.to(self.t)
-        if out.selector is not None:  # DFlash2: loss, normaliser, labels among the candidates, chosen, labels
-            s = out.selector
-            vals = [s.loss_sum.detach(), s.weight_sum, s.in_candidates, s.correct, s.counted]
+        if out.extra is not None and self.term is not None:  # the kind's term: its own sums (metric_sums)
+            vals = out.extra.metric_sums()
             self.t[6 + 2 * p:] += torch.stack([v.to(torch.float64) for v in vals]).to(self.t.device)
         self.host_tokens += int(tokens)
 
@@ -48,7 +49,6 @@ class MetricSums:
         loss, denom, ce, tau, blocks = t[:5]
         counted = t[6 + p:6 + 2 * p]
         correct = t[6:6 + p]
-        sel_loss, sel_weight, sel_in, sel_correct, sel_counted = t[6 + 2 * p:]
         out = {f"{prefix}/loss": loss / denom if denom else float("nan"),
                f"{prefix}/ce": ce / sum(counted) if sum(counted) else float("nan"),
                # tau_sim is the held-out figure (docs/ARCHITECTURE.md); on training blocks the same count is train/tau
@@ -56,10 +56,8 @@ class MetricSums:
                f"{prefix}/acc": sum(correct) / sum(counted) if sum(counted) else float("nan")}
         for k in range(p):
             out[f"{prefix}/acc_{k + 1}"] = correct[k] / counted[k] if counted[k] else float("nan")
-        if sel_counted:  # DFlash2 (train/selector_loss.py): the term, its candidate recall, its teacher-forced acc
-            out.update({f"{prefix}/selector_loss": sel_loss / sel_weight,
-                        f"{prefix}/selector_recall": sel_in / sel_counted,
-                        f"{prefix}/selector_acc": sel_correct / sel_counted})
+        if self.term is not None:  # the kind's term (DFlash2: its loss, candidate recall, teacher-forced acc)
+            out.update(self.term.metrics(t[6 + 2 * p:], prefix))
         return out
 
 

@@ -57,6 +57,10 @@ class SelectorLossOutput:
     # of the selector's greedy path (up to its first miss every predecessor it saw is the true token)
     runs: torch.Tensor | None = None
 
+    def metric_sums(self) -> list[torch.Tensor]:
+        """What the metric sums add (train/metrics.py; train/drafter_pass.py ``selector_metrics`` divides)."""
+        return [self.loss_sum.detach(), self.weight_sum, self.in_candidates, self.correct, self.counted]
+
 
 class _CandidateLogits(torch.autograd.Function):
     """The block loss's top_k logits as a function of the draft states: the forward hands back the values the

@@ -43,7 +43,7 @@ from .checkpoint import load_checkpoint
 from .config import TrainConfig
 from .data import epoch_order, pack_order, split_indices, steps_per_epoch
 from .data_fingerprint import data_fingerprint
-from .drafter_pass import compile_layers, mask_backend
+from .drafter_pass import EXTRA_LOSS_TERMS, compile_layers, mask_backend
 from .run_dir import ResumePoint, Start
 
 # drafter fields (config.json names) a resumed checkpoint must share with the run's drafter
@@ -168,8 +168,22 @@ def drafter_pass_options(cfg: TrainConfig, dcfg, device: torch.device) -> dict:
     compiled layers, on CUDA)."""
     return dict(block_size=dcfg.block_size, layer_types=dcfg.layer_types, sliding_window=dcfg.sliding_window,
                 causal=dcfg.causal, backend=mask_backend(cfg.attention, device), chunk_tokens=cfg.loss_chunk_tokens,
-                extra_term=cfg.selector_loss_weight > 0, fused_loss=cfg.compile and device.type == "cuda",
+                extra_term=extra_term_weight(cfg, dcfg.architecture) > 0,
+                fused_loss=cfg.compile and device.type == "cuda",
                 term_options=kind_for(dcfg.architecture).options_from(cfg))
+
+
+def extra_term_weight(cfg: TrainConfig, architecture: str) -> float:
+    """The weight of the kind's extra term in this run's steps (0 for a kind without one)."""
+    name = kind_for(architecture).loss_term
+    return 0.0 if name is None else EXTRA_LOSS_TERMS[name].weight(cfg)
+
+
+def term_reads_last_hidden(cfg: TrainConfig, architecture: str) -> bool:
+    """Whether the kind's extra term reads the target's final hidden states (DSpark's L1 and confidence terms)."""
+    kind = kind_for(architecture)
+    return kind.loss_term is not None and extra_term_weight(cfg, architecture) > 0 and \
+        EXTRA_LOSS_TERMS[kind.loss_term].needs_last_hidden(kind.options_from(cfg))
 
 
 @dataclass
@@ -250,7 +264,9 @@ def setup(cfg: TrainConfig, start: Start, resources: ExitStack, vllm_api=None) -
     set_seed(cfg.seed)
 
     # --- data, target head, drafter -----------------------------------------------------------------------
-    use_last_hidden = cfg.loss == "kl" or cfg.labels == "target_argmax"  # the target's final hidden states
+    # the target's final hidden states: kl, target_argmax labels, a kind's term on the target's distribution
+    use_last_hidden = (cfg.loss == "kl" or cfg.labels == "target_argmax"
+                       or term_reads_last_hidden(cfg, cfg.drafter_architecture))
     loading, parts = time.perf_counter(), {}
     dataset, head, model, dcfg = load_data_and_drafter(cfg, start, accelerator, resources, use_last_hidden,
                                                        vllm_api, parts)
@@ -358,6 +374,10 @@ def check_last_hidden(cfg: TrainConfig, dataset) -> None:
     if cfg.loss == "kl" and not dataset.has_last_hidden:
         raise UserError(f"loss=kl needs last_hidden in the shards of {cfg.shards}; re-extract them with "
                         f"--store-last-hidden, or use loss=dpace (the default) or ce")
+    if term_reads_last_hidden(cfg, cfg.drafter_architecture) and not dataset.has_last_hidden:
+        raise UserError(f"drafter_architecture={cfg.drafter_architecture} trains on the target's distribution and "
+                        f"needs last_hidden in the shards of {cfg.shards}; re-extract them with --store-last-hidden, "
+                        f"or train online (--target T --data FILE)")
     if cfg.labels == "target_argmax" and not dataset.has_last_hidden:
         raise UserError(f"labels=target_argmax needs last_hidden in the shards of {cfg.shards}; re-extract them "
                         f"with --store-last-hidden, train online (--target T --data FILE), or use labels=data")

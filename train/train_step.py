@@ -5,9 +5,11 @@ Design choices:
 - Normalisation is global: before a step's forwards, every rank adds up the loss denominators of its G
   micro-batches (known from the anchors alone) and these are summed across ranks. Each micro-batch then
   back-propagates ``loss_sum * W * G / global_denominator`` (accelerate divides by G, DDP/ZeRO average over W),
-  so the update equals the single-process one on the same samples. DFlash2's selector term is normalised the
-  same way by the decay-weighted count of valid labels, or with ``selector_weights: loss`` by the block loss's
-  own denominator (train/selector_loss.py).
+  so the update equals the single-process one on the same samples. A kind's extra term is normalised the same way
+  by its own normaliser and weighed by its own weight (train/drafter_pass.py ``ExtraLossTerm``: DFlash2's
+  selector term by the decay-weighted count of valid labels, or with ``selector_weights: loss`` the block loss's
+  denominator, times ``selector_loss_weight``; DSpark's term, which replaces the block loss, by the
+  decay-weighted count).
 - The stop vote rides in the same collective as the denominators: every rank learns that some rank was
   signalled before any forward of the step, so all of them stop at the same step boundary and none waits in a
   collective that the others never reach.
@@ -29,7 +31,7 @@ import torch
 
 from .config import TrainConfig
 from .data import PackedBlocks
-from .drafter_pass import forward_blocks
+from .drafter_pass import extra_term_of, forward_blocks
 from .loss import loss_denominator
 from .metrics import MetricSums
 
@@ -75,18 +77,19 @@ def train_step(model, optimizer, accelerator, head, micro: list[PackedBlocks], *
     device = accelerator.device
     set_lr(optimizer, cfg.lr, lr_factor)
     denoms = [loss_denominator(m.valid, cfg.loss, cfg.gamma) * m.scale for m in micro]
-    # DFlash2's selector term is normalised by the decay-weighted count of valid labels, or with selector_weights
-    # "loss" as the block loss (selector_loss.py)
-    sel_variant = cfg.loss if cfg.selector_weights == "loss" else "ce"
-    sel_denoms = [loss_denominator(m.valid, sel_variant, cfg.gamma) * m.scale for m in micro]
+    # the kind's extra term has its own normaliser (DFlash2's selector: the decay-weighted count of valid labels,
+    # or with selector_weights "loss" the block loss's; DSpark's: the decay-weighted count) and weight
+    term = extra_term_of(model)
+    term_denoms = [(term.normaliser(m.valid, cfg) if term is not None else torch.zeros((), device=m.valid.device))
+                   * m.scale for m in micro]
     # one collective: the global loss denominators, the ranks' votes to stop and the previous step's non-finite
     # flags (all stop at the same step)
     previous = nonfinite if nonfinite is not None else torch.zeros(2, device=device)
     votes = torch.cat([torch.stack([torch.stack(denoms).sum().float().to(device),
                                     torch.tensor(float(stop_requested), device=device),
-                                    torch.stack(sel_denoms).sum().float().to(device)]), previous.float()])
+                                    torch.stack(term_denoms).sum().float().to(device)]), previous.float()])
     summed = accelerator.reduce(votes, reduction="sum")
-    global_denom, global_sel_denom = summed[0], summed[2]
+    global_denom, global_term_denom = summed[0], summed[2]
     stop_votes, *flags = summed[[1, 3, 4]].tolist()  # the step's one host sync
     diverged = nonfinite_names(flags)
     if diverged or stop_votes > 0:
@@ -98,9 +101,10 @@ def train_step(model, optimizer, accelerator, head, micro: list[PackedBlocks], *
             out = forward_blocks(model, head, m, variant=cfg.loss, gamma=cfg.gamma, dpace_alpha=cfg.dpace_alpha,
                                  kl_weight=cfg.kl_weight, labels=cfg.labels, **pass_options)
             loss = out.loss_sum * (m.scale * world * G / global_denom.clamp_min(1e-12))
-            if out.selector is not None:  # DFlash2: + selector_loss_weight * the selector term
-                loss = loss + out.selector.loss_sum * (cfg.selector_loss_weight * m.scale * world * G
-                                                       / global_sel_denom.clamp_min(1e-12))
+            if out.extra is not None:  # + the term's weight times the term (DFlash2), or the term alone (DSpark)
+                part = out.extra.loss_sum * (term.weight(cfg) * m.scale * world * G
+                                             / global_term_denom.clamp_min(1e-12))
+                loss = part if term.replaces_block_loss else loss + part
             bad[0] += (~torch.isfinite(loss.detach())).float()
             accelerator.backward(loss)
             if accelerator.sync_gradients:

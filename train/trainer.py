@@ -43,6 +43,7 @@ from dflashkit.stopping import StopRequest
 from .checkpoint import save_checkpoint
 from .config import TrainConfig
 from .data import BlockSource, block_loader, rank_slots
+from .drafter_pass import extra_term_of
 from .evaluate import eval_pack_tokens, evaluate
 from .metrics import MetricSums, json_safe
 from .run_dir import Start, check_output_paths, start_of_run
@@ -129,7 +130,7 @@ def train_loop(run: TrainRun, tracker: Tracker, bar, stop: StopRequest) -> None:
     cfg, accelerator = run.cfg, run.accelerator
     world, G = accelerator.num_processes, cfg.grad_accum
     run.model.train()
-    sums, t0 = MetricSums(run.dcfg.block_size - 1, accelerator.device), time.perf_counter()
+    sums, t0 = MetricSums(run.dcfg.block_size - 1, accelerator.device, extra_term_of(run.model)), time.perf_counter()
     last_eval: dict = {}
     run.startup["from_step"] = run.step
     while run.step < run.total_steps and run.epoch < cfg.epochs and not stop.agreed:
@@ -158,7 +159,8 @@ def train_loop(run: TrainRun, tracker: Tracker, bar, stop: StopRequest) -> None:
                 if "first_log_step" not in run.startup:
                     report_startup(run, tracker.started)
                 bar.set_postfix(bar_postfix(metrics, last_eval), refresh=False)  # shown at the bar's next line
-                sums, t0 = MetricSums(run.dcfg.block_size - 1, accelerator.device), time.perf_counter()
+                sums = MetricSums(run.dcfg.block_size - 1, accelerator.device, extra_term_of(run.model))
+                t0 = time.perf_counter()
             if cfg.eval_every and run.step % cfg.eval_every == 0 and run.step < run.total_steps:
                 settle(run)
                 last_eval = held_out_eval(run)

@@ -14,6 +14,8 @@ What a new kind provides (DSpark: a DFlash backbone plus its own heads):
    ``DrafterConfig.to_hf`` makes (its own fields under ``dflash_config``), that runs without dflashkit (it ships in
    exports; it may import modeling_dflash.py only). Its forward takes the keyword arguments its loss term's
    ``forward_inputs`` hands it and then returns (hidden, what the term's ``loss`` reads).
+   config.json's ``architectures`` is its ``class_name``, ``auto_map`` its model class; fields an engine reads at
+   the top level come from its ``json_fields``; the weights are the model's own state dict (drafter/export.py).
 2. ``drafter/kinds/<kind>.py``: one ``DrafterKind`` (drafter/kinds/kind.py says each field): architecture, name,
    class_name (config.json ``architectures``), model_class, modeling_files (DFlash's first when it imports it),
    propose (or the argmax), config_fields (its own whole-number fields and defaults), loss_term and loss_options
@@ -21,9 +23,9 @@ What a new kind provides (DSpark: a DFlash backbone plus its own heads):
    chain_only_reason, trained_block_reason, whole_block_only, served_by.
 3. Its entry in ``KINDS`` below; its config fields then become DrafterConfig fields (``KindFields``).
 4. When it has an extra loss term, the term's code in train/ under its ``loss_term`` name
-   (train/drafter_pass.py ``EXTRA_LOSS_TERMS``): drafter/ imports no train/ module. Not yet generic: the step
-   (train/train_step.py) weighs the term's output as ``out.selector`` by ``selector_loss_weight`` and
-   train/metrics.py logs the selector's counts; a second kind's term needs that slot made the term's own.
+   (train/drafter_pass.py ``EXTRA_LOSS_TERMS``): drafter/ imports no train/ module. The term says its weight in
+   a step, its normaliser, whether it replaces the block loss, and its metrics (train/drafter_pass.py
+   ``ExtraLossTerm``); the step and the metric sums ask it.
 """
 
 from __future__ import annotations
@@ -34,9 +36,10 @@ from torch import nn
 
 from .dflash import DFLASH
 from .dflash2 import DFLASH2
+from .dspark import DSPARK
 from .kind import DrafterKind, argmax_proposal, unwrapped
 
-KINDS: dict[str, DrafterKind] = {"dflash": DFLASH, "dflash2": DFLASH2}
+KINDS: dict[str, DrafterKind] = {"dflash": DFLASH, "dflash2": DFLASH2, "dspark": DSPARK}
 assert all(kind.architecture == name for name, kind in KINDS.items())
 
 # Every kind's own fields as one dataclass that DrafterConfig derives from (drafter/config.py): keyword-only ints at

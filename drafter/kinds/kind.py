@@ -28,10 +28,23 @@ class DrafterKind:
     modeling_files: tuple[str, ...]
     # the greedy proposal of one block: (drafter, hidden [b, P, H], logits [b, P, V], anchor_ids [b]) -> [b, P]
     propose: Callable[..., torch.Tensor] = argmax_proposal
+    # a sampled block, for a kind whose draws depend on the token drawn before (DSpark): (drafter, logits [P, V],
+    # anchor id, probs_of (logits -> the decoder's filtered distribution), generator) -> (tokens [P], their
+    # distributions [P, V]); None: each position drawn from its own logits
+    sample_path: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+    # tree decoding of a kind whose logits depend on the token before (DSpark): (drafter, token) -> the bias [V]
+    # added to the logits of that token's children; None: every node's children share their depth's logits
+    node_bias: Callable[..., torch.Tensor] | None = None
+    # its confidence head's logit per draft position, for cutting verification (eval/confidence_cut.py):
+    # (drafter, hidden [P, H], the token before each draft [P]) -> [P]; None: it has none
+    confidence: Callable[..., torch.Tensor] | None = None
     # ---- config: the kind's own DrafterConfig fields -> default. Each is a whole number, written to config.json
     # under ``dflash_config`` by its own name (only for this kind), read from there or the top level, and required
     # when a config.json names this kind
     config_fields: dict[str, int] = field(default_factory=dict)
+    # (a DrafterConfig) -> config.json fields written at the top level beside the common ones (the names an engine
+    # reads there, e.g. DSpark's markov_rank); None: none
+    json_fields: Callable[[Any], dict] | None = None
     # (a DrafterConfig) -> None, or UserError naming the field and the fix: the bounds of the kind's own fields
     check_fields: Callable[[Any], None] | None = None
     # ---- loss: the name of the kind's extra training term beside the block loss (train/drafter_pass.py's
@@ -51,11 +64,22 @@ class DrafterKind:
     # engine -> the first release that serves this kind (the engines' rules: drafter/engines.py and the files
     # it names, e.g. drafter/vllm_dflash2.py)
     served_by: dict[str, str] = field(default_factory=dict)
+    vllm_method: str = "dflash"  # the speculative_config "method" vLLM serves it by
 
     @property
     def modeling_module(self) -> str:
         """The module of config.json's ``auto_map``: the shipped modeling file that defines ``model_class``."""
         return self.modeling_files[-1].removesuffix(".py")
+
+    @property
+    def auto_map(self) -> str:
+        """config.json's ``auto_map.AutoModel``: the model class in its shipped modeling file (its name may differ
+        from ``class_name``, the name an engine serves it under)."""
+        return f"{self.modeling_module}.{self.model_class.__name__}"
+
+    def extra_json_fields(self, config) -> dict:
+        """The kind's top-level config.json fields for ``config`` ({} for a kind without)."""
+        return {} if self.json_fields is None else self.json_fields(config)
 
     @property
     def proposes_argmax(self) -> bool:

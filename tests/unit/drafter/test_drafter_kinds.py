@@ -28,10 +28,10 @@ class Wrapper(nn.Module):
 
 
 def test_every_architecture_has_its_kind():
-    assert set(KINDS) == {"dflash", "dflash2"}
+    assert set(KINDS) == {"dflash", "dflash2", "dspark"}
     assert all(kind.architecture == name for name, kind in KINDS.items())
     assert len({kind.class_name for kind in KINDS.values()}) == len(KINDS)
-    assert all(kind.class_name == kind.model_class.__name__ for kind in KINDS.values())
+    assert all(kind.auto_map.endswith(f".{kind.model_class.__name__}") for kind in KINDS.values())
 
 
 def test_each_kinds_own_fields_are_drafter_config_fields_at_its_defaults():

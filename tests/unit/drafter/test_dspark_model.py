@@ -1,12 +1,14 @@
 """DSpark drafters (drafter/modeling_dspark.py): the Markov-biased greedy draft against a hand-written loop, the
 heads' maths, a fresh drafter proposing like DFlash, lossless greedy decoding with a target, and the refusals."""
 
+import dataclasses
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from dflashkit.drafter import DrafterConfig, build_drafter
-from dflashkit.drafter.dspark import DSparkFields, build_dspark_drafter, markov_proposal
+from dflashkit.drafter.kinds.dspark import markov_proposal
 from dflashkit.drafter.modeling_dspark import DSparkDraftModel, MarkovHead, markov_greedy
 
 from support.tiny_targets import VOCAB, tiny_target_config
@@ -15,12 +17,12 @@ TARGET = LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=6, 
                      num_key_value_heads=1, vocab_size=50)
 
 
-def dspark(rank=4, seed=0, scale=0.0, target=TARGET, block_size=4, **fields):
+def dspark(rank=4, seed=0, scale=0.0, target=TARGET, block_size=4):
     """A DSpark drafter for ``target``; ``scale`` > 0 moves its heads off their start (random, that size)."""
     torch.manual_seed(seed)
     cfg = DrafterConfig.for_target(target, num_hidden_layers=2, block_size=block_size,
-                                   mask_token_id=target.vocab_size - 1)
-    model = build_dspark_drafter(cfg, DSparkFields(markov_rank=rank, **fields)).eval()
+                                   mask_token_id=target.vocab_size - 1, architecture="dspark", markov_rank=rank)
+    model = build_drafter(cfg).eval()
     if scale:
         with torch.no_grad():
             for name, p in model.named_parameters():
@@ -59,7 +61,7 @@ def test_markov_greedy_matches_the_hand_written_loop_and_uses_the_bias():
 
 def test_fresh_dspark_drafter_proposes_like_its_dflash_backbone():
     cfg, model = dspark()
-    dflash = build_drafter(cfg).eval()
+    dflash = build_drafter(dataclasses.replace(cfg, architecture="dflash")).eval()
     missing, unexpected = dflash.load_state_dict(model.state_dict(), strict=False)
     assert not missing and all(k.startswith(("markov_head.", "confidence_head.")) for k in unexpected)
     hidden = torch.randn(3, 4, TARGET.hidden_size)
@@ -79,8 +81,9 @@ def test_block_logits_and_confidence_follow_the_papers_formulas():
         proj = model.confidence_head.proj
         want = torch.cat([hidden, w1[prev]], -1) @ proj.weight[0] + proj.bias[0]  # eq. 7 before the sigmoid
         torch.testing.assert_close(model.confidence_logits(hidden, prev), want)
-    _, hidden_only = dspark(scale=0.5, confidence_head_with_markov=False)
-    assert hidden_only.confidence_head.proj.in_features == TARGET.hidden_size
+    hf = model.config
+    hf.confidence_head_with_markov = False  # the reference's other setting: the modeling file builds it too
+    assert DSparkDraftModel(hf).confidence_head.proj.in_features == TARGET.hidden_size
 
 
 def target_greedy(target, ids, n):
@@ -141,3 +144,24 @@ def test_the_kind_signature_proposal_is_the_models_greedy_draft():
         wrapped = torch.nn.Module()
         wrapped.module = model  # as DDP holds it
         assert torch.equal(markov_proposal(wrapped, hidden, logits, anchors), model.propose(hidden, anchors, lm_head))
+
+
+def test_the_dspark_kind_answers_for_itself():
+    """drafter/kinds/dspark.py: its field and its bound, trees allowed, its trained block, vLLM 0.26 as "dspark"
+    and no SGLang, and its config.json fields at the top level where vLLM reads them."""
+    from dflashkit.drafter import KINDS
+    from dflashkit.errors import UserError
+
+    kind = KINDS["dspark"]
+    kind.check_decoding("tree", 4, 4)  # trees: each node's children from its own biased logits (eval/tree.py)
+    assert kind.chain_only_reason is None and kind.node_bias is not None
+    with pytest.raises(UserError, match="block_size 5 > the DSpark drafter's block_size 4"):
+        kind.check_decoding("chain", 5, 4)
+    assert kind.served_by == {"vllm": "0.26"} and kind.vllm_method == "dspark" and kind.confidence is not None
+    cfg, _ = dspark(rank=7)
+    written = cfg.to_json_dict()
+    assert (written["markov_rank"], written["dflash_config"]["markov_rank"]) == (7, 7)
+    assert written["dspark_bonus_anchor"] is True and written["dspark_block_size"] == cfg.block_size - 1
+    assert "dspark_block_size" not in dataclasses.replace(cfg, causal=True).to_json_dict()
+    with pytest.raises(UserError, match="markov_rank=0"):
+        dataclasses.replace(cfg, markov_rank=0)

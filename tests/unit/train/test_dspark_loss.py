@@ -7,8 +7,7 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from dflashkit.drafter import DrafterConfig
-from dflashkit.drafter.dspark import DSparkFields, build_dspark_drafter
+from dflashkit.drafter import DrafterConfig, build_drafter
 from dflashkit.drafter.modeling_dspark import MarkovHead, markov_greedy
 from dflashkit.train.dspark_loss import (
     DSparkLossOptions,
@@ -85,8 +84,9 @@ def test_gradients_reach_both_heads_and_the_confidence_target_is_detached():
     target_config = LlamaConfig(hidden_size=16, intermediate_size=24, num_hidden_layers=4, num_attention_heads=2,
                                 num_key_value_heads=1, vocab_size=11)
     torch.manual_seed(0)
-    cfg = DrafterConfig.for_target(target_config, num_hidden_layers=1, block_size=4, mask_token_id=10)
-    model = build_dspark_drafter(cfg, DSparkFields(markov_rank=3))
+    cfg = DrafterConfig.for_target(target_config, num_hidden_layers=1, block_size=4, mask_token_id=10,
+                                   architecture="dspark", markov_rank=3)
+    model = build_drafter(cfg)
     lm_head = torch.nn.Linear(16, 11, bias=False).requires_grad_(False)
     hidden = torch.randn(2, 3, 16, requires_grad=True)
     labels = torch.randint(0, 11, (2, 3))

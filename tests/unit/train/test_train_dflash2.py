@@ -30,7 +30,7 @@ def test_each_drafter_kind_trains_with_the_extra_term_registered_for_it(monkeypa
     from dflashkit.train import drafter_pass as pass_module
 
     names = {kind.loss_term for kind in KINDS.values()}
-    assert names == {None, "candidate_selector"} and set(pass_module.EXTRA_LOSS_TERMS) == names - {None}
+    assert names == {None, "candidate_selector", "dspark"} and set(pass_module.EXTRA_LOSS_TERMS) == names - {None}
     torch.manual_seed(0)
     V, H, B = 40, 32, 4
     head = Head(V, H, scale=1.5).double()
