@@ -129,3 +129,23 @@ def test_status_says_one_line_per_stage(tmp_path, capsys):
     assert [line.split()[0] for line in lines] == ["fetch", "make", "report", "echo"]
     assert all(" ok rc=0 " in line for line in lines)
     assert json.loads((tmp_path / "run" / "plan.json").read_text())["collect"][0] == "out/*.txt"
+
+
+def test_a_stage_waits_for_its_setup_step_and_the_step_runs_once(tmp_path, monkeypatch, capsys):
+    raw = yaml.safe_load(open(toy_plan(tmp_path)))
+    kit = tmp_path / "kit" / "env.sh"
+    raw["setup"] = [{"name": "kit", "brings": [".kit"], "command": f"mkdir -p {kit.parent} && echo x >> {kit}",
+                     "done": str(kit)},
+                    {"name": "broken", "command": "true", "done": str(tmp_path / "never")}]
+    raw["stages"][3]["setup"] = ["kit"]  # echo
+    plan = tmp_path / "setup.yaml"
+    plan.write_text(yaml.safe_dump(raw))
+    monkeypatch.setattr("lab.lease.SETUP_WAIT", 0)  # the kit is not coming: do not wait for it
+    assert main(["run", str(plan), "--stages", "echo"]) == 1
+    assert [r["reason"] for r in read_records(tmp_path / "run") if r["event"] == "blocked"] == ["setup kit not done"]
+
+    assert main(["setup", str(plan), "kit"]) == 0 and main(["setup", str(plan), "kit"]) == 0
+    assert kit.read_text() == "x\n"  # the second call found it done and ran nothing
+    assert main(["setup", str(plan), "broken"]) == 1  # the command ended, its done file is not there
+    assert main(["run", str(plan), "--stages", "echo"]) == 0
+    assert records(tmp_path / "run")["echo"]["status"] == "ok"

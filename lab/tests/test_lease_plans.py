@@ -4,6 +4,7 @@ through at its toy profile on the CPU (a check that its stages fit together, not
 
 import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -42,7 +43,10 @@ def test_a_plan_resolves_every_placeholder_and_names_only_modules_that_exist(pat
         assert not PLACEHOLDER.search(text), text
 
 
+# the whole toy lease takes ~4-5 min on two shared cores, the same work as test_engine026_lease.py (the script's
+# toy test): it runs where LAB_LEASE_TOY=1 is set, and takes that test's place when the script is retired
 @pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("LAB_LEASE_TOY"), reason="set LAB_LEASE_TOY=1 (a ~5 min toy lease)")
 def test_the_engine026_plan_runs_every_stage_at_toy_scale(tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     data = toy_data(tmp_path / "data", sharegpt=8, mtbench=2)
