@@ -57,11 +57,11 @@ def wait_gpu_idle(run_dir: Path) -> None:
     Without nvidia-smi (the CPU) there is nothing to wait for."""
     for _ in range(GPU_IDLE_WAIT):
         try:
-            busy = subprocess.run(["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"],
-                                  capture_output=True, text=True, timeout=30).stdout.strip()
+            query = subprocess.run(["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"],
+                                   capture_output=True, text=True, timeout=30)
         except (FileNotFoundError, subprocess.TimeoutExpired):
             return
-        if not busy:
+        if query.returncode != 0 or not query.stdout.strip():  # no driver to ask, or no process on the GPU
             return
         time.sleep(1)
     note(run_dir, event="note", text=f"the GPU is still busy after {GPU_IDLE_WAIT} s")

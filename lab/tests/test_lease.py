@@ -151,3 +151,21 @@ def test_a_stage_waits_for_its_setup_step_and_the_step_runs_once(tmp_path, monke
     assert main(["setup", str(plan), "broken"]) == 1  # the command ended, its done file is not there
     assert main(["run", str(plan), "--stages", "echo"]) == 0
     assert records(tmp_path / "run")["echo"]["status"] == "ok"
+
+
+def test_a_gpu_idle_stage_starts_once_no_process_computes_on_the_gpu(tmp_path, monkeypatch):
+    # the CPU twin of nvidia-smi: a compute process for its first two queries, then none
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    calls = tmp_path / "calls"
+    (tools / "nvidia-smi").write_text(f"#!/bin/sh\necho q >> {calls}\n"
+                                      f"[ $(wc -l < {calls}) -le 2 ] && echo 4242\nexit 0\n")
+    (tools / "nvidia-smi").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tools}{os.pathsep}{os.environ['PATH']}")
+    raw = yaml.safe_load(open(toy_plan(tmp_path)))
+    raw["stages"][3]["gpu_idle"] = True  # echo
+    plan = tmp_path / "gpu.yaml"
+    plan.write_text(yaml.safe_dump(raw))
+    assert main(["run", str(plan), "--stages", "echo"]) == 0
+    assert len(calls.read_text().splitlines()) == 3  # asked until the third query found the GPU idle
+    assert records(tmp_path / "run")["echo"]["status"] == "ok"
