@@ -11,8 +11,9 @@ A stage runs in the run directory (not the checkout, whose dflashkit/ folder wou
 bench/ and lab/ importable through RUN/.packages, its output in RUN/<name>.log, under its time limit: at the limit
 its process group gets SIGINT, then SIGKILL after ``grace`` seconds, and it is recorded as timed out. RUN/stages.jsonl
 holds a start and an end record per stage (time, exit status, seconds). A stage whose outputs all exist and whose
-last recorded exit status is 0 is skipped, so a run resumes on a fresh machine once the run directory (or the
-collected archive) is copied back in. A stage runs only when the stages it needs succeeded or were skipped as done.
+last recorded exit status is 0 is skipped, and so is one that ended with 0 and every stage needing it is done (its
+intermediates, like regen.jsonl or the checkpoints, need not come back): a run resumes on a fresh machine once the
+collected archive is unpacked into its run directory. A stage runs only when the stages it needs succeeded or were skipped as done.
 
 Retiring the shell scripts: lab/testbed_*.sh, lab/run_lib.sh stay while their CPU twins are tested in lab/tests/.
 Each plan names the script it replaces; once a plan's toy profile is tested here (test_lease_plans.py) and a GPU
@@ -50,6 +51,18 @@ def is_done(stage: Stage, run_dir: Path, last: dict) -> bool:
     end = last.get(stage.name)
     return (bool(stage.outputs) and all((run_dir / o).exists() for o in stage.outputs)
             and end is not None and end.get("rc") == 0)
+
+
+def done_stages(plan: Plan, last: dict) -> set[str]:
+    """The stages that need not run: those done by ``is_done``, and those whose recorded exit status was 0 and every
+    stage needing them is done (a fresh machine gets the results back, not the intermediates: regen.jsonl and the
+    training checkpoints need not come back once training and the export are done)."""
+    done = {s.name for s in plan.stages if is_done(s, plan.run_dir, last)}
+    for stage in reversed(plan.stages):  # a stage's dependents come after it
+        users = [s.name for s in plan.stages if stage.name in s.needs]
+        if users and all(u in done for u in users) and last.get(stage.name, {}).get("rc") == 0:
+            done.add(stage.name)
+    return done
 
 
 def wait_gpu_idle(run_dir: Path) -> None:
@@ -148,13 +161,15 @@ def run_plan(plan: Plan, only: list[str] | None) -> int:
                                                         "stages": [s.name for s in plan.stages]}, indent=1))
     note(plan.run_dir, event="run", plan=str(plan.path), stages=only or names, pid=os.getpid())
     last = records(plan.run_dir)
-    good: set[str] = {s.name for s in plan.stages if is_done(s, plan.run_dir, last)}
+    good = done_stages(plan, last)
     worst = 0
     for stage in plan.stages:
         if (only and stage.name not in only) or (not only and stage.optional):
             continue
-        if is_done(stage, plan.run_dir, last):
-            note(plan.run_dir, event="skip", stage=stage.name, reason="outputs present, recorded rc 0")
+        if stage.name in good:
+            reason = ("outputs present, recorded rc 0" if is_done(stage, plan.run_dir, last)
+                      else "recorded rc 0, every stage that needs it done")
+            note(plan.run_dir, event="skip", stage=stage.name, reason=reason)
             continue
         missing = [n for n in stage.needs if n not in good]
         waiting = None if missing else setup_ready(plan, stage)

@@ -69,18 +69,44 @@ def test_a_fresh_machine_resumes_from_the_collected_archive(tmp_path):
     assert {"stages.jsonl", "plan.json", "out/report.txt", "in/data.txt", "fetch.log", "report.log"} <= names
     assert "order.txt" not in names and archive.stat().st_size < 16 * 2**20
 
-    # the fresh machine: an empty run directory holding only the archive's files; the stage whose output is not in
-    # the archive (make: order.txt) runs again, its needs (fetch) are skipped as done, and so is report
-    fresh = tmp_path / "fresh"
-    fresh.mkdir()
-    with tarfile.open(archive) as tar:
-        tar.extractall(fresh, filter="data")
+    # the fresh machine: an empty run directory holding only the archive's files. fetch and report are done (their
+    # outputs are there, recorded rc 0); make's output is not there, but the stage that needs it (report) is done,
+    # so it is not run again either: only echo (no outputs: always run) runs
+    fresh = unpacked(archive, tmp_path / "fresh")
     assert main(["run", plan, "--set", f"run={fresh}"]) == 0
-    events = [(r["event"], r.get("stage")) for r in read_records(fresh)]
-    after = events[events.index(("run", None), 1):]
-    assert ("skip", "fetch") in after and ("skip", "report") in after and ("start", "make") in after
-    assert ("start", "fetch") not in after and ("start", "report") not in after
-    assert (fresh / "order.txt").read_text() == "make\n"
+    assert started(fresh) == ["echo"] and skipped(fresh) == ["fetch", "make", "report"]
+
+    # without report's result, report runs again and so does make (now needed); fetch's output is there: skipped
+    second = unpacked(archive, tmp_path / "second")
+    (second / "out" / "report.txt").unlink()
+    assert main(["run", plan, "--set", f"run={second}"]) == 0
+    assert started(second) == ["make", "report", "echo"] and skipped(second) == ["fetch"]
+    assert (second / "order.txt").read_text() == "make\n" and (second / "out" / "report.txt").is_file()
+
+    # without fetch's output as well, everything runs
+    third = unpacked(archive, tmp_path / "third")
+    (third / "out" / "report.txt").unlink()
+    (third / "in" / "data.txt").unlink()
+    assert main(["run", plan, "--set", f"run={third}"]) == 0
+    assert started(third) == ["fetch", "make", "report", "echo"]
+
+
+def unpacked(archive, folder):
+    folder.mkdir()
+    with tarfile.open(archive) as tar:
+        tar.extractall(folder, filter="data")
+    return folder
+
+
+def started(run):
+    """The stages the last run of ``run`` started, in order."""
+    runs = [i for i, r in enumerate(read_records(run)) if r["event"] == "run"]
+    return [r["stage"] for r in read_records(run)[runs[-1]:] if r["event"] == "start"]
+
+
+def skipped(run):
+    runs = [i for i, r in enumerate(read_records(run)) if r["event"] == "run"]
+    return [r["stage"] for r in read_records(run)[runs[-1]:] if r["event"] == "skip"]
 
 
 def test_a_failed_stage_blocks_the_stages_that_need_it(tmp_path):
