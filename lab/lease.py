@@ -13,7 +13,8 @@ its process group gets SIGINT, then SIGKILL after ``grace`` seconds, and it is r
 holds a start and an end record per stage (time, exit status, seconds). A stage whose outputs all exist and whose
 last recorded exit status is 0 is skipped, and so is one that ended with 0 and every stage needing it is done (its
 intermediates, like regen.jsonl or the checkpoints, need not come back): a run resumes on a fresh machine once the
-collected archive is unpacked into its run directory. A stage runs only when the stages it needs succeeded or were skipped as done.
+collected archive is unpacked into its run directory. A stage runs only when the stages it needs succeeded or were
+skipped as done.
 
 Retiring the shell scripts: lab/testbed_*.sh, lab/run_lib.sh stay while their CPU twins are tested in lab/tests/.
 Each plan names the script it replaces; once a plan's toy profile is tested here (test_lease_plans.py) and a GPU

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import glob
 import json
+import os
 import tarfile
 import time
 from pathlib import Path
@@ -51,7 +52,23 @@ def stage_lines(run_dir: Path) -> list[str]:
         elif event == "blocked":
             state[name] = f"blocked ({r['reason']})"
     width = max((len(n) for n in state), default=0)
-    return [f"{name:<{width}}  {text}" for name, text in state.items()] or ["no stage started yet"]
+    return [runner_line(run_dir), *(f"{name:<{width}}  {text}" for name, text in state.items())]
+
+
+def runner_line(run_dir: Path) -> str:
+    """Whether the last `lease run` of ``run_dir`` ended (its exit status), runs on, or is gone without an end (the
+    machine was reset, or the runner was killed)."""
+    runs = [r for r in read_records(run_dir) if r.get("event") in ("run", "done")]
+    if not runs or runs[-1]["event"] == "done":
+        return f"runner ended rc={runs[-1]['rc']}" if runs else "runner: no run recorded"
+    pid = runs[-1]["pid"]
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return f"runner pid {pid} gone without an end record"
+    except PermissionError:
+        pass
+    return f"runner pid {pid} running"
 
 
 def collect(run_dir: Path, out: Path, max_mib: float = 16.0) -> str:

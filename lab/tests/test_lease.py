@@ -153,7 +153,8 @@ def test_status_says_one_line_per_stage(tmp_path, capsys):
     main(["run", plan])
     capsys.readouterr()
     assert main(["status", str(tmp_path / "run")]) == 0
-    lines = capsys.readouterr().out.splitlines()
+    runner, *lines = capsys.readouterr().out.splitlines()
+    assert runner == "runner ended rc=0"
     assert [line.split()[0] for line in lines] == ["fetch", "make", "report", "echo"]
     assert all(" ok rc=0 " in line for line in lines)
     assert json.loads((tmp_path / "run" / "plan.json").read_text())["collect"][0] == "out/*.txt"
