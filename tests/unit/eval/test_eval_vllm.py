@@ -17,6 +17,7 @@ from dflashkit.eval.serving_verdict import verdict
 from dflashkit.eval.vllm_engine import VllmEvalConfig, run_vllm_eval
 from dflashkit.targets.vllm_runtime import MISSING_VLLM
 
+from support.paths import ROOT
 from support.vllm_pairs import standin_api, write_pair
 
 pytestmark = pytest.mark.usefixtures("one_thread")
