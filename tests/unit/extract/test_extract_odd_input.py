@@ -160,3 +160,26 @@ def test_extract_resume_on_other_data_is_refused_naming_the_input(tiny, tmp_path
     write_jsonl(tmp_path / "d.jsonl", chat_records(3))  # the original bytes, spelled another way: resumes
     monkeypatch.chdir(tmp_path)
     assert extract(["--target", tiny, "--data", "./d.jsonl", "--out", str(out), "--no-progress", "--resume"]) == 0
+
+
+# --------------------------------------------------------------------------- huge keys and values quoted cut
+HUGE = "k" * 100_000
+
+
+@pytest.mark.parametrize("record", [
+    {HUGE: 1},  # an unknown format: its field names are listed
+    {"messages": [{"role": HUGE, "content": "hi"}, {"role": "assistant", "content": "yo"}]},  # unknown role
+], ids=["key", "role"])
+def test_a_100_kb_key_or_role_in_a_record_is_cut_in_the_error(tiny, tmp_path, capsys, record):
+    data = write_jsonl(tmp_path / "d.jsonl", [record])
+    assert extract(["--target", tiny, "--data", data, "--out", str(tmp_path / "out"), "--no-progress",
+                    "--on-bad", "fail"]) == 2
+    line = [x for x in capsys.readouterr().err.splitlines() if "error:" in x][-1]
+    assert "kkkk" in line and "(100000 characters)" in line and len(line) < 1000
+
+
+def test_a_100_kb_data_spec_is_cut_in_the_error(tmp_path):
+    with pytest.raises(UserError) as err:
+        list(iter_records(["/nowhere/" + HUGE]))
+    assert "(100009 characters)" in str(err.value) and "File name too long" in str(err.value)
+    assert len(str(err.value)) < 1000
