@@ -15,6 +15,7 @@ Design choices:
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -315,6 +316,16 @@ def parse_override(item: str) -> tuple[str, object]:
     return key, value
 
 
+def _did_you_mean(unknown: list[str], known: set[str]) -> str:
+    """`` (did you mean 'block_size'?)`` for a misspelt field name (the first that is close to a known one)."""
+    for name in unknown:
+        close = difflib.get_close_matches(name[:200], sorted(known), n=1, cutoff=0.75)
+        if close:
+            return f" (did you mean {close[0]!r} for {shown(name)}?)" if len(unknown) > 1 else \
+                f" (did you mean {close[0]!r}?)"
+    return ""
+
+
 def read_recipe(recipe: str) -> dict:
     """A recipe file's fields; a missing file, YAML that does not parse, or anything but a mapping of known
     fields is refused naming the file (and the line), before anything loads."""
@@ -338,8 +349,8 @@ def read_recipe(recipe: str) -> dict:
     known = {f.name for f in dataclasses.fields(TrainConfig)}
     unknown = sorted(str(k) for k in data if k not in known)
     if unknown:
-        raise UserError(f"{recipe}: unknown field(s) {', '.join(map(shown, unknown))}; the fields are listed in "
-                        f"train/config.py")
+        raise UserError(f"{recipe}: unknown field(s) {', '.join(map(shown, unknown))}{_did_you_mean(unknown, known)}"
+                        f"; the fields are listed in train/config.py")
     return data
 
 
@@ -405,8 +416,8 @@ def load_config(recipe: str | None = None, overrides: list[str] | tuple = (), **
     for item in overrides:
         key, value = parse_override(item)
         if key not in known:
-            raise UserError(f"override {shown(item)}: unknown field {shown(key)}; the fields are listed in "
-                            f"train/config.py")
+            raise UserError(f"override {shown(item)}: unknown field {shown(key)}{_did_you_mean([key], known)}; "
+                            f"the fields are listed in train/config.py")
         values[key] = value
         origin.pop(key, None)
     values.update(kwargs)
