@@ -133,3 +133,16 @@ def test_a_misspelt_field_names_the_field_meant(where, tmp_path, capsys):
         ["train", "--recipe", str(recipe), f"shards={tmp_path}"]
     assert cli(argv) == 2
     assert "unknown field" in (line := error_line(capsys, "train")) and "(did you mean 'block_size'?)" in line
+
+
+@pytest.mark.parametrize("text, said", [
+    ("lr: 1e-3\nepochs: 2\nlr: 2e-3\n", "line 3: 'lr' is given again (line 1 gave it first)"),
+    ("drafter:\n  intermediate_size: 64\n  intermediate_size: 32\n",
+     "line 3: 'intermediate_size' is given again (line 2 gave it first)"),
+], ids=["top", "drafter"])
+def test_a_recipe_field_given_twice_is_refused_naming_both_lines(text, said, tmp_path, capsys):
+    """YAML keeps the last of two equal keys: the first value never acted and the run said nothing."""
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(text)
+    assert cli(["train", "--recipe", str(recipe), f"shards={tmp_path}"]) == 2
+    assert f"{recipe}: {said}" in error_line(capsys, "train")
