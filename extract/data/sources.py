@@ -205,7 +205,8 @@ def _iter_path(path: Path, split: str | None):
             return
         files = sorted(p for p in path.rglob("*") if p.is_file() and p.name.lower().endswith(FILE_SUFFIXES))
         if not files:
-            raise UserError(f"{path}: no .jsonl/.json/.parquet files and not a saved datasets directory")
+            raise UserError(f"{path}: no .jsonl/.json/.parquet/.jsonl.gz files and not a saved datasets directory; "
+                            "put the data files in it, or give --data a file")
         for p in files:
             yield from _iter_path(p, split)
     elif name.endswith(".jsonl.gz"):

@@ -217,3 +217,12 @@ def test_a_100_kb_data_spec_is_cut_in_the_error(tmp_path):
         list(iter_records(["/nowhere/" + HUGE]))
     assert "(100009 characters)" in str(err.value) and "File name too long" in str(err.value)
     assert len(str(err.value)) < 1000
+
+
+def test_a_data_directory_without_data_files_says_what_to_give(tiny, tmp_path, capsys):
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "notes.txt").write_text("not data")
+    assert extract(["--target", tiny, "--data", str(tmp_path / "data"), "--out", str(tmp_path / "out"),
+                    "--no-progress"]) == 2
+    line = [x for x in capsys.readouterr().err.splitlines() if "error:" in x][-1]
+    assert f"{tmp_path / 'data'}: no .jsonl/.json/.parquet/.jsonl.gz files" in line and "give --data a file" in line
