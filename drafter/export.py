@@ -254,6 +254,9 @@ def read_drafter_config(path: str | os.PathLike) -> DrafterConfig:
     if moved is not None:
         raise UserError(f"{path} is missing: an export to it was interrupted after moving the previous export to "
                         f"{moved}; move that back to {path}, or run dflashkit export to {path} again")
+    if not cfg_file.is_file() and (Path(path) / "checkpoint.json").is_file():
+        raise UserError(f"{path} is a training checkpoint, not a drafter directory: export it first "
+                        f"(`dflashkit export {path} DIR`) and give DIR")
     if not cfg_file.is_file():
         raise UserError(f"{cfg_file}: no config.json; a drafter directory needs config.json and "
                         f"model.safetensors (write one with `dflashkit init-drafter` or `dflashkit export`)")

@@ -57,6 +57,7 @@ from dflashkit.files import atomic_write, disk_full_is_user_error, open_appendin
 from dflashkit.stopping import StopRequest
 
 from .generation.answerers import EMPTY_ANSWER, ServerGenerator, TargetGenerator
+from .regenerated_data import check_or_record_data, data_record_path
 
 
 def positive_int(text: str) -> int:
@@ -213,6 +214,7 @@ def _regenerate(data: list[str], out, *, overwrite: bool = False, target: str | 
     path = part_path(out, rank, world) if world > 1 else out
     done = _prepare_output(out, path, rank, resume=resume, overwrite=overwrite)
     check_has_records(data, split)  # an empty data file stops here, before the target is loaded or a server asked
+    check_or_record_data(out, data, resume=resume, has_rows=bool(done), rank=rank)  # other data: refused here
 
     # --- the generator -----------------------------------------------------------------------------------
     sampling = dict(template_kwargs=dict(chat_template_kwargs or {}), max_new_tokens=max_new_tokens,
@@ -291,10 +293,12 @@ def _prepare_output(out: Path, path: Path, rank: int, *, resume: bool, overwrite
 
     check_resume_flags(out, resume=resume, overwrite=overwrite,
                        holds="rows" if any(p.exists() and p.stat().st_size for p in (out, path)) else None)
-    if overwrite:  # each rank its own part; rank 0 the merged file; only files regenerate wrote
+    if overwrite:  # each rank its own part; rank 0 the merged file and the data record; only files it wrote
         for p in {path, out} if rank == 0 else {path}:
             check_regenerated(p)
             p.unlink(missing_ok=True)
+        if rank == 0:
+            data_record_path(out).unlink(missing_ok=True)
     if not resume:
         return set()
     for p in {out, path}:

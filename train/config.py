@@ -15,6 +15,7 @@ Design choices:
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -317,6 +318,36 @@ def parse_override(item: str) -> tuple[str, object]:
     return key, value
 
 
+def _did_you_mean(unknown: list[str], known: set[str]) -> str:
+    """`` (did you mean 'block_size'?)`` for a misspelt field name (the first that is close to a known one)."""
+    for name in unknown:
+        close = difflib.get_close_matches(name[:200], sorted(known), n=1, cutoff=0.75)
+        if close:
+            return f" (did you mean {close[0]!r} for {shown(name)}?)" if len(unknown) > 1 else \
+                f" (did you mean {close[0]!r}?)"
+    return ""
+
+
+def _key_given_twice(node) -> tuple[str, int, int] | None:
+    """(key, its second line, its first line) of the first key given twice in one mapping of a composed YAML
+    document (nested mappings such as ``drafter:`` included); None when every key is given once."""
+    import yaml
+
+    if isinstance(node, yaml.MappingNode):
+        seen: dict = {}
+        for key, value in node.value:
+            name = key.value if isinstance(key, yaml.ScalarNode) else None
+            if name is not None and name in seen:
+                return name, key.start_mark.line + 1, seen[name]
+            seen.setdefault(name, key.start_mark.line + 1)
+            found = _key_given_twice(value)
+            if found:
+                return found
+    elif isinstance(node, yaml.SequenceNode):
+        return next(filter(None, map(_key_given_twice, node.value)), None)
+    return None
+
+
 def read_recipe(recipe: str) -> dict:
     """A recipe file's fields; a missing file, YAML that does not parse, or anything but a mapping of known
     fields is refused naming the file (and the line), before anything loads."""
@@ -326,7 +357,9 @@ def read_recipe(recipe: str) -> dict:
     if not path.is_file():
         raise UserError(f"recipe {recipe}: no such file (see recipes/*.yaml)")
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8-sig")) or {}
+        text = path.read_text(encoding="utf-8-sig")
+        data = yaml.safe_load(text) or {}
+        twice = _key_given_twice(yaml.compose(text, Loader=yaml.SafeLoader))
     except UnicodeDecodeError as e:
         raise UserError(f"{recipe}: not UTF-8 text ({e.reason} at byte {e.start}); save the recipe as UTF-8") from None
     except yaml.YAMLError as e:
@@ -334,14 +367,17 @@ def read_recipe(recipe: str) -> dict:
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
         raise UserError(f"{recipe}: not valid YAML ({where}{getattr(e, 'problem', None) or e}); fix that line (a "
                         f"recipe is a mapping of TrainConfig fields, `lr: 6e-4`)") from None
+    if twice is not None:  # YAML keeps the last value silently: the first would be a setting that never acts
+        raise UserError(f"{recipe}: line {twice[1]}: {shown(twice[0])} is given again (line {twice[2]} gave it "
+                        "first); keep one of the two")
     if not isinstance(data, dict):
         raise UserError(f"{recipe}: a recipe is a mapping of TrainConfig fields (`lr: 6e-4` per line), not a "
                         f"{type(data).__name__}")
     known = {f.name for f in dataclasses.fields(TrainConfig)}
     unknown = sorted(str(k) for k in data if k not in known)
     if unknown:
-        raise UserError(f"{recipe}: unknown field(s) {', '.join(map(shown, unknown))}; the fields are listed in "
-                        f"train/config.py")
+        raise UserError(f"{recipe}: unknown field(s) {', '.join(map(shown, unknown))}{_did_you_mean(unknown, known)}"
+                        f"; the fields are listed in train/config.py")
     return data
 
 
@@ -407,8 +443,8 @@ def load_config(recipe: str | None = None, overrides: list[str] | tuple = (), **
     for item in overrides:
         key, value = parse_override(item)
         if key not in known:
-            raise UserError(f"override {shown(item)}: unknown field {shown(key)}; the fields are listed in "
-                            f"train/config.py")
+            raise UserError(f"override {shown(item)}: unknown field {shown(key)}{_did_you_mean([key], known)}; "
+                            f"the fields are listed in train/config.py")
         values[key] = value
         origin.pop(key, None)
     values.update(kwargs)

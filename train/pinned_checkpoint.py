@@ -46,8 +46,12 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
         return path
     found = latest_checkpoint(path, warn=lambda msg: print(msg))
     if found is None:
+        if (path / "checkpoints").is_dir() or (path / "metrics.jsonl").is_file():  # a run that saved none yet
+            raise UserError(f"{path}: the run has no complete checkpoint yet under {path}/checkpoints (train saves "
+                            "one every save_every steps and at the end); export it after its first save")
         raise UserError(f"{path}: neither a checkpoint (checkpoint.json) nor a run directory with complete "
-                        f"checkpoints under {path}/checkpoints")
+                        f"checkpoints under {path}/checkpoints; give a train output_dir or one of its "
+                        "checkpoints/step-N directories")
     return found
 
 

@@ -127,8 +127,11 @@ def verify_shards(shard_dir: str, rank: int, world: int) -> None:
     for k in range(rank, len(files), world):
         problems += [f"{files[k]}: {p}" for p in check_shard(files[k], manifest["shards"][k], manifest)]
     if problems:
-        raise UserError("refusing to train on damaged shards:\n  " + "\n  ".join(problems) +
-                        f"\nre-extract them (`dflashkit verify {shard_dir}` lists every problem)")
+        # one line: the first problem in full, the rest counted (`dflashkit verify` lists every one)
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise UserError(f"refusing to train on damaged shards: {problems[0]}{more}; `dflashkit verify {shard_dir}` "
+                        "lists every problem; run the `dflashkit extract` that wrote them again with --overwrite "
+                        "(--resume keeps the shards it lists, damaged or not)")
 
 
 def target_identity(head) -> dict:

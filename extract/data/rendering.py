@@ -33,7 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dflashkit.errors import UserError
+from dflashkit.errors import UserError, shown
 from dflashkit.targets.chat_template import last_special, render_chat, special_tokens
 
 from .sources import ROLE_ALIASES, conversation_fields
@@ -121,7 +121,7 @@ def _message(raw, role_key: str, text_key: str, k: int) -> dict:
         raise BadSample("unknown_format", f"message {k} has no {role_key!r} field")
     role = ROLE_ALIASES.get(str(raw[role_key]).lower())
     if role is None:
-        raise BadSample("unknown_role", f"message {k} has role {raw[role_key]!r}; known roles: "
+        raise BadSample("unknown_role", f"message {k} has role {shown(raw[role_key])}; known roles: "
                                         f"{', '.join(sorted(ROLE_ALIASES))}")
     msg = {"role": role, "content": content_text(raw.get(text_key), f"message {k} ({role}) content")}
     if role == "assistant" and isinstance(raw.get("reasoning_content"), str):
@@ -150,7 +150,7 @@ def normalize_record(record, require_assistant: bool = True) -> tuple[str, objec
         return "text", content_text(record["text"], "text"), 0
     else:
         raise BadSample("unknown_format", "no 'messages', 'conversations', 'prompt'/'response' or 'text' field "
-                                          f"(fields: {', '.join(sorted(map(str, record))[:8])})")
+                                          f"(fields: {', '.join(shown(f, 40) for f in sorted(map(str, record))[:8])})")
     n_system = 0
     while n_system < len(messages) and messages[n_system]["role"] == "system":
         n_system += 1
@@ -177,7 +177,7 @@ def render(tokenizer, messages, cfg: ChatConfig, add_generation_prompt: bool = F
         if "chat_template is not set" in str(e) or "no chat template" in str(e).lower():
             raise NoChatTemplate("the tokenizer has no chat template: pass --chat-template FILE (a Jinja "
                                  "template) or give records as plain 'text'") from None
-        raise BadSample("template_error", f"the chat template refused the conversation: {e}") from None
+        raise BadSample("template_error", f"the chat template refused the conversation: {shown(str(e), 200)}") from None
 
 
 def prompt_ids(tokenizer, messages: list[dict], cfg: ChatConfig) -> list[int]:

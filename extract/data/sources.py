@@ -27,6 +27,7 @@ Design choices:
 from __future__ import annotations
 
 import codecs
+import errno
 import gzip
 import hashlib
 import json
@@ -37,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from dflashkit.errors import UserError
+from dflashkit.errors import UserError, shown
 
 BUILTINS = ("builtin:sharegpt", "builtin:mtbench", "builtin:humaneval")
 MAX_RECORD_BYTES = 4 << 20  # a larger record is skipped (too_large): ~1M tokens, far beyond any training sequence
@@ -204,7 +205,8 @@ def _iter_path(path: Path, split: str | None):
             return
         files = sorted(p for p in path.rglob("*") if p.is_file() and p.name.lower().endswith(FILE_SUFFIXES))
         if not files:
-            raise UserError(f"{path}: no .jsonl/.json/.parquet files and not a saved datasets directory")
+            raise UserError(f"{path}: no .jsonl/.json/.parquet/.jsonl.gz files and not a saved datasets directory; "
+                            "put the data files in it, or give --data a file")
         for p in files:
             yield from _iter_path(p, split)
     elif name.endswith(".jsonl.gz"):
@@ -297,17 +299,21 @@ def _source_path(spec: str) -> Path:
     more than once."""
     if spec.startswith("builtin:"):
         if spec not in BUILTINS:
-            raise UserError(f"unknown built-in data {spec!r}; choose one of {', '.join(BUILTINS)}")
+            raise UserError(f"unknown built-in data {shown(spec, 300)}; choose one of {', '.join(BUILTINS)}")
         return builtin_path(spec)
     if spec == "-":
         raise _read_once("data '-' is standard input")
     path = Path(spec).expanduser()
-    if not path.exists():
-        raise UserError(f"data {spec!r} not found: give a .jsonl/.json/.parquet file, a directory of "
-                        f"them, a saved datasets directory, or one of {', '.join(BUILTINS)}")
+    try:
+        path.stat()
+    except OSError as e:  # missing, or a name too long or a loop of links, which exists() raises on
+        missing = e.errno in (errno.ENOENT, errno.ENOTDIR)
+        raise UserError(f"data {shown(spec, 300)} {'not found' if missing else f'cannot be read ({e.strerror})'}: "
+                        "give a .jsonl/.json/.parquet file, a directory of "
+                        f"them, a saved datasets directory, or one of {', '.join(BUILTINS)}") from None
     if not (path.is_file() or path.is_dir()):
         kind = "a FIFO (named pipe)" if stat.S_ISFIFO(path.stat().st_mode) else "not a regular file"
-        raise _read_once(f"data {spec!r} is {kind}")
+        raise _read_once(f"data {shown(spec, 300)} is {kind}")
     return path
 
 
@@ -332,9 +338,9 @@ def check_sources(specs: list[str]) -> None:
             st = f.stat()
             first = seen.setdefault((st.st_dev, st.st_ino), spec)
             if first != spec or specs.count(spec) > 1:
-                same = "" if first == spec else f" as {first!r}"
-                raise UserError(f"data {spec!r}: {f.resolve()} is given again{same}; its records would be read "
-                                "twice: give each input once")
+                same = "" if first == spec else f" as {shown(first, 300)}"
+                raise UserError(f"data {shown(spec, 300)}: {f.resolve()} is given again{same}; its records would be "
+                                "read twice: give each input once")
 
 
 def iter_records(specs: list[str] | str, split: str | None = None) -> Iterator[SourceItem]:

@@ -5,6 +5,7 @@ and training and return the assistant's next turn as text."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import time
 import urllib.error
@@ -273,7 +274,10 @@ class ServerGenerator:
                     break
             except (urllib.error.URLError, TimeoutError, ConnectionError) as e:
                 last = str(e)
-            time.sleep(2 ** attempt)
+            except http.client.HTTPException as e:  # the connection cut mid-reply (IncompleteRead, ...)
+                last = f"the connection was cut in the middle of the reply ({type(e).__name__}: {shown(str(e))})"
+            if attempt < 3:
+                time.sleep(2 ** attempt)
         raise UserError(f"{self.url}: {last}; check --server and --model (run again with --resume)")
 
     def _reply(self, raw: bytes) -> dict:

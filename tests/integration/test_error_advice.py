@@ -104,3 +104,45 @@ def test_a_100_kb_key_is_cut_in_the_error(where, tmp_path, capsys):
     assert cli(argv) == 2
     line = error_line(capsys, "train")
     assert "unknown field" in line and "kkkk... (100000 characters)" in line and len(line) < 1000
+
+
+def test_a_run_without_a_checkpoint_and_a_checkpoint_given_as_a_drafter_say_what_to_do(chat_run, tmp_path, capsys):
+    """`export` of a run that has saved nothing yet said only "neither a checkpoint nor a run directory"; `eval
+    --drafter` on a training checkpoint asked for a config.json. Both now name the step that is missing."""
+    target, data, shards, _ = chat_run
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)  # as a run looks before its first save
+    capsys.readouterr()
+    assert cli(["export", str(run), str(tmp_path / "export")]) == 2
+    assert "the run has no complete checkpoint yet" in error_line(capsys, "export")
+    assert cli(train_argv(run, shards)) == 0  # the first save: the export works
+    assert cli(["export", str(run), str(tmp_path / "export")]) == 0
+    step = next((run / "checkpoints").glob("step-*"))
+    capsys.readouterr()
+    assert cli(["eval", "--target", target, "--drafter", str(step), "--data", data, "--out",
+                str(tmp_path / "eval"), "--device", "cpu"]) == 2
+    line = error_line(capsys, "eval")
+    assert f"{step} is a training checkpoint" in line and f"dflashkit export {step} DIR" in line
+
+
+@pytest.mark.parametrize("where", ["recipe", "override"])
+def test_a_misspelt_field_names_the_field_meant(where, tmp_path, capsys):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("block_sise: 4\n")
+    argv = ["train", f"shards={tmp_path}", "block_sise=4"] if where == "override" else \
+        ["train", "--recipe", str(recipe), f"shards={tmp_path}"]
+    assert cli(argv) == 2
+    assert "unknown field" in (line := error_line(capsys, "train")) and "(did you mean 'block_size'?)" in line
+
+
+@pytest.mark.parametrize("text, said", [
+    ("lr: 1e-3\nepochs: 2\nlr: 2e-3\n", "line 3: 'lr' is given again (line 1 gave it first)"),
+    ("drafter:\n  intermediate_size: 64\n  intermediate_size: 32\n",
+     "line 3: 'intermediate_size' is given again (line 2 gave it first)"),
+], ids=["top", "drafter"])
+def test_a_recipe_field_given_twice_is_refused_naming_both_lines(text, said, tmp_path, capsys):
+    """YAML keeps the last of two equal keys: the first value never acted and the run said nothing."""
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(text)
+    assert cli(["train", "--recipe", str(recipe), f"shards={tmp_path}"]) == 2
+    assert f"{recipe}: {said}" in error_line(capsys, "train")

@@ -30,6 +30,9 @@ def stream(content: str) -> bytes:
     return b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + b"data: [DONE]\n\n"
 
 
+HANG_UP, CUT_MID_REPLY = b"<hang up>", b"<cut mid-reply>"  # replies the server cuts instead of sending
+
+
 class _Server(BaseHTTPRequestHandler):
     """Serves model ``m`` the way vLLM does under /v1 (chat completions, streamed when asked) unless ``reply``
     (path, request body) -> bytes says otherwise; anything else under the root is a web page."""
@@ -48,13 +51,25 @@ class _Server(BaseHTTPRequestHandler):
     def do_POST(self):  # noqa: N802
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         custom = type(self).reply(self.path, body) if type(self).reply else None
-        if custom is not None:
+        if custom in (HANG_UP, CUT_MID_REPLY):
+            self._cut(custom)
+        elif custom is not None:
             self._send(custom)
         elif self.path != "/v1/chat/completions":
             self._send(b"<html>a web page</html>")
         else:
             answer = f"answer to {body['messages'][-1]['content'][:20]}"
             self._send(stream(answer) if body.get("stream") else completion(answer))
+
+    def _cut(self, how: bytes) -> None:
+        """The connection closed without a reply, or after the headers and 10 of 1000 announced bytes."""
+        if how == CUT_MID_REPLY:
+            self.send_response(200)
+            self.send_header("Content-Length", "1000")
+            self.end_headers()
+            self.wfile.write(b'{"choices"')
+            self.wfile.flush()
+        self.close_connection = True
 
     def log_message(self, *args):
         pass
@@ -113,6 +128,24 @@ def test_a_reply_without_a_message_names_the_url_and_resume_with_the_right_model
     line = error_line(capsys, "dflashkit regenerate")
     assert f"{url}/v1/chat/completions: {said}" in line and "--model" in line and "--resume" in line
     assert cli([*regenerate_argv(url + "/v1", data, out), "--resume"]) == 0  # the advice, followed
+    assert [r["index"] for r in rows(out)] == [0, 1]
+
+
+@pytest.mark.parametrize("cut", [CUT_MID_REPLY, HANG_UP], ids=["incomplete_read", "remote_disconnected"])
+def test_a_connection_cut_mid_reply_is_one_line_and_resume_completes(server, tmp_path, capsys, cut):
+    """A server that dies while answering (http.client.IncompleteRead was a traceback): after the retries one line
+    naming the URL and --resume; no line of the output is cut, and --resume against a working server completes
+    the file."""
+    url, replies = server
+    replies(lambda path, body: cut if "delta" in body["messages"][-1]["content"] else None)  # conversation 1
+    data = write_jsonl(tmp_path / "in.jsonl", REGENERATE_RECORDS[:2])
+    out = tmp_path / "out.jsonl"
+    assert cli(regenerate_argv(url + "/v1", data, out)) == 2
+    line = error_line(capsys, "dflashkit regenerate")
+    assert f"{url}/v1/chat/completions: " in line and "--resume" in line
+    assert [r["index"] for r in rows(out)] in ([], [0])  # whole lines only (rows() parses each)
+    replies(lambda path, body: None)
+    assert cli([*regenerate_argv(url + "/v1", data, out), "--resume"]) == 0
     assert [r["index"] for r in rows(out)] == [0, 1]
 
 

@@ -160,3 +160,69 @@ def test_extract_resume_on_other_data_is_refused_naming_the_input(tiny, tmp_path
     write_jsonl(tmp_path / "d.jsonl", chat_records(3))  # the original bytes, spelled another way: resumes
     monkeypatch.chdir(tmp_path)
     assert extract(["--target", tiny, "--data", "./d.jsonl", "--out", str(out), "--no-progress", "--resume"]) == 0
+
+
+def test_regenerate_resume_on_other_data_is_refused_naming_the_input(tiny, tmp_path, capsys, monkeypatch):
+    """regenerate kept no record of its data, so --resume on other records appended their answers silently."""
+    data = write_jsonl(tmp_path / "d.jsonl", chat_records(2))
+    out = tmp_path / "regen.jsonl"
+    argv = ["--target", tiny, "--out", str(out), "--max-new-tokens", "2", "--no-progress", "--device", "cpu"]
+    assert regenerate([*argv, "--data", data]) == 0
+    before = out.read_bytes()
+    write_jsonl(tmp_path / "d.jsonl", chat_records(3, seed=5))  # same name, other records
+    assert regenerate([*argv, "--data", data, "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert f"{out} was regenerated from other data: input 1 was {data}" in err and "--overwrite" in err
+    assert out.read_bytes() == before  # nothing appended
+    write_jsonl(tmp_path / "d.jsonl", chat_records(2))  # the original bytes, spelled another way: resumes
+    monkeypatch.chdir(tmp_path)
+    assert regenerate([*argv, "--data", "./d.jsonl", "--resume"]) == 0
+    assert out.read_bytes() == before  # every conversation was done
+    write_jsonl(tmp_path / "d.jsonl", chat_records(3, seed=5))
+    assert regenerate([*argv, "--data", data, "--overwrite"]) == 0  # the other fix: start afresh
+    assert len(out.read_text().splitlines()) == 3
+
+
+def test_regenerate_output_without_a_data_record_resumes_with_a_note(tiny, tmp_path, capsys):
+    data = write_jsonl(tmp_path / "d.jsonl", chat_records(2))
+    out = tmp_path / "regen.jsonl"
+    argv = ["--target", tiny, "--out", str(out), "--max-new-tokens", "2", "--no-progress", "--device", "cpu",
+            "--data", data]
+    assert regenerate([*argv, "--limit", "1"]) == 0
+    (tmp_path / "regen.jsonl.data.json").unlink()  # an output of before the record
+    assert regenerate([*argv, "--resume"]) == 0
+    assert "the data was not checked" in capsys.readouterr().out
+    assert [json.loads(line)["index"] for line in out.read_text().splitlines()] == [0, 1]
+    assert (tmp_path / "regen.jsonl.data.json").is_file()  # recorded now: the next resume is checked
+
+
+# --------------------------------------------------------------------------- huge keys and values quoted cut
+HUGE = "k" * 100_000
+
+
+@pytest.mark.parametrize("record", [
+    {HUGE: 1},  # an unknown format: its field names are listed
+    {"messages": [{"role": HUGE, "content": "hi"}, {"role": "assistant", "content": "yo"}]},  # unknown role
+], ids=["key", "role"])
+def test_a_100_kb_key_or_role_in_a_record_is_cut_in_the_error(tiny, tmp_path, capsys, record):
+    data = write_jsonl(tmp_path / "d.jsonl", [record])
+    assert extract(["--target", tiny, "--data", data, "--out", str(tmp_path / "out"), "--no-progress",
+                    "--on-bad", "fail"]) == 2
+    line = [x for x in capsys.readouterr().err.splitlines() if "error:" in x][-1]
+    assert "kkkk" in line and "(100000 characters)" in line and len(line) < 1000
+
+
+def test_a_100_kb_data_spec_is_cut_in_the_error(tmp_path):
+    with pytest.raises(UserError) as err:
+        list(iter_records(["/nowhere/" + HUGE]))
+    assert "(100009 characters)" in str(err.value) and "File name too long" in str(err.value)
+    assert len(str(err.value)) < 1000
+
+
+def test_a_data_directory_without_data_files_says_what_to_give(tiny, tmp_path, capsys):
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "notes.txt").write_text("not data")
+    assert extract(["--target", tiny, "--data", str(tmp_path / "data"), "--out", str(tmp_path / "out"),
+                    "--no-progress"]) == 2
+    line = [x for x in capsys.readouterr().err.splitlines() if "error:" in x][-1]
+    assert f"{tmp_path / 'data'}: no .jsonl/.json/.parquet/.jsonl.gz files" in line and "give --data a file" in line

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from dflashkit.errors import UserError
 from dflashkit.train.checkpoint import list_checkpoints
 from dflashkit.train.config import load_config
 from dflashkit.train.setup import lr_at
@@ -143,6 +144,22 @@ def test_corrupted_shard_is_refused_naming_it(tiny_run, tmp_path, damage):
         train(load_config(None, [], **tiny_overrides(copy, tmp_path / "run")))
     assert str(victim) in str(err.value)
     assert ("sha256" if damage == "flip" else "size") in str(err.value)
+    assert "\n" not in str(err.value) and f"dflashkit verify {copy}" in str(err.value)  # one line, the fix
+
+
+def test_several_damaged_shards_are_one_line_naming_the_first_and_the_count(tiny_run, tmp_path):
+    _, shards = tiny_run
+    copy = tmp_path / "shards"
+    shutil.copytree(shards, copy)
+    victims = sorted(copy.glob("shard-*.safetensors"))
+    assert len(victims) >= 2
+    for victim in victims:
+        victim.write_bytes(victim.read_bytes()[:-100])
+    with pytest.raises(UserError) as err:
+        train(load_config(None, [], **tiny_overrides(copy, tmp_path / "run")))
+    message = str(err.value)
+    assert "\n" not in message and str(victims[0]) in message and str(victims[1]) not in message
+    assert f"(and {len(victims) - 1} more)" in message and "--overwrite" in message
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
