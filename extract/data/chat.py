@@ -16,6 +16,7 @@ Design choices:
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass
@@ -194,8 +195,9 @@ def encode_record(record, tokenizer, cfg: ChatConfig, specials: list[str] | None
 def check_template(tokenizer, cfg: ChatConfig) -> str:
     """Fail before any work when the template cannot mark assistant spans; returns the end-of-turn token."""
     specials = special_tokens(tokenizer)
+    probe_cfg = dataclasses.replace(cfg, max_length=None)  # the template is probed whole: the data's cut is not its
     try:
-        ids, mask = encode_chat(tokenizer, PROBE_CONVERSATION, cfg, specials)
+        ids, mask = encode_chat(tokenizer, PROBE_CONVERSATION, probe_cfg, specials)
     except NoChatTemplate:
         raise
     except (BadSample, TemplateError) as e:

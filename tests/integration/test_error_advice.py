@@ -65,8 +65,8 @@ def test_shards_without_a_sample_are_named_and_eval_samples_names_its_bound(chat
     long = [{"messages": [{"role": "user", "content": "tell " * 60}, {"role": "assistant", "content": "ok"}]}] * 3
     empty = tmp_path / "empty"
     assert cli(["extract", "--target", target, "--data", write_jsonl(tmp_path / "long.jsonl", long), "--out",
-                str(empty), "--layer-ids", "1,3", "--max-length", "16", "--overlong", "drop", "--no-progress"]) == 0
-    capsys.readouterr()
+                str(empty), "--layer-ids", "1,3", "--max-length", "16", "--overlong", "drop", "--no-progress"]) == 2
+    assert "error: extract: every record was skipped (too_long 3)" in capsys.readouterr().err  # its manifest stays
     assert cli(train_argv(tmp_path / "r0", empty)) == 2
     line = error_line(capsys, "train")
     assert f"{empty}: no sample to train on (0 samples" in line and "eval_samples" not in line
