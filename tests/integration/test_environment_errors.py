@@ -62,7 +62,7 @@ def test_a_symlink_loop_on_the_way_to_an_output_is_one_line(command, tmp_path, c
     argv = {
         "extract": ["extract", "--target", NO_TARGET, "--data", data, "--out", str(out), "--no-progress"],
         "regenerate": ["regenerate", "--target", NO_TARGET, "--data", data, "--out", str(out), "--no-progress"],
-        "train": ["train", f"shards={tmp_path}", f"output_dir={out}", "wandb=false", "progress=false"],
+        "train": ["train", f"shards={tmp_path / 'shards'}", f"output_dir={out}", "wandb=false", "progress=false"],
         "export": ["export", str(tmp_path / "no-such-checkpoint"), str(out)],
         "init-drafter": ["init-drafter", "--target", NO_TARGET, "--out", str(out)],
         "eval": ["eval", "--target", NO_TARGET, "--drafter", str(tmp_path / "no-such-drafter"), "--out", str(out)],

@@ -172,7 +172,9 @@ def test_bad_generation_flags_say_what_to_give(tmp_path, capsys):
     def main(argv):
         return run_main("dflashkit regenerate", regenerate_main, argv)
 
-    flags = ["--target", str(tmp_path), "--data", str(tmp_path / "x.jsonl"), "--out", str(tmp_path / "o.jsonl")]
+    (tmp_path / "target").mkdir()  # apart from --out: an output inside an input is refused first
+    flags = ["--target", str(tmp_path / "target"), "--data", str(tmp_path / "x.jsonl"), "--out",
+             str(tmp_path / "o.jsonl")]
     assert main([*flags, "--top-p", "0"]) == 2  # a user error
     assert "top-p in (0, 1]" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:

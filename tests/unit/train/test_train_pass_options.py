@@ -35,7 +35,9 @@ def test_the_options_follow_the_config_the_drafter_and_the_device():
     gpu = drafter_pass_options(cfg, dcfg, torch.device("cuda", 0))  # no GPU needed: only the device's type counts
     assert (gpu["backend"], gpu["fused_loss"]) == ("flex", True)
     eager = drafter_pass_options(TrainConfig(attention="split", wandb=False), dcfg, torch.device("cuda", 0))
-    assert (eager["backend"], eager["fused_loss"], eager["extra_term"]) == ("split", False, True)
+    assert (eager["backend"], eager["fused_loss"], eager["extra_term"]) == ("split", False, False)  # DFlash: none
+    assert drafter_pass_options(TrainConfig(attention="split", wandb=False), dflash2, torch.device("cuda", 0))[
+        "extra_term"]  # DFlash2's selector term, at its default weight
 
 
 def test_every_option_is_an_argument_of_the_drafter_pass():
