@@ -83,7 +83,8 @@ from dflashkit.train.config import MUON_NS_DTYPES, TrainConfig
 from dflashkit.train.data import PackedBlocks, collate_blocks, pack_order
 from dflashkit.train.drafter_pass import compile_layers, forward_blocks, mask_backend
 from dflashkit.train.metrics import MetricSums
-from dflashkit.train.setup import build_model, build_optimizer, conv_kernels, drafter_pass_options, make_accelerator
+from dflashkit.train.pass_options import drafter_pass_options
+from dflashkit.train.setup import build_model, build_optimizer, conv_kernels, make_accelerator
 from dflashkit.train.train_step import train_step
 
 

@@ -1,4 +1,4 @@
-"""train/setup.drafter_pass_options: the drafter pass's fixed arguments of a run, which the trainer and
+"""train/pass_options.drafter_pass_options: the drafter pass's fixed arguments of a run, which the trainer and
 bench/bench_train_throughput.py both hand to train_step."""
 
 import inspect
@@ -9,7 +9,7 @@ from dflashkit.drafter import DrafterConfig
 from dflashkit.drafter.kinds.dflash2 import SelectorOptions
 from dflashkit.train.config import TrainConfig
 from dflashkit.train.drafter_pass import forward_blocks
-from dflashkit.train.setup import drafter_pass_options
+from dflashkit.train.pass_options import drafter_pass_options
 
 
 def drafter_config(**extra) -> DrafterConfig:
