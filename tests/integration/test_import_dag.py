@@ -40,7 +40,7 @@ MAY_IMPORT = {
     "lab": ("*",),  # studies, lease plans and their tests: may import the product and bench, never imported back
 }
 HELPERS = ("dflashkit", "dflashkit.errors", "dflashkit.untrusted", "dflashkit.outputs", "dflashkit.files",
-           "dflashkit.launch", "dflashkit.stopping", "dflashkit.progress", "dflashkit.cli")  # every room imports these
+           "dflashkit.options", "dflashkit.launch", "dflashkit.stopping", "dflashkit.progress", "dflashkit.cli")  # every room imports these
 COMMANDS = ("dflashkit.demo", "dflashkit.__main__")  # top-level modules of the "commands" room
 
 
