@@ -39,8 +39,9 @@ MAY_IMPORT = {
     "bench": ("*",),  # the benchmarks a user runs on their own drafter
     "lab": ("*",),  # studies, lease plans and their tests: may import the product and bench, never imported back
 }
+# every room imports these:
 HELPERS = ("dflashkit", "dflashkit.errors", "dflashkit.untrusted", "dflashkit.outputs", "dflashkit.files",
-           "dflashkit.options", "dflashkit.launch", "dflashkit.stopping", "dflashkit.progress", "dflashkit.cli")  # every room imports these
+           "dflashkit.options", "dflashkit.launch", "dflashkit.stopping", "dflashkit.progress", "dflashkit.cli")
 COMMANDS = ("dflashkit.demo", "dflashkit.__main__")  # top-level modules of the "commands" room
 
 
