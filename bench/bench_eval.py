@@ -63,7 +63,7 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default="runs/bench/bench_eval.json")
     args = parser.parse_args(argv)
 
-    from dflashkit.eval.engine import DecodeConfig
+    from dflashkit.eval.decoder import DecodeConfig
     from dflashkit.eval.run import run_eval
 
     work = Path(tempfile.mkdtemp(prefix="bench_eval_")) if args.toy else None

@@ -86,7 +86,7 @@ def train(recipe: str, overrides: list[str] | tuple = (), **fields) -> dict:
 def evaluate(target: str, drafter: str, out: str, dataset: list[str], mode: str = "chain", tree_budget: int = 64,
              max_new_tokens: int = 256, **kwargs) -> dict:
     """Live speculative decoding and its report (dflashkit.eval); ``kwargs`` go to ``run_eval``."""
-    from dflashkit.eval.engine import DecodeConfig
+    from dflashkit.eval.decoder import DecodeConfig
     from dflashkit.eval.run import run_eval
 
     config = DecodeConfig(mode=mode, tree_budget=tree_budget, max_new_tokens=max_new_tokens)

@@ -3,7 +3,7 @@
 Design choices:
 - The drafter's hidden size, vocabulary and head layout default to the target's: the drafter reads the target's
   embeddings and lm_head, so hidden size and vocabulary must match. Its RoPE is 1-D over the full head_dim with
-  the target's rope_theta, the one RoPE vLLM and SGLang apply alike (engines.py says what each engine reads).
+  the target's rope_theta, the one RoPE vLLM and SGLang apply alike (serving_rules.py says what each engine reads).
 - ``target_layer_ids`` name decoder layers; the feature of layer i is that layer's output
   (Hugging Face ``hidden_states[i + 1]``). Defaults follow the reference: evenly spaced from layer 1 to L-3.
   They must be strictly increasing: vLLM and SGLang collect the taps in layer order, the reference and
@@ -29,7 +29,7 @@ from typing import Any
 
 from dflashkit.errors import UserError
 
-from . import engines
+from . import serving_rules
 from .kinds import KINDS, KindFields, by_class_name, kind_for
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -143,7 +143,7 @@ class DrafterConfig(KindFields):  # + each kind's own fields, keyword-only (draf
     # True: every layer is causal inside the block (full context), so the first j proposals are the same for any
     # number of speculative tokens k >= j an engine asks for; exported as is_causal + dflash_config.causal
     causal: bool = False
-    input_embedding_scale: float = 1.0  # must be 1: the engines feed the block's raw embedding rows (engines.py)
+    input_embedding_scale: float = 1.0  # must be 1: the engines feed the block's raw embedding rows (serving_rules.py)
     attention_bias: bool = False  # bias in q/k/v/o projections (Qwen3: none)
     hidden_act: str = "silu"  # SwiGLU activation
     initializer_range: float = 0.02  # std of the random init of linear layers
@@ -175,10 +175,10 @@ class DrafterConfig(KindFields):  # + each kind's own fields, keyword-only (draf
         if self.mask_token_id is not None and not 0 <= self.mask_token_id < self.vocab_size:
             raise UserError(f"mask_token_id {self.mask_token_id} is outside the target's vocabulary "
                             f"(0..{self.vocab_size - 1}); pick an id the embedding has a row for")
-        engines.check_rope_parameters(self.rope_parameters)
+        serving_rules.check_rope_parameters(self.rope_parameters)
         if float(self.input_embedding_scale) != 1.0:
             raise UserError(f"input_embedding_scale={self.input_embedding_scale}: vLLM and SGLang read no such "
-                            f"field (drafter/engines.py); a drafter must train on the raw embedding rows")
+                            f"field (drafter/serving_rules.py); a drafter must train on the raw embedding rows")
         if self.hidden_act != "silu":
             raise UserError(f"hidden_act={self.hidden_act!r}; vLLM and SGLang serve DFlash drafters with silu only")
 
@@ -193,8 +193,9 @@ class DrafterConfig(KindFields):  # + each kind's own fields, keyword-only (draf
                    layer_types: list[str] | None = None, sliding_window: int | None = None,
                    input_embedding_scale: float = 1.0, **overrides) -> "DrafterConfig":
         """A drafter sized like the target's layers (the published DFlash drafters are), with the RoPE the
-        engines apply (engines.drafter_rope_parameters); UserError for a target that cannot be served faithfully."""
-        reason = engines.unservable_reason(target_config)
+        engines apply (serving_rules.drafter_rope_parameters); UserError for a target that cannot be served
+        faithfully."""
+        reason = serving_rules.unservable_reason(target_config)
         if reason:
             raise UserError(reason)
         tc = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
@@ -207,7 +208,7 @@ class DrafterConfig(KindFields):  # + each kind's own fields, keyword-only (draf
             head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // heads,
             rms_norm_eps=getattr(tc, "rms_norm_eps", 1e-6),
             max_position_embeddings=getattr(tc, "max_position_embeddings", 32768),
-            rope_parameters=engines.drafter_rope_parameters(_target_rope(tc)),
+            rope_parameters=serving_rules.drafter_rope_parameters(_target_rope(tc)),
             target_layer_ids=list(target_layer_ids or []),
             block_size=block_size, mask_token_id=mask_token_id, layer_types=list(layer_types or []),
             sliding_window=sliding_window, input_embedding_scale=float(input_embedding_scale))
@@ -233,7 +234,7 @@ class DrafterConfig(KindFields):  # + each kind's own fields, keyword-only (draf
         arch = kind.class_name  # the name engines serve it under; auto_map: the class and its file
         own = {k: int(getattr(c, k)) for k in kind.config_fields}  # the kind's own fields
         # causal-in-block: vLLM reads dflash_config.causal, SGLang and the reference the top-level is_causal
-        # (drafter/engines.py); both are written, and neither for the non-causal default
+        # (drafter/serving_rules.py); both are written, and neither for the non-causal default
         causal = {"causal": True} if c.causal else {}
         return {
             "architectures": [arch],
@@ -263,7 +264,7 @@ class DrafterConfig(KindFields):  # + each kind's own fields, keyword-only (draf
         """Read our export or a reference-format drafter config (DFlash fields top level or in dflash_config).
         Every field's type is checked first (``_checked_fields``), so a damaged file is one line naming the field."""
         d, dflash = _checked_fields(d, source)
-        engines.check_one_engine_fields(d, source)
+        serving_rules.check_one_engine_fields(d, source)
         missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
                    if d.get(k) is None]
         if missing:
@@ -282,7 +283,7 @@ class DrafterConfig(KindFields):  # + each kind's own fields, keyword-only (draf
         architecture = _architecture(d, source)
         own = _kind_fields(d, dflash, architecture, source)
         layer_types = list(d.get("layer_types") or [])
-        causal = engines.causal_in_block(d, source)
+        causal = serving_rules.causal_in_block(d, source)
         try:
             return cls(
                 hidden_size=d["hidden_size"], num_target_layers=d.get("num_target_layers") or (max(ids) + 4),

@@ -5,7 +5,7 @@ An export directory holds:
   ``layers.{i}.mlp.{gate,up,down}_proj.weight``, ``layers.{i}.{input,post_attention}_layernorm.weight``,
   ``fc.weight``, ``hidden_norm.weight``, ``norm.weight``; nothing of the target.
 - ``config.json``: Qwen3 fields + DFlash fields (see DrafterConfig.to_json_dict; only fields vLLM and SGLang read
-  alike, engines.py), ``dtype`` = the weights' dtype, ``auto_map`` -> the shipped ``modeling_dflash.py``, so
+  alike, serving_rules.py), ``dtype`` = the weights' dtype, ``auto_map`` -> the shipped ``modeling_dflash.py``, so
   ``AutoModel.from_pretrained(dir, trust_remote_code=True)`` works without dflashkit (``spec_generate`` included);
   from a training run also ``chat_template`` (the Jinja text it rendered with; null: the target tokenizer's
   own) and ``chat_template_kwargs``, which eval renders its prompts with (eval/chat_settings.py).

@@ -291,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
         config = _vllm_config(args)
         with report_dir(args.out, args.overwrite):
             return _main_vllm(args, config, template_kwargs)
-    from .engine import DecodeConfig
+    from .decoder import DecodeConfig
 
     config = DecodeConfig(mode=args.mode, block_size=args.block_size, tree_budget=args.tree_budget,
                           tree_top_k=args.tree_top_k, temperature=args.temperature, top_p=args.top_p,

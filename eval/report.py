@@ -40,7 +40,7 @@ from pathlib import Path
 from dflashkit.errors import UserError, shown
 from dflashkit.files import atomic_write
 
-from .engine import GenerationResult
+from .decoder import GenerationResult
 
 # every file `dflashkit eval` writes into --out, in any of its modes (local and vLLM reports, --server, --compare)
 REPORT_FILES = ("report.json", "report.md", "acceptance_histogram.png", "per_position_acceptance.png",

@@ -42,7 +42,7 @@ from dflashkit.stopping import StopRequest
 
 from .chat_settings import EvalChat, describe, mismatch_warnings, resolve_chat
 from .confidence_cut import confidence_cut_report
-from .engine import DecodeConfig, GenerationResult, SpeculativeDecoder
+from .decoder import DecodeConfig, GenerationResult, SpeculativeDecoder
 from .prompts import Prompt
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from dflashkit.drafter.engines import schedule_runner
+from dflashkit.drafter.serving_rules import schedule_runner
 
 
 def _x(value) -> str:
@@ -120,7 +120,7 @@ def plan_verdict(report: dict) -> dict:
     text += zero_range_words(schedule, engines, report.get("versions", {}).get("vllm"))
     v1 = {c: v["speedup"] for c, v in engines["v1"]["levels"].items()} if "v1" in engines else None
     # vLLM 0.24 serves a schedule on its V1 runner, whose own cost then bounds what a schedule can get; 0.26 on
-    # the default V2 runner (drafter/engines.py rule "schedule_runner")
+    # the default V2 runner (drafter/serving_rules.py rule "schedule_runner")
     on_v1 = schedule_runner(report.get("versions", {}).get("vllm")) == "v1"
     if v1 and on_v1:
         text += (f" A schedule runs on vLLM's V1 model runner (piecewise CUDA graphs), which without speculation "
@@ -139,7 +139,7 @@ def plan_verdict(report: dict) -> dict:
 def zero_range_words(schedule: dict, engines: dict, version: str | None) -> str:
     """Where the derived schedule's k = 0 levels cost against no speculation and what the plan does there
     (eval/serving_plan.py ``revise_zero_ranges``); "" where none cost."""
-    from dflashkit.drafter.engines import vllm_release, vllm_rule
+    from dflashkit.drafter.serving_rules import vllm_release, vllm_rule
 
     costly = schedule.get("zero_k_ranges", {}).get("costly_zero_levels", {})
     if not costly:

@@ -6,7 +6,7 @@ this twin (tests, `bench_vllm.py --standin`); the GPU run proves the real path.
 Design choices:
 - ``LLM(model=DIR, speculative_config={"method": "dflash", "model": DRAFTER, "num_speculative_tokens": N})``:
   the target loads with dflashkit's loader (fp32, CPU). ``generate`` decodes every prompt greedily, with a drafter
-  through dflashkit's chain decoder with blocks of N + 1 (eval/engine.py, eval/acceptance.py: the acceptance
+  through dflashkit's chain decoder with blocks of N + 1 (eval/decoder.py, eval/acceptance.py: the acceptance
   counts are what this drafter really gets accepted), without one autoregressively through the same verifier.
 - ``get_metrics`` returns objects shaped like vllm.v1.metrics.reader's ``Counter`` and ``Vector``, with vLLM's names
   and one label set per engine: ``vllm:spec_decode_num_drafts``, ``..._num_draft_tokens``,
@@ -20,7 +20,7 @@ Design choices:
   size, identically on every machine: speculation gains while steps are dominated by the fixed part (few
   requests) and loses once they are dominated by the 1 + N tokens each request queries (many requests). A
   decode step of more tokens than the CUDA-graph ceiling (``max_cudagraph_capture_size`` when given, else vLLM
-  0.24's default, drafter/engines.py rule "cudagraph_ceiling") runs eagerly and pays ``eager_s`` more.
+  0.24's default, drafter/serving_rules.py rule "cudagraph_ceiling") runs eagerly and pays ``eager_s`` more.
 - ``RequestOutput.metrics`` carries the fields of vLLM's RequestStateStats that the adapter reads
   (``first_token_latency``, ``first_token_ts``, ``last_token_ts``, ``num_generation_tokens``).
 - Prefix caching (on by default, as in vLLM): the prompt tokens an earlier prompt of the same engine began with
@@ -35,10 +35,10 @@ Design choices:
   round of that decode which covers its position: exact while a request's k does not change, a model of the
   rounds when it does (the counters then count what the step advanced). At k = 0 a step queries one token and
   still pays the drafter's pass (vLLM 0.24's V1 proposer runs it over that token to keep the drafter's cache
-  filled; 0.26 drafts N and keeps the first k, so its pass fills 1 + N tokens at every k: drafter/engines.py
+  filled; 0.26 drafts N and keeps the first k, so its pass fills 1 + N tokens at every k: drafter/serving_rules.py
   rule "zero_k_range", ``draft_queries``).
 - One release at a time (``version``, default ``VERSION``: 0.26, the engine the project serves with; 0.24 for
-  side-by-side checks), following its row of drafter/engines.py ``VLLM_RULES``: on 0.24 every drafter layer is
+  side-by-side checks), following its row of drafter/serving_rules.py ``VLLM_RULES``: on 0.24 every drafter layer is
   full attention (non-causal unless the drafter is causal in the block), so a sliding-window drafter is served
   unlike its training; on 0.26 as trained. The model runner (``model_runner``, recorded, not modelled) is V2
   unless ``VLLM_USE_V2_MODEL_RUNNER=0``, and on 0.24 V1 for a schedule; on 0.26 a drafter mixing sliding and
@@ -166,10 +166,10 @@ def ngram_accepted(sequence: list[int], position: int, k: int, lookup_min: int, 
 
 
 def served_drafter(drafter, version: str, model_runner: str):
-    """The drafter as vLLM ``version`` runs it (drafter/engines.py rules "sliding_window", "mixed_layers"): on
+    """The drafter as vLLM ``version`` runs it (drafter/serving_rules.py rules "sliding_window", "mixed_layers"): on
     0.24 every layer full attention, causal only when the drafter is causal in the block; on 0.26 as trained, and
     a drafter mixing sliding and full layers refused on the V1 runner."""
-    from dflashkit.drafter import engines as rules
+    from dflashkit.drafter import serving_rules as rules
 
     layers = [layer.self_attn for layer in getattr(drafter, "layers", []) if hasattr(layer, "self_attn")]
     types = [attn.layer_type for attn in layers]
@@ -245,7 +245,7 @@ class LLM:
         if spec.get("num_speculative_tokens_per_batch_size") is not None:
             self.lookup = schedule_lookup(spec["num_speculative_tokens_per_batch_size"], self.max_num_seqs,
                                           self.num_speculative_tokens)
-            from dflashkit.drafter.engines import schedule_runner
+            from dflashkit.drafter.serving_rules import schedule_runner
 
             if schedule_runner(self.version) == "v1":  # 0.24: V2 does not serve a schedule
                 self.model_runner = "v1"
@@ -258,7 +258,7 @@ class LLM:
         return sorted(set(self.lookup[1:])) if self.lookup else [self.num_speculative_tokens]
 
     def _decoder(self, max_tokens: int, stop: tuple[int, ...], k: int):
-        from .engine import DecodeConfig, SpeculativeDecoder
+        from .decoder import DecodeConfig, SpeculativeDecoder
 
         drafting = self.drafter is not None and k > 0
         config = DecodeConfig(block_size=k + 1 if drafting else None, max_new_tokens=max_tokens,
@@ -357,22 +357,22 @@ class LLM:
     @property
     def graph_ceiling(self) -> int:
         """The most tokens a step runs inside CUDA graphs: max_cudagraph_capture_size when given, else vLLM 0.24's
-        default min(max_num_seqs * (1 + num_speculative_tokens) * 2, 512) (drafter/engines.py rule
+        default min(max_num_seqs * (1 + num_speculative_tokens) * 2, 512) (drafter/serving_rules.py rule
         "cudagraph_ceiling"); 0 with enforce_eager (every step eager)."""
         if self._graph_ceiling is not None:
             return self._graph_ceiling
         if self.engine_kwargs.get("enforce_eager"):
             return 0
-        from dflashkit.drafter.engines import VLLM_DEFAULT_CUDAGRAPH_CEILING
+        from dflashkit.drafter.serving_rules import VLLM_DEFAULT_CUDAGRAPH_CEILING
 
         return min(self.max_num_seqs * (1 + self.num_speculative_tokens) * 2, VLLM_DEFAULT_CUDAGRAPH_CEILING)
 
     def draft_queries(self, k: int) -> int:
         """Block tokens a dflash drafter fills per request in a step that keeps k drafts: 1 + k where the drafter
         drafts the step's k (a fixed k; vLLM 0.24's V1 proposer with a schedule), 1 + num_speculative_tokens for a
-        schedule on vLLM 0.26, which drafts N and keeps the first k, a k = 0 step included (drafter/engines.py
+        schedule on vLLM 0.26, which drafts N and keeps the first k, a k = 0 step included (drafter/serving_rules.py
         rule "zero_k_range")."""
-        from dflashkit.drafter.engines import schedule_runner
+        from dflashkit.drafter.serving_rules import schedule_runner
 
         return 1 + (self.num_speculative_tokens if self.lookup and schedule_runner(self.version) == "v2" else k)
 

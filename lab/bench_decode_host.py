@@ -147,7 +147,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
 
     from dflashkit import launch
-    from dflashkit.eval.engine import DecodeConfig, SpeculativeDecoder
+    from dflashkit.eval.decoder import DecodeConfig, SpeculativeDecoder
 
     torch.set_num_threads(args.threads)
     device = launch.local_device(None if args.target else "cpu")  # the toy pair: host timing on the CPU

@@ -205,7 +205,7 @@ def train_path(args, path: str, work: Path) -> dict:
 
 def eval_path(args, row: dict, work: Path, path: str) -> dict:
     """`dflashkit eval` (chain) of the path's export on --dataset, in this process."""
-    from dflashkit.eval.engine import DecodeConfig
+    from dflashkit.eval.decoder import DecodeConfig
     from dflashkit.eval.run import run_eval
 
     out = work / path / "eval"

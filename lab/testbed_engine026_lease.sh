@@ -16,7 +16,7 @@
 #            (identical of 80, the differing ones), the drafter's outputs release against release, the chain τ;
 #   grid     vLLM 0.26 alone: k = GRID_KS (default "1 3 7 15") at levels GRID_LEVELS (default "1 4 16 64 128"),
 #            3 repeats of at least 4 waves each, the per-batch-size schedule derived and served (on 0.26's V2
-#            runner, drafter/engines.py rule "schedule_runner"): grid/; ~15 min, a lease of its own (DRAFTER=DIR).
+#            runner, drafter/serving_rules.py rule "schedule_runner"): grid/; ~15 min, a lease of its own (DRAFTER=DIR).
 #
 #   export PYTHONPATH=$(bash lab/import_path.sh):/tmp/site
 #   TARGET=/root/testbed/smollm2-bf16 RUN=/root/run026 nohup bash lab/testbed_engine026_lease.sh &       # H100

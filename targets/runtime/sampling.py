@@ -1,5 +1,5 @@
 """Sampling from a target or drafter: the filtered distribution, a draw from it, and the rejection rule of
-speculative sampling. Used by regeneration (extract/generation/generator.py) and eval (eval/engine.py).
+speculative sampling. Used by regeneration (extract/generation/generator.py) and eval (eval/decoder.py).
 
 Design choices:
 - One distribution for every sampled token, as the reference implementation builds it: softmax(logits / T) over

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from dflashkit.eval.engine import DecodeConfig
+from dflashkit.eval.decoder import DecodeConfig
 from dflashkit.eval.run import run_eval
 from dflashkit.train.config import load_config
 from dflashkit.train.export import main as export_main

@@ -135,7 +135,7 @@ def test_the_tests_keep_the_layout():
 def test_the_checker_catches_each_kind_of_break():
     clean = {"conftest.py": "import pytest\nfrom support.paths import ROOT",
              "support/paths.py": "from pathlib import Path", "support/chat.py": "from .paths import ROOT",
-             "unit/eval/test_a.py": "from support.chat import x\nimport dflashkit.eval.engine",
+             "unit/eval/test_a.py": "from support.chat import x\nimport dflashkit.eval.decoder",
              "unit/eval/conftest.py": "from support.chat import x", "integration/test_b.py": "import json",
              # in process: the path helpers of os and sys; in integration: any process
              "unit/eval/test_c.py": "import os, sys\nsys.path.insert(0, os.path.join('a'))\nos.environ.get('X')",

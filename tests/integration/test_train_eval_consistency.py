@@ -4,7 +4,7 @@ S = prompt + the target's own greedy continuation (HF generate). Training path: 
 capture (targets/capture.py LayerCapture, as extraction and online training compute them), blocks at chosen
 anchors packed by train/data.py (with training's padding), the drafter pass of train/drafter_pass.py and the argmax of
 the lm_head logits at draft positions 1..B-1, as train/loss.py takes it. Eval path: the live chain decoder
-(eval/engine.py) on a prefix of S. Its prefill produces the token after the prompt, which is the first round's
+(eval/decoder.py) on a prefix of S. Its prefill produces the token after the prompt, which is the first round's
 anchor: a prompt S[:a] gives a first block anchored at a, seeing the features of S[:a] (strictly before the
 anchor); every later round r anchors at prompt length + the tokens produced before it. Greedy decoding is
 lossless, so the live tokens are S and every round's draft must equal training's draft at that round's anchor,
@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from dflashkit.drafter import DrafterConfig, build_drafter, load_drafter, save_drafter
-from dflashkit.eval.engine import DecodeConfig, SpeculativeDecoder
+from dflashkit.eval.decoder import DecodeConfig, SpeculativeDecoder
 from dflashkit.eval.report import summarize
 from dflashkit.targets.capture import LayerCapture
 from dflashkit.targets.loading import load_target, load_target_head

@@ -159,7 +159,7 @@ def test_chat_template_kwargs_are_recorded_and_a_different_training_is_warned(ch
 
 
 def test_chain_and_tree_share_the_baseline_in_one_process(chat_pair, tmp_path):
-    from dflashkit.eval.engine import DecodeConfig
+    from dflashkit.eval.decoder import DecodeConfig
     from dflashkit.eval.run import run_eval
 
     root, _ = chat_pair

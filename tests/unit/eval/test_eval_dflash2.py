@@ -15,7 +15,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 from dflashkit.drafter import DrafterConfig, build_drafter, save_drafter
-from dflashkit.eval.engine import DecodeConfig, SpeculativeDecoder
+from dflashkit.eval.decoder import DecodeConfig, SpeculativeDecoder
 
 from support.tiny_targets import VOCAB, prompts, tiny_target_config
 

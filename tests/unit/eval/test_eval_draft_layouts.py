@@ -1,7 +1,7 @@
 """Every drafter layout takes the static draft step (static cache, masks over cache slots, CUDA-graph captured
 on a GPU) and proposes exactly what the eager DynamicCache path and the reference `dflash_generate` propose.
 
-The 6-token tiny target of test_eval_engine.py; blocks of 4 against a window of 3, so the window cuts both the
+The 6-token tiny target of test_eval_decoder.py; blocks of 4 against a window of 3, so the window cuts both the
 context and the block (causal inside it), and prompts of 8 + 30 new tokens, so the context outgrows the window.
 """
 
@@ -12,7 +12,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 from dflashkit.drafter import DrafterConfig, build_drafter, save_drafter
-from dflashkit.eval.engine import DecodeConfig, SpeculativeDecoder
+from dflashkit.eval.decoder import DecodeConfig, SpeculativeDecoder
 
 from support.tiny_targets import VOCAB, prompts, tiny_target_config
 

@@ -16,7 +16,7 @@ from dflashkit.drafter import DrafterConfig, build_drafter, drafter_kind
 from dflashkit.drafter.modeling_dspark import markov_greedy
 from dflashkit.errors import UserError
 from dflashkit.eval.confidence_cut import confidence_cut_report
-from dflashkit.eval.engine import DecodeConfig, SpeculativeDecoder
+from dflashkit.eval.decoder import DecodeConfig, SpeculativeDecoder
 from dflashkit.eval.tree import build_tree
 
 from support.tiny_targets import VOCAB, prompts, tiny_target_config
@@ -70,7 +70,7 @@ def test_greedy_chain_is_lossless_and_drafts_with_the_markov_bias(target, drafte
 
     draft_from_hidden = draft_step.draft_from_hidden
     monkeypatch.setattr(draft_step, "draft_from_hidden", recording)
-    monkeypatch.setattr("dflashkit.eval.engine.draft_from_hidden", recording)
+    monkeypatch.setattr("dflashkit.eval.decoder.draft_from_hidden", recording)
     results = decode(target, drafter, static_draft=False)
     for prompt, result in zip(prompts(5), results):
         assert result.tokens == target_greedy(target, prompt, NEW)

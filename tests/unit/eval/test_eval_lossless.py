@@ -7,7 +7,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 from dflashkit.drafter import DrafterConfig, build_drafter
-from dflashkit.eval.engine import DecodeConfig, SpeculativeDecoder
+from dflashkit.eval.decoder import DecodeConfig, SpeculativeDecoder
 from dflashkit.eval.lossless import (
     TIE_TOLERANCE,
     ReferenceRun,

@@ -7,7 +7,7 @@ from transformers import LlamaForCausalLM
 
 from dflashkit.drafter import DrafterConfig, build_drafter
 from dflashkit.eval import run as eval_run
-from dflashkit.eval.engine import DecodeConfig, SpeculativeDecoder
+from dflashkit.eval.decoder import DecodeConfig, SpeculativeDecoder
 from dflashkit.targets.loading import target_parts
 from dflashkit.targets.runtime.parts import TargetParts
 

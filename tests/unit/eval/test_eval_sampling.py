@@ -7,7 +7,7 @@ from dflash.model import _sampling_probs as reference_sampling_probs
 from transformers import LlamaForCausalLM
 
 from dflashkit.drafter import DrafterConfig, build_drafter
-from dflashkit.eval.engine import DecodeConfig, SpeculativeDecoder
+from dflashkit.eval.decoder import DecodeConfig, SpeculativeDecoder
 from dflashkit.targets.runtime.sampling import sampling_probs
 
 from support.tiny_targets import VOCAB, prompts, tiny_target_config

@@ -14,7 +14,7 @@ from transformers import LlamaForCausalLM
 
 from dflashkit.drafter import DrafterConfig, build_drafter
 from dflashkit.errors import UserError
-from dflashkit.eval.engine import DecodeConfig, SpeculativeDecoder
+from dflashkit.eval.decoder import DecodeConfig, SpeculativeDecoder
 from dflashkit.eval.serving import (
     level_conversations,
     parse_prometheus,

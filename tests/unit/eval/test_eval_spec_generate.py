@@ -1,6 +1,6 @@
-"""The two draft/verify round loops agree: eval/engine.py's chain loop (dflashkit's evaluator) and the shipped
+"""The two draft/verify round loops agree: eval/decoder.py's chain loop (dflashkit's evaluator) and the shipped
 modeling file's own ``spec_generate`` (drafter/modeling_dflash.py, which ships inside exports and runs without
-dflashkit, so it keeps its own loop). Greedy, fp32, CPU, the 6-token tiny target of test_eval_engine.py: the same
+dflashkit, so it keeps its own loop). Greedy, fp32, CPU, the 6-token tiny target of test_eval_decoder.py: the same
 new tokens and the same tokens produced per round (accepted drafts + the bonus, capped by the room left and cut
 at a stop token), for a full-attention drafter and one with sliding-window layers, with and without a stop token.
 
@@ -15,7 +15,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 from dflashkit.drafter import DFlashDraftModel, DrafterConfig, build_drafter
-from dflashkit.eval.engine import DecodeConfig, SpeculativeDecoder
+from dflashkit.eval.decoder import DecodeConfig, SpeculativeDecoder
 
 from support.tiny_targets import VOCAB, prompts, tiny_target_config
 

@@ -11,7 +11,7 @@ import transformers as tf
 
 from dflashkit.cli import run_main
 from dflashkit.eval.__main__ import main
-from dflashkit.eval.engine import DecodeConfig, SpeculativeDecoder
+from dflashkit.eval.decoder import DecodeConfig, SpeculativeDecoder
 from dflashkit.eval.serving_plan import agreement
 from dflashkit.eval.serving_verdict import verdict
 from dflashkit.eval.vllm_engine import VllmEvalConfig, run_vllm_eval
@@ -136,7 +136,7 @@ def test_other_num_speculative_tokens_warns_and_is_reported(pair, tmp_path):
 
 
 def test_a_target_window_reaching_the_drafter_is_a_warning(pair, tmp_path):
-    """vLLM 0.24 gives a target's one sliding window to the drafter's layers (drafter/engines.py "target_window"):
+    """vLLM 0.24 gives a target's one sliding window to the drafter's layers (drafter/serving_rules.py "target_window"):
     a served context longer than the window is warned about and reported."""
     import shutil
 
@@ -184,7 +184,7 @@ def test_the_projection_engines_get_graphs_covering_their_steps(tmp_path, monkey
     from types import SimpleNamespace
 
     from bench import bench_vllm as bench
-    from dflashkit.drafter.engines import vllm_cudagraph_capture_size
+    from dflashkit.drafter.serving_rules import vllm_cudagraph_capture_size
     from dflashkit.eval import vllm_standin
     from dflashkit.eval.vllm_engine import VllmApi
 

@@ -180,7 +180,7 @@ def check_one_engine_fields(config: dict, source: str = "config.json") -> None:
         value = dflash.get(name, config.get(name, absent))
         if value != absent:
             raise UserError(f"{source}: {name}={value!r} is read by one serving engine only (or differently by "
-                            f"each: drafter/engines.py ENGINE_FIELDS); remove it")
+                            f"each: drafter/serving_rules.py ENGINE_FIELDS); remove it")
 
 
 def causal_in_block(config: dict, source: str = "config.json") -> bool:

@@ -2,7 +2,7 @@
 SGLang read the exported config.json (RoPE, block embedding, layer types, mask token, layer ids) reproduces the
 training forward bit for bit in fp32.
 
-The engine readers below follow the engines' code (cited per line; drafter/engines.py has the table): they
+The engine readers below follow the engines' code (cited per line; drafter/serving_rules.py has the table): they
 read only config.json and the target, never DrafterConfig. Everything is packed the way training packs blocks
 (several anchors, one pass), so the only thing that can differ is what each side derives from its inputs.
 """
@@ -16,7 +16,7 @@ import torch.nn.functional as F
 import transformers as tf
 
 from dflashkit.drafter import DrafterConfig, build_drafter, save_drafter
-from dflashkit.drafter.engines import UNSERVABLE
+from dflashkit.drafter.serving_rules import UNSERVABLE
 from dflashkit.errors import UserError
 from dflashkit.targets.capture import LayerCapture
 from dflashkit.targets.loading import FAMILIES, load_target

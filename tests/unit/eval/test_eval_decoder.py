@@ -11,7 +11,7 @@ import torch
 from transformers import DynamicCache, LlamaForCausalLM
 
 from dflashkit.drafter import DrafterConfig, build_drafter, save_drafter
-from dflashkit.eval.engine import DecodeConfig, SpeculativeDecoder
+from dflashkit.eval.decoder import DecodeConfig, SpeculativeDecoder
 from dflashkit.targets.loading import cache_kwargs
 
 from support.tiny_targets import VOCAB, prompts, tiny_target_config

@@ -6,7 +6,7 @@ import torch
 from transformers import Gemma2Config, Gemma2ForCausalLM, LlamaForCausalLM, Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
 from dflashkit.drafter import DrafterConfig, build_drafter
-from dflashkit.eval.engine import DecodeConfig, SpeculativeDecoder
+from dflashkit.eval.decoder import DecodeConfig, SpeculativeDecoder
 
 from support.tiny_targets import VOCAB, prompts, tiny_target_config
 
