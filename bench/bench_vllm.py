@@ -5,8 +5,9 @@ One H200 (`. /tmp/vllm-site/vllm-env.sh` first; the testbed target and a trained
 report of the same drafter on the same prompts, run beforehand):
     python -m bench.bench_vllm --target /root/testbed/smollm2-bf16 --drafter out/drafter \\
         --dflashkit-report runs/eval-chain/report.json --out runs/bench/vllm
-CPU toy (the CPU twin of vllm.LLM, eval/vllm_standin.py; a tiny random pair; modelled step times):
-    python -m bench.bench_vllm --standin --out /tmp/bench_vllm_toy
+CPU toy (a tiny random pair over a CPU twin of vllm.LLM with modelled step times, which the caller passes as
+``main(argv, toy_api=...)``: the tests, and the lab's `python -m lab.standin_bench_vllm --out /tmp/bench_vllm_toy`;
+the twin is a test double, tests/support/vllm_standin.py, so it does not ship with the benchmark).
 
 Parts (--parts, default all), each writing its own JSON in --out (a failed part writes <part>.error.json with its
 traceback and the others still run):
@@ -64,13 +65,10 @@ def write_json(out: Path, name: str, data: dict) -> None:
 
 
 def api_for(args):
-    from dflashkit.eval.vllm_engine import real_vllm_api
+    """The vLLM calls of the run: the toy's twin when main was given one, else the installed vLLM."""
+    from dflashkit.targets.vllm.api import load_api
 
-    if not args.standin:
-        return real_vllm_api()
-    from dflashkit.eval import vllm_standin
-
-    return vllm_standin.standin_api()
+    return load_api(args.toy_api)
 
 
 def toy_pair(root: Path) -> tuple[str, str, str]:
@@ -192,8 +190,8 @@ def part_tau_k(args, out: Path) -> None:
     import tempfile
 
     from dflashkit.eval.serving_plan import first_positions_tau
-    from dflashkit.eval.vllm_engine import close_engine, start_engine
-    from dflashkit.eval.vllm_metrics import timed_generate
+    from dflashkit.targets.vllm.api import close_engine, start_engine
+    from dflashkit.targets.vllm.metrics import timed_generate
 
     drafters = dict(item.split("=", 1) for item in args.drafters) if args.drafters else {"drafter": args.drafter}
     api = api_for(args)
@@ -223,7 +221,7 @@ def part_tau_k(args, out: Path) -> None:
             row["tau_first_k_at_max_k"] = first_positions_tau(full["per_position_acceptance"], row["k"])
             row["ratio_to_first_k_at_max_k"] = row["tau"] / row["tau_first_k_at_max_k"]
     write_json(out, "g_tau_per_k", {"rows": rows, "prompts": len(prompts), "datasets": args.dataset,
-                                    "max_new_tokens": args.max_new_tokens, "standin": args.standin,
+                                    "max_new_tokens": args.max_new_tokens, "standin": args.toy,
                                     "measured": "vLLM spec-decode counters; one engine per (drafter, k), eager, "
                                     "prefix cache off, every prompt once, all submitted together"})
 
@@ -275,7 +273,7 @@ def projection_utilization(need_bytes: int, total_bytes: int) -> float:
 def projection_gpu_memory_utilization(args, drafter_layers: int, taps: int) -> tuple[float, dict | None]:
     """(gpu_memory_utilization for the projection's engines, the sizing) from the 8B shape and the card's total
     memory; --projection-gpu-memory-utilization when given, the CPU twin's --gpu-memory-utilization (not modelled)."""
-    if args.projection_gpu_memory_utilization is not None or args.standin:
+    if args.projection_gpu_memory_utilization is not None or args.toy:
         return args.projection_gpu_memory_utilization or args.gpu_memory_utilization, None
     import torch
 
@@ -286,24 +284,24 @@ def projection_gpu_memory_utilization(args, drafter_layers: int, taps: int) -> t
     return projection_utilization(sizing["bytes"], total), {**sizing, "gpu_total_bytes": total}
 
 
-def projection_dirs(root: Path, standin: bool, drafter_weights: bool) -> tuple[Path, Path]:
+def projection_dirs(root: Path, toy: bool, drafter_weights: bool) -> tuple[Path, Path]:
     """The 8B-shaped target dir (config.json; CPU toy: a tiny random Qwen3 with weights) and its 5-layer drafter."""
     import torch
     import transformers as tf
 
     from dflashkit.drafter import DrafterConfig, build_drafter, save_drafter
 
-    shape = QWEN3_TOY if standin else QWEN3_8B
+    shape = QWEN3_TOY if toy else QWEN3_8B
     target, drafter = root / "target", root / "drafter"
     target.mkdir(parents=True, exist_ok=True)
     hf = tf.Qwen3Config(**{k: v for k, v in shape.items() if k not in ("architectures", "model_type")})
-    if standin:
+    if toy:
         tf.Qwen3ForCausalLM(hf).save_pretrained(target)
     else:
         (target / "config.json").write_text(json.dumps(shape, indent=2) + "\n")
     dcfg = DrafterConfig.for_target(hf, num_hidden_layers=5, block_size=16, mask_token_id=shape["vocab_size"] - 1)
-    if standin or drafter_weights:
-        save_drafter(build_drafter(dcfg), drafter, dtype=None if standin else torch.bfloat16)
+    if toy or drafter_weights:
+        save_drafter(build_drafter(dcfg), drafter, dtype=None if toy else torch.bfloat16)
     else:
         drafter.mkdir(parents=True, exist_ok=True)
         (drafter / "config.json").write_text(json.dumps(dcfg.to_json_dict(), indent=2) + "\n")
@@ -317,19 +315,19 @@ def part_projection(args, out: Path) -> None:
     import torch
 
     from dflashkit.eval.serving_plan import capture_for
-    from dflashkit.eval.vllm_engine import close_engine, start_engine
-    from dflashkit.eval.vllm_metrics import timed_generate
+    from dflashkit.targets.vllm.api import close_engine, start_engine
+    from dflashkit.targets.vllm.metrics import timed_generate
 
     ks = sorted(set(args.ks))
-    target, drafter = projection_dirs(out / "projection", args.standin, args.projection_drafter_weights)
+    target, drafter = projection_dirs(out / "projection", args.toy, args.projection_drafter_weights)
     api = api_for(args)
     levels = args.concurrency
-    vocab = (QWEN3_TOY if args.standin else QWEN3_8B)["vocab_size"]
+    vocab = (QWEN3_TOY if args.toy else QWEN3_8B)["vocab_size"]
     g = torch.Generator().manual_seed(0)
     prompts = [(f"random{k}", torch.randint(10, vocab - 10, (args.projection_prompt_tokens,), generator=g).tolist())
                for k in range(max(levels))]
     params = api.sampling_params(max_tokens=args.projection_new_tokens, temperature=0.0, ignore_eos=True,
-                                 **({} if args.standin else {"detokenize": False}))
+                                 **({} if args.toy else {"detokenize": False}))
     drafter_config = json.loads((drafter / "config.json").read_text())
     utilization, sizing = projection_gpu_memory_utilization(
         args, drafter_config["num_hidden_layers"], len(drafter_config["dflash_config"]["target_layer_ids"]))
@@ -360,11 +358,11 @@ def part_projection(args, out: Path) -> None:
     for per_level in steps.values():  # the largest k under its old name ("spec")
         per_level["spec"] = per_level[f"k{ks[-1]}"]
     write_json(out, "e_projection_times", {
-        "target_shape": QWEN3_TOY if args.standin else QWEN3_8B, "drafter_layers": 5, "num_speculative_tokens": ks[-1],
+        "target_shape": QWEN3_TOY if args.toy else QWEN3_8B, "drafter_layers": 5, "num_speculative_tokens": ks[-1],
         "ks": ks, "measured": "vLLM's time per decode step without the drafter and with it at each k, at each "
         "concurrency (random weights: load_format=dummy; steady decode, no stop)", "raw": steps,
         "max_cudagraph_capture_size": graphs, "gpu_memory_utilization": utilization, "memory_sizing": sizing,
-        "standin": args.standin})
+        "standin": args.toy})
     (out / "e_projection_times.partial.json").unlink()
     if (out / "a_tau.json").exists() or (out / "serve" / "report.json").exists():
         part_projection_model(args, out)
@@ -533,8 +531,8 @@ def part_server(args, out: Path) -> None:
     and requests per level, and compared cell by cell with `--parts serve`'s report when it ran first."""
     import importlib.util
 
-    if args.standin:
-        write_json(out, "f_server", {"ran": False, "why": "a CPU toy run (--standin) has no vLLM server"})
+    if args.toy:
+        write_json(out, "f_server", {"ran": False, "why": "a CPU toy run (a twin of vllm.LLM) has no vLLM server"})
         return
     missing = [m for m in ("uvicorn", "fastapi", "vllm.entrypoints.openai.api_server")
                if importlib.util.find_spec(m) is None]
@@ -595,7 +593,9 @@ def guarded(out: Path, name: str, run) -> bool:
         return False
 
 
-def main(argv=None) -> int:
+def main(argv=None, toy_api=None) -> int:
+    """The benchmark over the installed vLLM; ``toy_api`` (a targets/vllm/api.py ``VllmApi`` over a CPU twin of
+    vllm.LLM) runs the CPU toy instead: that twin, and a tiny random pair unless --target and --drafter name one."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--target")
     p.add_argument("--drafter")
@@ -614,7 +614,6 @@ def main(argv=None) -> int:
     p.add_argument("--dflashkit-report", help="report.json of `dflashkit eval` (chain) on the same prompts")
     p.add_argument("--acceptance-report", help="projection_model without (a): the per-position acceptance of "
                    "this dflashkit eval report.json instead of vLLM's")
-    p.add_argument("--standin", action="store_true", help="CPU toy: the CPU twin of vllm.LLM, a tiny random pair")
     p.add_argument("--parts", nargs="+", choices=PARTS, default=[p for p in PARTS if p != "tau"],
                    help="default: all but tau (serve writes a_tau.json itself when given --dflashkit-report)")
     p.add_argument("--dataset", nargs="+", default=["builtin:mtbench"])
@@ -634,14 +633,15 @@ def main(argv=None) -> int:
     p.add_argument("--projection-drafter-weights", action="store_true",
                    help="write the 8B drafter's random weights (2 GB) instead of config.json alone")
     args = p.parse_args(argv)
+    args.toy_api, args.toy = toy_api, toy_api is not None
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    if args.standin and not (args.target and (args.drafter or args.drafters)):
+    if args.toy and not (args.target and (args.drafter or args.drafters)):
         args.target, args.drafter, chats = toy_pair(out / "toy")
         args.dataset = [chats]
     if {"serve", "server", "tau_k"} & set(args.parts):
         if not (args.target and (args.drafter or args.drafters)):
-            p.error("--target and --drafter are needed (or --standin)")
+            p.error("--target and --drafter are needed")
     started, ok = time.perf_counter(), True
     for name in args.parts:
         ok &= guarded(out, name, lambda: globals()[f"part_{name}"](args, out))

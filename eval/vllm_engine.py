@@ -1,10 +1,10 @@
 """`dflashkit eval --engine vllm`: the target and the drafter inside vLLM (in-process `vllm.LLM`), measured as served.
 
 Design choices:
-- vLLM is an optional extra (`pip install 'dflashkit[vllm]'`), imported only here and only when this engine runs;
+- vLLM is an optional extra (`pip install 'dflashkit[vllm]'`), imported (targets/vllm/) only when this engine runs;
   without it the command fails in one line (`MISSING_VLLM`). Everything vLLM-specific goes through `VllmApi`
-  (the LLM factory, SamplingParams, the clock, the GPU release), so tests and CPU runs inject the CPU twin
-  (eval/vllm_standin.py) and the same code runs.
+  (targets/vllm/api.py: the LLM factory, SamplingParams, the clock, the GPU release), so tests pass the CPU twin
+  (tests/support/vllm_standin.py) and the same code runs.
 - The same prompts as the default engine (eval/prompts.py, the run's chat template kwargs), passed as token ids;
   greedy (temperature 0); the target's stop tokens unless --no-stop.
 - τ and lossless agreement: every prompt once, all submitted together, in each engine (the headline numbers).
@@ -20,7 +20,7 @@ Design choices:
 - τ and per-position acceptance are deltas of vLLM's counters (`vllm:spec_decode_num_drafts`,
   `..._num_accepted_tokens`, `..._num_accepted_tokens_per_pos`; LLM(disable_log_stats=False)) over the part
   measured: τ = 1 + accepted / drafts; position k's acceptance = accepted_per_pos[k] / drafts
-  (eval/vllm_metrics.py reads them, times the waves and sends the prompts one by one).
+  (targets/vllm/metrics.py reads them, times the waves and sends the prompts one by one).
 - Lossless: outputs with the drafter against the same requests without it (every prompt, and every level);
   identical outputs are counted and the first differing token index kept.
 - Prefix caching (`--prefix-caching on off`): on multi-turn prompts (a record's second user turn after the
@@ -49,22 +49,20 @@ Design choices:
 
 from __future__ import annotations
 
-import copy
-import gc
 import json
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from dflashkit.errors import UserError
-from dflashkit.targets.vllm_runtime import import_vllm, model_runner, release_gpu, wait_for_gpu_memory_to_settle
+from dflashkit.targets.vllm.api import VllmApi, close_engine, load_api, start_engine
+from dflashkit.targets.vllm.metrics import per_prompt_records, per_prompt_summary, timed_generate
+from dflashkit.targets.vllm.runtime import model_runner
 
 from .chat_settings import EvalChat, describe, resolve_chat
 from .prompts import multi_turn_prompts, target_stop_ids
 from .serving_plan import capture_size, run_requests
-from .vllm_metrics import per_prompt_records, per_prompt_summary, timed_generate
 
 PARTIAL_FILE = "engines.partial.jsonl"  # one line per engine as it finishes (eval/report.py REPORT_FILES)
 
@@ -122,55 +120,6 @@ class VllmEvalConfig:
         unknown = [b for b in self.baselines if b not in BASELINES]
         if unknown:
             raise UserError(f"--baseline {' '.join(unknown)}: choose from {', '.join(BASELINES)}")
-
-
-@dataclass
-class VllmApi:
-    llm_factory: Callable  # LLM(model=..., **engine kwargs) -> an object with generate() and get_metrics()
-    sampling_params: Callable  # SamplingParams(max_tokens=..., temperature=..., stop_token_ids=..., ignore_eos=...)
-    clock: Callable[[], float] = time.perf_counter  # what times the waves
-    release: Callable[[], None] = lambda: None  # after an engine is dropped: free what it held (GPU memory)
-    version: str = "stand-in"  # reported
-
-
-def real_vllm_api() -> VllmApi:
-    """The installed vLLM; UserError naming the extra when it is missing."""
-    vllm = import_vllm()
-    return VllmApi(vllm.LLM, vllm.SamplingParams, time.perf_counter, release_gpu, vllm.__version__)
-
-
-def start_engine(api: VllmApi, **kwargs):
-    """api.llm_factory(**kwargs), once more after the GPU settles if the engine core failed to start: seen on an
-    H200, the engine before it was still freeing memory while this one profiled (vllm/v1/worker/gpu_worker.py
-    asserts that free memory did not grow during its start-up profiling). The first try waits for the GPU to
-    settle too: a process that ran on it just before may still be freeing its memory."""
-    wait_for_gpu_memory_to_settle()
-    try:
-        return api.llm_factory(**engine_arguments(kwargs))
-    except RuntimeError as error:
-        if "initialization failed" not in str(error):
-            raise
-        api.release()
-        return api.llm_factory(**engine_arguments(kwargs))
-
-
-def engine_arguments(kwargs: dict) -> dict:
-    """The engine arguments with a copy of ``speculative_config``: vLLM adds its ``ModelConfig`` and
-    ``ParallelConfig`` objects to the dict it is given (vllm/engine/arg_utils.py ``create_speculative_config``),
-    which would leave the caller's record of the configuration unwritable as JSON and a retry starting from a
-    mutated dict."""
-    spec = kwargs.get("speculative_config")
-    return kwargs if spec is None else kwargs | {"speculative_config": copy.deepcopy(spec)}
-
-
-def close_engine(llm, api: VllmApi) -> None:
-    """vLLM's own shutdown of the engine core, then drop it and free the GPU before another engine starts."""
-    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
-    if core is not None and hasattr(core, "shutdown"):
-        core.shutdown()
-    del llm
-    gc.collect()
-    api.release()
 
 
 @dataclass
@@ -388,7 +337,7 @@ def run_vllm_eval(target: str, drafter: str, out: str | Path, datasets: list[str
     chat = resolve_chat(drafter, chat_template, chat_template_kwargs)
     print(f"dflashkit eval: {describe(chat)}")
     run = prepare_run(target, drafter, datasets, config, num_prompts, max_prompt_tokens, chat,
-                      api or real_vllm_api(), warn, str(out))
+                      load_api(api), warn, str(out))
     run.out = Path(out)
     run.out.mkdir(parents=True, exist_ok=True)
     (run.out / PARTIAL_FILE).unlink(missing_ok=True)

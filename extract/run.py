@@ -16,7 +16,7 @@ Design choices:
   the forward passes.
 - Bad records are skipped and counted by reason (--on-bad skip) or stop the run naming file:line (--on-bad fail).
 - Who runs the target (--engine, recorded in the manifest as ``engine``): Hugging Face in this process (``hf``),
-  or a vLLM engine with tensor parallelism (``vllm``, targets/vllm_capture.py: one process, the taps captured
+  or a vLLM engine with tensor parallelism (``vllm``, targets/vllm/capture.py: one process, the taps captured
   during prefill, one ``generate`` per planned batch). Everything else (rendering, masks, the batch plan, the
   sample order, the shards) is the same step for both; only the step that turns a batch into packed features
   differs (``_features``).
@@ -46,7 +46,7 @@ from dflashkit.extract.shards.writer import ShardWriter, merge_manifests, prepar
 RESUME_FIELDS = ("target.config_hash", "target.weights_hash", "tokenizer_hash", "chat_template_hash",
                  "template_kwargs", "target_layer_ids", "codec", "store_last_hidden", "args.max_length",
                  "args.overlong", "args.limit", "args.split", "args.bucket_window", "world_size", "engine.name")
-ENGINES = ("hf", "vllm")  # who runs the target: Hugging Face in this process, or vLLM (targets/vllm_capture.py)
+ENGINES = ("hf", "vllm")  # who runs the target: Hugging Face in this process, or vLLM (targets/vllm/capture.py)
 
 
 def parse_size(text: str) -> int:
@@ -166,7 +166,7 @@ def _extract(target: str, data: list[str], out, *, overwrite: bool = False, laye
     """Extract the features of ``target`` for the records of ``data`` into shards in ``out``; return the
     manifest. The parameters are the command's flags (see ``build_parser``); ``chat_template`` is the path of a
     Jinja file, ``chat_template_kwargs`` a dict, sizes are bytes. ``vllm_api``: the vLLM calls for --engine vllm
-    (targets/vllm_capture.py ``VllmCaptureApi``; None: the installed vLLM)."""
+    (targets/vllm/api.py ``VllmApi``; None: the installed vLLM)."""
     # --- launch, inputs, the output -----------------------------------------------------------------------
     vllm_api = _engine_api(engine, vllm_api)  # a missing vLLM stops here, in one line, before any work
     rank, world, device, torch_dtype = _join_launch(device, dtype, device_map, engine)
@@ -217,11 +217,11 @@ def _engine_api(engine: str, vllm_api):
     missing), None for --engine hf."""
     if engine not in ENGINES:
         raise UserError(f"--engine {engine!r}: choose one of {', '.join(ENGINES)}")
-    if engine != "vllm" or vllm_api is not None:
+    if engine != "vllm":
         return vllm_api
-    from dflashkit.targets.vllm_capture import real_vllm_api
+    from dflashkit.targets.vllm.api import load_api
 
-    return real_vllm_api()
+    return load_api(vllm_api, settle=False)
 
 
 def _join_launch(device: str | None, dtype: str | None, device_map: str | None, engine: str = "hf"):
@@ -259,7 +259,7 @@ def _check_before_loading(out: Path, data: list[str], split: str | None, layer_i
 def _load_target(engine: str, spec: str, torch_dtype, device, device_map: str | None, trust_remote_code: bool):
     """The target: loaded in this process (hf), or only described (vllm: its weights live in vLLM's workers)."""
     if engine == "vllm":
-        from dflashkit.targets.vllm_capture import describe_target
+        from dflashkit.targets.vllm.capture import describe_target
 
         return describe_target(spec, trust_remote_code=trust_remote_code)
     from dflashkit.targets.loading import load_target
@@ -279,7 +279,7 @@ def _tapped_layers(target, layer_ids: list[int] | None, num_taps: int, cfg: Chat
     layer_ids = list(layer_ids) if layer_ids else sorted(set(target.default_layer_ids(num_taps)))
     layer_ids = check_target_layer_ids(layer_ids, target.num_layers)
     if engine == "vllm":
-        from dflashkit.targets.vllm_capture import check_taps
+        from dflashkit.targets.vllm.capture import check_taps
 
         check_taps(layer_ids, target.num_layers, store_last_hidden)
     if cfg.chat_template or getattr(target.tokenizer, "chat_template", None):
@@ -392,7 +392,7 @@ def _features(engine: str, target, layer_ids: list[int], store_last_hidden: bool
     tokens (hidden [sum T, K*H], last_hidden [sum T, H] or None). ``vllm``: the VllmCaptureConfig fields the
     run sets (--engine vllm)."""
     if engine == "vllm":
-        from dflashkit.targets.vllm_capture import VllmCapture, VllmCaptureConfig
+        from dflashkit.targets.vllm.capture import VllmCapture, VllmCaptureConfig
 
         config = VllmCaptureConfig(dtype=str(torch_dtype).removeprefix("torch."), **vllm)
         with VllmCapture(target.model_dir, layer_ids, config, vllm_api) as capture:

@@ -15,7 +15,7 @@ One H200, after the slim vLLM (../shared/vllm/README.md, /tmp/vllm-site) and the
         --target /root/testbed/smollm2-bf16 --data .cache/capture/sharegpt256.jsonl --out $OUT/capture_8b.json
     bash lab/vllm_env.sh python3 -m lab.bench_capture_vllm --parts memory --shapes qwen3-8b \\
         --target /root/testbed/smollm2-bf16 --data .cache/capture/sharegpt256.jsonl --out $OUT/capture_8b_mem.json
-CPU toy (the capture twin targets/vllm_capture_standin.py, a tiny random Llama with the testbed's tokenizer, a
+CPU toy (the capture twin tests/support/vllm_capture_standin.py, a tiny random Llama with the testbed's tokenizer, a
 tiny Qwen3 for the 8B shape, synthetic chats; a check that the script runs, not a measurement; ~30 s):
     .venv/bin/python -m lab.bench_capture_vllm --standin --out /tmp/capture_toy.json
 
@@ -159,17 +159,17 @@ def qwen3_dir(root: Path, standin: bool, tokenizer_dir: Path) -> Path:
 def capture_api(standin: bool, dummy_weights: bool):
     """The vLLM calls of VllmCapture: the CPU twin, the installed vLLM, or the installed vLLM with random weights
     and no tokenizer (prompts are token ids; nothing is detokenized)."""
-    from dflashkit.targets.vllm_capture import VllmCaptureApi, real_vllm_api
+    from dflashkit.targets.vllm.api import VllmApi, load_api
 
     if standin:
-        from dflashkit.targets import vllm_capture_standin as twin
+        from tests.support import vllm_capture_standin as twin  # a test double, from the checkout's root
 
-        return VllmCaptureApi(twin.LLM, twin.SamplingParams)
-    api = real_vllm_api()
+        return twin.standin_api()
+    api = load_api(settle=False)
     if not dummy_weights:
         return api
-    return VllmCaptureApi(functools.partial(api.llm_factory, load_format="dummy", skip_tokenizer_init=True),
-                          functools.partial(api.sampling_params, detokenize=False), api.release, api.version)
+    return VllmApi(functools.partial(api.llm_factory, load_format="dummy", skip_tokenizer_init=True),
+                   functools.partial(api.sampling_params, detokenize=False), api.clock, api.release, api.version)
 
 
 def hf_replica(shape: str, spec: str, dev, dtype, toy: bool):
@@ -184,7 +184,7 @@ def hf_replica(shape: str, spec: str, dev, dtype, toy: bool):
 
 def shape_inputs(shape: str, args, info, samples: list, work: Path) -> tuple[str, Path, int, list]:
     """(HF spec, vLLM model dir, layer count, samples with ids inside the shape's vocabulary) of a shape; ``info``:
-    --target's description (vllm_capture.describe_target)."""
+    --target's description (targets/vllm/capture.py describe_target)."""
     if shape == "target":
         return args.target, info.model_dir, info.num_layers, samples
     fields = QWEN3_TOY if args.standin else QWEN3_8B
@@ -198,7 +198,7 @@ def free_memory(dev) -> None:
     start-up profiling refuses to run while memory is being freed)."""
     gc.collect()
     if dev.type == "cuda":
-        from dflashkit.targets.vllm_runtime import wait_for_gpu_memory_to_settle
+        from dflashkit.targets.vllm.runtime import wait_for_gpu_memory_to_settle
 
         torch.cuda.empty_cache()
         wait_for_gpu_memory_to_settle()
@@ -327,7 +327,7 @@ def vllm_capture_pass(capture, batches: list) -> None:
 
 
 def vllm_throughput(model_dir: Path, layer_ids: list[int], batches: list, api, args, dtype) -> dict:
-    from dflashkit.targets.vllm_capture import VllmCapture, VllmCaptureConfig
+    from dflashkit.targets.vllm.capture import VllmCapture, VllmCaptureConfig
 
     longest = max(len(s.input_ids) for b in batches for s in b)
     config = VllmCaptureConfig(gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=longest + 1,
@@ -356,7 +356,7 @@ def hf_throughput(shape: str, spec: str, layer_ids: list[int], batches: list, ar
 def part_throughput(args, work: Path, dev, dtype) -> dict:
     from dflashkit.drafter import default_target_layer_ids
     from dflashkit.extract.data.batching import plan_batches
-    from dflashkit.targets.vllm_capture import describe_target
+    from dflashkit.targets.vllm.capture import describe_target
 
     info = describe_target(args.target)
     samples = encode_samples(args, info.tokenizer)
@@ -407,7 +407,7 @@ def gpu_memory() -> dict | None:
 def part_memory(args, work: Path, dev, dtype) -> dict:
     from dflashkit.drafter import default_target_layer_ids
     from dflashkit.extract.data.batching import plan_batches
-    from dflashkit.targets.vllm_capture import describe_target
+    from dflashkit.targets.vllm.capture import describe_target
 
     info = describe_target(args.target)
     samples = encode_samples(args, info.tokenizer)
@@ -463,7 +463,7 @@ def memory_child(spec_file: Path) -> int:
             hf_capture_pass(capture, [batch], dev, to_host=False)
         sync(dev)
     else:
-        from dflashkit.targets.vllm_capture import VllmCapture, VllmCaptureConfig
+        from dflashkit.targets.vllm.capture import VllmCapture, VllmCaptureConfig
 
         config = VllmCaptureConfig(gpu_memory_utilization=spec["gpu_memory_utilization"], dtype=spec["dtype"],
                                    max_model_len=max(len(ids) for ids in spec["batch"]) + 1,

@@ -19,7 +19,7 @@ engine's start; one process per path also keeps torch.compile's cache of one run
         --work-dir /root/run/online --out $OUT/online_vllm.json; done
 (--paths hf vllm runs both in one process.) Each run adds its paths to the JSON at --out, so the second command
 completes the first one's file and computes the difference.
-CPU toy (--standin: the capture twin targets/vllm_capture_standin.py, which computes HF's features, a 6-layer
+CPU toy (--standin: the capture twin tests/support/vllm_capture_standin.py, which computes HF's features, a 6-layer
 random Llama with the testbed's tokenizer, synthetic chats, a 2-step 1-layer drafter; a check that the script runs
 and that the two paths give the same losses, not a measurement; lab/tests/test_online_vllm.py):
     .venv/bin/python -m lab.bench_online_vllm --standin --out /tmp/online_vllm.json

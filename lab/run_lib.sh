@@ -16,8 +16,10 @@ case $PY in */*) PY=$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY") ;; esac
 cd "$R" || exit 1
 export TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 # bench/ and lab/ importable as packages (`"$PY" -m lab.recipe_study`) through a folder of links to them alone: the
-# checkout's root itself on the path would put its dflashkit/ folder before an installed dflashkit
+# checkout's root itself on the path would put its dflashkit/ folder before an installed dflashkit; tests/ too, as
+# from the checkout's root, for the CPU twins of vLLM that the toy scale serves with (tests.support, lab/standin_*.py)
 mkdir -p "$R/.packages" && ln -sfn "$ROOT/bench" "$R/.packages/bench" && ln -sfn "$ROOT/lab" "$R/.packages/lab"
+ln -sfn "$ROOT/tests" "$R/.packages/tests"
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$R/.packages
 
 note() { echo "[$(date +%T)] $*" >> "$R/stages.txt"; }  # a line of the run's log

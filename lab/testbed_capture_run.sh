@@ -22,7 +22,7 @@
 #   SCALE=toy RUN=/tmp/toy_capture PYTHON=.venv/bin/python bash lab/testbed_capture_run.sh           # CPU twin
 #
 # DATA holds sharegpt256.jsonl (the capture samples), sharegpt.jsonl(.gz) and mtbench.jsonl (lab/testbed_data.py).
-# The toy scale runs every stage with --standin (vLLM's capture replaced by targets/vllm_capture_standin.py, a toy
+# The toy scale runs every stage with --standin (vLLM's capture replaced by tests/support/vllm_capture_standin.py, a toy
 # target, synthetic chats, the CPU): a check that the stages fit together, not a measurement.
 set -u
 T=${TARGET:-/root/testbed/smollm2-bf16}

@@ -15,7 +15,7 @@
 #   SCALE=toy TARGET=testbed:smollm2 DATA=.cache/gpu RUN=/tmp/toy PYTHON=.venv/bin/python \
 #     bash lab/testbed_causal_run.sh                                                             # CPU twin
 #
-# The toy scale runs every stage on the CPU in minutes, vLLM replaced by its CPU stand-in (eval/vllm_standin.py,
+# The toy scale runs every stage on the CPU in minutes, vLLM replaced by its CPU stand-in (lab/standin_bench_vllm.py,
 # which decodes with dflashkit's own chain decoder): a check that the stages fit together, not a measurement.
 set -u
 T=${TARGET:-/root/testbed/smollm2-bf16}
@@ -28,12 +28,12 @@ KS=${KS:-1 3 7 15}
 if [ "$SCALE" = toy ]; then
   DEV=(--device cpu); SLOTS=8; NEW=8; LIMIT=(--limit 24); EVAL=(--num-prompts 1 --max-new-tokens 8)
   EXTRA=max_steps=2,num_hidden_layers=1,block_size=4,compile=false,mixed_precision=no,micro_batch_tokens=256,num_anchors=8,eval_samples=2,eval_anchors=4,max_length=256
-  VLLM=(--standin --num-prompts 1 --max-new-tokens 8); KS=${KS_TOY:-1 3}
+  VLLM=(--num-prompts 1 --max-new-tokens 8); KS=${KS_TOY:-1 3}; BENCH_VLLM=lab.standin_bench_vllm  # the CPU twin
   L_TRAIN=${L_TRAIN:-900}; L_VLLM=${L_VLLM:-600}; L_EVAL=${L_EVAL:-600}
 else
   DEV=(); SLOTS=2048; NEW=256; LIMIT=(); EVAL=(--num-prompts 80 --max-new-tokens 256)
   EXTRA=max_length=2048,eval_samples=64,eval_every=0,save_every=200,keep_last=2,tokenize_workers=4
-  VLLM=(--num-prompts 80 --max-new-tokens 256 --gpu-memory-utilization 0.3)
+  VLLM=(--num-prompts 80 --max-new-tokens 256 --gpu-memory-utilization 0.3); BENCH_VLLM=bench.bench_vllm
   L_TRAIN=${L_TRAIN:-660}; L_VLLM=${L_VLLM:-480}; L_EVAL=${L_EVAL:-300}
 fi
 VENV=(bash "$ROOT/lab/vllm_env.sh" "$PY")  # the slim vLLM's environment (../shared/vllm/README.md)
@@ -53,7 +53,7 @@ study() {  # STAGE LIMIT: both layouts through lab/recipe_study.py, side by side
 study train $(( L_TRAIN + 300 ))
 
 # --- 3. vLLM alone: tau at each k for both exports -------------------------------------------------------------------
-stage vllm-tau-k "$L_VLLM" "${VENV[@]}" -m bench.bench_vllm --parts tau_k --target "$T" \
+stage vllm-tau-k "$L_VLLM" "${VENV[@]}" -m "$BENCH_VLLM" --parts tau_k --target "$T" \
   --drafters "causal=$R/work/train/causal/export" "non_causal=$R/work/train/non_causal/export" --ks $KS \
   --dataset "$D/mtbench.jsonl" --out "$O/vllm" "${VLLM[@]}"
 

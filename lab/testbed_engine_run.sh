@@ -17,7 +17,7 @@
 #   SCALE=toy TARGET=testbed:smollm2 DATA=.cache/gpu RUN=/tmp/toy PYTHON=.venv/bin/python \
 #     bash lab/testbed_engine_run.sh                                                             # CPU twin
 #
-# The toy scale runs every stage on the CPU in minutes (vLLM replaced by its CPU stand-in, eval/vllm_standin.py):
+# The toy scale runs every stage on the CPU in minutes (vLLM replaced by its CPU stand-in, lab/standin_bench_vllm.py):
 # a check that the stages fit together, not a measurement. vLLM must run alone on the GPU (its start-up memory
 # profiling asserts that no other process frees memory meanwhile), so its stages wait for the GPU to be idle.
 # Each stage's log, exit status and wall time go to $RUN/stages.txt; results to $RUN/out/.
@@ -31,8 +31,8 @@ EPOCHS=${EPOCHS:-3}
 if [ "$SCALE" = toy ]; then
   DEV=(--device cpu); SLOTS=8; NEW=8; LIMIT=(--limit 24); EVAL=(--num-prompts 1 --max-new-tokens 8)
   EXTRA=max_steps=2,num_hidden_layers=1,block_size=4,compile=false,mixed_precision=no,micro_batch_tokens=256,num_anchors=8,eval_samples=2,eval_anchors=4,max_length=256
-  VLLM=(--standin --num-prompts 2 --max-new-tokens 8 --concurrency 1 2 --max-requests-per-level 2)
-  PROJ=(--standin --concurrency 1 2 --projection-new-tokens 8); L_TRAIN=${L_TRAIN:-900}; L_TRAIN2=${L_TRAIN2:-900}
+  VLLM=(--num-prompts 2 --max-new-tokens 8 --concurrency 1 2 --max-requests-per-level 2)
+  PROJ=(--concurrency 1 2 --projection-new-tokens 8); L_TRAIN=${L_TRAIN:-900}; L_TRAIN2=${L_TRAIN2:-900}
   L_EVAL=${L_EVAL:-600}
 else
   DEV=(); SLOTS=2048; NEW=256; LIMIT=(); EVAL=(--num-prompts 200 --max-new-tokens 256)
@@ -76,7 +76,7 @@ study dflash train "$L_TRAIN" default
 
 # --- 3. vLLM alone: the DFlash drafter served --------------------------------------------------------------------
 if [ "$SCALE" = toy ]; then
-  stage vllm-serve 600 "$PY" -m bench.bench_vllm --parts serve projection --out "$O/vllm" "${VLLM[@]}" \
+  stage vllm-serve 600 "$PY" -m lab.standin_bench_vllm --parts serve projection --out "$O/vllm" "${VLLM[@]}" \
     --projection-new-tokens 8
 elif [ -f "$DRAFTER/config.json" ]; then
   gpu_idle

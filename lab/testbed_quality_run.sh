@@ -65,7 +65,7 @@
 # take every variant that out/recipe/results.json holds.
 # Two variants train at once and share the GPU (~0.7x of a solo run's tokens/s each, lab/NOTEBOOK.md).
 # The toy scale runs every stage on the CPU in minutes (a 1-layer drafter, 2 steps, vLLM replaced by its CPU
-# stand-in, eval/vllm_standin.py): a check that the stages fit together, not a measurement. Without
+# stand-in, lab/standin_bench_vllm.py): a check that the stages fit together, not a measurement. Without
 # sharegpt_turns.jsonl[.gz] in DATA the toy falls back to sharegpt.jsonl[.gz] (first turns only); the full scale
 # refuses to start.
 set -u
@@ -83,12 +83,14 @@ T=$(absolute "$T"); [ -n "${REGEN:-}" ] && REGEN=$(absolute "$REGEN")  # run_lib
 if [ "$SCALE" = toy ]; then
   DEV=(--device cpu); SLOTS=8; NEW=8; LIMIT=(--limit 16); KS=${KS_TOY:-3}
   EXTRA=max_steps=2,num_hidden_layers=1,block_size=4,compile=false,mixed_precision=no,micro_batch_tokens=256,num_anchors=8,eval_samples=2,eval_anchors=4,max_length=256,save_every=0,eval_every=1
-  EVAL=(--num-prompts 1 --max-new-tokens 8); VLLM=(--standin --max-new-tokens 8); MT_PROMPTS=1; HE_PROMPTS=1
+  EVAL=(--num-prompts 1 --max-new-tokens 8); VLLM=(--max-new-tokens 8); MT_PROMPTS=1; HE_PROMPTS=1
+  BENCH_VLLM=lab.standin_bench_vllm  # bench/bench_vllm.py over the CPU twin
   L_REGEN=${L_REGEN:-600}; L_TRAIN=${L_TRAIN:-900}; L_VLLM=${L_VLLM:-600}; L_EVAL=${L_EVAL:-600}
 else
   DEV=(); SLOTS=2048; NEW=256; LIMIT=(); KS=${KS:-15}
   EXTRA=max_length=2048,eval_samples=64,eval_every=${EVAL_EVERY:-250},save_every=200,keep_last=2,tokenize_workers=4
   EVAL=(--num-prompts 80 --max-new-tokens 256); VLLM=(--max-new-tokens 256 --gpu-memory-utilization 0.3)
+  BENCH_VLLM=bench.bench_vllm
   MT_PROMPTS=80; HE_PROMPTS=164
   L_REGEN=${L_REGEN:-420}; L_TRAIN=${L_TRAIN:-$([ -n "${REGEN:-}" ] && echo 900 || echo 600)}
   L_VLLM=${L_VLLM:-300}; L_EVAL=${L_EVAL:-300}
@@ -246,7 +248,7 @@ if [ ${#SERVED[@]} -gt 0 ]; then
     name=${set%%:*}
     [ -f "$D/$name.jsonl" ] && [[ " ${VLLM_SETS-mtbench humaneval} " == *" $name "* ]] || continue
     # shellcheck disable=SC2086
-    stage "vllm-tau-$name" "$L_VLLM" "${VENV[@]}" -m bench.bench_vllm --parts tau_k --target "$T" \
+    stage "vllm-tau-$name" "$L_VLLM" "${VENV[@]}" -m "$BENCH_VLLM" --parts tau_k --target "$T" \
       --drafters "${SERVED[@]}" --ks $KS --dataset "$D/$name.jsonl" --num-prompts "${set#*:}" \
       --out "$O/vllm/$name" "${VLLM[@]}"
   done

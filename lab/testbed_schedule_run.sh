@@ -27,7 +27,7 @@
 #   SCALE=toy TARGET=testbed:smollm2 DATA=.cache/gpu RUN=/tmp/toy PYTHON=.venv/bin/python \
 #     bash lab/testbed_schedule_run.sh                                                           # CPU twin
 #
-# The toy scale runs every stage on the CPU, vLLM replaced by its CPU stand-in (eval/vllm_standin.py, modelled
+# The toy scale runs every stage on the CPU, vLLM replaced by its CPU stand-in (lab/standin_bench_vllm.py, modelled
 # step times): a check that the stages fit together, not a measurement.
 set -u
 T=${TARGET:-/root/testbed/smollm2-bf16}
@@ -41,14 +41,15 @@ if [ -n "${DRAFTER:-}" ]; then DRAFTER=$(cd "$DRAFTER" && pwd) || exit 1; fi
 if [ "$SCALE" = toy ]; then
   DEV=(--device cpu); SLOTS=8; NEW=16; LIMIT=(--limit 16); KS=${KS_TOY:-1 3}; LEVELS=${LEVELS_TOY:-1 4}
   EXTRA=max_steps=2,num_hidden_layers=1,block_size=4,compile=false,mixed_precision=no,micro_batch_tokens=1024,num_anchors=8,eval_samples=2,max_length=256
-  VLLM=(--standin --num-prompts 2 --max-new-tokens 8 --repeats 2 --projection-new-tokens 4 \
-    --projection-prompt-tokens 6)
+  VLLM=(--num-prompts 2 --max-new-tokens 8 --repeats 2 --projection-new-tokens 4 --projection-prompt-tokens 6)
+  BENCH_VLLM=lab.standin_bench_vllm  # bench/bench_vllm.py over the CPU twin
   L_TRAIN=${L_TRAIN:-900}; L_VLLM=${L_VLLM:-900}; L_PROJ=${L_PROJ:-900}
 else
   DEV=(); SLOTS=2048; NEW=256; LIMIT=(); KS=${KS:-3 7 15}; LEVELS=${LEVELS:-1 4 16 64 128}
   EXTRA=max_length=2048,eval_samples=64,eval_every=${EVAL_EVERY:-0},save_every=200,keep_last=2,tokenize_workers=4
   VLLM=(--num-prompts 80 --max-new-tokens 256 --repeats 3 --max-requests-per-level 8 --min-waves 4 \
     --gpu-memory-utilization 0.3)
+  BENCH_VLLM=bench.bench_vllm
   # one 30-minute lease (~25 min after the carry calls) holds regeneration (42 s), 300 s of training (~1,380 of the
   # recipe's 2,723 steps at 31.5k tokens/s, H200 2026-12-03) and the sweep: seven engines (no speculation, k = 3,
   # 7, 15, n-gram, v1, the schedule), each ~2.5 min (start-up 20-100 s, the levels at 4 waves). k = 1 is left out
@@ -79,21 +80,21 @@ fi
 
 # --- 3. vLLM alone: every k, the baselines, the schedule ---------------------------------------------------------------
 # shellcheck disable=SC2086
-stage vllm-schedule "$L_VLLM" "${VENV[@]}" -m bench.bench_vllm --parts serve --target "$T" \
+stage vllm-schedule "$L_VLLM" "${VENV[@]}" -m "$BENCH_VLLM" --parts serve --target "$T" \
   --drafter "$DRAFTER" --serve-ks $KS --concurrency $LEVELS "${BASE[@]}" "${SERVE_EXTRA[@]}" --prefix-caching on \
   --dataset "$D/mtbench.jsonl" --out "$O/vllm" "${VLLM[@]}"
 
 # --- 4. (SERVER=1) the same sweep against live `vllm serve` processes -------------------------------------------------
 if [ -n "${SERVER:-}" ]; then
   # shellcheck disable=SC2086
-  stage vllm-server "${L_SERVER:-600}" "${VENV[@]}" -m bench.bench_vllm --parts server --target "$T" \
+  stage vllm-server "${L_SERVER:-600}" "${VENV[@]}" -m "$BENCH_VLLM" --parts server --target "$T" \
     --drafter "$DRAFTER" --serve-ks $KS --concurrency $LEVELS --dataset "$D/mtbench.jsonl" --out "$O/vllm" \
     "${VLLM[@]}"
 fi
 # --- 5. (PROJECTION=1) the 8B-shaped step times at each k and the schedule an 8B user would deploy --------------------
 if [ -n "${PROJECTION:-}" ]; then
   # shellcheck disable=SC2086
-  stage projection "$L_PROJ" "${VENV[@]}" -m bench.bench_vllm --parts projection --ks ${KS_PROJ:-$KS} \
+  stage projection "$L_PROJ" "${VENV[@]}" -m "$BENCH_VLLM" --parts projection --ks ${KS_PROJ:-$KS} \
     --concurrency ${LEVELS_PROJ:-$LEVELS} --out "$O/vllm" "${VLLM[@]}"
 fi
 

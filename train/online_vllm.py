@@ -8,7 +8,7 @@ lacks its fused kernels (a target that fits trains faster in-process: train/onli
         --target-engine vllm --tensor-parallel-size 2 --gpu-memory-utilization 0.6
 
 Design choices:
-- The capture is extraction's (targets/vllm_capture.py ``VllmCapture``: the ``extract_hidden_states`` method, one
+- The capture is extraction's (targets/vllm/capture.py ``VllmCapture``: the ``extract_hidden_states`` method, one
   file per request, read with safetensors, checked against its prompt); the plan, the batches (``plan`` and
   ``target_batch_tokens``) and the sample dicts are online training's: ``VllmOnlineFeatures`` is
   ``OnlineFeatures`` with another ``open_capture`` and ``run_target``. So the samples (``encode_data``), anchors,
@@ -17,7 +17,7 @@ Design choices:
   workers. The training head (embedding, final norm, lm_head) is read alone on the training device
   (``load_target_head``), as when training on shards.
 - vLLM takes the last layer before the final norm and cannot give the final-norm output: a tap on layer L-1 is
-  refused here (targets/vllm_capture.py ``check_taps``, as extract), ``loss=kl``
+  refused here (targets/vllm/capture.py ``check_taps``, as extract), ``loss=kl``
   and ``labels=target_argmax`` by train/config.py, before anything loads.
 - One training process: several would each start an engine on the same GPUs. The engine starts when the dataset
   is entered, before the drafter moves to the GPU (vLLM profiles the memory it may take at start), and shuts down
@@ -25,9 +25,9 @@ Design choices:
   each GPU; what it leaves on the first GPU is the drafter's training memory.
 - The engine accepts prompts of up to ``max_length`` tokens (+1, the token it samples): its KV cache is sized for
   the training sequences, not for the target's whole context.
-- ``vllm_api``: the installed vLLM unless the caller gives one (tests give the CPU twin,
-  targets/vllm_capture_standin.py); vLLM is imported only when this engine runs, and a missing one is one line
-  naming the extra before the data or the target load.
+- ``vllm_api``: the installed vLLM unless the caller gives one (targets/vllm/api.py ``load_api``; tests give the
+  CPU twin, tests/support/vllm_capture_standin.py); vLLM is imported only when this engine runs, and a missing one
+  is one line naming the extra before the data or the target load.
 """
 
 from __future__ import annotations
@@ -58,18 +58,16 @@ def engine_api(cfg, vllm_api, world: int):
         return None
     if world > 1:
         raise UserError(f"{ONE_PROCESS}; {world} were launched")
-    if vllm_api is not None:
-        return vllm_api
-    from dflashkit.targets.vllm_capture import real_vllm_api
+    from dflashkit.targets.vllm.api import load_api
 
-    return real_vllm_api()
+    return load_api(vllm_api, settle=False)
 
 
 def open_online_vllm(cfg, device, compute_dtype: torch.dtype, say=print, rank: int = 0, parts: dict | None = None):
     """Describe ``cfg.target`` (no weights) and encode ``cfg.data``: (target description, head, live manifest,
     samples), as ``online.open_online`` returns them, with its ``parts``."""
     from dflashkit.targets.loading import load_target_head
-    from dflashkit.targets.vllm_capture import describe_target
+    from dflashkit.targets.vllm.capture import describe_target
 
     check_online_inputs(cfg)
     loading = time.perf_counter()
@@ -80,8 +78,8 @@ def open_online_vllm(cfg, device, compute_dtype: torch.dtype, say=print, rank: i
 
 
 def capture_config(cfg, device):
-    """The engine's settings (targets/vllm_capture.py ``VllmCaptureConfig``) for the run ``cfg``."""
-    from dflashkit.targets.vllm_capture import VllmCaptureConfig
+    """The engine's settings (targets/vllm/capture.py ``VllmCaptureConfig``) for the run ``cfg``."""
+    from dflashkit.targets.vllm.capture import VllmCaptureConfig
 
     return VllmCaptureConfig(tensor_parallel_size=cfg.target_tensor_parallel_size,
                              gpu_memory_utilization=cfg.target_gpu_memory_utilization,
@@ -94,7 +92,7 @@ class VllmOnlineFeatures(OnlineFeatures):
     files removed) on leaving it. Never carries ``last_hidden``."""
 
     def __init__(self, target, samples: list, target_layer_ids, *, config, api, batch_tokens: int, device):
-        from dflashkit.targets.vllm_capture import check_taps
+        from dflashkit.targets.vllm.capture import check_taps
 
         check_taps(target_layer_ids, target.num_layers, False, "target_engine=vllm", "train with target_engine=hf")
         self.config, self.api = config, api  # read by open_capture, during OnlineFeatures.__init__
@@ -102,7 +100,7 @@ class VllmOnlineFeatures(OnlineFeatures):
                          device=device)
 
     def open_capture(self, target_layer_ids: list[int]):
-        from dflashkit.targets.vllm_capture import VllmCapture
+        from dflashkit.targets.vllm.capture import VllmCapture
 
         return VllmCapture(self.target.model_dir, target_layer_ids, self.config, self.api)
 

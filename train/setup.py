@@ -227,7 +227,7 @@ def setup(cfg: TrainConfig, start: Start, resources: ExitStack, vllm_api=None) -
     """Build the run ``cfg`` describes from ``start`` (train/run_dir.start_of_run: the checkpoint it resumes and
     the init_from drafter, both already checked); what the run holds open (an online run's capture hooks or vLLM
     engine) is entered on ``resources``, the trainer's ExitStack. ``vllm_api``: the vLLM calls of a
-    ``target_engine=vllm`` run (targets/vllm_capture.py ``VllmCaptureApi``; None: the installed vLLM)."""
+    ``target_engine=vllm`` run (targets/vllm/api.py ``VllmApi``; None: the installed vLLM)."""
     from accelerate.utils import set_seed
 
     from .online_vllm import engine_api

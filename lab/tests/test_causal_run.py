@@ -1,6 +1,6 @@
 """lab/testbed_causal_run.sh, the one-GPU script of the serving plan's first question, run at its CPU scale
 (SCALE=toy) on the SmolLM2 testbed: regeneration, the default and the causal-in-block layouts trained side by
-side, and vLLM's CPU stand-in (eval/vllm_standin.py) serving both exports at two numbers of speculative tokens.
+side, and vLLM's CPU stand-in (tests/support/vllm_standin.py) serving both exports at two numbers of speculative tokens.
 A check that the stages fit together, not a measurement."""
 
 import json

@@ -1,6 +1,6 @@
 """lab/testbed_engine_run.sh, the one-GPU script of the engine study, run at its CPU scale (SCALE=toy) on the
 SmolLM2 testbed: regeneration, DFlash and DFlash2 trained and evaluated, vLLM's CPU stand-in serving a toy pair
-(eval/vllm_standin.py), tau in the engine against `dflashkit eval` on the same pair, and the projection model. A
+(support/vllm_standin.py), tau in the engine against `dflashkit eval` on the same pair, and the projection model. A
 check that the stages fit together, not a measurement."""
 
 import json

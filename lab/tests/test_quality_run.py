@@ -1,7 +1,7 @@
 """lab/testbed_quality_run.sh, the one-GPU script of the quality issue, run at its CPU scale (SCALE=toy) on the
 SmolLM2 testbed: every user turn of multi-turn conversations answered by the target, the regenerated data in
 pieces that put back together give that file, the recipe trained on it with its held-out curve, vLLM's CPU
-stand-in (eval/vllm_standin.py) measuring τ on MT-bench and HumanEval, live chain τ in `dflashkit eval`, and the
+stand-in (support/vllm_standin.py) measuring τ on MT-bench and HumanEval, live chain τ in `dflashkit eval`, and the
 curve against seconds. A check that the stages fit together, not a measurement."""
 
 import gzip

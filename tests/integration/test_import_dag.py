@@ -2,9 +2,12 @@
 
 Every ``.py`` file of the mapped folders (pyproject.toml ``[tool.setuptools.package-dir]``), of ``bench/`` and of
 ``lab/`` is parsed; every ``import`` / ``from ... import`` in it counts, at module level or inside a function (a lazy
-import is still a dependency). Six rules:
+import is still a dependency). Seven rules:
 - rooms: a module imports, besides its own room, only what its room's row of ``MAY_IMPORT`` lists;
 - the lab: no module outside ``lab/`` imports one of it (``*`` in a row means any module but the lab's);
+- test doubles: no module of the product or bench/ imports the tests' support package (``tests.support`` or
+  ``support``: the CPU twins of vLLM, fixtures); a double reaches the product through its ``api`` parameters, and
+  only the lab (from the checkout's root, as ``tests.support``) may import one;
 - no path edits: no module touches ``sys.path`` nor imports a module of bench/ or lab/ by its bare name (a script
   reaches shared code as ``bench.common`` or ``lab.x``, so every import is one this test can see);
 - commands: no module imports a command module (``__main__``); ``dflashkit.cli`` reaches them by name;
@@ -43,6 +46,7 @@ MAY_IMPORT = {
 HELPERS = ("dflashkit", "dflashkit.errors", "dflashkit.untrusted", "dflashkit.outputs", "dflashkit.files",
            "dflashkit.options", "dflashkit.launch", "dflashkit.stopping", "dflashkit.progress", "dflashkit.cli")
 COMMANDS = ("dflashkit.demo", "dflashkit.__main__")  # top-level modules of the "commands" room
+TESTS_SUPPORT = ("tests", "support")  # tests/support/ as the lab (tests.support) and pytest (support) import it
 
 
 # ---------------------------------------------------------------- reading the tree
@@ -143,6 +147,10 @@ def violations(modules: dict[str, tuple[str, bool]]) -> list[str]:
         found += path_uses(name, source)
         for module, imported, line in imports_of(name, source, is_package, known):
             target = room_of(module)
+            if module.split(".")[0] in TESTS_SUPPORT and room != "lab":
+                found.append(f"{name} (line {line}) imports {module}: the tests' support (tests/support/) is "
+                             "imported by nothing of the product; pass a test double in through an api parameter")
+                continue
             if target is None:
                 if module.split(".")[0] in bare:
                     found.append(f"{name} (line {line}) imports {module} by its bare name: import "
@@ -243,6 +251,7 @@ def test_the_checker_catches_each_kind_of_violation():
                   dflashkit__extract__run="from ..drafter import config", bench__common="",
                   bench__bench_vllm="from bench.common import QWEN3_8B\nfrom dflashkit.eval.run import f",
                   lab__recipe_study="from bench.common import say\nfrom dflashkit.train.trainer import g",
+                  lab__standin_bench_vllm="from tests.support import vllm_standin",
                   lab__tests__test_recipe_study="from lab.recipe_study import main")
     assert violations(clean) == []
     breaks = {
@@ -279,6 +288,12 @@ def test_the_checker_catches_each_kind_of_violation():
         "a benchmark imports the lab": ("bench.bench_vllm (line 1) imports lab.time_to_quality.timeline: the lab",
                                         _tree(bench__bench_vllm="from lab.time_to_quality import timeline",
                                               lab__time_to_quality="")),
+        "the product imports a test double": (
+            "dflashkit.eval.run (line 1) imports tests.support.vllm_standin: the tests' support",
+            _tree(dflashkit__eval__run="from tests.support.vllm_standin import standin_api")),
+        "a benchmark imports a test double lazily": (
+            "bench.bench_vllm (line 2) imports support: the tests' support",
+            _tree(bench__bench_vllm="def f():\n    from support import vllm_standin")),
         "a path insert": ("lab.bench_x (line 3) uses sys.path",
                           _tree(lab__bench_x="import sys\n\nsys.path.insert(0, 'bench')\nimport common")),
         "a path insert, aliased": ("bench.bench_y (line 2) uses sys.path",

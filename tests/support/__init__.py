@@ -19,4 +19,7 @@ for pytest; see tests/conftest.py). No test module imports another test module o
 - triton_interpreter: scripts run under TRITON_INTERPRET=1 in a fresh process.
 - exports: an exported drafter run where dflashkit cannot be imported; relative error of tensors.
 - loss_inputs: random inputs of the block-loss engine.
+- vllm_standin, vllm_capture_standin: CPU twins of vllm.LLM (serving; hidden-state capture), test doubles given to
+  the code through its ``api`` parameters (targets/vllm/api.py ``VllmApi``); nothing of the product imports them
+  (tests/integration/test_import_dag.py), the lab's CPU toys reach them as ``tests.support``.
 """

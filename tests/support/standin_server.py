@@ -15,7 +15,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from transformers import AutoTokenizer
 
-from dflashkit.eval import vllm_standin
+from . import vllm_standin
 
 
 class CommandError(ValueError):

@@ -7,9 +7,9 @@ import torch
 import transformers as tf
 
 from dflashkit.drafter import DrafterConfig, build_drafter, save_drafter
-from dflashkit.eval import vllm_standin
-from dflashkit.eval.vllm_engine import VllmApi  # noqa: F401 (the type returned)
+from dflashkit.targets.vllm.api import VllmApi
 
+from . import vllm_standin
 from .tiny_targets import VOCAB, tiny_target_config, tiny_tokenizer
 
 # the pair's chat template: the turns' words, a blank line between turns (the word tokenizer has no turn markers)

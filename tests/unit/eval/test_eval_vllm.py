@@ -1,4 +1,4 @@
-"""`dflashkit eval --engine vllm` over the CPU twin of vllm.LLM (eval/vllm_standin.py): a tiny random pair that
+"""`dflashkit eval --engine vllm` over the CPU twin of vllm.LLM (tests/support/vllm_standin.py): a tiny random pair that
 really decodes (dflashkit's chain acceptance gives vLLM's counters), modelled step times; the report, the verdict
 against its own table, lossless counts, the missing extra, the num_speculative_tokens warning, bench_vllm.py."""
 
@@ -15,7 +15,7 @@ from dflashkit.eval.decoder import DecodeConfig, SpeculativeDecoder
 from dflashkit.eval.serving_plan import agreement
 from dflashkit.eval.serving_verdict import verdict
 from dflashkit.eval.vllm_engine import VllmEvalConfig, run_vllm_eval
-from dflashkit.targets.vllm_runtime import MISSING_VLLM
+from dflashkit.targets.vllm.runtime import MISSING_VLLM
 
 from support.paths import ROOT
 from support.vllm_pairs import standin_api, write_pair
@@ -177,7 +177,7 @@ def test_a_gguf_config_target_is_served_and_named_from_a_kept_copy(pair, tmp_pat
     assert bench.server_target(str(pair / "target"), tmp_path / "bench") == pair / "target"  # nothing to strip
 
 
-def test_the_projection_engines_get_graphs_covering_their_steps(tmp_path, monkeypatch):
+def test_the_projection_engines_get_graphs_covering_their_steps(tmp_path):
     """--parts projection starts each engine with max_cudagraph_capture_size covering its largest step at its k
     (c * (1 + k) tokens above vLLM's 512: run eagerly otherwise), records it, and keeps each engine's step times
     as it ends (the partial file, removed once the whole file is written); the largest k runs first."""
@@ -185,8 +185,9 @@ def test_the_projection_engines_get_graphs_covering_their_steps(tmp_path, monkey
 
     from bench import bench_vllm as bench
     from dflashkit.drafter.serving_rules import vllm_cudagraph_capture_size
-    from dflashkit.eval import vllm_standin
-    from dflashkit.eval.vllm_engine import VllmApi
+    from dflashkit.targets.vllm.api import VllmApi
+
+    from support import vllm_standin
 
     started, clock = [], vllm_standin.ModelledClock()
 
@@ -195,8 +196,8 @@ def test_the_projection_engines_get_graphs_covering_their_steps(tmp_path, monkey
                         (kwargs.get("compilation_config") or {}).get("max_cudagraph_capture_size")))
         return vllm_standin.LLM(clock=clock, **kwargs)
 
-    monkeypatch.setattr(bench, "api_for", lambda args: VllmApi(factory, vllm_standin.SamplingParams, clock))
-    args = SimpleNamespace(ks=[3, 15], concurrency=[1, 40], standin=True, projection_drafter_weights=False,
+    args = SimpleNamespace(ks=[3, 15], concurrency=[1, 40], toy=True, projection_drafter_weights=False,
+                           toy_api=VllmApi(factory, vllm_standin.SamplingParams, clock),
                            projection_prompt_tokens=4, projection_new_tokens=2, gpu_memory_utilization=0.3,
                            max_model_len=64, cudagraph_capture_size="auto", acceptance_report=None,
                            projection_gpu_memory_utilization=None)
@@ -308,8 +309,8 @@ def test_bench_vllm_sets_the_harness_speedup_beside_the_engines(served, tmp_path
 def test_bench_vllm_runs_every_part_on_the_twin(tmp_path):
     from bench import bench_vllm as bench
 
-    status = bench.main(["--standin", "--out", str(tmp_path), "--num-prompts", "3", "--max-new-tokens", "6",
-                         "--concurrency", "1", "4", "--projection-new-tokens", "4", "--projection-prompt-tokens", "6"])
+    status = bench.main(["--out", str(tmp_path), "--num-prompts", "3", "--max-new-tokens", "6", "--concurrency", "1",
+                         "4", "--projection-new-tokens", "4", "--projection-prompt-tokens", "6"], toy_api=standin_api())
     assert status == 0, [p.read_text()[:2000] for p in tmp_path.glob("*.error.json")]
     tau = json.loads((tmp_path / "a_tau.json").read_text())
     assert tau["tau_vllm"] > 1 and len(tau["per_position_acceptance_vllm"]) == 3

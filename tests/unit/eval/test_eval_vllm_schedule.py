@@ -26,9 +26,9 @@ from dflashkit.eval.serving_plan import (
 )
 from dflashkit.eval.serving_verdict import plan_verdict
 from dflashkit.eval.vllm_engine import VllmEvalConfig, run_vllm_eval
-from dflashkit.eval.vllm_standin import LLM, SamplingParams, ngram_accepted
 
 from support.vllm_pairs import standin_api, write_pair
+from support.vllm_standin import LLM, SamplingParams, ngram_accepted
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -328,7 +328,7 @@ def test_the_twin_pays_for_steps_above_the_graph_ceiling(planned, tmp_path):
     """4 requests at k = 3 query 16 tokens a step: with graphs up to 8 tokens every decode step runs eagerly and
     the same requests take longer than with graphs up to 16 (the modelled clock: no timing involved)."""
     from dflashkit.eval.vllm_engine import prepare_run, run_requests, start_served
-    from dflashkit.eval.vllm_metrics import timed_generate
+    from dflashkit.targets.vllm.metrics import timed_generate
 
     _, _, root, _ = planned
     rates = {}

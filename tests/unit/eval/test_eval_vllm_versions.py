@@ -7,10 +7,10 @@ import pytest
 from dflashkit.drafter import DrafterConfig, build_drafter, save_drafter
 from dflashkit.eval.chat_settings import resolve_chat
 from dflashkit.eval.vllm_engine import VllmEvalConfig, prepare_run
-from dflashkit.eval.vllm_standin import LLM
 
 from support.tiny_targets import VOCAB, tiny_target_config
 from support.vllm_pairs import standin_api, write_pair
+from support.vllm_standin import LLM
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

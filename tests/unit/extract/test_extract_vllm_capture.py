@@ -1,4 +1,4 @@
-"""`dflashkit extract --engine vllm` over the CPU twin of a capturing vllm.LLM (targets/vllm_capture_standin.py) on
+"""`dflashkit extract --engine vllm` over the CPU twin of a capturing vllm.LLM (support/vllm_capture_standin.py) on
 a tiny random Llama with the testbed's tokenizer: the shards equal Hugging Face extraction's, verify passes, the
 manifest names the engine, a run cut short and resumed equals an uninterrupted one, a missing vLLM is one line,
 and target layer i is read from vLLM's aux id i + 1."""
@@ -20,16 +20,16 @@ from dflashkit.extract.run import extract
 from dflashkit.extract.shards.manifest import read_manifest
 from dflashkit.extract.shards.reader import ShardDataset
 from dflashkit.extract.shards.verify import verify_dataset
-from dflashkit.targets import vllm_capture_standin as standin
-from dflashkit.targets.vllm_capture import (
+from dflashkit.targets.vllm.api import VllmApi
+from dflashkit.targets.vllm.capture import (
     VllmCapture,
-    VllmCaptureApi,
     VllmCaptureConfig,
     engine_kwargs,
     read_request_file,
 )
-from dflashkit.targets.vllm_runtime import MISSING_VLLM
+from dflashkit.targets.vllm.runtime import MISSING_VLLM
 
+from support import vllm_capture_standin as standin
 from support.chat_data import chat_records, save_tiny_chat_target, write_jsonl
 from support.tiny_targets import hf_model
 
@@ -42,7 +42,7 @@ def tiny(tmp_path_factory):
     return save_tiny_chat_target(tmp_path_factory.mktemp("tiny") / "target")
 
 
-def standin_api(fail_at_call: int | None = None) -> VllmCaptureApi:
+def standin_api(fail_at_call: int | None = None) -> VllmApi:
     """The twin; with ``fail_at_call`` its generate raises on that call (a run cut short mid-way)."""
     calls = []
 
@@ -53,7 +53,7 @@ def standin_api(fail_at_call: int | None = None) -> VllmCaptureApi:
                 raise RuntimeError("engine died")
             return super().generate(prompts, sampling_params, use_tqdm)
 
-    return VllmCaptureApi(CutShort, standin.SamplingParams)
+    return VllmApi(CutShort, standin.SamplingParams)
 
 
 def by_index(out):

@@ -1,5 +1,5 @@
 """Online training with the target in vLLM (`train --target-engine vllm`, train/online_vllm.py) over the CPU twin of
-a capturing vllm.LLM (targets/vllm_capture_standin.py, which computes the features with the Hugging Face model): the
+a capturing vllm.LLM (support/vllm_capture_standin.py, which computes the features with the Hugging Face model): the
 same samples, manifest, head and features as in-process online training, the same losses, held-out metrics,
 checkpoints and export; the refusals name the field. The real engine is proven on the GPU."""
 
@@ -11,12 +11,13 @@ import pytest
 import torch
 
 from dflashkit.errors import UserError
-from dflashkit.targets import vllm_capture_standin as standin
-from dflashkit.targets.vllm_capture import VllmCaptureApi, VllmCaptureConfig
-from dflashkit.targets.vllm_runtime import MISSING_VLLM
+from dflashkit.targets.vllm.api import VllmApi
+from dflashkit.targets.vllm.capture import VllmCaptureConfig
+from dflashkit.targets.vllm.runtime import MISSING_VLLM
 from dflashkit.train.config import load_config
 from dflashkit.train.trainer import train
 
+from support import vllm_capture_standin as standin
 from support.chat_data import chat_records, save_tiny_chat_target, write_jsonl
 from support.training import ONLINE_MAX_LENGTH as MAX_LENGTH
 from support.training import online_overrides
@@ -37,7 +38,7 @@ def overrides(out, **kw) -> dict:
     return online_overrides(out, **{"target_layer_ids": LAYERS, **kw})
 
 
-def standin_api(engines: list) -> VllmCaptureApi:
+def standin_api(engines: list) -> VllmApi:
     """The twin, recording each engine it starts (``engines``) and the prompts of each generate call."""
 
     class Recording(standin.LLM):
@@ -50,7 +51,7 @@ def standin_api(engines: list) -> VllmCaptureApi:
             self.calls.append(len(prompts))
             return super().generate(prompts, sampling_params, use_tqdm)
 
-    return VllmCaptureApi(Recording, standin.SamplingParams)
+    return VllmApi(Recording, standin.SamplingParams)
 
 
 def test_the_vllm_path_hands_the_trainer_the_in_process_samples_and_features(chat, tmp_path, scratch):

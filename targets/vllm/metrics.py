@@ -1,5 +1,6 @@
 """What `dflashkit eval --engine vllm` reads of a running vLLM engine: its speculative counters, timed waves of
-requests, and each prompt alone (eval/vllm_engine.py's module notes say what each measures).
+requests through ``api.VllmApi``'s clock, and each prompt alone (eval/vllm_engine.py's module notes say what
+each measures).
 
 - τ and per-position acceptance are deltas of vLLM's counters (`vllm:spec_decode_num_drafts`,
   `..._num_accepted_tokens`, `..._num_accepted_tokens_per_pos`; LLM(disable_log_stats=False)) over the part

@@ -1,8 +1,8 @@
-"""What every dflashkit path that runs vLLM shares (`eval --engine vllm`, `extract --engine vllm`): importing it,
-or one line naming the extra, giving the GPU back after an engine, and choosing vLLM's V1 model runner for one
-engine (``model_runner``: `eval --engine vllm --baseline v1`).
+"""What every dflashkit path that runs vLLM shares (`eval --engine vllm`, `extract --engine vllm`, `train
+--target-engine vllm`): importing it, or one line naming the extra, giving the GPU back after an engine, and
+choosing vLLM's V1 model runner for one engine (``model_runner``: `eval --engine vllm --baseline v1`).
 
-vLLM is imported only here, only when called: the rest of the package runs without it.
+vLLM is imported only here, only when called (by api.load_api): the rest of the package runs without it.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """A CPU twin of `vllm.LLM`: the calls and metric objects `dflashkit eval --engine vllm` uses, decoding for real.
 
-vLLM does not run on a CPU, so the vLLM adapter (eval/vllm_engine.py) and bench/bench_vllm.py run on one with
-this twin (tests, `bench_vllm.py --standin`); the GPU run proves the real path.
+vLLM does not run on a CPU, so the vLLM adapter (eval/vllm_engine.py over targets/vllm/) and bench/bench_vllm.py
+run on one with this twin (the tests, and the lab's CPU toys: lab/standin_vllm_eval.py, lab/standin_bench_vllm.py);
+the GPU run proves the real path. A test double: nothing of the product imports it.
 
 Design choices:
 - ``LLM(model=DIR, speculative_config={"method": "dflash", "model": DRAFTER, "num_speculative_tokens": N})``:
@@ -50,7 +51,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from dflashkit.targets.vllm_capture_standin import CompletionOutput, RequestOutput  # vllm.outputs twins
+from .vllm_capture_standin import CompletionOutput, RequestOutput  # vllm.outputs twins
 
 VERSION = "0.26.0"  # the vLLM release the twin follows unless told another (LLM's ``version``)
 SPEC_DRAFTS = "vllm:spec_decode_num_drafts"
@@ -229,7 +230,7 @@ class LLM:
         self._labels = {"engine": "0", "model_name": self.model}
 
     def _speculation(self, spec: dict) -> None:
-        from .serving_plan import schedule_lookup
+        from dflashkit.eval.serving_plan import schedule_lookup
 
         self.method = spec.get("method")
         if self.method not in ("dflash", "ngram"):
@@ -258,7 +259,7 @@ class LLM:
         return sorted(set(self.lookup[1:])) if self.lookup else [self.num_speculative_tokens]
 
     def _decoder(self, max_tokens: int, stop: tuple[int, ...], k: int):
-        from .decoder import DecodeConfig, SpeculativeDecoder
+        from dflashkit.eval.decoder import DecodeConfig, SpeculativeDecoder
 
         drafting = self.drafter is not None and k > 0
         config = DecodeConfig(block_size=k + 1 if drafting else None, max_new_tokens=max_tokens,
@@ -294,7 +295,7 @@ class LLM:
                  **_ignored) -> list[RequestOutput]:
         import torch
 
-        from .run import stop_ids
+        from dflashkit.eval.run import stop_ids
 
         params = sampling_params or SamplingParams()
         if params.temperature:
@@ -426,7 +427,7 @@ class _NoDrafter:
 def standin_api(version: str = VERSION):
     """The VllmApi of `eval --engine vllm` over this twin following vLLM ``version`` (one modelled clock shared
     by its engines); the version it reports names the twin."""
-    from .vllm_engine import VllmApi
+    from dflashkit.targets.vllm.api import VllmApi
 
     clock = ModelledClock()
     return VllmApi(lambda **kw: LLM(clock=clock, version=version, **kw), SamplingParams, clock,

@@ -1,7 +1,7 @@
 """A CPU twin of `vllm.LLM` configured for hidden-state capture: the calls and files `extract --engine vllm` uses.
 
-vLLM does not run on a CPU, so the capture adapter (targets/vllm_capture.py) runs in tests over this twin; the
-GPU run proves the real path.
+vLLM does not run on a CPU, so the capture adapter (targets/vllm/capture.py) runs in tests (and the lab's CPU toys)
+over this twin; the GPU run proves the real path. A test double: nothing of the product imports it.
 
 Design choices:
 - ``LLM(model=DIR, speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
@@ -40,7 +40,7 @@ class SamplingParams:  # the fields of vllm.SamplingParams the adapter sets
     temperature: float = 1.0
 
 
-# the twins of vllm.outputs, shared with the serving twin (eval/vllm_standin.py)
+# the twins of vllm.outputs, shared with the serving twin (vllm_standin.py)
 @dataclass
 class CompletionOutput:  # vllm.outputs.CompletionOutput
     index: int
@@ -124,3 +124,10 @@ class LLM:
         save_file({"hidden_states": stacked.contiguous(), "token_ids": torch.tensor(token_ids)}, path)
         return RequestOutput(request_id, token_ids, [CompletionOutput(0, "", [], "length")],
                              kv_transfer_params={"hidden_states_path": path})
+
+
+def standin_api():
+    """The VllmApi of `extract --engine vllm` and `train --target-engine vllm` over this twin."""
+    from dflashkit.targets.vllm.api import VllmApi
+
+    return VllmApi(LLM, SamplingParams)

@@ -34,10 +34,10 @@ What vLLM 0.24 does (paths in the wheel's vllm/):
   (:238-241, 290-295); a reader takes a shared flock on it first (:45-62).
 
 Design choices:
-- vLLM is the optional extra (`pip install 'dflashkit[vllm]'`), imported only in ``real_vllm_api`` and only when
+- vLLM is the optional extra (`pip install 'dflashkit[vllm]'`), imported only by ``api.load_api`` and only when
   this engine runs; without it the command fails in one line (``MISSING_VLLM``). Everything vLLM-specific is in
-  ``VllmCaptureApi`` (the LLM factory, SamplingParams, the GPU release), so tests inject the CPU twin
-  (targets/vllm_capture_standin.py) and the same code, file reading included, runs.
+  ``api.VllmApi`` (the LLM factory, SamplingParams, the GPU release), so tests pass the CPU twin
+  (tests/support/vllm_capture_standin.py) and the same code, file reading included, runs.
 - One ``generate`` per forward batch of the run (max_tokens 1: prefill plus one sampled token), prompts given as
   token ids, outputs in prompt order. Each file is read with safetensors only (never pickle), checked against
   its prompt (token ids, length, K, H), then deleted with its lock file.
@@ -60,31 +60,18 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from dflashkit.errors import UserError
-from dflashkit.targets.vllm_runtime import import_vllm, release_gpu
+
+from .api import VllmApi, shutdown_core
 
 METHOD = "extract_hidden_states"  # vLLM's speculative method that only captures (config/speculative.py:58)
 CONNECTOR = "ExampleHiddenStatesConnector"  # the KV connector that writes one safetensors file per request
 PATH_PARAM = "hidden_states_path"  # RequestOutput.kv_transfer_params key of a request's file
 HIDDEN_KEY, TOKENS_KEY = "hidden_states", "token_ids"  # the tensors of a request's file
-
-
-@dataclass
-class VllmCaptureApi:
-    llm_factory: Callable  # LLM(model=..., **engine kwargs) -> an object with generate()
-    sampling_params: Callable  # SamplingParams(max_tokens=..., temperature=...)
-    release: Callable[[], None] = lambda: None  # after the engine is dropped: free what it held (GPU memory)
-    version: str = "stand-in"  # recorded in the manifest
-
-
-def real_vllm_api() -> VllmCaptureApi:
-    """The installed vLLM; UserError naming the extra when it is missing."""
-    vllm = import_vllm()
-    return VllmCaptureApi(vllm.LLM, vllm.SamplingParams, lambda: release_gpu(settle=False), vllm.__version__)
 
 
 @dataclass
@@ -189,11 +176,12 @@ def describe_target(spec: str, trust_remote_code: bool = False) -> TargetInfo:
 class VllmCapture:
     """A vLLM engine that captures the taps of every prompt it is given; use as a context manager.
 
-        with VllmCapture(target_dir, [1, 9, 17], VllmCaptureConfig(tensor_parallel_size=8), real_vllm_api()) as cap:
+        with VllmCapture(target_dir, [1, 9, 17], VllmCaptureConfig(tensor_parallel_size=8),
+                         load_api(settle=False)) as cap:
             per_sample = cap([[1, 2, 3], [4, 5]])  # per prompt: one [T, H] tensor per tap, in id order
     """
 
-    def __init__(self, model_dir, target_layer_ids, config: VllmCaptureConfig, api: VllmCaptureApi):
+    def __init__(self, model_dir, target_layer_ids, config: VllmCaptureConfig, api: VllmApi):
         self.model_dir = Path(model_dir)
         self.layer_ids = [int(i) for i in target_layer_ids]
         self.config = config
@@ -218,9 +206,7 @@ class VllmCapture:
     def close(self) -> None:
         """vLLM's own shutdown of the engine core (a child process holding GPU memory), then the files."""
         if self.llm is not None:
-            core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
-            if core is not None and hasattr(core, "shutdown"):
-                core.shutdown()
+            shutdown_core(self.llm)
             self.llm = None
             gc.collect()
             self.api.release()
