@@ -15,15 +15,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import TYPE_CHECKING
 
 from dflashkit.errors import UserError
 from dflashkit.extract.data import batching
-
-if TYPE_CHECKING:
-    from .options import ExtractOptions
-
-ENGINES = ("hf", "vllm")  # who runs the target: Hugging Face in this process, or vLLM (targets/vllm_capture.py)
+from dflashkit.extract.options import ENGINES, ExtractOptions
 
 
 def engine_for(opts: ExtractOptions, vllm_api=None) -> HfEngine | VllmEngine:

@@ -19,11 +19,11 @@ from pathlib import Path
 from dflashkit.drafter.config import DEFAULT_NUM_HIDDEN_LAYERS
 from dflashkit.options import option
 
-from .engines import ENGINES
 from .generation.answerers import AnswerSettings
 from .shards.format import CODECS
 
 DTYPES = ("bfloat16", "float16", "float32")
+ENGINES = ("hf", "vllm")  # who runs the target in extract: Hugging Face in this process, or vLLM (engines.py)
 
 
 # ---------------------------------------------------------------- flag values
