@@ -54,7 +54,7 @@ import torch
 from bench.common import qwen3_8b_config, random_target, sync, timed, write_json
 from dflashkit import launch
 from dflashkit.extract.data.batching import real_token_index
-from dflashkit.extract.run import parse_size
+from dflashkit.extract.options import parse_size
 from dflashkit.extract.shards.format import encode_features
 from dflashkit.extract.shards.writer import WRITER_THREADS, ShardWriter
 from dflashkit.targets.capture import LayerCapture

@@ -41,7 +41,7 @@ from bench.common import sync, write_json
 from dflashkit import launch
 from dflashkit.extract.data.rendering import BadSample, normalize_record, render
 from dflashkit.extract.data.sources import iter_records, prompt_turns
-from dflashkit.extract.generation.answerers import TargetGenerator
+from dflashkit.extract.generation.answerers import AnswerSettings, TargetGenerator
 from dflashkit.extract.generation.generator import SlotGenerator
 
 
@@ -151,7 +151,7 @@ def main(argv=None) -> dict:
             save_toy_target(toy)
         launch.barrier()
         target = str(toy)
-    gen = TargetGenerator(target, template_kwargs={}, max_new_tokens=args.max_new_tokens, batch_size=args.batch,
+    gen = TargetGenerator(target, AnswerSettings(max_new_tokens=args.max_new_tokens), batch_size=args.batch,
                           dtype=args.dtype, device=device, cuda_graph=not args.no_cuda_graph,
                           decode_attention="triton" if args.decode_attention == "triton" else "sdpa")
     if gen.slots is None:

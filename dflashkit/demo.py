@@ -60,18 +60,21 @@ SCALES = {
 
 
 # --------------------------------------------------------------------------- the library calls of the stages
-def regenerate(**kwargs) -> dict:
-    """ShareGPT prompts answered by the target (dflashkit.extract.regenerate)."""
+def regenerate(**flags) -> dict:
+    """ShareGPT prompts answered by the target (dflashkit.extract.regenerate; ``flags``: RegenerateOptions
+    fields)."""
+    from dflashkit.extract.options import RegenerateOptions
     from dflashkit.extract.regenerate import regenerate as run_regeneration
 
-    return run_regeneration(**kwargs)
+    return run_regeneration(RegenerateOptions(**flags))
 
 
-def extract(**kwargs) -> dict:
-    """Target-layer features into shards (dflashkit.extract)."""
+def extract(**flags) -> dict:
+    """Target-layer features into shards (dflashkit.extract; ``flags``: ExtractOptions fields)."""
+    from dflashkit.extract.options import ExtractOptions
     from dflashkit.extract.run import extract as run_extraction
 
-    return run_extraction(**kwargs)
+    return run_extraction(ExtractOptions(**flags))
 
 
 def train(recipe: str, overrides: list[str] | tuple = (), **fields) -> dict:

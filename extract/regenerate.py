@@ -45,7 +45,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,66 +53,18 @@ from dflashkit import launch
 from dflashkit.errors import UserError
 from dflashkit.extract.data.rendering import BadSample, normalize_record, read_chat_template
 from dflashkit.files import atomic_write, disk_full_is_user_error, open_appending, pause_point, sync, whole_lines
+from dflashkit.options import build_parser as options_parser
+from dflashkit.options import parse_options
 from dflashkit.stopping import StopRequest
 
-from .generation.answerers import EMPTY_ANSWER, ServerGenerator, TargetGenerator
+from .generation.answerers import EMPTY_ANSWER, AnswerSettings, ServerGenerator, TargetGenerator
+from .options import RegenerateOptions, data_paths
 from .regenerated_data import check_or_record_data, data_record_path
 
 
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: give a whole number >= 1")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dflashkit regenerate", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    g = p.add_argument_group("generator (one of)")
-    g.add_argument("--target", help="HF model dir, .gguf file, or testbed:smollm2 (Hugging Face generation)")
-    g.add_argument("--server", help="base URL of an OpenAI-compatible server, e.g. http://localhost:8000/v1")
-    g.add_argument("--model", help="model name to send to the server")
-    g.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY", ""), help="bearer token for the server")
-    g = p.add_argument_group("data")
-    g.add_argument("--data", action="append", required=True, help="as for `dflashkit extract`; repeatable")
-    g.add_argument("--split", default=None, help="split of a saved DatasetDict")
-    g.add_argument("--limit", type=int, default=None, help="only the first N records")
-    g.add_argument("--out", required=True, help="output JSONL")
-    g.add_argument("--resume", action="store_true", help="continue a killed run into the same --out")
-    g.add_argument("--overwrite", action="store_true", help="start --out afresh, replacing what it holds")
-    g.add_argument("--on-bad", choices=("skip", "fail"), default="skip", help="a bad record: skip it, or stop")
-    g = p.add_argument_group("generation")
-    g.add_argument("--max-new-tokens", type=positive_int, default=1024, help="longest answer per turn")
-    g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
-    g.add_argument("--top-k", type=int, default=0, help="0: no top-k")
-    g.add_argument("--seed", type=int, default=0, help="sampling seed")
-    g.add_argument("--chat-template", default=None,
-                   help="--target: Jinja file replacing the tokenizer's chat template (as extract and train)")
-    g.add_argument("--chat-template-kwargs", default="{}", help='JSON, e.g. \'{"enable_thinking": false}\'')
-    g.add_argument("--max-prompt-length", type=int, default=None,
-                   help="a turn whose prompt is longer ends its conversation there (the answered turns are kept; "
-                        "a first turn that long: the conversation is skipped)")
-    g.add_argument("--max-turns", type=int, default=None,
-                   help="answer only the first N user turns of each conversation (later turns are dropped)")
-    g.add_argument("--batch-size", type=positive_int, default=16,
-                   help="--target: sequences decoded at once (cache slots; HF generate: per call)")
-    g.add_argument("--chunk-factor", type=positive_int, default=8,
-                   help="--target: conversations answered together, in multiples of --batch-size")
-    g.add_argument("--no-cuda-graph", action="store_true", help="--target on a GPU: run each decode step eagerly")
-    g.add_argument("--decode-attention", choices=("sdpa", "triton"), default="triton",
-                   help="--target on a GPU: decode attention by the Triton kernel that reads each slot up to its "
-                        "own length (default; SDPA where Triton cannot run), or by masked SDPA over the longest "
-                        "slot's length")
-    g.add_argument("--concurrency", type=positive_int, default=16, help="server requests in flight")
-    g.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None)
-    g.add_argument("--device", default=None, help="default: cuda if available, else cpu")
-    g.add_argument("--no-progress", action="store_true")
-    return p
+    """The command's parser, built from its flags (``RegenerateOptions``, extract/options.py)."""
+    return options_parser(RegenerateOptions, prog="dflashkit regenerate", description=__doc__.split("\n\n")[0])
 
 
 # ---------------------------------------------------------------- output file
@@ -177,72 +128,40 @@ def merge_parts(out: Path, world: int) -> int:
     return len(rows)
 
 
-def regenerate(data: list[str], out, *, overwrite: bool = False, **kwargs) -> dict:
-    """Answer every user turn of the conversations of ``data`` into the JSONL file ``out`` (see ``_regenerate``);
-    ``overwrite`` starts ``out`` afresh. The run holds the lock ``<out>.lock`` (dflashkit/outputs.py)."""
+def regenerate(opts: RegenerateOptions) -> dict:
+    """Answer every user turn of the conversations of ``opts.data`` with ``opts.target`` (a local model) or
+    ``opts.server`` (an OpenAI-compatible URL) into the JSONL file ``opts.out``; return the counts. ``opts``: the
+    command's flags (extract/options.py). The run holds the lock ``<out>.lock`` (dflashkit/outputs.py)."""
     from dflashkit.outputs import OutputLock, check_apart, check_output_file
 
-    check_apart({"--out": out}, {"--data": [data] if isinstance(data, (str, Path)) else list(data),
-                                 "--target": kwargs.get("target")})
-    check_output_file(out, "the output of dflashkit regenerate")
-    with OutputLock(out, "regenerate", sidecar=True):
-        return _regenerate(data, out, overwrite=overwrite, **kwargs)
+    check_apart({"--out": opts.out}, {"--data": data_paths(opts.data), "--target": opts.target})
+    check_output_file(opts.out, "the output of dflashkit regenerate")
+    with OutputLock(opts.out, "regenerate", sidecar=True):
+        return _regenerate(opts)
 
 
-def _regenerate(data: list[str], out, *, overwrite: bool = False, target: str | None = None, server: str | None = None,
-               model: str | None = None, api_key: str = "", split: str | None = None, limit: int | None = None,
-               resume: bool = False, on_bad: str = "skip", max_new_tokens: int = 1024, temperature: float = 0.0,
-               top_p: float = 1.0, top_k: int = 0, seed: int = 0, chat_template_kwargs: dict | None = None,
-               max_prompt_length: int | None = None, max_turns: int | None = None, batch_size: int = 16,
-               chunk_factor: int = 8, cuda_graph: bool = True, concurrency: int = 16, dtype: str | None = None,
-               device: str | None = None, progress: bool = True, decode_attention: str = "triton",
-               chat_template: str | None = None) -> dict:
-    """Answer every user turn of the conversations of ``data`` with ``target`` (a local model) or ``server`` (an
-    OpenAI-compatible URL) into the JSONL file ``out``; return the counts. The parameters are the command's flags
-    (see ``build_parser``); ``chat_template_kwargs`` is a dict, ``chat_template`` a Jinja file."""
+def _regenerate(opts: RegenerateOptions) -> dict:
+    """The run under the lock: the flags and the output checked, the generator, the conversations answered chunk
+    by chunk into this rank's append log, the summary and the ranks' parts merged."""
     from dflashkit.extract.data.sources import check_has_records
 
     # --- flags, this rank's output, what it holds already ------------------------------------------------
-    _check_generation_flags(target, server, temperature, top_p, top_k)
-    if server and chat_template:
-        raise UserError("--chat-template renders prompts for --target; a server renders with its own template: "
-                        "start it with that template (vLLM/SGLang --chat-template) instead")
-    template = read_chat_template(chat_template)  # a missing file stops here, before the target loads
+    _check_generation_flags(opts)
+    template = read_chat_template(opts.chat_template)  # a missing file stops here, before the target loads
     rank, world, _ = launch.ranks()
-    out = Path(out)
-    data = [str(data)] if isinstance(data, (str, Path)) else [str(d) for d in data]
+    out, data = Path(opts.out), data_paths(opts.data)
     path = part_path(out, rank, world) if world > 1 else out
-    done = _prepare_output(out, path, rank, resume=resume, overwrite=overwrite)
-    check_has_records(data, split)  # an empty data file stops here, before the target is loaded or a server asked
-    check_or_record_data(out, data, resume=resume, has_rows=bool(done), rank=rank)  # other data: refused here
+    done = _prepare_output(out, path, rank, resume=opts.resume, overwrite=opts.overwrite)
+    check_has_records(data, opts.split)  # an empty data file stops here, before the target is loaded or a server asked
+    check_or_record_data(out, data, resume=opts.resume, has_rows=bool(done), rank=rank)  # other data: refused here
 
-    # --- the generator -----------------------------------------------------------------------------------
-    sampling = dict(template_kwargs=dict(chat_template_kwargs or {}), max_new_tokens=max_new_tokens,
-                    temperature=temperature, top_p=top_p, top_k=top_k)
-    if server:
-        gen = ServerGenerator(server, model, api_key=api_key, concurrency=concurrency, **sampling)
-    else:
-        gen = TargetGenerator(target, max_prompt_length=max_prompt_length, batch_size=batch_size, dtype=dtype,
-                              device=str(launch.local_device(device)), cuda_graph=cuda_graph,
-                              decode_attention=decode_attention, chat_template=template, **sampling)
-    # conversations answered together: several times the slots, so refills keep the slots busy
-    chunk_size = concurrency * 4 if server else batch_size * chunk_factor
-
-    # --- the conversations, answered chunk by chunk into the append log ----------------------------------
-    answering = _Answering(gen, _row_meta(gen, sampling), seed=seed, on_bad=on_bad, world=world,
-                           counts={"written": 0, "already_done": len(done), "skipped": {}, "cut_short": 0},
-                           bar=_progress_bar(progress and rank == 0))
+    # --- the generator; the conversations, answered chunk by chunk into the append log --------------------
+    gen = _generator(opts, template)
+    answering = _Answering(gen, _row_meta(gen, opts.answer_settings()), seed=opts.seed, on_bad=opts.on_bad,
+                           world=world, counts={"written": 0, "already_done": len(done), "skipped": {}, "cut_short": 0},
+                           bar=_progress_bar(opts.progress and rank == 0))
     out.parent.mkdir(parents=True, exist_ok=True)
-    with open_appending(path) as log:
-        answering.file = log
-        for item in _rank_records(data, split, limit, rank, world, done):
-            answering.add(item, max_turns)
-            if len(answering.chunk) >= chunk_size:
-                answering.answer_chunk()
-        if answering.chunk:
-            answering.answer_chunk()
-    if answering.bar is not None:
-        answering.bar.close()
+    _answer_all(answering, _rank_records(data, opts.split, opts.limit, rank, world, done), path, opts)
 
     # --- summary; the ranks' parts merged into --out -----------------------------------------------------
     all_empty = bool(answering.counts["skipped"].get(EMPTY_ANSWER)) and not answering.counts["written"]
@@ -253,6 +172,32 @@ def _regenerate(data: list[str], out, *, overwrite: bool = False, target: str | 
         raise _all_empty_error(answering.counts, gen, path)
     _check_not_all_skipped(answering.counts, out, world)
     return answering.counts
+
+
+def _generator(opts: RegenerateOptions, template: str | None):
+    """Who answers: the server (--server) or the local target (--target; ``template``: --chat-template's text)."""
+    if opts.server:
+        return ServerGenerator(opts.server, opts.model, opts.answer_settings(), api_key=opts.api_key,
+                               concurrency=opts.concurrency)
+    return TargetGenerator(opts.target, opts.answer_settings(), max_prompt_length=opts.max_prompt_length,
+                           batch_size=opts.batch_size, dtype=opts.dtype, device=str(launch.local_device(opts.device)),
+                           cuda_graph=opts.cuda_graph, decode_attention=opts.decode_attention, chat_template=template)
+
+
+def _answer_all(answering: _Answering, records, path: Path, opts: RegenerateOptions) -> None:
+    """This rank's ``records`` answered chunk by chunk into its append log ``path``."""
+    # conversations answered together: several times the slots, so refills keep the slots busy
+    chunk_size = opts.concurrency * 4 if opts.server else opts.batch_size * opts.chunk_factor
+    with open_appending(path) as log:
+        answering.file = log
+        for item in records:
+            answering.add(item, opts.max_turns)
+            if len(answering.chunk) >= chunk_size:
+                answering.answer_chunk()
+        if answering.chunk:
+            answering.answer_chunk()
+    if answering.bar is not None:
+        answering.bar.close()
 
 
 def _all_empty_error(counts: dict, gen, path: Path) -> UserError:
@@ -276,13 +221,15 @@ def _check_not_all_skipped(counts: dict, out: Path, world: int) -> None:
                     f"{out} holds none; fix the records (--on-bad fail stops at the first bad one, naming it)")
 
 
-def _check_generation_flags(target: str | None, server: str | None, temperature: float, top_p: float,
-                            top_k: int) -> None:
-    if bool(target) == bool(server):
+def _check_generation_flags(opts: RegenerateOptions) -> None:
+    if bool(opts.target) == bool(opts.server):
         raise UserError("give either --target (a local model) or --server (an OpenAI-compatible URL)")
-    if temperature < 0 or top_k < 0 or not 0 < top_p <= 1:
-        raise UserError(f"--temperature {temperature}, --top-k {top_k}, --top-p {top_p}: give "
+    if opts.temperature < 0 or opts.top_k < 0 or not 0 < opts.top_p <= 1:
+        raise UserError(f"--temperature {opts.temperature}, --top-k {opts.top_k}, --top-p {opts.top_p}: give "
                          "temperature >= 0 (0: greedy), top-k >= 0 (0: off) and top-p in (0, 1]")
+    if opts.server and opts.chat_template:
+        raise UserError("--chat-template renders prompts for --target; a server renders with its own template: "
+                        "start it with that template (vLLM/SGLang --chat-template) instead")
 
 
 def _prepare_output(out: Path, path: Path, rank: int, *, resume: bool, overwrite: bool) -> set[int]:
@@ -306,11 +253,11 @@ def _prepare_output(out: Path, path: Path, rank: int, *, resume: bool, overwrite
     return done_indices(out) | done_indices(path)
 
 
-def _row_meta(gen, sampling: dict) -> dict:
+def _row_meta(gen, answers: AnswerSettings) -> dict:
     """How the rows were generated: the ``meta`` of every row."""
-    return {"generator": gen.name, "temperature": sampling["temperature"], "top_p": sampling["top_p"],
-            "top_k": sampling["top_k"], "max_new_tokens": sampling["max_new_tokens"],
-            "chat_template_kwargs": sampling["template_kwargs"]}
+    return {"generator": gen.name, "temperature": answers.temperature, "top_p": answers.top_p,
+            "top_k": answers.top_k, "max_new_tokens": answers.max_new_tokens,
+            "chat_template_kwargs": answers.template_kwargs}
 
 
 def _progress_bar(show: bool):
@@ -416,37 +363,18 @@ def _merge(out: Path, rank: int, world: int, resumed: bool) -> None:
         launch.barrier()
 
 
-def _regenerate_args(args, template_kwargs: dict) -> None:
-    """``regenerate`` with the command line's flags."""
-    regenerate(args.data, args.out, target=args.target, server=args.server, model=args.model,
-               api_key=args.api_key, split=args.split, limit=args.limit, resume=args.resume,
-               overwrite=args.overwrite, on_bad=args.on_bad,
-               max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-               top_k=args.top_k, seed=args.seed, chat_template_kwargs=template_kwargs,
-               max_prompt_length=args.max_prompt_length, max_turns=args.max_turns, batch_size=args.batch_size,
-               chunk_factor=args.chunk_factor, cuda_graph=not args.no_cuda_graph,
-               concurrency=args.concurrency, dtype=args.dtype, device=args.device,
-               progress=not args.no_progress, decode_attention=args.decode_attention,
-               chat_template=args.chat_template)
-
-
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    opts = parse_options(RegenerateOptions, argv, build_parser())
     # SIGTERM (a scheduler, a time limit, torchrun passing on Ctrl-C) stops like Ctrl-C: the conversations already
     # answered are written before the process ends, and --resume continues from there
     try:
         with StopRequest(interrupt=True):
-            try:
-                template_kwargs = json.loads(args.chat_template_kwargs)
-            except json.JSONDecodeError as e:
-                raise UserError(f"--chat-template-kwargs {args.chat_template_kwargs!r} is not JSON ({e}); "
-                                """write e.g. '{"enable_thinking": false}'""") from None
-            with disk_full_is_user_error(args.out, then="run the same command again with --resume"):
-                _regenerate_args(args, template_kwargs)
+            with disk_full_is_user_error(opts.out, then="run the same command again with --resume"):
+                regenerate(opts)
     except BadSample as e:  # other user errors propagate to dflashkit.cli.run_main (one line, exit 2)
         raise UserError(f"{e}; fix the record, or pass --on-bad skip") from None
     except KeyboardInterrupt:
-        print(f"dflashkit regenerate: stopped; the conversations answered so far are in {args.out} (or its rank "
+        print(f"dflashkit regenerate: stopped; the conversations answered so far are in {opts.out} (or its rank "
               "parts): run the same command with --resume to continue", file=sys.stderr)
         return 130
     return 0

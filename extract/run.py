@@ -1,7 +1,8 @@
 """One extraction run: chat data -> the target's layer features -> verifiable, resumable shards.
 
-The command (``dflashkit extract``, ``python -m dflashkit.extract``) parses its flags in ``__main__.py`` and
-calls ``extract`` here; the demo and the benchmarks call it directly.
+The command (``dflashkit extract``, ``python -m dflashkit.extract``) parses its flags in ``__main__.py`` into an
+``ExtractOptions`` (extract/options.py) and calls ``extract`` here; the demo and the benchmarks build the same
+object and call it directly.
 
 Design choices:
 - Samples are ordered by their index in the data. Rank r takes the indices i with i % world_size == r, in windows
@@ -18,15 +19,13 @@ Design choices:
 - Who runs the target (--engine, recorded in the manifest as ``engine``): Hugging Face in this process (``hf``),
   or a vLLM engine with tensor parallelism (``vllm``, targets/vllm/capture.py: one process, the taps captured
   during prefill, one ``generate`` per planned batch). Everything else (rendering, masks, the batch plan, the
-  sample order, the shards) is the same step for both; only the step that turns a batch into packed features
-  differs (``_features``).
+  sample order, the shards) is the same step for both. The engine is chosen once, at the start
+  (extract/engines.py): how the target loads, which taps it can capture, how a batch becomes packed features and
+  what the manifest records are its own.
 """
 
 from __future__ import annotations
 
-import argparse
-import contextlib
-import functools
 import json
 import sys
 import time
@@ -34,11 +33,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dflashkit import launch
-from dflashkit.drafter.config import DEFAULT_NUM_HIDDEN_LAYERS
 from dflashkit.errors import UserError
 from dflashkit.extract.data import batching
 from dflashkit.extract.data.chat import chat_template_hash, tokenizer_hash
 from dflashkit.extract.data.rendering import SKIP_REASONS, BadSample, ChatConfig, read_chat_template
+from dflashkit.extract.engines import engine_for
+from dflashkit.extract.options import ExtractOptions, data_paths
 from dflashkit.extract.shards.manifest import MANIFEST, SCHEMA_VERSION, update_totals, write_manifest
 from dflashkit.extract.shards.writer import ShardWriter, merge_manifests, prepare_resume
 
@@ -46,20 +46,9 @@ from dflashkit.extract.shards.writer import ShardWriter, merge_manifests, prepar
 RESUME_FIELDS = ("target.config_hash", "target.weights_hash", "tokenizer_hash", "chat_template_hash",
                  "template_kwargs", "target_layer_ids", "codec", "store_last_hidden", "args.max_length",
                  "args.overlong", "args.limit", "args.split", "args.bucket_window", "world_size", "engine.name")
-ENGINES = ("hf", "vllm")  # who runs the target: Hugging Face in this process, or vLLM (targets/vllm/capture.py)
-
-
-def parse_size(text: str) -> int:
-    """'512MB' / '2GB' / '64KB' (powers of 1024) or a plain byte count -> bytes."""
-    t = text.strip().upper().removesuffix("IB").removesuffix("B")
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}.get(t[-1:], 1)
-    try:
-        value = float(t[:-1] if mult > 1 else t) * mult
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"size {text!r}: use a number of bytes or e.g. 512MB, 2GB") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"size {text!r} must be positive")
-    return int(value)
+# the flags that shaped the data, recorded in the manifest's ``args``
+MANIFEST_ARGS = ("max_length", "overlong", "on_bad", "limit", "split", "batch_tokens", "max_batch_size",
+                 "bucket_window", "shard_size")
 
 
 def _holds_extraction(out: Path) -> bool:
@@ -140,67 +129,48 @@ def _clear_output(out: Path, rank: int) -> None:
     launch.barrier()
 
 
-def extract(target: str, data: list[str], out, *, overwrite: bool = False, **kwargs) -> dict:
-    """Extract the features of ``target`` for the records of ``data`` into shards in ``out``; return the
-    manifest. The keyword arguments are the command's flags (see ``build_parser`` and ``_extract``);
-    ``overwrite`` replaces what ``out`` holds. The run holds the lock on ``out`` (dflashkit/outputs.py)."""
+def extract(opts: ExtractOptions, *, vllm_api=None) -> dict:
+    """Extract the features of ``opts.target`` for the records of ``opts.data`` into shards in ``opts.out``;
+    return the manifest. ``opts``: the command's flags (extract/options.py); ``vllm_api``: the vLLM calls for
+    --engine vllm (targets/vllm/api.py ``VllmApi``; None: the installed vLLM). The run holds the lock on
+    ``opts.out`` (dflashkit/outputs.py)."""
     from dflashkit.outputs import OutputLock, check_apart
 
-    check_apart({"--out": out}, {"--data": [data] if isinstance(data, (str, Path)) else list(data),
-                                 "--target": target, "--chat-template": kwargs.get("chat_template")})
-    with OutputLock(out, "extract"):
-        return _extract(target, data, out, overwrite=overwrite, **kwargs)
+    check_apart({"--out": opts.out}, {"--data": data_paths(opts.data), "--target": opts.target,
+                                      "--chat-template": opts.chat_template})
+    with OutputLock(opts.out, "extract"):
+        return _extract(opts, vllm_api)
 
 
-def _extract(target: str, data: list[str], out, *, overwrite: bool = False, layer_ids: list[int] | None = None,
-            num_taps: int = DEFAULT_NUM_HIDDEN_LAYERS,
-            dtype: str | None = None, device: str | None = None, device_map: str | None = None,
-            trust_remote_code: bool = False, split: str | None = None, limit: int | None = None,
-            chat_template: str | None = None, chat_template_kwargs: dict | None = None,
-            max_length: int | None = None, overlong: str = "truncate", on_bad: str = "skip",
-            batch_tokens: int = 16384, max_batch_size: int = 64, bucket_window: int = 4096,
-            tokenize_workers: int = 0, shard_size: int = 512 << 20, staging_size: int = 4 << 30,
-            codec: str = "bf16", store_last_hidden: bool = False, resume: bool = False,
-            progress: bool = True, engine: str = "hf", tensor_parallel_size: int = 1,
-            gpu_memory_utilization: float = 0.9, max_model_len: int | None = None, vllm_api=None) -> dict:
-    """Extract the features of ``target`` for the records of ``data`` into shards in ``out``; return the
-    manifest. The parameters are the command's flags (see ``build_parser``); ``chat_template`` is the path of a
-    Jinja file, ``chat_template_kwargs`` a dict, sizes are bytes. ``vllm_api``: the vLLM calls for --engine vllm
-    (targets/vllm/api.py ``VllmApi``; None: the installed vLLM)."""
+def _extract(opts: ExtractOptions, vllm_api) -> dict:
+    """The run under the lock: launch and checks, the target and the manifest, the shards, the summary."""
     # --- launch, inputs, the output -----------------------------------------------------------------------
-    vllm_api = _engine_api(engine, vllm_api)  # a missing vLLM stops here, in one line, before any work
-    rank, world, device, torch_dtype = _join_launch(device, dtype, device_map, engine)
-    out = Path(out)
-    data = [str(data)] if isinstance(data, (str, Path)) else [str(d) for d in data]
-    cfg = ChatConfig(max_length=max_length, overlong=overlong, template_kwargs=dict(chat_template_kwargs or {}),
-                     chat_template=read_chat_template(chat_template))
-    replace = _check_before_loading(out, data, split, layer_ids, resume=resume, overwrite=overwrite)
+    engine = engine_for(opts, vllm_api)  # a missing vLLM stops here, in one line, before any work
+    rank, world, device, torch_dtype = _join_launch(opts, engine)
+    out, data = Path(opts.out), data_paths(opts.data)
+    cfg = ChatConfig(max_length=opts.max_length, overlong=opts.overlong,
+                     template_kwargs=dict(opts.chat_template_kwargs or {}),
+                     chat_template=read_chat_template(opts.chat_template))
+    replace = _check_before_loading(out, data, opts)
 
     # --- the target, the manifest, the resumed position --------------------------------------------------
-    target = _load_target(engine, target, torch_dtype, device, device_map, trust_remote_code)
-    layer_ids = _tapped_layers(target, layer_ids, num_taps, cfg, engine, store_last_hidden)
-    vllm = {"tensor_parallel_size": tensor_parallel_size, "gpu_memory_utilization": gpu_memory_utilization,
-            "max_model_len": max_model_len or (max_length + 1 if max_length else None),  # + the sampled token
-            "max_num_seqs": max_batch_size, "trust_remote_code": trust_remote_code}
-    manifest = _new_manifest(target, layer_ids, cfg, data, world, torch_dtype, codec=codec,
-                             store_last_hidden=store_last_hidden, engine=_engine_record(engine, vllm_api, vllm),
-                             args={"max_length": max_length, "overlong": overlong, "on_bad": on_bad, "limit": limit,
-                                   "split": split, "batch_tokens": batch_tokens, "max_batch_size": max_batch_size,
-                                   "bucket_window": bucket_window, "shard_size": shard_size})
-    done = _resumed_samples(out, manifest, rank, world) if resume else set()
-    if replace and overwrite:
+    target = engine.load_target(torch_dtype, device)
+    layer_ids = _tapped_layers(target, opts, cfg, engine)
+    manifest = _new_manifest(opts, target, layer_ids, cfg, data, world, torch_dtype, engine.record())
+    done = _resumed_samples(out, manifest, rank, world) if opts.resume else set()
+    if replace and opts.overwrite:
         _clear_output(out, rank)
 
     # --- the features, written as shards -----------------------------------------------------------------
-    writer = ShardWriter(out, manifest, rank=rank, world_size=world, shard_bytes=shard_size,
-                         staging_bytes=staging_size)
-    tally = _Tally.start(data, split, limit, rank, world, len(done), progress)
+    writer = ShardWriter(out, manifest, rank=rank, world_size=world, shard_bytes=opts.shard_size,
+                         staging_bytes=opts.staging_size)
+    tally = _Tally.start(opts, data, rank, world, len(done))
     try:
-        with _features(engine, target, layer_ids, store_last_hidden, device, torch_dtype, vllm, vllm_api) as step:
-            windows = batching.encoded_windows(data, split, limit, bucket_window, tokenize_workers,
+        with engine.features(target, layer_ids, device, torch_dtype) as step:
+            windows = batching.encoded_windows(data, opts.split, opts.limit, opts.bucket_window,
+                                               batching.resolve_tokenize_workers(opts.tokenize_workers),
                                                target.tokenizer, cfg, rank, world)
-            _write_features(windows, step, writer, tally, done=done, on_bad=on_bad, batch_tokens=batch_tokens,
-                            max_batch_size=max_batch_size, world=world)
+            _write_features(windows, step, writer, tally, done, opts, world)
         manifest = writer.close()
     except BaseException:
         writer.abort()
@@ -212,92 +182,54 @@ def _extract(target: str, data: list[str], out, *, overwrite: bool = False, laye
     return _complete(manifest, writer, tally, out, rank, world)
 
 
-def _engine_api(engine: str, vllm_api):
-    """The vLLM calls for --engine vllm (the installed vLLM unless given; UserError naming the extra when it is
-    missing), None for --engine hf."""
-    if engine not in ENGINES:
-        raise UserError(f"--engine {engine!r}: choose one of {', '.join(ENGINES)}")
-    if engine != "vllm":
-        return vllm_api
-    from dflashkit.targets.vllm.api import load_api
-
-    return load_api(vllm_api, settle=False)
-
-
-def _join_launch(device: str | None, dtype: str | None, device_map: str | None, engine: str = "hf"):
+def _join_launch(opts: ExtractOptions, engine):
     """(rank, world size, device, dtype) of this process, in the launch's process group when there are several."""
     rank, world, _ = launch.ranks()
-    if engine == "vllm" and (world > 1 or device_map):
-        raise UserError("--engine vllm runs in one process: vLLM spreads the target over --tensor-parallel-size "
-                        "GPUs itself; launch one process without --device-map")
-    device = launch.local_device(device)
+    engine.check_launch(world)
+    device = launch.local_device(opts.device)
     launch.join_process_group(device)  # several processes: NCCL on a GPU, gloo on the CPU
-    torch_dtype = launch.default_dtype(device, dtype)
-    if device_map and world > 1:
+    torch_dtype = launch.default_dtype(device, opts.dtype)
+    if opts.device_map and world > 1:
         raise UserError("--device-map spreads one target over the GPUs of one process; with several processes "
                         "each rank loads its own copy on its GPU: drop --device-map or launch one process")
     return rank, world, device, torch_dtype
 
 
-def _check_before_loading(out: Path, data: list[str], split: str | None, layer_ids: list[int] | None, *,
-                          resume: bool, overwrite: bool) -> bool:
+def _check_before_loading(out: Path, data: list[str], opts: ExtractOptions) -> bool:
     """The checks that need no target: the --resume / --overwrite rule, the output directory, records in the
     data, the order of --layer-ids. Whether ``out`` holds something to replace."""
     from dflashkit.drafter import check_target_layer_ids
     from dflashkit.extract.data.sources import check_has_records
     from dflashkit.outputs import check_output_dir, check_resume_flags
 
-    check_resume_flags(out, resume=resume, overwrite=overwrite,
+    check_resume_flags(out, resume=opts.resume, overwrite=opts.overwrite,
                        holds="an extraction" if _holds_extraction(out) else None)
-    replace = check_output_dir(out, what="an extraction", problem=extraction_problem, overwrite=overwrite)
-    check_has_records(data, split)  # an empty data file stops here, before the target is loaded
-    if layer_ids:
-        check_target_layer_ids(list(layer_ids))  # order and duplicates now; the range once the target is loaded
+    replace = check_output_dir(out, what="an extraction", problem=extraction_problem, overwrite=opts.overwrite)
+    check_has_records(data, opts.split)  # an empty data file stops here, before the target is loaded
+    if opts.layer_ids:
+        check_target_layer_ids(list(opts.layer_ids))  # order and duplicates now; the range once the target is loaded
     return replace
 
 
-def _load_target(engine: str, spec: str, torch_dtype, device, device_map: str | None, trust_remote_code: bool):
-    """The target: loaded in this process (hf), or only described (vllm: its weights live in vLLM's workers)."""
-    if engine == "vllm":
-        from dflashkit.targets.vllm.capture import describe_target
-
-        return describe_target(spec, trust_remote_code=trust_remote_code)
-    from dflashkit.targets.loading import load_target
-
-    return load_target(spec, dtype=torch_dtype, device=device, device_map=device_map,
-                       trust_remote_code=trust_remote_code)
-
-
-def _tapped_layers(target, layer_ids: list[int] | None, num_taps: int, cfg: ChatConfig, engine: str = "hf",
-                   store_last_hidden: bool = False) -> list[int]:
-    """The layers to capture, checked against the loaded target (and against what vLLM captures differently,
-    --engine vllm); the chat template checked against its tokenizer."""
+def _tapped_layers(target, opts: ExtractOptions, cfg: ChatConfig, engine) -> list[int]:
+    """The layers to capture, checked against the loaded target (and against what the engine captures
+    differently); the chat template checked against its tokenizer."""
     from dflashkit.drafter import check_target_layer_ids
     from dflashkit.extract.data.chat import check_template
 
     # default taps: evenly spaced (docs/ARCHITECTURE.md); a target too shallow for that many distinct taps gets fewer
-    layer_ids = list(layer_ids) if layer_ids else sorted(set(target.default_layer_ids(num_taps)))
+    layer_ids = list(opts.layer_ids) if opts.layer_ids else sorted(set(target.default_layer_ids(opts.num_taps)))
     layer_ids = check_target_layer_ids(layer_ids, target.num_layers)
-    if engine == "vllm":
-        from dflashkit.targets.vllm.capture import check_taps
-
-        check_taps(layer_ids, target.num_layers, store_last_hidden)
+    engine.check_taps(layer_ids, target.num_layers)
     if cfg.chat_template or getattr(target.tokenizer, "chat_template", None):
         check_template(target.tokenizer, cfg)  # fails here, before any work, when assistant spans cannot be marked
     return layer_ids
 
 
-def _engine_record(engine: str, vllm_api, vllm: dict) -> dict:
-    """The manifest's ``engine``: who captured the features (and, for vLLM, its version and parallelism)."""
-    if engine != "vllm":
-        return {"name": engine}
-    return {"name": engine, "version": vllm_api.version, "tensor_parallel_size": vllm["tensor_parallel_size"]}
-
-
-def _new_manifest(target, layer_ids: list[int], cfg: ChatConfig, data: list[str], world: int, torch_dtype, *,
-                  codec: str, store_last_hidden: bool, args: dict, engine: dict | None = None) -> dict:
-    """The manifest of this run before any shard is written (extract/shards/manifest.py); ``args``: the flags
-    that shaped it; ``engine``: who captured the features (``_engine_record``)."""
+def _new_manifest(opts: ExtractOptions, target, layer_ids: list[int], cfg: ChatConfig, data: list[str], world: int,
+                  torch_dtype, engine: dict) -> dict:
+    """The manifest of this run before any shard is written (extract/shards/manifest.py); its ``args``: the flags
+    that shaped it (``MANIFEST_ARGS``); ``engine``: who captured the features (the engine's ``record``)."""
     from dflashkit.extract.data.sources import describe_sources
 
     tok = target.tokenizer
@@ -307,10 +239,10 @@ def _new_manifest(target, layer_ids: list[int], cfg: ChatConfig, data: list[str]
         "chat_template_hash": chat_template_hash(tok, cfg), "template_kwargs": cfg.template_kwargs,
         "chat_template": cfg.chat_template,  # --chat-template's text (None: the tokenizer's); an export records it
         "target_layer_ids": layer_ids, "num_target_layers": target.num_layers, "hidden_size": target.hidden_size,
-        "vocab_size": target.vocab_size, "feature_dim": len(layer_ids) * target.hidden_size, "codec": codec,
-        "store_last_hidden": bool(store_last_hidden), "dtype": str(torch_dtype).removeprefix("torch."),
-        "data": describe_sources(data), "world_size": world, "args": args, "engine": engine or {"name": "hf"},
-        "skipped": {}, "notes": {}, "shards": []}
+        "vocab_size": target.vocab_size, "feature_dim": len(layer_ids) * target.hidden_size, "codec": opts.codec,
+        "store_last_hidden": bool(opts.store_last_hidden), "dtype": str(torch_dtype).removeprefix("torch."),
+        "data": describe_sources(data), "world_size": world, "args": {k: getattr(opts, k) for k in MANIFEST_ARGS},
+        "engine": engine, "skipped": {}, "notes": {}, "shards": []}
 
 
 def _resumed_samples(out: Path, manifest: dict, rank: int, world: int) -> set[int]:
@@ -337,12 +269,11 @@ class _Tally:
     tokens: int = 0  # real tokens this rank wrote in this run
 
     @classmethod
-    def start(cls, data: list[str], split: str | None, limit: int | None, rank: int, world: int, done: int,
-              progress: bool) -> _Tally:
+    def start(cls, opts: ExtractOptions, data: list[str], rank: int, world: int, done: int) -> _Tally:
         tally = cls({r: 0 for r in SKIP_REASONS}, {"dropped_leading_assistant_turns": 0, "truncated": 0},
                     time.time())
-        total = batching.count_rank_records(data, split, limit, rank, world)
-        if rank == 0 and progress:
+        total = batching.count_rank_records(data, opts.split, opts.limit, rank, world)
+        if rank == 0 and opts.progress:
             from dflashkit.progress import progress_bar
 
             tally.bar = progress_bar(total=total * world if total is not None else None, unit="sample",
@@ -372,53 +303,17 @@ class _Tally:
             self.bar.close()
 
 
-def _write_features(windows, features, writer: ShardWriter, tally: _Tally, *, done: set[int], on_bad: str,
-                    batch_tokens: int, max_batch_size: int, world: int) -> None:
-    """Every window's batches (those not ``done``) through the target (``features``, from ``_features``), their
+def _write_features(windows, features, writer: ShardWriter, tally: _Tally, done: set[int], opts: ExtractOptions,
+                    world: int) -> None:
+    """Every window's batches (those not ``done``) through the target (``features``, the engine's), their
     features to ``writer``."""
     for window in windows:
-        counts = tally.count_window(window, on_bad)
-        for batch in batching.plan_batches(window.samples, batch_tokens, max_batch_size):
+        counts = tally.count_window(window, opts.on_bad)
+        for batch in batching.plan_batches(window.samples, opts.batch_tokens, opts.max_batch_size):
             todo = [s for s in batch if s.index not in done]
             if todo:
                 tally.tokens += _write_batch(todo, features, writer, counts)
             tally.advance(len(batch), world)
-
-
-@contextlib.contextmanager
-def _features(engine: str, target, layer_ids: list[int], store_last_hidden: bool, device, torch_dtype, vllm: dict,
-              vllm_api):
-    """The engine step, open for the run: a callable from a batch of samples to their features packed to real
-    tokens (hidden [sum T, K*H], last_hidden [sum T, H] or None). ``vllm``: the VllmCaptureConfig fields the
-    run sets (--engine vllm)."""
-    if engine == "vllm":
-        from dflashkit.targets.vllm.capture import VllmCapture, VllmCaptureConfig
-
-        config = VllmCaptureConfig(dtype=str(torch_dtype).removeprefix("torch."), **vllm)
-        with VllmCapture(target.model_dir, layer_ids, config, vllm_api) as capture:
-            yield functools.partial(_vllm_batch_features, capture)
-        return
-    from dflashkit.targets.capture import LayerCapture
-
-    with LayerCapture(target, layer_ids, store_last_hidden=store_last_hidden) as capture:
-        yield functools.partial(_hf_batch_features, capture, device)
-
-
-def _hf_batch_features(capture, device, todo: list):
-    """One right-padded forward batch through the hooked target, gathered to its real tokens."""
-    ids, _ = batching.pad_batch(todo, device)
-    hidden, last_hidden = capture(ids)  # right padding: no mask needed (pad_batch)
-    keep = batching.real_token_index([len(s.input_ids) for s in todo], ids.shape[1], hidden.device)
-    return (hidden.flatten(0, 1).index_select(0, keep),
-            last_hidden.flatten(0, 1).index_select(0, keep) if last_hidden is not None else None)
-
-
-def _vllm_batch_features(capture, todo: list):
-    """One batch as vLLM requests: each sample's taps concatenated on the feature axis, the samples in order."""
-    import torch
-
-    per_sample = capture([s.input_ids for s in todo])
-    return torch.cat([torch.cat(taps, dim=-1) for taps in per_sample]), None
 
 
 def _write_batch(todo: list, features, writer: ShardWriter, counts: dict) -> int:

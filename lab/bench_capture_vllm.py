@@ -210,23 +210,32 @@ def vllm_dtype(dtype) -> str:
 
 # ----------------------------------------------------------------------------- equality
 def extract_flags(args, dev) -> dict:
-    """The keyword arguments of extract/run.py ``extract`` every extraction of this bench shares."""
-    return dict(limit=args.samples, max_length=args.max_length, batch_tokens=args.batch_tokens,
-                max_batch_size=args.max_batch_size, num_taps=args.num_taps, device=str(dev), progress=False,
-                overwrite=True)
+    """The ``ExtractOptions`` fields (extract/options.py) every extraction of this bench shares."""
+    return dict(target=args.target, data=[args.data], limit=args.samples, max_length=args.max_length,
+                batch_tokens=args.batch_tokens, max_batch_size=args.max_batch_size, num_taps=args.num_taps,
+                device=str(dev), progress=False, overwrite=True)
+
+
+def extract_engine(args, out: Path, engine: str, **flags) -> dict:
+    """One extraction by ``engine`` into ``out`` (extract/run.py ``extract``); vLLM through this bench's calls."""
+    from dflashkit.extract.options import ExtractOptions
+    from dflashkit.extract.run import extract
+
+    vllm = engine == "vllm"
+    if vllm:
+        flags["gpu_memory_utilization"] = args.gpu_memory_utilization
+    return extract(ExtractOptions(out=out, engine=engine, **flags),
+                   vllm_api=capture_api(args.standin, False) if vllm else None)
 
 
 def part_equality(args, work: Path, dev, dtype) -> dict:
-    from dflashkit.extract.run import extract
     from dflashkit.extract.shards.verify import verify_dataset
 
     flags = dict(extract_flags(args, dev), dtype=vllm_dtype(dtype))
     walls = {}
     for engine in ("vllm", "hf"):  # vLLM first: its start-up profiling needs a GPU that nothing else is freeing
         started = time.perf_counter()
-        extra = {"vllm_api": capture_api(args.standin, False),
-                 "gpu_memory_utilization": args.gpu_memory_utilization} if engine == "vllm" else {}
-        manifest = extract(args.target, [args.data], work / f"shards-{engine}", engine=engine, **flags, **extra)
+        manifest = extract_engine(args, work / f"shards-{engine}", engine, **flags)
         walls[engine] = time.perf_counter() - started
         free_memory(dev)
     errors, notes = verify_dataset(work / "shards-vllm")
@@ -243,17 +252,12 @@ def part_reference(args, work: Path, dev, dtype) -> dict:
     vLLM shards and the Hugging Face bf16 shards of the equality part (extracted here if absent) are measured with
     the same formulas. If vLLM's error is of the size of Hugging Face bf16's, the two engines differ by bf16
     rounding, not by what they compute."""
-    from dflashkit.extract.run import extract
-
     flags = extract_flags(args, dev)
     for engine in ("vllm", "hf"):
         if not (work / f"shards-{engine}" / "manifest.json").exists():
-            extra = {"vllm_api": capture_api(args.standin, False),
-                     "gpu_memory_utilization": args.gpu_memory_utilization} if engine == "vllm" else {}
-            extract(args.target, [args.data], work / f"shards-{engine}", engine=engine, dtype=vllm_dtype(dtype),
-                    **flags, **extra)
+            extract_engine(args, work / f"shards-{engine}", engine, dtype=vllm_dtype(dtype), **flags)
             free_memory(dev)
-    extract(args.target, [args.data], work / "shards-hf32", engine="hf", dtype="float32", **flags)
+    extract_engine(args, work / "shards-hf32", "hf", dtype="float32", **flags)
     free_memory(dev)
     out = {"reference": "hf float32", "dtype": str(dtype)}
     for engine in ("vllm", "hf"):

@@ -34,14 +34,27 @@ class EmptyAnswer(BadSample):
         self.reason = EMPTY_ANSWER
 
 
+@dataclass
+class AnswerSettings:
+    """What every answer is asked with, by a local target or a server (regenerate's --max-new-tokens, sampling
+    and --chat-template-kwargs; the defaults: greedy, no kwargs)."""
+
+    max_new_tokens: int  # longest answer per turn
+    template_kwargs: dict = field(default_factory=dict)  # the chat template's keyword arguments
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0  # nucleus sampling mass
+    top_k: int = 0  # 0: no top-k
+
+
 class TargetGenerator:
     """Answers from a local target, turn by turn: the slot generator (static cache, continuous batching, CUDA
     graph) for attention-only targets, Hugging Face ``generate`` (left-padded batches) for the others."""
 
-    def __init__(self, target: str, *, template_kwargs: dict, max_new_tokens: int, temperature: float = 0.0,
-                 top_p: float = 1.0, top_k: int = 0, max_prompt_length: int | None = None, batch_size: int = 16,
+    def __init__(self, target: str, answers: AnswerSettings, *, batch_size: int, max_prompt_length: int | None = None,
                  dtype: str | None = None, device: str | None = None, cuda_graph: bool = True,
                  decode_attention: str = "triton", chat_template: str | None = None):
+        """``target``: as for ``load_target``; ``batch_size``: sequences decoded at once (cache slots; HF
+        ``generate``: per call); ``chat_template``: a template's text replacing the tokenizer's (None: its own)."""
         from dflashkit.targets.loading import load_target
         from dflashkit.targets.runtime.parts import attention_only
 
@@ -51,18 +64,19 @@ class TargetGenerator:
         torch_dtype = launch.default_dtype(device, dtype)
         self.target = load_target(target, dtype=torch_dtype, device=device)
         self.tok = self.target.tokenizer
-        self.cfg = ChatConfig(template_kwargs=template_kwargs, chat_template=chat_template)  # as training renders
+        self.cfg = ChatConfig(template_kwargs=answers.template_kwargs, chat_template=chat_template)  # as training
         self.stop_ids = list(stop_token_ids(self.tok, self.target.model.generation_config, self.cfg.chat_template,
                                             self.cfg.template_kwargs))  # the ones eval ends answers on
         self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.stop_ids[0]
-        self.max_new_tokens, self.max_prompt_length, self.batch_size = max_new_tokens, max_prompt_length, batch_size
-        self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
+        self.max_new_tokens, self.max_prompt_length, self.batch_size = (answers.max_new_tokens, max_prompt_length,
+                                                                        batch_size)
+        self.temperature, self.top_p, self.top_k = answers.temperature, answers.top_p, answers.top_k
         self.device = device
         self.name = self.target.path
         self.slots = None
         if attention_only(self.target):
-            self.slots = SlotGenerator(self.target, self.stop_ids, num_slots=batch_size,
-                                       temperature=temperature, top_p=top_p, top_k=top_k, cuda_graph=cuda_graph,
+            self.slots = SlotGenerator(self.target, self.stop_ids, num_slots=batch_size, temperature=self.temperature,
+                                       top_p=self.top_p, top_k=self.top_k, cuda_graph=cuda_graph,
                                        decode_attention=decode_attention)
 
     def _prompt(self, history: list[dict]) -> list[int]:
@@ -247,15 +261,16 @@ class _TurnFeed:
 class ServerGenerator:
     """One chat-completions request per turn to an OpenAI-compatible server (vLLM, SGLang, ...)."""
 
-    def __init__(self, server: str, model: str | None, *, template_kwargs: dict, max_new_tokens: int,
-                 temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, api_key: str = "",
-                 concurrency: int = 16):
+    def __init__(self, server: str, model: str | None, answers: AnswerSettings, *, concurrency: int,
+                 api_key: str = ""):
+        """``concurrency``: requests in flight; ``api_key``: the bearer token (empty: none is sent)."""
         if not model:
             raise UserError("--server needs --model (the name the server serves the target under)")
         self.url = server.rstrip("/") + "/chat/completions"
         self.model, self.api_key, self.concurrency = model, api_key, concurrency
-        self.max_new_tokens, self.temperature, self.top_p, self.top_k = max_new_tokens, temperature, top_p, top_k
-        self.template_kwargs, self.name = template_kwargs, f"{server} {model}"
+        self.max_new_tokens, self.temperature = answers.max_new_tokens, answers.temperature
+        self.top_p, self.top_k = answers.top_p, answers.top_k
+        self.template_kwargs, self.name = answers.template_kwargs, f"{server} {model}"
 
     def _post(self, body: dict) -> dict:
         """The reply's message to one request (``_reply``), with retries where the server may recover."""

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +30,8 @@ import torch
 
 from dflashkit.errors import UserError
 from dflashkit.files import sha256_file
+from dflashkit.options import build_parser as options_parser
+from dflashkit.options import option, parse_options
 
 from .format import MappedShard, decode_features, read_shard_header
 from .manifest import MANIFEST, read_manifest, shard_path
@@ -172,10 +175,16 @@ def verify_dataset(path) -> tuple[list[str], list[str]]:
     return errors, notes
 
 
+@dataclass
+class VerifyOptions:
+    """The arguments of ``dflashkit verify``."""
+
+    dir: str = option(flag="dir", help="a shard directory written by `dflashkit extract`")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dflashkit verify", description=__doc__.split("\n\n")[0])
-    parser.add_argument("dir", help="a shard directory written by `dflashkit extract`")
-    return parser
+    """The command's parser, built from its arguments (``VerifyOptions``)."""
+    return options_parser(VerifyOptions, prog="dflashkit verify", description=__doc__.split("\n\n")[0], raw=False)
 
 
 def shard_dir_argument(given: str) -> Path:
@@ -197,19 +206,19 @@ def shard_dir_argument(given: str) -> Path:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    args.dir = str(shard_dir_argument(args.dir))
-    errors, notes = verify_dataset(args.dir)
+    opts = parse_options(VerifyOptions, argv, build_parser())
+    directory = str(shard_dir_argument(opts.dir))
+    errors, notes = verify_dataset(directory)
     for note in notes:
         print(f"note: {note}")
     for error in errors:
         print(f"FAIL {error}", file=sys.stderr)
     if errors:
-        print(f"verify: {len(errors)} problem(s) in {args.dir}", file=sys.stderr)
+        print(f"verify: {len(errors)} problem(s) in {directory}", file=sys.stderr)
         return 1
-    m = read_manifest(args.dir)
+    m = read_manifest(directory)
     t = m.get("totals", {})
-    print(f"verify: OK {args.dir}: {t.get('shards')} shards, {t.get('samples')} samples, {t.get('tokens')} tokens, "
+    print(f"verify: OK {directory}: {t.get('shards')} shards, {t.get('samples')} samples, {t.get('tokens')} tokens, "
           f"codec {m['codec']}")
     return 0
 

@@ -9,15 +9,15 @@ import transformers as tf
 
 from dflashkit.eval.prompts import target_stop_ids
 from dflashkit.eval.run import stop_ids
-from dflashkit.extract.generation.answerers import TargetGenerator
+from dflashkit.extract.generation.answerers import AnswerSettings, TargetGenerator
 from dflashkit.targets.loading import resolve_target_dir
 
 from support.chat_data import save_tiny_chat_target
 
 
 def stop_ids_of_each_command(target: str) -> dict[str, tuple[int, ...]]:
-    regenerate = TargetGenerator(target, template_kwargs={}, max_new_tokens=4, device="cpu", dtype="float32",
-                                 cuda_graph=False)
+    regenerate = TargetGenerator(target, AnswerSettings(max_new_tokens=4), batch_size=16, device="cpu",
+                                 dtype="float32", cuda_graph=False)
     target_dir, _ = resolve_target_dir(target)
     return {"regenerate": tuple(regenerate.stop_ids), "eval": stop_ids(regenerate.target),
             "eval --engine vllm": tuple(target_stop_ids(Path(target_dir), regenerate.tok))}

@@ -28,8 +28,7 @@ def test_stage_calls_chain_the_run_directory(tmp_path):
 def test_every_keyword_is_a_parameter_of_its_library_function(tmp_path):
     from dflashkit.demo import evaluate
     from dflashkit.eval.run import run_eval
-    from dflashkit.extract.regenerate import regenerate
-    from dflashkit.extract.run import extract
+    from dflashkit.extract.options import ExtractOptions, RegenerateOptions
     from dflashkit.train.config import load_config
 
     def binds(function, kwargs, partial=False):
@@ -46,7 +45,7 @@ def test_every_keyword_is_a_parameter_of_its_library_function(tmp_path):
                 binds(evaluate, kwargs)
                 binds(run_eval, {k: v for k, v in kwargs.items() if k not in own}, partial=True)
             else:
-                binds({"regenerate": regenerate, "extract": extract}[name], kwargs)
+                binds({"regenerate": RegenerateOptions, "extract": ExtractOptions}[name], kwargs)  # their flags
     with pytest.raises(TypeError, match="num_prompt"):
         binds(run_eval, {"num_prompt": 3}, partial=True)
 

@@ -65,7 +65,7 @@ def test_regenerate_answers_a_recurrent_target_through_hf_generate(tmp_path):
     argmax answers all the same."""
     import transformers as tf
 
-    from dflashkit.extract.generation.answerers import TargetGenerator
+    from dflashkit.extract.generation.answerers import AnswerSettings, TargetGenerator
     from dflashkit.extract.regenerate import main
 
     torch.manual_seed(0)
@@ -75,7 +75,7 @@ def test_regenerate_answers_a_recurrent_target_through_hf_generate(tmp_path):
                                   layer_types=["linear_attention", "full_attention"], initializer_range=0.5)
     tf.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "target")
     smollm2_tokenizer().save_pretrained(tmp_path / "target")
-    assert TargetGenerator(str(tmp_path / "target"), template_kwargs={}, max_new_tokens=4).slots is None
+    assert TargetGenerator(str(tmp_path / "target"), AnswerSettings(max_new_tokens=4), batch_size=16).slots is None
     data = tmp_path / "in.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in REGENERATE_RECORDS[:2]))
     out = tmp_path / "out.jsonl"

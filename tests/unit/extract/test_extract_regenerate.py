@@ -210,15 +210,15 @@ def test_a_chat_template_renders_regenerated_prompts_as_training_and_eval_do(tin
     renderer's prompt ids (extract/data/rendering.py); a server renders with its own template, so the flag is
     refused there."""
     from dflashkit.extract.data.rendering import ChatConfig, prompt_ids
-    from dflashkit.extract.generation.answerers import TargetGenerator
+    from dflashkit.extract.generation.answerers import AnswerSettings, TargetGenerator
 
     persona = ("{% if persona is defined %}<|im_start|>system\n{{ persona }}<|im_end|>\n{% endif %}"
                "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
     kwargs = {"persona": "One line only."}
     history = [{"role": "user", "content": "Name a colour."}]
-    gen = TargetGenerator(tiny, template_kwargs=kwargs, chat_template=persona, max_new_tokens=2, device="cpu",
-                          dtype="float32", cuda_graph=False)
+    gen = TargetGenerator(tiny, AnswerSettings(max_new_tokens=2, template_kwargs=kwargs), batch_size=16,
+                          chat_template=persona, device="cpu", dtype="float32", cuda_graph=False)
     chat = ChatConfig(chat_template=persona, template_kwargs=kwargs)
     assert gen._prompt(history) == prompt_ids(gen.tok, history, chat) != prompt_ids(gen.tok, history, ChatConfig())
     assert gen.tok.decode(gen._prompt(history)).startswith("<|im_start|>system\nOne line only.")

@@ -12,6 +12,7 @@ from dflashkit.cli import run_main
 from dflashkit.extract.__main__ import main as extract_main
 from dflashkit.extract.data.chat import encode_record
 from dflashkit.extract.data.rendering import ChatConfig
+from dflashkit.extract.options import ExtractOptions
 from dflashkit.extract.run import extract
 from dflashkit.extract.shards.format import FP8_ABS_ERR, FP8_REL_ERR
 from dflashkit.extract.shards.manifest import read_manifest
@@ -79,7 +80,8 @@ def test_fp8_codec_bytes_per_token_and_error(tiny, tmp_path):
     sizes = {}
     for codec in ("bf16", "fp8"):
         out = tmp_path / codec
-        m = extract(tiny, [data], out, layer_ids=[0, 2, 3], codec=codec, progress=False)  # the library call
+        m = extract(ExtractOptions(target=tiny, data=[data], out=out, layer_ids=[0, 2, 3], codec=codec,
+                                   progress=False))  # the library call
         assert m == read_manifest(out)
         sizes[codec] = m["totals"]["bytes_per_token"]
     ds = ShardDataset(tmp_path / "fp8")

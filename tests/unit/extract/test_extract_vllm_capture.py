@@ -16,6 +16,7 @@ import torch
 from dflashkit.cli import run_main
 from dflashkit.errors import UserError
 from dflashkit.extract.__main__ import main as extract_main
+from dflashkit.extract.options import ExtractOptions
 from dflashkit.extract.run import extract
 from dflashkit.extract.shards.manifest import read_manifest
 from dflashkit.extract.shards.reader import ShardDataset
@@ -56,6 +57,11 @@ def standin_api(fail_at_call: int | None = None) -> VllmApi:
     return VllmApi(CutShort, standin.SamplingParams)
 
 
+def extract_with(target, data, out, vllm_api=None, **flags) -> dict:
+    """The library call: ``run.extract`` of the options ``flags`` give, with the vLLM calls ``vllm_api``."""
+    return extract(ExtractOptions(target=target, data=[data], out=out, **flags), vllm_api=vllm_api)
+
+
 def by_index(out):
     ds = ShardDataset(out)
     return {ds[k]["sample_index"]: ds[k] for k in range(len(ds))}
@@ -63,8 +69,8 @@ def by_index(out):
 
 def test_vllm_shards_equal_hf_shards_and_verify(tiny, tmp_path, scratch):
     data = write_jsonl(tmp_path / "d.jsonl", chat_records(10, seed=4), [(3, "{broken")])
-    hf = extract(tiny, [data], tmp_path / "hf", **FLAGS)
-    vl = extract(tiny, [data], tmp_path / "vllm", engine="vllm", vllm_api=standin_api(), **FLAGS)
+    hf = extract_with(tiny, data, tmp_path / "hf", **FLAGS)
+    vl = extract_with(tiny, data, tmp_path / "vllm", engine="vllm", vllm_api=standin_api(), **FLAGS)
     assert hf["engine"] == {"name": "hf"}
     assert vl["engine"] == {"name": "vllm", "version": "stand-in", "tensor_parallel_size": 1}
     assert read_manifest(tmp_path / "vllm")["engine"]["name"] == "vllm"
@@ -85,16 +91,16 @@ def test_vllm_shards_equal_hf_shards_and_verify(tiny, tmp_path, scratch):
 def test_a_run_cut_short_then_resumed_equals_an_uninterrupted_one(tiny, tmp_path, scratch):
     data = write_jsonl(tmp_path / "d.jsonl", chat_records(12, seed=5))
     ref = tmp_path / "ref"
-    extract(tiny, [data], ref, engine="vllm", vllm_api=standin_api(), **FLAGS)
+    extract_with(tiny, data, ref, engine="vllm", vllm_api=standin_api(), **FLAGS)
     out = tmp_path / "out"
     with pytest.raises(RuntimeError, match="engine died"):
-        extract(tiny, [data], out, engine="vllm", vllm_api=standin_api(fail_at_call=3), **FLAGS)
+        extract_with(tiny, data, out, engine="vllm", vllm_api=standin_api(fail_at_call=3), **FLAGS)
     listed = json.loads((out / "manifest.json").read_text())["shards"]
     assert 0 < len(listed) < len(read_manifest(ref)["shards"])  # cut mid-way, the shards before kept
     assert verify_dataset(out)[0] == [] and not list(scratch.iterdir())
     with pytest.raises(UserError, match="engine.name"):  # the features of one directory come from one engine
-        extract(tiny, [data], out, resume=True, **FLAGS)
-    extract(tiny, [data], out, engine="vllm", vllm_api=standin_api(), resume=True, **FLAGS)
+        extract_with(tiny, data, out, resume=True, **FLAGS)
+    extract_with(tiny, data, out, engine="vllm", vllm_api=standin_api(), resume=True, **FLAGS)
     got, want = by_index(out), by_index(ref)
     assert sorted(got) == sorted(want) and len(ShardDataset(out)) == len(want) == 12
     for i, w in want.items():
@@ -118,14 +124,14 @@ def test_what_vllm_captures_differently_is_refused(tiny, tmp_path):
     data = write_jsonl(tmp_path / "d.jsonl", chat_records(2))
     api = standin_api()
     with pytest.raises(UserError, match="before the final norm"):  # layer L-1: vLLM's is not HF's
-        extract(tiny, [data], tmp_path / "a", engine="vllm", vllm_api=api, layer_ids=[1, 3], progress=False)
+        extract_with(tiny, data, tmp_path / "a", engine="vllm", vllm_api=api, layer_ids=[1, 3], progress=False)
     with pytest.raises(UserError, match="--store-last-hidden"):
-        extract(tiny, [data], tmp_path / "b", engine="vllm", vllm_api=api, layer_ids=[1], store_last_hidden=True,
+        extract_with(tiny, data, tmp_path / "b", engine="vllm", vllm_api=api, layer_ids=[1], store_last_hidden=True,
                 progress=False)
     with pytest.raises(UserError, match="one process"):
-        extract(tiny, [data], tmp_path / "c", engine="vllm", vllm_api=api, device_map="auto", progress=False)
+        extract_with(tiny, data, tmp_path / "c", engine="vllm", vllm_api=api, device_map="auto", progress=False)
     with pytest.raises(UserError, match="--engine 'sglang'"):
-        extract(tiny, [data], tmp_path / "d", engine="sglang", progress=False)
+        extract_with(tiny, data, tmp_path / "d", engine="sglang", progress=False)
 
 
 def test_target_layer_i_is_read_from_aux_id_i_plus_1(tiny, scratch):
