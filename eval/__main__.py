@@ -41,7 +41,7 @@ from dflashkit.errors import UserError
 from dflashkit.options import build_parser as parser_of
 from dflashkit.options import parse_options
 
-from .options import EvalOptions, check_engine_flags, check_numeric_flags, decode_config, vllm_config
+from .options import EvalOptions, check_engine_flags, check_numeric_flags, decode_config
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser_of(EvalOptions, prog="dflashkit eval", description=__doc__.split("\n")[0], epilog=__doc__)
 
 
-def parse_args(argv: list[str] | None = None) -> EvalOptions:
+def parse_command_line(argv: list[str] | None = None) -> EvalOptions:
     """The command line as the options the library takes."""
     return parse_options(EvalOptions, argv, build_parser())
 
@@ -103,7 +103,7 @@ def report_dir(out: str | None, overwrite: bool):
 
 
 def main(argv: list[str] | None = None) -> int:
-    opts = parse_args(argv)
+    opts = parse_command_line(argv)
     check_numeric_flags(opts)
     from dflashkit.outputs import check_apart
 
@@ -124,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     opts.template_kwargs()  # bad JSON stops here, before the engine's checks
     check_engine_flags(opts)
     if opts.engine == "vllm":
+        from .vllm_engine import vllm_config
+
         config = vllm_config(opts)  # checked before --out is touched
         with report_dir(opts.out, opts.overwrite):
             return _main_vllm(opts, config)

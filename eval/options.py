@@ -8,8 +8,8 @@ anything loads. Both tables are keyed by field name and sit beside the class; a 
 fields.
 
 The library takes the object, or the part of it it needs: ``run_eval(opts)`` (eval/run.py),
-``run_vllm_eval(opts)`` (eval/vllm_engine.py), ``run_sweep(opts)`` (eval/serving.py). ``decode_config`` and
-``vllm_config`` turn it into the decoder's and the vLLM engine's settings.
+``run_vllm_eval(opts)`` (eval/vllm_engine.py), ``run_sweep(opts)`` (eval/serving.py). ``decode_config`` here and
+eval/vllm_engine.py ``vllm_config`` turn it into the decoder's and the vLLM engine's settings.
 """
 
 from __future__ import annotations
@@ -234,23 +234,3 @@ def decode_config(opts: EvalOptions):
                         tree_top_k=opts.tree_top_k, temperature=opts.temperature, top_p=opts.top_p, top_k=opts.top_k,
                         max_new_tokens=opts.max_new_tokens, seed=opts.seed, attention_backend=opts.attention_backend,
                         cuda_graphs=not opts.no_cuda_graphs, confidence_threshold=opts.confidence_threshold or 0.0)
-
-
-def vllm_config(opts: EvalOptions):
-    """The settings of `--engine vllm` (eval/vllm_engine.py ``VllmEvalConfig``, its defaults filled), checked."""
-    from .vllm_engine import VllmEvalConfig
-
-    if opts.mode != "chain" or opts.temperature != 0:
-        raise UserError("--engine vllm measures greedy chain drafting (vLLM's dflash): "
-                        "drop --mode tree and --temperature")
-    config = VllmEvalConfig(concurrency=opts.concurrency or [1, 4, 16, 64],
-                            num_speculative_tokens=opts.num_speculative_tokens, prefix_caching=opts.prefix_caching,
-                            max_new_tokens=opts.max_new_tokens, dtype=opts.dtype or "bfloat16",
-                            gpu_memory_utilization=opts.gpu_memory_utilization, max_model_len=opts.max_model_len,
-                            enforce_eager=opts.enforce_eager, seed=opts.seed, use_stop_tokens=not opts.no_stop,
-                            repeats=opts.repeats or 3, baselines=opts.baseline or [],
-                            max_requests_per_level=opts.max_requests_per_level, min_waves=opts.min_waves or 1,
-                            cudagraph_capture=opts.cudagraph_capture_size or "auto",
-                            schedule_run=not opts.no_schedule_run, per_prompt=bool(opts.per_prompt))
-    config.check()
-    return config

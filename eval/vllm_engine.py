@@ -125,6 +125,24 @@ class VllmEvalConfig:
             raise UserError(f"--baseline {' '.join(unknown)}: choose from {', '.join(BASELINES)}")
 
 
+def vllm_config(opts: EvalOptions) -> VllmEvalConfig:
+    """The settings of `--engine vllm` from the command's options (eval/options.py), its defaults filled, checked."""
+    if opts.mode != "chain" or opts.temperature != 0:
+        raise UserError("--engine vllm measures greedy chain drafting (vLLM's dflash): "
+                        "drop --mode tree and --temperature")
+    config = VllmEvalConfig(concurrency=opts.concurrency or [1, 4, 16, 64],
+                            num_speculative_tokens=opts.num_speculative_tokens, prefix_caching=opts.prefix_caching,
+                            max_new_tokens=opts.max_new_tokens, dtype=opts.dtype or "bfloat16",
+                            gpu_memory_utilization=opts.gpu_memory_utilization, max_model_len=opts.max_model_len,
+                            enforce_eager=opts.enforce_eager, seed=opts.seed, use_stop_tokens=not opts.no_stop,
+                            repeats=opts.repeats or 3, baselines=opts.baseline or [],
+                            max_requests_per_level=opts.max_requests_per_level, min_waves=opts.min_waves or 1,
+                            cudagraph_capture=opts.cudagraph_capture_size or "auto",
+                            schedule_run=not opts.no_schedule_run, per_prompt=bool(opts.per_prompt))
+    config.check()
+    return config
+
+
 @dataclass
 class VllmApi:
     llm_factory: Callable  # LLM(model=..., **engine kwargs) -> an object with generate() and get_metrics()
@@ -380,9 +398,8 @@ def run_vllm_eval(opts: EvalOptions, config: VllmEvalConfig | None = None, api: 
     ``revise_zero_ranges``); report.json / report.md / schedule.json / plots in ``opts.out`` (the returned
     report). Reads target, drafter, dataset, num_prompts, max_prompt_tokens and the chat settings of ``opts``
     (chat_template, a Jinja file, and chat_template_kwargs: None renders as the drafter was trained,
-    eval/chat_settings.py); config: the engine's settings (default: those of ``opts``, eval/options.py
-    ``vllm_config``); api: vLLM or its stand-in (default: the installed vLLM)."""
-    from .options import vllm_config
+    eval/chat_settings.py). config: the engine's settings (default: those of ``opts``, ``vllm_config``);
+    api: vLLM or its stand-in (default: the installed vLLM)."""
     from .report import write_report
     from .vllm_report import build_vllm_report, write_schedule
 
