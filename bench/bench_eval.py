@@ -63,7 +63,7 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default="runs/bench/bench_eval.json")
     args = parser.parse_args(argv)
 
-    from dflashkit.eval.decoder import DecodeConfig
+    from dflashkit.eval.options import EvalOptions
     from dflashkit.eval.run import run_eval
 
     work = Path(tempfile.mkdtemp(prefix="bench_eval_")) if args.toy else None
@@ -77,11 +77,12 @@ def main(argv=None) -> None:
     rows, started, shared = [], time.perf_counter(), {}
     for mode in args.modes:
         mode_start = time.perf_counter()
-        config = DecodeConfig(mode=mode, tree_budget=args.tree_budget, tree_top_k=args.tree_top_k,
-                              max_new_tokens=args.max_new_tokens, cuda_graphs=not args.no_cuda_graphs)
-        report = run_eval(args.target, args.drafter, out.with_suffix("") / mode, args.dataset, config,
-                          num_prompts=args.num_prompts, baseline_prompts=args.baseline_prompts,
-                          reference_prompts=args.reference_prompts, dtype=args.dtype, shared_baseline=shared)
+        opts = EvalOptions(target=args.target, drafter=args.drafter, out=out.with_suffix("") / mode,
+                           dataset=args.dataset, mode=mode, tree_budget=args.tree_budget, tree_top_k=args.tree_top_k,
+                           max_new_tokens=args.max_new_tokens, no_cuda_graphs=args.no_cuda_graphs,
+                           num_prompts=args.num_prompts, baseline_prompts=args.baseline_prompts,
+                           reference_prompts=args.reference_prompts, dtype=args.dtype)
+        report = run_eval(opts, shared_baseline=shared)
         for name, o in [*report["datasets"].items(), ("all", report["overall"])]:
             lossless = o.get("lossless", {})
             rows.append({"mode": mode, "dataset": name, "prompts": o["prompts"], "tau": o["tau"],

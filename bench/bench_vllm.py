@@ -107,6 +107,7 @@ def toy_pair(root: Path) -> tuple[str, str, str]:
 
 # ----------------------------------------------------------------------------- (a)-(d)
 def part_serve(args, out: Path) -> None:
+    from dflashkit.eval.options import EvalOptions
     from dflashkit.eval.vllm_engine import VllmEvalConfig, run_vllm_eval
 
     config = VllmEvalConfig(concurrency=args.concurrency, prefix_caching=args.prefix_caching,
@@ -116,8 +117,9 @@ def part_serve(args, out: Path) -> None:
                             num_speculative_tokens=args.serve_ks, repeats=args.repeats, baselines=args.baseline,
                             schedule=json.loads(args.schedule) if args.schedule else None,
                             schedule_run=not args.no_schedule_run)
-    report = run_vllm_eval(args.target, args.drafter, out / "serve", args.dataset, config, args.num_prompts,
-                           api=api_for(args))
+    opts = EvalOptions(target=args.target, drafter=args.drafter, out=out / "serve", dataset=args.dataset,
+                       num_prompts=args.num_prompts)
+    report = run_vllm_eval(opts, config, api=api_for(args))
     parts = {"a_tau": lambda: tau_comparison(report, args.dflashkit_report),
              "b_lossless": lambda: report["lossless"],
              "c_concurrency": lambda: {"verdict": report["verdict"], "levels": report["concurrency"],
@@ -561,12 +563,15 @@ def part_server(args, out: Path) -> None:
                 return
             started[name] = {"command": cmd, "startup_s": time.perf_counter() - t0}
             urls.append(f"{name}=http://127.0.0.1:{port}")
+        from dflashkit.eval.options import EvalOptions
         from dflashkit.eval.serving import run_sweep
 
         engine = out / "serve" / "report.json"
-        plan = run_sweep(urls, args.dataset, args.num_prompts, args.concurrency, args.max_new_tokens,
-                         out=out / "server", repeats=args.repeats, max_requests_per_level=args.max_requests_per_level,
-                         min_waves=args.min_waves, engine_report=engine.parent if engine.exists() else None)
+        plan = run_sweep(EvalOptions(server=urls, dataset=args.dataset, num_prompts=args.num_prompts,
+                                     concurrency=args.concurrency, max_new_tokens=args.max_new_tokens,
+                                     out=out / "server", repeats=args.repeats,
+                                     max_requests_per_level=args.max_requests_per_level, min_waves=args.min_waves,
+                                     engine_report=engine.parent if engine.exists() else None))
         write_json(out, "f_server", {
             "ran": True, "servers": started, "plan": plan,
             "vs_in_process": server_vs_engine(plan, json.loads(engine.read_text()) if engine.exists() else None)})

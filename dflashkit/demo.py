@@ -88,12 +88,14 @@ def train(recipe: str, overrides: list[str] | tuple = (), **fields) -> dict:
 
 def evaluate(target: str, drafter: str, out: str, dataset: list[str], mode: str = "chain", tree_budget: int = 64,
              max_new_tokens: int = 256, **kwargs) -> dict:
-    """Live speculative decoding and its report (dflashkit.eval); ``kwargs`` go to ``run_eval``."""
-    from dflashkit.eval.decoder import DecodeConfig
+    """Live speculative decoding and its report (dflashkit.eval); ``kwargs`` are further fields of its options
+    (eval/options.py ``EvalOptions``)."""
+    from dflashkit.eval.options import EvalOptions
     from dflashkit.eval.run import run_eval
 
-    config = DecodeConfig(mode=mode, tree_budget=tree_budget, max_new_tokens=max_new_tokens)
-    return run_eval(target, drafter, out, dataset, config, shared_baseline=AR_RUNS, **kwargs)
+    opts = EvalOptions(target=target, drafter=drafter, out=out, dataset=dataset, mode=mode, tree_budget=tree_budget,
+                       max_new_tokens=max_new_tokens, **kwargs)
+    return run_eval(opts, shared_baseline=AR_RUNS)
 
 
 def stage_calls(run: Path, scale: dict, device: str, loss: str | None, target: str = TARGET,

@@ -43,6 +43,7 @@ from dflashkit.stopping import StopRequest
 from .chat_settings import EvalChat, describe, mismatch_warnings, resolve_chat
 from .confidence_cut import confidence_cut_report
 from .decoder import DecodeConfig, GenerationResult, SpeculativeDecoder
+from .options import EvalOptions, decode_config
 from .prompts import Prompt
 
 
@@ -193,40 +194,32 @@ class EvalRun:
 
 
 # ----------------------------------------------------------------------------- the run
-def run_eval(target: str, drafter: str, out: str | Path, datasets: list[str], config: DecodeConfig,
-             num_prompts: int = 20, baseline_prompts: int | None = None, max_prompt_tokens: int | None = None,
-             use_stop_tokens: bool = True, device: str | None = None, device_map: str | None = None,
-             dtype: str | None = None, chat_template_kwargs: dict | None = None,
-             time_limit_s: float | None = None, reference_prompts: int | None = None,
-             shared_baseline: dict | None = None, chat_template: str | None = None) -> dict:
-    """Evaluate the drafter at `drafter` on the target `target`; report.json / report.md / plots in `out`.
-
+def run_eval(opts: EvalOptions, config: DecodeConfig | None = None, shared_baseline: dict | None = None) -> dict:
+    """Evaluate the drafter at ``opts.drafter`` on the target ``opts.target``; report.json / report.md / plots in
+    ``opts.out``. Reads the "what to evaluate" and hardware settings of ``opts`` (eval/options.py):
     baseline_prompts: the autoregressive baseline runs on the first N prompts of each dataset (None: all);
-    reference_prompts: the lossless check (HF generate, slow) on the first N of those (None: all of them).
-    config.stop_token_ids is filled from the target unless use_stop_tokens is False.
+    reference_prompts: the lossless check (HF generate, slow) on the first N of those (None: all of them);
     chat_template (a Jinja file) / chat_template_kwargs: None renders as the drafter was trained
-    (eval/chat_settings.py).
+    (eval/chat_settings.py); time_limit: seconds before a stop request.
+    config: the decoding settings (default: those of ``opts``, eval/options.py ``decode_config``); its
+    stop_token_ids are filled from the target unless ``opts.no_stop``.
     shared_baseline: a dict that keeps the AR runs and references by prompt across calls in one process (chain
     and tree of the same target, prompts and decoding settings need them once).
     Returns the report; report["partial"] is set when a stop request cut the run short.
     """
-    chat = resolve_chat(drafter, chat_template, chat_template_kwargs)
+    config = decode_config(opts) if config is None else config
+    chat = resolve_chat(opts.drafter, opts.chat_template, opts.template_kwargs())
     print(f"dflashkit eval: {describe(chat)}")
-    for warning in mismatch_warnings(chat, drafter):
+    for warning in mismatch_warnings(chat, opts.drafter):
         print(warning, file=sys.stderr)
-    settings = {"target": target, "drafter": drafter, "datasets": list(datasets), "num_prompts": num_prompts,
-                "baseline_prompts": baseline_prompts, "reference_prompts": reference_prompts,
-                "max_prompt_tokens": max_prompt_tokens,
-                "use_stop_tokens": use_stop_tokens, "device": device, "device_map": device_map, "dtype": dtype,
-                **chat.record(), "time_limit_s": time_limit_s,
-                **{k: v for k, v in vars(config).items() if k != "stop_token_ids"}}
+    settings = run_settings(opts, config, chat)
     laps = Laps()
-    loaded, draft_model, torch_dtype = load_pair(target, drafter, device, device_map, dtype)
-    prompts = load_all_prompts(loaded, datasets, num_prompts, max_prompt_tokens, chat)
-    if use_stop_tokens:
+    loaded, draft_model, torch_dtype = load_pair(opts.target, opts.drafter, opts.device, opts.device_map, opts.dtype)
+    prompts = load_all_prompts(loaded, opts.dataset, opts.num_prompts, opts.max_prompt_tokens, chat)
+    if not opts.no_stop:
         config.stop_token_ids = stop_ids(loaded, chat.config)
-    run = EvalRun(loaded, draft_model, drafter, torch_dtype, config, prompts, chat, baseline_prompts, reference_prompts,
-                  BaselineRuns(shared_baseline, config), laps)
+    run = EvalRun(loaded, draft_model, opts.drafter, torch_dtype, config, prompts, chat, opts.baseline_prompts,
+                  opts.reference_prompts, BaselineRuns(shared_baseline, config), laps)
     laps.lap("load")
     with SpeculativeDecoder(loaded, draft_model, config) as decoder:  # the target given back however it ends
         prepare(run, decoder)
@@ -234,8 +227,18 @@ def run_eval(target: str, drafter: str, out: str | Path, datasets: list[str], co
         if config.temperature == 0:
             run_references(run)
             laps.lap("reference")
-        decode_prompts(run, decoder, time_limit_s)
-    return report_run(run, settings, out)
+        decode_prompts(run, decoder, opts.time_limit)
+    return report_run(run, settings, opts.out)
+
+
+def run_settings(opts: EvalOptions, config: DecodeConfig, chat: EvalChat) -> dict:
+    """The report's ``args``: what the run was asked, the chat settings it rendered with and its decoding."""
+    return {"target": opts.target, "drafter": opts.drafter, "datasets": list(opts.dataset),
+            "num_prompts": opts.num_prompts, "baseline_prompts": opts.baseline_prompts,
+            "reference_prompts": opts.reference_prompts, "max_prompt_tokens": opts.max_prompt_tokens,
+            "use_stop_tokens": not opts.no_stop, "device": opts.device, "device_map": opts.device_map,
+            "dtype": opts.dtype, **chat.record(), "time_limit_s": opts.time_limit,
+            **{k: v for k, v in vars(config).items() if k != "stop_token_ids"}}
 
 
 def load_pair(target: str, drafter: str, device: str | None, device_map: str | None, dtype: str | None):

@@ -39,6 +39,8 @@ from pathlib import Path
 from dflashkit.errors import UserError, shown
 from dflashkit.files import atomic_write
 
+from .options import EvalOptions
+
 VLLM_DRAFTS = "vllm:spec_decode_num_drafts_total"
 VLLM_ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
 SGLANG_ACCEPT_LENGTH = "sglang:spec_accept_length"
@@ -261,16 +263,40 @@ def render_markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run_sweep(server: str | list[str], datasets: list[str], num_prompts: int, concurrency: list[int],
-              max_tokens: int, temperature: float = 0.0, model: str | None = None, timeout: float = 300.0,
-              out: str | Path | None = None, repeats: int = 1, max_requests_per_level: int | None = None,
-              min_waves: int = 1, engine_report: str | Path | None = None) -> dict:
-    """`dflashkit eval --server URL`: prompts from the datasets, results in out (serving.json, serving.md);
-    with NAME=URL pairs the serving plan of every server (serving.json, serving.md, schedule.json), what each
-    serves read back and, with ``engine_report`` (an `eval --engine vllm` report directory), each server beside
-    the in-process engine of its name (eval/served_config.py)."""
-    servers = parse_servers([server] if isinstance(server, str) else list(server), need_k=engine_report is None)
-    report = engine_report_of(engine_report, servers)
+def run_sweep(opts: EvalOptions) -> dict:
+    """`dflashkit eval --server URL`: prompts from ``opts.dataset``, results in ``opts.out`` (serving.json,
+    serving.md); with NAME=URL pairs the serving plan of every server (serving.json, serving.md, schedule.json),
+    what each serves read back and, with ``opts.engine_report`` (an `eval --engine vllm` report directory), each
+    server beside the in-process engine of its name (eval/served_config.py). Reads the --server flags of ``opts``
+    (eval/options.py): concurrency (default 1 2 4 8 16 32), max_new_tokens, temperature, model, timeout, repeats
+    (default 1), max_requests_per_level, min_waves (default 1)."""
+    server = opts.server
+    servers = parse_servers([server] if isinstance(server, str) else list(server),
+                            need_k=opts.engine_report is None)
+    report = engine_report_of(opts.engine_report, servers)
+    conversations = sweep_conversations(opts.dataset, opts.num_prompts)
+    levels = opts.concurrency or [1, 2, 4, 8, 16, 32]
+    if "none" in servers:
+        from .served_config import beside_engine, read_served
+
+        plan = run_server_plan(servers, conversations, levels, opts.repeats or 1, opts.max_new_tokens,
+                               opts.temperature, opts.model, opts.timeout, opts.max_requests_per_level,
+                               opts.min_waves or 1)
+        plan["served"] = {name: read_served(url) for name, url in servers.items()}
+        if report is not None:
+            plan["engine_report"] = str(opts.engine_report)
+            plan["beside_engine"] = beside_engine(plan, report, plan["served"])
+        return write_plan(plan, opts.out)
+    result = sweep(servers["server"], conversations, levels, opts.max_new_tokens, opts.temperature, opts.model,
+                   opts.timeout, progress=lambda level: print(
+                       f"concurrency {level['concurrency']}: {level['successes']} ok, {level['failures']} failed, "
+                       f"{level['aggregate_tokens_per_s']:.1f} tok/s, tau {level['tau']}"),
+                   max_requests_per_level=opts.max_requests_per_level, min_waves=opts.min_waves or 1)
+    return write_sweep(result, opts.out)
+
+
+def sweep_conversations(datasets: list[str], num_prompts: int) -> list[list[dict]]:
+    """The opening turns of the first ``num_prompts`` records of each dataset that training would take."""
     from dflashkit.extract.data.rendering import BadSample
     from dflashkit.extract.data.sources import iter_records
 
@@ -288,21 +314,11 @@ def run_sweep(server: str | list[str], datasets: list[str], num_prompts: int, co
                     taken += 1
             except BadSample:  # a record training skips for its turns (eval/prompts.py)
                 continue
-    if "none" in servers:
-        from .served_config import beside_engine, read_served
+    return conversations
 
-        plan = run_server_plan(servers, conversations, concurrency, repeats, max_tokens, temperature, model, timeout,
-                               max_requests_per_level, min_waves)
-        plan["served"] = {name: read_served(url) for name, url in servers.items()}
-        if report is not None:
-            plan["engine_report"] = str(engine_report)
-            plan["beside_engine"] = beside_engine(plan, report, plan["served"])
-        return write_plan(plan, out)
-    result = sweep(servers["server"], conversations, concurrency, max_tokens, temperature, model, timeout,
-                   progress=lambda level: print(f"concurrency {level['concurrency']}: {level['successes']} ok, "
-                                                f"{level['failures']} failed, "
-                                                f"{level['aggregate_tokens_per_s']:.1f} tok/s, tau {level['tau']}"),
-                   max_requests_per_level=max_requests_per_level, min_waves=min_waves)
+
+def write_sweep(result: dict, out: str | Path | None) -> dict:
+    """One server's sweep: serving.json and serving.md in ``out`` (none: printed only)."""
     result["created"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     if out:
         out = Path(out)

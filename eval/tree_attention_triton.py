@@ -11,6 +11,9 @@ import torch
 import triton
 import triton.language as tl
 
+# Triton kernels take their arguments flat (tensors, strides, constexpr sizes), and so do the launchers below that
+# pass them on: these functions keep their long parameter lists rather than bundling them into objects.
+
 
 @triton.jit
 def _attend(q, k, v, visible, m_i, l_i, acc, qk_scale, softcap, HAS_SOFTCAP: tl.constexpr, MASKED: tl.constexpr,

@@ -61,6 +61,7 @@ from dflashkit.targets.vllm.metrics import per_prompt_records, per_prompt_summar
 from dflashkit.targets.vllm.runtime import model_runner
 
 from .chat_settings import EvalChat, describe, resolve_chat
+from .options import EvalOptions
 from .prompts import multi_turn_prompts, target_stop_ids
 from .serving_plan import capture_size, run_requests
 
@@ -122,6 +123,24 @@ class VllmEvalConfig:
             raise UserError(f"--baseline {' '.join(unknown)}: choose from {', '.join(BASELINES)}")
 
 
+def vllm_config(opts: EvalOptions) -> VllmEvalConfig:
+    """The settings of `--engine vllm` from the command's options (eval/options.py), its defaults filled, checked."""
+    if opts.mode != "chain" or opts.temperature != 0:
+        raise UserError("--engine vllm measures greedy chain drafting (vLLM's dflash): "
+                        "drop --mode tree and --temperature")
+    config = VllmEvalConfig(concurrency=opts.concurrency or [1, 4, 16, 64],
+                            num_speculative_tokens=opts.num_speculative_tokens, prefix_caching=opts.prefix_caching,
+                            max_new_tokens=opts.max_new_tokens, dtype=opts.dtype or "bfloat16",
+                            gpu_memory_utilization=opts.gpu_memory_utilization, max_model_len=opts.max_model_len,
+                            enforce_eager=opts.enforce_eager, seed=opts.seed, use_stop_tokens=not opts.no_stop,
+                            repeats=opts.repeats or 3, baselines=opts.baseline or [],
+                            max_requests_per_level=opts.max_requests_per_level, min_waves=opts.min_waves or 1,
+                            cudagraph_capture=opts.cudagraph_capture_size or "auto",
+                            schedule_run=not opts.no_schedule_run, per_prompt=bool(opts.per_prompt))
+    config.check()
+    return config
+
+
 @dataclass
 class ServedRun:
     """What every engine of one `eval --engine vllm` run shares (built once by `prepare_run`)."""
@@ -151,19 +170,52 @@ class ServedRun:
         return sorted(set(self.config.concurrency))
 
 
-def prepare_run(target: str, drafter: str, datasets: list[str], config: VllmEvalConfig, num_prompts: int,
-                max_prompt_tokens: int | None, chat: EvalChat, api: VllmApi, warn, scratch: str) -> ServedRun:
-    """Read the drafter, the target and the prompts; the checks and warnings that come before any engine."""
+def prepare_run(opts: EvalOptions, config: VllmEvalConfig, chat: EvalChat, api: VllmApi, warn) -> ServedRun:
+    """Read the drafter, the target and the prompts of ``opts`` (a target copy without a GGUF
+    quantization_config goes to ``opts.out``); the checks and warnings that come before any engine."""
     from transformers import AutoTokenizer
 
-    from dflashkit.drafter import read_drafter_config
     from dflashkit.drafter import serving_rules as rules
-    from dflashkit.drafter.vllm_dflash2 import check_vllm_num_speculative_tokens, check_vllm_schedule
     from dflashkit.extract.data.rendering import prompt_ids
     from dflashkit.targets.loading import resolve_target_dir
 
-    from .chat_settings import mismatch_warnings
     from .prompts import load_prompts
+
+    dcfg, ks, notes = drafter_plan(opts.drafter, config, chat, api, warn)
+    target_dir, _ = resolve_target_dir(opts.target)
+    served_dir, stripped = rules.vllm_target_dir(target_dir, str(opts.out))
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    loaded = [(spec, p) for spec in opts.dataset
+              for p in load_prompts(spec, tokenizer, opts.num_prompts, opts.max_prompt_tokens, chat.config, warn)]
+    prompts = [(f"{spec}#{p.id}", p.input_ids) for spec, p in loaded]
+    keys = [(spec, p.id) for spec, p in loaded]
+    turns = multi_turn_prompts(opts.dataset, opts.num_prompts)
+    stop = target_stop_ids(target_dir, tokenizer, chat.config) if config.use_stop_tokens else []
+    params = api.sampling_params(max_tokens=config.max_new_tokens, temperature=0.0, stop_token_ids=stop,
+                                 ignore_eos=not config.use_stop_tokens)
+    longest = max([len(ids) for _, ids in prompts]
+                  + [len(prompt_ids(tokenizer, messages, chat.config)) + config.max_new_tokens
+                     + len(tokenizer(second)["input_ids"]) + 64 for _, messages, second in turns])
+    max_len = config.max_model_len or -(-(longest + config.max_new_tokens + max(ks) + 1) // 256) * 256
+    headline = dcfg.block_size - 1 if dcfg.block_size - 1 in ks else ks[-1]
+    target_config = json.loads((Path(target_dir) / "config.json").read_text())
+    window = rules.target_window_reason(target_config, max_len, api.version)
+    if window:
+        notes.append(f"warning: {window}")
+        warn(notes[-1])
+    return ServedRun(api, config, str(Path(opts.drafter).resolve()), dcfg, ks, headline, target_dir, served_dir,
+                     stripped, target_config, tokenizer, chat, prompts, keys, turns, params, max_len,
+                     notes)
+
+
+def drafter_plan(drafter: str, config: VllmEvalConfig, chat: EvalChat, api: VllmApi, warn) -> tuple:
+    """(the drafter's DrafterConfig, the k values to serve, ascending, the run's warnings so far): vLLM's rules
+    for this drafter checked, each warning given to ``warn`` as it comes."""
+    from dflashkit.drafter import read_drafter_config
+    from dflashkit.drafter import serving_rules as rules
+    from dflashkit.drafter.vllm_dflash2 import check_vllm_num_speculative_tokens, check_vllm_schedule
+
+    from .chat_settings import mismatch_warnings
 
     dcfg = read_drafter_config(drafter)
     ks = sorted({rules.vllm_num_speculative_tokens(dcfg.block_size, k, warn, causal=dcfg.causal)
@@ -181,30 +233,7 @@ def prepare_run(target: str, drafter: str, datasets: list[str], config: VllmEval
     for note in mismatch_warnings(chat, drafter):
         notes.append(note)
         warn(note)
-    target_dir, _ = resolve_target_dir(target)
-    served_dir, stripped = rules.vllm_target_dir(target_dir, scratch)
-    tokenizer = AutoTokenizer.from_pretrained(target_dir)
-    loaded = [(spec, p) for spec in datasets
-              for p in load_prompts(spec, tokenizer, num_prompts, max_prompt_tokens, chat.config, warn)]
-    prompts = [(f"{spec}#{p.id}", p.input_ids) for spec, p in loaded]
-    keys = [(spec, p.id) for spec, p in loaded]
-    turns = multi_turn_prompts(datasets, num_prompts)
-    stop = target_stop_ids(target_dir, tokenizer, chat.config) if config.use_stop_tokens else []
-    params = api.sampling_params(max_tokens=config.max_new_tokens, temperature=0.0, stop_token_ids=stop,
-                                 ignore_eos=not config.use_stop_tokens)
-    longest = max([len(ids) for _, ids in prompts]
-                  + [len(prompt_ids(tokenizer, messages, chat.config)) + config.max_new_tokens
-                     + len(tokenizer(second)["input_ids"]) + 64 for _, messages, second in turns])
-    max_len = config.max_model_len or -(-(longest + config.max_new_tokens + max(ks) + 1) // 256) * 256
-    headline = dcfg.block_size - 1 if dcfg.block_size - 1 in ks else ks[-1]
-    target_config = json.loads((Path(target_dir) / "config.json").read_text())
-    window = rules.target_window_reason(target_config, max_len, api.version)
-    if window:
-        notes.append(f"warning: {window}")
-        warn(notes[-1])
-    return ServedRun(api, config, str(Path(drafter).resolve()), dcfg, ks, headline, target_dir, served_dir,
-                     stripped, target_config, tokenizer, chat, prompts, keys, turns, params, max_len,
-                     notes)
+    return dcfg, ks, notes
 
 
 def dflash_spec(run: ServedRun, k: int) -> dict:
@@ -311,16 +340,45 @@ def measure_prefix_settings(run: ServedRun, answers: list | None) -> dict:
     return out
 
 
-def run_vllm_eval(target: str, drafter: str, out: str | Path, datasets: list[str], config: VllmEvalConfig,
-                  num_prompts: int = 20, max_prompt_tokens: int | None = None,
-                  chat_template_kwargs: dict | None = None, api: VllmApi | None = None, warn=None,
-                  chat_template: str | None = None) -> dict:
-    """Serve the pair with vLLM in-process: no speculation, the drafter at each k, the baselines, then the
-    schedule derived from them and, where its k = 0 levels cost, its revision (eval/serving_plan.py
-    ``revise_zero_ranges``); report.json / report.md / schedule.json / plots in `out` (the returned report).
-    chat_template (a Jinja file) / chat_template_kwargs: None renders as the drafter was trained
-    (eval/chat_settings.py)."""
+def run_vllm_eval(opts: EvalOptions, config: VllmEvalConfig | None = None, api: VllmApi | None = None,
+                  warn=None) -> dict:
+    """Serve the pair of ``opts`` with vLLM in-process: no speculation, the drafter at each k, the baselines, then
+    the schedule derived from them and, where its k = 0 levels cost, its revision (eval/serving_plan.py
+    ``revise_zero_ranges``); report.json / report.md / schedule.json / plots in ``opts.out`` (the returned
+    report). Reads target, drafter, dataset, num_prompts, max_prompt_tokens and the chat settings of ``opts``
+    (chat_template, a Jinja file, and chat_template_kwargs: None renders as the drafter was trained,
+    eval/chat_settings.py). config: the engine's settings (default: those of ``opts``, ``vllm_config``);
+    api: vLLM or its stand-in (default: the installed vLLM)."""
     from .report import write_report
+    from .vllm_report import build_vllm_report, write_schedule
+
+    config = vllm_config(opts) if config is None else config
+    config.check()
+    started, warn = time.perf_counter(), warn or (lambda message: print(message, file=sys.stderr))
+    chat = resolve_chat(opts.drafter, opts.chat_template, opts.template_kwargs())
+    print(f"dflashkit eval: {describe(chat)}")
+    # a target copy without a GGUF quantization_config stays in `out`: the report's serve commands name it
+    run = prepare_run(opts, config, chat, load_api(api), warn)
+    run.out = Path(opts.out)
+    run.out.mkdir(parents=True, exist_ok=True)
+    (run.out / PARTIAL_FILE).unlink(missing_ok=True)
+    results, schedule, baselines, skipped = measure_engines(run)
+    prefix_runs = measure_prefix_settings(run, results["none"].get("turn1_answers"))
+    args = {"target": opts.target, "datasets": list(opts.dataset), "num_prompts": opts.num_prompts,
+            "max_prompt_tokens": opts.max_prompt_tokens}
+    report = build_vllm_report(run, results, schedule, baselines, skipped, prefix_runs, args, started)
+    outputs = results[f"k{run.headline_k}"].get("per_prompt")
+    if outputs is not None:
+        report["per_prompt"] = per_prompt_summary(outputs)
+    write_report(report, opts.out, outputs=outputs)
+    write_schedule(report, opts.out)
+    return report
+
+
+def measure_engines(run: ServedRun) -> tuple[dict, dict, dict, list]:
+    """(every engine's results by name, the schedule, the baseline engines' specs, the baselines skipped): no
+    speculation, the drafter at each k, the baselines, then the schedule derived from them (or the one given) and,
+    where its k = 0 levels cost, its revision."""
     from .serving_plan import (
         REVISED,
         baseline_specs,
@@ -329,18 +387,9 @@ def run_vllm_eval(target: str, drafter: str, out: str | Path, datasets: list[str
         revise_zero_ranges,
         schedule_spec,
     )
-    from .vllm_report import build_vllm_report, level_speedups, write_schedule
+    from .vllm_report import level_speedups
 
-    config.check()
-    started, warn = time.perf_counter(), warn or (lambda message: print(message, file=sys.stderr))
-    # a target copy without a GGUF quantization_config stays in `out`: the report's serve commands name it
-    chat = resolve_chat(drafter, chat_template, chat_template_kwargs)
-    print(f"dflashkit eval: {describe(chat)}")
-    run = prepare_run(target, drafter, datasets, config, num_prompts, max_prompt_tokens, chat,
-                      load_api(api), warn, str(out))
-    run.out = Path(out)
-    run.out.mkdir(parents=True, exist_ok=True)
-    (run.out / PARTIAL_FILE).unlink(missing_ok=True)
+    config = run.config
     baselines, skipped = baseline_specs(config.baselines, run.target_config)
     results = {"none": measure_engine(run, "no_drafter", None, multi_turn=True)}
     answers = results["none"].get("turn1_answers")
@@ -358,13 +407,4 @@ def run_vllm_eval(target: str, drafter: str, out: str | Path, datasets: list[str
         revised = schedule["zero_k_ranges"].get("schedule")
         if revised:
             results[REVISED] = measure_engine(run, REVISED, schedule_spec(run.drafter, revised))
-    prefix_runs = measure_prefix_settings(run, answers)
-    args = {"target": target, "datasets": list(datasets), "num_prompts": num_prompts,
-            "max_prompt_tokens": max_prompt_tokens}
-    report = build_vllm_report(run, results, schedule, baselines, skipped, prefix_runs, args, started)
-    outputs = results[f"k{run.headline_k}"].get("per_prompt")
-    if outputs is not None:
-        report["per_prompt"] = per_prompt_summary(outputs)
-    write_report(report, out, outputs=outputs)
-    write_schedule(report, out)
-    return report
+    return results, schedule, baselines, skipped

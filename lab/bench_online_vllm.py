@@ -205,16 +205,16 @@ def train_path(args, path: str, work: Path) -> dict:
 
 def eval_path(args, row: dict, work: Path, path: str) -> dict:
     """`dflashkit eval` (chain) of the path's export on --dataset, in this process."""
-    from dflashkit.eval.decoder import DecodeConfig
+    from dflashkit.eval.options import EvalOptions
     from dflashkit.eval.run import run_eval
 
     out = work / path / "eval"
     shutil.rmtree(out, ignore_errors=True)
-    config = DecodeConfig(mode="chain", max_new_tokens=args.max_new_tokens)
     started = time.perf_counter()
-    report = run_eval(args.target, row["export_dir"], out, list(args.dataset), config, num_prompts=args.num_prompts,
-                      baseline_prompts=0, device="cpu" if args.standin else None, dtype=args.eval_dtype,
-                      time_limit_s=args.eval_time_limit)
+    report = run_eval(EvalOptions(target=args.target, drafter=row["export_dir"], out=out, dataset=list(args.dataset),
+                                  mode="chain", max_new_tokens=args.max_new_tokens, num_prompts=args.num_prompts,
+                                  baseline_prompts=0, device="cpu" if args.standin else None, dtype=args.eval_dtype,
+                                  time_limit=args.eval_time_limit))
     overall = report["overall"]
     return {"tau": overall["tau"], "rounds": overall.get("rounds"), "prompts": overall.get("prompts"),
             "per_position_acceptance": overall.get("per_position_acceptance"),

@@ -27,7 +27,7 @@ def test_stage_calls_chain_the_run_directory(tmp_path):
 
 def test_every_keyword_is_a_parameter_of_its_library_function(tmp_path):
     from dflashkit.demo import evaluate
-    from dflashkit.eval.run import run_eval
+    from dflashkit.eval.options import EvalOptions
     from dflashkit.extract.options import ExtractOptions, RegenerateOptions
     from dflashkit.train.config import load_config
 
@@ -40,14 +40,14 @@ def test_every_keyword_is_a_parameter_of_its_library_function(tmp_path):
             if name == "train":
                 fields = dict(kwargs)
                 assert load_config(fields.pop("recipe"), (), **fields).export_dir == str(tmp_path / "drafter")
-            elif name.startswith("eval"):  # demo's evaluate takes a few, run_eval the rest
+            elif name.startswith("eval"):  # demo's evaluate takes a few, the options of run_eval the rest
                 own = set(inspect.signature(evaluate).parameters) - {"kwargs"}
                 binds(evaluate, kwargs)
-                binds(run_eval, {k: v for k, v in kwargs.items() if k not in own}, partial=True)
+                binds(EvalOptions, {k: v for k, v in kwargs.items() if k not in own}, partial=True)
             else:
                 binds({"regenerate": RegenerateOptions, "extract": ExtractOptions}[name], kwargs)  # their flags
     with pytest.raises(TypeError, match="num_prompt"):
-        binds(run_eval, {"num_prompt": 3}, partial=True)
+        binds(EvalOptions, {"num_prompt": 3}, partial=True)
 
 
 def test_finished_stages_are_skipped_and_summarised(tmp_path, capsys):

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from dflashkit.eval.decoder import DecodeConfig
+from dflashkit.eval.options import EvalOptions
 from dflashkit.eval.run import run_eval
 from dflashkit.train.config import load_config
 from dflashkit.train.export import main as export_main
@@ -49,9 +49,9 @@ def test_init_train_export_serve_check_and_eval_on_the_cpu(tmp_path, capsys):
     with safe_open(str(export / "model.safetensors"), "pt") as f:
         vllm_load({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}, config)
     assert vllm_serving_settings(config, 3)["method"] == "dspark"
-    report = run_eval(target, str(export), tmp_path / "eval", [data],
-                      DecodeConfig(max_new_tokens=8, confidence_threshold=0.5), num_prompts=2, device="cpu",
-                      dtype="float32")
+    report = run_eval(EvalOptions(target=target, drafter=str(export), out=tmp_path / "eval", dataset=[data],
+                                  max_new_tokens=8, confidence_threshold=0.5, num_prompts=2, device="cpu",
+                                  dtype="float32"))
     lossless = report["overall"]["lossless"]
     assert lossless["prompts"] == 2 and lossless["exact_match_rate"] == 1.0 and not lossless["divergences"]
     cut = report["confidence_cut"]

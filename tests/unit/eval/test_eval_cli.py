@@ -159,14 +159,15 @@ def test_chat_template_kwargs_are_recorded_and_a_different_training_is_warned(ch
 
 
 def test_chain_and_tree_share_the_baseline_in_one_process(chat_pair, tmp_path):
-    from dflashkit.eval.decoder import DecodeConfig
+    from dflashkit.eval.options import EvalOptions
     from dflashkit.eval.run import run_eval
 
     root, _ = chat_pair
     shared = {}
-    reports = [run_eval(str(root / "target"), str(root / "drafter"), tmp_path / mode, ["builtin:mtbench"],
-                        DecodeConfig(mode=mode, max_new_tokens=NEW, tree_budget=6, tree_top_k=2), num_prompts=2,
-                        use_stop_tokens=False, shared_baseline=shared) for mode in ("chain", "tree")]
+    reports = [run_eval(EvalOptions(target=str(root / "target"), drafter=str(root / "drafter"), out=tmp_path / mode,
+                                    dataset=["builtin:mtbench"], mode=mode, max_new_tokens=NEW, tree_budget=6,
+                                    tree_top_k=2, num_prompts=2, no_stop=True), shared_baseline=shared)
+               for mode in ("chain", "tree")]
     assert sorted(k[0] for k in shared) == ["ar", "ar", "ref", "ref"]  # two prompts, each run once
     assert reports[0]["overall"]["ar_step_ms"] == reports[1]["overall"]["ar_step_ms"]
     assert all(r["overall"]["lossless"]["mismatches"] == 0 for r in reports)

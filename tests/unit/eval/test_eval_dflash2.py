@@ -132,6 +132,7 @@ def test_testbed_eval_tau_equals_reference(tmp_path, monkeypatch):
     equal the reference dflash_generate's."""
     import dflash.model as ref
 
+    from dflashkit.eval.options import EvalOptions
     from dflashkit.eval.prompts import load_prompts
     from dflashkit.eval.run import run_eval
     from dflashkit.targets.loading import load_target
@@ -152,9 +153,10 @@ def test_testbed_eval_tau_equals_reference(tmp_path, monkeypatch):
     export_checkpoint(tmp_path / "run", tmp_path / "drafter", dtype=torch.float32)
     assert json.loads((tmp_path / "drafter" / "config.json").read_text())["architectures"] == ["DFlash2DraftModel"]
 
-    config = DecodeConfig(max_new_tokens=48)
-    report = run_eval("testbed:smollm2", str(tmp_path / "drafter"), tmp_path / "eval", ["builtin:mtbench"], config,
-                      num_prompts=3, baseline_prompts=0, reference_prompts=0, device="cpu", dtype="float32")
+    config = DecodeConfig(max_new_tokens=48)  # given, so that its stop ids (filled by the run) can be read after
+    report = run_eval(EvalOptions(target="testbed:smollm2", drafter=str(tmp_path / "drafter"), out=tmp_path / "eval",
+                                  dataset=["builtin:mtbench"], num_prompts=3, baseline_prompts=0, reference_prompts=0,
+                                  device="cpu", dtype="float32"), config)
     theirs = ref.DFlash2DraftModel.from_pretrained(str(tmp_path / "drafter"), dtype=torch.float32).eval()
     from dflashkit.drafter import load_drafter
 

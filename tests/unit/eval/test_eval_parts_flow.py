@@ -8,6 +8,7 @@ from transformers import LlamaForCausalLM
 from dflashkit.drafter import DrafterConfig, build_drafter
 from dflashkit.eval import run as eval_run
 from dflashkit.eval.decoder import DecodeConfig, SpeculativeDecoder
+from dflashkit.eval.options import EvalOptions
 from dflashkit.targets.loading import target_parts
 from dflashkit.targets.runtime.parts import TargetParts
 
@@ -45,8 +46,8 @@ def test_run_eval_hands_its_loaded_target_to_the_decoder(chat_pair, tmp_path, mo
 
     monkeypatch.setattr(eval_run, "SpeculativeDecoder", Recording)
     root, _ = chat_pair
-    eval_run.run_eval(str(root / "target"), str(root / "drafter"), tmp_path / "r", ["builtin:mtbench"],
-                      DecodeConfig(max_new_tokens=4), num_prompts=1, use_stop_tokens=False)
+    eval_run.run_eval(EvalOptions(target=str(root / "target"), drafter=str(root / "drafter"), out=tmp_path / "r",
+                                  dataset=["builtin:mtbench"], max_new_tokens=4, num_prompts=1, no_stop=True))
     (target, decoder), closed = seen
     assert isinstance(target, TargetParts) and hasattr(target, "tokenizer")  # the Target load_target returned
     assert decoder.parts is target and decoder.verifier.parts is target and closed == "closed"

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from dflashkit.errors import UserError
+from dflashkit.eval.options import EvalOptions
 from dflashkit.eval.serving import run_sweep
 from dflashkit.eval.vllm_engine import VllmEvalConfig, run_vllm_eval
 
@@ -25,16 +26,17 @@ def engine_run(tmp_path_factory):
     config = VllmEvalConfig(concurrency=LEVELS, num_speculative_tokens=[1, 3], prefix_caching=["on"],
                             max_new_tokens=4, use_stop_tokens=False, repeats=1)
     out = root / "engine"
-    report = run_vllm_eval(str(root / "target"), str(root / "drafter"), out, [str(root / "chats.jsonl")], config,
-                           num_prompts=4, api=standin_api())
+    report = run_vllm_eval(EvalOptions(target=str(root / "target"), drafter=str(root / "drafter"), out=out,
+                                       dataset=[str(root / "chats.jsonl")], num_prompts=4), config, api=standin_api())
     return root, out, report
 
 
 def sweep_servers(root, out, commands: dict[str, str], tmp_path, server_info: bool = True) -> dict:
     started = {name: start_standin_server(command, server_info) for name, command in commands.items()}
     try:
-        return run_sweep([f"{name}={url}" for name, (_, url) in started.items()], [str(root / "chats.jsonl")], 4,
-                         LEVELS, 4, out=tmp_path / "served", engine_report=str(out))
+        return run_sweep(EvalOptions(server=[f"{name}={url}" for name, (_, url) in started.items()],
+                                     dataset=[str(root / "chats.jsonl")], num_prompts=4, concurrency=LEVELS,
+                                     max_new_tokens=4, out=tmp_path / "served", engine_report=str(out)))
     finally:
         for httpd, _ in started.values():
             stop_standin_server(httpd)
@@ -93,13 +95,15 @@ def test_engine_reports_and_commands_are_checked(engine_run, tmp_path):
     with pytest.raises(UserError, match="--engine-report is read by --server"):
         main(["--target", "t", "--drafter", "d", "--out", str(tmp_path / "x"), "--engine-report", str(out)])
     with pytest.raises(UserError, match="needs NAME=URL servers"):
-        run_sweep("http://127.0.0.1:9", [str(root / "chats.jsonl")], 1, [1], 2, engine_report=str(out))
+        run_sweep(EvalOptions(server=["http://127.0.0.1:9"], dataset=[str(root / "chats.jsonl")], num_prompts=1,
+                              concurrency=[1], max_new_tokens=2, engine_report=str(out)))
     (tmp_path / "chain").mkdir()
     (tmp_path / "chain" / "report.json").write_text(json.dumps(
         {"args": {}, "block_size": 4, "datasets": {}, "overall": {"tau": 1.5}}))
     with pytest.raises(UserError, match="not a report of `dflashkit eval --engine vllm`"):
-        run_sweep(["none=http://127.0.0.1:9", "k3=http://127.0.0.1:9"], [str(root / "chats.jsonl")], 1, [1], 2,
-                  engine_report=str(tmp_path / "chain"))
+        run_sweep(EvalOptions(server=["none=http://127.0.0.1:9", "k3=http://127.0.0.1:9"],
+                              dataset=[str(root / "chats.jsonl")], num_prompts=1, concurrency=[1], max_new_tokens=2,
+                              engine_report=str(tmp_path / "chain")))
 
 
 def test_a_schedule_of_zeros_keeps_its_command(engine_run, tmp_path):
@@ -108,8 +112,8 @@ def test_a_schedule_of_zeros_keeps_its_command(engine_run, tmp_path):
     root, _, _ = engine_run
     config = VllmEvalConfig(concurrency=[1], num_speculative_tokens=[1], prefix_caching=["on"], max_new_tokens=2,
                             use_stop_tokens=False, repeats=1, schedule=[[1, 1, 0]])
-    run_vllm_eval(str(root / "target"), str(root / "drafter"), tmp_path, [str(root / "chats.jsonl")], config,
-                  num_prompts=2, api=standin_api())
+    run_vllm_eval(EvalOptions(target=str(root / "target"), drafter=str(root / "drafter"), out=tmp_path,
+                              dataset=[str(root / "chats.jsonl")], num_prompts=2), config, api=standin_api())
     written = json.loads((tmp_path / "schedule.json").read_text())
     parsed = parse_serve_command(written["serve_command"])
     assert parsed.speculative_config == written["speculative_config"]

@@ -12,6 +12,7 @@ import transformers as tf
 from dflashkit.cli import run_main
 from dflashkit.eval.__main__ import main
 from dflashkit.eval.decoder import DecodeConfig, SpeculativeDecoder
+from dflashkit.eval.options import EvalOptions
 from dflashkit.eval.serving_plan import agreement
 from dflashkit.eval.serving_verdict import verdict
 from dflashkit.eval.vllm_engine import VllmEvalConfig, run_vllm_eval
@@ -36,8 +37,8 @@ def pair(tmp_path_factory):
 def served(pair, tmp_path_factory):
     out = tmp_path_factory.mktemp("vllm_report")
     config = VllmEvalConfig(max_new_tokens=NEW, use_stop_tokens=False)  # levels 1 4 16 64, prefix cache on off
-    report = run_vllm_eval(str(pair / "target"), str(pair / "drafter"), out, [str(pair / "chats.jsonl")], config,
-                           num_prompts=4, api=standin_api())
+    report = run_vllm_eval(EvalOptions(target=str(pair / "target"), drafter=str(pair / "drafter"), out=out,
+                                       dataset=[str(pair / "chats.jsonl")], num_prompts=4), config, api=standin_api())
     return report, out
 
 
@@ -127,8 +128,9 @@ def test_other_num_speculative_tokens_warns_and_is_reported(pair, tmp_path):
     warnings = []
     config = VllmEvalConfig(concurrency=[1], prefix_caching=["on"], num_speculative_tokens=2, max_new_tokens=NEW,
                             use_stop_tokens=False)
-    report = run_vllm_eval(str(pair / "target"), str(pair / "drafter"), tmp_path, [str(pair / "chats.jsonl")],
-                           config, num_prompts=2, api=standin_api(), warn=warnings.append)
+    report = run_vllm_eval(EvalOptions(target=str(pair / "target"), drafter=str(pair / "drafter"), out=tmp_path,
+                                       dataset=[str(pair / "chats.jsonl")], num_prompts=2), config, api=standin_api(),
+                           warn=warnings.append)
     assert len(warnings) == 1 and "--num-speculative-tokens 2" in warnings[0] and "acceptance changes" in warnings[0]
     assert report["num_speculative_tokens"] == 2 and len(report["acceptance"]["per_position_acceptance"]) == 2
     assert any("num_speculative_tokens 2 != block_size - 1 = 3" in w for w in report["warnings"])
@@ -145,8 +147,9 @@ def test_a_target_window_reaching_the_drafter_is_a_warning(pair, tmp_path):
     (target / "config.json").write_text(json.dumps({**config, "sliding_window": 16}))
     warnings = []
     run = VllmEvalConfig(concurrency=[1], prefix_caching=["on"], max_new_tokens=NEW, use_stop_tokens=False)
-    report = run_vllm_eval(str(target), str(pair / "drafter"), tmp_path / "out", [str(pair / "chats.jsonl")], run,
-                           num_prompts=2, api=standin_api(), warn=warnings.append)
+    report = run_vllm_eval(EvalOptions(target=str(target), drafter=str(pair / "drafter"), out=tmp_path / "out",
+                                       dataset=[str(pair / "chats.jsonl")], num_prompts=2), run, api=standin_api(),
+                           warn=warnings.append)
     assert [w for w in warnings if "sliding_window 16" in w] and any("sliding_window 16" in w for w in
                                                                         report["warnings"])
 
@@ -163,8 +166,8 @@ def test_a_gguf_config_target_is_served_and_named_from_a_kept_copy(pair, tmp_pat
     config = json.loads((target / "config.json").read_text())
     (target / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "gguf"}}))
     run = VllmEvalConfig(concurrency=[1], prefix_caching=["on"], max_new_tokens=NEW, use_stop_tokens=False)
-    report = run_vllm_eval(str(target), str(pair / "drafter"), tmp_path / "out", [str(pair / "chats.jsonl")], run,
-                           num_prompts=2, api=standin_api())
+    report = run_vllm_eval(EvalOptions(target=str(target), drafter=str(pair / "drafter"), out=tmp_path / "out",
+                                       dataset=[str(pair / "chats.jsonl")], num_prompts=2), run, api=standin_api())
     served = Path(report["target"]["served_dir"])
     assert report["target"]["gguf_quantization_config_stripped"] and served.parent == tmp_path / "out"
     assert "quantization_config" not in json.loads((served / "config.json").read_text())
@@ -387,8 +390,8 @@ def test_per_prompt_runs_pair_with_a_local_report(pair, tmp_path, capsys):
     out, local = tmp_path / "vllm", tmp_path / "local"
     config = VllmEvalConfig(max_new_tokens=NEW, use_stop_tokens=False, concurrency=[1], repeats=1,
                             schedule_run=False, prefix_caching=["off"], per_prompt=True)
-    report = run_vllm_eval(str(pair / "target"), str(pair / "drafter"), out, [str(pair / "chats.jsonl")], config,
-                           num_prompts=4, api=standin_api())
+    report = run_vllm_eval(EvalOptions(target=str(pair / "target"), drafter=str(pair / "drafter"), out=out,
+                                       dataset=[str(pair / "chats.jsonl")], num_prompts=4), config, api=standin_api())
     lines = [json.loads(x) for x in (out / "outputs.jsonl").read_text().splitlines()]
     assert len(lines) == 4 and all(len(x["tokens"]) == NEW for x in lines)
     assert report["per_prompt"]["prompts"] == 4 and report["per_prompt"]["rounds"] == sum(x["rounds"] for x in lines)

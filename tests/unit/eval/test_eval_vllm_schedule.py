@@ -10,6 +10,7 @@ import pytest
 
 from dflashkit.errors import UserError
 from dflashkit.eval.chat_settings import resolve_chat
+from dflashkit.eval.options import EvalOptions
 from dflashkit.eval.serving_plan import (
     baseline_specs,
     best_k,
@@ -45,8 +46,9 @@ def planned(tmp_path_factory):
     config = VllmEvalConfig(concurrency=LEVELS, num_speculative_tokens=[3, 1, 2], prefix_caching=["on"],
                             max_new_tokens=NEW, use_stop_tokens=False, baselines=["ngram", "mtp", "v1"], repeats=2)
     out = root / "out"
-    report = run_vllm_eval(str(root / "target"), str(root / "drafter"), out, [str(root / "chats.jsonl")], config,
-                           num_prompts=4, api=standin_api(), warn=warnings.append)
+    report = run_vllm_eval(EvalOptions(target=str(root / "target"), drafter=str(root / "drafter"), out=out,
+                                       dataset=[str(root / "chats.jsonl")], num_prompts=4), config, api=standin_api(),
+                           warn=warnings.append)
     return report, out, root, warnings
 
 
@@ -298,10 +300,10 @@ def test_engines_get_graphs_for_their_largest_step(planned, tmp_path):
     from dflashkit.eval.vllm_engine import capture_size, prepare_run, start_served
 
     _, _, root, _ = planned
-    run = prepare_run(str(root / "target"), str(root / "drafter"), [str(root / "chats.jsonl")],
-                      VllmEvalConfig(concurrency=[1, 256], num_speculative_tokens=[1, 3]), 2, None,
-                      resolve_chat(root / "drafter", None, None),
-                      standin_api(), print, str(tmp_path))
+    opts = EvalOptions(target=str(root / "target"), drafter=str(root / "drafter"), out=tmp_path,
+                       dataset=[str(root / "chats.jsonl")], num_prompts=2)
+    run = prepare_run(opts, VllmEvalConfig(concurrency=[1, 256], num_speculative_tokens=[1, 3]),
+                      resolve_chat(root / "drafter", None, None), standin_api(), print)
     k3 = {"method": "dflash", "model": run.drafter, "num_speculative_tokens": 3}
     assert capture_size(run, None) is None and capture_size(run, {**k3, "num_speculative_tokens": 1}) is None  # 512
     llm = start_served(run, "drafter", k3, "on")
@@ -336,8 +338,9 @@ def test_the_twin_pays_for_steps_above_the_graph_ceiling(planned, tmp_path):
         config = VllmEvalConfig(concurrency=[4], num_speculative_tokens=[3], max_new_tokens=NEW,
                                 use_stop_tokens=False, cudagraph_capture=capture)
         config.check()
-        run = prepare_run(str(root / "target"), str(root / "drafter"), [str(root / "chats.jsonl")], config, 4,
-                          None, resolve_chat(root / "drafter", None, None), standin_api(), print, str(tmp_path))
+        opts = EvalOptions(target=str(root / "target"), drafter=str(root / "drafter"), out=tmp_path,
+                           dataset=[str(root / "chats.jsonl")], num_prompts=4)
+        run = prepare_run(opts, config, resolve_chat(root / "drafter", None, None), standin_api(), print)
         llm = start_served(run, "drafter", {"method": "dflash", "model": run.drafter, "num_speculative_tokens": 3},
                            "on")
         assert llm.graph_ceiling == capture

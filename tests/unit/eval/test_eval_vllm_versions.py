@@ -6,6 +6,7 @@ import pytest
 
 from dflashkit.drafter import DrafterConfig, build_drafter, save_drafter
 from dflashkit.eval.chat_settings import resolve_chat
+from dflashkit.eval.options import EvalOptions
 from dflashkit.eval.vllm_engine import VllmEvalConfig, prepare_run
 
 from support.tiny_targets import VOCAB, tiny_target_config
@@ -58,10 +59,10 @@ def test_a_schedule_runs_on_the_runner_of_its_release(pair, version, runner):
 @pytest.mark.parametrize("version", ["0.24.0", "0.26.0"])
 def test_eval_warns_of_sliding_layers_only_where_vllm_ignores_them(pair, tmp_path, version):
     warned = []
-    run = prepare_run(str(pair / "target"), str(pair / "drafter_swa"), [str(pair / "chats.jsonl")],
-                      VllmEvalConfig(concurrency=[1]), 2, None, resolve_chat(pair / "drafter_swa", None, None),
-                      standin_api(version), warned.append,
-                      str(tmp_path))
+    opts = EvalOptions(target=str(pair / "target"), drafter=str(pair / "drafter_swa"), out=tmp_path,
+                       dataset=[str(pair / "chats.jsonl")], num_prompts=2)
+    run = prepare_run(opts, VllmEvalConfig(concurrency=[1]), resolve_chat(pair / "drafter_swa", None, None),
+                      standin_api(version), warned.append)
     sliding = [w for w in warned if "sliding_attention" in w]
     assert sliding == ([] if version == "0.26.0" else [w for w in run.notes if "vLLM 0.24 ignores layer_types" in w])
     assert len(sliding) == (version == "0.24.0")
