@@ -84,7 +84,8 @@ def train_step(model, optimizer, accelerator, head, micro: list[PackedBlocks], *
     world, G = accelerator.num_processes, cfg.grad_accum
     device = accelerator.device
     set_lr(optimizer, cfg.lr, lr_factor)
-    denoms = [loss_denominator(m.valid, cfg.loss, cfg.gamma) * m.scale for m in micro]
+    loss_settings = pass_options.loss  # the run's objective (train/pass_options.py: cfg's loss and gamma)
+    denoms = [loss_denominator(m.valid, loss_settings.variant, loss_settings.gamma) * m.scale for m in micro]
     # the kind's extra term has its own normaliser (DFlash2's selector: the decay-weighted count of valid labels,
     # or with selector_weights "loss" the block loss's; DSpark's: the decay-weighted count) and weight
     term = extra_term_of(model)
