@@ -37,6 +37,7 @@ from dflashkit.files import atomic_write
 from dflashkit.options import build_parser as options_parser
 from dflashkit.options import option, parse_options
 from dflashkit.outputs import check_apart
+from dflashkit.train.config import LOSSES
 
 TARGET = "testbed:smollm2"
 MASK_TOKEN_ID = 16  # SmolLM2's reserved <empty_output>: its tokenizer has no mask token and no spare rows
@@ -195,7 +196,7 @@ class DemoOptions:
     train_data: str = option("builtin:sharegpt", help="prompts to regenerate (default ShareGPT)")
     eval_data: list[str] | None = option(None, help="evaluation datasets (default: MT-bench; full adds HumanEval)",
                                          nargs="+")
-    loss: str | None = option(None, help="training objective (recipe default)", choices=["ce", "dpace", "kl"])
+    loss: str | None = option(None, help="training objective (recipe default)", choices=LOSSES)
     restart: bool = option(False, help="forget finished stages and run all again")
 
 
