@@ -291,11 +291,11 @@ LOSS_PASS_SCRIPT = INTERPRETER_PREAMBLE + COUNT_LAUNCHES + textwrap.dedent("""
         labels, valid = torch.randint(0, vocab, (6, p), generator=g), torch.rand(6, p, generator=g) > 0.2
         before = len(launches)
         # 2 chunks of 3 blocks
-        out = loss.block_loss(hidden, weight, labels, valid, LossSettings(chunk_tokens=9), top_k=k)
+        out = loss.block_loss(hidden, weight, labels, valid, loss.LossSettings(chunk_tokens=9), top_k=k)
         n = len(launches) - before
         runs = loss.topk_kernel_runs
         loss.topk_kernel_runs = lambda *args: False  # the torch path, in the same process
-        ref = loss.block_loss(hidden, weight, labels, valid, LossSettings(chunk_tokens=9), top_k=k)
+        ref = loss.block_loss(hidden, weight, labels, valid, loss.LossSettings(chunk_tokens=9), top_k=k)
         loss.topk_kernel_runs = runs
         # the logits as the engine computes them, chunk by chunk (one matmul over all rows can round otherwise)
         logits = torch.cat([F.linear(hidden[s:s + 3].reshape(-1, 8).to(dtype), weight) for s in (0, 3)]).float()
