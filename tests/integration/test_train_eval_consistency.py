@@ -282,9 +282,9 @@ def test_compiled_layers_are_evaluated_through_the_training_graphs(setup, monkey
     passes = PassOptions(block_size=BLOCK, sliding_window=None, layer_types=cfg.layer_types, backend="dense",
                          loss=LossSettings(fused=cuda))
     dataset = Prefixes(seq, hidden, loss_mask, [PROMPT + NEW, 40, 33])
-    anchors = CollateOptions(block_size=BLOCK, mask_token_id=MASK, num_anchors=8, seed=0)
+    held_out = CollateOptions(block_size=BLOCK, mask_token_id=MASK, num_anchors=8, seed=0)
     options = dict(batch_tokens=4096, device=torch.device(device))
-    want = evaluate(eager, head, dataset, list(range(3)), passes, anchors, **options)
+    want = evaluate(eager, head, dataset, list(range(3)), passes, held_out, **options)
     model = copy.deepcopy(eager).train()
     assert not layers_compiled(model)
     torch._dynamo.reset()
@@ -309,7 +309,7 @@ def test_compiled_layers_are_evaluated_through_the_training_graphs(setup, monkey
         return engine(*args, **kwargs)
 
     monkeypatch.setattr(loss_module, "chunked_logit_statistics", recording)
-    got = evaluate(model, head, dataset, list(range(3)), passes, anchors, **options)
+    got = evaluate(model, head, dataset, list(range(3)), passes, held_out, **options)
     assert asked and not any(asked)
     monkeypatch.setattr(loss_module, "chunked_logit_statistics", engine)
     assert layer_graphs() == compiled_before  # no layer graph compiled for the evaluation
@@ -318,7 +318,7 @@ def test_compiled_layers_are_evaluated_through_the_training_graphs(setup, monkey
     for key, value in want.items():
         assert got[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
     monkeypatch.setattr(evaluate_module, "training_graphs", lambda *_: False)  # the no-grad form compiles anew
-    evaluate(model, head, dataset, list(range(3)), passes, anchors, **options)
+    evaluate(model, head, dataset, list(range(3)), passes, held_out, **options)
     assert layer_graphs() > compiled_before
 
 
