@@ -47,6 +47,7 @@ import shutil
 import statistics
 import tempfile
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -105,9 +106,17 @@ def hold_the_lock(seconds: float) -> None:
         usleep(200) if usleep is not None else sum(range(100))
 
 
+@dataclass(frozen=True)
+class WriterSettings:
+    """The shard writer's settings under test (``ShardWriter``'s keywords, as `dflashkit extract` sets them)."""
+
+    shard_bytes: int  # bytes per shard
+    staging_bytes: int  # bytes of features held in memory before the caller waits
+    writer_threads: int  # shards written at once
+
+
 def writer_only(base: Path, batch: int, seq: int, feature_dim: int, n_batches: int, repeats: int,
-                shard_bytes: int, staging_bytes: int, writer_threads: int, prior_samples: int,
-                forward_s: float = 0.0) -> dict:
+                settings: WriterSettings, prior_samples: int, forward_s: float = 0.0) -> dict:
     """The writer alone on the host: synthetic bf16 features [batch * seq, feature_dim] per batch."""
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(batch * seq, feature_dim, generator=g).to(torch.bfloat16)
@@ -115,8 +124,8 @@ def writer_only(base: Path, batch: int, seq: int, feature_dim: int, n_batches: i
     mask = torch.ones(batch * seq, dtype=torch.bool)
     lengths = [seq] * batch
     results = {"mode": "writer-only", "batch": batch, "seq": seq, "feature_dim": feature_dim, "batches": n_batches,
-               "tokens_per_run": batch * seq * n_batches, "shard_bytes": shard_bytes, "staging_bytes": staging_bytes,
-               "writer_threads": writer_threads, "prior_samples": prior_samples, "forward_s": forward_s,
+               "tokens_per_run": batch * seq * n_batches, **asdict(settings), "prior_samples": prior_samples,
+               "forward_s": forward_s,
                "device": "cpu", "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     for codec in ("bf16", "fp8"):
         out = base / codec
@@ -126,8 +135,7 @@ def writer_only(base: Path, batch: int, seq: int, feature_dim: int, n_batches: i
             shutil.rmtree(out, ignore_errors=True)
             prior = prior_shards(prior_samples, max(batch, 1))
             n_prior = len(prior)
-            writer = ShardWriter(out, {"codec": codec, "schema_version": 1, "shards": prior},
-                                 shard_bytes=shard_bytes, staging_bytes=staging_bytes, writer_threads=writer_threads)
+            writer = ShardWriter(out, {"codec": codec, "schema_version": 1, "shards": prior}, **asdict(settings))
             inside = 0.0
             for n in range(n_batches):
                 hold_the_lock(forward_s)
@@ -200,9 +208,9 @@ def main(argv=None):
     if args.writer_only:
         base = Path(args.out_dir or tempfile.mkdtemp(prefix="dflashkit-bench-"))
         base.mkdir(parents=True, exist_ok=True)
+        settings = WriterSettings(args.shard_size, args.staging_size, args.writer_threads)
         results = writer_only(base, args.batch or 8, args.seq or 2048, args.feature_dim, args.batches or 16,
-                              args.repeats, args.shard_size, args.staging_size, args.writer_threads,
-                              args.prior_samples, args.forward_s)
+                              args.repeats, settings, args.prior_samples, args.forward_s)
         if not args.out_dir:
             shutil.rmtree(base, ignore_errors=True)
         write_json(args.out, results)

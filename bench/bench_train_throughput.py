@@ -80,12 +80,12 @@ from dflashkit.drafter import DrafterConfig, default_target_layer_ids
 from dflashkit.targets.capture import LayerCapture
 from dflashkit.targets.loading import Target, load_target
 from dflashkit.train.config import MUON_NS_DTYPES, TrainConfig
-from dflashkit.train.data import PackedBlocks, collate_blocks, pack_order
-from dflashkit.train.drafter_pass import compile_layers, forward_blocks, mask_backend
+from dflashkit.train.data import CollateOptions, PackedBlocks, collate_blocks, pack_order
+from dflashkit.train.drafter_pass import PassOptions, compile_layers, forward_blocks, mask_backend
 from dflashkit.train.metrics import MetricSums
 from dflashkit.train.pass_options import drafter_pass_options
 from dflashkit.train.setup import build_model, build_optimizer, conv_kernels, make_accelerator
-from dflashkit.train.train_step import train_step
+from dflashkit.train.train_step import StepVotes, train_step
 
 
 # --------------------------------------------------------------------------- target, drafter, data
@@ -126,8 +126,7 @@ def train_pack(k: int, block_size: int, num_anchors: int, toy: bool):
     pool = make_pool(n, lo, hi, vocab=1000, seed=1000)
     packs = pack_order(list(range(len(pool))), [s["input_ids"].numel() for s in pool], budget)
     samples = [{**pool[i], "hidden": torch.zeros(pool[i]["input_ids"].numel(), 1)} for i in packs[k % len(packs)]]
-    return collate_blocks(samples, block_size=block_size, mask_token_id=0, num_anchors=num_anchors, seed=0,
-                          epoch=0, check_finite=False)
+    return collate_blocks(samples, CollateOptions(block_size, 0, num_anchors, seed=0), check_finite=False)
 
 
 def kernel_times(fn, calls: int = 5) -> dict:
@@ -232,16 +231,16 @@ class Step:
     """train/train_step.train_step with the run's objects: one optimizer step per call on the given micro-batches;
     the previous step's non-finite flags ride in the next step's collective, as in the trainer."""
 
-    def __init__(self, model, optimizer, accelerator, head, cfg: TrainConfig, options: dict):
+    def __init__(self, model, optimizer, accelerator, head, cfg: TrainConfig, options: PassOptions):
         self.model, self.optimizer, self.accelerator, self.head = model, optimizer, accelerator, head
         self.cfg, self.options = cfg, options
-        self.sums = MetricSums(options["block_size"] - 1, accelerator.device)
+        self.sums = MetricSums(options.block_size - 1, accelerator.device)
         self.nonfinite = None
 
     def __call__(self, micros: list[PackedBlocks]) -> None:
         result = train_step(self.model, self.optimizer, self.accelerator, self.head, micros, cfg=self.cfg,
-                            lr_factor=1.0, stop_requested=False, sums=self.sums, pass_options=self.options,
-                            nonfinite=self.nonfinite)
+                            lr_factor=1.0, sums=self.sums, pass_options=self.options,
+                            votes=StepVotes(nonfinite=self.nonfinite))
         if result.stopped:
             raise RuntimeError(f"the benchmark's training diverged ({result.diverged}); its timings mean nothing")
         self.nonfinite = result.nonfinite
@@ -381,7 +380,7 @@ def main(argv=None):
         if compiled:
             compile_layers(p, dynamic={"dynamic": True, "automatic": None}[args.layer_compile])
         o = drafter_pass_options(c, dc, dev)
-        o["fused_loss"] = o["fused_loss"] and not args.eager_loss
+        o = dataclasses.replace(o, loss=dataclasses.replace(o.loss, fused=o.loss.fused and not args.eager_loss))
         return m, p, opt, dc, o
 
     model, plain, optimizer, dcfg, options = drafter(archs[0])
@@ -392,8 +391,7 @@ def main(argv=None):
     for a in archs[1:]:
         _, p, opt, dc, o = drafter(a)
         others[a] = Step(p, opt, accelerator, target, dataclasses.replace(cfg, drafter_architecture=a), o)
-    opts = dict(block_size=dcfg.block_size, mask_token_id=dcfg.mask_token_id, num_anchors=args.num_anchors,
-                seed=0, epoch=0, check_finite=False)
+    opts = CollateOptions(dcfg.block_size, dcfg.mask_token_id, args.num_anchors, seed=0)
 
     # --- data: packs of this rank's pool; layouts on the host for the FLOP counts
     pool = make_pool(args.pool, args.min_len, args.max_len, vocab, seed=1000 + rank)
@@ -404,7 +402,8 @@ def main(argv=None):
     per_pack = {}
     for p in {tuple(p) for p in packs}:
         samples = [pool[i] for i in p]
-        layout = collate_blocks([{**s, "hidden": torch.zeros(s["input_ids"].numel(), 1)} for s in samples], **opts)
+        layout = collate_blocks([{**s, "hidden": torch.zeros(s["input_ids"].numel(), 1)} for s in samples], opts,
+                                check_finite=False)
         lens = [s["input_ids"].numel() for s in samples]
         per_pack[p] = dict(samples=samples, batch=padded_batch(samples, pin=gpu), tokens=layout.num_tokens,
                            d_flops=drafter_flops(dcfg, layout), t_flops=target_flops(target, ids, lens))
@@ -430,7 +429,7 @@ def main(argv=None):
             g = torch.Generator(device=dev).manual_seed(len(offline_cache))
             samples = [{**s, "hidden": torch.randn(s["input_ids"].numel(), kh, generator=g, device=dev, dtype=dtype)}
                        for s in m["samples"]]
-            offline_cache[key] = collate_blocks(samples, **opts).to(dev)
+            offline_cache[key] = collate_blocks(samples, opts, check_finite=False).to(dev)
         return offline_cache[key]
 
     def measure(step: Step) -> dict:
@@ -447,7 +446,8 @@ def main(argv=None):
             res["target"] = summarize(t, tokens, t_flops, peak)
 
             def online(i):
-                step([collate_blocks(features(m), **opts).to(dev, non_blocking=True) for m in micro_of_step[i]])
+                step([collate_blocks(features(m), opts, check_finite=False).to(dev, non_blocking=True)
+                      for m in micro_of_step[i]])
 
             t = timed(online, args.steps, args.warmup, dev)
             res["online"] = summarize(t, tokens, [a + b for a, b in zip(d_flops, t_flops)], peak)
@@ -484,7 +484,7 @@ def main(argv=None):
                                                          "block_size", "vocab_size")},
                "args": vars(args), "architectures": archs, "world_size": world, "compiled": compiled,
                "layer_compile": args.layer_compile,
-               "fused_loss": options["fused_loss"], "mask": options["backend"],
+               "fused_loss": options.loss.fused, "mask": options.backend,
                "train_config": {k: getattr(cfg, k) for k in STEP_FIELDS},
                "muon": muon_layout(optimizer),
                "matmul_tflops": rate / 1e12 if rate else None, "peak_tflops": PEAK_BF16 / 1e12,
@@ -514,7 +514,8 @@ def main(argv=None):
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
         with torch_profile(activities=acts, record_shapes=True) as prof:
             for i in range(3):
-                step([collate_blocks(features(m), **opts).to(dev, non_blocking=True) for m in micro_of_step[i]])
+                step([collate_blocks(features(m), opts, check_finite=False).to(dev, non_blocking=True)
+                      for m in micro_of_step[i]])
             if gpu:
                 torch.cuda.synchronize()
         key = "self_cuda_time_total" if gpu else "self_cpu_time_total"
@@ -545,7 +546,7 @@ def main(argv=None):
 
         plain.layers[0] = Recorder()
         with autocast():
-            forward_blocks(plain, target, offline_micro(micro_of_step[0][0]), variant=cfg.loss, **options)
+            forward_blocks(plain, target, offline_micro(micro_of_step[0][0]), options)
         plain.layers[0] = first
         block, context, cos, sin, mask = seen["args"][:5]
         g = torch.Generator(device=dev).manual_seed(5)
@@ -642,11 +643,11 @@ def main(argv=None):
             if args.profile:
                 profile(args.profile, single)
             if len(attentions) > 1:  # the same steps again with each other block attention
-                results["by_attention"] = {options["backend"]: results["single"]}
+                results["by_attention"] = {options.backend: results["single"]}
                 for a in attentions[1:]:
-                    options["backend"] = mask_backend(a, dev)
-                    results["by_attention"][options["backend"]] = measure(single)
-                options["backend"] = results["mask"]
+                    single.options = dataclasses.replace(options, backend=mask_backend(a, dev))
+                    results["by_attention"][single.options.backend] = measure(single)
+                single.options = options
         else:
             if rank == 0:
                 results["single"] = measure(single)

@@ -28,12 +28,16 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 from dflashkit.errors import UserError
 from dflashkit.files import atomic_write
+from dflashkit.options import build_parser as options_parser
+from dflashkit.options import option, parse_options
 from dflashkit.outputs import check_apart
+from dflashkit.train.config import LOSSES
 
 TARGET = "testbed:smollm2"
 MASK_TOKEN_ID = 16  # SmolLM2's reserved <empty_output>: its tokenizer has no mask token and no spare rows
@@ -183,40 +187,50 @@ def _num(x) -> str:
     return "-" if x is None else f"{x:.2f}"
 
 
+@dataclass
+class DemoOptions:
+    """The command line of `dflashkit demo` (dflashkit/options.py)."""
+
+    run_dir: str = option("runs/demo", help="where every stage writes (default runs/demo)")
+    device: str | None = option(None, help="cpu or cuda (default: this machine's GPU when CUDA is available, else "
+                                           "cpu)")
+    target: str = option(TARGET, help="the testbed as installed (default testbed:smollm2) or a converted copy of "
+                                      "it")
+    scale: str | None = option(None, help="small: CPU check; full: GPU run (default: full on a GPU, small on the "
+                                          "CPU)", choices=sorted(SCALES))
+    train_data: str = option("builtin:sharegpt", help="prompts to regenerate (default ShareGPT)")
+    eval_data: list[str] | None = option(None, help="evaluation datasets (default: MT-bench; full adds HumanEval)",
+                                         nargs="+")
+    loss: str | None = option(None, help="training objective (recipe default)", choices=LOSSES)
+    restart: bool = option(False, help="forget finished stages and run all again")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="dflashkit demo", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--run-dir", default="runs/demo", help="where every stage writes (default runs/demo)")
-    ap.add_argument("--device", default=None,
-                    help="cpu or cuda (default: this machine's GPU when CUDA is available, else cpu)")
-    ap.add_argument("--target", default=TARGET,
-                    help="the testbed as installed (default testbed:smollm2) or a converted copy of it")
-    ap.add_argument("--scale", choices=sorted(SCALES), default=None,
-                    help="small: CPU check; full: GPU run (default: full on a GPU, small on the CPU)")
-    ap.add_argument("--train-data", default="builtin:sharegpt", help="prompts to regenerate (default ShareGPT)")
-    ap.add_argument("--eval-data", nargs="+", help="evaluation datasets (default: MT-bench; full adds HumanEval)")
-    ap.add_argument("--loss", choices=["ce", "dpace", "kl"], default=None, help="training objective (recipe default)")
-    ap.add_argument("--restart", action="store_true", help="forget finished stages and run all again")
-    return ap
+    return options_parser(DemoOptions, prog="dflashkit demo", description=__doc__)
 
 
 def main(argv: list[str] | None = None) -> int:
+    return run_demo(parse_options(DemoOptions, argv, build_parser()))
+
+
+def run_demo(options: DemoOptions) -> int:
+    """The demo's stages in order under ``options.run_dir``, each skipped when it finished before with the same
+    arguments; then the stage times and the summary table."""
     from dflashkit import launch
 
-    args = build_parser().parse_args(argv)
-    device, scale = demo_plan(args.device, args.scale, cuda_available=launch.local_device().type == "cuda")
-    print(plan_line(device, scale, chosen=args.device is None or args.scale is None), flush=True)
-    run = Path(args.run_dir)
-    check_apart({"--run-dir": run}, {"--target": args.target, "--train-data": args.train_data,
-                                     "--eval-data": args.eval_data})
+    device, scale = demo_plan(options.device, options.scale, cuda_available=launch.local_device().type == "cuda")
+    print(plan_line(device, scale, chosen=options.device is None or options.scale is None), flush=True)
+    run = Path(options.run_dir)
+    check_apart({"--run-dir": run}, {"--target": options.target, "--train-data": options.train_data,
+                                     "--eval-data": options.eval_data})
     stages_dir = run / "stages"
     stages_dir.mkdir(parents=True, exist_ok=True)
-    if args.restart:
+    if options.restart:
         for f in stages_dir.glob("*.json"):
             f.unlink()
     timings = {}
-    for name, function, kwargs in stage_calls(run, SCALES[scale], device, args.loss, args.target, args.train_data,
-                                               args.eval_data):
+    for name, function, kwargs in stage_calls(run, SCALES[scale], device, options.loss, options.target,
+                                               options.train_data, options.eval_data):
         done = stages_dir / f"{name}.json"
         if done.is_file():
             earlier = json.loads(done.read_text())

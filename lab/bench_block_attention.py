@@ -67,7 +67,7 @@ from bench.bench_train_throughput import kernel_times, train_pack
 from bench.common import timed
 from dflashkit import launch
 from dflashkit.train.block_mask import dense_block_mask, flex_block_mask, split_block_mask
-from dflashkit.train.data import collate_blocks
+from dflashkit.train.data import CollateOptions, collate_blocks
 from dflashkit.train.split_attention import SplitBlockMask
 
 KO_SETS = ["128x64_w4_s3", "64x128_w4_s3", "128x128_w8_s3", "64x64_w4_s3", "128x128_w4_s3_tma"]
@@ -98,8 +98,7 @@ def make_layout(num_seqs: int, min_len: int, max_len: int, num_anchors: int, blo
         mask = torch.arange(n) >= prompt
         samples.append({"input_ids": torch.zeros(n, dtype=torch.long), "loss_mask": mask,
                         "hidden": torch.zeros(n, 1), "index": i})
-    return collate_blocks(samples, block_size=block_size, mask_token_id=0, num_anchors=num_anchors, seed=seed,
-                          check_finite=False)
+    return collate_blocks(samples, CollateOptions(block_size, 0, num_anchors, seed), check_finite=False)
 
 
 def visible_pairs(anchors, starts, block_size: int, window: int | None) -> int:

@@ -31,7 +31,7 @@ from dflashkit import launch
 from dflashkit.drafter import DrafterConfig, build_drafter
 from dflashkit.train.anchors import sample_anchors
 from dflashkit.train.block_mask import build_block_masks
-from dflashkit.train.loss import block_loss, loss_denominator
+from dflashkit.train.loss import LossSettings, block_loss, loss_denominator
 
 
 def count_flops(cfg: DrafterConfig, seq: int, anchors: torch.Tensor, block: int, vocab: int) -> dict:
@@ -103,12 +103,13 @@ def main(argv=None):
     valid = (lab_pos < seq) & loss_mask.to(dev)[lab_pos.clamp(max=seq - 1)]
     labels = ids[lab_pos.clamp(max=seq - 1)]
     flops = count_flops(model.dflash, seq, anchors, B, vocab)
+    loss = LossSettings("ce", chunk_tokens=args.chunk_tokens)
 
     def step(i):
         noise = torch.nn.functional.embedding(block_ids.reshape(1, -1), embed)
         hidden = model(position_ids=pos, attention_mask=mask, noise_embedding=noise, target_hidden=feats)
         h = hidden.reshape(anchors.numel(), B, -1)[:, 1:]
-        out = block_loss(h, lm_head, labels, valid, variant="ce", chunk_tokens=args.chunk_tokens)
+        out = block_loss(h, lm_head, labels, valid, loss)
         (out.loss_sum / loss_denominator(valid, "ce", 7.0)).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()

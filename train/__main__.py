@@ -47,7 +47,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .config import load_config
+from .config import LOSSES, TARGET_ENGINES, load_config
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,8 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--output-dir", help="run directory for checkpoints, metrics and the export (= output_dir=DIR)")
     ap.add_argument("--init-from", help="start from this drafter directory (= init_from=DIR)")
     ap.add_argument("--resume", help="'auto' (default), 'none', or a checkpoint directory (= resume=...)")
-    ap.add_argument("--loss", choices=["ce", "dpace", "kl"], help="training objective (= loss=...)")
-    ap.add_argument("--target-engine", choices=["hf", "vllm"],
+    ap.add_argument("--loss", choices=LOSSES, help="training objective (= loss=...)")
+    ap.add_argument("--target-engine", choices=TARGET_ENGINES,
                     help="online: what runs the target: hf (in each training process, the default) or vllm (a vLLM "
                          "engine of the one process) (= target_engine=...)")
     ap.add_argument("--tensor-parallel-size", type=int, help="--target-engine vllm: GPUs the engine spreads the "

@@ -161,20 +161,37 @@ def _end_to_end(features: list[torch.Tensor], lens: list[int], rows: int) -> tor
     return packed
 
 
-def collate_blocks(samples: list[dict], *, block_size: int, mask_token_id: int, num_anchors: int, seed: int,
-                   epoch: int = 0, max_length: int | None = None, use_last_hidden: bool = False,
-                   fixed_anchors: bool = False, check_finite: bool = True, scale: float = 1.0,
-                   pad_multiple: int = PAD_MULTIPLE, anchor_density: float = 0.0) -> PackedBlocks:
-    """One packed micro-batch from per-sample dicts: truncate, check, draw each sample's anchors, pack.
+@dataclass(frozen=True)
+class CollateOptions:
+    """How ``collate_blocks`` makes a micro-batch's blocks from samples, for a whole run (an epoch's draw, or the
+    held-out anchors): the block, the anchors drawn, truncation, and which features are kept."""
+
+    block_size: int  # tokens per block: the anchor and B-1 draft positions
+    mask_token_id: int  # the id of the B-1 masked positions of every block
+    num_anchors: int  # anchors per sample (at most; held-out: per sample, fixed)
+    seed: int  # the run's seed: with the epoch and the sample's index it fixes the anchors
+    epoch: int = 0  # the epoch whose anchors are drawn (unused with fixed_anchors)
+    max_length: int | None = None  # samples are truncated to their first max_length tokens
+    use_last_hidden: bool = False  # keep the target's final hidden states (kl loss, target_argmax labels)
+    fixed_anchors: bool = False  # the held-out anchors (train/anchors.eval_anchors) instead of a per-epoch draw
+    # > 0: each sample draws round(anchor_density * its tokens) anchors instead of num_anchors
+    # (train/anchors.anchor_count; held-out anchors keep num_anchors)
+    anchor_density: float = 0.0
+
+
+def collate_blocks(samples: list[dict], options: CollateOptions, *, check_finite: bool = True, scale: float = 1.0,
+                   pad_multiple: int = PAD_MULTIPLE) -> PackedBlocks:
+    """One packed micro-batch from per-sample dicts: truncate, check, draw each sample's anchors (``options``),
+    pack.
 
     Each dict holds ``input_ids`` [T] and ``loss_mask`` [T] (on the CPU), ``hidden`` [T, K*H] (any device),
-    ``last_hidden`` [T, H] (needed when ``use_last_hidden``) and ``index`` (the sample's dataset index: it keys
-    the anchors, so the same sample draws the same anchors however it is packed). ``check_finite`` looks for
-    NaN/Inf in the features (stored shards; it costs a host sync when the features live on a GPU).
-    ``fixed_anchors``: the held-out anchors (train/anchors.eval_anchors) instead of a per-epoch draw.
-    ``anchor_density`` > 0: each sample draws round(anchor_density * its tokens) anchors instead of ``num_anchors``
-    (train/anchors.anchor_count; held-out anchors keep ``num_anchors``).
+    ``last_hidden`` [T, H] (needed when ``options.use_last_hidden``) and ``index`` (the sample's dataset index: it
+    keys the anchors, so the same sample draws the same anchors however it is packed). ``check_finite`` looks for
+    NaN/Inf in the features (stored shards; it costs a host sync when the features live on a GPU). ``scale``:
+    the micro-batch's weight (0 for a padding one).
     """
+    block_size, num_anchors, seed = options.block_size, options.num_anchors, options.seed
+    max_length, use_last_hidden = options.max_length, options.use_last_hidden
     if not samples:
         raise ValueError("collate_blocks needs at least one sample")
     ids_l, mask_l, hid_l, last_l, anc_l, index_l = [], [], [], [], [], []
@@ -193,14 +210,14 @@ def collate_blocks(samples: list[dict], *, block_size: int, mask_token_id: int, 
                 if t is not None and not torch.isfinite(t).all():
                     raise UserError(f"sample {index}: NaN or Inf in the stored features (field {name}); "
                                     f"re-extract that shard (dflashkit verify names it)")
-        if fixed_anchors:
+        if options.fixed_anchors:
             anchors = eval_anchors(mask, block_size, num_anchors, seed, index)
         else:
-            anchors = sample_anchors(mask, anchor_count(ids.numel(), num_anchors, anchor_density),
-                                     sample_generator(seed, epoch, index))
+            anchors = sample_anchors(mask, anchor_count(ids.numel(), num_anchors, options.anchor_density),
+                                     sample_generator(seed, options.epoch, index))
         ids_l.append(ids), mask_l.append(mask), hid_l.append(hidden), last_l.append(last)
         anc_l.append(anchors), index_l.append(index)
-    return pack_sequences(ids_l, mask_l, hid_l, anc_l, block_size, mask_token_id,
+    return pack_sequences(ids_l, mask_l, hid_l, anc_l, block_size, options.mask_token_id,
                           last_l if use_last_hidden else None, scale, index_l, pad_multiple)
 
 
@@ -266,13 +283,8 @@ class BlockSource(torch.utils.data.Dataset):
     """Map-style view over a list of slots: item i = the packed micro-batch of slot i (DataLoader-friendly).
     A slot is (sample index or list of sample indices, is_padding)."""
 
-    def __init__(self, dataset, slots: list[tuple[object, bool]], *, block_size: int, mask_token_id: int,
-                 num_anchors: int, seed: int, epoch: int, max_length: int | None, use_last_hidden: bool,
-                 fixed_anchors: bool = False, anchor_density: float = 0.0):
-        self.dataset, self.slots = dataset, slots
-        self.options = dict(block_size=block_size, mask_token_id=mask_token_id, num_anchors=num_anchors, seed=seed,
-                            epoch=epoch, max_length=max_length, use_last_hidden=use_last_hidden,
-                            fixed_anchors=fixed_anchors, anchor_density=anchor_density)
+    def __init__(self, dataset, slots: list[tuple[object, bool]], options: CollateOptions):
+        self.dataset, self.slots, self.options = dataset, slots, options
 
     def __len__(self):
         return len(self.slots)
@@ -281,7 +293,7 @@ class BlockSource(torch.utils.data.Dataset):
         item, padding = self.slots[i]
         pack = [item] if isinstance(item, int) else list(item)
         samples = [{**self.dataset[index], "index": index} for index in pack]
-        return collate_blocks(samples, scale=0.0 if padding else 1.0, **self.options)
+        return collate_blocks(samples, self.options, scale=0.0 if padding else 1.0)
 
 
 def _identity(x):

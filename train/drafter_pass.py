@@ -27,7 +27,7 @@ Design choices:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -39,7 +39,7 @@ from dflashkit.errors import UserError
 from .block_mask import build_block_masks
 from .data import PackedBlocks
 from .dspark_loss import dspark_forward_inputs, dspark_metrics
-from .loss import BlockLossOutput, block_loss, loss_denominator
+from .loss import BlockLossOutput, LossSettings, block_loss, loss_denominator
 from .selector_loss import SelectorLossOutput, candidate_logits, inject_missing_labels, predecessor_ids, selector_loss
 from .selector_pair import pair_term
 
@@ -75,11 +75,11 @@ class BlockLossPass:
     the same loss with ``top_k`` and hands the selector its candidates (the module notes)."""
 
     def __init__(self, head, labels: torch.Tensor, valid: torch.Tensor, teacher: torch.Tensor | None,
-                 loss_options: dict, options=None, loss_grad: bool = True, term_grad: bool | None = None):
+                 loss: LossSettings, options=None, loss_grad: bool = True, term_grad: bool | None = None):
         self.head, self.labels, self.valid, self.teacher = head, labels, valid, teacher
         self.loss_grad = loss_grad  # False: the loss engine computes no gradient, even in grad mode (evaluation)
         self.term_grad = loss_grad if term_grad is None else term_grad  # the same of the kind's extra term
-        self.loss_options = loss_options  # block_loss's keywords: variant, gamma, ..., chunk_tokens, fused
+        self.loss = loss  # block_loss's settings: the objective, its chunking and kernels
         # the kind's term options: DFlash2's SelectorOptions (how its candidates and term are computed), DSpark's
         # DSparkLossOptions
         self.options = options if options is not None else SelectorOptions()
@@ -91,9 +91,8 @@ class BlockLossPass:
         # the dtypes it picks itself, as after the forward
         with torch.autocast(hidden.device.type, enabled=False):
             states = hidden if self.loss_grad else hidden.detach()
-            self.out = block_loss(states, self.head.lm_head.weight, self.labels, self.valid,
-                                  teacher_hidden=self.teacher, lm_head_bias=self.head.lm_head.bias, top_k=top_k,
-                                  **self.loss_options)
+            self.out = block_loss(states, self.head.lm_head.weight, self.labels, self.valid, self.loss,
+                                  teacher_hidden=self.teacher, lm_head_bias=self.head.lm_head.bias, top_k=top_k)
         return self.out
 
     def candidates(self, hidden: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -257,37 +256,59 @@ def target_argmax_labels(head, batch: PackedBlocks, chunk_tokens: int = 2048) ->
     return torch.where(batch.valid, choice[batch.teacher_index], torch.zeros_like(batch.labels))
 
 
-def forward_blocks(model, head, batch: PackedBlocks, *, block_size: int, layer_types: list[str],
-                   sliding_window: int | None, backend: str = "dense", variant: str = "ce", gamma: float = 7.0,
-                   dpace_alpha: float = 0.5, kl_weight: float = 0.5, chunk_tokens: int = 2048,
-                   fused_loss: bool = False, labels: str = "data", extra_term: bool = True,
-                   causal: bool = False, term_options=None, loss_grad: bool = True) -> BlockLossOutput:
-    """The un-normalised block loss (and metrics) of one packed micro-batch (fused_loss: train/loss.py);
-    ``labels="target_argmax"``: against the target's greedy tokens (``target_argmax_labels``), not the data's;
-    ``extra_term=False``: the kind's extra term (DFlash2: its selector's) is not computed (``out.extra`` is
-    None); ``causal``: a causal-in-block drafter's mask (train/block_mask.py); ``term_options``: the kind's options
-    of that term (drafter/kinds/; DFlash2's ``SelectorOptions``: its kernels, gradients, weights and missing
-    labels, all train/selector_loss.py), None for the kind's defaults; ``loss_grad=False``: the block loss
-    computes no gradient of the states, even in grad mode (train/evaluate.py's passes through the training's
-    graphs)."""
+@dataclass(frozen=True)
+class PassOptions:
+    """The drafter pass's arguments that hold for a whole run (train/pass_options.py makes the training's from
+    its config; held-out evaluation derives its own with ``held_out``): built once, not per micro-batch."""
+
+    block_size: int  # tokens per block: the anchor and B-1 draft positions
+    layer_types: list[str]  # per drafter layer, "full_attention" or "sliding_attention"
+    sliding_window: int | None  # the window of the sliding layers
+    backend: str = "dense"  # the block mask's form (``mask_backend``)
+    causal: bool = False  # a causal-in-block drafter's mask (train/block_mask.py)
+    loss: LossSettings = field(default_factory=LossSettings)  # the block loss's objective, chunking and kernels
+    labels: str = "data"  # "target_argmax": against the target's greedy tokens (``target_argmax_labels``)
+    extra_term: bool = True  # False: the kind's extra term (DFlash2: its selector's) is not computed
+    # the kind's options of that term (drafter/kinds/; DFlash2's SelectorOptions: its kernels, gradients, weights
+    # and missing labels, all train/selector_loss.py), None for the kind's defaults
+    term_options: Any = None
+    loss_grad: bool = True  # False: the block loss computes no gradient of the states, even in grad mode
+
+    def held_out(self, term_options, extra_term: bool | None = None) -> PassOptions:
+        """These options as held-out evaluation runs its passes (train/evaluate.py): the ``ce`` objective against
+        the data's labels with the run's decay, chunking and kernels, the kind's held-out ``term_options``, no
+        gradient of the states; ``extra_term`` None keeps the run's."""
+        loss = self.loss
+        return PassOptions(self.block_size, self.layer_types, self.sliding_window, self.backend, self.causal,
+                           LossSettings("ce", loss.gamma, chunk_tokens=loss.chunk_tokens, fused=loss.fused),
+                           "data", self.extra_term if extra_term is None else extra_term, term_options,
+                           loss_grad=False)
+
+
+def forward_blocks(model, head, batch: PackedBlocks, options: PassOptions) -> BlockLossOutput:
+    """The un-normalised block loss (and metrics) of one packed micro-batch with the run's ``options`` (the
+    fields of ``PassOptions`` say what each changes); with ``extra_term`` off ``out.extra`` is None."""
     kind = drafter_kind(model)
-    options = term_options if term_options is not None else kind.default_options()
-    targets = target_argmax_labels(head, batch, chunk_tokens) if labels == "target_argmax" else batch.labels
-    teacher = batch.last_hidden[batch.teacher_index] if variant == "kl" else None  # after the target's final norm
-    term = EXTRA_LOSS_TERMS[kind.loss_term] if extra_term and kind.loss_term else None  # DFlash2: the selector's
+    term_options = options.term_options if options.term_options is not None else kind.default_options()
+    loss = options.loss
+    targets = (target_argmax_labels(head, batch, loss.chunk_tokens) if options.labels == "target_argmax"
+               else batch.labels)
+    teacher = batch.last_hidden[batch.teacher_index] if loss.variant == "kl" else None  # after the final norm
+    term = EXTRA_LOSS_TERMS[kind.loss_term] if options.extra_term and kind.loss_term else None  # DFlash2: selector
+    loss_grad = options.loss_grad
     block_grad = loss_grad and not (term is not None and term.replaces_block_loss)  # DSpark: its term alone
-    loss_pass = BlockLossPass(head, targets, batch.valid, teacher, dict(
-        variant=variant, gamma=gamma, dpace_alpha=dpace_alpha, kl_weight=kl_weight, chunk_tokens=chunk_tokens,
-        fused=fused_loss), options, block_grad, term_grad=loss_grad)
+    loss_pass = BlockLossPass(head, targets, batch.valid, teacher, loss, term_options, block_grad,
+                              term_grad=loss_grad)
     extra_inputs = None if term is None else term.forward_inputs(batch, targets, loss_pass)
-    hidden = draft_hidden(model, head, batch, block_size=block_size, layer_types=layer_types,
-                          sliding_window=sliding_window, backend=backend, extra_inputs=extra_inputs, causal=causal)
+    hidden = draft_hidden(model, head, batch, block_size=options.block_size, layer_types=options.layer_types,
+                          sliding_window=options.sliding_window, backend=options.backend, extra_inputs=extra_inputs,
+                          causal=options.causal)
     if term is None:
         return loss_pass(hidden)
     hidden, extra = hidden
     if loss_pass.out is None:  # a kind whose forward does not run the block loss pass itself (DSpark)
         loss_pass(hidden)
-    loss_pass.out.extra = term.loss(extra, loss_pass, variant, gamma)
+    loss_pass.out.extra = term.loss(extra, loss_pass, loss.variant, loss.gamma)
     return loss_pass.out
 
 

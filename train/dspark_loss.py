@@ -201,6 +201,6 @@ def dspark_forward_inputs(batch, labels: torch.Tensor, loss_pass) -> dict:
     prev = teacher_forced_predecessors(batch.block_ids.reshape(n, -1)[:, 0], labels)
     teacher = batch.last_hidden[batch.teacher_index] if options.needs_target else None
     term = dict(head=loss_pass.head, labels=labels, valid=loss_pass.valid, prev=prev, teacher=teacher,
-                options=options, chunk_tokens=loss_pass.loss_options.get("chunk_tokens", 2048),
+                options=options, chunk_tokens=loss_pass.loss.chunk_tokens,
                 grad=loss_pass.loss_grad or loss_pass.term_grad)
     return {"dspark_targets": {"term": partial(dspark_term, **term)}}

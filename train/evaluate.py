@@ -44,13 +44,14 @@ from __future__ import annotations
 
 import math
 from contextlib import nullcontext
+from dataclasses import replace
 
 import torch
 
 from dflashkit.drafter.kinds import drafter_kind
 
-from .data import collate_blocks, pack_order
-from .drafter_pass import extra_term_of, forward_blocks, layers_compiled
+from .data import CollateOptions, collate_blocks, pack_order
+from .drafter_pass import PassOptions, extra_term_of, forward_blocks, layers_compiled
 from .loss import loss_denominator
 from .metrics import MetricSums
 
@@ -110,21 +111,25 @@ def training_graphs(model, accelerator) -> bool:
 
 
 @torch.no_grad()
-def evaluate(model, head, dataset, indices: list[int], *, block_size: int, layer_types: list[str],
-             sliding_window: int | None, mask_token_id: int, num_anchors: int, seed: int, gamma: float = 7.0,
-             max_length: int | None = None, backend: str = "dense", chunk_tokens: int = 2048,
-             fused_loss: bool = False, extra_term: bool = True, accelerator=None, device=None,
-             causal: bool = False, term_options=None, batch_tokens: int = 0) -> dict:
+def evaluate(model, head, dataset, indices: list[int], passes: PassOptions, anchors: CollateOptions, *,
+             batch_tokens: int = 0, accelerator=None, device=None) -> dict:
     """Held-out loss (ce objective), per-position accuracy and tau_sim at fixed anchors, and the chain walk's
     tau_walk and per-position acceptance by the drafter's proposal rule (DFlash2: its selector's path, and the
-    argmax walk beside it, whatever ``extra_term`` says); ``extra_term``: the kind's extra term's metrics too
-    (DFlash2's selector metrics, train/drafter_pass.py) with the run's ``term_options`` (train/setup.py) as the
-    kind evaluates them (``evaluation()``: DFlash2's pairwise term by the kernels with ``kernel``, and the three
-    options that act only under a gradient, unary and hidden gradients and injected labels, left out of every
-    pass; no gradient is taken, so the numbers are the same), and the ``ce`` objective's position weights are the
-    decay.
+    argmax walk beside it, whatever ``passes.extra_term`` says).
+
+    ``passes``: the run's drafter pass options (train/pass_options.py), run as ``PassOptions.held_out``: the
+    ``ce`` objective with the run's decay, chunking and kernels, the data's labels; ``extra_term``: the kind's
+    extra term's metrics too (DFlash2's selector metrics, train/drafter_pass.py) with the run's ``term_options``
+    as the kind evaluates them (``evaluation()``: DFlash2's pairwise term by the kernels with ``kernel``, and the
+    three options that act only under a gradient, unary and hidden gradients and injected labels, left out of
+    every pass; no gradient is taken, so the numbers are the same), and the ``ce`` objective's position weights
+    are the decay. ``anchors``: the samples' block, anchors per sample, seed and truncation (the held-out anchors
+    are fixed whatever its ``fixed_anchors`` says).
     ``batch_tokens`` > 0 packs the samples up to that many tokens per pass (``eval_pack_tokens``; it needs the
     dataset's ``lengths``); 0 evaluates one sample per pass."""
+    block_size, max_length, gamma = passes.block_size, anchors.max_length, passes.loss.gamma
+    if anchors.block_size != block_size:
+        raise ValueError(f"evaluate: the anchors' block_size {anchors.block_size} is not the pass's {block_size}")
     world = accelerator.num_processes if accelerator is not None else 1
     rank = accelerator.process_index if accelerator is not None else 0
     device = device or (accelerator.device if accelerator is not None else torch.device("cpu"))
@@ -135,16 +140,17 @@ def evaluate(model, head, dataset, indices: list[int], *, block_size: int, layer
     # every rank runs the same number of passes (ZeRO-3 and FSDP gather inside them); a padding pass counts zero
     slots = [(packs[i * world + rank], False) if i * world + rank < len(packs) else (packs[0], True)
              for i in range(per_rank)]
-    options = dict(block_size=block_size, mask_token_id=mask_token_id, seed=seed, max_length=max_length)
-    passes = dict(block_size=block_size, layer_types=layer_types, sliding_window=sliding_window, backend=backend,
-                  variant="ce", gamma=gamma, chunk_tokens=chunk_tokens, fused_loss=fused_loss, causal=causal)
+    # the fixed anchors' blocks, and every anchor candidate's for the chain walk
+    fixed = replace(anchors, epoch=0, use_last_hidden=False, fixed_anchors=True, anchor_density=0.0)
+    every_anchor = replace(fixed, num_anchors=1 << 40, fixed_anchors=False)
     kind = drafter_kind(model)
-    held_out = term_options if term_options is not None else kind.default_options()
+    held_out = passes.term_options if passes.term_options is not None else kind.default_options()
     held_out = None if held_out is None else held_out.evaluation()  # the kind's options for held-out passes
+    scored, walked_pass = passes.held_out(held_out), passes.held_out(held_out, extra_term=True)
     graphs = training_graphs(model, accelerator)  # the module notes
     was_training = model.training
     model.train(graphs)
-    sums = MetricSums(block_size - 1, device, extra_term_of(model) if extra_term else None)
+    sums = MetricSums(block_size - 1, device, extra_term_of(model) if passes.extra_term else None)
     # per proposal rule, rounds, tokens, accepted[k]: host integers, one transfer at the end. "": the drafter's
     # own rule (DFlash2: the selector's path); "_argmax": the argmax beside it, for a kind that proposes otherwise
     rules = ("",) if kind.proposes_argmax else ("", "_argmax")
@@ -153,19 +159,17 @@ def evaluate(model, head, dataset, indices: list[int], *, block_size: int, layer
         read = read_samples(dataset, pack)
         samples = [{**read[i], "index": i} for i in pack]
         scale = 0.0 if padding else 1.0
-        batch = collate_blocks(samples, num_anchors=num_anchors, fixed_anchors=True, scale=scale, **options)
+        batch = collate_blocks(samples, fixed, scale=scale)
         batch = batch.to(device)
         with torch.enable_grad() if graphs else nullcontext():
-            out = forward_blocks(model, head, batch, extra_term=extra_term, term_options=held_out, loss_grad=False,
-                                 **passes)
+            out = forward_blocks(model, head, batch, scored)
         sums.add(out, loss_denominator(batch.valid, "ce", gamma), batch.scale, batch.num_tokens)
         del out  # and its autograd graph, before the next pass
         # the chain walk: every anchor candidate of the same samples, runs only
-        every = collate_blocks(samples, num_anchors=1 << 40, scale=scale, check_finite=False, **options)
+        every = collate_blocks(samples, every_anchor, scale=scale, check_finite=False)
         every = every.to(device)
         with torch.enable_grad() if graphs else nullcontext():  # a DFlash2 drafter's selector whatever its weight
-            walked = forward_blocks(model, head, every, extra_term=True, term_options=held_out, loss_grad=False,
-                                    **passes)
+            walked = forward_blocks(model, head, every, walked_pass)
         if padding:
             continue
         extra = walked.extra

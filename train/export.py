@@ -23,11 +23,14 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from dflashkit.errors import UserError
+from dflashkit.options import build_parser as options_parser
+from dflashkit.options import option, parse_options
 
 from .checkpoint import check_trainer_state, checkpoints_root, nonfinite_tensor
 from .pinned_checkpoint import PinnedCheckpoint, is_step_dir, pin_checkpoint
@@ -86,26 +89,35 @@ def export_checkpoint(path: str | os.PathLike, out_dir: str | os.PathLike, dtype
     return out, pinned.step, pinned.path
 
 
+@dataclass
+class ExportOptions:
+    """The command line of `dflashkit export` (dflashkit/options.py)."""
+
+    checkpoint: str = option(help="a checkpoint dir (…/checkpoints/step-N) or a run output dir (newest)",
+                             flag="checkpoint")
+    out_dir: str = option(help="where to write the drafter directory", flag="out_dir")
+    dtype: str = option("bfloat16", help="weight dtype of the export (default bfloat16; config.json's dtype "
+                                         "follows it)", choices=sorted(DTYPES))
+    engine: str = option("all", help="all: an export every engine loads (warns what vLLM 0.24 serves "
+                                     "differently); vllm: refuse a drafter vLLM 0.24 would serve unlike its "
+                                     "training (drafter/serving_rules.py)", flag="--for", choices=["all", "vllm"])
+    overwrite: bool = option(False, help="accepted for older scripts: a drafter export at out_dir is replaced "
+                                         "anyway, anything else never is")
+
+
+def export(options: ExportOptions) -> tuple[Path, int, Path]:
+    """`dflashkit export`: ``export_checkpoint`` with the command's options; returns (the export, the step read,
+    the step directory read)."""
+    return export_checkpoint(options.checkpoint, options.out_dir, DTYPES[options.dtype], options.engine,
+                             overwrite=options.overwrite)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="dflashkit export", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("checkpoint", help="a checkpoint dir (…/checkpoints/step-N) or a run output dir (newest)")
-    ap.add_argument("out_dir", help="where to write the drafter directory")
-    ap.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16",
-                    help="weight dtype of the export (default bfloat16; config.json's dtype follows it)")
-    ap.add_argument("--for", dest="engine", choices=["all", "vllm"], default="all",
-                    help="all: an export every engine loads (warns what vLLM 0.24 serves differently); vllm: "
-                         "refuse a drafter vLLM 0.24 would serve unlike its training (drafter/serving_rules.py)")
-    ap.add_argument("--overwrite", action="store_true",
-                    help="accepted for older scripts: a drafter export at out_dir is replaced anyway, anything else "
-                         "never is")
-    return ap
+    return options_parser(ExportOptions, prog="dflashkit export", description=__doc__)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    out, step, source = export_checkpoint(args.checkpoint, args.out_dir, DTYPES[args.dtype], args.engine,
-                                          overwrite=args.overwrite)  # errors: cli.run_main
+    out, step, source = export(parse_options(ExportOptions, argv, build_parser()))  # errors: cli.run_main
     print(f"exported step {step} ({source}) -> {out}")
     from dflashkit.drafter import kind_for, read_drafter_config
     from dflashkit.drafter.serving_rules import vllm_serve_command

@@ -17,11 +17,14 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from dflashkit.errors import UserError
+from dflashkit.options import build_parser as options_parser
+from dflashkit.options import option, options_from
 
 from .config import TrainConfig, load_config
 
@@ -67,25 +70,50 @@ def init_drafter(cfg: TrainConfig, out_dir: str | Path, dtype: torch.dtype = tor
     return save_drafter(model, out_dir, dtype=dtype, overwrite=overwrite), dcfg
 
 
+@dataclass
+class InitDrafterOptions:
+    """The command line of `dflashkit init-drafter` (dflashkit/options.py): where the drafter goes, and the
+    training config it is built from (a recipe, its drafter flags, ``key=value`` overrides)."""
+
+    target: str = option(help="HF model dir, .gguf file or testbed:smollm2", required=True)
+    out: str = option(help="export directory to write", required=True)
+    recipe: str | None = option(None, help="a training recipe (recipes/NAME.yaml): its drafter fields are used")
+    num_layers: int | None = option(None, help="drafter decoder layers (= num_hidden_layers; default 5)", parse=int)
+    block_size: int | None = option(None, help="tokens per block (= block_size; default 16)", parse=int)
+    target_layer_ids: list[int] | None = option(None, help="decoder layers to tap (default: evenly spaced)",
+                                                parse=int, nargs="+")
+    mask_token_id: int | None = option(None, help="MASK id (default: tokenizer's mask token or a spare row)",
+                                       parse=int)
+    layer_types: str | None = option(None, help="full, sliding, or a comma list per layer (default full)")
+    sliding_window: int | None = option(None, help="window of sliding layers", parse=int)
+    seed: int | None = option(None, help="init seed (= seed; default 0)", parse=int)
+    dtype: str = option("bfloat16", help=None, choices=["bfloat16", "float32", "float16"])
+    overwrite: bool = option(False, help="accepted for older scripts: a drafter export at --out is replaced "
+                                         "anyway, anything else never is")
+    overrides: list[str] = option(help="any TrainConfig field (train/config.py)", flag="overrides", nargs="*",
+                                  metavar="key=value", default_factory=list)
+
+    def train_config(self) -> TrainConfig:
+        """The TrainConfig the drafter is built from: the recipe, the overrides, then the flags given (each flag
+        names its TrainConfig field)."""
+        flags = {"target": self.target, "num_hidden_layers": self.num_layers, "block_size": self.block_size,
+                 "target_layer_ids": self.target_layer_ids, "mask_token_id": self.mask_token_id,
+                 "sliding_window": self.sliding_window, "seed": self.seed}
+        cfg = load_config(self.recipe, self.overrides, **{k: v for k, v in flags.items() if v is not None})
+        if self.layer_types:
+            cfg.layer_types = parse_layer_types(self.layer_types, cfg.num_hidden_layers)
+        return cfg
+
+
+def new_drafter(options: InitDrafterOptions):
+    """`dflashkit init-drafter`: a new drafter built from ``options``' config, exported to ``options.out`` in
+    ``options.dtype`` (``init_drafter``); returns (export path, DrafterConfig)."""
+    return init_drafter(options.train_config(), options.out, dtype=getattr(torch, options.dtype),
+                        overwrite=options.overwrite)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="dflashkit init-drafter", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", required=True, help="HF model dir, .gguf file or testbed:smollm2")
-    ap.add_argument("--out", required=True, help="export directory to write")
-    ap.add_argument("--recipe", help="a training recipe (recipes/NAME.yaml): its drafter fields are used")
-    ap.add_argument("--num-layers", type=int, help="drafter decoder layers (= num_hidden_layers; default 5)")
-    ap.add_argument("--block-size", type=int, help="tokens per block (= block_size; default 16)")
-    ap.add_argument("--target-layer-ids", type=int, nargs="+", help="decoder layers to tap (default: evenly spaced)")
-    ap.add_argument("--mask-token-id", type=int, help="MASK id (default: tokenizer's mask token or a spare row)")
-    ap.add_argument("--layer-types", help="full, sliding, or a comma list per layer (default full)")
-    ap.add_argument("--sliding-window", type=int, help="window of sliding layers")
-    ap.add_argument("--seed", type=int, help="init seed (= seed; default 0)")
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
-    ap.add_argument("--overwrite", action="store_true",
-                    help="accepted for older scripts: a drafter export at --out is replaced anyway, anything "
-                         "else never is")
-    ap.add_argument("overrides", nargs="*", metavar="key=value", help="any TrainConfig field (train/config.py)")
-    return ap
+    return options_parser(InitDrafterOptions, prog="dflashkit init-drafter", description=__doc__)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -94,14 +122,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    flags = {"target": args.target, "num_hidden_layers": args.num_layers, "block_size": args.block_size,
-             "target_layer_ids": args.target_layer_ids, "mask_token_id": args.mask_token_id,
-             "sliding_window": args.sliding_window, "seed": args.seed}
-    cfg = load_config(args.recipe, args.overrides, **{k: v for k, v in flags.items() if v is not None})
-    if args.layer_types:
-        cfg.layer_types = parse_layer_types(args.layer_types, cfg.num_hidden_layers)
-    out, dcfg = init_drafter(cfg, args.out, dtype=getattr(torch, args.dtype), overwrite=args.overwrite)
+    out, dcfg = new_drafter(options_from(InitDrafterOptions, parse_args(argv)))
     summary = {k: v for k, v in dcfg.to_json_dict().items()
                if k in ("hidden_size", "num_hidden_layers", "block_size", "target_layer_ids", "mask_token_id",
                         "layer_types", "sliding_window", "vocab_size")}

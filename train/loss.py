@@ -71,6 +71,7 @@ Design choices:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Callable
 
 import torch
@@ -153,6 +154,37 @@ def objective(variant: str, dpace_alpha: float = 0.5, kl_weight: float = 0.5) ->
     if variant == "dpace":
         return Objective(lambda ce, valid, decay: dpace_weights(ce, valid, dpace_alpha))
     return Objective(ce_weights, soft=float(kl_weight) if variant == "kl" else 0.0)
+
+
+@dataclass(frozen=True)
+class LossSettings:
+    """The block loss's settings of a run (built once, not per micro-batch): the objective, its parameters and how
+    the engine walks the logits. Out-of-range values are refused when the settings are made."""
+
+    variant: str = "ce"  # the objective: one of VARIANTS (the module notes)
+    gamma: float = 7.0  # the position decay exp(-(k-1)/gamma) of ce and kl; D-PACE's normaliser ignores it
+    dpace_alpha: float = 0.5  # D-PACE's smoothing of the drafter's confidence, in (0, 1]
+    kl_weight: float = 0.5  # kl: the share of KL(p_target || q) in each position's term, in [0, 1]
+    chunk_tokens: int = 2048  # rows of logits alive at once (rounded to whole blocks)
+    fused: bool = False  # compiled logit kernels for ce and dpace (the module notes; kl always runs eager)
+
+    def __post_init__(self):
+        if self.variant not in VARIANTS:
+            raise ValueError(f"loss variant must be one of {VARIANTS}, got {self.variant!r}")
+        if not 0.0 <= self.kl_weight <= 1.0:
+            raise UserError(f"kl_weight must be in [0, 1], got {self.kl_weight}")
+        if self.variant == "dpace" and not 0.0 < self.dpace_alpha <= 1.0:
+            raise UserError(f"dpace_alpha must be in (0, 1], got {self.dpace_alpha}")
+
+    @cached_property
+    def objective(self) -> Objective:
+        """The objective these settings name (made once: the settings are frozen)."""
+        return objective(self.variant, float(self.dpace_alpha), float(self.kl_weight))
+
+    @property
+    def fused_kernels(self) -> bool:
+        """Whether the engine runs the compiled kernels: asked for, and the objective has hard labels."""
+        return bool(self.fused) and not self.objective.soft
 
 
 # --------------------------------------------------------------------------- the engine and its two backends
@@ -281,18 +313,20 @@ def logit_statistics(grouped: bool, fused: bool) -> Callable:
     return _compiled(fn) if fused else fn
 
 
-def chunked_logit_statistics(hidden, weight, bias, labels, valid, teacher, obj: Objective, gamma: float,
-                             chunk: int, fused: bool, need_grad: bool, top_k: int = 0):
-    """The engine: walk ``chunk`` blocks at a time through the lm_head and compute, from each chunk's logits,
-    what every objective needs (logsumexp, the label's logit, the argmax; the teacher's distribution when
-    ``obj.soft``), then the weighted loss, the metrics and d(loss)/d(hidden).
+def chunked_logit_statistics(hidden, weight, bias, labels, valid, teacher, settings: LossSettings,
+                             need_grad: bool, top_k: int = 0):
+    """The engine: walk whole blocks, ``settings.chunk_tokens`` rows at a time, through the lm_head and compute,
+    from each chunk's logits, what every objective needs (logsumexp, the label's logit, the argmax; the teacher's
+    distribution when the objective is soft), then the weighted loss, the metrics and d(loss)/d(hidden).
 
     Returns (loss_sum, ce_sum, correct, counted, tau_sum, runs, top_logits, top_ids, position_weights, grad or
-    None). ``fused``: the logit statistics and the logit gradient run as compiled kernels (the same functions,
-    compiled); ``top_k`` > 0: each row's top_k logits (float32) and token ids from the same logits, and the
-    objective's weight of each position [N, P] (empty tensors for 0).
+    None). With ``settings.fused_kernels`` the logit statistics and the logit gradient run as compiled kernels
+    (the same functions, compiled); ``top_k`` > 0: each row's top_k logits (float32) and token ids from the same
+    logits, and the objective's weight of each position [N, P] (empty tensors for 0).
     """
     n_blocks, p, h = hidden.shape
+    obj, gamma, fused = settings.objective, float(settings.gamma), settings.fused_kernels
+    chunk = max(1, int(settings.chunk_tokens) // max(1, p))
     acc = torch.promote_types(hidden.dtype, torch.float32)  # fp32 logits (fp64 when the inputs are)
     dev = hidden.device
     grouped = bool(top_k) and groups_pay(weight.shape[0], top_k)  # the stats also give grouped_topk's maxima
@@ -362,10 +396,10 @@ class _ChunkedBlockLoss(torch.autograd.Function):
     frozen: no weight gradient), the backward scales it."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, valid, teacher, obj, gamma, chunk, fused, top_k):
+    def forward(ctx, hidden, weight, bias, labels, valid, teacher, settings, top_k):
         need_grad = ctx.needs_input_grad[0]
-        *sums, grad = chunked_logit_statistics(hidden, weight, bias, labels, valid, teacher, obj, gamma, chunk,
-                                               fused, need_grad, top_k)
+        *sums, grad = chunked_logit_statistics(hidden, weight, bias, labels, valid, teacher, settings, need_grad,
+                                               top_k)
         ctx.save_for_backward(grad if need_grad else torch.zeros(0))
         ctx.hidden_dtype = hidden.dtype
         ctx.mark_non_differentiable(*sums[1:])
@@ -375,39 +409,26 @@ class _ChunkedBlockLoss(torch.autograd.Function):
     def backward(ctx, grad_loss, *unused):
         (grad,) = ctx.saved_tensors
         g = (grad * grad_loss).to(ctx.hidden_dtype) if ctx.needs_input_grad[0] else None
-        return g, None, None, None, None, None, None, None, None, None, None
+        return g, None, None, None, None, None, None, None
 
 
-def block_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, *,
-               variant: str = "ce", gamma: float = 7.0, dpace_alpha: float = 0.5, kl_weight: float = 0.5,
-               teacher_hidden: torch.Tensor | None = None, lm_head_bias: torch.Tensor | None = None,
-               chunk_tokens: int = 2048, fused: bool = False, top_k: int = 0) -> BlockLossOutput:
+def block_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor,
+               settings: LossSettings = LossSettings(), *, teacher_hidden: torch.Tensor | None = None,
+               lm_head_bias: torch.Tensor | None = None, top_k: int = 0) -> BlockLossOutput:
     """Chunked block loss.
 
     hidden: [N, B-1, H] drafter outputs at draft positions 1..B-1; labels (long) / valid (bool): [N, B-1];
+    settings: the objective and the engine's chunking and kernels (``LossSettings``);
     teacher_hidden: [N, B-1, H] target final-norm outputs at positions a+k-1 (``kl`` only);
-    chunk_tokens: rows of logits alive at once (rounded to whole blocks);
-    fused: compiled logit kernels for ce and dpace (see the module notes; kl always runs eager);
     top_k: also each position's top_k logits and ids (``top_logits``, ``top_ids``; DFlash2's selector candidates)
     and the objective's weight of each position (``position_weights``, detached).
     """
-    if variant not in VARIANTS:
-        raise ValueError(f"loss variant must be one of {VARIANTS}, got {variant!r}")
-    if variant == "kl" and teacher_hidden is None:
+    if settings.variant == "kl" and teacher_hidden is None:
         raise UserError("loss variant 'kl' needs last_hidden in the shards (extract with --store-last-hidden)")
-    if not 0.0 <= kl_weight <= 1.0:
-        raise UserError(f"kl_weight must be in [0, 1], got {kl_weight}")
-    if variant == "dpace" and not 0.0 < dpace_alpha <= 1.0:
-        raise UserError(f"dpace_alpha must be in (0, 1], got {dpace_alpha}")
-    obj = objective(variant, float(dpace_alpha), float(kl_weight))
-    p = hidden.shape[1]
-    chunk = max(1, int(chunk_tokens) // max(1, p))
-    teacher = teacher_hidden if variant == "kl" else None
+    teacher = teacher_hidden if settings.variant == "kl" else None
     out = _ChunkedBlockLoss.apply(hidden, lm_head_weight.detach(),
                                   None if lm_head_bias is None else lm_head_bias.detach(),
-                                  labels, valid.bool(), teacher, obj, float(gamma), chunk,
-                                  bool(fused) and not obj.soft, int(top_k))
+                                  labels, valid.bool(), teacher, settings, int(top_k))
     *sums, top_logits, top_ids, position_weights = out
     return BlockLossOutput(*sums, blocks=valid.any(-1).sum(), top_logits=top_logits if top_k else None,
                            top_ids=top_ids if top_k else None, position_weights=position_weights if top_k else None)
-

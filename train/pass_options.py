@@ -8,19 +8,20 @@ import torch
 from dflashkit.drafter.kinds import kind_for
 
 from .config import TrainConfig
-from .drafter_pass import EXTRA_LOSS_TERMS, mask_backend
+from .drafter_pass import EXTRA_LOSS_TERMS, PassOptions, mask_backend
+from .loss import LossSettings
 
 
-def drafter_pass_options(cfg: TrainConfig, dcfg, device: torch.device) -> dict:
+def drafter_pass_options(cfg: TrainConfig, dcfg, device: torch.device) -> PassOptions:
     """The drafter pass's fixed arguments of a run (train/drafter_pass.forward_blocks): the drafter's block layout,
-    the mask backend for ``device``, the loss chunking, whether the kind's extra term (DFlash2's selector term)
-    is computed and its options from the run's settings (drafter/kinds/), and the compiled logit kernels (with
-    compiled layers, on CUDA)."""
-    return dict(block_size=dcfg.block_size, layer_types=dcfg.layer_types, sliding_window=dcfg.sliding_window,
-                causal=dcfg.causal, backend=mask_backend(cfg.attention, device), chunk_tokens=cfg.loss_chunk_tokens,
-                extra_term=extra_term_weight(cfg, dcfg.architecture) > 0,
-                fused_loss=cfg.compile and device.type == "cuda",
-                term_options=kind_for(dcfg.architecture).options_from(cfg))
+    the mask backend for ``device``, the loss (its objective, chunking, and the compiled logit kernels with
+    compiled layers on CUDA), the labels, whether the kind's extra term (DFlash2's selector term) is computed and
+    its options from the run's settings (drafter/kinds/)."""
+    loss = LossSettings(cfg.loss, cfg.gamma, cfg.dpace_alpha, cfg.kl_weight, cfg.loss_chunk_tokens,
+                        fused=cfg.compile and device.type == "cuda")
+    return PassOptions(dcfg.block_size, dcfg.layer_types, dcfg.sliding_window, mask_backend(cfg.attention, device),
+                       dcfg.causal, loss, cfg.labels, extra_term=extra_term_weight(cfg, dcfg.architecture) > 0,
+                       term_options=kind_for(dcfg.architecture).options_from(cfg))
 
 
 def extra_term_weight(cfg: TrainConfig, architecture: str) -> float:

@@ -43,7 +43,7 @@ from .checkpoint import load_checkpoint
 from .config import TrainConfig
 from .data import epoch_order, pack_order, split_indices, steps_per_epoch
 from .data_fingerprint import data_fingerprint
-from .drafter_pass import compile_layers
+from .drafter_pass import PassOptions, compile_layers
 from .pass_options import drafter_pass_options, term_reads_last_hidden
 from .run_dir import ResumePoint, Start
 
@@ -182,7 +182,7 @@ class TrainRun:
     planned: int  # optimizer steps of all epochs
     total_steps: int  # the steps this run trains (planned, or max_steps when shorter)
     warmup: int  # warmup steps of the schedule
-    pass_options: dict  # the drafter pass's fixed arguments (train/drafter_pass.forward_blocks)
+    pass_options: PassOptions  # the drafter pass's fixed arguments (train/drafter_pass.forward_blocks)
     use_last_hidden: bool  # the samples carry the target's final hidden states (kl loss, target_argmax labels)
     online: bool  # features come from the target in the loop
     data: dict = field(default_factory=dict)  # the data's fingerprint, kept in checkpoints (train/data_fingerprint.py)
@@ -441,7 +441,7 @@ def prepare_drafter(cfg: TrainConfig, accelerator, model, dcfg, backend_name: st
         check_compile_cache()
         compile_layers(accelerator.unwrap_model(model))
     pass_options = drafter_pass_options(cfg, dcfg, accelerator.device)
-    accelerator.print(f"attention mask: {pass_options['backend']}{' (compiled drafter layers)' if cfg.compile else ''}")
+    accelerator.print(f"attention mask: {pass_options.backend}{' (compiled drafter layers)' if cfg.compile else ''}")
     return model, optimizer, pass_options
 
 

@@ -31,7 +31,7 @@ import torch
 
 from .config import TrainConfig
 from .data import PackedBlocks
-from .drafter_pass import extra_term_of, forward_blocks
+from .drafter_pass import PassOptions, extra_term_of, forward_blocks
 from .loss import loss_denominator
 from .metrics import MetricSums
 
@@ -52,6 +52,15 @@ class StepResult:
     diverged: str | None = None  # what of the previous step was NaN/Inf on some rank (every rank agrees); None: fine
 
 
+@dataclass(frozen=True)
+class StepVotes:
+    """What this rank brings to the step's one collective beside its loss denominators: its vote to stop, and the
+    previous step's non-finite flags (its ``StepResult.nonfinite``; None for the run's first step)."""
+
+    stop_requested: bool = False
+    nonfinite: torch.Tensor | None = None
+
+
 def nonfinite_names(flags: list[float]) -> str | None:
     """'the loss and the gradient norm' for flags [1, 1, 0] summed over ranks; None when all are 0."""
     names = [what for what, flag in zip(NONFINITE_WHAT, flags) if flag > 0]
@@ -65,18 +74,18 @@ def set_lr(optimizer, peak_lr: float, factor: float) -> None:
 
 
 def train_step(model, optimizer, accelerator, head, micro: list[PackedBlocks], *, cfg: TrainConfig, lr_factor: float,
-               stop_requested: bool, sums: MetricSums, pass_options: dict,
-               nonfinite: torch.Tensor | None = None) -> StepResult:
+               sums: MetricSums, pass_options: PassOptions, votes: StepVotes = StepVotes()) -> StepResult:
     """Take one optimizer step on this rank's ``micro`` (G micro-batches) unless some rank asked to stop or the
-    previous step diverged (``nonfinite``: its ``StepResult.nonfinite``, None for the run's first step).
+    previous step diverged (``votes``: this rank's stop request and the previous step's flags).
 
-    ``pass_options``: the drafter pass's fixed arguments (block layout, mask backend, loss chunking;
+    ``pass_options``: the drafter pass's fixed arguments of the run (block layout, mask backend, the loss;
     train/drafter_pass.forward_blocks). The step's metrics are added to ``sums``.
     """
     world, G = accelerator.num_processes, cfg.grad_accum
     device = accelerator.device
     set_lr(optimizer, cfg.lr, lr_factor)
-    denoms = [loss_denominator(m.valid, cfg.loss, cfg.gamma) * m.scale for m in micro]
+    loss_settings = pass_options.loss  # the run's objective (train/pass_options.py: cfg's loss and gamma)
+    denoms = [loss_denominator(m.valid, loss_settings.variant, loss_settings.gamma) * m.scale for m in micro]
     # the kind's extra term has its own normaliser (DFlash2's selector: the decay-weighted count of valid labels,
     # or with selector_weights "loss" the block loss's; DSpark's: the decay-weighted count) and weight
     term = extra_term_of(model)
@@ -84,11 +93,11 @@ def train_step(model, optimizer, accelerator, head, micro: list[PackedBlocks], *
                    * m.scale for m in micro]
     # one collective: the global loss denominators, the ranks' votes to stop and the previous step's non-finite
     # flags (all stop at the same step)
-    previous = nonfinite if nonfinite is not None else torch.zeros(2, device=device)
-    votes = torch.cat([torch.stack([torch.stack(denoms).sum().float().to(device),
-                                    torch.tensor(float(stop_requested), device=device),
-                                    torch.stack(term_denoms).sum().float().to(device)]), previous.float()])
-    summed = accelerator.reduce(votes, reduction="sum")
+    previous = votes.nonfinite if votes.nonfinite is not None else torch.zeros(2, device=device)
+    gathered = torch.cat([torch.stack([torch.stack(denoms).sum().float().to(device),
+                                       torch.tensor(float(votes.stop_requested), device=device),
+                                       torch.stack(term_denoms).sum().float().to(device)]), previous.float()])
+    summed = accelerator.reduce(gathered, reduction="sum")
     global_denom, global_term_denom = summed[0], summed[2]
     stop_votes, *flags = summed[[1, 3, 4]].tolist()  # the step's one host sync
     diverged = nonfinite_names(flags)
@@ -98,8 +107,7 @@ def train_step(model, optimizer, accelerator, head, micro: list[PackedBlocks], *
     bad = torch.zeros(2, device=device)  # this step's loss, gradient norm not finite: read by the next collective
     for m, d in zip(micro, denoms):
         with accelerator.accumulate(model):
-            out = forward_blocks(model, head, m, variant=cfg.loss, gamma=cfg.gamma, dpace_alpha=cfg.dpace_alpha,
-                                 kl_weight=cfg.kl_weight, labels=cfg.labels, **pass_options)
+            out = forward_blocks(model, head, m, pass_options)
             loss = out.loss_sum * (m.scale * world * G / global_denom.clamp_min(1e-12))
             if out.extra is not None:  # + the term's weight times the term (DFlash2), or the term alone (DSpark)
                 part = out.extra.loss_sum * (term.weight(cfg) * m.scale * world * G

@@ -42,14 +42,14 @@ from dflashkit.stopping import StopRequest
 
 from .checkpoint import save_checkpoint
 from .config import TrainConfig
-from .data import BlockSource, block_loader, rank_slots
+from .data import BlockSource, CollateOptions, block_loader, rank_slots
 from .drafter_pass import extra_term_of
 from .evaluate import eval_pack_tokens, evaluate
 from .metrics import MetricSums, json_safe
 from .run_dir import Start, check_output_paths, start_of_run
 from .setup import TrainRun, setup
 from .tracking import Tracker
-from .train_step import TrainingDiverged, check_finite, train_step
+from .train_step import StepVotes, TrainingDiverged, check_finite, train_step
 
 
 def train(cfg: TrainConfig, vllm_api=None, started: float | None = None) -> dict:
@@ -141,8 +141,8 @@ def train_loop(run: TrainRun, tracker: Tracker, bar, stop: StopRequest) -> None:
             micro = [next(batches).to(accelerator.device, non_blocking=True) for _ in range(G)]
             factor = run.lr_factor()
             result = train_step(run.model, run.optimizer, accelerator, run.head, micro, cfg=cfg, lr_factor=factor,
-                                stop_requested=stop.requested, sums=sums, pass_options=run.pass_options,
-                                nonfinite=run.nonfinite)
+                                sums=sums, pass_options=run.pass_options,
+                                votes=StepVotes(stop.requested, run.nonfinite))
             if result.diverged:  # the previous step's, seen by every rank in this step's collective
                 raise diverged(run, result.diverged)
             if result.stopped:
@@ -242,9 +242,9 @@ def epoch_batches(run: TrainRun):
                        accelerator.process_index)
     if run.online:  # the target runs on this rank's samples in the order they are read
         run.dataset.plan([i for item, _ in slots for i in (item if isinstance(item, list) else [item])])
-    source = BlockSource(run.dataset, slots, block_size=run.dcfg.block_size, mask_token_id=run.dcfg.mask_token_id,
-                         num_anchors=cfg.num_anchors, seed=cfg.seed, epoch=run.epoch, max_length=cfg.max_length,
-                         use_last_hidden=run.use_last_hidden, anchor_density=cfg.anchor_density)
+    source = BlockSource(run.dataset, slots, CollateOptions(
+        run.dcfg.block_size, run.dcfg.mask_token_id, cfg.num_anchors, cfg.seed, run.epoch, cfg.max_length,
+        use_last_hidden=run.use_last_hidden, anchor_density=cfg.anchor_density))
     loader = block_loader(source, num_workers=0 if run.online else cfg.num_workers,
                           pin_memory=accelerator.device.type == "cuda" and not run.online)
     return loader, len(slots) // cfg.grad_accum
@@ -267,10 +267,10 @@ def held_out_eval(run: TrainRun) -> dict:
     if not run.eval_idx:
         return {}
     cfg = run.cfg
-    return evaluate(run.model, run.head, run.dataset, run.eval_idx, mask_token_id=run.dcfg.mask_token_id,
-                    num_anchors=cfg.eval_anchors, seed=cfg.seed, gamma=cfg.gamma, max_length=cfg.max_length,
-                    accelerator=run.accelerator, batch_tokens=eval_pack_tokens(cfg.micro_batch_tokens, cfg.max_length),
-                    **run.pass_options)
+    anchors = CollateOptions(run.dcfg.block_size, run.dcfg.mask_token_id, cfg.eval_anchors, cfg.seed,
+                             max_length=cfg.max_length)
+    return evaluate(run.model, run.head, run.dataset, run.eval_idx, run.pass_options, anchors,
+                    batch_tokens=eval_pack_tokens(cfg.micro_batch_tokens, cfg.max_length), accelerator=run.accelerator)
 
 
 def save_final(run: TrainRun) -> Path:

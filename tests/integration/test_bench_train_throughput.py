@@ -65,7 +65,7 @@ def test_the_selector_flags_reach_the_dflash2_pass(tmp_path, monkeypatch, capsys
     seen, step = [], btt.Step.__call__
 
     def recorded(self, micros):
-        options = self.options["term_options"]
+        options = self.options.term_options
         seen.append((self.cfg.drafter_architecture, options.kernel, options.unary_grad))
         return step(self, micros)
 

@@ -24,10 +24,10 @@ from dflashkit.eval.report import summarize
 from dflashkit.targets.capture import LayerCapture
 from dflashkit.targets.loading import load_target, load_target_head
 from dflashkit.train.anchors import sample_anchors, sample_generator
-from dflashkit.train.data import PAD_MULTIPLE, pack_sequences
-from dflashkit.train.drafter_pass import draft_hidden
+from dflashkit.train.data import PAD_MULTIPLE, CollateOptions, pack_sequences
+from dflashkit.train.drafter_pass import PassOptions, draft_hidden
 from dflashkit.train.evaluate import chain_walk, eval_pack_tokens, evaluate
-from dflashkit.train.loss import block_loss, loss_denominator
+from dflashkit.train.loss import LossSettings, block_loss, loss_denominator
 
 from support.tiny_targets import make_tiny_target, tiny_tokenizer
 
@@ -76,7 +76,7 @@ def make_drafter(head, layer_types, sliding_window, steps, setup_, causal=False,
         batch = pack_sequences([seq], [loss_mask], [hidden], [anchors], BLOCK, MASK, pad_multiple=PAD_MULTIPLE)
         h = draft_hidden(model, head, batch, block_size=BLOCK, layer_types=cfg.layer_types,
                          sliding_window=cfg.sliding_window, causal=cfg.causal)
-        out = block_loss(h, head.lm_head.weight, batch.labels, batch.valid, variant="ce")
+        out = block_loss(h, head.lm_head.weight, batch.labels, batch.valid, LossSettings(variant="ce"))
         opt.zero_grad()
         (out.loss_sum / loss_denominator(batch.valid, "ce", 7.0)).backward()
         opt.step()
@@ -171,8 +171,9 @@ def test_held_out_walk_equals_live_tau(setup, tmp_path):
     target, head, seq, hidden, loss_mask = setup
     model, cfg = make_drafter(head, ["full_attention"], None, steps=25, setup_=setup)
     dataset = [{"input_ids": seq, "loss_mask": loss_mask, "hidden": hidden}]
-    metrics = evaluate(model, head, dataset, [0], block_size=BLOCK, layer_types=cfg.layer_types, sliding_window=None,
-                       mask_token_id=MASK, num_anchors=8, seed=0)
+    metrics = evaluate(model, head, dataset, [0],
+                       PassOptions(block_size=BLOCK, layer_types=cfg.layer_types, sliding_window=None),
+                       CollateOptions(block_size=BLOCK, mask_token_id=MASK, num_anchors=8, seed=0))
     report = live_report(target, model, seq, tmp_path)
     assert metrics["eval/tau_walk"] == pytest.approx(report["tau"], abs=1e-12)
     walk = [metrics[f"eval/walk_accept_{k}"] for k in range(1, BLOCK)]
@@ -195,8 +196,9 @@ def test_a_dflash2_walk_follows_its_selector_as_live_decoding_does(setup, tmp_pa
         selector.successor_codebook.normal_(0.0, 1.0, generator=torch.Generator().manual_seed(1))
         selector.predecessor_codebook.mul_(50.0)
     dataset = [{"input_ids": seq, "loss_mask": loss_mask, "hidden": hidden}]
-    metrics = evaluate(model, head, dataset, [0], block_size=BLOCK, layer_types=cfg.layer_types, sliding_window=None,
-                       mask_token_id=MASK, num_anchors=8, seed=0, extra_term=False)  # the walk's rule regardless
+    passes = PassOptions(block_size=BLOCK, layer_types=cfg.layer_types, sliding_window=None, extra_term=False)
+    metrics = evaluate(model, head, dataset, [0], passes,  # extra_term off: the walk's rule regardless
+                       CollateOptions(block_size=BLOCK, mask_token_id=MASK, num_anchors=8, seed=0))
     report = live_report(target, model, seq, tmp_path)
     assert metrics["eval/tau_walk"] == pytest.approx(report["tau"], abs=1e-12)
     walk = [metrics[f"eval/walk_accept_{k}"] for k in range(1, BLOCK)]
@@ -240,8 +242,9 @@ def test_held_out_packs_give_the_numbers_of_one_sample_per_pass(setup):
 
     def run(batch_tokens):
         passes.clear()
-        metrics = evaluate(model, head, dataset, list(range(len(dataset))), block_size=BLOCK, sliding_window=None,
-                           layer_types=cfg.layer_types, mask_token_id=MASK, num_anchors=8, seed=0,
+        metrics = evaluate(model, head, dataset, list(range(len(dataset))),
+                           PassOptions(block_size=BLOCK, sliding_window=None, layer_types=cfg.layer_types),
+                           CollateOptions(block_size=BLOCK, mask_token_id=MASK, num_anchors=8, seed=0),
                            batch_tokens=batch_tokens)
         return metrics, len(passes)
 
@@ -276,12 +279,12 @@ def test_compiled_layers_are_evaluated_through_the_training_graphs(setup, monkey
     head, eager = copy.deepcopy(head).to(device), eager.to(device)
     cuda = device == "cuda"
     # dense masks on CUDA too: the compiled flex kernel wants head dims of 16 or more (this drafter's are 8)
-    passes = dict(block_size=BLOCK, sliding_window=None, layer_types=cfg.layer_types, backend="dense",
-                  fused_loss=cuda)
+    passes = PassOptions(block_size=BLOCK, sliding_window=None, layer_types=cfg.layer_types, backend="dense",
+                         loss=LossSettings(fused=cuda))
     dataset = Prefixes(seq, hidden, loss_mask, [PROMPT + NEW, 40, 33])
-    options = dict(mask_token_id=MASK, num_anchors=8, seed=0, batch_tokens=4096, device=torch.device(device),
-                   **passes)
-    want = evaluate(eager, head, dataset, list(range(3)), **options)
+    held_out = CollateOptions(block_size=BLOCK, mask_token_id=MASK, num_anchors=8, seed=0)
+    options = dict(batch_tokens=4096, device=torch.device(device))
+    want = evaluate(eager, head, dataset, list(range(3)), passes, held_out, **options)
     model = copy.deepcopy(eager).train()
     assert not layers_compiled(model)
     torch._dynamo.reset()
@@ -291,7 +294,7 @@ def test_compiled_layers_are_evaluated_through_the_training_graphs(setup, monkey
         anchors = [sample_anchors(loss_mask[:n], 8, sample_generator(0, n, 0)) for n in cuts]
         batch = pack_sequences([seq[:n] for n in cuts], [loss_mask[:n] for n in cuts], [hidden[:n] for n in cuts],
                                anchors, BLOCK, MASK, pad_multiple=PAD_MULTIPLE).to(device)
-        forward_blocks(model, head, batch, **passes).loss_sum.backward()
+        forward_blocks(model, head, batch, passes).loss_sum.backward()
     grads = [p.grad.clone() for p in model.parameters()]
     compiled_before = layer_graphs()
     assert compiled_before >= 2  # the first layer's input without a gradient, the others' with one
@@ -306,7 +309,7 @@ def test_compiled_layers_are_evaluated_through_the_training_graphs(setup, monkey
         return engine(*args, **kwargs)
 
     monkeypatch.setattr(loss_module, "chunked_logit_statistics", recording)
-    got = evaluate(model, head, dataset, list(range(3)), **options)
+    got = evaluate(model, head, dataset, list(range(3)), passes, held_out, **options)
     assert asked and not any(asked)
     monkeypatch.setattr(loss_module, "chunked_logit_statistics", engine)
     assert layer_graphs() == compiled_before  # no layer graph compiled for the evaluation
@@ -315,7 +318,7 @@ def test_compiled_layers_are_evaluated_through_the_training_graphs(setup, monkey
     for key, value in want.items():
         assert got[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
     monkeypatch.setattr(evaluate_module, "training_graphs", lambda *_: False)  # the no-grad form compiles anew
-    evaluate(model, head, dataset, list(range(3)), **options)
+    evaluate(model, head, dataset, list(range(3)), passes, held_out, **options)
     assert layer_graphs() > compiled_before
 
 

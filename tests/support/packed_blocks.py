@@ -6,7 +6,8 @@ import torch
 
 from dflashkit.drafter import DrafterConfig, build_drafter
 from dflashkit.train.block_mask import TILE
-from dflashkit.train.drafter_pass import forward_blocks
+from dflashkit.train.drafter_pass import PassOptions, forward_blocks
+from dflashkit.train.loss import LossSettings
 
 
 class Head(torch.nn.Module):
@@ -50,8 +51,9 @@ def drafter_pass(model, head, batch, B, layer_types, window, variant):
     """``forward_blocks`` of one batch and the drafter's final hidden states [blocks, B, H]."""
     seen = {}
     hook = model.norm.register_forward_hook(lambda m, i, o: seen.update(h=o))
-    out = forward_blocks(model, head, batch, block_size=B, layer_types=layer_types, sliding_window=window,
-                         variant=variant, chunk_tokens=7)
+    out = forward_blocks(model, head, batch,
+                         PassOptions(block_size=B, layer_types=layer_types, sliding_window=window,
+                                     loss=LossSettings(variant=variant, chunk_tokens=7)))
     hook.remove()
     return out, seen["h"][0].view(-1, B, seen["h"].shape[-1])
 

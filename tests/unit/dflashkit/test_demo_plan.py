@@ -37,3 +37,19 @@ def test_the_cpu_table_says_it_is_the_pipeline_check(tmp_path):
     assert "The GPU scale (`make demo` on a CUDA machine) has its latest measurement in the repository's " \
            "docs/results.md" in summary(tmp_path, "small")
     assert "This is the GPU scale" in summary(tmp_path, "full")
+
+
+def test_the_demo_parser_is_built_from_its_options_and_a_parse_gives_them():
+    from dflashkit.demo import TARGET, DemoOptions, build_parser
+    from dflashkit.options import flag_fields, flag_name, parse_options
+
+    parser = build_parser()
+    assert [a.option_strings[0] for a in parser._actions if a.dest != "help"] == [
+        flag_name(f) for f in flag_fields(DemoOptions)]
+    assert parse_options(DemoOptions, [], parser) == DemoOptions(
+        run_dir="runs/demo", device=None, target=TARGET, scale=None, train_data="builtin:sharegpt", eval_data=None,
+        loss=None, restart=False)
+    given = parse_options(DemoOptions, ["--device", "cpu", "--scale", "small", "--eval-data", "a", "b", "--loss",
+                                        "kl", "--restart"], parser)
+    assert (given.device, given.scale, given.eval_data, given.loss, given.restart) == (
+        "cpu", "small", ["a", "b"], "kl", True)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dflashkit.train.config import load_config
-from dflashkit.train.data import collate_blocks
+from dflashkit.train.data import CollateOptions, collate_blocks
 from dflashkit.train.trainer import train
 
 from support.packed_blocks import Head, drafter_pass, make_samples, tiny_drafter
@@ -34,8 +34,8 @@ def test_each_drafter_kind_trains_with_the_extra_term_registered_for_it(monkeypa
     torch.manual_seed(0)
     V, H, B = 40, 32, 4
     head = Head(V, H, scale=1.5).double()
-    packed = collate_blocks(make_samples([14, 9], V, H, seed=1), block_size=B, mask_token_id=V - 1, num_anchors=6,
-                            seed=3, epoch=2)
+    packed = collate_blocks(make_samples([14, 9], V, H, seed=1),
+                            CollateOptions(block_size=B, mask_token_id=V - 1, num_anchors=6, seed=3, epoch=2))
     layers = ["full_attention"] * 2
     assert drafter_pass(tiny_drafter(V, H, B), head, packed, B, layers, None, "ce")[0].selector is None
     dflash2 = tiny_dflash2(V, H, B)
@@ -49,11 +49,11 @@ def test_selector_term_is_the_sum_of_per_sequence_terms_and_trains_the_selector(
     V, H, B = 40, 32, 4
     model, head = tiny_dflash2(V, H, B), Head(V, H, scale=1.5).double()
     samples = make_samples([14, 9, 21], V, H, seed=1)
-    opts = dict(block_size=B, mask_token_id=V - 1, num_anchors=6, seed=3, epoch=2)
-    packed = collate_blocks(samples, **opts)
+    opts = CollateOptions(block_size=B, mask_token_id=V - 1, num_anchors=6, seed=3, epoch=2)
+    packed = collate_blocks(samples, opts)
     layers = ["full_attention"] * 2
     out, _ = drafter_pass(model, head, packed, B, layers, None, "ce")
-    parts = [drafter_pass(model, head, collate_blocks([s], pad_multiple=1, **opts), B, layers, None, "ce")[0]
+    parts = [drafter_pass(model, head, collate_blocks([s], opts, pad_multiple=1), B, layers, None, "ce")[0]
              for s in samples]
     torch.testing.assert_close(out.selector.loss_sum, sum(p.selector.loss_sum for p in parts), rtol=1e-9, atol=1e-12)
     assert int(out.selector.counted) == sum(int(p.selector.counted) for p in parts) > 0

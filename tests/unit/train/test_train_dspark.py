@@ -8,14 +8,15 @@ import pytest
 import torch
 
 from dflashkit.train.config import load_config
-from dflashkit.train.data import collate_blocks
-from dflashkit.train.drafter_pass import forward_blocks
+from dflashkit.train.data import CollateOptions, collate_blocks
+from dflashkit.train.drafter_pass import PassOptions, forward_blocks
 from dflashkit.train.dspark_loss import (
     DSparkLossOptions,
     dspark_loss_sums,
     dspark_term,
     teacher_forced_predecessors,
 )
+from dflashkit.train.loss import LossSettings
 from dflashkit.train.trainer import train
 
 from support.packed_blocks import Head, make_samples, tiny_drafter
@@ -33,16 +34,19 @@ def tiny_dspark():
 
 
 def batch():
-    return collate_blocks(make_samples([14, 9, 21], V, H, seed=1), block_size=B, mask_token_id=V - 1,
-                          num_anchors=6, seed=3, epoch=2, use_last_hidden=True)
+    return collate_blocks(make_samples([14, 9, 21], V, H, seed=1),
+                          CollateOptions(block_size=B, mask_token_id=V - 1, num_anchors=6, seed=3, epoch=2,
+                                         use_last_hidden=True))
 
 
 def test_the_chunked_term_is_the_materialised_loss_with_its_gradients():
     model, head, packed = tiny_dspark(), Head(V, H, scale=1.5).double(), batch()
     seen = {}
     hook = model.norm.register_forward_hook(lambda m, i, o: seen.update(h=o))
-    out = forward_blocks(model, head, packed, block_size=B, layer_types=["full_attention"] * 2, sliding_window=None,
-                         variant="ce", chunk_tokens=7)  # 7 rows: 2 blocks a chunk, so several chunks
+    # 7 rows: 2 blocks a chunk, so several chunks
+    out = forward_blocks(model, head, packed,
+                         PassOptions(block_size=B, layer_types=["full_attention"] * 2, sliding_window=None,
+                                     loss=LossSettings(variant="ce", chunk_tokens=7)))
     hook.remove()
     assert out.loss_sum.grad_fn is None  # DSpark trains on its term alone: the block loss runs without a gradient
     out.extra.loss_sum.backward(retain_graph=True)  # the written-out loss below reuses the forward

@@ -121,8 +121,9 @@ def test_the_kernels_give_the_reference_values_and_gradients_in_interpreter():
 PASS_SCRIPT = INTERPRETER_PREAMBLE + COUNT_LAUNCHES + textwrap.dedent("""
     import dataclasses
     from dflashkit.train.config import TrainConfig
-    from dflashkit.train.data import collate_blocks
-    from dflashkit.train.drafter_pass import compile_layers, forward_blocks
+    from dflashkit.train.data import CollateOptions, collate_blocks
+    from dflashkit.train.drafter_pass import PassOptions, compile_layers, forward_blocks
+    from dflashkit.train.loss import LossSettings
     from dflashkit.train.setup import conv_kernels
     from support.packed_blocks import Head, make_samples, tiny_drafter
     V, H, B = 40, 32, 4
@@ -136,8 +137,8 @@ PASS_SCRIPT = INTERPRETER_PREAMBLE + COUNT_LAUNCHES + textwrap.dedent("""
                 p.add_(0.05 * torch.randn_like(p))  # convolutions off the identity: their taps move the loss
         return m
     head = Head(V, H, scale=1.5).float()
-    batches = [collate_blocks(make_samples(lens, V, H, seed=1), block_size=B, mask_token_id=V - 1, num_anchors=6,
-                              seed=3, epoch=2) for lens in ([14, 9, 21], [17, 12])]
+    blocks = CollateOptions(block_size=B, mask_token_id=V - 1, num_anchors=6, seed=3, epoch=2)
+    batches = [collate_blocks(make_samples(lens, V, H, seed=1), blocks) for lens in ([14, 9, 21], [17, 12])]
     batches = [dataclasses.replace(b, target_hidden=b.target_hidden.float()) for b in batches]
     runs = []
     for kernel in (True, False):
@@ -148,8 +149,9 @@ PASS_SCRIPT = INTERPRETER_PREAMBLE + COUNT_LAUNCHES + textwrap.dedent("""
         losses, grads = [], []
         for batch in batches:  # two shapes through the same compiled layers
             model.zero_grad(set_to_none=True)
-            out = forward_blocks(model, head, batch, block_size=B, layer_types=["full_attention"] * 2,
-                                 sliding_window=None, chunk_tokens=7)
+            out = forward_blocks(model, head, batch, PassOptions(
+                block_size=B, layer_types=["full_attention"] * 2, sliding_window=None,
+                loss=LossSettings(chunk_tokens=7)))
             (out.loss_sum + out.selector.loss_sum).backward()
             losses.append(out.loss_sum.item())
             grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})

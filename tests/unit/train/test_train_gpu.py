@@ -12,7 +12,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 def test_compiled_flex_equals_dense_on_cuda():
     from dflashkit.drafter import DrafterConfig, build_drafter
     from dflashkit.train.data import pack_sequences
-    from dflashkit.train.drafter_pass import compile_layers, forward_blocks
+    from dflashkit.train.drafter_pass import PassOptions, compile_layers, forward_blocks
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -39,8 +39,9 @@ def test_compiled_flex_equals_dense_on_cuda():
         outs = {}
         for name, model, backend in (("dense", dense_model, "dense"), ("flex", flex_model, "flex")):
             model.zero_grad()
-            out = forward_blocks(model, head, batch, block_size=B, layer_types=cfg.layer_types, sliding_window=5,
-                                 backend=backend)
+            out = forward_blocks(model, head, batch,
+                                 PassOptions(block_size=B, layer_types=cfg.layer_types, sliding_window=5,
+                                             backend=backend))
             out.loss_sum.backward()
             outs[name] = (out.loss_sum.item(), {n: p.grad.clone() for n, p in model.named_parameters()})
         assert outs["flex"][0] == pytest.approx(outs["dense"][0], rel=1e-4)

@@ -9,6 +9,7 @@ import torch
 from dflashkit.train import loss
 from dflashkit.train.loss import (
     TOPK_GROUP,
+    LossSettings,
     block_loss,
     grouped_topk,
     grouped_topk_reference,
@@ -65,7 +66,7 @@ def test_the_loss_pass_candidates_over_a_grouped_vocabulary():
     vocab = 16 * TOPK_GROUP + 40
     hidden, weight = torch.randn(6, 3, 8, generator=g), torch.randn(vocab, 8, generator=g)
     labels, valid = torch.randint(0, vocab, (6, 3), generator=g), torch.ones(6, 3, dtype=torch.bool)
-    out = block_loss(hidden, weight, labels, valid, top_k=4, chunk_tokens=9)
+    out = block_loss(hidden, weight, labels, valid, LossSettings(chunk_tokens=9), top_k=4)
     top = torch.topk(hidden @ weight.T, 4, dim=-1)
     torch.testing.assert_close(out.top_logits, top.values)
     assert torch.equal(out.top_ids, top.indices)
@@ -109,7 +110,7 @@ def test_candidates_leave_the_loss_and_gradient_unchanged(variant):
     outs, grads = [], []
     for top_k in (0, 4):
         hidden = torch.randn(6, 3, 8, generator=torch.Generator().manual_seed(7)).requires_grad_()
-        out = block_loss(hidden, weight, labels, valid, variant=variant, top_k=top_k, chunk_tokens=9)
+        out = block_loss(hidden, weight, labels, valid, LossSettings(variant=variant, chunk_tokens=9), top_k=top_k)
         out.loss_sum.backward()
         outs.append(out)
         grads.append(hidden.grad)
@@ -163,7 +164,7 @@ def test_the_loss_pass_candidates_of_a_bf16_head_are_the_earlier_ones(extra):
     vocab, k, p = 16 * TOPK_GROUP + extra, 4, 3
     hidden, weight = torch.randn(7, p, 8, generator=g), torch.randn(vocab, 8, generator=g).bfloat16()
     labels, valid = torch.randint(0, vocab, (7, p), generator=g), torch.ones(7, p, dtype=torch.bool)
-    out = block_loss(hidden, weight, labels, valid, top_k=k, chunk_tokens=9)  # chunks of 3 blocks
+    out = block_loss(hidden, weight, labels, valid, LossSettings(chunk_tokens=9), top_k=k)  # chunks of 3 blocks
     values, ids = [], []
     for s in range(0, 7, 3):
         raw = torch.nn.functional.linear(hidden[s:s + 3].reshape(-1, 8).bfloat16(), weight)
@@ -289,11 +290,12 @@ LOSS_PASS_SCRIPT = INTERPRETER_PREAMBLE + COUNT_LAUNCHES + textwrap.dedent("""
         hidden, weight = torch.randn(6, p, 8, generator=g), torch.randn(vocab, 8, generator=g).to(dtype)
         labels, valid = torch.randint(0, vocab, (6, p), generator=g), torch.rand(6, p, generator=g) > 0.2
         before = len(launches)
-        out = loss.block_loss(hidden, weight, labels, valid, top_k=k, chunk_tokens=9)  # 2 chunks of 3 blocks
+        # 2 chunks of 3 blocks
+        out = loss.block_loss(hidden, weight, labels, valid, loss.LossSettings(chunk_tokens=9), top_k=k)
         n = len(launches) - before
         runs = loss.topk_kernel_runs
         loss.topk_kernel_runs = lambda *args: False  # the torch path, in the same process
-        ref = loss.block_loss(hidden, weight, labels, valid, top_k=k, chunk_tokens=9)
+        ref = loss.block_loss(hidden, weight, labels, valid, loss.LossSettings(chunk_tokens=9), top_k=k)
         loss.topk_kernel_runs = runs
         # the logits as the engine computes them, chunk by chunk (one matmul over all rows can round otherwise)
         logits = torch.cat([F.linear(hidden[s:s + 3].reshape(-1, 8).to(dtype), weight) for s in (0, 3)]).float()

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dflashkit.train.loss import block_loss, loss_denominator
+from dflashkit.train.loss import LossSettings, block_loss, loss_denominator
 
 from support.loss_inputs import random_loss_inputs
 
@@ -54,7 +54,8 @@ def make(n=6, p=7, h=16, v=50, seed=0):
 def test_chunked_equals_unchunked(variant, chunk_tokens):
     hidden, weight, labels, valid, teacher = make()
     h1 = hidden.clone().requires_grad_(True)
-    out = block_loss(h1, weight, labels, valid, variant=variant, teacher_hidden=teacher, chunk_tokens=chunk_tokens)
+    out = block_loss(h1, weight, labels, valid, LossSettings(variant=variant, chunk_tokens=chunk_tokens),
+                     teacher_hidden=teacher)
     (out.loss_sum * 0.7).backward()
     h2 = hidden.clone().double().requires_grad_(True)
     ref = reference(h2, weight, labels, valid, variant, teacher=teacher)
@@ -74,7 +75,7 @@ def test_fused_equals_eager(variant):
     outs = {}
     for fused in (False, True):
         h = hidden.clone().requires_grad_(True)
-        out = block_loss(h, weight, labels, valid, variant=variant, chunk_tokens=20, fused=fused)
+        out = block_loss(h, weight, labels, valid, LossSettings(variant=variant, chunk_tokens=20, fused=fused))
         (out.loss_sum * 0.3).backward()
         outs[fused] = (out, h.grad)
     (a, ga), (b, gb) = outs[False], outs[True]
@@ -122,7 +123,7 @@ def test_denominators():
 def test_bf16_hidden_keeps_dtype_and_is_close():
     hidden, weight, labels, valid, _ = make()
     hb = hidden.bfloat16().requires_grad_(True)
-    out = block_loss(hb, weight.bfloat16(), labels, valid, chunk_tokens=7)
+    out = block_loss(hb, weight.bfloat16(), labels, valid, LossSettings(chunk_tokens=7))
     out.loss_sum.backward()
     assert hb.grad.dtype == torch.bfloat16
     ref = reference(hidden.double(), weight, labels, valid, "ce")
@@ -132,11 +133,11 @@ def test_bf16_hidden_keeps_dtype_and_is_close():
 def test_bad_arguments():
     hidden, weight, labels, valid, _ = make()
     with pytest.raises(ValueError, match="variant"):
-        block_loss(hidden, weight, labels, valid, variant="mse")
+        block_loss(hidden, weight, labels, valid, LossSettings(variant="mse"))
     with pytest.raises(ValueError, match="last_hidden"):
-        block_loss(hidden, weight, labels, valid, variant="kl")
+        block_loss(hidden, weight, labels, valid, LossSettings(variant="kl"))
     with pytest.raises(ValueError, match="dpace_alpha"):
-        block_loss(hidden, weight, labels, valid, variant="dpace", dpace_alpha=0.0)
+        block_loss(hidden, weight, labels, valid, LossSettings(variant="dpace", dpace_alpha=0.0))
 
 
 @pytest.mark.slow  # compiling for the CPU
@@ -152,8 +153,8 @@ def test_fused_kernels_compile_once_per_shape_kind_whatever_the_chunk_offset():
     torch._dynamo.reset()
     for n in (10, 3):
         hidden, weight, labels, valid, _ = make(n=n, p=5, h=16, v=300, seed=n)
-        out = block_loss(hidden.clone().requires_grad_(True), weight, labels, valid, variant="dpace",
-                         chunk_tokens=20, fused=True)
+        out = block_loss(hidden.clone().requires_grad_(True), weight, labels, valid,
+                         LossSettings(variant="dpace", chunk_tokens=20, fused=True))
         out.loss_sum.backward()
     for fn in (_logit_stats, _logit_grad):
         entries = len(_debug_get_cache_entry_list(fn.__code__))

@@ -5,7 +5,7 @@ import ast
 import pytest
 import torch
 
-from dflashkit.train.loss import block_loss, objective
+from dflashkit.train.loss import LossSettings, block_loss, objective
 
 from support.loss_inputs import random_loss_inputs
 from support.paths import ROOT
@@ -14,7 +14,7 @@ from support.paths import ROOT
 def loss_and_grad(variant, **kw):
     hidden, weight, labels, valid, teacher = random_loss_inputs(n=5, p=4, h=12, v=30, invalid=0.3)
     h = hidden.clone().requires_grad_(True)
-    out = block_loss(h, weight, labels, valid, variant=variant, teacher_hidden=teacher, chunk_tokens=8, **kw)
+    out = block_loss(h, weight, labels, valid, LossSettings(variant, chunk_tokens=8, **kw), teacher_hidden=teacher)
     out.loss_sum.backward()
     return out, h.grad
 

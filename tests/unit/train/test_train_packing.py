@@ -2,14 +2,16 @@
 element by element, the drafter's output and logits per block, the loss, its gradients, and whole training runs."""
 
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from dflashkit.drafter import DrafterConfig, build_drafter
 from dflashkit.train.block_mask import TILE, block_tiles, dense_block_mask, flex_block_mask
-from dflashkit.train.data import collate_blocks, pack_order, pack_sequences
-from dflashkit.train.drafter_pass import compile_layers, forward_blocks
-from dflashkit.train.loss import block_loss, loss_denominator
+from dflashkit.train.data import CollateOptions, collate_blocks, pack_order, pack_sequences
+from dflashkit.train.drafter_pass import PassOptions, compile_layers, forward_blocks
+from dflashkit.train.loss import LossSettings, block_loss, loss_denominator
 
 from support.packed_blocks import Head, drafter_pass, make_samples, tile_truth, tiny_drafter
 
@@ -98,8 +100,9 @@ def test_packed_micro_batch_equals_per_sequence_passes(layer_types, window, vari
     V, H, B = 40, 32, 4
     model, head = tiny_drafter(V, H, B, layer_types, window), Head(V, H, scale=1.5).double()
     samples = make_samples([14, 9, 21], V, H, seed=1)
-    opts = dict(block_size=B, mask_token_id=V - 1, num_anchors=6, seed=3, epoch=2, use_last_hidden=variant == "kl")
-    packed = collate_blocks(samples, **opts)  # padded to 128-token tiles
+    opts = CollateOptions(block_size=B, mask_token_id=V - 1, num_anchors=6, seed=3, epoch=2,
+                          use_last_hidden=variant == "kl")
+    packed = collate_blocks(samples, opts)  # padded to 128-token tiles
     assert packed.ctx_len % TILE == 0 and packed.anchors.numel() * B % TILE == 0
     assert packed.num_tokens == 44 and packed.context_offsets == [0, 14, 23, 44]
     out, hidden = drafter_pass(model, head, packed, B, layer_types, window, variant)
@@ -109,7 +112,7 @@ def test_packed_micro_batch_equals_per_sequence_passes(layer_types, window, vari
 
     sums, denom, blocks = 0.0, 0.0, 0
     for s, sample in enumerate(samples):
-        alone = collate_blocks([sample], pad_multiple=1, **opts)  # the same anchors: keyed by (seed, epoch, index)
+        alone = collate_blocks([sample], opts, pad_multiple=1)  # the same anchors: keyed by (seed, epoch, index)
         lo, hi = packed.block_offsets[s], packed.block_offsets[s + 1]
         assert torch.equal(packed.anchors[lo:hi] - packed.context_offsets[s], alone.anchors)
         for name in ("labels", "valid", "block_ids"):
@@ -122,7 +125,7 @@ def test_packed_micro_batch_equals_per_sequence_passes(layer_types, window, vari
                                    rtol=1e-6, atol=1e-7)
         teacher = packed.last_hidden[packed.teacher_index[lo:hi]] if variant == "kl" else None
         part = block_loss(hidden[lo:hi, 1:], head.lm_head.weight, packed.labels[lo:hi], packed.valid[lo:hi],
-                          variant=variant, teacher_hidden=teacher)
+                          LossSettings(variant=variant), teacher_hidden=teacher)
         torch.testing.assert_close(part.loss_sum, one.loss_sum, rtol=1e-6, atol=1e-7)
         sums, blocks = sums + one.loss_sum, blocks + int(one.blocks)
         denom = denom + loss_denominator(alone.valid, variant, 7.0)
@@ -210,13 +213,15 @@ def test_packed_compiled_flex_equals_dense_on_cuda(backend):
     head = Head(V, H).cuda()
     for lens in ([200, 173, 61], [90, 300]):
         samples = [{**s, "hidden": s["hidden"].float()} for s in make_samples(lens, V, H, seed=len(lens))]
-        batch = collate_blocks(samples, block_size=B, mask_token_id=V - 1, num_anchors=24, seed=0).to("cuda")
+        options = CollateOptions(block_size=B, mask_token_id=V - 1, num_anchors=24, seed=0)
+        batch = collate_blocks(samples, options).to("cuda")
         outs = {}
         for name, model in (("dense", dense_model), ("flex", flex_model)):
             model.zero_grad()
-            out = forward_blocks(model, head, batch, block_size=B, layer_types=types, sliding_window=5,
-                                 backend="dense" if name == "dense" else backend,
-                                 fused_loss=name == "flex")  # + the compiled logit kernels
+            out = forward_blocks(model, head, batch,
+                                 PassOptions(block_size=B, layer_types=types, sliding_window=5,
+                                             backend="dense" if name == "dense" else backend,
+                                             loss=LossSettings(fused=name == "flex")))  # + the compiled logit kernels
             out.loss_sum.backward()
             outs[name] = (out.loss_sum.item(), {n: p.grad.clone() for n, p in model.named_parameters()})
         assert outs["flex"][0] == pytest.approx(outs["dense"][0], rel=1e-4)
@@ -258,14 +263,14 @@ def compiled_layers_follow_new_shapes(first, counters) -> None:
     # context / block tokens after padding: 256 / 384 (24 anchors: 256 / 256), then 384 / 512
     for k, (lens, anchors) in enumerate((first, ([150, 120, 60], 40))):
         samples = [{**s, "hidden": s["hidden"].float()} for s in make_samples(lens, V, H, seed=len(lens))]
-        batch = collate_blocks(samples, block_size=B, mask_token_id=V - 1, num_anchors=anchors, seed=0)
+        batch = collate_blocks(samples, CollateOptions(block_size=B, mask_token_id=V - 1, num_anchors=anchors, seed=0))
         if k == 0:
             assert (batch.ctx_len == batch.block_ids.shape[1]) == (anchors == 24)
         outs = {}
         for name, model in (("eager", eager), ("compiled", compiled)):
             model.zero_grad()
-            out = forward_blocks(model, head, batch, block_size=B, layer_types=["full_attention"] * 2,
-                                 sliding_window=None)
+            out = forward_blocks(model, head, batch,
+                                 PassOptions(block_size=B, layer_types=["full_attention"] * 2, sliding_window=None))
             out.loss_sum.backward()
             outs[name] = (out.loss_sum.item(), {n: p.grad.clone() for n, p in model.named_parameters()})
         graphs.append(counters["stats"]["unique_graphs"])
@@ -298,12 +303,11 @@ def test_compiled_layers_trace_a_flex_attention_built_before_them(monkeypatch):
     graphs = []
     for lens in ([100, 90], [150, 120, 60]):
         samples = [{**s, "hidden": s["hidden"].float()} for s in make_samples(lens, V, H, seed=len(lens))]
-        batch = collate_blocks(samples, block_size=B, mask_token_id=V - 1, num_anchors=40, seed=0)
+        batch = collate_blocks(samples, CollateOptions(block_size=B, mask_token_id=V - 1, num_anchors=40, seed=0))
         with torch.no_grad():
-            want = forward_blocks(eager, head, batch, block_size=B, layer_types=["full_attention"] * 2,
-                                  sliding_window=None).loss_sum
-            got = forward_blocks(compiled, head, batch, block_size=B, layer_types=["full_attention"] * 2,
-                                 sliding_window=None, backend="flex").loss_sum
+            passes = PassOptions(block_size=B, layer_types=["full_attention"] * 2, sliding_window=None)
+            want = forward_blocks(eager, head, batch, passes).loss_sum
+            got = forward_blocks(compiled, head, batch, replace(passes, backend="flex")).loss_sum
         assert got.item() == pytest.approx(want.item(), rel=1e-5)
         graphs.append(counters["stats"]["unique_graphs"])
     assert graphs == [1, 1], graphs  # both layers and both sizes: one graph

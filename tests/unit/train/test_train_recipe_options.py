@@ -3,6 +3,7 @@ lr schedule and the target's argmax as labels. Each keeps online = offline, pack
 under DDP: tests/integration/test_train_processes.py)."""
 
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ from safetensors.torch import load_file
 from dflashkit.train import muon
 from dflashkit.train.anchors import anchor_candidates, anchor_count
 from dflashkit.train.config import load_config
-from dflashkit.train.data import collate_blocks
+from dflashkit.train.data import CollateOptions, collate_blocks
 from dflashkit.train.drafter_pass import target_argmax_labels
 from dflashkit.train.muon import RMS_MATCH, Muon, check_backend, muon_param_groups, newton_schulz, stacks
 from dflashkit.train.setup import lr_at
@@ -290,17 +291,17 @@ def random_samples(lengths, prompt, seed=0):
 
 def test_anchor_density_draws_a_share_of_each_sequence_whatever_it_is_packed_with():
     samples = random_samples([80, 40, 200, 9], [10, 30, 20, 2])
-    opts = dict(block_size=4, mask_token_id=31, num_anchors=512, seed=1, epoch=0, anchor_density=0.375)
-    packed = collate_blocks(samples, **opts)
+    opts = CollateOptions(block_size=4, mask_token_id=31, num_anchors=512, seed=1, epoch=0, anchor_density=0.375)
+    packed = collate_blocks(samples, opts)
     cands = [anchor_candidates(s["loss_mask"]).numel() for s in samples]  # 69, 9, 179, 6
     want = [min(c, round(0.375 * len(s["input_ids"]))) for s, c in zip(samples, cands)]
     assert want == [30, 9, 75, 3]  # the 40-token one has fewer candidates (9) than its share (15)
     assert [packed.block_offsets[i + 1] - packed.block_offsets[i] for i in range(4)] == want
     for i, s in enumerate(samples):  # alone: the same anchors (packed = unpacked)
-        alone = collate_blocks([s], pad_multiple=1, **opts)
+        alone = collate_blocks([s], opts, pad_multiple=1)
         lo, hi = packed.block_offsets[i], packed.block_offsets[i + 1]
         assert torch.equal(packed.anchors[lo:hi] - packed.context_offsets[i], alone.anchors)
-    off = collate_blocks(samples, **{**opts, "anchor_density": 0.0})  # off: num_anchors (512) -> every candidate
+    off = collate_blocks(samples, replace(opts, anchor_density=0.0))  # off: num_anchors (512) -> every candidate
     assert off.block_offsets[-1] == sum(cands)
     assert anchor_count(8192, 512, 0.375) == 3072 and anchor_count(1, 512, 0.375) == 1
     assert anchor_count(100, 512, 0.0) == 512
@@ -325,7 +326,8 @@ def test_target_argmax_labels_are_the_targets_greedy_tokens(tmp_path):
     mask[:3] = False
     sample = {"input_ids": ids, "loss_mask": mask, "hidden": torch.zeros(ids.numel(), 8), "index": 0,
               "last_hidden": out.hidden_states[-1][0]}  # after the final norm, as shards and online store it
-    batch = collate_blocks([sample], block_size=4, mask_token_id=95, num_anchors=64, seed=0, use_last_hidden=True)
+    batch = collate_blocks([sample],
+                           CollateOptions(block_size=4, mask_token_id=95, num_anchors=64, seed=0, use_last_hidden=True))
     head = load_target_head(target_dir)
     labels = target_argmax_labels(head, batch, chunk_tokens=5)
     choice = out.logits[0].argmax(-1)  # the target's own next-token choice at each position

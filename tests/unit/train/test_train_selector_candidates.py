@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 
 from dflashkit.drafter.kinds.dflash2 import SelectorOptions
-from dflashkit.train.data import collate_blocks
-from dflashkit.train.drafter_pass import draft_hidden, forward_blocks
-from dflashkit.train.loss import block_loss, loss_denominator
+from dflashkit.train.data import CollateOptions, collate_blocks
+from dflashkit.train.drafter_pass import PassOptions, draft_hidden, forward_blocks
+from dflashkit.train.loss import LossSettings, block_loss, loss_denominator
 from dflashkit.train.selector_loss import predecessor_ids, selector_loss
 
 from support.packed_blocks import Head, make_samples, tiny_drafter
@@ -32,8 +32,9 @@ def setup(dtype):
         for p in model.parameters():
             p.add_(0.05 * torch.randn_like(p))  # off the identity convolutions and the zero successor codebook
     head = Head(V, H, scale=1.5).to(dtype)
-    batch = collate_blocks(make_samples([14, 9, 21], V, H, seed=1), block_size=B, mask_token_id=V - 1, num_anchors=6,
-                           seed=3, epoch=2, use_last_hidden=True)
+    batch = collate_blocks(make_samples([14, 9, 21], V, H, seed=1),
+                           CollateOptions(block_size=B, mask_token_id=V - 1, num_anchors=6, seed=3, epoch=2,
+                                          use_last_hidden=True))
     batch = dataclasses.replace(batch, target_hidden=batch.target_hidden.to(dtype),
                                 last_hidden=batch.last_hidden.to(dtype))
     return model, head, batch
@@ -50,8 +51,9 @@ def two_pass_reference(model, head, batch, variant, fused, coupled=False):
     ``coupled``: that pass's logits keep their autograd graph (the unary term's gradient, written the plain way)."""
     hidden = draft_hidden(model, head, batch, block_size=B, layer_types=LAYERS, sliding_window=None)
     teacher = batch.last_hidden[batch.teacher_index] if variant == "kl" else None
-    out = block_loss(hidden, head.lm_head.weight, batch.labels, batch.valid, variant=variant, gamma=GAMMA,
-                     teacher_hidden=teacher, chunk_tokens=CHUNK, fused=fused)
+    out = block_loss(hidden, head.lm_head.weight, batch.labels, batch.valid,
+                     LossSettings(variant=variant, gamma=GAMMA, chunk_tokens=CHUNK, fused=fused),
+                     teacher_hidden=teacher)
     n, p = batch.labels.shape
     k, rows = model.candidate_selector.top_k, max(1, CHUNK // p)
     candidates = torch.empty(n, p, k, dtype=torch.long)
@@ -74,9 +76,11 @@ def one_step(model, head, batch, variant, fused, reference: bool, coupled: bool 
     if reference:
         out, candidates = two_pass_reference(model, head, batch, variant, fused, coupled)
     else:
-        out = forward_blocks(model, head, batch, block_size=B, layer_types=LAYERS, sliding_window=None,
-                             variant=variant, gamma=GAMMA, chunk_tokens=CHUNK, fused_loss=fused,
-                             term_options=SelectorOptions(unary_grad=coupled))
+        out = forward_blocks(model, head, batch,
+                             PassOptions(block_size=B, layer_types=LAYERS, sliding_window=None,
+                                         term_options=SelectorOptions(unary_grad=coupled),
+                                         loss=LossSettings(variant=variant, gamma=GAMMA, chunk_tokens=CHUNK,
+                                                           fused=fused)))
         candidates = out.top_ids  # the loss pass's top_k, handed to the selector
     loss = step_loss(out, batch.valid, variant)
     loss.backward()
@@ -124,11 +128,11 @@ def test_the_loss_pass_top_k_are_the_logits_top_k():
     g = torch.Generator().manual_seed(5)
     hidden, weight = torch.randn(7, 3, 16, generator=g), torch.randn(50, 16, generator=g)
     labels, valid = torch.randint(0, 50, (7, 3), generator=g), torch.ones(7, 3, dtype=torch.bool)
-    out = block_loss(hidden, weight, labels, valid, top_k=5, chunk_tokens=6)
+    out = block_loss(hidden, weight, labels, valid, LossSettings(chunk_tokens=6), top_k=5)
     top = torch.topk(hidden @ weight.T, 5, dim=-1)
     torch.testing.assert_close(out.top_logits, top.values)
     assert torch.equal(out.top_ids, top.indices) and out.top_logits.dtype == torch.float32
-    plain = block_loss(hidden, weight, labels, valid, chunk_tokens=6)
+    plain = block_loss(hidden, weight, labels, valid, LossSettings(chunk_tokens=6))
     assert plain.top_logits is None and plain.top_ids is None and torch.equal(plain.loss_sum, out.loss_sum)
 
 
@@ -156,11 +160,11 @@ def test_the_held_out_pass_is_the_same_under_every_selector_option():
     numbers: the candidates' logits are the loss pass's without a gradient, and ce's position weights and
     normaliser are the decay's."""
     model, head, batch = setup(torch.float32)
-    run = dict(block_size=B, layer_types=LAYERS, sliding_window=None, variant="ce", gamma=GAMMA, chunk_tokens=CHUNK)
+    run = PassOptions(B, LAYERS, None, loss=LossSettings("ce", GAMMA, chunk_tokens=CHUNK))
     with torch.no_grad():
-        on = forward_blocks(model, head, batch, term_options=SelectorOptions(unary_grad=True, weights="loss"),
-                            **run)
-        off = forward_blocks(model, head, batch, **run)
+        on = forward_blocks(model, head, batch,
+                            dataclasses.replace(run, term_options=SelectorOptions(unary_grad=True, weights="loss")))
+        off = forward_blocks(model, head, batch, run)
     assert int(off.selector.in_candidates) > 0 and torch.equal(on.top_ids, off.top_ids)
     for name in ("loss_sum", "weight_sum", "correct", "in_candidates"):
         assert torch.equal(getattr(on.selector, name), getattr(off.selector, name)), name
@@ -173,11 +177,11 @@ def test_the_loss_weighted_selector_term_takes_the_block_losss_own_position_weig
     from dflashkit.train.loss import dpace_weights
 
     model, head, batch = setup(torch.float64)
-    run = dict(block_size=B, layer_types=LAYERS, sliding_window=None, variant="dpace", gamma=GAMMA,
-               chunk_tokens=CHUNK)
+    run = PassOptions(B, LAYERS, None, loss=LossSettings("dpace", GAMMA, chunk_tokens=CHUNK))
     with torch.no_grad():
-        by_loss = forward_blocks(model, head, batch, term_options=SelectorOptions(weights="loss"), **run)
-        by_decay = forward_blocks(model, head, batch, **run)
+        by_loss = forward_blocks(model, head, batch,
+                                 dataclasses.replace(run, term_options=SelectorOptions(weights="loss")))
+        by_decay = forward_blocks(model, head, batch, run)
         hidden = draft_hidden(model, head, batch, block_size=B, layer_types=LAYERS, sliding_window=None)
     logits = hidden @ head.lm_head.weight.T
     ce = (torch.logsumexp(logits, -1) - logits.gather(-1, batch.labels.unsqueeze(-1)).squeeze(-1)) * batch.valid
@@ -237,15 +241,14 @@ def test_injected_labels_add_terms_but_are_not_counted_as_found():
     recall and accuracy count what "skip" counts (as decoding would), the drafter's gradient moves with the
     unary coupling; without a gradient (the held-out pass) nothing is injected."""
     model, head, batch = setup(torch.float64)
-    run = dict(block_size=B, layer_types=LAYERS, sliding_window=None, variant="dpace", gamma=GAMMA,
-               chunk_tokens=CHUNK)
+    run = PassOptions(B, LAYERS, None, loss=LossSettings("dpace", GAMMA, chunk_tokens=CHUNK))
 
     def options(missing):
         return SelectorOptions(unary_grad=True, missing_label=missing)
 
     def step(missing):
         model.zero_grad(set_to_none=True)
-        out = forward_blocks(model, head, batch, term_options=options(missing), **run)
+        out = forward_blocks(model, head, batch, dataclasses.replace(run, term_options=options(missing)))
         step_loss(out, batch.valid, "dpace").backward()
         return out, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
@@ -258,8 +261,8 @@ def test_injected_labels_add_terms_but_are_not_counted_as_found():
     name = "layers.0.mlp.down_proj.weight"
     assert not torch.allclose(g_inject[name], g_skip[name])
     with torch.no_grad():
-        held = forward_blocks(model, head, batch, term_options=options("inject"), **run)
-        plain = forward_blocks(model, head, batch, term_options=options("skip"), **run)
+        held = forward_blocks(model, head, batch, dataclasses.replace(run, term_options=options("inject")))
+        plain = forward_blocks(model, head, batch, dataclasses.replace(run, term_options=options("skip")))
     assert torch.equal(held.selector.loss_sum, plain.selector.loss_sum)
 
 
@@ -286,12 +289,11 @@ def test_the_detached_selector_term_leaves_the_drafters_layers_to_the_block_loss
     codebooks and the hidden projection still learn, and the loss is the same; by default the term moves the
     layers too (the option acts)."""
     model, head, batch = setup(torch.float64)
-    run = dict(block_size=B, layer_types=LAYERS, sliding_window=None, variant="dpace", gamma=GAMMA,
-               chunk_tokens=CHUNK)
+    run = PassOptions(B, LAYERS, None, loss=LossSettings("dpace", GAMMA, chunk_tokens=CHUNK))
 
     def grads(**options):
         model.zero_grad(set_to_none=True)
-        out = forward_blocks(model, head, batch, **run, **options)
+        out = forward_blocks(model, head, batch, dataclasses.replace(run, **options))
         loss = step_loss(out, batch.valid, "dpace") if out.selector is not None else (
             out.loss_sum / loss_denominator(batch.valid, "dpace", GAMMA))
         loss.backward()

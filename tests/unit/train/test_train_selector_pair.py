@@ -90,8 +90,9 @@ def test_the_kernels_give_the_reference_values_and_gradients_in_interpreter():
 PASS_SCRIPT = INTERPRETER_PREAMBLE + COUNT_LAUNCHES + textwrap.dedent("""
     import dataclasses
     from dflashkit.drafter.kinds.dflash2 import SelectorOptions
-    from dflashkit.train.data import collate_blocks
-    from dflashkit.train.drafter_pass import forward_blocks
+    from dflashkit.train.data import CollateOptions, collate_blocks
+    from dflashkit.train.drafter_pass import PassOptions, forward_blocks
+    from dflashkit.train.loss import LossSettings
     from support.packed_blocks import Head, make_samples, tiny_drafter
     V, H, B = 40, 32, 4
     torch.manual_seed(0)
@@ -101,14 +102,15 @@ PASS_SCRIPT = INTERPRETER_PREAMBLE + COUNT_LAUNCHES + textwrap.dedent("""
         for p in model.parameters():
             p.add_(0.05 * torch.randn_like(p))  # a successor codebook off zero: its term moves the loss
     head = Head(V, H, scale=1.5).float()
-    batch = collate_blocks(make_samples([14, 9, 21], V, H, seed=1), block_size=B, mask_token_id=V - 1,
-                           num_anchors=6, seed=3, epoch=2)
+    batch = collate_blocks(make_samples([14, 9, 21], V, H, seed=1),
+                           CollateOptions(block_size=B, mask_token_id=V - 1, num_anchors=6, seed=3, epoch=2))
     batch = dataclasses.replace(batch, target_hidden=batch.target_hidden.float())
     runs = []
     for kernel in (True, False):
         model.zero_grad(set_to_none=True)
-        out = forward_blocks(model, head, batch, block_size=B, layer_types=["full_attention"] * 2,
-                             sliding_window=None, chunk_tokens=7, term_options=SelectorOptions(kernel=kernel))
+        out = forward_blocks(model, head, batch, PassOptions(
+            block_size=B, layer_types=["full_attention"] * 2, sliding_window=None, loss=LossSettings(chunk_tokens=7),
+            term_options=SelectorOptions(kernel=kernel)))
         (out.loss_sum + out.selector.loss_sum).backward()
         runs.append((out.selector.loss_sum.item(), out.loss_sum.item(),
                      {n: p.grad.clone() for n, p in model.named_parameters()}))

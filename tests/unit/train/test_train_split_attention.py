@@ -9,9 +9,9 @@ import torch
 from dflashkit.drafter.modeling_dflash import attend
 from dflashkit.train.block_mask import block_tiles, build_block_masks, dense_block_mask, split_block_mask
 from dflashkit.train.config import load_config
-from dflashkit.train.data import collate_blocks
-from dflashkit.train.drafter_pass import forward_blocks
-from dflashkit.train.loss import loss_denominator
+from dflashkit.train.data import CollateOptions, collate_blocks
+from dflashkit.train.drafter_pass import PassOptions, forward_blocks
+from dflashkit.train.loss import LossSettings, loss_denominator
 from dflashkit.train.split_attention import SplitBlockMask, context_attention
 
 from support.packed_blocks import Head, make_samples, tile_truth, tiny_drafter
@@ -100,15 +100,16 @@ def test_drafter_pass_split_equals_dense(layer_types, window):
     model, head = tiny_drafter(V, H, B, layer_types, window).float(), Head(V, H, scale=1.5)
     samples = [{k: (t.float() if t.is_floating_point() else t) if torch.is_tensor(t) else t for k, t in s.items()}
                for s in make_samples([14, 9, 21], V, H, seed=1)]
-    batch = collate_blocks(samples, block_size=B, mask_token_id=V - 1, num_anchors=6, seed=3, epoch=2)
+    batch = collate_blocks(samples, CollateOptions(block_size=B, mask_token_id=V - 1, num_anchors=6, seed=3, epoch=2))
     masks = build_block_masks(batch.anchors, batch.ctx_len, B, layer_types, window, "split", batch.context_start)
     assert all(isinstance(m, SplitBlockMask) for m in (masks.values() if isinstance(masks, dict) else [masks]))
     res = {}
     for backend in ("dense", "split"):
         seen = {}
         hook = model.norm.register_forward_hook(lambda m, i, o: seen.update(h=o))
-        out = forward_blocks(model, head, batch, block_size=B, layer_types=layer_types, sliding_window=window,
-                             backend=backend, variant="dpace", chunk_tokens=7)
+        out = forward_blocks(model, head, batch,
+                             PassOptions(block_size=B, layer_types=layer_types, sliding_window=window, backend=backend,
+                                         loss=LossSettings(variant="dpace", chunk_tokens=7)))
         hook.remove()
         loss = out.loss_sum / loss_denominator(batch.valid, "dpace", 7.0)
         loss.backward()

@@ -8,7 +8,8 @@ import torch.nn.functional as F
 
 from dflashkit.drafter import DrafterConfig, build_drafter
 from dflashkit.train.data import pack_sequences
-from dflashkit.train.drafter_pass import forward_blocks
+from dflashkit.train.drafter_pass import PassOptions, forward_blocks
+from dflashkit.train.loss import LossSettings
 
 from support.packed_blocks import Head, tiny_drafter
 
@@ -47,8 +48,9 @@ def test_packed_pass_equals_per_block_loop(layer_types, window):
     batch = pack_sequences([ids], [mask], [hidden], [anchors], B, V - 1)
     h_packed = {}
     hook = model.norm.register_forward_hook(lambda m, i, o: h_packed.update(h=o))
-    out = forward_blocks(model, head, batch, block_size=B, layer_types=layer_types, sliding_window=window,
-                         chunk_tokens=5)
+    out = forward_blocks(model, head, batch,
+                         PassOptions(block_size=B, layer_types=layer_types, sliding_window=window,
+                                     loss=LossSettings(chunk_tokens=5)))
     hook.remove()
     ref_loss, ref_hidden = per_block_loop(model, head, ids, mask, hidden, anchors, B, V - 1)
     # the drafter's RMSNorm computes in fp32 even for fp64 inputs: agreement is to ~1e-7, not fp64 precision
@@ -67,8 +69,9 @@ def test_packed_gradients_equal_per_block_loop():
     ids, mask = torch.randint(1, V, (L,)), torch.ones(L, dtype=torch.bool)
     hidden = torch.randn(L, H, dtype=torch.float64)
     anchors = torch.tensor([1, 4, 5, 8])
-    out = forward_blocks(model, head, pack_sequences([ids], [mask], [hidden], [anchors], B, 0), block_size=B,
-                         layer_types=["full_attention"], sliding_window=None, chunk_tokens=2)
+    out = forward_blocks(model, head, pack_sequences([ids], [mask], [hidden], [anchors], B, 0),
+                         PassOptions(block_size=B, layer_types=["full_attention"], sliding_window=None,
+                                     loss=LossSettings(chunk_tokens=2)))
     out.loss_sum.backward()
     packed = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()

@@ -1,6 +1,8 @@
 """train/train_step.py on a tiny drafter: one step is the single-process update on the step's samples, a stop
 vote takes no step, and a DFlash2 selector with weight 0 is neither computed nor trained."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -8,12 +10,12 @@ from safetensors.torch import load_file
 from dflashkit.drafter import DrafterConfig, build_drafter
 from dflashkit.drafter.kinds.dflash2 import SelectorOptions
 from dflashkit.train.config import load_config
-from dflashkit.train.data import collate_blocks
-from dflashkit.train.drafter_pass import forward_blocks
-from dflashkit.train.loss import loss_denominator
+from dflashkit.train.data import CollateOptions, collate_blocks
+from dflashkit.train.drafter_pass import PassOptions, forward_blocks
+from dflashkit.train.loss import LossSettings, loss_denominator
 from dflashkit.train.metrics import MetricSums
 from dflashkit.train.tracking import read_metrics
-from dflashkit.train.train_step import train_step
+from dflashkit.train.train_step import StepVotes, train_step
 from dflashkit.train.trainer import train
 
 from support.packed_blocks import Head
@@ -41,11 +43,13 @@ def micro_batches(lens_per_micro, seed=0):
             samples.append({"input_ids": torch.randint(0, V - 1, (n,), generator=g), "loss_mask": mask,
                             "hidden": torch.randn(n, 2 * H, generator=g), "index": index})
             index += 1
-        out.append(collate_blocks(samples, block_size=B, mask_token_id=V - 1, num_anchors=5, seed=1, pad_multiple=1))
+        out.append(collate_blocks(samples, CollateOptions(block_size=B, mask_token_id=V - 1, num_anchors=5, seed=1),
+                                  pad_multiple=1))
     return out
 
 
-OPTIONS = dict(block_size=B, layer_types=["full_attention"], sliding_window=None, backend="dense", chunk_tokens=64)
+OPTIONS = PassOptions(block_size=B, layer_types=["full_attention"], sliding_window=None, backend="dense",
+                      loss=LossSettings(chunk_tokens=64))
 
 
 def one_step(model, head, micro, stop_requested, **config):
@@ -57,9 +61,10 @@ def one_step(model, head, micro, stop_requested, **config):
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr)
     prepared, optimizer = accelerator.prepare(model, optimizer)
     sums = MetricSums(B - 1, accelerator.device)
-    options = {**OPTIONS, "term_options": SelectorOptions(weights=cfg.selector_weights)}
-    result = train_step(prepared, optimizer, accelerator, head, micro, cfg=cfg, lr_factor=0.5,
-                        stop_requested=stop_requested, sums=sums, pass_options=options)
+    loss = LossSettings(cfg.loss, cfg.gamma, cfg.dpace_alpha, cfg.kl_weight, OPTIONS.loss.chunk_tokens)
+    options = replace(OPTIONS, loss=loss, term_options=SelectorOptions(weights=cfg.selector_weights))
+    result = train_step(prepared, optimizer, accelerator, head, micro, cfg=cfg, lr_factor=0.5, sums=sums,
+                        pass_options=options, votes=StepVotes(stop_requested=stop_requested))
     return result, sums, optimizer
 
 
@@ -74,7 +79,7 @@ def test_one_step_is_the_update_on_the_steps_samples_normalised_once():
     assert not result.stopped and optimizer.param_groups[0]["lr"] == pytest.approx(0.5e-2)
     # by hand: the loss sums of both micro-batches over the denominator of the whole step, one SGD step at lr/2
     denom = sum(loss_denominator(m.valid, "ce", 7.0) for m in micro)
-    total = sum(forward_blocks(reference, head, m, **OPTIONS).loss_sum for m in micro) / denom
+    total = sum(forward_blocks(reference, head, m, OPTIONS).loss_sum for m in micro) / denom
     total.backward()
     for name, p in reference.named_parameters():
         expected = start[name] - 0.5e-2 * p.grad
@@ -98,8 +103,8 @@ def test_the_selector_term_is_skipped_but_the_block_loss_is_the_same():
     torch.manual_seed(0)
     model, head = drafter("dflash2", selector_rank=4, selector_top_k=4, conv_group_size=8), Head(V, H)
     batch = micro_batches([[15, 9]])[0]
-    with_term = forward_blocks(model, head, batch, **OPTIONS)
-    without = forward_blocks(model, head, batch, extra_term=False, **OPTIONS)
+    with_term = forward_blocks(model, head, batch, OPTIONS)
+    without = forward_blocks(model, head, batch, replace(OPTIONS, extra_term=False))
     assert with_term.selector is not None and without.selector is None
     assert torch.equal(with_term.loss_sum, without.loss_sum) and torch.equal(with_term.correct, without.correct)
 
@@ -145,8 +150,8 @@ def test_a_dflash2_step_weighs_and_normalises_the_selector_term_as_configured(we
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
     one_step(model, head, micro, stop_requested=False, loss="dpace", selector_loss_weight=0.7,
              selector_weights=weights)
-    outs = [forward_blocks(reference, head, m, variant="dpace", term_options=SelectorOptions(weights=weights),
-                           **OPTIONS) for m in micro]
+    dpace = replace(OPTIONS, loss=replace(OPTIONS.loss, variant="dpace"), term_options=SelectorOptions(weights=weights))
+    outs = [forward_blocks(reference, head, m, dpace) for m in micro]
     denom = sum(loss_denominator(m.valid, "dpace", 7.0) for m in micro)
     sel_denom = sum(loss_denominator(m.valid, "dpace" if weights == "loss" else "ce", 7.0) for m in micro)
     assert sum(float(o.selector.in_candidates) for o in outs) > 0
