@@ -28,14 +28,17 @@ _MISSING = dataclasses.MISSING
 
 
 def option(default: Any = _MISSING, *, help: str, group: str | None = None, flag: str | None = None,
-           choices=None, parse: Callable[[str], Any] | None = None, action: str | None = None,
-           nargs: str | int | None = None, metavar: str | None = None, required: bool = False,
-           default_factory: Callable[[], Any] | None = None) -> Any:
+           choices=None, parse: Callable[[str], Any] | None = None, required: bool = False,
+           default_factory: Callable[[], Any] | None = None, **argparse_extra) -> Any:
     """A dataclass field that is also a command-line flag (see the module notes). ``flag``: the flag's spelling
     when it is not the field's name with dashes (``"--for"``), or a positional name (no dashes). A required flag
-    needs no default: its field defaults to None, and the parser refuses a command line without it."""
-    arg = {"help": help, "group": group, "flag": flag, "choices": choices, "type": parse, "action": action,
-           "nargs": nargs, "metavar": metavar, "required": required}
+    needs no default: its field defaults to None, and the parser refuses a command line without it.
+    ``argparse_extra``: ``action``, ``nargs``, ``metavar``, given to argparse as written."""
+    unknown = set(argparse_extra) - {"action", "nargs", "metavar"}
+    if unknown:
+        raise TypeError(f"option() got unexpected keyword arguments {sorted(unknown)}")
+    arg = {"help": help, "group": group, "flag": flag, "choices": choices, "type": parse, "action": None,
+           "nargs": None, "metavar": None, "required": required, **argparse_extra}
     if default is _MISSING and default_factory is None:
         default = None
     if default_factory is not None:

@@ -5,8 +5,9 @@ acceptance (the greedy acceptance walk over a tree), tree (draft trees and ances
 (the PyTorch twin and the dispatch), tree_attention_triton (the Triton kernel), verifier (the target with its
 own KV cache, plugged in through transformers' attention registry), kv_cache (that cache and the compaction of
 kept nodes), hybrid (chain verification for targets with recurrent layers), draft_step (the drafter's pass on a
-static cache, CUDA graphs), engine (the round loop and the autoregressive baseline), lossless (the check against
-HF generate), run (one evaluation run), prompts, report, serving. The static cache, graph capture, sampling and
-the target's parts come from the target runtime (dflashkit/targets/runtime/); stop requests from
-dflashkit/stopping.py.
+static cache, CUDA graphs), decoder (the round loop and the autoregressive baseline), lossless (the check against
+HF generate), run (one evaluation run), options (the command's flags, `EvalOptions`), prompts, report, serving;
+the `--engine vllm` run (vllm_engine, vllm_report, served_config) calls vLLM only through targets/vllm/. The
+static cache, graph capture, sampling and the target's parts come from the target runtime (targets/runtime/);
+stop requests from dflashkit/stopping.py.
 """
