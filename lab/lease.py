@@ -96,11 +96,12 @@ def setup_ready(plan: Plan, stage: Stage) -> str | None:
 
 
 def stage_env(plan: Plan, stage: Stage) -> dict[str, str]:
-    """This environment, the plan's and the stage's variables, and RUN/.packages (links to bench/ and lab/) on
-    PYTHONPATH so that `python -m lab.X` works from the run directory."""
+    """This environment, the plan's and the stage's variables, and RUN/.packages (links to bench/, lab/ and tests/,
+    whose support/ holds the CPU twins of vLLM the toy profiles serve with) on PYTHONPATH so that `python -m lab.X`
+    works from the run directory."""
     packages = plan.run_dir / ".packages"
     packages.mkdir(exist_ok=True)
-    for name in ("bench", "lab"):
+    for name in ("bench", "lab", "tests"):
         link = packages / name
         if not link.is_symlink():
             link.symlink_to(ROOT / name)
