@@ -197,7 +197,7 @@ def engine_report_of(path: str | Path | None, servers: dict[str, str]) -> dict |
     UserError when it is not one, or when the servers are not NAME=URL pairs to set beside its engines."""
     if path is None:
         return None
-    from .report import read_report
+    from .compare import read_report
 
     if "none" not in servers:
         raise UserError("--engine-report needs NAME=URL servers named like the report's engines (none=URL, kN=URL, "
