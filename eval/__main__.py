@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main_compare(opts: EvalOptions) -> int:
     """`--compare`: every report (and its outputs.jsonl) read before --out is touched, then the comparison."""
-    from .report import compare_reports, read_outputs, read_report
+    from .compare import compare_reports, read_outputs, read_report
 
     for path in opts.compare:
         read_report(path)

@@ -17,17 +17,11 @@ Design choices:
 - The lossless check (greedy runs) is eval/lossless.py's, against an independent reference; report.md says it
   in words. A partial run (stopped early) says so at the top.
 - matplotlib is imported only when plots are written, with the Agg backend (no display needed).
-- `compare_reports` reads several report.json files and writes one side-by-side table (and a tau plot); a
-  report.json that is not JSON, or lacks a field the table reads, is named with the field, in one line.
 - outputs.jsonl (the local engine's runs; `--engine vllm --per-prompt`'s): one line per prompt, its dataset and
   id, the prompt's length, the rounds and their tokens (τ of the prompt) and the answer's token ids. A
   round's tokens are its accepted drafts and its bonus token before the cap at --max-new-tokens, as vLLM's
   counters count them (the report's τ counts the tokens kept: a capped answer's last round counts less).
-  `--compare` pairs the prompts of reports that have one (`paired_outputs`): how many answers are the same,
-  where the others part, and τ of each report over the prompts whose answers are the same. With the same
-  answers τ differs only by the drafter's proposals; where they part (another dtype, device or target build:
-  greedy decoding picks the other of two near-tied tokens), the two runs draft different text and τ moves for
-  that reason too.
+  `--compare` pairs the prompts of reports that have one (eval/compare.py).
 - A report directory holds only eval's files (`REPORT_FILES`): `dflashkit eval` refuses an --out that holds
   anything else, or an earlier report, unless --overwrite (`report_dir_problem`); nothing of the user's is replaced.
 """
@@ -37,7 +31,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from dflashkit.errors import UserError, shown
 from dflashkit.files import atomic_write
 
 from .decoder import GenerationResult
@@ -46,8 +39,7 @@ from .decoder import GenerationResult
 REPORT_FILES = ("report.json", "report.md", "acceptance_histogram.png", "per_position_acceptance.png",
                 "tau_per_dataset.png", "speedup_vs_concurrency.png", "serving.json", "serving.md", "compare.md",
                 "tau_compare.png", "schedule.json", "engines.partial.jsonl", "outputs.jsonl")
-OUTPUT_FIELDS = {"dataset": str, "id": str, "prompt_tokens": int, "rounds": int, "round_tokens": int, "tau": float,
-                 "tokens": list}
+
 
 
 def _mean(values) -> float:
@@ -115,7 +107,8 @@ def summarize(spec: list[GenerationResult], ar: list[GenerationResult] | None, b
     return out
 
 
-def _table(rows: list[list], header: list[str]) -> str:
+def markdown_table(rows: list[list], header: list[str]) -> str:
+    """A markdown table: floats to three decimals, None as a dash."""
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(_fmt(c) for c in row) + " |" for row in rows]
     return "\n".join(lines)
@@ -174,24 +167,26 @@ def render_markdown(report: dict) -> str:
     rows = [[name] + [(report["datasets"].get(name) or report["overall"]).get(f) for f, _ in SUMMARY_FIELDS]
             for name in names]
     parts += ["## Summary", f"Speedups here are the {HARNESS_WORDS} (`dflashkit eval --engine vllm` measures "
-              "vLLM's, per concurrency).", "", _table(rows, ["dataset"] + [h for _, h in SUMMARY_FIELDS]), ""]
+              "vLLM's, per concurrency).", "",
+              markdown_table(rows, ["dataset"] + [h for _, h in SUMMARY_FIELDS]), ""]
     if "cost_model_inputs" in report["overall"]:
         parts += ["Speedups and the cost model cover the AR baseline prompts (τ, verify and draft of their "
                   "speculative runs: `cost_model_inputs` in report.json); the other columns cover every prompt.", ""]
     overall = report["overall"]
     parts += ["## Accepted length per round (histogram)",
-              _table([[k, v] for k, v in overall["acceptance_histogram"].items()], ["tokens", "rounds"]), "",
-              "## Per-position acceptance",
-              _table([[k + 1, v] for k, v in enumerate(overall["per_position_acceptance"])],
-                     ["draft position", "accepted"]), ""]
+              markdown_table([[k, v] for k, v in overall["acceptance_histogram"].items()], ["tokens", "rounds"]),
+              "", "## Per-position acceptance",
+              markdown_table([[k + 1, v] for k, v in enumerate(overall["per_position_acceptance"])],
+                             ["draft position", "accepted"]), ""]
     if "lossless" in overall:
         lossless = overall["lossless"]
         parts += ["## Lossless check (greedy: speculative tokens vs an independent reference)", describe(lossless), ""]
         if lossless["divergences"]:
-            parts += [_table([[d["prompt"], d["token_index"], d["speculative_token"], d["reference_token"],
-                               d["reference_margin"], d["tie_bound"], d["kind"]] for d in lossless["divergences"]],
-                             ["prompt", "token", "speculative", "reference", "ref. top-1 − top-2", "tie bound",
-                              "kind"]), ""]
+            parts += [markdown_table([[d["prompt"], d["token_index"], d["speculative_token"], d["reference_token"],
+                                       d["reference_margin"], d["tie_bound"], d["kind"]]
+                                      for d in lossless["divergences"]],
+                                     ["prompt", "token", "speculative", "reference", "ref. top-1 − top-2",
+                                      "tie bound", "kind"]), ""]
     return "\n".join(parts)
 
 
@@ -210,22 +205,23 @@ def write_plots(report: dict, out_dir: Path) -> list[str]:
     histogram = overall["acceptance_histogram"]
     ax.bar([int(k) for k in histogram], list(histogram.values()))
     ax.set(xlabel="tokens produced per round", ylabel="rounds", title=f"τ = {overall['tau']:.2f}")
-    written.append(_save(fig, out_dir / "acceptance_histogram.png"))
+    written.append(save_figure(fig, out_dir / "acceptance_histogram.png"))
     fig, ax = plt.subplots(figsize=(5, 3.2))
     for name, numbers in report["datasets"].items():
         curve = numbers["per_position_acceptance"]
         ax.plot(range(1, len(curve) + 1), curve, marker="o", label=name)
     ax.set(xlabel="draft position", ylabel="fraction of rounds accepted", ylim=(0, 1.02))
     ax.legend(fontsize=7)
-    written.append(_save(fig, out_dir / "per_position_acceptance.png"))
+    written.append(save_figure(fig, out_dir / "per_position_acceptance.png"))
     fig, ax = plt.subplots(figsize=(5, 3.2))
     ax.bar(list(report["datasets"]), [d["tau"] for d in report["datasets"].values()])
     ax.set(ylabel="τ", title="τ per dataset")
-    written.append(_save(fig, out_dir / "tau_per_dataset.png"))
+    written.append(save_figure(fig, out_dir / "tau_per_dataset.png"))
     return written
 
 
-def _save(fig, path: Path) -> str:
+def save_figure(fig, path: Path) -> str:
+    """Write a matplotlib figure as a PNG and close it; its file name (report.json's ``plots``)."""
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     import matplotlib.pyplot as plt
@@ -270,164 +266,3 @@ def report_dir_problem(path: Path) -> str | None:
     names = foreign_entries(path, lambda name: False)
     return (f"it already holds {', '.join(names[:4])}{' ...' if len(names) > 4 else ''}: an earlier report, or "
             "files of yours of those names")
-
-
-# what --compare reads of a report.json: field (keys from the top) -> (JSON types allowed, the name of that kind)
-COMPARED_FIELDS = {("args",): (dict, "an object"), ("block_size",): (int, "an integer"),
-                   ("datasets",): (dict, "an object"), ("overall",): (dict, "an object"),
-                   ("overall", "tau"): ((int, float), "a number")}
-
-
-def _field_name(keys: tuple) -> str:
-    """``overall.tau``; a dataset's name (a path may hold dots) in brackets: ``datasets["p.jsonl"].tau``."""
-    name = keys[0]
-    for key in keys[1:]:
-        name += f".{key}" if key.isidentifier() and len(key) <= 80 else \
-            f"[{json.dumps(key) if len(key) <= 80 else shown(key)}]"  # a 100 KB name is cut, not echoed
-    return name
-
-
-def _report_field_problem(report: dict, keys: tuple, kinds: tuple) -> str | None:
-    value = report
-    for key in keys:
-        if not isinstance(value, dict) or key not in value:
-            return f"field {_field_name(keys)} is missing"
-        value = value[key]
-    allowed, kind = kinds
-    if isinstance(value, bool) or not isinstance(value, allowed):
-        return f"field {_field_name(keys)} is {json.dumps(value)[:40]}, expected {kind}"
-    return None
-
-
-def check_report(report, file: Path) -> dict:
-    """The fields --compare reads, with their types; a one-line UserError naming the file and the field."""
-    fix = "give a report directory written by `dflashkit eval --out DIR`, or run that eval again"
-    if not isinstance(report, dict):
-        raise UserError(f"{file}: holds a JSON {type(report).__name__}, not a report object; {fix}")
-    fields = dict(COMPARED_FIELDS)
-    if isinstance(report.get("datasets"), dict):
-        for name, numbers in report["datasets"].items():
-            fields[("datasets", name)] = (dict, "an object")
-            if isinstance(numbers, dict) and "tau" in numbers:
-                fields[("datasets", name, "tau")] = ((int, float), "a number")
-    for keys, kinds in fields.items():
-        problem = _report_field_problem(report, keys, kinds)
-        if problem:
-            raise UserError(f"{file}: {problem}; {fix}")
-    return report
-
-
-def read_report(path: str | Path) -> dict:
-    path = Path(path)
-    file = path / "report.json" if path.is_dir() else path
-    if not file.is_file():
-        raise UserError(f"{file}: no report.json here; give directories written by `dflashkit eval --out DIR`")
-    try:
-        report = json.loads(file.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as error:
-        raise UserError(f"{file}: not valid JSON (line {error.lineno}: {error.msg}); give a report directory written "
-                        "by `dflashkit eval --out DIR`, or run that eval again") from None
-    except UnicodeDecodeError:
-        raise UserError(f"{file}: not UTF-8 text, so not a report.json of `dflashkit eval`; give a report "
-                        "directory written by `dflashkit eval --out DIR`") from None
-    return check_report(report, file)
-
-
-def read_outputs(path: str | Path) -> dict[tuple[str, str], dict] | None:
-    """A report directory's outputs.jsonl as {(dataset, id): record}; None when it has none (a vLLM report, or
-    one written before the file existed). A line that is not such a record is named with its field."""
-    path = Path(path)
-    file = (path if path.is_dir() else path.parent) / "outputs.jsonl"
-    if not file.is_file():
-        return None
-    fix = "it is written by `dflashkit eval`; run that eval again, or remove the file to compare without it"
-    records = {}
-    for number, line in enumerate(file.read_text(encoding="utf-8").splitlines(), 1):
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise UserError(f"{file}: line {number} is not JSON ({error.msg}); {fix}") from None
-        for name, kind in OUTPUT_FIELDS.items():
-            value = record.get(name) if isinstance(record, dict) else None
-            if not isinstance(value, kind) and not (kind is float and isinstance(value, int)):
-                raise UserError(f"{file}: line {number}: field {name} is missing or not {kind.__name__}; {fix}")
-        records[pair_key(record)] = record
-    return records
-
-
-def pair_key(record: dict) -> tuple[str, str]:
-    """What pairs two reports' prompts: the dataset's file name (a report of another machine names the same
-    file under another folder; builtin:NAME as it is) and the prompt's id."""
-    dataset = record["dataset"]
-    return (dataset if dataset.startswith("builtin:") else Path(dataset).name, record["id"])
-
-
-def _first_difference(a: list, b: list) -> int | None:
-    """The first token index where two answers differ (the shorter one's length when one is the other's start);
-    None for the same answer."""
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
-
-
-def paired_outputs(first: dict, other: dict) -> dict:
-    """Two reports' outputs on the prompts both ran (module notes): the prompts, the same answers, the median
-    token where the others part, and τ of each over all shared prompts and over those with the same answer."""
-    shared = [key for key in first if key in other]
-    parts = {key: _first_difference(first[key]["tokens"], other[key]["tokens"]) for key in shared}
-    same = [key for key in shared if parts[key] is None]
-    parted = sorted(i for i in parts.values() if i is not None)
-
-    def tau(records: dict, keys: list) -> float | None:
-        rounds = sum(records[k]["rounds"] for k in keys)
-        return sum(records[k]["round_tokens"] for k in keys) / rounds if rounds else None
-
-    return {"prompts": len(shared), "same_answers": len(same),
-            "median_first_difference": parted[len(parted) // 2] if parted else None,
-            "tau_first": tau(first, shared), "tau_other": tau(other, shared),
-            "tau_first_same_answers": tau(first, same), "tau_other_same_answers": tau(other, same)}
-
-
-def compare_reports(paths: list[str], out_dir: str | Path | None = None) -> str:
-    """A markdown table of several reports side by side (and tau_compare.png in out_dir); where the reports have
-    outputs.jsonl, a second table pairs each one's prompts with the first report's (``paired_outputs``)."""
-    reports = [read_report(p) for p in paths]
-    datasets = sorted({name for r in reports for name in r["datasets"]})
-    header = ["report", "mode", "budget"] + [f"τ {d}" for d in datasets] + [
-        "τ all", "engine speedup (vLLM)", "harness speedup (dflashkit's decode loop)", "verify/AR step"]
-    rows = []
-    for path, r in zip(paths, reports):
-        served = r.get("engine") == "vllm"  # its overall speedup is vLLM's, at the lowest concurrency
-        rows.append([path, r["args"].get("mode"), r["args"].get("tree_budget") if r["args"].get("mode") == "tree"
-                     else r["block_size"]] + [r["datasets"].get(d, {}).get("tau") for d in datasets]
-                    + [r["overall"]["tau"], r["overall"].get("speedup") if served else None,
-                       None if served else r["overall"].get("speedup"), r["overall"].get("verify_over_ar_step")])
-    text = ("# Comparison\n\nEngine speedup: vLLM's output tok/s against no speculation at its report's lowest "
-            f"concurrency (the report's headline has every level); {HARNESS_WORDS}.\n\n" + _table(rows, header) + "\n")
-    outputs = [read_outputs(p) for p in paths]
-    if outputs[0] is not None and any(o is not None for o in outputs[1:]):
-        paired = [[path] + list(paired_outputs(outputs[0], o).values()) for path, o in zip(paths[1:], outputs[1:])
-                  if o is not None]
-        text += (f"\n## The same prompts against {paths[0]} (outputs.jsonl)\n\n"
-                 + _table(paired, ["report", "prompts", "same answers", "median first difference (token)",
-                                   "τ first", "τ this", "τ first, same answers", "τ this, same answers"]) + "\n")
-    if out_dir is not None:
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        atomic_write(out / "compare.md", text.encode())
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(6, 3.2))
-        width = 0.8 / len(reports)
-        for i, (path, r) in enumerate(zip(paths, reports)):
-            ax.bar([j + i * width for j in range(len(datasets))],
-                   [r["datasets"].get(d, {}).get("tau", 0.0) for d in datasets], width, label=Path(path).name)
-        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(datasets))], datasets)
-        ax.set(ylabel="τ")
-        ax.legend(fontsize=7)
-        _save(fig, out / "tau_compare.png")
-    return text

@@ -60,10 +60,22 @@ from dflashkit.targets.vllm.api import VllmApi, close_engine, load_api, start_en
 from dflashkit.targets.vllm.metrics import per_prompt_records, per_prompt_summary, timed_generate
 from dflashkit.targets.vllm.runtime import model_runner
 
-from .chat_settings import EvalChat, describe, resolve_chat
+from .chat_settings import EvalChat, describe, mismatch_warnings, resolve_chat
 from .options import EvalOptions
-from .prompts import multi_turn_prompts, target_stop_ids
-from .serving_plan import capture_size, run_requests
+from .prompts import load_prompts, multi_turn_prompts, target_stop_ids
+from .serving_plan import (
+    BASELINES,
+    REVISED,
+    V1_RUNNER,
+    baseline_specs,
+    capture_size,
+    derive_schedule,
+    given_schedule,
+    revise_zero_ranges,
+    run_requests,
+    schedule_lookup,
+    schedule_spec,
+)
 
 PARTIAL_FILE = "engines.partial.jsonl"  # one line per engine as it finishes (eval/report.py REPORT_FILES)
 
@@ -112,11 +124,7 @@ class VllmEvalConfig:
             raise UserError(f"--cudagraph-capture-size {capture}: use auto, vllm or a number of tokens >= 1")
         if str(capture).isdigit():
             self.cudagraph_capture = int(capture)
-        from .serving_plan import BASELINES
-
         if self.schedule is not None:
-            from .serving_plan import schedule_lookup
-
             schedule_lookup(self.schedule, max(self.concurrency), 1 << 30)  # UserError naming a bad entry
         unknown = [b for b in self.baselines if b not in BASELINES]
         if unknown:
@@ -179,8 +187,6 @@ def prepare_run(opts: EvalOptions, config: VllmEvalConfig, chat: EvalChat, api: 
     from dflashkit.extract.data.rendering import prompt_ids
     from dflashkit.targets.loading import resolve_target_dir
 
-    from .prompts import load_prompts
-
     dcfg, ks, notes = drafter_plan(opts.drafter, config, chat, api, warn)
     target_dir, _ = resolve_target_dir(opts.target)
     served_dir, stripped = rules.vllm_target_dir(target_dir, str(opts.out))
@@ -215,8 +221,6 @@ def drafter_plan(drafter: str, config: VllmEvalConfig, chat: EvalChat, api: Vllm
     from dflashkit.drafter import serving_rules as rules
     from dflashkit.drafter.vllm_dflash2 import check_vllm_num_speculative_tokens, check_vllm_schedule
 
-    from .chat_settings import mismatch_warnings
-
     dcfg = read_drafter_config(drafter)
     ks = sorted({rules.vllm_num_speculative_tokens(dcfg.block_size, k, warn, causal=dcfg.causal)
                  for k in config.num_speculative_tokens or [None]})
@@ -245,8 +249,6 @@ def start_served(run: ServedRun, name: str, spec: dict | None, prefix: str):
     model runner with piecewise CUDA graphs only, as vLLM 0.24 runs a schedule's engine (config/vllm.py:758-773),
     so that it differs from the schedule's engine at k = 0 by the drafter's pass alone (on 0.26 a schedule stays
     on the default runner: drafter/serving_rules.py rule "schedule_runner")."""
-    from .serving_plan import V1_RUNNER
-
     t0 = time.perf_counter()
     capture = capture_size(run, spec)
     compilation = {"max_cudagraph_capture_size": capture} if capture else {}
@@ -379,14 +381,6 @@ def measure_engines(run: ServedRun) -> tuple[dict, dict, dict, list]:
     """(every engine's results by name, the schedule, the baseline engines' specs, the baselines skipped): no
     speculation, the drafter at each k, the baselines, then the schedule derived from them (or the one given) and,
     where its k = 0 levels cost, its revision."""
-    from .serving_plan import (
-        REVISED,
-        baseline_specs,
-        derive_schedule,
-        given_schedule,
-        revise_zero_ranges,
-        schedule_spec,
-    )
     from .vllm_report import level_speedups
 
     config = run.config

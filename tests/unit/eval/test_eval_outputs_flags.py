@@ -170,7 +170,7 @@ def test_compare_pairs_the_prompts_of_two_reports_outputs():
     """The same answers are counted, a parting answer gives the token where it parts (a shorter answer that is
     the other's start, its length), and τ of each report over the shared prompts and over those with the same
     answer come from their rounds; a prompt only one report ran is left out."""
-    from dflashkit.eval.report import paired_outputs
+    from dflashkit.eval.compare import paired_outputs
 
     first = {(r["dataset"], r["id"]): r for r in [
         _record("a", "1", [1, 2, 3, 4], 2, 3), _record("a", "2", [5, 6, 7, 8], 3, 3),

@@ -15,15 +15,14 @@ from transformers import LlamaForCausalLM
 from dflashkit.drafter import DrafterConfig, build_drafter
 from dflashkit.errors import UserError
 from dflashkit.eval.decoder import DecodeConfig, SpeculativeDecoder
+from dflashkit.eval.server_client import parse_prometheus, tau_from_metrics
 from dflashkit.eval.serving import (
     level_conversations,
-    parse_prometheus,
     parse_servers,
     plan_from_servers,
     render_plan_markdown,
     run_server_plan,
     sweep,
-    tau_from_metrics,
 )
 
 from support.tiny_targets import VOCAB, tiny_target_config

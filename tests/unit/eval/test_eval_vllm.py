@@ -270,7 +270,8 @@ def test_the_report_leads_with_the_plan_measured_in_vllm(served):
 def test_the_harness_speedup_is_named_as_the_harness(tmp_path, capsys):
     """`dflashkit eval`'s own speedup is its decode loop's, not a serving engine's: the console, report.md and
     --compare beside a vLLM report say so."""
-    from dflashkit.eval.report import compare_reports, render_markdown
+    from dflashkit.eval.compare import compare_reports
+    from dflashkit.eval.report import render_markdown
 
     harness = {"args": {"mode": "chain"}, "block_size": 4, "datasets": {}, "overall": {"tau": 2.0, "speedup": 1.8},
                "target": {}, "drafter": {}, "versions": {}}
