@@ -26,7 +26,8 @@ from dflashkit.errors import UserError
 from dflashkit.options import build_parser as options_parser
 from dflashkit.options import option, options_from
 
-from .config import TrainConfig, load_config
+from .config import TrainConfig
+from .recipe import load_config
 
 LAYER_TYPE_NAMES = {"full": "full_attention", "sliding": "sliding_attention",
                     "full_attention": "full_attention", "sliding_attention": "sliding_attention"}

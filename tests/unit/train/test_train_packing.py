@@ -171,7 +171,7 @@ def test_packed_run_equals_unpacked_run(even_shards, tmp_path, anchor_density, o
     samples with the same anchors as one sequence per micro-batch with G=3, so every logged loss agrees."""
     from accelerate.state import AcceleratorState, GradientState
 
-    from dflashkit.train.config import load_config
+    from dflashkit.train.recipe import load_config
     from dflashkit.train.trainer import train
 
     from support.training import tiny_overrides, train_losses

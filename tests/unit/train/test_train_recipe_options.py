@@ -12,10 +12,10 @@ from safetensors.torch import load_file
 
 from dflashkit.train import muon
 from dflashkit.train.anchors import anchor_candidates, anchor_count
-from dflashkit.train.config import load_config
 from dflashkit.train.data import CollateOptions, collate_blocks
 from dflashkit.train.drafter_pass import target_argmax_labels
 from dflashkit.train.muon import RMS_MATCH, Muon, check_backend, muon_param_groups, newton_schulz, stacks
+from dflashkit.train.recipe import load_config
 from dflashkit.train.setup import lr_at
 from dflashkit.train.tracking import read_metrics
 from dflashkit.train.trainer import train
