@@ -88,7 +88,7 @@ class TrainConfig:
     selector_codebook_lr_scale: float = 1.0  # dflash2: the selector's two codebooks learn at this multiple of the
     # lr (their own optimizer group; a codebook row moves only on the steps its token is drawn; train/muon.py)
     # --- objective
-    loss: str = "dpace"  # "ce" | "dpace" | "kl" (train/loss.py documents each; dpace beat ce at equal data)
+    loss: str = "dpace"  # "ce" | "dpace" | "kl" (train/objectives.py documents each; dpace beat ce at equal data)
     gamma: float = 7.0  # position decay exp(-(k-1)/gamma) of ce and kl
     dpace_alpha: float = 0.5  # D-PACE confidence smoothing (paper Eq. 7)
     kl_weight: float = 0.5  # kl: share of KL(target || draft) in the per-position loss (rest is CE)

@@ -11,7 +11,8 @@ from dflashkit.drafter import DrafterConfig, build_drafter
 from dflashkit.train.block_mask import TILE, block_tiles, dense_block_mask, flex_block_mask
 from dflashkit.train.data import CollateOptions, collate_blocks, pack_order, pack_sequences
 from dflashkit.train.drafter_pass import PassOptions, compile_layers, forward_blocks
-from dflashkit.train.loss import LossSettings, block_loss, loss_denominator
+from dflashkit.train.loss import LossSettings, block_loss
+from dflashkit.train.objectives import loss_denominator
 
 from support.packed_blocks import Head, drafter_pass, make_samples, tile_truth, tiny_drafter
 

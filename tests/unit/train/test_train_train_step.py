@@ -11,8 +11,9 @@ from dflashkit.drafter import DrafterConfig, build_drafter
 from dflashkit.drafter.kinds.dflash2 import SelectorOptions
 from dflashkit.train.data import CollateOptions, collate_blocks
 from dflashkit.train.drafter_pass import PassOptions, forward_blocks
-from dflashkit.train.loss import LossSettings, loss_denominator
+from dflashkit.train.loss import LossSettings
 from dflashkit.train.metrics import MetricSums
+from dflashkit.train.objectives import loss_denominator
 from dflashkit.train.recipe import load_config
 from dflashkit.train.tracking import read_metrics
 from dflashkit.train.train_step import StepVotes, train_step
