@@ -216,7 +216,7 @@ def test_muon_ns_dtype_reaches_the_step_and_a_bad_one_is_refused(tmp_path):
         Muon([{"params": [torch.nn.Parameter(torch.randn(4, 4))], "use_muon": True}], ns_dtype="fp16")
     with pytest.raises(ValueError, match="muon_ns_dtype: 'half'; use 'float32', 'bfloat16' or 'auto'"):
         load_config(None, ["muon_ns_dtype=half"], output_dir=str(tmp_path))
-    from dflashkit.train.setup import build_optimizer
+    from dflashkit.train.setup_drafter import build_optimizer
 
     cfg = load_config(None, ["optimizer=muon", "muon_ns_dtype=bfloat16"], output_dir=str(tmp_path))
     assert build_optimizer(cfg, model, "NO").ns_dtype == torch.bfloat16

@@ -115,7 +115,7 @@ def test_dflash2_with_selector_weight_zero_leaves_the_selector_untrained(tiny_ru
 
     from dflashkit.extract.shards.manifest import read_manifest
     from dflashkit.targets.loading import load_target_head
-    from dflashkit.train.setup import build_model
+    from dflashkit.train.setup_drafter import build_model
 
     target, shards = tiny_run
     cfg = load_config(None, [], **tiny_overrides(
