@@ -84,7 +84,8 @@ from dflashkit.train.data import CollateOptions, PackedBlocks, collate_blocks, p
 from dflashkit.train.drafter_pass import PassOptions, compile_layers, forward_blocks, mask_backend
 from dflashkit.train.metrics import MetricSums
 from dflashkit.train.pass_options import drafter_pass_options
-from dflashkit.train.setup import build_model, build_optimizer, conv_kernels, make_accelerator
+from dflashkit.train.setup import make_accelerator
+from dflashkit.train.setup_drafter import build_model, build_optimizer, conv_kernels
 from dflashkit.train.train_step import StepVotes, train_step
 
 

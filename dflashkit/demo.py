@@ -84,7 +84,7 @@ def extract(**flags) -> dict:
 def train(recipe: str, overrides: list[str] | tuple = (), **fields) -> dict:
     """The drafter, trained from a recipe, then ``key=value`` overrides, then TrainConfig fields, and exported at
     the end (dflashkit.train)."""
-    from dflashkit.train.config import load_config
+    from dflashkit.train.recipe import load_config
     from dflashkit.train.trainer import train as run_training
 
     return run_training(load_config(recipe, overrides, **fields))

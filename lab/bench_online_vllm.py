@@ -99,7 +99,7 @@ def capture_calls(path: str, standin: bool):
 def run_config(args, path: str, run_dir: Path):
     """The TrainConfig of one path: the recipe, the bench's overrides, then --overrides; target and data as the
     command's --target / --data flags set them."""
-    from dflashkit.train.config import load_config
+    from dflashkit.train.recipe import load_config
 
     overrides = [f"output_dir={run_dir}", f"epochs={args.epochs}", f"seed={args.seed}", "wandb=false",
                  "progress=false", f"target_engine={path}"]

@@ -5,7 +5,7 @@ Muon as the trainer runs it (same-shape matrices stacked, train/muon.py) and the
 Design choices:
 - The drafter is built as the trainer builds one for the SmolLM2-135M testbed (``--smollm2-shape``: 5 layers of
   576, the config bench_train_throughput.py uses; ``--toy`` for a CPU check) and each optimizer as the trainer
-  builds it (train/setup.build_optimizer). The step is the whole optimizer step, nothing else: what the change
+  builds it (train/setup_drafter.build_optimizer). The step is the whole optimizer step, nothing else: what the change
   to stacks can move, without the drafter pass around it.
 - The forms alternate step by step (each its own copy of the drafter and its own state) so a drift of the GPU
   clock falls on all of them; each step is synchronised before and after. Median of ``--steps`` after ``--warmup``.
@@ -30,7 +30,7 @@ from bench.bench_train_throughput import target_config
 from dflashkit.drafter import DrafterConfig, build_drafter, default_target_layer_ids
 from dflashkit.train import muon
 from dflashkit.train.config import TrainConfig
-from dflashkit.train.setup import build_optimizer
+from dflashkit.train.setup_drafter import build_optimizer
 
 FORMS = ("adamw", "muon_one", "muon", "muon_bf16")
 

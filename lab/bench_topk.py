@@ -1,4 +1,4 @@
-"""The selector candidates' top-k (train/loss.grouped_topk) against torch.topk on one chunk of lm_head logits.
+"""The selector candidates' top-k (train/grouped_topk.py) against torch.topk on one chunk of lm_head logits.
 
     python -m lab.bench_topk --out runs/bench/topk_h200.json       # GPU: a chunk of 2048 rows, SmolLM2's vocab
     python -m lab.bench_topk --rows 64 --out /tmp/topk_cpu.json        # CPU
@@ -25,7 +25,8 @@ import statistics
 import torch
 
 from bench.common import seconds_per_call, write_json
-from dflashkit.train.loss import TOPK_GROUP, grouped_topk_reference, logit_statistics, topk_kernel_runs
+from dflashkit.train.grouped_topk import TOPK_GROUP, grouped_topk_reference, topk_kernel_runs
+from dflashkit.train.loss import logit_statistics
 
 
 def check(x: torch.Tensor, values: torch.Tensor, ids: torch.Tensor, ref: torch.Tensor, what: str) -> None:

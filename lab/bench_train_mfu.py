@@ -31,7 +31,8 @@ from dflashkit import launch
 from dflashkit.drafter import DrafterConfig, build_drafter
 from dflashkit.train.anchors import sample_anchors
 from dflashkit.train.block_mask import build_block_masks
-from dflashkit.train.loss import LossSettings, block_loss, loss_denominator
+from dflashkit.train.loss import LossSettings, block_loss
+from dflashkit.train.objectives import loss_denominator
 
 
 def count_flops(cfg: DrafterConfig, seq: int, anchors: torch.Tensor, block: int, vocab: int) -> dict:

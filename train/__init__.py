@@ -8,8 +8,10 @@ Heavy imports (accelerate, deepspeed, wandb, tensorboard) happen inside the func
 
 from .anchors import anchor_candidates, eval_anchors, sample_anchors
 from .block_mask import block_mask_mod, build_block_masks, dense_block_mask, flex_block_mask
-from .config import TrainConfig, load_config
-from .loss import block_loss, dpace_weights, loss_denominator, position_decay
+from .config import TrainConfig
+from .loss import block_loss
+from .objectives import dpace_weights, loss_denominator, position_decay
+from .recipe import load_config
 
 __all__ = ["TrainConfig", "anchor_candidates", "block_loss", "block_mask_mod", "build_block_masks",
            "dense_block_mask", "dpace_weights", "eval_anchors", "flex_block_mask", "load_config",

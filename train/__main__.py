@@ -47,7 +47,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .config import LOSSES, TARGET_ENGINES, load_config
+from .config import LOSSES, TARGET_ENGINES
+from .recipe import load_config
 
 
 def build_parser() -> argparse.ArgumentParser:

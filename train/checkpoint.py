@@ -12,7 +12,7 @@ Design choices:
 - Nothing of the target is saved (its embedding, norm and lm_head are frozen inputs, re-read at start).
 - No pickle: optimizer state is flattened into safetensors, everything else is JSON. Model and optimizer
   states are gathered to full tensors (``torch.distributed.checkpoint.state_dict`` for plain / DDP / FSDP
-  models, DeepSpeed's tensor-fragment API for ZeRO), so a checkpoint resumes under any backend and
+  models, DeepSpeed's tensor-fragment API for ZeRO; train/full_state.py), so a checkpoint resumes under any backend and
   world size.
 - Atomicity: files go to ``.tmp-step-XXXXXXXX/``, ``checkpoint.json`` last, then the directory is fsynced whole
   and renamed into place (dflashkit/files.py: a directory's shape of its one durability guarantee). A
@@ -43,6 +43,8 @@ from safetensors import safe_open
 from dflashkit.errors import UserError
 from dflashkit.files import disk_full_errno, disk_full_error, pause_point, sha256_file, swap_dir_into_place
 from dflashkit.outputs import save_safetensors
+
+from .full_state import full_state, jsonable, load_full_state
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 FORMAT = "dflashkit-train-checkpoint-v1"
@@ -111,147 +113,6 @@ def latest_checkpoint(output_dir: str | os.PathLike, warn=print) -> Path | None:
     return None
 
 
-# --------------------------------------------------------------------------- gathering full state
-def _is_deepspeed(model) -> bool:
-    return type(model).__name__ == "DeepSpeedEngine"
-
-
-def _unwrapped(model):
-    return model.module if hasattr(model, "module") else model
-
-
-def _link_deepspeed_optimizer_state(engine, create: bool = False) -> None:
-    """DeepSpeed links each parameter to its slice of the flat AdamW state lazily, at the first step. For a
-    resume before any step, create zero AdamW state and link it now, so the full state can be written in."""
-    zero = engine.optimizer
-    base = zero.optimizer
-    if create:
-        flat = [p for g in base.param_groups for p in g["params"]]
-        for attr in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat"):  # ZeRO-1/2, ZeRO-3
-            flat += list(getattr(zero, attr, None) or [])
-        for p in flat:
-            if not base.state.get(p):
-                base.state[p] = {"step": torch.zeros((), dtype=torch.float32),
-                                 "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
-    if hasattr(zero, "_hp_optimizer_states_linked"):  # it may have been linked while the state was empty
-        zero._hp_optimizer_states_linked = False
-    if hasattr(zero, "_lazy_init_hp_params_optimizer_state"):  # ZeRO-1/2; ZeRO-3 reads the flat state directly
-        zero._lazy_init_hp_params_optimizer_state()
-
-
-def full_state(model, optimizer) -> tuple[dict, dict, dict]:
-    """(model fp32 tensors, optimizer tensors, optimizer JSON) as full tensors; every rank must call it."""
-    if _is_deepspeed(model):
-        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
-
-        _link_deepspeed_optimizer_state(model)
-        weights, opt = {}, {}
-        for name, p in model.module.named_parameters():
-            weights[name] = safe_get_full_fp32_param(p).detach().float().cpu()
-            for key in ("exp_avg", "exp_avg_sq"):
-                value = safe_get_full_optimizer_state(p, key)
-                if value is not None:
-                    opt[f"state.{name}.{key}"] = value.detach().float().cpu()
-        base = model.optimizer.optimizer
-        steps = [s["step"] for s in base.state.values() if "step" in s]
-        step = float(steps[0]) if steps else 0.0
-        for name, _ in model.module.named_parameters():
-            if f"state.{name}.exp_avg" in opt:
-                opt[f"state.{name}.step"] = torch.tensor(step)
-        groups = [{k: v for k, v in g.items() if k != "params"} for g in base.param_groups]
-        return weights, opt, {"param_groups": _jsonable(groups)}
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
-
-    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    weights = {k: v.detach().float().cpu() for k, v in get_model_state_dict(model, options=opts).items()
-               if not k.startswith("rotary_emb.")}
-    osd = get_optimizer_state_dict(model, getattr(optimizer, "optimizer", optimizer), options=opts)
-    if "state" not in osd:  # with cpu_offload only rank 0 receives the full state
-        return weights, {}, {}
-    opt = {}
-    for name, state in osd["state"].items():
-        for key, value in state.items():
-            opt[f"state.{name}.{key}"] = (value if torch.is_tensor(value) else torch.tensor(value)).detach().cpu()
-    groups = [{k: v for k, v in g.items() if k != "params"} | {"params": list(g["params"])}
-              for g in osd["param_groups"]]
-    return weights, opt, {"param_groups": _jsonable(groups)}
-
-
-def load_full_state(model, optimizer, weights: dict, opt: dict, opt_json: dict,
-                    source: str | os.PathLike = "trainer.json") -> None:
-    """Put full tensors back into a (possibly sharded) model and optimizer; every rank must call it. ``source``
-    (the trainer.json ``opt_json`` was read from) is named when its optimizer groups do not fit."""
-    if _is_deepspeed(model):
-        from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
-
-        _link_deepspeed_optimizer_state(model, create=True)
-        import deepspeed
-
-        step = None
-        for name, p in model.module.named_parameters():
-            safe_set_full_fp32_param(p, weights[name].to(p.device))
-            # the working (bf16) copy is refreshed from the fp32 master only at the next step: set it too
-            if hasattr(p, "ds_id"):  # ZeRO-3: partitioned
-                with deepspeed.zero.GatheredParameters([p], modifier_rank=0):
-                    p.data.copy_(weights[name].to(p.dtype))
-            else:
-                p.data.copy_(weights[name].to(p.dtype))
-            for key in ("exp_avg", "exp_avg_sq"):
-                if f"state.{name}.{key}" in opt:
-                    safe_set_full_optimizer_state(p, opt[f"state.{name}.{key}"].to(p.device), key)
-            if f"state.{name}.step" in opt:
-                step = opt[f"state.{name}.step"]
-        if step is not None:
-            for s in model.optimizer.optimizer.state.values():
-                if "step" in s:
-                    s["step"] = step.to(s["step"].device) if torch.is_tensor(s["step"]) else int(step)
-        return
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
-
-    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    current = _unwrapped(model).state_dict()
-    full = {k: weights[k] if k in weights else v for k, v in current.items()}
-    missing = sorted(k for k in current if k not in weights and not k.startswith("rotary_emb."))
-    if missing:
-        raise UserError(f"checkpoint lacks drafter tensors {missing[:5]}: it was written for another drafter")
-    groups = opt_json["param_groups"]
-    check_param_groups(groups, getattr(optimizer, "optimizer", optimizer), source)
-    set_model_state_dict(model, full, options=opts)
-    state: dict = {}
-    for key, value in opt.items():
-        name, field = key[len("state."):].rsplit(".", 1)
-        state.setdefault(name, {})[field] = value
-    set_optimizer_state_dict(model, getattr(optimizer, "optimizer", optimizer),
-                             {"state": state, "param_groups": groups}, options=opts)
-
-
-def check_param_groups(groups: list, optimizer, source) -> None:
-    """The saved optimizer groups must pair one to one with ``optimizer``'s, each naming as many parameters."""
-    if len(groups) != len(optimizer.param_groups):
-        raise UserError(f"{source}: field optimizer.param_groups has {len(groups)} groups, this run's optimizer has "
-                        f"{len(optimizer.param_groups)}; resume with the optimizer the checkpoint was written with "
-                        f"(optimizer=adamw or muon, and selector_codebook_lr_scale, as in its config), or start a "
-                        f"new run")
-    for k, (saved, group) in enumerate(zip(groups, optimizer.param_groups)):
-        params = saved.get("params")
-        if not isinstance(params, list) or len(params) != len(group["params"]):
-            raise UserError(f"{source}: field optimizer.param_groups[{k}].params does not list this drafter's "
-                            f"{len(group['params'])} parameters; the checkpoint was altered or written for another "
-                            f"drafter: use another checkpoint")
-
-
-def _jsonable(x):
-    if isinstance(x, dict):
-        return {str(k): _jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_jsonable(v) for v in x]
-    if torch.is_tensor(x):
-        return x.item() if x.numel() == 1 else x.tolist()
-    if isinstance(x, (int, float, str, bool)) or x is None:
-        return x
-    return str(x)
-
-
 # --------------------------------------------------------------------------- RNG
 def rng_state() -> tuple[dict, dict]:
     import numpy as np
@@ -260,7 +121,7 @@ def rng_state() -> tuple[dict, dict]:
     if torch.cuda.is_available():
         tensors["torch_cuda"] = torch.cuda.get_rng_state()
     np_state = np.random.get_state()
-    info = {"python": _jsonable(random.getstate()),
+    info = {"python": jsonable(random.getstate()),
             "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])]}
     return tensors, info
 
@@ -329,7 +190,7 @@ def _write_checkpoint_files(accelerator, tmp: Path, weights: dict, opt: dict, op
                          metadata={"format": "pt"})
         save_safetensors({k: v.contiguous() for k, v in opt.items()}, tmp / "optimizer.safetensors")
         state = dict(trainer_state, optimizer=opt_json, world_size=accelerator.num_processes)
-        (tmp / "trainer.json").write_text(json.dumps(_jsonable(state), indent=1))
+        (tmp / "trainer.json").write_text(json.dumps(jsonable(state), indent=1))
 
 
 def rotate_checkpoints(output_dir: str | os.PathLike, step: int, keep_last: int) -> None:

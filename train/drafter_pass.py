@@ -39,7 +39,8 @@ from dflashkit.errors import UserError
 from .block_mask import build_block_masks
 from .data import PackedBlocks
 from .dspark_loss import dspark_forward_inputs, dspark_metrics
-from .loss import BlockLossOutput, LossSettings, block_loss, loss_denominator
+from .loss import BlockLossOutput, LossSettings, block_loss
+from .objectives import loss_denominator
 from .selector_loss import SelectorLossOutput, candidate_logits, inject_missing_labels, predecessor_ids, selector_loss
 from .selector_pair import pair_term
 

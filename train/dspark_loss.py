@@ -39,7 +39,7 @@ from torch.utils.checkpoint import checkpoint
 from dflashkit.drafter.kinds.dspark import DSparkLossOptions
 from dflashkit.errors import UserError
 
-from .loss import loss_denominator, position_decay
+from .objectives import loss_denominator, position_decay
 
 __all__ = ["DSparkLossOptions", "DSparkLossSums", "DSparkTermOutput", "acceptance_rate", "dspark_forward_inputs",
            "dspark_loss", "dspark_loss_sums", "dspark_term", "teacher_forced_predecessors"]

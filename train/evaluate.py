@@ -52,8 +52,8 @@ from dflashkit.drafter.kinds import drafter_kind
 
 from .data import CollateOptions, collate_blocks, pack_order
 from .drafter_pass import PassOptions, extra_term_of, forward_blocks, layers_compiled
-from .loss import loss_denominator
 from .metrics import MetricSums
+from .objectives import loss_denominator
 
 
 def chain_walk(anchors: list[int], runs: list[int], block_size: int) -> tuple[int, int, list[int]]:

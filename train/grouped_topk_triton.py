@@ -1,11 +1,11 @@
-"""Triton kernel of grouped_topk (imported only where Triton is installed; see train/loss.py ``grouped_topk``).
+"""Triton kernel of grouped_topk (imported only where Triton is installed; see train/grouped_topk.py).
 
 One program per row, one launch per chunk of logits, for a vocabulary of whole groups. The program keeps, per
 group, the key of its best logit not yet taken (at the start: the group's maximum, at the group's first column),
 and takes the k largest in k rounds: the group with the largest key, then, from that group's logits (read from
 the logits themselves), the logit it stands for, and the group's next one below it as its new key. So the row is
 never read whole: only the groups that hold the row's k largest, at most k of them (those with the largest
-maxima, train/loss.py's module notes), each read again (from the cache) for every further logit taken from it.
+maxima, train/grouped_topk.py's module notes), each read again (from the cache) for every further logit taken from it.
 The values are read back from the logits at the columns taken (the logits' own, in their dtype).
 
 Design choices:

@@ -26,7 +26,8 @@ from dflashkit.errors import UserError
 from dflashkit.options import build_parser as options_parser
 from dflashkit.options import option, options_from
 
-from .config import TrainConfig, load_config
+from .config import TrainConfig
+from .recipe import load_config
 
 LAYER_TYPE_NAMES = {"full": "full_attention", "sliding": "sliding_attention",
                     "full_attention": "full_attention", "sliding_attention": "sliding_attention"}
@@ -56,7 +57,7 @@ def init_drafter(cfg: TrainConfig, out_dir: str | Path, dtype: torch.dtype = tor
     from dflashkit.outputs import check_apart, check_output_dir
     from dflashkit.targets.loading import load_target_head
 
-    from .setup import build_model
+    from .setup_drafter import build_model
 
     if not cfg.target:
         raise UserError("target: no target given; pass --target (an HF model dir, a .gguf file or testbed:smollm2)")

@@ -1,28 +1,14 @@
 """Block-prediction losses, computed in chunks through the target's lm_head.
 
-Draft position k (1..B-1) of the block anchored at a predicts token a+k. A label is valid when a+k < L and
-loss_mask[a+k] holds. Three objectives, chosen by one flag (``variant``):
-
-- ``ce`` (the public DFlash recipe): sum_k w_k * CE_k with w_k = exp(-(k-1)/gamma) on valid labels,
-  normalised by the sum of those weights. Early positions count more: a miss there discards the rest.
-- ``dpace`` (D-PACE, "Dynamic Position-Aware Cross-Entropy for Parallel Speculative Drafting",
-  arXiv:2605.18810): the fixed decay is replaced by detached weights from the drafter's own confidence
-  q_k = exp(-CE_k) on the label. Smoothed q~_k = (1 - alpha) q_k + alpha (paper Eq. 7, alpha = 0.5);
-  w_j = sum_{m >= j, valid} prod_{i <= m} q~_i (Eq. 8), i.e. the expected accepted length credited to j;
-  loss = sum_j w_j CE_j (Eq. 9). Invalid labels get q~ = 1 (they neither break nor earn credit). Normalised by
-  the number of blocks with at least one valid label, as the paper's author asked in sgl-project/SpecForge
-  issue #828 (dividing by sum(w) would cancel the credit mass).
-- ``kl``: soft labels. The target's distribution for token a+k is lm_head(last_hidden[a+k-1]), where
-  ``last_hidden`` is the target's final-norm output that extraction stores (targets/capture.py), so only the
-  lm_head is applied here. Per position
-  (1 - kl_weight) * CE_k + kl_weight * KL(p_target || q_draft), with the ``ce`` decay weights and normaliser.
+Draft position k (1..B-1) of the block anchored at a predicts token a+k. Three objectives, chosen by one flag
+(``variant``): ``ce``, ``dpace`` and ``kl``; train/objectives.py states each (its position weights and normaliser).
 
 Design choices:
 - One engine for the three (``chunked_logit_statistics``): it walks the blocks in chunks through the lm_head and
   computes from each chunk's logits what every objective needs: the logsumexp, the label's logit (so CE) and
   the argmax, and for ``kl`` the teacher's distribution over the same rows. An objective is then only a small
-  ``Objective``: its per-position weights (``ce_weights``, ``dpace_weights``) and the share ``soft`` of its
-  term on the teacher (``kl_weight`` for kl, 0 otherwise); the gradient of every objective is
+  ``Objective`` (train/objectives.py): its per-position weights (``ce_weights``, ``dpace_weights``) and the share
+  ``soft`` of its term on the teacher (``kl_weight`` for kl, 0 otherwise); the gradient of every objective is
   ``w * (softmax - (1 - soft) * onehot(label) - soft * p_target)``.
 - Never materialise [blocks*(B-1), vocab] fp32 logits: a custom autograd function runs the engine, which
   computes the loss and d(loss)/d(hidden) of each chunk at once (the lm_head is frozen, so no weight gradient),
@@ -47,25 +33,8 @@ Design choices:
   before they are freed; values then as float32), so the selector's candidates cost no second lm_head pass. It is
   one eager op after either backend's statistics; for an fp32 lm_head the candidates are exactly those of
   ``topk(logits.float())``, for bf16 the same values (the upcast is exact and keeps the order).
-- That top_k is ``grouped_topk``: a radix select over a whole vocabulary row is the slowest op of a DFlash2 step
-  on a GPU (``torch.topk`` of [2048, 49152] bf16 logits, k 16: 1.04 ms a chunk in a profiled step, against 0.16 ms
-  for the statistics kernel that reads the same logits; 21% of the step's GPU time; alone 0.81 ms against 0.40 ms
-  for grouped_topk, H200). The row is cut into groups of
-  ``TOPK_GROUP`` logits; the k groups with the largest maxima hold every one of the row's k largest values (a
-  group outside them has k groups whose maxima are at least its own, so any value of it has k larger or equal
-  ones elsewhere), so the top_k runs on those k groups (plus the tail when the vocabulary is not a multiple of
-  the group) instead of the row: the same values, ids differing from ``torch.topk``'s only among equal logits.
-  The group maxima come from the statistics kernel's own read of the logits (``_logit_stats_grouped``: per
-  group its max, first argmax and sum of exp, the row's logsumexp and argmax from those), not from a second
-  read (GPU time of 3 profiled DFlash2 steps 797 -> 756 ms, H200).
-- Where Triton runs (``triton_available``) and the vocabulary is whole groups, grouped_topk is one Triton kernel
-  launch per chunk (train/grouped_topk_triton.py) instead of its torch ops (two topk, the gather of the chosen
-  groups and the index arithmetic: ~50 of 738 ms GPU time in a profile of 3 DFlash2 steps, H200; the kernel takes
-  0.059 ms a chunk of 2,048 rows x 49,152 against the torch path's 0.336 ms, but does not
-  show in whole-step medians yet): one program per row takes the k largest one by one, each from the group
-  whose best logit not yet taken is the largest, starting from the given maxima, so it reads only those groups.
-  The values are torch.topk's; on equal logits it takes the lowest column, so its ids may differ from those of
-  the torch path (``grouped_topk_reference``, the CPU path) only among equal logits.
+  That top_k is train/grouped_topk.py's ``grouped_topk``, which takes the group maxima the statistics already
+  found (``_logit_stats_grouped``) and on a GPU runs one Triton kernel per chunk.
 """
 
 from __future__ import annotations
@@ -78,35 +47,9 @@ import torch
 import torch.nn.functional as F
 
 from dflashkit.errors import UserError
-from dflashkit.targets.runtime.kernels import triton_available
 
-VARIANTS = ("ce", "dpace", "kl")
-
-
-def position_decay(block_size: int, gamma: float, device=None, dtype=torch.float32) -> torch.Tensor:
-    """exp(-(k-1)/gamma) for k = 1..B-1 ([B-1], computed in fp64)."""
-    k = torch.arange(1, block_size, dtype=torch.float64, device=device)
-    return torch.exp(-(k - 1) / float(gamma)).to(dtype)
-
-
-def dpace_weights(ce: torch.Tensor, valid: torch.Tensor, alpha: float) -> torch.Tensor:
-    """D-PACE position weights (detached). ce, valid: [N, P] -> [N, P] (zero on invalid labels)."""
-    if not 0.0 < alpha <= 1.0:
-        raise ValueError(f"dpace_alpha must be in (0, 1], got {alpha}")
-    valid = valid.to(ce.dtype)
-    q = torch.exp(-ce.detach())
-    q_smooth = torch.where(valid > 0, (1.0 - alpha) * q + alpha, torch.ones_like(q))
-    prefix = torch.cumprod(q_smooth, dim=-1)
-    suffix = torch.flip(torch.cumsum(torch.flip(prefix * valid, [-1]), dim=-1), [-1])
-    return suffix * valid
-
-
-def loss_denominator(valid: torch.Tensor, variant: str, gamma: float) -> torch.Tensor:
-    """The normaliser contributed by one micro-batch (valid: [N, B-1]); summed over the step and ranks."""
-    if variant == "dpace":
-        return valid.any(dim=-1).sum().to(torch.float32)
-    decay = position_decay(valid.shape[-1] + 1, gamma, valid.device)
-    return (valid.to(torch.float32) * decay).sum()
+from .grouped_topk import TOPK_GROUP, grouped_topk, groups_pay
+from .objectives import VARIANTS, Objective, objective, position_decay
 
 
 @dataclass
@@ -133,27 +76,6 @@ class BlockLossOutput:
     @selector.setter
     def selector(self, value) -> None:
         self.extra = value
-
-
-# --------------------------------------------------------------------------- the objectives
-@dataclass(frozen=True)
-class Objective:
-    """What one objective asks of the engine: the weight of each position (detached) and the share ``soft`` of
-    its per-position term on the teacher's distribution: term = (1 - soft) * CE + soft * KL(p_target || q)."""
-
-    weights: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # (ce, valid, decay) -> [n, P]
-    soft: float = 0.0  # 0 for hard labels (ce, dpace); kl_weight for kl
-
-
-def ce_weights(ce: torch.Tensor, valid: torch.Tensor, decay: torch.Tensor) -> torch.Tensor:
-    return decay * valid  # the fixed decay exp(-(k-1)/gamma) on valid labels (ce and kl)
-
-
-def objective(variant: str, dpace_alpha: float = 0.5, kl_weight: float = 0.5) -> Objective:
-    """The objective named by ``variant`` (the module notes)."""
-    if variant == "dpace":
-        return Objective(lambda ce, valid, decay: dpace_weights(ce, valid, dpace_alpha))
-    return Objective(ce_weights, soft=float(kl_weight) if variant == "kl" else 0.0)
 
 
 @dataclass(frozen=True)
@@ -229,71 +151,6 @@ def _logit_grad(logits: torch.Tensor, lse: torch.Tensor, labels: torch.Tensor, w
     if teacher_p is not None:
         g = g - teacher_p
     return (g * w.unsqueeze(-1)).to(logits.dtype)
-
-
-TOPK_GROUP = 256  # logits per group of grouped_topk (the fastest of 64-512 on an H200)
-
-
-def groups_pay(cols: int, k: int, group: int = TOPK_GROUP) -> bool:
-    """Whether grouped_topk cuts a row of ``cols`` into groups (else it is torch.topk over the row)."""
-    return cols // group >= 4 * k
-
-
-def topk_kernel_runs(x: torch.Tensor, k: int, group: int = TOPK_GROUP) -> bool:
-    """Whether grouped_topk runs the Triton kernel on ``x``: Triton runs on its device, groups pay, and the case
-    is the kernel's (train/grouped_topk_triton.py ``kernel_fits``: fp32/bf16/fp16 logits with unit column stride,
-    whole power-of-two groups)."""
-    if not (x.dim() == 2 and groups_pay(x.shape[1], k, group) and triton_available(x.device)):
-        return False
-    from .grouped_topk_triton import kernel_fits
-
-    return kernel_fits(x, k, group)
-
-
-def grouped_topk(x: torch.Tensor, k: int, group: int = TOPK_GROUP, group_max: torch.Tensor | None = None,
-                 out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(values, indices) of the k largest entries of each row of 2-D ``x``, largest first: the values of
-    ``torch.topk(x, k)``, found among the k groups of ``group`` columns with the largest maxima (module notes).
-    ``group_max``: those maxima [rows, cols // group] when already computed (``_logit_stats_grouped``; any dtype
-    that keeps their order, exact for the kernel's tie rule). Rows too short for groups to save work go to
-    ``torch.topk`` whole. ``out``: contiguous (values in x's dtype, long indices) [rows, k] to write them into
-    (no copy after), returned. The Triton kernel where ``topk_kernel_runs``, else ``grouped_topk_reference``."""
-    if topk_kernel_runs(x, k, group):
-        from .grouped_topk_triton import grouped_topk_triton
-
-        return grouped_topk_triton(x, k, group, group_max, out)
-    return grouped_topk_reference(x, k, group, group_max, out)
-
-
-def grouped_topk_reference(x: torch.Tensor, k: int, group: int = TOPK_GROUP, group_max: torch.Tensor | None = None,
-                           out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """grouped_topk in torch ops, any vocabulary (a tail past the last whole group too): the CPU path, and the
-    GPU's where the kernel does not run. Arguments and result as grouped_topk's; on equal logits the ids are
-    whichever torch.topk of the candidates returns."""
-    rows, cols = x.shape
-    n_groups = cols // group
-    if not groups_pay(cols, k, group):
-        return torch.topk(x, k, dim=-1, out=out) if out is not None else torch.topk(x, k, dim=-1)
-    body = n_groups * group
-    grouped = x[:, :body].view(rows, n_groups, group)
-    if group_max is None:
-        group_max = grouped.amax(-1)
-    best = torch.topk(group_max, k, dim=-1).indices  # [rows, k]: the groups holding the top k
-    # the chosen groups' logits, the index broadcast along each group (no [rows, k * group] index is written)
-    cand = grouped.gather(1, best.unsqueeze(-1).expand(rows, k, group)).view(rows, k * group)
-    if body < cols:  # the tail columns are always candidates
-        cand = torch.cat([cand, x[:, body:]], dim=-1)
-    if out is None:
-        values, at = torch.topk(cand, k, dim=-1)
-        ids = torch.empty_like(at)
-    else:
-        (values, ids), at = out, torch.empty_like(out[1])
-        torch.topk(cand, k, dim=-1, out=(values, at))
-    if body == cols:  # every candidate lies in a chosen group
-        return values, torch.add(best.gather(1, at // group) * group, at % group, out=ids)
-    in_body = at < k * group
-    in_group = best.gather(1, (at // group).clamp(max=k - 1)) * group + at % group
-    return values, torch.where(in_body, in_group, at - k * group + body, out=ids)
 
 
 _COMPILED: dict = {}

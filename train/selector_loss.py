@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .loss import position_decay
+from .objectives import position_decay
 
 
 @dataclass

@@ -1,6 +1,8 @@
 """Training setup: the configuration -> the accelerator, the data (shards, or the live target: train/online.py),
 the target's head, the drafter, the optimizer, the learning-rate schedule and the resumed position, gathered
-in one ``TrainRun`` for the loop (train/trainer.py).
+in one ``TrainRun`` for the loop (train/trainer.py). The data and the target's head are built in
+train/setup_data.py, the drafter, its optimizer and its kernels in train/setup_drafter.py; this file holds the
+accelerator, the plan of the run, the schedule and the resume.
 
 Design choices:
 - accelerate drives the backend (single process, DDP, FSDP, DeepSpeed ZeRO-2/3, chosen by the accelerate
@@ -43,9 +45,11 @@ from .checkpoint import load_checkpoint
 from .config import TrainConfig
 from .data import epoch_order, pack_order, split_indices, steps_per_epoch
 from .data_fingerprint import data_fingerprint
-from .drafter_pass import PassOptions, compile_layers
-from .pass_options import drafter_pass_options, term_reads_last_hidden
+from .drafter_pass import PassOptions
+from .pass_options import term_reads_last_hidden
 from .run_dir import ResumePoint, Start
+from .setup_data import check_last_hidden, load_data_and_drafter
+from .setup_drafter import prepare_drafter
 
 # drafter fields (config.json names) a resumed checkpoint must share with the run's drafter
 RESUME_DRAFTER_FIELDS = ("architectures", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -62,32 +66,6 @@ def lr_at(step: int, total_steps: int, warmup_steps: int, min_lr_ratio: float, s
     if schedule == "linear":
         return min_lr_ratio + (1.0 - min_lr_ratio) * (1.0 - min(1.0, progress))
     return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-
-
-def resolve_mask_token(cfg: TrainConfig, head) -> int:
-    """cfg.mask_token_id, else the tokenizer's mask token or a spare row (the one resolver, targets/loading.py)."""
-    from transformers import AutoTokenizer
-
-    from dflashkit.targets.loading import resolve_mask_token_id
-
-    tokenizer = None if cfg.mask_token_id is not None else AutoTokenizer.from_pretrained(head.model_dir)
-    return resolve_mask_token_id(tokenizer, head.config, cfg.mask_token_id)
-
-
-def build_model(cfg: TrainConfig, manifest: dict, head, init_model=None):
-    """A new drafter sized for the target, or ``init_model``: the ``init_from`` drafter, loaded and checked against
-    ``cfg`` before the target (train/run_dir.py); returns (model, DrafterConfig)."""
-    from dflashkit.drafter import DrafterConfig, build_drafter
-
-    if init_model is not None:
-        return init_model.train(), init_model.dflash
-    dcfg = DrafterConfig.for_target(
-        head.config, num_hidden_layers=cfg.num_hidden_layers, block_size=cfg.block_size,
-        target_layer_ids=list(cfg.target_layer_ids or manifest.get("target_layer_ids") or []),
-        mask_token_id=resolve_mask_token(cfg, head), layer_types=list(cfg.layer_types),
-        sliding_window=cfg.sliding_window, input_embedding_scale=float(head.embedding_scale),
-        causal=cfg.causal, architecture=cfg.drafter_architecture, **cfg.drafter)
-    return build_drafter(dcfg).train(), dcfg
 
 
 def make_accelerator(cfg: TrainConfig):
@@ -115,54 +93,6 @@ def configure_deepspeed(accelerator, cfg: TrainConfig) -> None:
     c["train_batch_size"] = accelerator.num_processes * cfg.grad_accum
     c["gradient_clipping"] = cfg.max_grad_norm
     c.setdefault("zero_allow_untested_optimizer", True)
-
-
-def verify_shards(shard_dir: str, rank: int, world: int) -> None:
-    """Refuse to train on damaged shards: each rank checks every world-th shard (size, sha256, layout, NaN)."""
-    from dflashkit.extract.shards.manifest import read_manifest, shard_path
-    from dflashkit.extract.shards.verify import check_shard
-
-    manifest = read_manifest(shard_dir)  # a malformed manifest, or a shard named outside shard_dir: one line
-    files = [shard_path(shard_dir, entry, k) for k, entry in enumerate(manifest["shards"])]  # every rank: all stop
-    problems = []
-    for k in range(rank, len(files), world):
-        problems += [f"{files[k]}: {p}" for p in check_shard(files[k], manifest["shards"][k], manifest)]
-    if problems:
-        # one line: the first problem in full, the rest counted (`dflashkit verify` lists every one)
-        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-        raise UserError(f"refusing to train on damaged shards: {problems[0]}{more}; `dflashkit verify {shard_dir}` "
-                        "lists every problem; run the `dflashkit extract` that wrote them again with --overwrite "
-                        "(--resume keeps the shards it lists, damaged or not)")
-
-
-def target_identity(head) -> dict:
-    """What to compare with the manifest's target: the config; the weight files for an HF directory (a GGUF
-    target is converted per dtype, so its converted files differ between dtypes); the tokenizer when the
-    target directory has one."""
-    ident = head.identity()
-    if str(head.path).startswith("testbed:") or str(head.path).endswith(".gguf"):
-        ident.pop("weights_hash", None)
-    if any((Path(head.model_dir) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
-        from transformers import AutoTokenizer
-
-        from dflashkit.extract.data.chat import tokenizer_hash
-
-        ident["tokenizer_hash"] = tokenizer_hash(AutoTokenizer.from_pretrained(head.model_dir))
-    return ident
-
-
-def param_groups(model, weight_decay: float, lr: float | None = None, codebook_lr_scale: float = 1.0) -> list[dict]:
-    """AdamW's groups: weight decay on every parameter but the norms and DFlash2's base kernels; DFlash2's
-    codebooks in a group of their own at ``codebook_lr_scale`` times ``lr`` unless that is 1 (muon.codebook_group)."""
-    decay, no_decay = [], []
-    from .muon import codebook_group, never_decayed
-
-    for name, p in model.named_parameters():
-        if not p.requires_grad:  # a frozen part (DFlash2's selector when its term has weight 0)
-            continue
-        (no_decay if never_decayed(name, p) else decay).append(p)  # norms, DFlash2's base kernels
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return codebook_group(groups, model, lr, weight_decay, codebook_lr_scale)
 
 
 @dataclass
@@ -207,20 +137,6 @@ class TrainRun:
                 "samples_per_step": self.accelerator.num_processes * self.cfg.grad_accum,
                 "config": self.cfg.to_dict(), "drafter_config": self.dcfg.to_json_dict(), "chat": self.chat,
                 "data": self.data}
-
-
-def build_optimizer(cfg: TrainConfig, model, backend_name: str) -> torch.optim.Optimizer:
-    """AdamW, or Muon on the 2-D matrices and AdamW on the rest (train/muon.py)."""
-    if cfg.optimizer == "muon":
-        from .muon import Muon, check_backend, muon_param_groups
-
-        check_backend(backend_name)
-        return Muon(muon_param_groups(model, lr=cfg.lr, muon_lr=cfg.muon_lr, weight_decay=cfg.weight_decay,
-                                      codebook_lr_scale=cfg.selector_codebook_lr_scale),
-                    lr=cfg.lr, momentum=cfg.muon_momentum, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps,
-                    ns_dtype=cfg.muon_ns_dtype)
-    return torch.optim.AdamW(param_groups(model, cfg.weight_decay, cfg.lr, cfg.selector_codebook_lr_scale),
-                             lr=cfg.lr, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps)
 
 
 def setup(cfg: TrainConfig, start: Start, resources: ExitStack, vllm_api=None) -> TrainRun:
@@ -288,80 +204,6 @@ def setup(cfg: TrainConfig, start: Start, resources: ExitStack, vllm_api=None) -
     return run
 
 
-def load_data_and_drafter(cfg: TrainConfig, start: Start, accelerator, resources: ExitStack,
-                          use_last_hidden: bool, vllm_api=None, parts: dict | None = None):
-    """(dataset, head, model, DrafterConfig): the samples (shards, or the live target's features: train/online.py,
-    train/online_vllm.py), the target's frozen head, and the drafter (new, seeded by ``cfg.seed`` alone, or
-    ``start``'s init_from one), checked against the shards' manifest or the live target. ``parts`` (a dict) gets
-    the seconds of each: ``data_s``, ``target_s``, ``drafter_s``."""
-    from accelerate.utils import set_seed
-
-    from dflashkit.extract.shards.manifest import check_manifest_matches
-    from dflashkit.extract.shards.reader import ShardDataset
-    from dflashkit.targets.loading import load_target_head
-
-    compute_dtype = torch.bfloat16 if cfg.mixed_precision == "bf16" else torch.float32
-    device, rank, world = accelerator.device, accelerator.process_index, accelerator.num_processes
-    parts = {} if parts is None else parts
-    if cfg.data and vllm_api is not None:  # online, the target in a vLLM engine: only described here
-        from .online_vllm import open_online_vllm
-
-        target, head, manifest, samples = open_online_vllm(cfg, device, compute_dtype, accelerator.print, rank,
-                                                           parts)
-    elif cfg.data:  # online: each rank loads its own frozen target; accelerate never sees it
-        from .online import open_online
-
-        target, head, manifest, samples = open_online(cfg, device, compute_dtype, accelerator.print, rank, parts)
-    else:
-        reading = time.perf_counter()
-        if cfg.verify_shards:
-            verify_shards(cfg.shards, rank, world)
-        dataset = ShardDataset(cfg.shards)
-        manifest = dataset.manifest
-        read = time.perf_counter()
-        head = load_target_head(cfg.target or manifest["target"]["path"], dtype=compute_dtype, device=device)
-        parts.update(data_s=read - reading, target_s=time.perf_counter() - read)
-    building = time.perf_counter()
-    set_seed(cfg.seed)  # the drafter's initial weights depend on the seed alone, whatever loading consumed
-    model, dcfg = build_model(cfg, manifest, head, start.init_model)
-    if cfg.data:
-        dataset = resources.enter_context(online_features(cfg, target, samples, dcfg, use_last_hidden, device,
-                                                          vllm_api))
-    else:
-        check_manifest_matches(manifest, dcfg, target_identity(head))
-    parts["drafter_s"] = time.perf_counter() - building
-    return dataset, head, model, dcfg
-
-
-def online_features(cfg: TrainConfig, target, samples: list, dcfg, use_last_hidden: bool, device, vllm_api):
-    """The online dataset (not yet entered) for the drafter ``dcfg``, checked against the live target: the target
-    of this process behind capture hooks, or (``vllm_api`` given) a vLLM engine."""
-    from .online import OnlineFeatures, check_drafter_matches_target
-
-    check_drafter_matches_target(dcfg, target)
-    if vllm_api is not None:
-        from .online_vllm import VllmOnlineFeatures, capture_config
-
-        return VllmOnlineFeatures(target, samples, dcfg.target_layer_ids, config=capture_config(cfg, device),
-                                  api=vllm_api, batch_tokens=cfg.target_batch_tokens, device=device)
-    return OnlineFeatures(target, samples, dcfg.target_layer_ids, store_last_hidden=use_last_hidden,
-                          batch_tokens=cfg.target_batch_tokens, device=device)
-
-
-def check_last_hidden(cfg: TrainConfig, dataset) -> None:
-    """loss=kl and labels=target_argmax read the target's final hidden states: the data must carry them."""
-    if cfg.loss == "kl" and not dataset.has_last_hidden:
-        raise UserError(f"loss=kl needs last_hidden in the shards of {cfg.shards}; re-extract them with "
-                        f"--store-last-hidden, or use loss=dpace (the default) or ce")
-    if term_reads_last_hidden(cfg, cfg.drafter_architecture) and not dataset.has_last_hidden:
-        raise UserError(f"drafter_architecture={cfg.drafter_architecture} trains on the target's distribution and "
-                        f"needs last_hidden in the shards of {cfg.shards}; re-extract them with --store-last-hidden, "
-                        f"or train online (--target T --data FILE)")
-    if cfg.labels == "target_argmax" and not dataset.has_last_hidden:
-        raise UserError(f"labels=target_argmax needs last_hidden in the shards of {cfg.shards}; re-extract them "
-                        f"with --store-last-hidden, train online (--target T --data FILE), or use labels=data")
-
-
 def backend_of(accelerator) -> str:
     """The backend accelerate runs (``DistributedType``'s name), with a note when it is not the FSDP asked for."""
     backend_name = str(accelerator.distributed_type).split(".")[-1]
@@ -400,49 +242,6 @@ def announce_plan(cfg: TrainConfig, accelerator, backend_name: str, online: bool
     if total_steps < planned:
         accelerator.print(f"NOTE: max_steps={cfg.max_steps} stops training after {total_steps} of {planned} steps "
                           f"({total_steps / spe:.2f} of {cfg.epochs} epochs)")
-
-
-def conv_kernels(cfg: TrainConfig, model, device: torch.device, say=print) -> int:
-    """With ``conv_kernel``, DFlash2's in-block convolutions by train/dynamic_conv.py's kernels where Triton runs
-    on ``device`` (said either way); returns how many convolutions take them (0, unsaid, for a drafter without
-    them)."""
-    from .dynamic_conv import in_block_convolutions, install
-
-    if not cfg.conv_kernel or not in_block_convolutions(model):
-        return 0
-    n = install(model, device)
-    say(f"conv_kernel: {n} in-block convolutions by Triton kernels" if n else
-        f"conv_kernel: Triton does not run on {device}; the convolutions stay the model's torch expression")
-    return n
-
-
-def check_compile_cache() -> None:
-    """compile=true writes torch.compile's cache (inductor's: TORCHINDUCTOR_CACHE_DIR, by default
-    /tmp/torchinductor_USER); one line before the first compile when it cannot be written there."""
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-
-    from dflashkit.outputs import check_writable
-
-    try:  # the path inductor's cache_dir() takes, without making it
-        check_writable(os.path.abspath(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir()),
-                       "torch.compile's cache")
-    except UserError as error:
-        raise UserError(f"compile=true: {error} (TORCHINDUCTOR_CACHE_DIR sets the path), or set "
-                        f"compile=false") from None
-
-
-def prepare_drafter(cfg: TrainConfig, accelerator, model, dcfg, backend_name: str, selector: bool):
-    """(model, optimizer, pass options): the optimizer built, both prepared by accelerate, the drafter's layers
-    compiled when asked, and the drafter pass's fixed arguments (train/drafter_pass.forward_blocks)."""
-    optimizer = build_optimizer(cfg, model, backend_name)
-    model, optimizer = accelerator.prepare(model, optimizer)
-    conv_kernels(cfg, accelerator.unwrap_model(model), accelerator.device, accelerator.print)
-    if cfg.compile:  # per decoder layer, dynamic shapes from the start (train/drafter_pass.compile_layers)
-        check_compile_cache()
-        compile_layers(accelerator.unwrap_model(model))
-    pass_options = drafter_pass_options(cfg, dcfg, accelerator.device)
-    accelerator.print(f"attention mask: {pass_options.backend}{' (compiled drafter layers)' if cfg.compile else ''}")
-    return model, optimizer, pass_options
 
 
 def resume(run: TrainRun, point: ResumePoint) -> None:

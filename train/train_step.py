@@ -32,8 +32,8 @@ import torch
 from .config import TrainConfig
 from .data import PackedBlocks
 from .drafter_pass import PassOptions, extra_term_of, forward_blocks
-from .loss import loss_denominator
 from .metrics import MetricSums
+from .objectives import loss_denominator
 
 
 class TrainingDiverged(RuntimeError):

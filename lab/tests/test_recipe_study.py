@@ -80,7 +80,7 @@ def test_every_study_row_loads_against_the_recipe():
     """Each row's overrides are TrainConfig fields with valid values on top of the testbed recipe (the `{...}`
     placeholders filled as the study fills them), so no row of a GPU lease fails at its start; a budgeted row
     plans its schedule to its own end."""
-    from dflashkit.train.config import load_config
+    from dflashkit.train.recipe import load_config
 
     for name, overrides in VARIANTS.items():
         # `data+=FILE` is the study's own (more data files for the run), not a TrainConfig override

@@ -29,7 +29,7 @@ def test_every_keyword_is_a_parameter_of_its_library_function(tmp_path):
     from dflashkit.demo import evaluate
     from dflashkit.eval.options import EvalOptions
     from dflashkit.extract.options import ExtractOptions, RegenerateOptions
-    from dflashkit.train.config import load_config
+    from dflashkit.train.recipe import load_config
 
     def binds(function, kwargs, partial=False):
         signature = inspect.signature(function)
@@ -72,8 +72,8 @@ def test_the_demo_plans_enough_optimizer_steps_to_learn(tmp_path):
     testbed, 8 held out): its recipe must plan at least 40 optimizer steps for them (packed 4096-token micro-batches
     planned 2, and the drafter learned nothing), also if only half as many conversations survived regeneration.
     The planning is the trainer's own: split, epoch order, packing, steps per epoch."""
-    from dflashkit.train.config import load_config
     from dflashkit.train.data import epoch_order, pack_order, split_indices, steps_per_epoch
+    from dflashkit.train.recipe import load_config
 
     fields = dict(next(kwargs for name, _, kwargs in stage_calls(tmp_path, SCALES["small"], "cpu", None)
                        if name == "train"))

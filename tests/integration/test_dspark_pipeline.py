@@ -10,9 +10,9 @@ import pytest
 
 from dflashkit.eval.options import EvalOptions
 from dflashkit.eval.run import run_eval
-from dflashkit.train.config import load_config
 from dflashkit.train.export import main as export_main
 from dflashkit.train.init_drafter import main as init_main
+from dflashkit.train.recipe import load_config
 from dflashkit.train.trainer import train
 
 from support.training import extract_chat_run, online_overrides, train_losses

@@ -27,7 +27,8 @@ from dflashkit.train.anchors import sample_anchors, sample_generator
 from dflashkit.train.data import PAD_MULTIPLE, CollateOptions, pack_sequences
 from dflashkit.train.drafter_pass import PassOptions, draft_hidden
 from dflashkit.train.evaluate import chain_walk, eval_pack_tokens, evaluate
-from dflashkit.train.loss import LossSettings, block_loss, loss_denominator
+from dflashkit.train.loss import LossSettings, block_loss
+from dflashkit.train.objectives import loss_denominator
 
 from support.tiny_targets import make_tiny_target, tiny_tokenizer
 

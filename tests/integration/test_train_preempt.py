@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from dflashkit.train.checkpoint import list_checkpoints, read_trainer_state, verify_checkpoint
-from dflashkit.train.config import load_config
+from dflashkit.train.recipe import load_config
 from dflashkit.train.trainer import train
 
 from support.paths import ROOT

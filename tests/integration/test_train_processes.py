@@ -14,7 +14,7 @@ import pytest
 from safetensors.torch import load_file
 
 from dflashkit.train.checkpoint import list_checkpoints, verify_checkpoint
-from dflashkit.train.config import load_config
+from dflashkit.train.recipe import load_config
 from dflashkit.train.trainer import train
 
 from support.paths import ROOT

@@ -17,7 +17,7 @@ from dflashkit.cli import main as cli
 from dflashkit.errors import UserError
 from dflashkit.extract.data.rendering import read_chat_template
 from dflashkit.extract.data.sources import iter_records
-from dflashkit.train.config import load_config
+from dflashkit.train.recipe import load_config
 
 from support.chat_data import chat_records, write_jsonl
 from support.paths import ROOT

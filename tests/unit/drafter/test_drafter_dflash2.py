@@ -143,7 +143,7 @@ def test_export_loads_with_automodel_without_dflashkit(tmp_path):
 def test_the_base_convolution_kernels_are_never_weight_decayed():
     """They start as the identity tap: decay would pull each layer's convolutions towards zero (AdamW and Muon)."""
     from dflashkit.train.muon import muon_param_groups
-    from dflashkit.train.setup import param_groups
+    from dflashkit.train.setup_drafter import param_groups
 
     model = build_drafter(DrafterConfig.for_target(TARGET, block_size=4, mask_token_id=319, num_hidden_layers=1,
                                                    **DFLASH2))
@@ -160,7 +160,7 @@ def test_the_codebooks_learn_at_their_own_multiple_of_the_lr(optimizer):
     the multiple (decayed as before), the schedule scales it like the others, and a first step moves each drawn
     row by about that lr (Adam's first step is lr * sign(g)); at 1 the groups are those of before."""
     from dflashkit.train.config import TrainConfig
-    from dflashkit.train.setup import build_optimizer
+    from dflashkit.train.setup_drafter import build_optimizer
     from dflashkit.train.train_step import set_lr
 
     model = build_drafter(DrafterConfig.for_target(TARGET, block_size=4, mask_token_id=319, num_hidden_layers=1,

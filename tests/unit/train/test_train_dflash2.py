@@ -8,8 +8,8 @@ import dflash.model as ref
 import pytest
 import torch
 
-from dflashkit.train.config import load_config
 from dflashkit.train.data import CollateOptions, collate_blocks
+from dflashkit.train.recipe import load_config
 from dflashkit.train.trainer import train
 
 from support.packed_blocks import Head, drafter_pass, make_samples, tiny_drafter

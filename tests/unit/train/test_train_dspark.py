@@ -7,7 +7,6 @@ whole road (init-drafter, train, export, eval) is tests/integration/test_dspark_
 import pytest
 import torch
 
-from dflashkit.train.config import load_config
 from dflashkit.train.data import CollateOptions, collate_blocks
 from dflashkit.train.drafter_pass import PassOptions, forward_blocks
 from dflashkit.train.dspark_loss import (
@@ -17,6 +16,7 @@ from dflashkit.train.dspark_loss import (
     teacher_forced_predecessors,
 )
 from dflashkit.train.loss import LossSettings
+from dflashkit.train.recipe import load_config
 from dflashkit.train.trainer import train
 
 from support.packed_blocks import Head, make_samples, tiny_drafter

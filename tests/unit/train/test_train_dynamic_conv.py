@@ -13,7 +13,7 @@ from dflashkit.train import dynamic_conv
 from dflashkit.train.config import TrainConfig
 from dflashkit.train.dynamic_conv import dynamic_conv as conv_kernel_path
 from dflashkit.train.dynamic_conv import kernel_fits
-from dflashkit.train.setup import conv_kernels
+from dflashkit.train.setup_drafter import conv_kernels
 
 from support.packed_blocks import tiny_drafter
 from support.triton_interpreter import INTERPRETER_PREAMBLE, count_launches, run_in_interpreter
@@ -124,7 +124,7 @@ PASS_SCRIPT = INTERPRETER_PREAMBLE + COUNT_LAUNCHES + textwrap.dedent("""
     from dflashkit.train.data import CollateOptions, collate_blocks
     from dflashkit.train.drafter_pass import PassOptions, compile_layers, forward_blocks
     from dflashkit.train.loss import LossSettings
-    from dflashkit.train.setup import conv_kernels
+    from dflashkit.train.setup_drafter import conv_kernels
     from support.packed_blocks import Head, make_samples, tiny_drafter
     V, H, B = 40, 32, 4
     torch.manual_seed(0)

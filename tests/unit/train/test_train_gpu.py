@@ -51,7 +51,7 @@ def test_compiled_flex_equals_dense_on_cuda():
 
 def test_trainer_compiled_bf16_on_cuda(tmp_path, capsys):
     from dflashkit.train.checkpoint import list_checkpoints
-    from dflashkit.train.config import load_config
+    from dflashkit.train.recipe import load_config
     from dflashkit.train.tracking import read_metrics
     from dflashkit.train.trainer import train
 

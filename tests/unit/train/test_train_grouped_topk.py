@@ -1,4 +1,4 @@
-"""train/loss.grouped_topk: the selector candidates' top-k, found among the row's best groups, is torch.topk's;
+"""train/grouped_topk.grouped_topk: the selector candidates' top-k, found among the row's best groups, is torch.topk's;
 its Triton kernel (train/grouped_topk_triton.py) is held to torch.topk in the interpreter."""
 
 import textwrap
@@ -6,16 +6,9 @@ import textwrap
 import pytest
 import torch
 
-from dflashkit.train import loss
-from dflashkit.train.loss import (
-    TOPK_GROUP,
-    LossSettings,
-    block_loss,
-    grouped_topk,
-    grouped_topk_reference,
-    logit_statistics,
-    topk_kernel_runs,
-)
+from dflashkit.train import grouped_topk as grouped_topk_module
+from dflashkit.train.grouped_topk import TOPK_GROUP, grouped_topk, grouped_topk_reference, topk_kernel_runs
+from dflashkit.train.loss import LossSettings, block_loss, logit_statistics
 
 from support.triton_interpreter import INTERPRETER_PREAMBLE, run_in_interpreter
 
@@ -193,7 +186,7 @@ def test_the_kernel_is_chosen_only_where_it_fits(monkeypatch):
     """Where Triton runs, the kernel takes fp32/bf16/fp16 rows of whole power-of-two groups with unit column
     stride (a row stride is fine); a tail, fp64, short rows, other groups and strided columns stay on torch."""
     pytest.importorskip("triton", reason="triton is not installed")
-    monkeypatch.setattr(loss, "triton_available", lambda device: True)
+    monkeypatch.setattr(grouped_topk_module, "triton_available", lambda device: True)
     x = torch.randn(4, 64 * 16)
     for fits in (x, x.bfloat16(), x.half(), torch.randn(4, 64 * 16 + 9)[:, 9:]):
         assert topk_kernel_runs(fits, 16, 16)
@@ -202,7 +195,7 @@ def test_the_kernel_is_chosen_only_where_it_fits(monkeypatch):
     assert not topk_kernel_runs(x, 32, 16)  # 64 groups < 4k: torch.topk over the row
     assert not topk_kernel_runs(torch.randn(4, 64 * 24), 16, 24)  # a group that is no power of two
     assert not topk_kernel_runs(torch.randn(64 * 16, 4).t(), 16, 16)  # columns not contiguous
-    monkeypatch.setattr(loss, "triton_available", lambda device: False)
+    monkeypatch.setattr(grouped_topk_module, "triton_available", lambda device: False)
     assert not topk_kernel_runs(x, 16, 16)
 
 
@@ -218,7 +211,8 @@ COUNT_LAUNCHES = textwrap.dedent("""
 """)
 
 KERNEL_SCRIPT = INTERPRETER_PREAMBLE + COUNT_LAUNCHES + textwrap.dedent("""
-    from dflashkit.train.loss import grouped_topk, logit_statistics
+    from dflashkit.train.grouped_topk import grouped_topk
+    from dflashkit.train.loss import logit_statistics
     results = {}
     def check(name, x, k, group, group_max=None, out=None):
         # [kernel launches, values are torch.topk's, ids point at them, distinct, lowest column on ties, in out]
@@ -282,6 +276,7 @@ def test_triton_kernel_is_torch_topk_in_interpreter():
 
 LOSS_PASS_SCRIPT = INTERPRETER_PREAMBLE + COUNT_LAUNCHES + textwrap.dedent("""
     import torch.nn.functional as F
+    from dflashkit.train import grouped_topk as grouped_topk_module
     from dflashkit.train import loss
     results = {}
     g = torch.Generator().manual_seed(13)
@@ -293,10 +288,10 @@ LOSS_PASS_SCRIPT = INTERPRETER_PREAMBLE + COUNT_LAUNCHES + textwrap.dedent("""
         # 2 chunks of 3 blocks
         out = loss.block_loss(hidden, weight, labels, valid, loss.LossSettings(chunk_tokens=9), top_k=k)
         n = len(launches) - before
-        runs = loss.topk_kernel_runs
-        loss.topk_kernel_runs = lambda *args: False  # the torch path, in the same process
+        runs = grouped_topk_module.topk_kernel_runs
+        grouped_topk_module.topk_kernel_runs = lambda *args: False  # the torch path, in the same process
         ref = loss.block_loss(hidden, weight, labels, valid, loss.LossSettings(chunk_tokens=9), top_k=k)
-        loss.topk_kernel_runs = runs
+        grouped_topk_module.topk_kernel_runs = runs
         # the logits as the engine computes them, chunk by chunk (one matmul over all rows can round otherwise)
         logits = torch.cat([F.linear(hidden[s:s + 3].reshape(-1, 8).to(dtype), weight) for s in (0, 3)]).float()
         ids = out.top_ids.view(-1, k)

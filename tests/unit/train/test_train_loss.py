@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dflashkit.train.loss import LossSettings, block_loss, loss_denominator
+from dflashkit.train.loss import LossSettings, block_loss
+from dflashkit.train.objectives import loss_denominator
 
 from support.loss_inputs import random_loss_inputs
 

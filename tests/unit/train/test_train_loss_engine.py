@@ -5,7 +5,8 @@ import ast
 import pytest
 import torch
 
-from dflashkit.train.loss import LossSettings, block_loss, objective
+from dflashkit.train.loss import LossSettings, block_loss
+from dflashkit.train.objectives import objective
 
 from support.loss_inputs import random_loss_inputs
 from support.paths import ROOT

@@ -12,7 +12,7 @@ import torch
 
 from dflashkit.extract.data.batching import resolve_tokenize_workers as tokenize_workers
 from dflashkit.extract.shards.reader import ShardDataset
-from dflashkit.train.config import load_config
+from dflashkit.train.recipe import load_config
 from dflashkit.train.trainer import train
 
 from support.chat_data import chat_records

@@ -14,7 +14,7 @@ from dflashkit.errors import UserError
 from dflashkit.targets.vllm.api import VllmApi
 from dflashkit.targets.vllm.capture import VllmCaptureConfig
 from dflashkit.targets.vllm.runtime import MISSING_VLLM
-from dflashkit.train.config import load_config
+from dflashkit.train.recipe import load_config
 from dflashkit.train.trainer import train
 
 from support import vllm_capture_standin as standin

@@ -11,7 +11,8 @@ from dflashkit.drafter import DrafterConfig, build_drafter
 from dflashkit.train.block_mask import TILE, block_tiles, dense_block_mask, flex_block_mask
 from dflashkit.train.data import CollateOptions, collate_blocks, pack_order, pack_sequences
 from dflashkit.train.drafter_pass import PassOptions, compile_layers, forward_blocks
-from dflashkit.train.loss import LossSettings, block_loss, loss_denominator
+from dflashkit.train.loss import LossSettings, block_loss
+from dflashkit.train.objectives import loss_denominator
 
 from support.packed_blocks import Head, drafter_pass, make_samples, tile_truth, tiny_drafter
 
@@ -171,7 +172,7 @@ def test_packed_run_equals_unpacked_run(even_shards, tmp_path, anchor_density, o
     samples with the same anchors as one sequence per micro-batch with G=3, so every logged loss agrees."""
     from accelerate.state import AcceleratorState, GradientState
 
-    from dflashkit.train.config import load_config
+    from dflashkit.train.recipe import load_config
     from dflashkit.train.trainer import train
 
     from support.training import tiny_overrides, train_losses

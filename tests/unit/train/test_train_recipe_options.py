@@ -12,10 +12,10 @@ from safetensors.torch import load_file
 
 from dflashkit.train import muon
 from dflashkit.train.anchors import anchor_candidates, anchor_count
-from dflashkit.train.config import load_config
 from dflashkit.train.data import CollateOptions, collate_blocks
 from dflashkit.train.drafter_pass import target_argmax_labels
 from dflashkit.train.muon import RMS_MATCH, Muon, check_backend, muon_param_groups, newton_schulz, stacks
+from dflashkit.train.recipe import load_config
 from dflashkit.train.setup import lr_at
 from dflashkit.train.tracking import read_metrics
 from dflashkit.train.trainer import train
@@ -216,7 +216,7 @@ def test_muon_ns_dtype_reaches_the_step_and_a_bad_one_is_refused(tmp_path):
         Muon([{"params": [torch.nn.Parameter(torch.randn(4, 4))], "use_muon": True}], ns_dtype="fp16")
     with pytest.raises(ValueError, match="muon_ns_dtype: 'half'; use 'float32', 'bfloat16' or 'auto'"):
         load_config(None, ["muon_ns_dtype=half"], output_dir=str(tmp_path))
-    from dflashkit.train.setup import build_optimizer
+    from dflashkit.train.setup_drafter import build_optimizer
 
     cfg = load_config(None, ["optimizer=muon", "muon_ns_dtype=bfloat16"], output_dir=str(tmp_path))
     assert build_optimizer(cfg, model, "NO").ns_dtype == torch.bfloat16

@@ -16,7 +16,7 @@ import torch
 
 from dflashkit.cli import main as cli
 from dflashkit.train.checkpoint import list_checkpoints, read_trainer_state
-from dflashkit.train.config import load_config
+from dflashkit.train.recipe import load_config
 from dflashkit.train.trainer import train
 
 from support.training import as_argv, tiny_overrides, train_losses

@@ -10,7 +10,7 @@ import pytest
 
 from dflashkit.cli import main as cli
 from dflashkit.errors import UserError
-from dflashkit.train.config import load_config
+from dflashkit.train.recipe import load_config
 from dflashkit.train.trainer import train
 
 from support.chat_data import chat_records, write_jsonl

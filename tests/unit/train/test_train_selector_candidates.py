@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from dflashkit.drafter.kinds.dflash2 import SelectorOptions
 from dflashkit.train.data import CollateOptions, collate_blocks
 from dflashkit.train.drafter_pass import PassOptions, draft_hidden, forward_blocks
-from dflashkit.train.loss import LossSettings, block_loss, loss_denominator
+from dflashkit.train.loss import LossSettings, block_loss
+from dflashkit.train.objectives import loss_denominator
 from dflashkit.train.selector_loss import predecessor_ids, selector_loss
 
 from support.packed_blocks import Head, make_samples, tiny_drafter
@@ -174,7 +175,7 @@ def test_the_loss_weighted_selector_term_takes_the_block_losss_own_position_weig
     """selector_weights="loss": the selector's positions weighted as the block loss weighs them (D-PACE's weights
     from the block CE, the loss pass's ``position_weights``) and normalised by the block loss's denominator, where
     "decay" uses the ce decay and the decay-weighted count of valid labels."""
-    from dflashkit.train.loss import dpace_weights
+    from dflashkit.train.objectives import dpace_weights
 
     model, head, batch = setup(torch.float64)
     run = PassOptions(B, LAYERS, None, loss=LossSettings("dpace", GAMMA, chunk_tokens=CHUNK))

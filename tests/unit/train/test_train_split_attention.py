@@ -8,10 +8,11 @@ import torch
 
 from dflashkit.drafter.modeling_dflash import attend
 from dflashkit.train.block_mask import block_tiles, build_block_masks, dense_block_mask, split_block_mask
-from dflashkit.train.config import load_config
 from dflashkit.train.data import CollateOptions, collate_blocks
 from dflashkit.train.drafter_pass import PassOptions, forward_blocks
-from dflashkit.train.loss import LossSettings, loss_denominator
+from dflashkit.train.loss import LossSettings
+from dflashkit.train.objectives import loss_denominator
+from dflashkit.train.recipe import load_config
 from dflashkit.train.split_attention import SplitBlockMask, context_attention
 
 from support.packed_blocks import Head, make_samples, tile_truth, tiny_drafter

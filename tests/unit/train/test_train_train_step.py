@@ -9,11 +9,12 @@ from safetensors.torch import load_file
 
 from dflashkit.drafter import DrafterConfig, build_drafter
 from dflashkit.drafter.kinds.dflash2 import SelectorOptions
-from dflashkit.train.config import load_config
 from dflashkit.train.data import CollateOptions, collate_blocks
 from dflashkit.train.drafter_pass import PassOptions, forward_blocks
-from dflashkit.train.loss import LossSettings, loss_denominator
+from dflashkit.train.loss import LossSettings
 from dflashkit.train.metrics import MetricSums
+from dflashkit.train.objectives import loss_denominator
+from dflashkit.train.recipe import load_config
 from dflashkit.train.tracking import read_metrics
 from dflashkit.train.train_step import StepVotes, train_step
 from dflashkit.train.trainer import train
@@ -114,7 +115,7 @@ def test_dflash2_with_selector_weight_zero_leaves_the_selector_untrained(tiny_ru
 
     from dflashkit.extract.shards.manifest import read_manifest
     from dflashkit.targets.loading import load_target_head
-    from dflashkit.train.setup import build_model
+    from dflashkit.train.setup_drafter import build_model
 
     target, shards = tiny_run
     cfg = load_config(None, [], **tiny_overrides(

@@ -10,7 +10,7 @@ import torch
 
 from dflashkit.errors import UserError
 from dflashkit.train.checkpoint import list_checkpoints
-from dflashkit.train.config import load_config
+from dflashkit.train.recipe import load_config
 from dflashkit.train.setup import lr_at
 from dflashkit.train.tracking import read_metrics
 from dflashkit.train.trainer import train
