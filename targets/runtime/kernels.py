@@ -1,6 +1,6 @@
 """Where the fast Triton kernels can run: the one test that regeneration's decode attention
 (extract/generation/decode_attention.py), eval's tree attention (eval/tree_attention.py) and the loss pass's
-grouped top-k (train/loss.py) all ask before choosing the kernel over its plain-PyTorch twin."""
+grouped top-k (train/grouped_topk.py) all ask before choosing the kernel over its plain-PyTorch twin."""
 
 from __future__ import annotations
 
