@@ -30,8 +30,9 @@ def tiny(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_ranks_split_the_prompts_and_merge(tmp_path):
-    """Two ranks (torchrun, gloo on the CPU) write the same file as one process, including after a resume."""
+def test_ranks_split_the_prompts_and_merge(tmp_path, one_thread):
+    """Two ranks (torchrun, gloo on the CPU) write the same file as one process (this one, on one thread as each
+    rank is), including after a resume."""
     target = save_tiny_chat_target(tmp_path / "target", initializer_range=0.5)
     data = tmp_path / "in.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in REGENERATE_RECORDS * 2))
@@ -39,8 +40,7 @@ def test_ranks_split_the_prompts_and_merge(tmp_path):
              "--no-progress"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     one = tmp_path / "one.jsonl"
-    subprocess.run([sys.executable, "-m", "dflashkit.extract.regenerate", *flags, "--out", str(one)], check=True,
-                   env=env, capture_output=True)
+    assert main([*flags, "--out", str(one)]) == 0
     two = tmp_path / "two.jsonl"
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
               "-m", "dflashkit.extract.regenerate", *flags, "--out", str(two)]

@@ -5,7 +5,6 @@ as one process with twice the gradient accumulation (one process against extract
 test_train_online.py)."""
 
 import os
-import sys
 
 import pytest
 
@@ -35,11 +34,14 @@ def final_weights(out):
 
 
 @pytest.fixture(scope="module")
-def single_online(chat_run, tmp_path_factory):
-    """The reference: one process, grad_accum 4 = 2 processes x grad_accum 2."""
+def single_online(chat_run, tmp_path_factory, one_thread):
+    """The reference: one process, grad_accum 4 = 2 processes x grad_accum 2 (this test process, on one thread as
+    each launched process is: the launches are what the tests are about, not this run)."""
+    from dflashkit.train.__main__ import main
+
     target_dir, data, _ = chat_run
     out = tmp_path_factory.mktemp("single-online") / "run"
-    run_checked([sys.executable, "-m", "dflashkit.train", *launch_argv(target_dir, data, out, grad_accum=4)])
+    assert main(launch_argv(target_dir, data, out, grad_accum=4)) == 0
     return losses(out), out
 
 

@@ -21,11 +21,18 @@ def overrides(shards, out, **kw) -> dict:
     return tiny_overrides(shards, out, **{"epochs": 1, "keep_last": 5, **kw})
 
 
-@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
-def test_signal_checkpoints_the_current_step_then_resume_matches(tiny_run, tmp_path, sig):
+@pytest.fixture(scope="module")
+def uninterrupted(tiny_run, tmp_path_factory):
+    """(summary, run directory) of the run the stopped ones must match, trained once for both signals."""
     _, shards = tiny_run
-    straight = tmp_path / "straight"
-    summary = train(load_config(None, [], **overrides(shards, straight)))
+    straight = tmp_path_factory.mktemp("straight") / "run"
+    return train(load_config(None, [], **overrides(shards, straight))), straight
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_signal_checkpoints_the_current_step_then_resume_matches(tiny_run, uninterrupted, tmp_path, sig):
+    _, shards = tiny_run
+    summary, straight = uninterrupted
     assert summary["step"] == 5
 
     out = tmp_path / "stopped"

@@ -68,12 +68,14 @@ def test_sigkill_and_resume_match_an_uninterrupted_run(tiny_run, tmp_path, capsy
 
 
 @pytest.mark.slow
-def test_muon_under_ddp_gives_the_single_process_run(tiny_run, tmp_path):
+def test_muon_under_ddp_gives_the_single_process_run(tiny_run, tmp_path, one_thread):
+    """The single-process run in this process, on one thread as each launched process is."""
+    from dflashkit.train.__main__ import main
+
     _, shards = tiny_run
     fields = dict(optimizer="muon", max_steps=3, epochs=1, save_every=0)
     single, ddp = tmp_path / "single", tmp_path / "ddp"
-    run_checked([sys.executable, "-m", "dflashkit.train",
-                 *as_argv(tiny_overrides(shards, single, grad_accum=4, **fields))])
+    assert main(as_argv(tiny_overrides(shards, single, grad_accum=4, **fields))) == 0
     run_checked([*ACCELERATE_LAUNCH, "--config_file", str(ROOT / "recipes" / "accelerate" / "ddp.yaml"),
                  "--num_processes", "2", "-m", "dflashkit.train",
                  *as_argv(tiny_overrides(shards, ddp, grad_accum=2, **fields))])

@@ -38,9 +38,23 @@ def run(target, drafter, **config):
         decoder.close()
 
 
+@pytest.fixture(scope="module")
+def decoded(pair):
+    """``run(*pair, **config)``, once per config for the module (greedy runs: several tests compare the same)."""
+    done = {}
+
+    def runs(**config):
+        key = tuple(sorted(config.items()))
+        if key not in done:
+            done[key] = run(*pair, **config)
+        return done[key]
+
+    return runs
+
+
 @pytest.mark.parametrize("mode", ["chain", "tree"])
-def test_greedy_speculative_equals_autoregressive(pair, mode):
-    spec, ar = run(*pair, mode=mode, tree_budget=12, tree_top_k=3)
+def test_greedy_speculative_equals_autoregressive(decoded, mode):
+    spec, ar = decoded(mode=mode, tree_budget=12, tree_top_k=3)
     for s, a in zip(spec, ar):
         assert s.tokens == a.tokens and len(s.tokens) == NEW
         assert sum(s.acceptance_lengths) == NEW - 1  # the first token comes from the prefill
@@ -48,13 +62,13 @@ def test_greedy_speculative_equals_autoregressive(pair, mode):
     assert 1 in lengths and BLOCK in lengths  # rejections and fully accepted blocks both happened
 
 
-def test_chain_tau_equals_reference_round_by_round(pair, tmp_path, monkeypatch):
+def test_chain_tau_equals_reference_round_by_round(pair, decoded, tmp_path, monkeypatch):
     import dflash.model as ref  # the reference package: a dev dependency, installed by `make test`
     monkeypatch.setattr(ref, "_cuda_time", time.perf_counter)  # the reference times with CUDA syncs
     target, drafter = pair
     save_drafter(drafter, tmp_path / "drafter")
     theirs = ref.DFlashDraftModel.from_pretrained(str(tmp_path / "drafter"), dtype=torch.float32).eval()
-    spec, _ = run(target, drafter)
+    spec, _ = decoded()
     assert target.config._attn_implementation == "sdpa"  # close() gave it back
     seen = set()
     for prompt, ours in zip(prompts(), spec):
@@ -65,17 +79,17 @@ def test_chain_tau_equals_reference_round_by_round(pair, tmp_path, monkeypatch):
     assert seen == set(range(1, BLOCK + 1))
 
 
-def test_top1_tree_gives_the_chain_rounds(pair):
-    chain, _ = run(*pair, mode="chain")
-    tree, _ = run(*pair, mode="tree", tree_budget=BLOCK, tree_top_k=1)
+def test_top1_tree_gives_the_chain_rounds(decoded):
+    chain, _ = decoded()
+    tree, _ = decoded(mode="tree", tree_budget=BLOCK, tree_top_k=1)
     for c, t in zip(chain, tree):
         assert c.acceptance_lengths == t.acceptance_lengths and c.tokens == t.tokens
         assert t.nodes_per_round == c.nodes_per_round and max(t.nodes_per_round) == BLOCK
 
 
-def test_tree_tau_at_least_chain_tau(pair):
-    chain, _ = run(*pair, mode="chain")
-    tree, _ = run(*pair, mode="tree", tree_budget=16, tree_top_k=3)
+def test_tree_tau_at_least_chain_tau(decoded):
+    chain, _ = decoded()
+    tree, _ = decoded(mode="tree", tree_budget=16, tree_top_k=3)
     tau = [sum(n for r in runs for n in r.acceptance_lengths) / sum(len(r.acceptance_lengths) for r in runs)
            for runs in (chain, tree)]
     assert tau[1] >= tau[0] and tau[1] > 1.0, tau
@@ -114,13 +128,13 @@ def test_full_attention_drafters_take_the_static_draft_path(pair):
 
 
 @pytest.mark.parametrize("mode", ["chain", "tree"])
-def test_prepare_builds_every_step_and_changes_no_output(pair, mode):
+def test_prepare_builds_every_step_and_changes_no_output(pair, decoded, mode):
     """prepare() (on CUDA: the captures) runs each decode step once on dummy inputs before a run, and warm_up() a
     prompt's prefill and first round; every shape the run takes exists afterwards, and the tokens and rounds are
     those of a decoder built lazily."""
     target, drafter = pair
     config = dict(mode=mode, tree_budget=12, tree_top_k=3)
-    lazy, lazy_ar = run(target, drafter, **config)
+    lazy, lazy_ar = decoded(**config)
     decoder = SpeculativeDecoder(target, drafter, DecodeConfig(max_new_tokens=NEW, **config))
     decoder.prepare(max(map(len, prompts())))
     shapes, draft_sizes = set(decoder.verifier.steps), set(decoder.static_drafter.steps)

@@ -61,11 +61,17 @@ def decode(target, drafter, **config):
         decoder.close()
 
 
-def test_chain_equals_reference_dflash_generate(target, drafter, reference, monkeypatch):
+@pytest.fixture(scope="module")
+def greedy(target, drafter):
+    """(decoder, results) of the greedy chain decode with the static draft step, which several tests compare."""
+    return decode(target, drafter)
+
+
+def test_chain_equals_reference_dflash_generate(target, drafter, reference, greedy, monkeypatch):
     import dflash.model as ref
 
     monkeypatch.setattr(ref, "_cuda_time", time.perf_counter)  # the reference times with CUDA syncs
-    decoder, ours = decode(target, drafter)
+    decoder, ours = greedy
     assert decoder.static_drafter is not None and BLOCK in decoder.static_drafter.steps  # the capturable path
     for prompt, result in zip(prompts(6), ours):
         stats = ref.dflash_generate(reference, target, torch.tensor([prompt]), NEW, None, return_stats=True)
@@ -87,19 +93,19 @@ def test_selector_path_is_not_the_argmax(target, drafter):
     assert differs > 0
 
 
-def test_static_step_equals_the_eager_path(target, drafter):
-    _, static = decode(target, drafter)
+def test_static_step_equals_the_eager_path(target, drafter, greedy):
+    _, static = greedy
     _, eager = decode(target, drafter, static_draft=False)
     assert [(r.tokens, r.acceptance_lengths, r.drafts) for r in static] == \
         [(r.tokens, r.acceptance_lengths, r.drafts) for r in eager]
 
 
-def test_sampling_near_zero_temperature_gives_the_greedy_rounds(target, drafter):
+def test_sampling_near_zero_temperature_gives_the_greedy_rounds(target, drafter, greedy):
     """The sampled path (selector softmax over the candidates, drawn from the decoder's generator, scattered into
     the vocabulary for the acceptance test) at a temperature where every distribution is one-hot."""
-    _, greedy = decode(target, drafter)
     _, sampled = decode(target, drafter, temperature=1e-6)
-    assert [(r.tokens, r.acceptance_lengths) for r in sampled] == [(r.tokens, r.acceptance_lengths) for r in greedy]
+    assert [(r.tokens, r.acceptance_lengths) for r in sampled] == [(r.tokens, r.acceptance_lengths)
+                                                                    for r in greedy[1]]
 
 
 def test_tree_and_a_longer_block_are_refused(target, drafter):
@@ -128,8 +134,8 @@ def test_dflash2_draft_step_replays_a_cuda_graph(drafter):
 @pytest.mark.usefixtures("fresh_accelerate_state")
 def test_testbed_eval_tau_equals_reference(tmp_path, monkeypatch):
     """A DFlash2 drafter trained online for a few steps on testbed:smollm2 (fp32), exported, then `dflashkit
-    eval` (run_eval) on 3 MT-bench prompts: its tau, and per prompt the rounds and tokens of the same engine,
-    equal the reference dflash_generate's."""
+    eval` (run_eval) on 3 MT-bench prompts: its tau, and per prompt the rounds and tokens of its runs, equal the
+    reference dflash_generate's."""
     import dflash.model as ref
 
     from dflashkit.eval.options import EvalOptions
@@ -153,19 +159,22 @@ def test_testbed_eval_tau_equals_reference(tmp_path, monkeypatch):
     export_checkpoint(tmp_path / "run", tmp_path / "drafter", dtype=torch.float32)
     assert json.loads((tmp_path / "drafter" / "config.json").read_text())["architectures"] == ["DFlash2DraftModel"]
 
-    config = DecodeConfig(max_new_tokens=48)  # given, so that its stop ids (filled by the run) can be read after
+    # run_eval's own speculative runs, kept as they come back (its engine decodes a warm-up run, then each prompt)
+    runs, generate = [], SpeculativeDecoder.generate
+
+    def kept(self, *args, **kwargs):
+        runs.append(generate(self, *args, **kwargs))
+        return runs[-1]
+
+    monkeypatch.setattr(SpeculativeDecoder, "generate", kept)
+    config = DecodeConfig(max_new_tokens=48)
     report = run_eval(EvalOptions(target="testbed:smollm2", drafter=str(tmp_path / "drafter"), out=tmp_path / "eval",
                                   dataset=["builtin:mtbench"], num_prompts=3, baseline_prompts=0, reference_prompts=0,
                                   device="cpu", dtype="float32"), config)
     theirs = ref.DFlash2DraftModel.from_pretrained(str(tmp_path / "drafter"), dtype=torch.float32).eval()
-    from dflashkit.drafter import load_drafter
-
-    ours = load_drafter(str(tmp_path / "drafter"), dtype=torch.float32)
-    decoder = SpeculativeDecoder(target.model, ours, DecodeConfig(max_new_tokens=48,
-                                                                  stop_token_ids=config.stop_token_ids))
     prompts_ = load_prompts("builtin:mtbench", target.tokenizer, 3)
-    results = [decoder.generate(prompt.input_ids) for prompt in prompts_]
-    decoder.close()  # gives the target its own attention back, for the reference
+    results = runs[-3:]  # the prompts' runs, in prompt order
+    assert [r.prompt_len for r in results] == [len(prompt.input_ids) for prompt in prompts_]
     lengths = []
     for prompt, result in zip(prompts_, results):
         stats = ref.dflash_generate(theirs, target.model, torch.tensor([prompt.input_ids]), 48,
