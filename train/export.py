@@ -76,7 +76,7 @@ def export_checkpoint(path: str | os.PathLike, out_dir: str | os.PathLike, dtype
     export, the step read, the step directory read), which the export's metadata records too."""
     from dflashkit.drafter import save_drafter
     from dflashkit.drafter.export import export_dir_problem
-    from dflashkit.drafter.serving_rules import check_export_for
+    from dflashkit.drafter.vllm_rules import check_export_for
     from dflashkit.outputs import check_apart, check_output_dir
 
     check_apart({"out_dir": out_dir}, {"checkpoint": checkpoint_inputs(path)})
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     out, step, source = export(parse_options(ExportOptions, argv, build_parser()))  # errors: cli.run_main
     print(f"exported step {step} ({source}) -> {out}")
     from dflashkit.drafter import kind_for, read_drafter_config
-    from dflashkit.drafter.serving_rules import vllm_serve_command
+    from dflashkit.drafter.vllm_rules import vllm_serve_command
 
     dcfg = read_drafter_config(out)
     spec = {"method": kind_for(dcfg.architecture).vllm_method, "model": str(out),
