@@ -176,7 +176,7 @@ def served_prompts(target: str, datasets: list[str], num_prompts: int, scratch: 
     """(served target dir, prompts as (name, token ids), stop ids) as `dflashkit eval --engine vllm` builds them."""
     from transformers import AutoTokenizer
 
-    from dflashkit.drafter import serving_rules as rules
+    from dflashkit.drafter import vllm_rules as rules
     from dflashkit.eval.prompts import load_prompts, target_stop_ids
     from dflashkit.targets.loading import resolve_target_dir
 
@@ -485,7 +485,7 @@ def server_command(args, port: int, k: int | None, target: str) -> list[str]:
 def server_target(target: str, out: Path) -> Path:
     """The directory `vllm serve` is given: the target's, or (a config.json with a GGUF quantization_config,
     which vLLM refuses: the testbed's) the copy without it that the in-process engines serve, under out/server."""
-    from dflashkit.drafter import serving_rules as rules
+    from dflashkit.drafter import vllm_rules as rules
     from dflashkit.targets.loading import resolve_target_dir
 
     return rules.vllm_target_dir(resolve_target_dir(target)[0], out / "server")[0]

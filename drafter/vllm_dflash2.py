@@ -1,6 +1,7 @@
 """What vLLM 0.28 (the first release that serves DFlash2) reads of a DFlash2 drafter, and the checks dflashkit
-applies before printing a serve command or serving one (drafter/serving_rules.py holds the DFlash rules of vLLM 0.24 and
-SGLang; this module the DFlash2 ones, checked against 0.28's source in a CPU test, not run: 0.28 needs torch 2.13).
+applies before printing a serve command or serving one (drafter/vllm_rules.py holds the DFlash rules of vLLM 0.24 and
+0.26, drafter/serving_rules.py what SGLang reads; this module the DFlash2 ones, checked against 0.28's source in a
+CPU test, not run: 0.28 needs torch 2.13).
 """
 
 from __future__ import annotations

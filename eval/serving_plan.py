@@ -207,7 +207,7 @@ def capture_for(mode: str | int, levels: list[int], k: int) -> int | None:
         return None
     if mode != "auto":
         return int(mode)
-    from dflashkit.drafter.serving_rules import vllm_cudagraph_capture_size
+    from dflashkit.drafter.vllm_rules import vllm_cudagraph_capture_size
 
     return vllm_cudagraph_capture_size(max(levels), k)
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from dflashkit.drafter.serving_rules import schedule_runner
+from dflashkit.drafter.vllm_rules import schedule_runner
 
 
 def _x(value) -> str:
@@ -139,7 +139,7 @@ def plan_verdict(report: dict) -> dict:
 def zero_range_words(schedule: dict, engines: dict, version: str | None) -> str:
     """Where the derived schedule's k = 0 levels cost against no speculation and what the plan does there
     (eval/serving_plan.py ``revise_zero_ranges``); "" where none cost."""
-    from dflashkit.drafter.serving_rules import vllm_release, vllm_rule
+    from dflashkit.drafter.vllm_rules import vllm_release, vllm_rule
 
     costly = schedule.get("zero_k_ranges", {}).get("costly_zero_levels", {})
     if not costly:

@@ -183,7 +183,7 @@ def prepare_run(opts: EvalOptions, config: VllmEvalConfig, chat: EvalChat, api: 
     quantization_config goes to ``opts.out``); the checks and warnings that come before any engine."""
     from transformers import AutoTokenizer
 
-    from dflashkit.drafter import serving_rules as rules
+    from dflashkit.drafter import vllm_rules as rules
     from dflashkit.extract.data.rendering import prompt_ids
     from dflashkit.targets.loading import resolve_target_dir
 
@@ -218,7 +218,7 @@ def drafter_plan(drafter: str, config: VllmEvalConfig, chat: EvalChat, api: Vllm
     """(the drafter's DrafterConfig, the k values to serve, ascending, the run's warnings so far): vLLM's rules
     for this drafter checked, each warning given to ``warn`` as it comes."""
     from dflashkit.drafter import read_drafter_config
-    from dflashkit.drafter import serving_rules as rules
+    from dflashkit.drafter import vllm_rules as rules
     from dflashkit.drafter.vllm_dflash2 import check_vllm_num_speculative_tokens, check_vllm_schedule
 
     dcfg = read_drafter_config(drafter)

@@ -45,7 +45,7 @@ def serve_command(run, spec: dict | None) -> str:
     prefix cache or CUDA graphs turned off when they were. The target is the directory the engines were given: a
     copy without a GGUF quantization_config where the target had one (vLLM refuses the original: rule
     gguf_quantization_config)."""
-    from dflashkit.drafter import serving_rules as rules
+    from dflashkit.drafter import vllm_rules as rules
 
     flags = ["--dtype", run.config.dtype, "--max-model-len", str(run.max_len)]
     flags += ["--no-enable-prefix-caching"] if run.config.prefix_caching[0] == "off" else []
@@ -128,7 +128,7 @@ def prefix_rows(run, results: dict, prefix_runs: dict) -> dict:
 
 def schedule_runner_note(version: str) -> str:
     """Which model runner vLLM ``version`` serves a schedule on (drafter/serving_rules.py rule "schedule_runner")."""
-    from dflashkit.drafter import serving_rules as rules
+    from dflashkit.drafter import vllm_rules as rules
 
     what, where = rules.vllm_rule("schedule_runner", version)
     return (f"vLLM {rules.vllm_release(version)}: {what} ({where}); the fixed-k engines ran on the runner vLLM "

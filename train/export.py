@@ -13,7 +13,7 @@ weights are refused. The checkpoint is resolved once and its files held open whi
 (train/pinned_checkpoint.py), so a training still rotating checkpoints cannot change what is exported: the
 printed line and the weights' metadata (``dflashkit_step``, ``dflashkit_checkpoint``) name the step read. DIR
 never is, lies inside or contains what is read, and is replaced only when it holds a drafter export. The
-installed vLLM's rules (drafter/serving_rules.py VLLM_RULES; 0.26 when none is): a tap of the last target layer,
+installed vLLM's rules (drafter/vllm_rules.py VLLM_RULES; 0.26 when none is): a tap of the last target layer,
 or sliding-window drafter layers on 0.24, are warned about, or refused with ``--for vllm``; the printed serve
 command sets num_speculative_tokens = block_size - 1.
 """
@@ -69,14 +69,14 @@ def checkpoint_inputs(path: str | os.PathLike) -> Path:
 def export_checkpoint(path: str | os.PathLike, out_dir: str | os.PathLike, dtype: torch.dtype = torch.bfloat16,
                       engine: str = "all", overwrite: bool = False,
                       flag: str = "--overwrite") -> tuple[Path, int, Path]:
-    """engine: "all" (warn about what vLLM 0.24 serves differently) or "vllm" (refuse it); drafter/serving_rules.py.
+    """engine: "all" (warn about what vLLM 0.24 serves differently) or "vllm" (refuse it); drafter/vllm_rules.py.
     ``out_dir`` must lie apart from the checkpoint (dflashkit/outputs.py ``check_apart``); an existing one is
     replaced only when it holds an export (``overwrite``, ``flag``: kept for the callers, forces nothing); both
     checked before the checkpoint is read. The checkpoint is pinned (train/pinned_checkpoint.py): returns (the
     export, the step read, the step directory read), which the export's metadata records too."""
     from dflashkit.drafter import save_drafter
     from dflashkit.drafter.export import export_dir_problem
-    from dflashkit.drafter.serving_rules import check_export_for
+    from dflashkit.drafter.vllm_rules import check_export_for
     from dflashkit.outputs import check_apart, check_output_dir
 
     check_apart({"out_dir": out_dir}, {"checkpoint": checkpoint_inputs(path)})
@@ -100,7 +100,7 @@ class ExportOptions:
                                          "follows it)", choices=sorted(DTYPES))
     engine: str = option("all", help="all: an export every engine loads (warns what vLLM 0.24 serves "
                                      "differently); vllm: refuse a drafter vLLM 0.24 would serve unlike its "
-                                     "training (drafter/serving_rules.py)", flag="--for", choices=["all", "vllm"])
+                                     "training (drafter/vllm_rules.py)", flag="--for", choices=["all", "vllm"])
     overwrite: bool = option(False, help="accepted for older scripts: a drafter export at out_dir is replaced "
                                          "anyway, anything else never is")
 
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     out, step, source = export(parse_options(ExportOptions, argv, build_parser()))  # errors: cli.run_main
     print(f"exported step {step} ({source}) -> {out}")
     from dflashkit.drafter import kind_for, read_drafter_config
-    from dflashkit.drafter.serving_rules import vllm_serve_command
+    from dflashkit.drafter.vllm_rules import vllm_serve_command
 
     dcfg = read_drafter_config(out)
     spec = {"method": kind_for(dcfg.architecture).vllm_method, "model": str(out),

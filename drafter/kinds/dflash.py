@@ -10,7 +10,7 @@ from .kind import DrafterKind, argmax_proposal
 DFLASH = DrafterKind(
     architecture="dflash", name="DFlash", class_name="DFlashDraftModel", model_class=DFlashDraftModel,
     modeling_files=("modeling_dflash.py",), propose=argmax_proposal,
-    # the oldest vLLM release whose rules drafter/serving_rules.py holds (VLLM_RULES); SGLang's are read from its DFlash
+    # the oldest vLLM release whose rules drafter/vllm_rules.py holds (VLLM_RULES); SGLang's are read from its DFlash
     # sources, no release pinned
     served_by={"vllm": "0.24", "sglang": "unpinned"},
 )

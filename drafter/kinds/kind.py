@@ -62,7 +62,7 @@ class DrafterKind:
     # True: the engines must draft exactly block_size - 1 tokens per step and take no per-batch-size schedule
     whole_block_only: bool = False
     # engine -> the first release that serves this kind (the engines' rules: drafter/serving_rules.py and the files
-    # it names, e.g. drafter/vllm_dflash2.py)
+    # it names: drafter/vllm_rules.py, drafter/vllm_dflash2.py)
     served_by: dict[str, str] = field(default_factory=dict)
     vllm_method: str = "dflash"  # the speculative_config "method" vLLM serves it by
 

@@ -107,7 +107,7 @@ def target_num_layers(manifest: dict) -> int | None:
     or the cached conversion of a GGUF / testbed target), else None. Reads only that JSON file."""
     import json
 
-    from dflashkit.targets.loading import cache_root, gguf_cache_dir
+    from dflashkit.targets.gguf_cache import cache_root, gguf_cache_dir
 
     target = manifest.get("target")
     spec = str(target.get("path") or "") if isinstance(target, dict) else ""

@@ -22,7 +22,7 @@ What vLLM 0.24 does (paths in the wheel's vllm/):
   order (model_executor/models/llama.py:411-420, qwen2.py:407-414, models/interfaces.py:1328-1337), and taken
   before the final norm (llama.py:427). So target layer ``i`` is aux id ``i + 1`` (``aux_layer_ids``); for
   ``i = L - 1`` that is the un-normed output where dflashkit reads the final-norm output
-  (drafter/serving_rules.py VLLM_RULES "last_layer_tap", 0.24 and 0.26 alike), so that tap is refused, as is
+  (drafter/vllm_rules.py VLLM_RULES "last_layer_tap", 0.24 and 0.26 alike), so that tap is refused, as is
   --store-last-hidden.
 - ``kv_transfer_config={"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
   "kv_connector_extra_config": {"shared_storage_path": DIR}}``: when a request finishes, TP rank 0 alone
@@ -102,7 +102,7 @@ def check_taps(target_layer_ids, num_layers: int, store_last_hidden: bool, flag:
                instead: str = "extract with --engine hf") -> None:
     """UserError for what vLLM captures differently from Hugging Face: the last layer, the final-norm output;
     the message names the caller's ``flag`` and what to do ``instead``."""
-    from dflashkit.drafter.serving_rules import last_layer_tap_reason
+    from dflashkit.drafter.vllm_rules import last_layer_tap_reason
 
     reason = last_layer_tap_reason(target_layer_ids, num_layers)
     if reason:
@@ -190,7 +190,7 @@ class VllmCapture:
         self._scratch: Path | None = None  # the temporary directory (files, a target copy), removed at exit
 
     def __enter__(self) -> VllmCapture:
-        from dflashkit.drafter.serving_rules import vllm_target_dir
+        from dflashkit.drafter.vllm_rules import vllm_target_dir
 
         self.config.check()
         self._scratch = Path(tempfile.mkdtemp(prefix="dflashkit-vllm-", dir=self.config.storage_dir))

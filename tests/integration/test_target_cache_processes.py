@@ -1,6 +1,6 @@
 """The target cache shared by processes: two processes that need the same GGUF conversion on a fresh cache (a
 regeneration beside the quality script's warm-up run, the ranks of one launch) convert it once
-(targets/loading.py conversion_lock)."""
+(targets/gguf_cache.py conversion_lock)."""
 
 import importlib.util
 import json
@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from dflashkit.targets.loading import _SOURCE_MARKER, TESTBEDS, conversion_lock, resolve_target_dir
+from dflashkit.targets.gguf_cache import _SOURCE_MARKER, conversion_lock
+from dflashkit.targets.loading import TESTBEDS, resolve_target_dir
 
 pytestmark = pytest.mark.slow
 
@@ -30,8 +31,8 @@ def test_a_second_process_waits_for_the_conversion_and_reuses_it(tmp_path):
     package, name = TESTBEDS["smollm2"]
     gguf = Path(importlib.util.find_spec(package).origin).parent / name
     out = tmp_path / "smollm2"
-    code = ("import sys; from pathlib import Path; from dflashkit.targets.loading import _cached_gguf_conversion; "
-            "print(_cached_gguf_conversion(Path(sys.argv[1]), Path(sys.argv[2])))")
+    code = ("import sys; from pathlib import Path; from dflashkit.targets.gguf_cache import cached_gguf_conversion; "
+            "print(cached_gguf_conversion(Path(sys.argv[1]), Path(sys.argv[2])))")
     with conversion_lock(out):
         child = subprocess.Popen([sys.executable, "-c", code, str(gguf), str(out)], stdout=subprocess.PIPE,
                                  text=True)

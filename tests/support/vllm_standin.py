@@ -170,7 +170,7 @@ def served_drafter(drafter, version: str, model_runner: str):
     """The drafter as vLLM ``version`` runs it (drafter/serving_rules.py rules "sliding_window", "mixed_layers"): on
     0.24 every layer full attention, causal only when the drafter is causal in the block; on 0.26 as trained, and
     a drafter mixing sliding and full layers refused on the V1 runner."""
-    from dflashkit.drafter import serving_rules as rules
+    from dflashkit.drafter import vllm_rules as rules
 
     layers = [layer.self_attn for layer in getattr(drafter, "layers", []) if hasattr(layer, "self_attn")]
     types = [attn.layer_type for attn in layers]
@@ -246,7 +246,7 @@ class LLM:
         if spec.get("num_speculative_tokens_per_batch_size") is not None:
             self.lookup = schedule_lookup(spec["num_speculative_tokens_per_batch_size"], self.max_num_seqs,
                                           self.num_speculative_tokens)
-            from dflashkit.drafter.serving_rules import schedule_runner
+            from dflashkit.drafter.vllm_rules import schedule_runner
 
             if schedule_runner(self.version) == "v1":  # 0.24: V2 does not serve a schedule
                 self.model_runner = "v1"
@@ -364,7 +364,7 @@ class LLM:
             return self._graph_ceiling
         if self.engine_kwargs.get("enforce_eager"):
             return 0
-        from dflashkit.drafter.serving_rules import VLLM_DEFAULT_CUDAGRAPH_CEILING
+        from dflashkit.drafter.vllm_rules import VLLM_DEFAULT_CUDAGRAPH_CEILING
 
         return min(self.max_num_seqs * (1 + self.num_speculative_tokens) * 2, VLLM_DEFAULT_CUDAGRAPH_CEILING)
 
@@ -373,7 +373,7 @@ class LLM:
         drafts the step's k (a fixed k; vLLM 0.24's V1 proposer with a schedule), 1 + num_speculative_tokens for a
         schedule on vLLM 0.26, which drafts N and keeps the first k, a k = 0 step included (drafter/serving_rules.py
         rule "zero_k_range")."""
-        from dflashkit.drafter.serving_rules import schedule_runner
+        from dflashkit.drafter.vllm_rules import schedule_runner
 
         return 1 + (self.num_speculative_tokens if self.lookup and schedule_runner(self.version) == "v2" else k)
 

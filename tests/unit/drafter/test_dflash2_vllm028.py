@@ -13,7 +13,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig
 
-from dflashkit.drafter import DrafterConfig, build_drafter, save_drafter, serving_rules
+from dflashkit.drafter import DrafterConfig, build_drafter, save_drafter, vllm_rules
 from dflashkit.drafter import vllm_dflash2 as rules
 from dflashkit.errors import UserError
 
@@ -75,12 +75,12 @@ def test_a_dflash2_export_meets_every_rule_of_vllm_028(exported):
 
 
 def test_the_serve_command_of_a_dflash2_export_names_vllm_028_and_block_size_minus_one(exported):
-    line = serving_rules.vllm_serve_command("TARGET", str(exported), BLOCK)
+    line = vllm_rules.vllm_serve_command("TARGET", str(exported), BLOCK)
     assert f'"num_speculative_tokens": {BLOCK - 1}' in line and line.endswith("# DFlash2: vLLM >= 0.28")
-    assert "vLLM >= 0.28" not in serving_rules.vllm_serve_command("TARGET", "not-a-directory", BLOCK)
+    assert "vLLM >= 0.28" not in vllm_rules.vllm_serve_command("TARGET", "not-a-directory", BLOCK)
     # a plan without the drafter (vLLM's n-gram) is served as it is: no DFlash2 rule applies to it
     ngram = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
-    assert serving_rules.vllm_serve_command("TARGET", str(exported), BLOCK, ngram).endswith(json.dumps(ngram) + "'")
+    assert vllm_rules.vllm_serve_command("TARGET", str(exported), BLOCK, ngram).endswith(json.dumps(ngram) + "'")
 
 
 def test_every_rule_cites_the_vllm_028_file():
@@ -130,7 +130,7 @@ def test_num_speculative_tokens_other_than_block_size_minus_one_is_refused(expor
     with pytest.raises(UserError, match=f"num_speculative_tokens={BLOCK - 3}: a DFlash2 drafter"):
         rules.check_vllm_num_speculative_tokens(_config(), BLOCK - 3)
     with pytest.raises(UserError, match="num_speculative_tokens=3"):
-        serving_rules.vllm_serve_command("TARGET", str(exported), BLOCK, {"method": "dflash", "model": str(exported),
+        vllm_rules.vllm_serve_command("TARGET", str(exported), BLOCK, {"method": "dflash", "model": str(exported),
                                                                   "num_speculative_tokens": 3})
     rules.check_vllm_num_speculative_tokens(_config(), BLOCK - 1)
     rules.check_vllm_num_speculative_tokens(_config(), None)
@@ -195,7 +195,7 @@ def test_a_schedule_is_refused_for_dflash2_and_passes_for_dflash(exported):
     with pytest.raises(UserError, match="refused for a DFlash2 drafter"):
         rules.check_vllm_schedule(_config(), spec)
     with pytest.raises(UserError, match="refused for a DFlash2 drafter"):
-        serving_rules.vllm_serve_command("TARGET", str(exported), BLOCK, spec)
+        vllm_rules.vllm_serve_command("TARGET", str(exported), BLOCK, spec)
     rules.check_vllm_schedule(_config(), None)
     rules.check_vllm_schedule(_config(architecture="dflash"), SCHEDULE)
 

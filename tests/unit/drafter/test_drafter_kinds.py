@@ -79,7 +79,7 @@ def test_an_architecture_without_a_kind_is_refused():
 def test_the_kinds_capabilities_answer_for_them():
     """What eval/ and the engines' rules ask a kind: DFlash decodes trees and longer blocks, DFlash2 neither (one
     line naming the fix each), and its served_by names the releases whose rules drafter/ checks."""
-    from dflashkit.drafter import serving_rules
+    from dflashkit.drafter import vllm_rules
     from dflashkit.drafter.vllm_dflash2 import VLLM_DFLASH2_VERSION
     from dflashkit.errors import UserError
 
@@ -92,7 +92,7 @@ def test_the_kinds_capabilities_answer_for_them():
         dflash2.check_decoding("chain", 17, 16)
     assert (dflash.proposes_argmax, dflash2.proposes_argmax) == (True, False)
     assert (dflash.whole_block_only, dflash2.whole_block_only) == (False, True)
-    assert dflash.served_by["vllm"] == min(serving_rules.VLLM_RULES)
+    assert dflash.served_by["vllm"] == min(vllm_rules.VLLM_RULES)
     assert dflash2.served_by["vllm"] == VLLM_DFLASH2_VERSION
     assert dflash.options_from(None) is None and dflash2.default_options() == SelectorOptions()
     assert SelectorOptions(unary_grad=True, hidden_grad=False, missing_label="inject", kernel=True).evaluation() \

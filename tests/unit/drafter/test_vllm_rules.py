@@ -1,4 +1,4 @@
-"""vLLM 0.24's serving rules (drafter/serving_rules.py VLLM_024_RULES), one test per rule: the last-layer tap and
+"""vLLM 0.24's serving rules (drafter/vllm_rules.py VLLM_024_RULES), one test per rule: the last-layer tap and
 sliding-window drafter layers (refused by `export --for vllm`, warned otherwise and by `eval --engine vllm`),
 num_speculative_tokens = block_size - 1, and a GGUF quantization_config stripped in a copy of the target."""
 
@@ -8,7 +8,7 @@ import pytest
 import transformers as tf
 
 from dflashkit.drafter import DrafterConfig
-from dflashkit.drafter import serving_rules as rules
+from dflashkit.drafter import vllm_rules as rules
 
 from support.paths import ROOT
 from support.tiny_targets import tiny_target_config

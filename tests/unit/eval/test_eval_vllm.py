@@ -187,7 +187,7 @@ def test_the_projection_engines_get_graphs_covering_their_steps(tmp_path):
     from types import SimpleNamespace
 
     from bench import bench_vllm as bench
-    from dflashkit.drafter.serving_rules import vllm_cudagraph_capture_size
+    from dflashkit.drafter.vllm_rules import vllm_cudagraph_capture_size
     from dflashkit.targets.vllm.api import VllmApi
 
     from support import vllm_standin

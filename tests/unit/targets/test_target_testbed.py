@@ -7,14 +7,8 @@ The first run converts the GGUF (about half a minute); later runs reuse the cach
 import pytest
 import torch
 
-from dflashkit.targets.loading import (
-    TESTBEDS,
-    cache_root,
-    gguf_cache_dir,
-    load_target,
-    load_target_head,
-    resolve_target_dir,
-)
+from dflashkit.targets.gguf_cache import cache_root, gguf_cache_dir
+from dflashkit.targets.loading import TESTBEDS, load_target, load_target_head, resolve_target_dir
 
 from support.tiny_targets import capture_features
 
