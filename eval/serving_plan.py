@@ -22,7 +22,7 @@ Design choices:
   schedule must propose well at every k it names: a causal-in-block drafter (dflash_config.causal) proposes the
   same first j tokens for every k >= j; a non-causal one changes its proposals with k. The schedule's engine is
   measured like the others, so what the schedule costs is in its cells. vLLM 0.26 serves a schedule on its
-  default V2 runner instead, drafting N and keeping the first k, a k = 0 range included (drafter/serving_rules.py rules
+  default V2 runner instead, drafting N and keeping the first k, a k = 0 range included (drafter/vllm_rules.py rules
   "schedule_runner", "zero_k_range").
 - The plan to deploy is chosen from what was measured, not from what the cells predict (``pick_plan``): among
   every engine that speculates (the drafter at each fixed k, the schedule's own engine, the baselines), those
@@ -216,7 +216,7 @@ def capture_for(mode: str | int, levels: list[int], k: int) -> int | None:
 def costly_zero_levels(schedule: dict, measured: dict) -> dict[str, dict]:
     """level -> the schedule engine's {speedup, noise} there, for the measured levels where the schedule says
     k = 0 and its own engine was slower than no speculation beyond the noise: the drafter's query pass still runs
-    in a k = 0 range (drafter/serving_rules.py rule "zero_k_range"), a cost no speculation does not pay."""
+    in a k = 0 range (drafter/vllm_rules.py rule "zero_k_range"), a cost no speculation does not pay."""
     return {str(c): measured[str(c)] for c, v in schedule["per_level"].items()
             if v["k"] == 0 and str(c) in measured and measured[str(c)]["speedup"] < 1 - measured[str(c)]["noise"]}
 

@@ -120,7 +120,7 @@ def plan_verdict(report: dict) -> dict:
     text += zero_range_words(schedule, engines, report.get("versions", {}).get("vllm"))
     v1 = {c: v["speedup"] for c, v in engines["v1"]["levels"].items()} if "v1" in engines else None
     # vLLM 0.24 serves a schedule on its V1 runner, whose own cost then bounds what a schedule can get; 0.26 on
-    # the default V2 runner (drafter/serving_rules.py rule "schedule_runner")
+    # the default V2 runner (drafter/vllm_rules.py rule "schedule_runner")
     on_v1 = schedule_runner(report.get("versions", {}).get("vllm")) == "v1"
     if v1 and on_v1:
         text += (f" A schedule runs on vLLM's V1 model runner (piecewise CUDA graphs), which without speculation "

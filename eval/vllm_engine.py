@@ -36,12 +36,12 @@ Design choices:
 - One vLLM at a time: without the drafter first (baselines, turn-1 answers), then with it; each engine is shut
   down and the GPU released before the next starts.
 - CUDA graphs (``cudagraph_capture``): vLLM 0.24 captures graphs only up to 512 tokens a step by default and runs
-  larger steps eagerly (drafter/serving_rules.py rule "cudagraph_ceiling"); a decode step of c requests at k queries
+  larger steps eagerly (drafter/vllm_rules.py rule "cudagraph_ceiling"); a decode step of c requests at k queries
   c * (1 + k) tokens. "auto" (default) raises max_cudagraph_capture_size of each engine to cover its largest
   level at its k (``vllm_cudagraph_capture_size``) and the serve commands carry the same flag; "vllm" keeps
   vLLM's default (what a deployment gets without the flag); a number sets it for every engine.
 - num_speculative_tokens defaults to block_size - 1 (vLLM reads no block_size); another value runs with a
-  warning. The other rules of the vLLM that runs (drafter/serving_rules.py VLLM_RULES, by ``VllmApi.version``): taps of
+  warning. The other rules of the vLLM that runs (drafter/vllm_rules.py VLLM_RULES, by ``VllmApi.version``): taps of
   the last target layer are warned about, sliding-window drafter layers on 0.24 (0.26 serves them as trained);
   a target config.json with a GGUF quantization_config is
   served from a copy without it, kept in the report's directory (the report's serve commands name it).
@@ -248,7 +248,7 @@ def start_served(run: ServedRun, name: str, spec: dict | None, prefix: str):
     """One vLLM engine of the run (its start-up time recorded under ``name``); the ``v1`` baseline on the V1
     model runner with piecewise CUDA graphs only, as vLLM 0.24 runs a schedule's engine (config/vllm.py:758-773),
     so that it differs from the schedule's engine at k = 0 by the drafter's pass alone (on 0.26 a schedule stays
-    on the default runner: drafter/serving_rules.py rule "schedule_runner")."""
+    on the default runner: drafter/vllm_rules.py rule "schedule_runner")."""
     t0 = time.perf_counter()
     capture = capture_size(run, spec)
     compilation = {"max_cudagraph_capture_size": capture} if capture else {}

@@ -127,7 +127,7 @@ def prefix_rows(run, results: dict, prefix_runs: dict) -> dict:
 
 
 def schedule_runner_note(version: str) -> str:
-    """Which model runner vLLM ``version`` serves a schedule on (drafter/serving_rules.py rule "schedule_runner")."""
+    """Which model runner vLLM ``version`` serves a schedule on (drafter/vllm_rules.py rule "schedule_runner")."""
     from dflashkit.drafter import vllm_rules as rules
 
     what, where = rules.vllm_rule("schedule_runner", version)

@@ -21,7 +21,7 @@ Design choices:
   size, identically on every machine: speculation gains while steps are dominated by the fixed part (few
   requests) and loses once they are dominated by the 1 + N tokens each request queries (many requests). A
   decode step of more tokens than the CUDA-graph ceiling (``max_cudagraph_capture_size`` when given, else vLLM
-  0.24's default, drafter/serving_rules.py rule "cudagraph_ceiling") runs eagerly and pays ``eager_s`` more.
+  0.24's default, drafter/vllm_rules.py rule "cudagraph_ceiling") runs eagerly and pays ``eager_s`` more.
 - ``RequestOutput.metrics`` carries the fields of vLLM's RequestStateStats that the adapter reads
   (``first_token_latency``, ``first_token_ts``, ``last_token_ts``, ``num_generation_tokens``).
 - Prefix caching (on by default, as in vLLM): the prompt tokens an earlier prompt of the same engine began with
@@ -36,10 +36,10 @@ Design choices:
   round of that decode which covers its position: exact while a request's k does not change, a model of the
   rounds when it does (the counters then count what the step advanced). At k = 0 a step queries one token and
   still pays the drafter's pass (vLLM 0.24's V1 proposer runs it over that token to keep the drafter's cache
-  filled; 0.26 drafts N and keeps the first k, so its pass fills 1 + N tokens at every k: drafter/serving_rules.py
+  filled; 0.26 drafts N and keeps the first k, so its pass fills 1 + N tokens at every k: drafter/vllm_rules.py
   rule "zero_k_range", ``draft_queries``).
 - One release at a time (``version``, default ``VERSION``: 0.26, the engine the project serves with; 0.24 for
-  side-by-side checks), following its row of drafter/serving_rules.py ``VLLM_RULES``: on 0.24 every drafter layer is
+  side-by-side checks), following its row of drafter/vllm_rules.py ``VLLM_RULES``: on 0.24 every drafter layer is
   full attention (non-causal unless the drafter is causal in the block), so a sliding-window drafter is served
   unlike its training; on 0.26 as trained. The model runner (``model_runner``, recorded, not modelled) is V2
   unless ``VLLM_USE_V2_MODEL_RUNNER=0``, and on 0.24 V1 for a schedule; on 0.26 a drafter mixing sliding and
@@ -167,7 +167,7 @@ def ngram_accepted(sequence: list[int], position: int, k: int, lookup_min: int, 
 
 
 def served_drafter(drafter, version: str, model_runner: str):
-    """The drafter as vLLM ``version`` runs it (drafter/serving_rules.py rules "sliding_window", "mixed_layers"): on
+    """The drafter as vLLM ``version`` runs it (drafter/vllm_rules.py rules "sliding_window", "mixed_layers"): on
     0.24 every layer full attention, causal only when the drafter is causal in the block; on 0.26 as trained, and
     a drafter mixing sliding and full layers refused on the V1 runner."""
     from dflashkit.drafter import vllm_rules as rules
@@ -358,7 +358,7 @@ class LLM:
     @property
     def graph_ceiling(self) -> int:
         """The most tokens a step runs inside CUDA graphs: max_cudagraph_capture_size when given, else vLLM 0.24's
-        default min(max_num_seqs * (1 + num_speculative_tokens) * 2, 512) (drafter/serving_rules.py rule
+        default min(max_num_seqs * (1 + num_speculative_tokens) * 2, 512) (drafter/vllm_rules.py rule
         "cudagraph_ceiling"); 0 with enforce_eager (every step eager)."""
         if self._graph_ceiling is not None:
             return self._graph_ceiling
@@ -371,7 +371,7 @@ class LLM:
     def draft_queries(self, k: int) -> int:
         """Block tokens a dflash drafter fills per request in a step that keeps k drafts: 1 + k where the drafter
         drafts the step's k (a fixed k; vLLM 0.24's V1 proposer with a schedule), 1 + num_speculative_tokens for a
-        schedule on vLLM 0.26, which drafts N and keeps the first k, a k = 0 step included (drafter/serving_rules.py
+        schedule on vLLM 0.26, which drafts N and keeps the first k, a k = 0 step included (drafter/vllm_rules.py
         rule "zero_k_range")."""
         from dflashkit.drafter.vllm_rules import schedule_runner
 

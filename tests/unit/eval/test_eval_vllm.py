@@ -138,7 +138,7 @@ def test_other_num_speculative_tokens_warns_and_is_reported(pair, tmp_path):
 
 
 def test_a_target_window_reaching_the_drafter_is_a_warning(pair, tmp_path):
-    """vLLM 0.24 gives a target's one sliding window to the drafter's layers (drafter/serving_rules.py "target_window"):
+    """vLLM 0.24 gives a target's one sliding window to the drafter's layers (drafter/vllm_rules.py "target_window"):
     a served context longer than the window is warned about and reported."""
     import shutil
 

@@ -129,7 +129,7 @@ def test_the_plan_is_what_measured_never_slower(planned):
         assert json.dumps(engines[expected]["speculative_config"]) in report["serve_command"]
     assert "not deployed" in verdict["text"]
     # the V1 runner's own cost (no speculation on it) is named; on vLLM 0.24 it bounds any schedule (served on
-    # V1), on 0.26 (the twin's default) a schedule stays on the default runner (serving_rules.py "schedule_runner")
+    # V1), on 0.26 (the twin's default) a schedule stays on the default runner (vllm_rules.py "schedule_runner")
     assert verdict["v1_runner"] == {c: v["speedup"] for c, v in engines["v1"]["levels"].items()}
     assert report["versions"]["vllm"] == "0.26.0 (CPU stand-in)"
     assert "default (V2) model runner" in verdict["text"] and "no schedule can beat" not in verdict["text"]

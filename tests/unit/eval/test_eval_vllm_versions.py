@@ -1,4 +1,4 @@
-"""`eval --engine vllm` on the rules of the vLLM release that serves (drafter/serving_rules.py VLLM_RULES), through the
+"""`eval --engine vllm` on the rules of the vLLM release that serves (drafter/vllm_rules.py VLLM_RULES), through the
 CPU twin of vllm.LLM following 0.24 or 0.26: sliding-window drafter layers (full attention on 0.24, as trained
 on 0.26), the runner a schedule is served on, a drafter mixing sliding and full layers on the V1 runner."""
 
