@@ -2,7 +2,6 @@
 extract/shards/verify.py): each command's --help lists exactly the flags of its options class, a command line
 parses into the object the library takes (its values converted), and what the run records comes from that object."""
 
-import ast
 import json
 from pathlib import Path
 
@@ -108,20 +107,3 @@ def test_chat_template_kwargs_must_be_a_json_object(command, kwargs, why, tmp_pa
     err = capsys.readouterr().err
     assert f"argument --chat-template-kwargs: {kwargs!r} {why}" in err and "enable_thinking" in err
     assert not (tmp_path / "out").exists()
-
-
-def test_no_function_of_these_commands_takes_more_than_ten_parameters():
-    """The settings travel as one object (or a named part of it), not as a long parameter list."""
-    files = ["extract/__main__.py", "extract/run.py", "extract/engines.py", "extract/options.py",
-             "extract/regenerate.py", "extract/shards/verify.py", "extract/generation/answerers.py"]
-    long = []
-    for name in files:
-        for node in ast.walk(ast.parse((ROOT / name).read_text())):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                a = node.args
-                params = [p.arg for p in a.posonlyargs + a.args + a.kwonlyargs] + [
-                    p.arg for p in (a.vararg, a.kwarg) if p is not None]
-                params = [p for p in params if p not in ("self", "cls")]
-                if len(params) > 10:
-                    long.append(f"{name}: {node.name} ({len(params)})")
-    assert not long, long
